@@ -1,0 +1,20 @@
+"""mla_bridge: MLA (DeepSeek-V2/V3) ragged prefill through FlashInfer, one core for PyTorch, vLLM and JAX.
+
+Data flows one way: :class:`MLADims` -> :func:`select_backend` -> :class:`PrefillPlan` / :func:`plan_ragged`
+-> :func:`mla_prefill` / :meth:`RaggedPlan.run` -> :func:`merge_attn_states`. LSEs are natural-log everywhere.
+"""
+
+from .dims import MLADims
+from .dispatch import BACKEND_NAMES, BackendChoice, select_backend
+from .merge import merge_attn_states
+from .plan import PrefillPlan
+from .prefill import mla_prefill
+from .ragged import RaggedPlan, plan_ragged, ragged_prefill
+from .workspace import Workspace, WorkspaceTooSmallError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MLADims", "BackendChoice", "BACKEND_NAMES", "select_backend", "Workspace", "WorkspaceTooSmallError",
+    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "mla_prefill", "__version__",
+]

@@ -1,0 +1,176 @@
+"""MLA dimensions and the softmax scale: the one place that knows DeepSeek's sizes.
+
+Sources: the DeepSeek-V2 paper (multi-head latent attention), the published ``config.json`` of
+DeepSeek-V2-Lite / DeepSeek-Coder-V2-Lite-Instruct and DeepSeek-V3, and DeepSeek's ``modeling_deepseek.py``
+(``yarn_get_mscale`` and the ``softmax_scale`` set in ``DeepseekV2Attention.__init__``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+__all__ = ["MLADims", "yarn_mscale", "softmax_scale_from_rope_scaling"]
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN attention-magnitude factor ``0.1 * mscale * ln(factor) + 1`` (1.0 when ``factor <= 1``).
+
+    Source: ``yarn_get_mscale`` in DeepSeek's ``modeling_deepseek.py``.
+    """
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale_from_rope_scaling(head_dim_qk: int, rope_scaling: Mapping[str, Any] | None) -> float:
+    """DeepSeek's softmax scale: ``head_dim_qk ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2``
+    when ``rope_scaling`` is YaRN (``type`` or ``rope_type`` == "yarn"), sets ``mscale_all_dim`` and has
+    ``factor > 1``.
+
+    ``head_dim_qk`` is ``qk_nope_head_dim + qk_rope_head_dim`` (192 for DeepSeek), never the latent width
+    576 (a known bug). DeepSeek-V2-Lite gives 0.114722, DeepSeek-V3 0.135234, no YaRN 0.0721688.
+    """
+    scale = head_dim_qk ** -0.5
+    if not rope_scaling:
+        return scale
+    kind = rope_scaling.get("type", rope_scaling.get("rope_type"))
+    mscale_all_dim = rope_scaling.get("mscale_all_dim", 0) or 0
+    factor = float(rope_scaling.get("factor", 1.0) or 1.0)
+    if kind == "yarn" and mscale_all_dim and factor > 1:
+        m = yarn_mscale(factor, float(mscale_all_dim))
+        scale *= m * m
+    return scale
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """Sizes of one MLA attention layer in its prefill ("MHA") form.
+
+    Attributes (all counts, no units):
+        num_heads: query heads H (DeepSeek-V2-Lite 16, DeepSeek-V3 128). Prefill runs MHA: k/v heads == H.
+        kv_lora_rank: width of the compressed latent ``kv_c`` (512).
+        qk_nope_head_dim: per-head width of the non-RoPE part of q and k (128).
+        qk_rope_head_dim: width of the shared RoPE key ``k_pe`` and the RoPE part of q (64).
+        v_head_dim: per-head width of v and of the output (128).
+        softmax_scale: the attention logit scale; ``None`` means ``head_dim_qk ** -0.5``.
+
+    Derived: ``head_dim_qk = qk_nope_head_dim + qk_rope_head_dim`` (192), ``head_dim_vo = v_head_dim``,
+    ``latent_dim = kv_lora_rank + qk_rope_head_dim`` (576, one paged-cache entry per token).
+
+    Raises:
+        ValueError: a size that is not a positive int, or a scale that is not a positive finite number.
+    """
+
+    num_heads: int
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    softmax_scale: float = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MLADims.{name} must be a positive int, got {value!r}")
+        if self.softmax_scale is None:
+            object.__setattr__(self, "softmax_scale", self.head_dim_qk ** -0.5)
+        scale = self.softmax_scale
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"MLADims.softmax_scale must be a positive finite float, got {scale!r}")
+        object.__setattr__(self, "softmax_scale", float(scale))
+
+    @property
+    def head_dim_qk(self) -> int:
+        """q/k head width: ``qk_nope_head_dim + qk_rope_head_dim`` (192 for DeepSeek)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def head_dim_vo(self) -> int:
+        """v/out head width: ``v_head_dim`` (128 for DeepSeek)."""
+        return self.v_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token in the paged latent cache: ``kv_lora_rank + qk_rope_head_dim`` (576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_b_proj_shape(self) -> tuple[int, int]:
+        """Shape of ``kv_b_proj.weight`` as stored in DeepSeek checkpoints:
+        ``[num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``."""
+        return (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+
+    @classmethod
+    def from_hf_config(cls, config: Union[str, os.PathLike, Mapping[str, Any]]) -> "MLADims":
+        """Read a DeepSeek-V2/V3 ``config.json`` (a path to the file or its folder, or the parsed dict).
+
+        Uses ``num_attention_heads``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+        ``v_head_dim`` and ``rope_scaling`` (``type`` or ``rope_type``; see
+        :func:`softmax_scale_from_rope_scaling`).
+
+        Raises:
+            FileNotFoundError: the path does not exist.
+            ValueError: a required field is missing (the message names it).
+        """
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        missing = [k for k in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                               "v_head_dim") if config.get(k) is None]
+        if missing:
+            raise ValueError(f"config: missing MLA field(s) {missing}; is this a DeepSeek-V2/V3 config.json?")
+        head_dim_qk = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+        return cls(
+            num_heads=int(config["num_attention_heads"]),
+            kv_lora_rank=int(config["kv_lora_rank"]),
+            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+            v_head_dim=int(config["v_head_dim"]),
+            softmax_scale=softmax_scale_from_rope_scaling(head_dim_qk, config.get("rope_scaling")),
+        )
+
+    @classmethod
+    def deepseek_v2_lite(cls) -> "MLADims":
+        """DeepSeek-V2-Lite / DeepSeek-Coder-V2-Lite-Instruct: 16 heads, YaRN factor 40, mscale_all_dim 0.707."""
+        return cls.from_hf_config(_PRESET_CONFIGS["deepseek-v2-lite"])
+
+    @classmethod
+    def deepseek_v3(cls) -> "MLADims":
+        """DeepSeek-V3 / R1: 128 heads, YaRN factor 40, mscale_all_dim 1.0."""
+        return cls.from_hf_config(_PRESET_CONFIGS["deepseek-v3"])
+
+    @classmethod
+    def preset(cls, name: str) -> "MLADims":
+        """A preset by name: one of :data:`PRESETS` ("deepseek-v2-lite", "deepseek-v3").
+
+        Raises:
+            ValueError: unknown name (the message lists the known ones).
+        """
+        if name not in _PRESET_CONFIGS:
+            raise ValueError(f"preset: unknown model {name!r}; known: {sorted(_PRESET_CONFIGS)}")
+        return cls.from_hf_config(_PRESET_CONFIGS[name])
+
+
+_YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096}
+
+# The MLA fields of the published config.json files (Hugging Face: deepseek-ai/DeepSeek-V2-Lite,
+# deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct, deepseek-ai/DeepSeek-V3).
+_PRESET_CONFIGS: dict[str, dict[str, Any]] = {
+    "deepseek-v2-lite": {
+        "num_attention_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+    },
+    "deepseek-v3": {
+        "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+}
+PRESETS = tuple(_PRESET_CONFIGS)

@@ -1,0 +1,299 @@
+"""The one dispatch layer: which kernel serves a ragged prefill on which GPU (SM100 first).
+
+Every caller (the core, the JAX and vLLM adapters) asks :func:`select_backend`; the capability table
+:data:`BACKENDS` below is the only place that knows what each kernel supports. Rows are tried in order and
+the first that can serve wins; every row passed over is recorded with its reason.
+
+Sources: FlashInfer 0.7.4 ``flashinfer/prefill.py`` (``_CUTLASS_PLAN_WORK_CAPACITY``,
+``_CUTLASS_PLAN_QO_TILE_SIZE``, ``DISPATCH_head_dim`` of ``csrc/fmha_cutlass_sm100.cu``, the cutlass dtype rule),
+``flashinfer/utils.py`` (``is_fa3_prefill_head_dim_supported``), and vLLM's MLA prefill selector (SM10x uses
+FlashInfer's explicit ``backend="cutlass"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
+           "cutlass_work_items", "flashinfer_version"]
+
+ENV_VAR = "MLA_BRIDGE_BACKEND"
+CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
+CUTLASS_PLAN_QO_TILE_SIZE = 256  # FlashInfer: one work item per (q tile of 256, head, request)
+INT32_ELEMENT_LIMIT = 2 ** 31  # a tensor this large needs 64-bit offsets
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1)
+def _flashinfer_version_cached() -> Optional[str]:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("flashinfer-python")
+        except PackageNotFoundError:
+            return None
+    except Exception:  # pragma: no cover - importlib.metadata always exists on 3.11
+        return None
+
+
+def flashinfer_version() -> Optional[str]:
+    """The installed flashinfer-python version, or ``None`` when it is not installed (no import needed)."""
+    return _flashinfer_version_cached()
+
+
+def cutlass_work_items(qo_indptr: Sequence[int], num_heads: int) -> int:
+    """Work items FlashInfer's cutlass ``fmha_varlen_plan`` emits: ``sum(ceil(q_len / 256)) * num_heads``.
+
+    FlashInfer 0.7.4 writes one entry per (q tile, head, request) into buffers of 131072 entries without a bounds
+    check (``_cutlass_plan_work_items`` in ``flashinfer/prefill.py``), so more than that must not reach it.
+    """
+    tiles = sum(-(-(int(b) - int(a)) // CUTLASS_PLAN_QO_TILE_SIZE) for a, b in zip(qo_indptr[:-1], qo_indptr[1:]))
+    return tiles * num_heads
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a backend is asked to serve. ``None`` fields are unknown and pass every check that needs them."""
+
+    device_type: str  # "cuda" or "cpu"
+    capability: Optional[tuple[int, int]]
+    cuda_version: Optional[tuple[int, int]]
+    flashinfer: bool
+    dtype: Optional[torch.dtype] = None
+    out_dtype: Optional[torch.dtype] = None
+    head_dim_qk: Optional[int] = None
+    head_dim_vo: Optional[int] = None
+    causal: Optional[bool] = None
+    num_heads: Optional[int] = None
+    qo_indptr: Optional[Sequence[int]] = None
+    kv_indptr: Optional[Sequence[int]] = None
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One row of the capability table: a name, FlashInfer's backend string (``None`` for torch), what it serves
+    (in words, for error messages) and ``why_not(request) -> reason or None``."""
+
+    name: str
+    flashinfer_backend: Optional[str]
+    supports: str
+    why_not: Callable[[Request], Optional[str]]
+
+
+def _flashinfer_common(req: Request) -> Optional[str]:
+    if req.device_type != "cuda":
+        return f"needs a CUDA device, got {req.device_type}"
+    if not req.flashinfer:
+        return "flashinfer-python is not installed (pip install 'mla-bridge[flashinfer]')"
+    if req.dtype is not None and req.dtype not in _HALF:
+        return f"FlashInfer runs float16/bfloat16 only, got {req.dtype}"
+    if req.out_dtype is not None and req.dtype is not None and req.out_dtype != req.dtype:
+        return f"output dtype {req.out_dtype} differs from q's {req.dtype}"
+    elems = _max_tensor_elements(req)
+    if elems >= INT32_ELEMENT_LIMIT:
+        return (f"a q/k/v tensor of {elems} elements needs 64-bit offsets (>= 2**31); FlashInfer's ragged kernels "
+                f"take 32-bit strides: split the batch")
+    return None
+
+
+def _max_tensor_elements(req: Request) -> int:
+    if req.qo_indptr is None or req.kv_indptr is None or req.num_heads is None or req.head_dim_qk is None:
+        return 0
+    width = max(req.head_dim_qk, req.head_dim_vo or 0)
+    return max(req.qo_indptr[-1], req.kv_indptr[-1]) * req.num_heads * width
+
+
+def _cutlass_why_not(req: Request) -> Optional[str]:
+    if req.capability is None or req.capability[0] not in (10, 11):
+        return f"needs SM100/SM103/SM110 (capability 10.x or 11.x), got {_cap(req.capability)}"
+    need = (13, 0) if req.capability[0] == 11 else (12, 8)
+    if req.cuda_version is None or req.cuda_version < need:
+        return f"needs CUDA >= {need[0]}.{need[1]} on {_cap(req.capability)}, got {_ver(req.cuda_version)}"
+    reason = _flashinfer_common(req)
+    if reason:
+        return reason
+    dims = (req.head_dim_qk, req.head_dim_vo)
+    if None not in dims and dims not in ((192, 128), (128, 128), (64, 64)):
+        return f"head dims {dims[0]}/{dims[1]} not in 192/128, 128/128, 64/64"
+    if req.qo_indptr is not None and req.kv_indptr is not None:
+        if req.causal:
+            for r, (qa, qb, ka, kb) in enumerate(zip(req.qo_indptr[:-1], req.qo_indptr[1:],
+                                                     req.kv_indptr[:-1], req.kv_indptr[1:])):
+                if qb - qa > kb - ka:
+                    return f"causal request {r} has q_len {qb - qa} > kv_len {kb - ka}"
+        if req.num_heads is not None:
+            items = cutlass_work_items(req.qo_indptr, req.num_heads)
+            if items > CUTLASS_PLAN_WORK_CAPACITY:
+                return f"{items} plan work items (q tiles x heads x requests) > {CUTLASS_PLAN_WORK_CAPACITY}"
+    return None
+
+
+def _fa3_why_not(req: Request) -> Optional[str]:
+    if req.capability is None or req.capability[0] != 9:
+        return f"needs SM90 (capability 9.x), got {_cap(req.capability)}"
+    reason = _flashinfer_common(req)
+    if reason:
+        return reason
+    qk, vo = req.head_dim_qk, req.head_dim_vo
+    if qk is not None and vo is not None and not ((qk == vo and qk in (64, 128, 256)) or (qk, vo) == (192, 128)):
+        return f"head dims {qk}/{vo} not in 64/64, 128/128, 256/256, 192/128"
+    return None
+
+
+def _fa2_why_not(req: Request) -> Optional[str]:
+    if req.capability is None or req.capability < (8, 0):
+        return f"needs SM80 or newer (capability >= 8.0), got {_cap(req.capability)}"
+    reason = _flashinfer_common(req)
+    if reason:
+        return reason
+    for name, d in (("head_dim_qk", req.head_dim_qk), ("head_dim_vo", req.head_dim_vo)):
+        if d is not None and (d % 16 or d > 256):
+            return f"{name} {d} is not a multiple of 16 up to 256"
+    return None
+
+
+def _torch_why_not(req: Request) -> Optional[str]:
+    return None
+
+
+#: The capability table, SM100 first. Order is preference: the first row that can serve wins.
+BACKENDS: tuple[BackendSpec, ...] = (
+    BackendSpec("flashinfer-cutlass", "cutlass",
+                "SM100/SM103 (10.x, CUDA >= 12.8) and SM110 (11.x, CUDA >= 13.0); fp16/bf16 with out dtype == q dtype, "
+                "tensors < 2**31 elements; "
+                "head dims 192/128, 128/128, 64/64; causal only with q_len <= kv_len; <= 131072 plan work items",
+                _cutlass_why_not),
+    BackendSpec("flashinfer-fa3", "fa3", "SM90 (9.x); fp16/bf16, tensors < 2**31 elements; head dims 64/64, 128/128, 256/256, 192/128",
+                _fa3_why_not),
+    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors < 2**31 elements; head dims multiples of 16 "
+                "up to 256", _fa2_why_not),
+    BackendSpec("torch", None, "any device and dtype (blockwise float32 reference)", _torch_why_not),
+)
+BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in BACKENDS)
+_BY_NAME = {spec.name: spec for spec in BACKENDS}
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend :func:`select_backend` picked.
+
+    Attributes:
+        name: one of :data:`BACKEND_NAMES`.
+        reason: why it was picked (in words).
+        passed_over: ``(name, reason)`` for each preferred row that could not serve.
+    """
+
+    name: str
+    reason: str
+    passed_over: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def flashinfer_backend(self) -> Optional[str]:
+        """FlashInfer's ``backend=`` string ("cutlass", "fa3", "fa2"), or ``None`` for the torch backend."""
+        return _BY_NAME[self.name].flashinfer_backend
+
+    @property
+    def is_flashinfer(self) -> bool:
+        return self.flashinfer_backend is not None
+
+
+def _cap(capability: Optional[tuple[int, int]]) -> str:
+    return "no CUDA device" if capability is None else f"capability {capability[0]}.{capability[1]}"
+
+
+def _ver(version: Optional[tuple[int, int]]) -> str:
+    return "no CUDA toolkit" if version is None else f"CUDA {version[0]}.{version[1]}"
+
+
+def _parse_cuda_version(text: Optional[str]) -> Optional[tuple[int, int]]:
+    if not text:
+        return None
+    parts = str(text).split(".")
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+
+
+def select_backend(
+    device: "torch.device | str | int | None" = None,
+    *,
+    capability: Optional[tuple[int, int]] = None,
+    dtype: Optional[torch.dtype] = None,
+    head_dim_qk: Optional[int] = None,
+    head_dim_vo: Optional[int] = None,
+    causal: Optional[bool] = None,
+    requested: Optional[str] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    num_heads: Optional[int] = None,
+    qo_indptr: Optional[Sequence[int]] = None,
+    kv_indptr: Optional[Sequence[int]] = None,
+    cuda_version: Optional[tuple[int, int]] = None,
+) -> BackendChoice:
+    """Pick the kernel for a ragged prefill, SM100 first (see :data:`BACKENDS`).
+
+    Args:
+        device: the device the tensors live on (``None``: the current CUDA device if there is one, else CPU).
+        capability: ``(major, minor)``; given, it is used instead of querying a device (vLLM asks this way), and
+            the request is taken to be on CUDA.
+        dtype / out_dtype: q/k/v dtype and output dtype (``None``: unknown, not checked).
+        head_dim_qk / head_dim_vo: 192 / 128 for DeepSeek MLA.
+        causal, num_heads, qo_indptr, kv_indptr: host lengths, known at plan time; they enable the cutlass checks
+            on q_len > kv_len and on plan work items.
+        requested: force a backend by name (one of :data:`BACKEND_NAMES`, or "auto"); when ``None`` the
+            environment variable ``MLA_BRIDGE_BACKEND`` is read.
+        cuda_version: ``(major, minor)`` of the CUDA toolkit (default: ``torch.version.cuda``).
+
+    Returns:
+        a :class:`BackendChoice`.
+
+    Raises:
+        ValueError: the forced backend is unknown, or cannot serve this request (the message names the
+            capability and what the backend supports).
+    """
+    if capability is not None:
+        device_type = "cuda"
+        capability = (int(capability[0]), int(capability[1]))
+    else:
+        if device is None:
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        else:
+            dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        device_type = dev.type
+        capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    if cuda_version is None:
+        cuda_version = _parse_cuda_version(torch.version.cuda)
+    req = Request(
+        device_type=device_type, capability=capability, cuda_version=cuda_version,
+        flashinfer=flashinfer_version() is not None, dtype=dtype, out_dtype=out_dtype, head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
+        qo_indptr=None if qo_indptr is None else [int(x) for x in qo_indptr],
+        kv_indptr=None if kv_indptr is None else [int(x) for x in kv_indptr],
+    )
+
+    source = "requested"
+    if requested is None:
+        requested = os.environ.get(ENV_VAR) or None
+        source = f"{ENV_VAR}"
+    if requested is not None and requested != "auto":
+        spec = _BY_NAME.get(requested)
+        if spec is None:
+            raise ValueError(f"{source}: unknown backend {requested!r}; expected one of {list(BACKEND_NAMES)} or 'auto'")
+        reason = spec.why_not(req)
+        if reason is not None:
+            raise ValueError(f"{source}: backend {requested!r} cannot serve this request on {_cap(capability)} "
+                             f"({reason}); it supports {spec.supports}")
+        return BackendChoice(spec.name, f"forced by {source}")
+
+    passed_over = []
+    for spec in BACKENDS:
+        reason = spec.why_not(req)
+        if reason is None:
+            why = f"first backend that serves {_cap(capability)}"
+            if spec.name == "torch":
+                why = "fallback: no FlashInfer backend serves this request"
+            return BackendChoice(spec.name, why, tuple(passed_over))
+        passed_over.append((spec.name, reason))
+    raise AssertionError("the torch row serves every request")  # pragma: no cover

@@ -1,0 +1,229 @@
+"""PrefillPlan: everything about one prefill batch that is known on the host, planned once for every layer.
+
+A batch is ``query_lens[r]`` new tokens per request ``r`` plus ``context_lens[r]`` cached tokens before them
+(a prefix-cache hit or the earlier part of a chunked prefill). Data flows one way: this plan -> the passes in
+:mod:`mla_bridge.prefill` -> the merge.
+
+Two schedules, picked here from host lengths alone:
+  * **fused** (all context fits one chunk, ``sum(context_lens) <= workspace.chunk_tokens``): each request's keys
+    are its context followed by its new tokens, and ONE causal pass covers everything. Bottom-right causal
+    alignment makes new token ``i`` see all ``context_len`` context keys plus new keys ``<= i`` -- exactly MLA
+    prefill's mask -- so no merge is needed.
+  * **chunked** (context larger than one chunk): a causal main pass over the new tokens, then the context cut into
+    chunks of at most ``chunk_tokens`` tokens, packed request by request in order and split at any token, each run
+    non-causally over the queries of the requests it holds and merged by LSE (vLLM's context-chunk scheme).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .dims import MLADims
+from .ragged import RaggedPlan, plan_ragged
+from .workspace import Workspace
+
+__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks"]
+
+
+@dataclass(frozen=True)
+class ContextChunk:
+    """One context chunk: requests ``req_start:req_end`` (contiguous, so their query rows ``q_start:q_end`` are
+    contiguous too), with ``spans[i] = (request, first context token, end)``; ``plan`` is its non-causal pass."""
+
+    req_start: int
+    req_end: int
+    q_start: int
+    q_end: int
+    spans: tuple[tuple[int, int, int], ...]
+    plan: Optional[RaggedPlan]
+    req_ids: Optional[torch.Tensor]  # int64 [chunk tokens] on the device: request of each gathered token
+    positions: Optional[torch.Tensor]  # int64 [chunk tokens]: its position in that request's context
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(end - start for _, start, end in self.spans)
+
+
+def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> list[list[tuple[int, int, int]]]:
+    """Pack context tokens into chunks of at most ``chunk_tokens``, request by request in order.
+
+    Returns a list of chunks, each a list of ``(request, start, end)`` spans with ``end > start`` (no empty
+    segment); a request's context may be split across consecutive chunks at any token.
+    """
+    chunks: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    room = chunk_tokens
+    for r, n in enumerate(context_lens):
+        start = 0
+        while start < n:
+            take = min(n - start, room)
+            current.append((r, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                chunks.append(current)
+                current, room = [], chunk_tokens
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _lengths(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be 1-D [batch], got shape {list(values.shape)}")
+        if values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got {values.dtype}")
+        values = values.tolist()
+    out = []
+    for r, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int):
+            try:
+                import numpy as np
+                if not isinstance(v, np.integer):
+                    raise TypeError
+                v = int(v)
+            except TypeError:
+                raise TypeError(f"{name}[{r}] must be an int, got {v!r}") from None
+        if v < 0:
+            raise ValueError(f"{name}[{r}] = {v} is negative")
+        out.append(int(v))
+    return out
+
+
+def _cumsum(lens: Sequence[int]) -> torch.Tensor:
+    t = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    t[1:] = torch.tensor(list(lens), dtype=torch.int64).cumsum(0) if lens else t[1:]
+    return t.to(torch.int32)
+
+
+class PrefillPlan:
+    """Host-side plan of one MLA prefill batch, shared by every layer (see the module docstring).
+
+    Build it with :meth:`build`. Attributes: ``dims``, ``block_size``, ``query_lens``, ``context_lens`` (lists of
+    ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
+    fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks``
+    (list of :class:`ContextChunk`), ``device``, ``dtype``, ``workspace``, and for the fused schedule the
+    device index tensors that place gathered context and new tokens into one key buffer.
+    """
+
+    def __init__(self) -> None:  # use PrefillPlan.build
+        raise TypeError("use PrefillPlan.build(query_lens, context_lens, dims=..., workspace=..., block_size=..., ...)")
+
+    @classmethod
+    def build(cls, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
+              workspace: Workspace, block_size: int, device: "torch.device | str | None" = None,
+              dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None,
+              fuse_context: bool = True) -> "PrefillPlan":
+        """Plan a batch once: indptrs, the context-chunk schedule, and one :class:`RaggedPlan` per pass.
+
+        Args:
+            query_lens: new tokens per request (ints >= 0), ``[batch]``.
+            context_lens: cached context tokens per request (default all 0), ``[batch]``.
+            dims: the layer's :class:`MLADims`.
+            workspace: the device's :class:`Workspace`; ``workspace.chunk_tokens`` bounds one chunk (tokens).
+            block_size: tokens per block of the paged latent cache.
+            device: must be the workspace's device (default: it).
+            dtype: q / cache / weight dtype (bf16 or fp16 for FlashInfer; float32 runs the torch backend).
+            backend: force a backend for every pass (see :func:`mla_bridge.select_backend`).
+            fuse_context: allow the fused single-pass schedule when the context fits one chunk (default True).
+
+        Raises:
+            TypeError / ValueError: lengths that are not non-negative ints or differ in count, a bad block size,
+                a device other than the workspace's, a forced backend that cannot serve.
+        """
+        self = object.__new__(cls)
+        q_lens = _lengths("query_lens", query_lens)
+        c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
+        if len(c_lens) != len(q_lens):
+            raise ValueError(f"context_lens has {len(c_lens)} entries but query_lens has {len(q_lens)}")
+        if not isinstance(dims, MLADims):
+            raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        dev = workspace.device if device is None else torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev != workspace.device:
+            raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
+        self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
+        self.query_lens, self.context_lens = q_lens, c_lens
+        self.qo_indptr = _cumsum(q_lens)
+        total_context = sum(c_lens)
+        self.fused = fuse_context and 0 < total_context <= workspace.chunk_tokens
+        common = dict(num_heads=dims.num_heads, head_dim_qk=dims.head_dim_qk, head_dim_vo=dims.head_dim_vo,
+                      sm_scale=dims.softmax_scale, dtype=dtype, workspace=workspace, backend=backend)
+        self.chunks = []
+        self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
+        if self.fused:
+            seq = [c + q for c, q in zip(c_lens, q_lens)]
+            self.main_kv_indptr = _cumsum(seq)
+            self._plan_fused_indices()
+        else:
+            self.main_kv_indptr = self.qo_indptr.clone()
+            for spans in schedule_context_chunks(c_lens, workspace.chunk_tokens):
+                self.chunks.append(self._plan_chunk(spans, common))
+        self.main = plan_ragged(self.qo_indptr, self.main_kv_indptr, causal=True, **common)
+        return self
+
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Host int64 index arrays -> device tensors in one copy."""
+        flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)).to(self.device)
+        return list(torch.split(flat, [a.size for a in arrays]))
+
+    def _plan_fused_indices(self) -> None:
+        c = np.asarray(self.context_lens, dtype=np.int64)
+        q = np.asarray(self.query_lens, dtype=np.int64)
+        seq_start = np.cumsum(c + q) - (c + q)
+        req = np.repeat(np.arange(c.size), c)
+        pos = np.arange(c.sum()) - np.repeat(np.cumsum(c) - c, c)
+        dst = np.repeat(seq_start, c) + pos
+        new_dst = np.repeat(seq_start + c, q) + (np.arange(q.sum()) - np.repeat(np.cumsum(q) - q, q))
+        self.ctx_req_ids, self.ctx_positions, self.ctx_dst, self.new_dst = self._to_device(req, pos, dst, new_dst)
+
+    def _plan_chunk(self, spans, common) -> ContextChunk:
+        req_start, req_end = spans[0][0], spans[-1][0] + 1
+        kv_lens = [0] * (req_end - req_start)
+        for r, start, end in spans:
+            kv_lens[r - req_start] = end - start
+        q_start, q_end = int(self.qo_indptr[req_start]), int(self.qo_indptr[req_end])
+        qo = self.qo_indptr[req_start:req_end + 1] - q_start
+        plan = plan_ragged(qo, _cumsum(kv_lens), causal=False, **common) if q_end > q_start else None
+        req_ids = np.concatenate([np.full(end - start, r, dtype=np.int64) for r, start, end in spans])
+        positions = np.concatenate([np.arange(start, end, dtype=np.int64) for _, start, end in spans])
+        req_ids_d, positions_d = self._to_device(req_ids, positions)
+        return ContextChunk(req_start, req_end, q_start, q_end, tuple(spans), plan, req_ids_d, positions_d)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in the batch (rows of q and out)."""
+        return int(self.qo_indptr[-1])
+
+    @property
+    def num_context_tokens(self) -> int:
+        return sum(self.context_lens)
+
+    @property
+    def backend(self):
+        """The :class:`BackendChoice` of the main pass (every pass uses the same dispatch table)."""
+        return self.main.backend
+
+    @property
+    def num_plans(self) -> int:
+        """Ragged plans made for this batch: the main pass plus one per chunk (never per layer)."""
+        return 1 + sum(1 for c in self.chunks if c.plan is not None)
+
+    def __repr__(self) -> str:
+        return (f"PrefillPlan(batch={self.batch_size}, new_tokens={self.num_tokens}, "
+                f"context_tokens={self.num_context_tokens}, fused={self.fused}, chunks={len(self.chunks)}, "
+                f"backend={self.backend.name!r})")

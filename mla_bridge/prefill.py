@@ -1,0 +1,157 @@
+"""mla_prefill: MLA prefill attention of one layer for a planned batch (new tokens + paged cached context).
+
+Steps per layer (all host decisions were made in :class:`mla_bridge.PrefillPlan`):
+  1. up-project the latent ``kv_c`` of the keys with ``kv_b_proj_weight`` (one GEMM): k_nope and v per head;
+  2. k = concat(k_nope, k_pe broadcast over heads) ``[N, H, qk_nope_head_dim + qk_rope_head_dim]``; v is a view;
+  3. attention: the fused schedule gathers context and new tokens into one key buffer and runs one causal pass;
+     the chunked schedule runs the causal main pass over the new tokens, then for each context chunk gathers the
+     latent cache by ``block_table``, up-projects it, runs a non-causal pass and merges by LSE.
+The formula is DeepSeek-V2's MLA in its "MHA form" (``kv_b_proj`` splits into k_nope and v per head).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .merge import merge_attn_states_
+from .plan import PrefillPlan
+
+__all__ = ["mla_prefill", "validate_prefill_inputs"]
+
+
+def _need(cond: bool, exc: type, msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan: PrefillPlan,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Check every :func:`mla_prefill` input against ``plan`` on the host; returns ``k_pe`` as ``[T, rope]``.
+
+    Raises:
+        TypeError: a non-tensor, or a dtype other than the plan's (block_table: an integer dtype).
+        ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
+            expected), another device, a block_table row too short for its context, a context longer than the cache.
+    """
+    d, t = plan.dims, plan.num_tokens
+    _need(isinstance(plan, PrefillPlan), TypeError, f"plan must be a PrefillPlan, got {type(plan).__name__}")
+    named = (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_b_proj_weight", kv_b_proj_weight),
+             ("kv_cache", kv_cache), ("block_table", block_table)) + ((("out", out),) if out is not None else ())
+    for name, x in named:
+        _need(isinstance(x, torch.Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _need(x.device == plan.device, ValueError, f"{name} is on {x.device}, but the plan is on {plan.device}")
+        if name != "block_table":
+            _need(x.dtype == plan.dtype, TypeError, f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
+    _need(q.dim() == 3 and q.shape[0] == t, ValueError,
+          f"q must be [T={t} (qo_indptr[-1]), H, head_dim_qk], got {list(q.shape)}")
+    _need(tuple(q.shape[1:]) == (d.num_heads, d.head_dim_qk), ValueError,
+          f"q must be [T, H={d.num_heads}, head_dim_qk={d.head_dim_qk}] "
+          f"(qk_nope_head_dim {d.qk_nope_head_dim} + qk_rope_head_dim {d.qk_rope_head_dim}), got {list(q.shape)}")
+    _need(tuple(kv_c.shape) == (t, d.kv_lora_rank), ValueError,
+          f"kv_c must be [T={t}, kv_lora_rank={d.kv_lora_rank}], got {list(kv_c.shape)}")
+    if k_pe.dim() == 3 and k_pe.shape[1] == 1:
+        k_pe = k_pe.squeeze(1)
+    _need(tuple(k_pe.shape) == (t, d.qk_rope_head_dim), ValueError,
+          f"k_pe must be [T={t}, qk_rope_head_dim={d.qk_rope_head_dim}] or [T, 1, {d.qk_rope_head_dim}], "
+          f"got {list(k_pe.shape)}")
+    _need(tuple(kv_b_proj_weight.shape) == d.kv_b_proj_shape, ValueError,
+          f"kv_b_proj_weight must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = {list(d.kv_b_proj_shape)}, "
+          f"got {list(kv_b_proj_weight.shape)}")
+    _need(kv_cache.dim() == 3 and tuple(kv_cache.shape[1:]) == (plan.block_size, d.latent_dim), ValueError,
+          f"kv_cache must be [num_blocks, block_size={plan.block_size}, kv_lora_rank+qk_rope_head_dim={d.latent_dim}], "
+          f"got {list(kv_cache.shape)}")
+    _need(not block_table.dtype.is_floating_point and block_table.dtype != torch.bool, TypeError,
+          f"block_table must hold integer block ids, got {block_table.dtype}")
+    _need(block_table.dim() == 2 and block_table.shape[0] == plan.batch_size, ValueError,
+          f"block_table must be [num_requests={plan.batch_size}, max_blocks], got {list(block_table.shape)}")
+    capacity = kv_cache.shape[0] * plan.block_size
+    for r, c in enumerate(plan.context_lens):
+        _need(c <= capacity, ValueError,
+              f"context_lens[{r}] = {c} tokens is longer than the cache ({kv_cache.shape[0]} blocks x {plan.block_size})")
+        blocks = -(-c // plan.block_size)
+        _need(blocks <= block_table.shape[1], ValueError,
+              f"block_table row {r} has {block_table.shape[1]} blocks, too short for context_lens[{r}] = {c} "
+              f"({blocks} blocks of {plan.block_size})")
+    if block_table.device.type == "cpu" and plan.num_context_tokens:
+        for r, c in enumerate(plan.context_lens):
+            ids = block_table[r, : -(-c // plan.block_size)]
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
+                raise ValueError(f"block_table row {r} holds block ids outside [0, {kv_cache.shape[0]})")
+    if out is not None:
+        _need(tuple(out.shape) == (t, d.num_heads, d.v_head_dim), ValueError,
+              f"out must be [T={t}, H={d.num_heads}, v_head_dim={d.v_head_dim}], got {list(out.shape)}")
+    return k_pe
+
+
+def _up_project(latent_c: torch.Tensor, k_pe: torch.Tensor, weight: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent_c [N, kv_lora_rank], k_pe [N, rope] -> k [N, H, nope+rope] (contiguous), v [N, H, v_head_dim] (a view)."""
+    n, h = latent_c.shape[0], dims.num_heads
+    kv = torch.matmul(latent_c, weight.t()).view(n, h, dims.qk_nope_head_dim + dims.v_head_dim)
+    k = torch.empty(n, h, dims.head_dim_qk, dtype=kv.dtype, device=kv.device)
+    k[..., : dims.qk_nope_head_dim] = kv[..., : dims.qk_nope_head_dim]
+    k[..., dims.qk_nope_head_dim:] = k_pe.unsqueeze(1)
+    return k, kv[..., dims.qk_nope_head_dim:]
+
+
+def _gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,
+                   block_size: int) -> torch.Tensor:
+    """Latent cache rows [N, latent_dim] of (request, position) pairs, through block_table."""
+    block_ids = block_table[req_ids, torch.div(positions, block_size, rounding_mode="floor")].long()
+    slots = block_ids * block_size + positions % block_size
+    return kv_cache.reshape(-1, kv_cache.shape[-1]).index_select(0, slots)
+
+
+def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_proj_weight: torch.Tensor,
+                kv_cache: torch.Tensor, block_table: torch.Tensor, plan: PrefillPlan, *,
+                out: Optional[torch.Tensor] = None, return_lse: bool = False):
+    """MLA prefill attention for one layer: each request's new tokens over its whole sequence (context + new,
+    causal among the new tokens).
+
+    Args:
+        q: ``[T, H, qk_nope_head_dim + qk_rope_head_dim]`` (192 for DeepSeek; RoPE already applied to the last
+            ``qk_rope_head_dim``), ``T = plan.num_tokens``, requests packed in order.
+        kv_c: ``[T, kv_lora_rank]`` latent of the new tokens (after the KV RMSNorm).
+        k_pe: ``[T, qk_rope_head_dim]`` or ``[T, 1, qk_rope_head_dim]``, the new tokens' RoPE key (shared by heads).
+        kv_b_proj_weight: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``, as stored in DeepSeek checkpoints.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` paged latent cache holding each
+            request's first ``context_lens[r]`` tokens in the blocks its ``block_table`` row lists.
+        block_table: ``[batch, max_blocks]`` integer block ids. On CUDA their range is not checked on the host (that
+            would sync every layer); on the CPU it is.
+        plan: the batch's :class:`PrefillPlan` (built once, shared by every layer).
+        out: optional destination ``[T, H, v_head_dim]``.
+        return_lse: also return the LSE ``[T, H]`` float32, natural log.
+
+    Returns:
+        ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
+
+    Raises:
+        TypeError / ValueError: see :func:`validate_prefill_inputs`; raised before any kernel runs.
+    """
+    k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out)
+    dims, t = plan.dims, plan.num_tokens
+    if out is None:
+        out = torch.empty(t, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
+    lse = torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device)
+
+    if plan.fused:
+        latent = torch.empty(int(plan.main_kv_indptr[-1]), dims.latent_dim, dtype=plan.dtype, device=plan.device)
+        ctx = _gather_latent(kv_cache, block_table, plan.ctx_req_ids, plan.ctx_positions, plan.block_size)
+        latent.index_copy_(0, plan.ctx_dst, ctx)
+        latent[:, : dims.kv_lora_rank].index_copy_(0, plan.new_dst, kv_c)
+        latent[:, dims.kv_lora_rank:].index_copy_(0, plan.new_dst, k_pe)
+        k, v = _up_project(latent[:, : dims.kv_lora_rank], latent[:, dims.kv_lora_rank:], kv_b_proj_weight, dims)
+        plan.main.run(q, k, v, out=out, lse=lse)
+    else:
+        k, v = _up_project(kv_c, k_pe, kv_b_proj_weight, dims)
+        plan.main.run(q, k, v, out=out, lse=lse)
+        for chunk in plan.chunks:
+            if chunk.plan is None:
+                continue
+            latent = _gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, plan.block_size)
+            k, v = _up_project(latent[:, : dims.kv_lora_rank], latent[:, dims.kv_lora_rank:], kv_b_proj_weight, dims)
+            rows = slice(chunk.q_start, chunk.q_end)
+            chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v)
+            merge_attn_states_(out[rows], lse[rows], chunk_out, chunk_lse)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,277 @@
+"""Ragged attention: validate, plan once per batch (:func:`plan_ragged`), run once per layer (:meth:`RaggedPlan.run`).
+
+Conventions at every public boundary (FlashInfer's ragged layout, vLLM's MLA prefill):
+  * ``qo_indptr`` / ``kv_indptr``: int32 prefix sums ``[batch + 1]`` starting at 0; request ``r`` owns query rows
+    ``qo_indptr[r]:qo_indptr[r+1]`` and key rows ``kv_indptr[r]:kv_indptr[r+1]``.
+  * q ``[T, H, head_dim_qk]``, k ``[S, H, head_dim_qk]``, v ``[S, H, head_dim_vo]``, out ``[T, H, head_dim_vo]``,
+    ``T = qo_indptr[-1]``, ``S = kv_indptr[-1]``; k/v heads equal q heads (MLA prefill runs as MHA).
+  * ``causal`` is bottom-right aligned: query ``i`` of a request sees keys ``j <= i + kv_len - q_len``.
+  * ``lse`` is float32, natural log, ``[T, H]`` (``lse_layout="NH"``) or ``[H, T]`` ("HN", vLLM's layout).
+    Rows with no visible key give out 0 and lse -inf.
+All checks run on the host before any kernel; a failed check writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .backends import make_kernel
+from .dispatch import BackendChoice, select_backend
+from .workspace import Workspace, default_workspace
+
+__all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr"]
+
+IndptrLike = Union[torch.Tensor, Sequence[int]]
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:
+    """``indptr`` as a contiguous int32 CPU tensor, after checking it.
+
+    Raises:
+        TypeError: not a tensor/sequence of integers.
+        ValueError: not 1-D, empty, not starting at 0, decreasing, or beyond int32.
+    """
+    if isinstance(indptr, torch.Tensor):
+        t = indptr
+        if t.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must hold integers (int32), got dtype {t.dtype}")
+    else:
+        try:
+            import numpy as np
+            arr = np.asarray(indptr)
+        except Exception as err:  # pragma: no cover - numpy always converts sequences
+            raise TypeError(f"{name} must be an int32 tensor or a sequence of ints, got {type(indptr).__name__}") from err
+        if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+            raise TypeError(f"{name} must hold integers (int32), got {arr.dtype}")
+        t = torch.from_numpy(arr.astype("int64", copy=False).copy())
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [batch + 1], got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} must have at least one entry (0), got an empty tensor")
+    t = t.detach().to("cpu", torch.int64)
+    if int(t[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(t[0])}")
+    diffs = t[1:] - t[:-1]
+    if diffs.numel() and int(diffs.min()) < 0:
+        r = int(torch.nonzero(diffs < 0)[0])
+        raise ValueError(f"{name} must be non-decreasing, but {name}[{r + 1}]={int(t[r + 1])} < "
+                         f"{name}[{r}]={int(t[r])} (a negative length)")
+    if int(t[-1]) > 2 ** 31 - 1:
+        raise ValueError(f"{name}[-1]={int(t[-1])} does not fit in int32")
+    return t.to(torch.int32).contiguous()
+
+
+@dataclass(frozen=True)
+class RaggedSpec:
+    """Everything a kernel is planned on (host data only)."""
+
+    qo_indptr: torch.Tensor  # int32, CPU
+    kv_indptr: torch.Tensor  # int32, CPU
+    num_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    causal: bool
+    sm_scale: float
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    @property
+    def num_qo_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return int(self.kv_indptr[-1])
+
+
+def _check_tensor(name: str, x: Any, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != len(shape) or any(e is not None and s != e for s, e in zip(x.shape, shape)):
+        want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(x.shape)}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (the plan's), got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, but the plan's workspace is on {device}")
+
+
+def _kernel_ready(x: torch.Tensor) -> bool:
+    """FlashInfer reads [N, H, D] through (stride_n, stride_h) with a unit last stride and 16-byte alignment."""
+    if x.numel() == 0:
+        return True
+    align = 16 // x.element_size()
+    return (x.stride(-1) == 1 and x.stride(0) % align == 0 and x.stride(1) % align == 0
+            and x.data_ptr() % 16 == 0)
+
+
+class RaggedPlan:
+    """A planned ragged attention (FlashInfer's ``plan()`` done once): call :meth:`run` once per layer.
+
+    Made by :func:`plan_ragged`. Attributes: ``spec`` (:class:`RaggedSpec`), ``backend`` (:class:`BackendChoice`),
+    ``workspace``. Holding the plan holds one pooled FlashInfer wrapper; drop the plan to give it back.
+    """
+
+    def __init__(self, spec: RaggedSpec, backend: BackendChoice, workspace: Workspace):
+        self.spec = spec
+        self.backend = backend
+        self.workspace = workspace
+        # No kernel when there is nothing to compute: FlashInfer is never handed an empty problem.
+        empty = spec.num_qo_tokens == 0 or spec.num_kv_tokens == 0
+        self._kernel = None if empty else make_kernel(backend, workspace, spec)
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        return self.spec.qo_indptr
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self.spec.kv_indptr
+
+    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 lse: Optional[torch.Tensor] = None, lse_layout: str = "NH") -> None:
+        """Check q/k/v/out/lse against the plan (see the module docstring for shapes).
+
+        Raises:
+            TypeError: not a tensor, or a dtype other than the plan's (lse: float32).
+            ValueError: a shape that disagrees with the indptrs or dims (the message names the argument and
+                what was expected), another device, an unknown ``lse_layout``, or an ``out``/``lse`` the kernel
+                cannot write in place.
+        """
+        s = self.spec
+        t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
+        if lse_layout not in ("NH", "HN"):
+            raise ValueError(f"lse_layout must be 'NH' ([T, H]) or 'HN' ([H, T]), got {lse_layout!r}")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] != (t if name == "q" else n):
+                indptr = "qo_indptr" if name == "q" else "kv_indptr"
+                raise ValueError(f"{name} has {x.shape[0]} tokens but {indptr}[-1] = {t if name == 'q' else n}")
+        _check_tensor("q", q, (t, h, s.head_dim_qk), s.dtype, s.device)
+        _check_tensor("k", k, (n, h, s.head_dim_qk), s.dtype, s.device)
+        _check_tensor("v", v, (n, h, s.head_dim_vo), s.dtype, s.device)
+        if out is not None:
+            _check_tensor("out", out, (t, h, s.head_dim_vo), s.dtype, s.device)
+            if self.backend.is_flashinfer and not _kernel_ready(out):
+                raise ValueError(f"out must have a unit last stride and 16-byte aligned strides for "
+                                 f"{self.backend.name}, got strides {out.stride()}")
+        if lse is not None:
+            _check_tensor("lse", lse, (t, h) if lse_layout == "NH" else (h, t), torch.float32, s.device)
+            if not lse.is_contiguous():
+                raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH") -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention for this plan's batch: ``(out [T, H, head_dim_vo], lse)``; no re-planning.
+
+        Args:
+            q, k, v: see the module docstring; dtype and device must match the plan. Inputs FlashInfer cannot
+                read in place (last dim not contiguous, strides or pointer not 16-byte aligned) are copied once.
+            out: optional destination ``[T, H, head_dim_vo]``.
+            lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``.
+            lse_layout: "NH" (``[T, H]``, default) or "HN" (``[H, T]``, as vLLM's merge wants it).
+
+        Raises:
+            TypeError, ValueError: see :meth:`validate`; raised before any kernel runs.
+        """
+        self.validate(q, k, v, out, lse, lse_layout)
+        s = self.spec
+        t, h = s.num_qo_tokens, s.num_heads
+        if out is None:
+            out = torch.empty(t, h, s.head_dim_vo, dtype=s.dtype, device=s.device)
+        if lse is None:
+            lse = torch.empty((t, h) if lse_layout == "NH" else (h, t), dtype=torch.float32, device=s.device)
+        if self._kernel is None:
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return out, lse
+        if self.backend.is_flashinfer:
+            q, k, v = (x if _kernel_ready(x) else x.contiguous() for x in (q, k, v))
+        return self._kernel.run(q, k, v, out, lse, lse_layout)
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"RaggedPlan(backend={self.backend.name!r}, batch={s.batch_size}, q_tokens={s.num_qo_tokens}, "
+                f"kv_tokens={s.num_kv_tokens}, heads={s.num_heads}, dims={s.head_dim_qk}/{s.head_dim_vo}, "
+                f"causal={s.causal}, dtype={s.dtype})")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int, head_dim_qk: int, head_dim_vo: int,
+                causal: bool, sm_scale: float, dtype: torch.dtype, workspace: Workspace,
+                backend: Optional[str] = None) -> RaggedPlan:
+    """Plan a ragged attention batch once (FlashInfer's ``plan`` step); run it per layer with :meth:`RaggedPlan.run`.
+
+    Args:
+        qo_indptr, kv_indptr: int32 ``[batch + 1]`` prefix sums (tensors anywhere, or Python sequences); copied to
+            the host once here, so :meth:`RaggedPlan.run` never syncs.
+        num_heads: q heads (= k/v heads).
+        head_dim_qk, head_dim_vo: 192 / 128 for DeepSeek MLA.
+        causal: bottom-right aligned causal mask (main pass) or none (context chunks).
+        sm_scale: logit scale (see :class:`mla_bridge.MLADims`).
+        dtype: q/k/v/out dtype.
+        workspace: the device's :class:`Workspace`.
+        backend: force a backend (see :func:`mla_bridge.select_backend`); default: the dispatch table decides.
+
+    Raises:
+        TypeError / ValueError: bad indptrs (named), sizes, ``sm_scale``; lengths that disagree between the two
+            indptrs; a forced backend that cannot serve.
+        WorkspaceTooSmallError: FlashInfer's plan needs more float workspace than the workspace may grow to.
+    """
+    qo = as_host_indptr("qo_indptr", qo_indptr)
+    kv = as_host_indptr("kv_indptr", kv_indptr)
+    if qo.numel() != kv.numel():
+        raise ValueError(f"qo_indptr has {qo.numel()} entries but kv_indptr has {kv.numel()}; both are [batch + 1]")
+    _positive_int("num_heads", num_heads)
+    _positive_int("head_dim_qk", head_dim_qk)
+    _positive_int("head_dim_vo", head_dim_vo)
+    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0 or sm_scale == float("inf"):
+        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
+    spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, bool(causal), float(sm_scale), dtype,
+                      workspace.device)
+    choice = select_backend(workspace.device, dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk,
+                            head_dim_vo=head_dim_vo, causal=bool(causal), num_heads=num_heads,
+                            qo_indptr=qo.tolist(), kv_indptr=kv.tolist(), requested=backend)
+    return RaggedPlan(spec, choice, workspace)
+
+
+def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: IndptrLike, kv_indptr: IndptrLike, *,
+                   causal: bool, sm_scale: float, backend: Optional[str] = None,
+                   workspace: Optional[Workspace] = None, out: Optional[torch.Tensor] = None,
+                   lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-shot ragged attention: :func:`plan_ragged` + :meth:`RaggedPlan.run` (plan per call: use the two-step form
+    in a layer loop). Shapes and conventions as in the module docstring; ``workspace`` defaults to the device's
+    shared one (:func:`mla_bridge.workspace.default_workspace`).
+
+    Returns:
+        ``(out [T, H, head_dim_vo] in q's dtype, lse [T, H] float32 natural log)``.
+
+    Raises:
+        TypeError / ValueError: as :func:`plan_ragged` and :meth:`RaggedPlan.validate`, before any kernel.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
+    if workspace is None:
+        workspace = default_workspace(q.device)
+    plan = plan_ragged(qo_indptr, kv_indptr, num_heads=q.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[2],
+                       causal=causal, sm_scale=sm_scale, dtype=q.dtype, workspace=workspace, backend=backend)
+    return plan.run(q, k, v, out=out, lse=lse)
