@@ -1,0 +1,187 @@
+"""merge_attn_states / merge_attn_states_: the LSE merge rules, checked against float64 formulas and attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_bridge import merge_attn_states
+from mla_bridge.merge import merge_attn_states_
+
+INF = float("inf")
+
+
+def merge64(out_a, lse_a, out_b, lse_b):
+    """float64 merge written from the definition: weights exp(lse_x) over their sum; empty (+-inf) weighs 0."""
+    oa, ob = out_a.double(), out_b.double()
+    la, lb = lse_a.double(), lse_b.double()
+    la = torch.where(torch.isinf(la), torch.full_like(la, -INF), la)
+    lb = torch.where(torch.isinf(lb), torch.full_like(lb, -INF), lb)
+    out = torch.zeros_like(oa)
+    lse = torch.full_like(la, -INF)
+    for t in range(oa.shape[0]):
+        for h in range(oa.shape[1]):
+            a, b = la[t, h].item(), lb[t, h].item()
+            if a == -INF and b == -INF:
+                continue
+            top = max(a, b)
+            wa = math.exp(a - top) if a != -INF else 0.0
+            wb = math.exp(b - top) if b != -INF else 0.0
+            lse[t, h] = top + math.log(wa + wb)
+            acc = torch.zeros_like(oa[t, h])
+            if wa:
+                acc += oa[t, h] * wa
+            if wb:
+                acc += ob[t, h] * wb
+            out[t, h] = acc / (wa + wb)
+    return out, lse
+
+
+def both(out_a, lse_a, out_b, lse_b):
+    """The functional and the in-place merge; they must agree exactly."""
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    o2, l2 = out_a.clone(), lse_a.clone()
+    merge_attn_states_(o2, l2, out_b, lse_b)
+    assert torch.equal(o2, out)
+    assert torch.equal(l2, lse)
+    return out, lse
+
+
+def test_finite(ref):
+    g = torch.Generator().manual_seed(0)
+    oa, ob = torch.randn(7, 5, 16, generator=g), torch.randn(7, 5, 16, generator=g)
+    la, lb = torch.randn(7, 5, generator=g) * 10, torch.randn(7, 5, generator=g) * 10
+    out, lse = both(oa, la, ob, lb)
+    eo, el = merge64(oa, la, ob, lb)
+    ref.assert_out_close(out, eo, atol=1e-6, rtol=1e-6)
+    ref.assert_lse_close(lse, el, atol=1e-5, rtol=1e-6)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+
+
+def test_two_empties_give_zero_and_minus_inf():
+    # The outs of empty partials may hold anything, NaN included: nothing of them may leak.
+    oa = torch.full((3, 2, 8), float("nan"))
+    ob = torch.full((3, 2, 8), 123.0)
+    la = torch.full((3, 2), -INF)
+    lb = torch.full((3, 2), -INF)
+    out, lse = both(oa, la, ob, lb)
+    assert torch.equal(out, torch.zeros(3, 2, 8))
+    assert torch.equal(lse, torch.full((3, 2), -INF))
+
+
+@pytest.mark.parametrize("empty", [-INF, INF])
+def test_one_empty_returns_the_other(empty):
+    g = torch.Generator().manual_seed(1)
+    ob = torch.randn(4, 3, 8, generator=g)
+    lb = torch.randn(4, 3, generator=g)
+    oa = torch.full((4, 3, 8), float("nan"))
+    la = torch.full((4, 3), empty)
+    for args, expect in (((oa, la, ob, lb), (ob, lb)), ((ob, lb, oa, la), (ob, lb))):
+        out, lse = both(*args)
+        torch.testing.assert_close(out, expect[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse, expect[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pair", [(INF, INF), (INF, -INF), (-INF, INF)])
+def test_plus_inf_is_empty(pair):
+    oa, ob = torch.ones(2, 1, 4), torch.full((2, 1, 4), 2.0)
+    out, lse = both(oa, torch.full((2, 1), pair[0]), ob, torch.full((2, 1), pair[1]))
+    assert torch.equal(out, torch.zeros(2, 1, 4))
+    assert torch.equal(lse, torch.full((2, 1), -INF))
+
+
+def test_mixed_rows(ref):
+    """Finite, -inf and +inf lse values mixed element by element, with garbage in the empty partials' outs."""
+    g = torch.Generator().manual_seed(2)
+    choices = torch.tensor([-INF, INF, -3.0, 0.0, 2.5, 40.0, -40.0])
+    la = choices[torch.randint(0, len(choices), (9, 6), generator=g)]
+    lb = choices[torch.randint(0, len(choices), (9, 6), generator=g)]
+    oa, ob = torch.randn(9, 6, 8, generator=g), torch.randn(9, 6, 8, generator=g)
+    oa[torch.isinf(la)] = float("nan")
+    ob[torch.isinf(lb)] = 1e30
+    out, lse = both(oa, la, ob, lb)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert not (lse == INF).any()
+    eo, el = merge64(oa, la, ob, lb)
+    ref.assert_out_close(out, eo, atol=1e-6, rtol=1e-6)
+    ref.assert_lse_close(lse, el, atol=1e-5, rtol=1e-6)
+
+
+def test_extreme_lse_no_overflow(ref):
+    oa, ob = torch.ones(1, 2, 4), torch.full((1, 2, 4), 3.0)
+    la = torch.tensor([[1e4, -1e4]])
+    lb = torch.tensor([[1e4, -1e4 + math.log(3.0)]])
+    out, lse = both(oa, la, ob, lb)
+    torch.testing.assert_close(out[0, 0], torch.full((4,), 2.0))
+    torch.testing.assert_close(out[0, 1], torch.full((4,), (1 + 3 * 3) / 4.0))
+    assert lse[0, 0].item() == pytest.approx(1e4 + math.log(2.0), rel=1e-7)
+    assert lse[0, 1].item() == pytest.approx(-1e4 + math.log(4.0), rel=1e-7)
+
+
+def test_merging_partials_equals_attention_over_all_keys(ref):
+    """Attention split into three disjoint key sets and merged equals attention over the union."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 3, 12, generator=g)
+    k = torch.randn(17, 3, 12, generator=g)
+    v = torch.randn(17, 3, 8, generator=g)
+    full_out, full_lse = ref.dense_attention(q, k, v, 0.4)
+    parts = [ref.dense_attention(q, k[a:b], v[a:b], 0.4) for a, b in ((0, 6), (6, 6), (6, 17))]  # middle: empty
+    out, lse = parts[0][0].float(), parts[0][1].float()
+    for o, s in parts[1:]:
+        out, lse = merge_attn_states(out, lse, o.float(), s.float())
+    ref.assert_out_close(out, full_out, atol=1e-6)
+    ref.assert_lse_close(lse, full_lse, atol=1e-5)
+    # in place, on row views of bigger buffers (as mla_prefill merges a chunk's rows)
+    big_out = torch.zeros(8, 3, 8)
+    big_lse = torch.zeros(8, 3)
+    big_out[2:7], big_lse[2:7] = parts[0][0].float(), parts[0][1].float()
+    for o, s in parts[1:]:
+        merge_attn_states_(big_out[2:7], big_lse[2:7], o.float(), s.float())
+    ref.assert_out_close(big_out[2:7], full_out, atol=1e-6)
+    ref.assert_lse_close(big_lse[2:7], full_lse, atol=1e-5)
+    assert torch.equal(big_out[:2], torch.zeros(2, 3, 8)) and torch.equal(big_out[7:], torch.zeros(1, 3, 8))
+
+
+@pytest.mark.parametrize("heads", [1, 16, 64, 128, 256])
+def test_any_head_count_bf16(heads):
+    g = torch.Generator().manual_seed(heads)
+    oa = torch.randn(3, heads, 128, generator=g).bfloat16()
+    ob = torch.randn(3, heads, 128, generator=g).bfloat16()
+    la, lb = torch.randn(3, heads, generator=g), torch.randn(3, heads, generator=g)
+    out, lse = merge_attn_states(oa, la, ob, lb)
+    eo, el = merge64(oa.float(), la, ob.float(), lb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), eo, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), el, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad,exc,name", [
+    (dict(out_b=torch.zeros(2, 3, 5)), ValueError, "out_b"),
+    (dict(lse_a=torch.zeros(3, 2)), ValueError, "lse_a"),
+    (dict(lse_b=torch.zeros(2, 3, 1)), ValueError, "lse_b"),
+    (dict(lse_a=torch.zeros(2, 3, dtype=torch.float64)), TypeError, "lse_a"),
+    (dict(out_b=torch.zeros(2, 3, 4, dtype=torch.float64)), TypeError, "out_b"),
+    (dict(out_a=torch.zeros(2, 3)), ValueError, "out_a"),
+    (dict(out_b=[0.0]), TypeError, "out_b"),
+    (dict(lse_b=torch.zeros(2, 3, device="meta")), ValueError, "lse_b"),
+])
+def test_bad_inputs(bad, exc, name):
+    args = dict(out_a=torch.zeros(2, 3, 4), lse_a=torch.zeros(2, 3), out_b=torch.zeros(2, 3, 4), lse_b=torch.zeros(2, 3))
+    args.update(bad)
+    with pytest.raises(exc, match=name):
+        merge_attn_states(**args)
+    if name != "out_a":
+        out = torch.full((2, 3, 4), 7.0)
+        lse = torch.full((2, 3), 7.0)
+        args.update(out_a=out, lse_a=args["lse_a"] if name == "lse_a" else lse)
+        with pytest.raises(exc, match=name):
+            merge_attn_states_(args["out_a"], args["lse_a"], args["out_b"], args["lse_b"])
+        assert torch.equal(out, torch.full((2, 3, 4), 7.0)) and torch.equal(lse, torch.full((2, 3), 7.0))
+
+
+def test_in_place_needs_contiguous_lse():
+    lse = torch.zeros(3, 2).t()  # [2, 3], not contiguous
+    with pytest.raises(ValueError, match="lse"):
+        merge_attn_states_(torch.zeros(2, 3, 4), lse, torch.zeros(2, 3, 4), torch.zeros(2, 3))

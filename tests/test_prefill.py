@@ -1,0 +1,220 @@
+"""mla_prefill (torch backend, CPU) equals unchunked float64 attention over each request's whole sequence.
+
+The reference (conftest.mla_reference) reads the context back from the paged cache through block_table token by
+token, up-projects it with kv_b_proj, and attends with an explicit mask (all context + causal among new tokens).
+Spare cache blocks, the unused tail of each last block and block_table padding are poisoned, block tables shuffled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
+from mla_bridge.plan import schedule_context_chunks
+
+ATOL = 3e-5
+
+# A mixed batch: requests without context, one without new tokens, one whose context spans several blocks of 64.
+QUERY_LENS = [3, 4, 1, 0, 5, 2]
+CONTEXT_LENS = [0, 37, 5, 9, 70, 0]
+TOTAL_CONTEXT = sum(CONTEXT_LENS)  # 121
+
+
+def run_case(ref, dims, query_lens, context_lens, block_size, chunk_tokens, fuse, seed=0, dtype=torch.float32):
+    batch = ref.make_mla_batch(dims, query_lens, context_lens, block_size, seed=seed, dtype=dtype)
+    ws = Workspace("cpu", chunk_tokens=chunk_tokens)
+    plan = PrefillPlan.build(query_lens, context_lens, dims=dims, workspace=ws, block_size=block_size, dtype=dtype,
+                             fuse_context=fuse)
+    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                           return_lse=True)
+    exp_out, exp_lse = ref.mla_reference(batch)
+    return plan, batch, out, lse, exp_out, exp_lse
+
+
+def budgets(block_size):
+    return {
+        "one_block": block_size,
+        "splits_a_request": 23,  # cuts request 1 (37 tokens) and request 4 (70 tokens) in the middle
+        "one_token": 1,
+        "exactly_all": TOTAL_CONTEXT,
+        "larger_than_all": 100_000,
+    }
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("budget", ["one_block", "splits_a_request", "one_token", "exactly_all", "larger_than_all"])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_chunked_equals_unchunked(ref, tiny_dims, block_size, budget, fuse):
+    chunk_tokens = budgets(block_size)[budget]
+    plan, batch, out, lse, exp_out, exp_lse = run_case(ref, tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size,
+                                                       chunk_tokens, fuse, seed=block_size)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+    # The schedule that produced it is the one asked for.
+    fused = fuse and TOTAL_CONTEXT <= chunk_tokens
+    assert plan.fused == fused
+    if fused:
+        assert plan.chunks == [] and plan.main_kv_indptr.tolist() == ref.cumsum0(
+            [c + q for c, q in zip(CONTEXT_LENS, QUERY_LENS)])
+    else:
+        assert len(plan.chunks) == math.ceil(TOTAL_CONTEXT / chunk_tokens)
+        assert all(0 < c.num_tokens <= chunk_tokens for c in plan.chunks)
+        assert sum(c.num_tokens for c in plan.chunks) == TOTAL_CONTEXT
+        assert plan.main_kv_indptr.tolist() == plan.qo_indptr.tolist()
+    assert plan.qo_indptr.dtype == torch.int32 and plan.qo_indptr.tolist() == ref.cumsum0(QUERY_LENS)
+
+
+def test_reference_reads_the_cache_correctly(ref, tiny_dims):
+    """The float64 reference gives the same from the paged cache as from the unpaged latents (guards the builder)."""
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=5)
+    a = ref.mla_reference(batch, use_cache=True)
+    b = ref.mla_reference(batch, use_cache=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.isnan(batch.cache).any()  # the poison is there
+    assert not torch.isnan(a[0]).any()
+
+
+def test_context_changes_the_result(ref, tiny_dims):
+    """Guards against a test that cannot fail: the context keys matter for the expected values."""
+    batch = ref.make_mla_batch(tiny_dims, [3], [10], 4, seed=6)
+    with_ctx, _ = ref.mla_reference(batch)
+    no_ctx = ref.make_mla_batch(tiny_dims, [3], [0], 4, seed=6)
+    no_ctx.q, no_ctx.kv_c, no_ctx.k_pe, no_ctx.w = batch.q, batch.kv_c, batch.k_pe, batch.w
+    without, _ = ref.mla_reference(no_ctx)
+    assert (with_ctx - without).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_block_table_order(ref, tiny_dims, shuffle):
+    q_lens, c_lens = [2, 3], [13, 6]
+    batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=7, shuffle=shuffle, spare_blocks=5)
+    if shuffle:
+        assert batch.block_table[0, :4].tolist() != sorted(batch.block_table[0, :4].tolist())
+    for chunk_tokens, fuse in ((5, False), (1000, True), (1000, False)):
+        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+                                 block_size=4, dtype=torch.float32, fuse_context=fuse)
+        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                               return_lse=True)
+        exp_out, exp_lse = ref.mla_reference(batch)
+        ref.assert_out_close(out, exp_out, atol=ATOL)
+        ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_no_context_at_all(ref, tiny_dims, fuse):
+    plan, batch, out, lse, exp_out, exp_lse = run_case(ref, tiny_dims, [4, 1, 3], [0, 0, 0], 16, 8, fuse)
+    assert not plan.fused and plan.chunks == [] and plan.num_plans == 1
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_single_token_requests_with_context(ref, tiny_dims, fuse):
+    plan, batch, out, lse, exp_out, exp_lse = run_case(ref, tiny_dims, [1, 1, 1, 1], [0, 7, 1, 30], 8, 12, fuse,
+                                                       seed=3)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_plan_is_shared_by_layers(ref, tiny_dims):
+    """One plan, several layers (different weights and caches): every layer right, nothing re-planned."""
+    q_lens, c_lens = [3, 2, 4], [9, 0, 14]
+    ws = Workspace("cpu", chunk_tokens=6)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=ws, block_size=4, dtype=torch.float32)
+    n_plans = plan.num_plans
+    assert n_plans == 1 + math.ceil(23 / 6)
+    for layer in range(3):
+        batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=50 + layer)
+        out = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
+        ref.assert_out_close(out, ref.mla_reference(batch)[0], atol=ATOL)
+    assert plan.num_plans == n_plans
+
+
+def test_k_pe_with_head_axis_and_out_buffer(ref, tiny_dims):
+    q_lens, c_lens = [3, 2], [5, 11]
+    batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=8)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4,
+                             dtype=torch.float32)
+    out = torch.full((5, tiny_dims.num_heads, tiny_dims.v_head_dim), 3.0)
+    got = mla_prefill(batch.q, batch.kv_c, batch.k_pe.unsqueeze(1), batch.w, batch.cache, batch.block_table, plan,
+                      out=out)
+    assert got is out
+    ref.assert_out_close(out, ref.mla_reference(batch)[0], atol=ATOL)
+
+
+def test_non_contiguous_inputs(ref, tiny_dims):
+    """q as a transposed view, kv_c / k_pe as column slices of one fused projection output, a strided out."""
+    q_lens, c_lens = [3, 4], [6, 9]
+    d = tiny_dims
+    batch = ref.make_mla_batch(d, q_lens, c_lens, 4, seed=9)
+    t = sum(q_lens)
+    q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)
+    fused = torch.cat([torch.randn(t, 3), batch.kv_c, batch.k_pe], 1)  # like a q_a/kv_a projection output
+    kv_c, k_pe = fused[:, 3:3 + d.kv_lora_rank], fused[:, 3 + d.kv_lora_rank:]
+    out_t = torch.zeros(d.num_heads, t, d.v_head_dim)
+    assert not q.is_contiguous() and not kv_c.is_contiguous() and not k_pe.is_contiguous()
+    for fuse, chunk in ((True, 100), (False, 5)):
+        plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=4,
+                                 dtype=torch.float32, fuse_context=fuse)
+        out_t.zero_()
+        mla_prefill(q, kv_c, k_pe, batch.w, batch.cache, batch.block_table, plan, out=out_t.transpose(0, 1))
+        ref.assert_out_close(out_t.transpose(0, 1), ref.mla_reference(batch)[0], atol=ATOL)
+
+
+def test_real_dims_deepseek_v2_lite(ref):
+    """DeepSeek-V2-Lite's real sizes (16 heads, 512/128/64/128) and its yarn scale, chunked and fused."""
+    dims = MLADims.deepseek_v2_lite()
+    q_lens, c_lens = [4, 2], [19, 0]
+    batch = ref.make_mla_batch(dims, q_lens, c_lens, 16, seed=10)
+    exp_out, exp_lse = ref.mla_reference(batch)
+    for chunk, fuse in ((16, False), (7, False), (64, True)):
+        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk),
+                                 block_size=16, dtype=torch.float32, fuse_context=fuse)
+        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                               return_lse=True)
+        assert out.shape == (6, 16, 128)
+        ref.assert_out_close(out, exp_out, atol=1e-4)
+        ref.assert_lse_close(lse, exp_lse, atol=1e-4)
+
+
+def test_bf16_on_cpu(ref, tiny_dims):
+    q_lens, c_lens = [3, 5], [12, 7]
+    batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=12, dtype=torch.bfloat16)
+    exp_out, exp_lse = ref.mla_reference(batch)
+    for chunk, fuse in ((8, False), (100, True)):
+        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk),
+                                 block_size=4, dtype=torch.bfloat16, fuse_context=fuse)
+        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                               return_lse=True)
+        assert out.dtype == torch.bfloat16
+        ref.assert_out_close(out, exp_out, atol=3e-2)  # bf16 up-projection and output roundings
+        ref.assert_lse_close(lse, exp_lse, atol=3e-2)
+
+
+@pytest.mark.parametrize("context_lens,budget,expected", [
+    ([8, 0], 4, [[(0, 0, 4)], [(0, 4, 8)]]),
+    ([3, 9], 4, [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 9)]]),
+    ([0, 0], 4, []),
+    ([2, 0, 2], 4, [[(0, 0, 2), (2, 0, 2)]]),
+    ([5], 100, [[(0, 0, 5)]]),
+])
+def test_schedule_context_chunks(context_lens, budget, expected):
+    assert schedule_context_chunks(context_lens, budget) == expected
+
+
+def test_chunk_rows_and_plans(tiny_dims):
+    plan = PrefillPlan.build([2, 3, 0, 4], [4, 0, 6, 3], dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=5),
+                             block_size=2, dtype=torch.float32)
+    # chunks: [(0,0,4),(2,0,1)], [(2,1,6)], [(3,0,3)]
+    assert [c.spans for c in plan.chunks] == [((0, 0, 4), (2, 0, 1)), ((2, 1, 6),), ((3, 0, 3),)]
+    c0, c1, c2 = plan.chunks
+    assert (c0.req_start, c0.req_end, c0.q_start, c0.q_end) == (0, 3, 0, 5)
+    assert c0.plan.kv_indptr.tolist() == [0, 4, 4, 5] and c0.plan.qo_indptr.tolist() == [0, 2, 5, 5]
+    assert not c0.plan.spec.causal
+    assert c1.plan is None  # request 2 has no new tokens: nothing to compute
+    assert (c2.q_start, c2.q_end) == (5, 9) and c2.plan.kv_indptr.tolist() == [0, 3]
+    assert c0.req_ids.tolist() == [0, 0, 0, 0, 2] and c0.positions.tolist() == [0, 1, 2, 3, 0]
+    assert plan.num_plans == 3 and plan.main.spec.causal

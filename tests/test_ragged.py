@@ -1,0 +1,195 @@
+"""The torch backend (ragged_prefill / plan_ragged on the CPU) against a float64 dense loop written in conftest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_bridge import Workspace, plan_ragged, ragged_prefill
+from mla_bridge.backends.torch_ref import ragged_attention_reference
+
+D_QK, D_VO = 24, 16
+ATOL = 2e-5
+
+# (q_lens, kv_lens): kv_len > q_len, single-token requests, zero new tokens, zero keys, q_len > kv_len.
+BATCHES = {
+    "equal": ([5, 7, 3], [5, 7, 3]),
+    "kv_longer": ([3, 1, 6, 2], [10, 4, 6, 17]),
+    "single_token": ([1, 1, 1, 1], [1, 5, 9, 2]),
+    "zero_new_tokens": ([0, 4, 0, 2], [6, 9, 0, 3]),
+    "zero_keys": ([3, 2, 4], [0, 5, 0]),
+    "q_longer": ([6, 4], [3, 4]),  # causal: the first rows of request 0 see no key
+}
+
+
+def plan(qo, kv, heads, causal, scale, dtype=torch.float32, d_qk=D_QK, d_vo=D_VO):
+    return plan_ragged(qo, kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal, sm_scale=scale,
+                       dtype=dtype, workspace=Workspace("cpu"))
+
+
+@pytest.mark.parametrize("heads", [1, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_torch_backend_vs_float64(ref, heads, causal, batch):
+    q_lens, kv_lens = BATCHES[batch]
+    q, k, v, qo, kv = ref.make_ragged(q_lens, kv_lens, heads, D_QK, D_VO, seed=len(batch) + heads)
+    scale = D_QK ** -0.5
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=causal, sm_scale=scale, backend="torch",
+                              workspace=Workspace("cpu"))
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=scale)
+    assert out.shape == (sum(q_lens), heads, D_VO) and out.dtype == torch.float32
+    assert lse.shape == (sum(q_lens), heads) and lse.dtype == torch.float32
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_bottom_right_causal_by_hand(ref):
+    """One request, q_len 2, kv_len 4, 1 head, d 1: query 0 sees keys 0..2, query 1 sees keys 0..3."""
+    q = torch.tensor([[[1.0]], [[1.0]]])
+    k = torch.tensor([[[0.0]], [[0.0]], [[0.0]], [[0.0]]])
+    v = torch.tensor([[[1.0]], [[2.0]], [[3.0]], [[100.0]]])
+    out, lse = ragged_prefill(q, k, v, [0, 2], [0, 4], causal=True, sm_scale=1.0, backend="torch")
+    assert out[0, 0, 0].item() == pytest.approx(2.0, abs=1e-6)  # mean of 1, 2, 3
+    assert out[1, 0, 0].item() == pytest.approx(26.5, abs=1e-5)  # mean of 1, 2, 3, 100
+    assert lse[0, 0].item() == pytest.approx(torch.log(torch.tensor(3.0)).item(), abs=1e-6)
+    assert lse[1, 0].item() == pytest.approx(torch.log(torch.tensor(4.0)).item(), abs=1e-6)
+
+
+def test_rows_without_keys(ref):
+    q, k, v, qo, kv = ref.make_ragged([2, 3], [0, 2], 3, D_QK, D_VO)
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=0.2, backend="torch")
+    # request 0: no keys at all; request 1 (3 queries over 2 keys, causal): query 0 sees none.
+    assert torch.equal(out[:3], torch.zeros(3, 3, D_VO))
+    assert torch.equal(lse[:3], torch.full((3, 3), float("-inf")))
+    assert torch.isfinite(lse[3:]).all()
+
+
+def test_all_empty_batches():
+    q = torch.randn(3, 2, D_QK)
+    out, lse = ragged_prefill(q, torch.zeros(0, 2, D_QK), torch.zeros(0, 2, D_VO), [0, 3], [0, 0], causal=False,
+                              sm_scale=0.3, backend="torch")
+    assert torch.equal(out, torch.zeros(3, 2, D_VO)) and torch.equal(lse, torch.full((3, 2), float("-inf")))
+    out, lse = ragged_prefill(torch.zeros(0, 2, D_QK), torch.randn(4, 2, D_QK), torch.randn(4, 2, D_VO), [0, 0, 0],
+                              [0, 1, 4], causal=True, sm_scale=0.3, backend="torch")
+    assert out.shape == (0, 2, D_VO) and lse.shape == (0, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_layout_hn_is_the_transpose(ref, causal):
+    q_lens, kv_lens = [2, 5, 4], [6, 5, 9]  # T = 11 != H = 3
+    q, k, v, qo, kv = ref.make_ragged(q_lens, kv_lens, 3, D_QK, D_VO, seed=3)
+    p = plan(qo, kv, 3, causal, 0.2)
+    out_nh, lse_nh = p.run(q, k, v)
+    out_hn, lse_hn = p.run(q, k, v, lse_layout="HN")
+    assert lse_hn.shape == (3, 11) and lse_nh.shape == (11, 3)
+    assert torch.equal(lse_hn, lse_nh.t())
+    assert torch.equal(out_hn, out_nh)
+    _, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=0.2)
+    ref.assert_lse_close(lse_hn.t(), exp_lse, atol=ATOL)
+    # A caller-provided [H, T] buffer is filled in place.
+    buf = torch.full((3, 11), 5.0)
+    _, got = p.run(q, k, v, lse=buf, lse_layout="HN")
+    assert got is buf and torch.equal(buf, lse_hn)
+
+
+def test_plan_once_run_per_layer(ref):
+    q_lens, kv_lens = [3, 0, 5], [7, 2, 5]
+    p = plan(ref.cumsum0(q_lens), ref.cumsum0(kv_lens), 4, True, 0.25)
+    for layer in range(3):
+        q, k, v, qo, kv = ref.make_ragged(q_lens, kv_lens, 4, D_QK, D_VO, seed=100 + layer)
+        out, lse = p.run(q, k, v)
+        exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=0.25)
+        ref.assert_out_close(out, exp_out, atol=ATOL)
+        ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_out_and_lse_destinations(ref):
+    q, k, v, qo, kv = ref.make_ragged([3, 2], [4, 2], 2, D_QK, D_VO, seed=9)
+    out = torch.full((5, 2, D_VO), 9.0)
+    lse = torch.full((5, 2), 9.0)
+    got_out, got_lse = plan(qo, kv, 2, False, 0.2).run(q, k, v, out=out, lse=lse)
+    assert got_out is out and got_lse is lse
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=False, sm_scale=0.2)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_indptr_forms(ref):
+    """Python lists, int32/int64 tensors and numpy arrays give the same plan and values."""
+    import numpy as np
+
+    q, k, v, qo, kv = ref.make_ragged([2, 3], [4, 3], 2, D_QK, D_VO, seed=4)
+    exp_out, _ = ref.ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=0.2)
+    for qo_f, kv_f in ((qo, kv), (torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int64)),
+                       (np.array(qo, dtype=np.int32), np.array(kv, dtype=np.int64)), (tuple(qo), tuple(kv))):
+        p = plan(qo_f, kv_f, 2, True, 0.2)
+        assert p.qo_indptr.dtype == torch.int32 and p.qo_indptr.device.type == "cpu"
+        assert p.qo_indptr.tolist() == qo and p.kv_indptr.tolist() == kv
+        ref.assert_out_close(p.run(q, k, v)[0], exp_out, atol=ATOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_online_softmax(ref, causal):
+    """Several query blocks (> 256 rows) and many small key blocks exercise the online-softmax recurrence."""
+    q_lens, kv_lens = [300, 7], [333, 20]
+    q, k, v, qo, kv = ref.make_ragged(q_lens, kv_lens, 2, D_QK, D_VO, seed=11, scale=2.0)
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=0.3)
+    for block_elems in (1, 2 * 256 * 5, 1 << 22):
+        out, lse = ragged_attention_reference(q, k, v, qo, kv, causal=causal, sm_scale=0.3, block_elems=block_elems)
+        ref.assert_out_close(out, exp_out, atol=5e-5)
+        ref.assert_lse_close(lse, exp_lse, atol=5e-5)
+
+
+def test_bf16_inputs(ref):
+    q, k, v, qo, kv = ref.make_ragged([4, 1, 6], [9, 3, 6], 8, D_QK, D_VO, dtype=torch.bfloat16, seed=5)
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=0.2, backend="torch")
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=0.2)
+    ref.assert_out_close(out, exp_out, atol=1e-2)  # one bf16 rounding of the result
+    ref.assert_lse_close(lse, exp_lse, atol=1e-4)  # lse is accumulated in float32 from the bf16 inputs
+
+
+def test_non_contiguous_inputs(ref):
+    """q as a transposed view, k as a strided slice, v as kv[..., nope:] of an up-projection: right values."""
+    heads, t, s = 3, 9, 14
+    g = torch.Generator().manual_seed(21)
+    q_t = torch.randn(heads, t, D_QK, generator=g)
+    q = q_t.transpose(0, 1)  # [T, H, D] with strides (D, T*D, 1)
+    k_big = torch.randn(s, heads, 2 * D_QK, generator=g)
+    k = k_big[..., ::2]  # last stride 2
+    kv = torch.randn(s, heads, D_QK + D_VO, generator=g)
+    v = kv[..., D_QK:]  # last-dim slice, as prefill's up-projection hands it over
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    qo, kvp = [0, 4, 9], [0, 6, 14]
+    for causal in (False, True):
+        out, lse = ragged_prefill(q, k, v, qo, kvp, causal=causal, sm_scale=0.2, backend="torch")
+        exp_out, exp_lse = ref.ragged_reference(q.contiguous(), k.contiguous(), v.contiguous(), qo, kvp,
+                                                causal=causal, sm_scale=0.2)
+        ref.assert_out_close(out, exp_out, atol=ATOL)
+        ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+    # A non-contiguous out buffer is written through its strides.
+    out_t = torch.zeros(heads, t, D_VO)
+    got, _ = ragged_prefill(q, k, v, qo, kvp, causal=False, sm_scale=0.2, backend="torch", out=out_t.transpose(0, 1))
+    exp_out, _ = ref.ragged_reference(q, k, v, qo, kvp, causal=False, sm_scale=0.2)
+    ref.assert_out_close(out_t.transpose(0, 1), exp_out, atol=ATOL)
+
+
+def test_default_workspace_and_backend_on_cpu(ref):
+    q, k, v, qo, kv = ref.make_ragged([2, 2], [3, 2], 2, D_QK, D_VO, seed=2)
+    p = plan(qo, kv, 2, True, 0.2)
+    assert p.backend.name == "torch" and "fallback" in p.backend.reason
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=0.2)  # no backend, no workspace
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=0.2)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_reference_is_not_trivial(ref):
+    """Guards the reference itself: causal differs from non-causal, and the mask is bottom-right."""
+    m = ref.bottom_right_mask(2, 4)
+    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
+    q, k, v, qo, kv = ref.make_ragged([4], [4], 1, D_QK, D_VO, seed=1)
+    a, _ = ref.ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=0.2)
+    b, _ = ref.ragged_reference(q, k, v, qo, kv, causal=False, sm_scale=0.2)
+    assert not torch.allclose(a[:3], b[:3]) and torch.allclose(a[3], b[3])
+    torch.testing.assert_close(a[0], v[0].double())  # the first query sees only the first key
