@@ -25,7 +25,12 @@ __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
 CUTLASS_PLAN_QO_TILE_SIZE = 256  # FlashInfer: one work item per (q tile of 256, head, request)
-INT32_ELEMENT_LIMIT = 2 ** 31  # a tensor this large needs 64-bit offsets
+# Largest q/k/v tensor (elements) each kernel indexes correctly. Measured on the H200 (2026-11-30, FlashInfer 0.7.4,
+# 128 heads, 192/128, bf16): fa2 correct at 2.15e9 elements, wrong beyond 2**32 (4.43e9: the last request's rows off
+# by 3.5, i.e. 32-bit unsigned offsets); fa3 correct at 4.43e9 and 6.44e9. cutlass takes `int` strides and could not
+# be measured (no SM100 here): held to 2**31.
+CUTLASS_ELEMENT_LIMIT = 2 ** 31
+FA2_ELEMENT_LIMIT = 2 ** 32
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -85,7 +90,7 @@ class BackendSpec:
     why_not: Callable[[Request], Optional[str]]
 
 
-def _flashinfer_common(req: Request) -> Optional[str]:
+def _flashinfer_common(req: Request, element_limit: Optional[int]) -> Optional[str]:
     if req.device_type != "cuda":
         return f"needs a CUDA device, got {req.device_type}"
     if not req.flashinfer:
@@ -95,9 +100,8 @@ def _flashinfer_common(req: Request) -> Optional[str]:
     if req.out_dtype is not None and req.dtype is not None and req.out_dtype != req.dtype:
         return f"output dtype {req.out_dtype} differs from q's {req.dtype}"
     elems = _max_tensor_elements(req)
-    if elems >= INT32_ELEMENT_LIMIT:
-        return (f"a q/k/v tensor of {elems} elements needs 64-bit offsets (>= 2**31); FlashInfer's ragged kernels "
-                f"take 32-bit strides: split the batch")
+    if element_limit is not None and elems >= element_limit:
+        return (f"a q/k/v tensor of {elems} elements reaches its offset limit ({element_limit}); split the batch")
     return None
 
 
@@ -114,7 +118,7 @@ def _cutlass_why_not(req: Request) -> Optional[str]:
     need = (13, 0) if req.capability[0] == 11 else (12, 8)
     if req.cuda_version is None or req.cuda_version < need:
         return f"needs CUDA >= {need[0]}.{need[1]} on {_cap(req.capability)}, got {_ver(req.cuda_version)}"
-    reason = _flashinfer_common(req)
+    reason = _flashinfer_common(req, CUTLASS_ELEMENT_LIMIT)
     if reason:
         return reason
     dims = (req.head_dim_qk, req.head_dim_vo)
@@ -136,7 +140,7 @@ def _cutlass_why_not(req: Request) -> Optional[str]:
 def _fa3_why_not(req: Request) -> Optional[str]:
     if req.capability is None or req.capability[0] != 9:
         return f"needs SM90 (capability 9.x), got {_cap(req.capability)}"
-    reason = _flashinfer_common(req)
+    reason = _flashinfer_common(req, None)
     if reason:
         return reason
     qk, vo = req.head_dim_qk, req.head_dim_vo
@@ -148,7 +152,7 @@ def _fa3_why_not(req: Request) -> Optional[str]:
 def _fa2_why_not(req: Request) -> Optional[str]:
     if req.capability is None or req.capability < (8, 0):
         return f"needs SM80 or newer (capability >= 8.0), got {_cap(req.capability)}"
-    reason = _flashinfer_common(req)
+    reason = _flashinfer_common(req, FA2_ELEMENT_LIMIT)
     if reason:
         return reason
     for name, d in (("head_dim_qk", req.head_dim_qk), ("head_dim_vo", req.head_dim_vo)):
@@ -168,9 +172,9 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 "tensors < 2**31 elements; "
                 "head dims 192/128, 128/128, 64/64; causal only with q_len <= kv_len; <= 131072 plan work items",
                 _cutlass_why_not),
-    BackendSpec("flashinfer-fa3", "fa3", "SM90 (9.x); fp16/bf16, tensors < 2**31 elements; head dims 64/64, 128/128, 256/256, 192/128",
+    BackendSpec("flashinfer-fa3", "fa3", "SM90 (9.x); fp16/bf16; head dims 64/64, 128/128, 256/256, 192/128",
                 _fa3_why_not),
-    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors < 2**31 elements; head dims multiples of 16 "
+    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors < 2**32 elements; head dims multiples of 16 "
                 "up to 256", _fa2_why_not),
     BackendSpec("torch", None, "any device and dtype (blockwise float32 reference)", _torch_why_not),
 )

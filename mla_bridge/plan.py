@@ -5,7 +5,8 @@ A batch is ``query_lens[r]`` new tokens per request ``r`` plus ``context_lens[r]
 :mod:`mla_bridge.prefill` -> the merge.
 
 Two schedules, picked here from host lengths alone:
-  * **fused** (all context fits one chunk, ``sum(context_lens) <= workspace.chunk_tokens``): each request's keys
+  * **fused** (all context fits one chunk, ``sum(context_lens) <= workspace.chunk_tokens``, and the fused keys
+    stay under 2**31 elements): each request's keys
     are its context followed by its new tokens, and ONE causal pass covers everything. Bottom-right causal
     alignment makes new token ``i`` see all ``context_len`` context keys plus new keys ``<= i`` -- exactly MLA
     prefill's mask -- so no merge is needed.
@@ -156,7 +157,11 @@ class PrefillPlan:
         self.query_lens, self.context_lens = q_lens, c_lens
         self.qo_indptr = _cumsum(q_lens)
         total_context = sum(c_lens)
-        self.fused = fuse_context and 0 < total_context <= workspace.chunk_tokens
+        fused_keys = total_context + sum(q_lens)
+        # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
+        # which backend serves the main pass.
+        self.fused = (fuse_context and 0 < total_context <= workspace.chunk_tokens
+                      and fused_keys * dims.num_heads * max(dims.head_dim_qk, dims.head_dim_vo) < 2 ** 31)
         common = dict(num_heads=dims.num_heads, head_dim_qk=dims.head_dim_qk, head_dim_vo=dims.head_dim_vo,
                       sm_scale=dims.softmax_scale, dtype=dtype, workspace=workspace, backend=backend)
         self.chunks = []
