@@ -35,8 +35,8 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
         ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
             expected), another device, a block_table row too short for its context, a context longer than the cache.
     """
-    d, t = plan.dims, plan.num_tokens
     _need(isinstance(plan, PrefillPlan), TypeError, f"plan must be a PrefillPlan, got {type(plan).__name__}")
+    d, t = plan.dims, plan.num_tokens
     named = (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_b_proj_weight", kv_b_proj_weight),
              ("kv_cache", kv_cache), ("block_table", block_table)) + ((("out", out),) if out is not None else ())
     for name, x in named:

@@ -1,0 +1,378 @@
+"""Every bad input raises the documented error, naming the argument, before anything runs or is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_bridge.dispatch as dispatch
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, plan_ragged, ragged_prefill
+
+D_QK, D_VO, H = 24, 16, 3
+SENTINEL = 7.25
+
+
+def ragged_inputs(q_lens=(2, 3), kv_lens=(4, 3), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t, s = sum(q_lens), sum(kv_lens)
+    q = torch.randn(t, H, D_QK, generator=g)
+    k = torch.randn(s, H, D_QK, generator=g)
+    v = torch.randn(s, H, D_VO, generator=g)
+    qo = [0, q_lens[0], t]
+    kv = [0, kv_lens[0], s]
+    return q, k, v, qo, kv
+
+
+def sentinel_out(t=5, h=H, d=D_VO):
+    return torch.full((t, h, d), SENTINEL)
+
+
+def assert_untouched(*bufs):
+    for b in bufs:
+        assert torch.equal(b, torch.full_like(b, SENTINEL)), "a buffer was written before the error"
+
+
+def make_plan(qo, kv, causal=False):
+    return plan_ragged(qo, kv, num_heads=H, head_dim_qk=D_QK, head_dim_vo=D_VO, causal=causal, sm_scale=0.2,
+                       dtype=torch.float32, workspace=Workspace("cpu"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ragged attention
+# --------------------------------------------------------------------------------------------------------------
+
+def _bad(name):
+    """(q, k, v, qo, kv) with one thing wrong; returns the kwargs for ragged_prefill."""
+    q, k, v, qo, kv = ragged_inputs()
+    cases = {
+        "q_one_more_row": dict(q=torch.randn(6, H, D_QK)),
+        "q_one_less_row": dict(q=torch.randn(4, H, D_QK)),
+        "k_one_more_row": dict(k=torch.randn(8, H, D_QK)),
+        "k_one_less_row": dict(k=torch.randn(6, H, D_QK)),
+        "v_one_more_row": dict(v=torch.randn(8, H, D_VO)),
+        "v_one_less_row": dict(v=torch.randn(6, H, D_VO)),
+        "k_head_dim": dict(k=torch.randn(7, H, D_QK + 8)),
+        "k_heads": dict(k=torch.randn(7, H + 1, D_QK)),
+        "v_heads": dict(v=torch.randn(7, 1, D_VO)),
+        "k_dtype": dict(k=k.double()),
+        "v_dtype": dict(v=v.bfloat16()),
+        "k_device": dict(k=torch.empty(7, H, D_QK, device="meta")),
+        "v_device": dict(v=torch.empty(7, H, D_VO, device="meta")),
+        "out_shape": dict(out=torch.full((5, H, D_VO + 1), SENTINEL)),
+        "out_dtype": dict(out=torch.full((5, H, D_VO), SENTINEL, dtype=torch.float64)),
+        "out_device": dict(out=torch.empty(5, H, D_VO, device="meta")),
+        "lse_shape": dict(lse=torch.full((H, 5), SENTINEL)),
+        "lse_dtype": dict(lse=torch.full((5, H), SENTINEL, dtype=torch.float64)),
+        "q_2d": dict(q=torch.randn(5, H * D_QK)),
+        "k_not_tensor": dict(k=k.tolist()),
+    }
+    args = dict(q=q, k=k, v=v, qo_indptr=qo, kv_indptr=kv)
+    args.update(cases[name])
+    return args
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("q_one_more_row", ValueError, r"q has 6 tokens but qo_indptr\[-1\] = 5"),
+    ("q_one_less_row", ValueError, r"q has 4 tokens but qo_indptr\[-1\] = 5"),
+    ("k_one_more_row", ValueError, r"k has 8 tokens but kv_indptr\[-1\] = 7"),
+    ("k_one_less_row", ValueError, r"k has 6 tokens but kv_indptr\[-1\] = 7"),
+    ("v_one_more_row", ValueError, r"v has 8 tokens but kv_indptr\[-1\] = 7"),
+    ("v_one_less_row", ValueError, r"v has 6 tokens but kv_indptr\[-1\] = 7"),
+    ("k_head_dim", ValueError, r"^k must have shape \[7, 3, 24\]"),
+    ("k_heads", ValueError, r"^k must have shape \[7, 3, 24\]"),
+    ("v_heads", ValueError, r"^v must have shape"),
+    ("k_dtype", TypeError, r"^k must have dtype torch.float32"),
+    ("v_dtype", TypeError, r"^v must have dtype torch.float32"),
+    ("k_device", ValueError, r"^k is on meta"),
+    ("v_device", ValueError, r"^v is on meta"),
+    ("out_shape", ValueError, r"^out must have shape"),
+    ("out_dtype", TypeError, r"^out must have dtype"),
+    ("out_device", ValueError, r"^out is on meta"),
+    ("lse_shape", ValueError, r"^lse must have shape \[5, 3\]"),
+    ("lse_dtype", TypeError, r"^lse must have dtype torch.float32"),
+    ("q_2d", ValueError, r"^q must be 3-D"),
+    ("k_not_tensor", TypeError, r"^k must be a torch.Tensor"),
+])
+def test_ragged_bad_tensors(case, exc, match):
+    args = _bad(case)
+    out = args.pop("out", None)
+    lse = args.pop("lse", None)
+    out = sentinel_out() if out is None else out
+    lse = torch.full((5, H), SENTINEL) if lse is None else lse
+    with pytest.raises(exc, match=match):
+        ragged_prefill(args["q"], args["k"], args["v"], args["qo_indptr"], args["kv_indptr"], causal=True,
+                       sm_scale=0.2, backend="torch", out=out, lse=lse)
+    assert_untouched(*(b for b in (out, lse) if b.device.type == "cpu"))
+
+
+@pytest.mark.parametrize("case", ["q_one_more_row", "q_one_less_row", "k_one_less_row", "v_one_more_row",
+                                  "k_head_dim", "k_dtype", "k_device"])
+def test_planned_run_rejects_before_writing(case):
+    args = _bad(case)
+    plan = make_plan(args["qo_indptr"], args["kv_indptr"])
+    out, lse = sentinel_out(), torch.full((5, H), SENTINEL)
+    with pytest.raises((ValueError, TypeError)):
+        plan.run(args["q"], args["k"], args["v"], out=out, lse=lse)
+    assert_untouched(out, lse)
+
+
+def test_q_head_dim_disagrees_with_plan():
+    q, k, v, qo, kv = ragged_inputs()
+    plan = make_plan(qo, kv)
+    with pytest.raises(ValueError, match=r"^q must have shape \[5, 3, 24\], got \[5, 3, 32\]"):
+        plan.run(torch.randn(5, H, 32), k, v)
+    with pytest.raises(ValueError, match=r"^q must have shape \[5, 3, 24\], got \[5, 4, 24\]"):
+        plan.run(torch.randn(5, 4, D_QK), k, v)
+    with pytest.raises(TypeError, match=r"^q must have dtype"):
+        plan.run(q.half(), k, v)
+
+
+def test_lse_layout_and_contiguity():
+    q, k, v, qo, kv = ragged_inputs()
+    plan = make_plan(qo, kv)
+    with pytest.raises(ValueError, match="lse_layout"):
+        plan.run(q, k, v, lse_layout="TH")
+    with pytest.raises(ValueError, match=r"^lse must have shape \[3, 5\]"):
+        plan.run(q, k, v, lse=torch.empty(5, H), lse_layout="HN")
+    with pytest.raises(ValueError, match="lse must be contiguous"):
+        plan.run(q, k, v, lse=torch.empty(H, 5).t())
+
+
+@pytest.mark.parametrize("qo,kv,exc,match", [
+    ([[0, 2, 5]], [0, 4, 7], ValueError, r"qo_indptr must be 1-D"),
+    (torch.tensor([[0, 2, 5]]), [0, 4, 7], ValueError, r"qo_indptr must be 1-D"),
+    ([0, 2, 5], torch.tensor([0.0, 4.0, 7.0]), TypeError, r"kv_indptr must hold integers"),
+    ([0, 2.5, 5], [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
+    (torch.tensor([False, True, True]), [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
+    ([1, 2, 5], [0, 4, 7], ValueError, r"qo_indptr must start at 0"),
+    ([0, 2, 5], [2, 4, 7], ValueError, r"kv_indptr must start at 0"),
+    ([0, 3, 2, 5], [0, 1, 4, 7], ValueError, r"qo_indptr must be non-decreasing"),
+    ([0, 2, 5], [0, 7, 4], ValueError, r"kv_indptr must be non-decreasing"),
+    ([], [], ValueError, r"qo_indptr must have at least one entry"),
+    ([0, 2, 5], [0, 7], ValueError, r"qo_indptr has 3 entries but kv_indptr has 2"),
+    ([0, 2 ** 31], [0, 1], ValueError, r"qo_indptr\[-1\]=2147483648 does not fit in int32"),
+])
+def test_bad_indptr(qo, kv, exc, match):
+    q, k, v, _, _ = ragged_inputs()
+    with pytest.raises(exc, match=match):
+        make_plan(qo, kv)
+    out = sentinel_out()
+    with pytest.raises(exc, match=match):
+        ragged_prefill(q, k, v, qo, kv, causal=False, sm_scale=0.2, out=out)
+    assert_untouched(out)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(num_heads=0), ValueError, "num_heads"),
+    (dict(num_heads=2.0), ValueError, "num_heads"),
+    (dict(head_dim_qk=-1), ValueError, "head_dim_qk"),
+    (dict(head_dim_vo=0), ValueError, "head_dim_vo"),
+    (dict(sm_scale=0.0), ValueError, "sm_scale"),
+    (dict(sm_scale=-0.1), ValueError, "sm_scale"),
+    (dict(sm_scale=float("inf")), ValueError, "sm_scale"),
+    (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+    (dict(sm_scale="0.1"), ValueError, "sm_scale"),
+    (dict(dtype=torch.int32), TypeError, "dtype"),
+    (dict(dtype="bfloat16"), TypeError, "dtype"),
+    (dict(workspace="cpu"), TypeError, "workspace"),
+])
+def test_bad_plan_arguments(kwargs, exc, match):
+    args = dict(num_heads=H, head_dim_qk=D_QK, head_dim_vo=D_VO, causal=False, sm_scale=0.2, dtype=torch.float32,
+                workspace=Workspace("cpu"))
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        plan_ragged([0, 2, 5], [0, 4, 7], **args)
+
+
+def test_float32_for_a_flashinfer_backend(monkeypatch):
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(ValueError, match=r"flashinfer-fa3.*capability 9\.0.*float16/bfloat16"):
+        plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1,
+                    dtype=torch.float32, workspace=Workspace("cuda:0"), backend="flashinfer-fa3")
+    # and on the CPU a FlashInfer backend is refused outright
+    with pytest.raises(ValueError, match="flashinfer-fa2.*no CUDA device"):
+        plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1,
+                    dtype=torch.bfloat16, workspace=Workspace("cpu"), backend="flashinfer-fa2")
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(float_workspace_bytes=0), "float_workspace_bytes"),
+    (dict(chunk_tokens=0), "chunk_tokens"),
+    (dict(chunk_tokens=1.5), "chunk_tokens"),
+    (dict(chunk_tokens=True), "chunk_tokens"),
+    (dict(max_float_workspace_bytes=-1), "max_float_workspace_bytes"),
+])
+def test_bad_workspace(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Workspace("cpu", **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mla_prefill
+# --------------------------------------------------------------------------------------------------------------
+
+Q_LENS, C_LENS, BS = [2, 3], [9, 5], 4
+
+
+@pytest.fixture
+def prefill(ref, tiny_dims):
+    batch = ref.make_mla_batch(tiny_dims, Q_LENS, C_LENS, BS, seed=1)
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=BS,
+                             dtype=torch.float32)
+    args = dict(q=batch.q, kv_c=batch.kv_c, k_pe=batch.k_pe, kv_b_proj_weight=batch.w, kv_cache=batch.cache,
+                block_table=batch.block_table)
+    return plan, args, batch
+
+
+def _prefill_case(name, args, d, batch):
+    t = sum(Q_LENS)
+    h, rank, rope = d.num_heads, d.kv_lora_rank, d.qk_rope_head_dim
+    bt = batch.block_table
+    cases = {
+        "q_one_more_row": dict(q=torch.randn(t + 1, h, d.head_dim_qk)),
+        "q_one_less_row": dict(q=torch.randn(t - 1, h, d.head_dim_qk)),
+        "q_heads": dict(q=torch.randn(t, h + 1, d.head_dim_qk)),
+        "q_head_dim": dict(q=torch.randn(t, h, d.head_dim_qk + 8)),
+        "kv_c_rows": dict(kv_c=torch.randn(t + 1, rank)),
+        "kv_c_rank": dict(kv_c=torch.randn(t, rank + 1)),
+        "k_pe_width": dict(k_pe=torch.randn(t, rope + 1)),
+        "k_pe_heads": dict(k_pe=torch.randn(t, h, rope)),
+        "weight_shape": dict(kv_b_proj_weight=torch.randn(d.kv_b_proj_shape[0] + 1, rank)),
+        "weight_transposed": dict(kv_b_proj_weight=args["kv_b_proj_weight"].t()),
+        "cache_block_size": dict(kv_cache=torch.randn(20, BS * 2, d.latent_dim)),
+        "cache_width": dict(kv_cache=torch.randn(20, BS, rank)),
+        "table_short": dict(block_table=bt[:, :2]),
+        "table_float": dict(block_table=bt.float()),
+        "table_1d": dict(block_table=bt[0]),
+        "table_rows": dict(block_table=bt[:1]),
+        "table_ids": dict(block_table=torch.where(torch.arange(bt.shape[1]) == 1, 10_000, bt)),
+        "table_negative_id": dict(block_table=torch.where(torch.arange(bt.shape[1]) == 0, -1, bt)),
+        "cache_too_small": dict(kv_cache=args["kv_cache"][:2]),
+        "q_dtype": dict(q=args["q"].bfloat16()),
+        "weight_dtype": dict(kv_b_proj_weight=args["kv_b_proj_weight"].double()),
+        "cache_dtype": dict(kv_cache=args["kv_cache"].half()),
+        "q_device": dict(q=torch.empty(t, h, d.head_dim_qk, device="meta")),
+        "cache_device": dict(kv_cache=torch.empty(args["kv_cache"].shape, device="meta")),
+        "table_device": dict(block_table=torch.empty(bt.shape, dtype=bt.dtype, device="meta")),
+        "kv_c_not_tensor": dict(kv_c=None),
+    }
+    new = dict(args)
+    new.update(cases[name])
+    return new
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("q_one_more_row", ValueError, r"^q must be \[T=5 \(qo_indptr\[-1\]\)"),
+    ("q_one_less_row", ValueError, r"^q must be \[T=5 \(qo_indptr\[-1\]\)"),
+    ("q_heads", ValueError, r"^q must be \[T, H=4, head_dim_qk=24\]"),
+    ("q_head_dim", ValueError, r"^q must be \[T, H=4, head_dim_qk=24\]"),
+    ("kv_c_rows", ValueError, r"^kv_c must be \[T=5, kv_lora_rank=32\]"),
+    ("kv_c_rank", ValueError, r"^kv_c must be"),
+    ("k_pe_width", ValueError, r"^k_pe must be"),
+    ("k_pe_heads", ValueError, r"^k_pe must be"),
+    ("weight_shape", ValueError, r"^kv_b_proj_weight must be .*\[128, 32\]"),
+    ("weight_transposed", ValueError, r"^kv_b_proj_weight must be"),
+    ("cache_block_size", ValueError, r"^kv_cache must be \[num_blocks, block_size=4"),
+    ("cache_width", ValueError, r"^kv_cache must be"),
+    ("table_short", ValueError, r"^block_table row 0 has 2 blocks, too short for context_lens\[0\] = 9"),
+    ("table_float", TypeError, r"^block_table must hold integer"),
+    ("table_1d", ValueError, r"^block_table must be \[num_requests=2"),
+    ("table_rows", ValueError, r"^block_table must be \[num_requests=2"),
+    ("table_ids", ValueError, r"^block_table row 0 holds block ids outside"),
+    ("table_negative_id", ValueError, r"block_table row 0 holds block ids outside"),
+    ("cache_too_small", ValueError, r"^context_lens\[0\] = 9 tokens is longer than the cache"),
+    ("q_dtype", TypeError, r"^q must have dtype torch.float32"),
+    ("weight_dtype", TypeError, r"^kv_b_proj_weight must have dtype"),
+    ("cache_dtype", TypeError, r"^kv_cache must have dtype"),
+    ("q_device", ValueError, r"^q is on meta"),
+    ("cache_device", ValueError, r"^kv_cache is on meta"),
+    ("table_device", ValueError, r"^block_table is on meta"),
+    ("kv_c_not_tensor", TypeError, r"^kv_c must be a torch.Tensor"),
+])
+def test_prefill_bad_inputs(prefill, tiny_dims, case, exc, match):
+    plan, args, batch = prefill
+    bad = _prefill_case(case, args, tiny_dims, batch)
+    out = sentinel_out(5, tiny_dims.num_heads, tiny_dims.v_head_dim)
+    with pytest.raises(exc, match=match):
+        mla_prefill(**bad, plan=plan, out=out)
+    assert_untouched(out)
+
+
+@pytest.mark.parametrize("out,exc,match", [
+    (torch.full((5, 4, 17), SENTINEL), ValueError, r"^out must be \[T=5, H=4, v_head_dim=16\]"),
+    (torch.full((6, 4, 16), SENTINEL), ValueError, r"^out must be \[T=5"),
+    (torch.full((5, 4, 16), SENTINEL, dtype=torch.float64), TypeError, r"^out must have dtype"),
+    (torch.empty(5, 4, 16, device="meta"), ValueError, r"^out is on meta"),
+])
+def test_prefill_bad_out(prefill, out, exc, match):
+    plan, args, _ = prefill
+    with pytest.raises(exc, match=match):
+        mla_prefill(**args, plan=plan, out=out)
+    if out.device.type == "cpu":
+        assert_untouched(out)
+
+
+def test_prefill_plan_must_be_a_plan(prefill):
+    _, args, _ = prefill
+    with pytest.raises(TypeError, match="plan must be a PrefillPlan"):
+        mla_prefill(**args, plan=object())
+
+
+def test_prefill_good_inputs_pass(prefill, ref):
+    """The fixture itself is valid (so each bad case above fails for its own reason)."""
+    plan, args, batch = prefill
+    out = mla_prefill(**args, plan=plan)
+    ref.assert_out_close(out, ref.mla_reference(batch)[0], atol=3e-5)
+
+
+@pytest.mark.parametrize("query_lens,context_lens,exc,match", [
+    ([2, -1], [0, 0], ValueError, r"query_lens\[1\] = -1 is negative"),
+    ([2, 1], [0, -3], ValueError, r"context_lens\[1\] = -3 is negative"),
+    (torch.tensor([2, -1]), None, ValueError, r"query_lens\[1\] = -1 is negative"),
+    ([2, 1.0], None, TypeError, r"query_lens\[1\] must be an int"),
+    (torch.tensor([2.0, 1.0]), None, TypeError, r"query_lens must hold integers"),
+    (torch.tensor([[2, 1]]), None, ValueError, r"query_lens must be 1-D"),
+    ([2, 1], [0], ValueError, r"context_lens has 1 entries but query_lens has 2"),
+])
+def test_bad_lengths(tiny_dims, query_lens, context_lens, exc, match):
+    with pytest.raises(exc, match=match):
+        PrefillPlan.build(query_lens, context_lens, dims=tiny_dims, workspace=Workspace("cpu"), block_size=4,
+                          dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(block_size=4.0), ValueError, "block_size"),
+    (dict(dims=(4, 32, 16, 8, 16)), TypeError, "dims"),
+    (dict(workspace=None), TypeError, "workspace"),
+    (dict(device="meta"), ValueError, r"device meta differs from the workspace's device cpu"),
+    (dict(backend="nope"), ValueError, "unknown backend"),
+])
+def test_bad_plan_build(tiny_dims, kwargs, exc, match):
+    args = dict(dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        PrefillPlan.build([2, 1], [3, 0], **args)
+
+
+def test_prefill_plan_needs_build():
+    with pytest.raises(TypeError, match="PrefillPlan.build"):
+        PrefillPlan()
+
+
+def test_int64_and_numpy_lengths_are_fine(tiny_dims):
+    import numpy as np
+    p1 = PrefillPlan.build(np.array([2, 1]), torch.tensor([3, 0]), dims=tiny_dims, workspace=Workspace("cpu"),
+                           block_size=4, dtype=torch.float32)
+    assert p1.query_lens == [2, 1] and p1.context_lens == [3, 0]
+
+
+def test_dims_mismatch_between_plan_and_tensors(prefill):
+    """Tensors of another model's dims (V2-Lite real sizes) against a tiny-dims plan: named, not mis-read."""
+    plan, args, _ = prefill
+    real = MLADims.deepseek_v2_lite()
+    bad = dict(args, kv_b_proj_weight=torch.randn(*real.kv_b_proj_shape))
+    with pytest.raises(ValueError, match="kv_b_proj_weight"):
+        mla_prefill(**bad, plan=plan)
