@@ -1,0 +1,106 @@
+"""The kernel-calling part of the vLLM adapter, free of vLLM imports (so it runs and is tested where vLLM is absent,
+such as the H200).
+
+One :class:`PrefillStepPlans` per vLLM scheduler step: a causal :class:`mla_bridge.RaggedPlan` for the new tokens
+(``kv_indptr == qo_indptr``) and one non-causal plan per vLLM context chunk, all planned from host (CPU) indptrs.
+Each run returns what vLLM's MLA prefill expects: ``out [T, H, v_head_dim]`` and, when asked, the LSE in natural log,
+laid out ``[H, T]`` (``RaggedPlan.run(..., lse_layout="HN")``, written that way by the kernel, no transpose copy).
+
+:func:`servable` answers "can mla_bridge serve this?" for vLLM's capability/dtype/dims questions by asking
+:func:`mla_bridge.select_backend` (the one dispatch table); there is no second table here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from mla_bridge import RaggedPlan, plan_ragged, select_backend
+from mla_bridge.workspace import Workspace, default_workspace
+
+__all__ = ["ChunkIndptrs", "PrefillStepPlans", "servable", "host_indptr_from_lens"]
+
+
+def host_indptr_from_lens(lens: "torch.Tensor | Sequence[int]") -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]`` as an int32 CPU tensor from per-request lengths (a CPU tensor or ints; no sync)."""
+    t = lens if isinstance(lens, torch.Tensor) else torch.tensor(list(lens), dtype=torch.int64)
+    if t.device.type != "cpu":
+        t = t.cpu()  # only reached when a caller hands device lengths; vLLM's are host tensors
+    out = torch.zeros(t.numel() + 1, dtype=torch.int64)
+    if t.numel():
+        torch.cumsum(t.to(torch.int64), 0, out=out[1:])
+    return out.to(torch.int32)
+
+
+def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dtype] = None,
+             head_dim_qk: Optional[int] = None, head_dim_vo: Optional[int] = None) -> tuple[bool, str]:
+    """Whether mla_bridge serves MLA prefill for vLLM here, and why (in words), from :func:`select_backend`.
+
+    ``capability`` ``None`` means no CUDA device (vLLM's CPU platform): the torch backend serves any floating dtype.
+    On a CUDA device (``(major, minor)``) only a FlashInfer backend counts: the torch backend is a float32
+    reference, far too slow to hand a serving engine, so it serves there only when forced with ``MLA_BRIDGE_BACKEND``.
+    """
+    kw = dict(dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
+    try:
+        if capability is None:
+            choice = select_backend("cpu", **kw)
+        else:
+            choice = select_backend(capability=(int(capability[0]), int(capability[1])), **kw)
+    except ValueError as err:  # a backend forced through MLA_BRIDGE_BACKEND cannot serve
+        return False, str(err)
+    if capability is None or choice.is_flashinfer or choice.reason.startswith("forced"):
+        return True, f"{choice.name}: {choice.reason}"
+    reasons = "; ".join(f"{name}: {why}" for name, why in choice.passed_over)
+    return False, f"no FlashInfer backend serves capability {capability[0]}.{capability[1]} ({reasons})"
+
+
+@dataclass(frozen=True)
+class ChunkIndptrs:
+    """Host indptrs of one vLLM context chunk: queries over its requests' new tokens, keys over their context."""
+
+    index: int
+    qo_indptr: torch.Tensor  # int32, CPU, [requests in chunk + 1]
+    kv_indptr: torch.Tensor  # int32, CPU, [requests in chunk + 1]
+
+
+class PrefillStepPlans:
+    """The plans of one vLLM step: made once (in ``prepare_metadata``), run once per layer.
+
+    Args:
+        qo_indptr: host int32 ``[num_prefills + 1]``, the prefill requests' new-token offsets.
+        chunks: the context chunks' host indptrs, in vLLM's chunk order (``chunk.index`` 0, 1, ...).
+        num_heads, head_dim_qk, head_dim_vo, sm_scale, dtype: the layer's sizes, logit scale and q/k/v/out dtype.
+        device: where q/k/v live.
+        workspace: mla_bridge's workspace for ``device`` (default: the process-wide one).
+        backend: force an mla_bridge backend by name (default: :func:`select_backend` decides per plan).
+    """
+
+    def __init__(self, qo_indptr: torch.Tensor, chunks: Sequence[ChunkIndptrs], *, num_heads: int, head_dim_qk: int,
+                 head_dim_vo: int, sm_scale: float, dtype: torch.dtype, device: "torch.device | str",
+                 workspace: Optional[Workspace] = None, backend: Optional[str] = None):
+        ws = workspace if workspace is not None else default_workspace(device)
+        common = dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, sm_scale=sm_scale,
+                      dtype=dtype, workspace=ws, backend=backend)
+        self.main: RaggedPlan = plan_ragged(qo_indptr, qo_indptr, causal=True, **common)
+        self.chunks: dict[int, RaggedPlan] = {
+            c.index: plan_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks}
+
+    def run_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool,
+                       out: Optional[torch.Tensor] = None) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+        """Causal attention of the new tokens: ``out`` or ``(out, lse [H, T] natural log)``."""
+        out, lse = self.main.run(q, k, v, out=out, lse_layout="HN")
+        return (out, lse) if return_softmax_lse else out
+
+    def run_context_chunk(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-causal attention of chunk ``index``'s queries over its context: ``(out, lse [H, T] natural log)``."""
+        plan = self.chunks.get(index)
+        if plan is None:
+            raise KeyError(f"mla_bridge_vllm: context chunk {index} was not planned this step "
+                           f"(planned: {sorted(self.chunks)}); prepare_metadata must run first")
+        return plan.run(q, k, v, out=out, lse_layout="HN")
+
+    def __repr__(self) -> str:
+        return f"PrefillStepPlans(main={self.main!r}, chunks={len(self.chunks)})"
