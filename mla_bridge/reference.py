@@ -1,0 +1,113 @@
+"""An independent float64 check of MLA prefill: one request, unchunked, straight from the paged latent cache.
+
+This shares no code with :mod:`mla_bridge.prefill`, :mod:`mla_bridge.plan` or the torch backend
+(:mod:`mla_bridge.backends.torch_ref`), which may be the very backend under test. It follows the math of the
+DeepSeek-V2 paper's MLA in its "MHA form" step by step, in float64, with an ordinary (not online) softmax:
+
+1. gather the request's ``context_len`` cached latent tokens through its ``block_table`` row
+   (position ``p`` lives in block ``block_table[p // block_size]``, slot ``p % block_size``);
+2. append the request's new tokens (``kv_c`` ++ ``k_pe``): the whole sequence, context first;
+3. up-project with ``kv_b_proj_weight`` (``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``):
+   ``kv_c @ W.T`` viewed ``[S, H, qk_nope_head_dim + v_head_dim]`` splits into k_nope and v;
+   k = concat(k_nope, k_pe broadcast over heads);
+4. scores ``q . k * softmax_scale``; new token ``i`` sees every context token and new tokens ``<= i``;
+5. a plain softmax over each full key row: ``m = max(scores)``, ``p = exp(scores - m)``,
+   ``lse = m + log(sum p)`` (natural log), ``out = (p @ v) / sum p``.
+
+Queries are processed in blocks only to bound memory (each block's softmax still spans the full key row), so a
+10000-token prompt never holds ``T x S x H`` float64 scores at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .dims import MLADims
+
+__all__ = ["gather_context_latent", "reference_request", "max_abs_error"]
+
+#: float64 scores held at once per query block (256 MiB).
+_SCORE_ELEMS = 1 << 25
+
+
+def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int) -> torch.Tensor:
+    """The first ``context_len`` latent tokens of one request, ``[context_len, latent_dim]`` in the cache's dtype.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, latent_dim]``.
+        block_table_row: ``[max_blocks]`` integer block ids of this request.
+        context_len: cached tokens of this request (>= 0).
+    """
+    block_size = kv_cache.shape[1]
+    rows = []
+    for p0 in range(0, context_len, block_size):
+        n = min(block_size, context_len - p0)
+        rows.append(kv_cache[int(block_table_row[p0 // block_size])][:n])
+    if not rows:
+        return kv_cache.new_zeros(0, kv_cache.shape[2])
+    return torch.cat(rows, dim=0)
+
+
+def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_proj_weight: torch.Tensor,
+                      kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int, dims: MLADims,
+                      *, score_elems: int = _SCORE_ELEMS) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA prefill of ONE request over its whole sequence, in float64, on the CPU.
+
+    Args:
+        q: ``[L, H, qk_nope_head_dim + qk_rope_head_dim]`` the request's queries (RoPE already applied).
+        kv_c: ``[L, kv_lora_rank]`` and k_pe: ``[L, qk_rope_head_dim]`` (or ``[L, 1, rope]``): its new tokens.
+        kv_b_proj_weight: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` paged latent cache.
+        block_table_row: ``[max_blocks]`` this request's block ids.
+        context_len: cached tokens before the new ones.
+        dims: the layer's :class:`MLADims` (head split and ``softmax_scale``).
+
+    Returns:
+        ``(out [L, H, v_head_dim] float64, lse [L, H] float64 natural log)``, on the CPU. With no keys at all
+        (``L == 0``) the tensors are empty.
+    """
+    cpu = torch.device("cpu")
+    f64 = torch.float64
+    r, rope, nope, dv, h = dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim, dims.num_heads
+    q = q.to(cpu, f64)
+    new_latent = torch.cat([kv_c.to(cpu, f64), k_pe.reshape(k_pe.shape[0], rope).to(cpu, f64)], dim=1)
+    ctx_latent = gather_context_latent(kv_cache.to(cpu), block_table_row.to(cpu), context_len).to(f64)
+    latent = torch.cat([ctx_latent, new_latent], dim=0)  # [S, kv_lora_rank + rope], context first
+    s_len, l_len = latent.shape[0], q.shape[0]
+
+    w = kv_b_proj_weight.to(cpu, f64)
+    kv = (latent[:, :r] @ w.t()).view(s_len, h, nope + dv)
+    k = torch.cat([kv[..., :nope], latent[:, None, r:].expand(s_len, h, rope)], dim=-1)  # [S, H, nope + rope]
+    v = kv[..., nope:]  # [S, H, dv]
+    kh = k.permute(1, 2, 0)  # [H, Dqk, S]
+    vh = v.permute(1, 0, 2)  # [H, S, Dv]
+
+    out = torch.zeros(l_len, h, dv, dtype=f64)
+    lse = torch.full((l_len, h), float("-inf"), dtype=f64)
+    block = max(1, score_elems // max(1, h * s_len))
+    for i0 in range(0, l_len, block):
+        i1 = min(l_len, i0 + block)
+        kv_end = context_len + i1  # keys the last query of this block may see
+        scores = torch.matmul(q[i0:i1].permute(1, 0, 2), kh[:, :, :kv_end])  # [H, b, kv_end]
+        scores.mul_(dims.softmax_scale)
+        # Query i sees keys j <= context_len + i: only the block's last (i1 - i0) key columns hold masked pairs.
+        hidden = torch.ones(i1 - i0, i1 - i0, dtype=torch.bool).triu_(1)
+        scores[:, :, context_len + i0:].masked_fill_(hidden, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True)  # finite: every query sees at least itself
+        p = scores.sub_(row_max).exp_()  # softmax numerator, over the full key row
+        denom = p.sum(dim=-1)  # [H, b]
+        out[i0:i1] = (torch.matmul(p, vh[:, :kv_end]) / denom.unsqueeze(-1)).permute(1, 0, 2)
+        lse[i0:i1] = (row_max.squeeze(-1) + torch.log(denom)).t()
+    return out, lse
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |actual - expected|`` in float64 (0.0 for empty tensors); NaN anywhere gives ``nan``."""
+    if actual.numel() == 0:
+        return 0.0
+    diff = (actual.detach().to("cpu", torch.float64) - expected.to(torch.float64)).abs()
+    if torch.isnan(diff).any():
+        return float("nan")
+    return float(diff.max())
