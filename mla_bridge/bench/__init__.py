@@ -1,0 +1,224 @@
+"""``mla-bridge bench``: mla_bridge side by side with the kernels and peers a user would pick (issue 5).
+
+Sections (``--sections``, default all):
+  1 ``main``    causal main pass: ``RaggedPlan.run`` vs the raw FlashInfer wrapper vs torch SDPA vs flex_attention
+                vs the torch backend; 16 heads 1/4/16 x 10000 tokens, 128 heads 1/4 x 10000, 24 mixed requests.
+  2 ``context`` full ``mla_prefill`` with prefix-cached context, split into gather / up-projection / attention /
+                merge, beside the hand-written pipeline; ratio to (attention + GEMM alone).
+  3 ``merge``   ``merge_attn_states`` GB/s at 16 and 128 heads.
+  4 ``plan``    host time of ``PrefillPlan.build`` at batch 1/16/128; FlashInfer plans in a 61-layer loop.
+  5 ``memory``  peak extra device memory of ``mla_prefill`` against the workspace budget plus the output.
+  6 ``jax``     ``mla_bridge_jax.bench.compare`` when importable.
+
+Each row: ms (median over ``--repeats`` after ``--warmup``; CUDA events on a GPU), TFLOP/s or GB/s, and the
+fraction of the bf16 matmul peak or copy bandwidth measured in the same run. FLOPs: 2 x q·k pairs x heads x
+(192 + 128), causal pairs counted exactly per request, plus the up-projection GEMM where it runs.
+
+Without CUDA (or with ``--quick``) it runs tiny shapes in a few seconds (the torch backend on the CPU), so the
+command itself is tested in CI. Exit code 0, or 1 with ``--strict`` when a target that applies was missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+__all__ = ["add_arguments", "run", "main", "SECTIONS"]
+
+from .common import SECTIONS  # noqa: E402  (light: imports torch only)
+
+_ALIASES = {str(i + 1): name for i, name in enumerate(SECTIONS)}
+SKIPPABLE = ("raw", "sdpa", "flex", "torch", "handwritten")
+
+
+def _sections(text: str) -> list[str]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if part == "all":
+            return list(SECTIONS)
+        name = _ALIASES.get(part, part)
+        if name not in SECTIONS:
+            raise argparse.ArgumentTypeError(f"unknown section {part!r}; choose from {', '.join(SECTIONS)} "
+                                             f"(or 1-{len(SECTIONS)}, or all)")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise argparse.ArgumentTypeError("--sections needs at least one section")
+    return out
+
+
+def _skip(text: str) -> set:
+    names = {p.strip().lower() for p in text.split(",") if p.strip()}
+    bad = names - set(SKIPPABLE)
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown path(s) {sorted(bad)}; choose from {', '.join(SKIPPABLE)}")
+    return names
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the bench's options to ``parser`` (the ``mla-bridge bench`` subcommand)."""
+    parser.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="LIST",
+                        help=f"comma-separated sections to run: {','.join(SECTIONS)} (or 1-6, or all; default all)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes, a few seconds (automatic on a machine without CUDA)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where to run (default: cuda when available, else cpu in quick mode)")
+    parser.add_argument("--repeats", type=_nonneg_int, default=None,
+                        help="timed calls per row, median reported (default 15 on a GPU, 3 in quick mode)")
+    parser.add_argument("--warmup", type=_nonneg_int, default=None,
+                        help="untimed calls before timing (default 3 on a GPU, 1 in quick mode; on CUDA at least 1, "
+                             "which absorbs FlashInfer's JIT compile)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write every figure and the environment here")
+    parser.add_argument("--plot", metavar="PATH", default=None, help="write a PNG: TFLOP/s vs sequence length per path")
+    parser.add_argument("--backend", default=None, metavar="NAME",
+                        help="force mla_bridge's backend (flashinfer-cutlass, flashinfer-fa3, flashinfer-fa2, torch); "
+                             "the raw FlashInfer rows follow it")
+    parser.add_argument("--skip", type=_skip, default=set(), metavar="PATHS",
+                        help=f"comparison paths to leave out: {','.join(SKIPPABLE)}")
+    parser.add_argument("--budget-s", type=float, default=None, metavar="S",
+                        help="seconds after which the slow optional rows (flex_attention, torch backend) are skipped "
+                             "(default 420 on a GPU in full mode, none otherwise)")
+    parser.add_argument("--layers", type=_nonneg_int, default=61, help="layers in the planning loop (default 61)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target that applies was missed")
+
+
+def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
+    from . import context, main_pass, sections as other
+
+    makers = {"main": main_pass.jobs, "context": context.jobs, "merge": other.merge_jobs, "plan": other.plan_jobs,
+              "memory": other.memory_jobs, "jax": other.jax_jobs}
+    jobs = []
+    for name in SECTIONS:  # report order, whatever order they were asked in
+        if name in sections:
+            jobs.extend(makers[name](ctx))
+    # Slow optional peers run last, so that a spent time budget only ever drops them.
+    return [j for j in jobs if not j.optional] + [j for j in jobs if j.optional]
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe: NaN and infinities become None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
+    """Run the bench described by ``args`` (from a parser given :func:`add_arguments`). Returns the exit code."""
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .common import Ctx, Row, fmt_err
+    from .report import environment, measure_peaks, render, sort_rows, write_json, write_plot
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a log file or a pipe: wide enough that the tables stay readable
+            console = Console(width=200)
+    sections = list(getattr(args, "sections", None) or SECTIONS)
+    has_cuda = torch.cuda.is_available()
+    device_arg = getattr(args, "device", "auto") or "auto"
+    if device_arg == "cuda" and not has_cuda:
+        console.print("[red]mla-bridge bench: --device cuda, but CUDA is not available[/]")
+        return 2
+    use_cuda = has_cuda and device_arg != "cpu"
+    quick = bool(getattr(args, "quick", False)) or not use_cuda
+    if not use_cuda and not getattr(args, "quick", False):
+        console.print("No CUDA device: running the quick CPU version (torch backend, tiny shapes, CPU timers).")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    repeats = max(1, args.repeats) if getattr(args, "repeats", None) is not None else (3 if quick else 15)
+    warmup = args.warmup if getattr(args, "warmup", None) is not None else (1 if quick else 3)
+    budget = getattr(args, "budget_s", None)
+    if budget is None and use_cuda and not quick:
+        budget = 420.0
+    ctx = Ctx(device=device, quick=quick, repeats=repeats, warmup=warmup, seed=getattr(args, "seed", 0),
+              backend=getattr(args, "backend", None), skip=set(getattr(args, "skip", set()) or ()), budget_s=budget,
+              console=console, layers=max(1, getattr(args, "layers", 61)))
+    env = environment(ctx)
+    rows: list[Row] = []
+    job_times: list[dict] = []
+    threads = torch.get_num_threads()
+    if not use_cuda:
+        # CPU quick mode checks the command, it does not measure the CPU: one thread is steady on shared CI cores
+        # (OpenMP barriers on an oversubscribed machine cost 10x). Set back when done.
+        torch.set_num_threads(1)
+    try:
+        jobs = _jobs_for(ctx, sections)
+        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True)
+        with progress:
+            task = progress.add_task("machine peaks", total=len(jobs) + 1)
+            rows.extend(measure_peaks(ctx))
+            progress.advance(task)
+            for job in jobs:
+                progress.update(task, description=job.label)
+                started = time.perf_counter()
+                try:
+                    rows.extend(job.fn(ctx))
+                except Exception as err:  # noqa: BLE001 - one broken job never ends the run
+                    ctx.recover()
+                    rows.append(Row(job.section, job.label, "(whole job)", status="skipped",
+                                    note="failed: " + fmt_err(err, 160), error=fmt_err(err), order=(9, 0, 0)))
+                job_times.append({"section": job.section, "job": job.label,
+                                  "seconds": round(time.perf_counter() - started, 3)})
+                progress.advance(task)
+    finally:
+        ctx.close()
+        torch.set_num_threads(threads)
+    rows = sort_rows(rows)
+    render(console, rows, ctx.checks, env, ctx.peaks)
+    config = {"sections": sections, "quick": quick, "device": str(device), "repeats": repeats, "warmup": warmup,
+              "seed": ctx.seed, "backend": ctx.backend, "skip": sorted(ctx.skip), "budget_s": budget,
+              "layers": ctx.layers, "timer": "cuda events" if use_cuda else "time.perf_counter",
+              "statistic": "median", "l2_flush": False}
+    payload = _clean({
+        "environment": env, "config": config, "peaks": ctx.peaks, "sections": sections,
+        "elapsed_s": round(ctx.elapsed(), 3), "rows": [r.to_dict() for r in rows],
+        "checks": [c.to_dict() for c in ctx.checks], "jobs": job_times,
+    })
+    if getattr(args, "json", None):
+        write_json(args.json, payload)
+        console.print(f"JSON: {args.json}")
+    if getattr(args, "plot", None):
+        try:
+            write_plot(args.plot, rows, ctx.peaks, env)
+            console.print(f"plot: {args.plot}")
+        except Exception as err:  # noqa: BLE001
+            console.print(f"[red]plot failed[/]: {fmt_err(err)}")
+            return 1
+    console.print(f"bench finished in {ctx.elapsed():.1f} s")
+    missed = [c for c in ctx.checks if c.applies and c.passed is False]
+    return 1 if getattr(args, "strict", False) and missed else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mla_bridge.bench [options]``."""
+    parser = argparse.ArgumentParser(prog="mla-bridge bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

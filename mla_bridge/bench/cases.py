@@ -1,0 +1,95 @@
+"""The workloads: the issue's shapes on a GPU, tiny ones in quick/CPU mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dims import MLADims
+
+__all__ = ["MainShape", "ContextCase", "main_shapes", "context_cases", "mixed_lengths", "dims_for",
+           "TORCH_BACKEND_MAX_WORK"]
+
+#: The torch backend (blockwise float32, Python loops) runs on the GPU only up to this many causal (q, k) pairs x
+#: heads (1 x 10000 tokens at 16 heads); larger shapes are skipped with a note.
+TORCH_BACKEND_MAX_WORK = 10000 * 10001 // 2 * 16
+
+
+@dataclass(frozen=True)
+class MainShape:
+    name: str
+    heads: int
+    lens: tuple[int, ...]
+
+    @property
+    def equal(self) -> bool:
+        return len(set(self.lens)) == 1
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lens)
+
+
+@dataclass(frozen=True)
+class ContextCase:
+    """``batch`` requests of ``context`` cached + ``new`` new tokens at ``heads`` heads; ``budgets`` are
+    (label, chunk_tokens)."""
+
+    name: str
+    batch: int
+    context: int
+    new: int
+    budgets: tuple[tuple[str, int], ...]
+    block_size: int
+    heads: int = 16
+
+
+def dims_for(heads: int) -> MLADims:
+    """DeepSeek-V2-Lite's dims and scale at 16 heads, DeepSeek-V3's at 128, V2-Lite's scale otherwise."""
+    if heads == 16:
+        return MLADims.deepseek_v2_lite()
+    if heads == 128:
+        return MLADims.deepseek_v3()
+    return MLADims(num_heads=heads, softmax_scale=MLADims.deepseek_v2_lite().softmax_scale)
+
+
+def mixed_lengths(n: int, lo: int, hi: int, seed: int = 1234) -> tuple[int, ...]:
+    """``n`` lengths in ``[lo, hi]`` from a fixed seed, both ends included, shuffled."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, size=n)
+    lens[0], lens[-1] = lo, hi
+    rng.shuffle(lens)
+    return tuple(int(x) for x in lens)
+
+
+def main_shapes(quick: bool) -> list[MainShape]:
+    if quick:
+        return [
+            MainShape("16h 1x128", 16, (128,)),
+            MainShape("16h 2x128", 16, (128,) * 2),
+            MainShape("32h 1x64", 32, (64,)),
+            MainShape("16h mixed 5 (5..150)", 16, mixed_lengths(5, 5, 150)),
+        ]
+    mixed = mixed_lengths(24, 37, 9000)
+    return [
+        MainShape("16h 1x10000", 16, (10000,)),
+        MainShape("16h 4x10000", 16, (10000,) * 4),
+        MainShape("16h 16x10000", 16, (10000,) * 16),
+        MainShape("128h 1x10000", 128, (10000,)),
+        MainShape("128h 4x10000", 128, (10000,) * 4),
+        MainShape(f"16h mixed 24 (37..9000, {sum(mixed)} tok)", 16, mixed),
+    ]
+
+
+def context_cases(quick: bool) -> list[ContextCase]:
+    """Each case with a chunk budget that holds all its context and one that needs 4 chunks."""
+    if quick:
+        return [
+            ContextCase("4h 2x(96+32)", 2, 96, 32, (("all context", 192), ("4 chunks", 48)), 16, heads=4),
+            ContextCase("4h 1x(256+32)", 1, 256, 32, (("all context", 256), ("4 chunks", 64)), 16, heads=4),
+        ]
+    return [
+        ContextCase("4x(8000+2000)", 4, 8000, 2000, (("all context", 32000), ("4 chunks", 8000)), 64),
+        ContextCase("1x(64000+4000)", 1, 64000, 4000, (("all context", 64000), ("4 chunks", 16000)), 64),
+    ]

@@ -1,0 +1,347 @@
+"""What every bench section shares: rows, checks, the run context, timers and FLOP/byte counts.
+
+Timing (GPU): a CUDA event pair around each call, ``warmup`` calls first (they absorb FlashInfer's JIT compile
+and the caching allocator's first allocations), then ``repeats`` calls enqueued back to back; the figure is the
+median. The host time of each call (``perf_counter`` around the enqueue, no sync) is kept beside it: a plan, a
+copy or a sync hidden in a call shows there even when the GPU hides it. On the CPU both are wall-clock times.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["Row", "Check", "Job", "Timing", "Ctx", "causal_pairs", "attention_flops", "gemm_flops", "fmt_err",
+           "SECTIONS", "SECTION_TITLES", "HEAD_DIM_SUM"]
+
+#: Sections in report order (the issue's numbering: 1 main ... 6 jax).
+SECTIONS = ("main", "context", "merge", "plan", "memory", "jax")
+SECTION_TITLES = {
+    "peak": "0. Machine peaks (same run)",
+    "main": "1. Main pass: causal ragged attention",
+    "context": "2. Context pass and full mla_prefill with prefix-cached context",
+    "merge": "3. Merge of attention partials",
+    "plan": "4. Planning: host time and plans per 61-layer loop",
+    "memory": "5. Peak extra device memory of mla_prefill",
+    "jax": "6. JAX adapter",
+}
+#: head_dim_qk + head_dim_vo for DeepSeek MLA (192 + 128): the FLOPs of one q-k pair and one p-v pair per head.
+HEAD_DIM_SUM = 192 + 128
+
+
+def causal_pairs(q_len: int, kv_len: int) -> int:
+    """Visible (query, key) pairs of one request under bottom-right aligned causal masking, counted exactly:
+    query ``i`` sees ``min(kv_len, max(0, i + kv_len - q_len + 1))`` keys."""
+    if q_len <= 0 or kv_len <= 0:
+        return 0
+    offset = kv_len - q_len
+    # i from 0..q_len-1: visible = clamp(i + offset + 1, 0, kv_len)
+    total = 0
+    lo = max(0, -offset)  # first query that sees at least one key
+    if lo >= q_len:
+        return 0
+    full_from = max(lo, kv_len - offset - 1)  # queries i >= full_from see all kv_len keys
+    full_from = min(full_from, q_len)
+    n = full_from - lo  # queries with a partial (growing) view
+    if n > 0:
+        first = lo + offset + 1
+        total += n * first + n * (n - 1) // 2
+    total += (q_len - full_from) * kv_len
+    return total
+
+
+def attention_flops(q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: bool, heads: int,
+                    head_dim_sum: int = HEAD_DIM_SUM) -> float:
+    """2 x (q·k pairs) x heads x (head_dim_qk + head_dim_vo); causal pairs counted exactly per request."""
+    pairs = sum(causal_pairs(q, k) if causal else q * k for q, k in zip(q_lens, kv_lens))
+    return 2.0 * pairs * heads * head_dim_sum
+
+
+def gemm_flops(tokens: int, kv_lora_rank: int, out_features: int) -> float:
+    """FLOPs of the up-projection ``[tokens, kv_lora_rank] @ [kv_lora_rank, out_features]``."""
+    return 2.0 * tokens * kv_lora_rank * out_features
+
+
+def fmt_err(err: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(err).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(err).__name__}: {text}"
+
+
+@dataclass
+class Row:
+    """One figure of the report. ``status`` is "ok" or "skipped"; a skipped row says why in ``note`` and, when a
+    kernel or call failed, carries the exception text in ``error``. Unmeasured figures are ``None``."""
+
+    section: str
+    case: str
+    path: str
+    status: str = "ok"
+    ms: Optional[float] = None  # GPU time per call (median of repeats), CPU wall time on the CPU
+    host_ms: Optional[float] = None  # host time to issue one call (median)
+    tflops: Optional[float] = None
+    gbps: Optional[float] = None
+    fraction: Optional[float] = None  # of the measured bf16 matmul peak (TFLOP/s rows) or copy bandwidth (GB/s rows)
+    fraction_of: Optional[str] = None  # "matmul_peak" or "copy_bandwidth"
+    flops: Optional[float] = None
+    bytes: Optional[float] = None
+    seq_len: Optional[int] = None  # key tokens in the batch (sum of kv lengths): the plot's x axis
+    heads: Optional[int] = None
+    repeats: Optional[int] = None
+    note: str = ""
+    error: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+    order: tuple = field(default=(0, 0, 0), repr=False)  # display order, not written to JSON
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("order", None)
+        return d
+
+
+@dataclass
+class Check:
+    """A target of the issue: ``value`` against ``target`` (``op`` "<=" or ">=" or "=="); ``passed`` is None when
+    it could not be measured. ``applies`` is False in quick/CPU mode (the targets are for the H200)."""
+
+    name: str
+    value: Optional[float]
+    target: float
+    op: str
+    passed: Optional[bool]
+    applies: bool
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Job:
+    """A unit of work in the progress bar: ``fn(ctx) -> list[Row]``. Optional jobs (slow peers) run after the
+    others and are skipped once the time budget is spent."""
+
+    section: str
+    label: str
+    fn: Callable[["Ctx"], list]
+    optional: bool = False
+
+
+@dataclass
+class Timing:
+    ms: float
+    host_ms: float
+    samples: list
+    repeats: int
+
+
+class Ctx:
+    """The run's settings and shared state (device, dtype, timers, peaks, reusable FlashInfer objects)."""
+
+    def __init__(self, *, device: torch.device, quick: bool, repeats: int, warmup: int, seed: int,
+                 backend: Optional[str], skip: set, budget_s: Optional[float], console: Any, layers: int = 61):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.quick = quick
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.repeats = repeats
+        self.warmup = warmup
+        self.seed = seed
+        self.backend = backend
+        self.skip = skip
+        self.budget_s = budget_s
+        self.console = console
+        self.layers = layers
+        self.t0 = time.perf_counter()
+        self.peaks: dict = {}
+        self.checks: list[Check] = []
+        self._raw_float_ws: Optional[torch.Tensor] = None
+        self._raw_wrappers: dict = {}
+        self._workspace: Any = None
+
+    def workspace(self) -> Any:
+        """The run's shared :class:`mla_bridge.Workspace` for main-pass plans (one per device, as a user holds)."""
+        if self._workspace is None:
+            from ..workspace import Workspace
+
+            self._workspace = Workspace(self.device)
+        return self._workspace
+
+    # ------------------------------------------------------------------ time
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def over_budget(self) -> bool:
+        return self.budget_s is not None and self.elapsed() > self.budget_s
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn: Callable[[], Any], *, repeats: Optional[int] = None, warmup: Optional[int] = None) -> Timing:
+        """Median time of ``fn()`` (see the module docstring). On CUDA at least one warm-up call is always made,
+        so that a JIT compile is never timed."""
+        r = max(1, self.repeats if repeats is None else repeats)
+        w = self.warmup if warmup is None else warmup
+        if self.cuda:
+            w = max(1, w)
+        for _ in range(w):
+            fn()
+        self.sync()
+        host: list[float] = []
+        if self.cuda:
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(r)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(r)]
+            for i in range(r):
+                t = time.perf_counter()
+                starts[i].record()
+                fn()
+                ends[i].record()
+                host.append((time.perf_counter() - t) * 1e3)
+            torch.cuda.synchronize(self.device)
+            samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        else:
+            samples = []
+            for _ in range(r):
+                t = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t) * 1e3)
+            host = samples
+        return Timing(statistics.median(samples), statistics.median(host), [round(s, 6) for s in samples], r)
+
+    # ------------------------------------------------------------------ rows
+    def row(self, section: str, case: str, path: str, timing: Optional[Timing] = None, *, ms: Optional[float] = None,
+            flops: Optional[float] = None, nbytes: Optional[float] = None, **kw: Any) -> Row:
+        """A measured row: TFLOP/s from ``flops`` (fraction of the matmul peak), else GB/s from ``nbytes``
+        (fraction of the copy bandwidth)."""
+        row = Row(section=section, case=case, path=path, flops=flops, bytes=nbytes, **kw)
+        if timing is not None:
+            row.ms, row.host_ms, row.repeats = timing.ms, timing.host_ms, timing.repeats
+            row.extra.setdefault("ms_samples", timing.samples)
+        elif ms is not None:
+            row.ms = ms
+        if row.ms and row.ms > 0:
+            if flops:
+                row.tflops = flops / (row.ms * 1e-3) / 1e12
+                peak = self.peaks.get("matmul_tflops")
+                if peak:
+                    row.fraction, row.fraction_of = row.tflops / peak, "matmul_peak"
+            if nbytes:
+                row.gbps = nbytes / (row.ms * 1e-3) / 1e9
+                peak = self.peaks.get("copy_gbps")
+                if peak and not flops:
+                    row.fraction, row.fraction_of = row.gbps / peak, "copy_bandwidth"
+        return row
+
+    def skipped(self, section: str, case: str, path: str, note: str, err: Optional[BaseException] = None,
+                **kw: Any) -> Row:
+        return Row(section=section, case=case, path=path, status="skipped", note=note,
+                   error=None if err is None else fmt_err(err), **kw)
+
+    def measure(self, section: str, case: str, path: str, fn: Callable[[], Any], *, flops: Optional[float] = None,
+                nbytes: Optional[float] = None, repeats: Optional[int] = None, warmup: Optional[int] = None,
+                **kw: Any) -> Row:
+        """Time ``fn`` into a row; a failure (a kernel that does not compile or launch, out of memory) becomes a
+        skipped row carrying the error text, and the run goes on."""
+        try:
+            timing = self.time(fn, repeats=repeats, warmup=warmup)
+        except Exception as err:  # noqa: BLE001 - reported in the row
+            self.recover()
+            return self.skipped(section, case, path, "failed: " + fmt_err(err, 160), err,
+                                flops=flops, bytes=nbytes, **kw)
+        return self.row(section, case, path, timing, flops=flops, nbytes=nbytes, **kw)
+
+    def recover(self) -> None:
+        """After a failed call: surface a pending launch error on a throw-away kernel (so it is not blamed on the
+        next row's), then drop cached blocks so the next row starts from a clean allocator."""
+        if self.cuda:
+            for _ in range(2):
+                try:
+                    torch.cuda.synchronize(self.device)
+                    torch.ones(1, device=self.device).add_(1)  # its launch check reads (and clears) a stale error
+                    torch.cuda.synchronize(self.device)
+                    break
+                except Exception:  # noqa: BLE001 - sticky errors stay; the run goes on and reports them per row
+                    continue
+            try:
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def check(self, name: str, value: Optional[float], op: str, target: float, note: str = "") -> Check:
+        passed: Optional[bool]
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            passed = None
+        elif op == "<=":
+            passed = value <= target
+        elif op == ">=":
+            passed = value >= target
+        else:
+            passed = value == target
+        c = Check(name, value, target, op, passed, applies=self.cuda and not self.quick, note=note)
+        self.checks.append(c)
+        return c
+
+    # ------------------------------------------------------------------ tensors
+    def generator(self, salt: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(self.seed * 1_000_003 + salt)
+        return g
+
+    def randn(self, *shape: int, gen: torch.Generator, scale: float = 1.0, dtype: Optional[torch.dtype] = None
+              ) -> torch.Tensor:
+        x = torch.randn(*shape, generator=gen, device=self.device, dtype=dtype or self.dtype)
+        return x.mul_(scale) if scale != 1.0 else x
+
+    # ------------------------------------------------------------------ FlashInfer, built by the bench itself
+    def raw_float_workspace(self) -> torch.Tensor:
+        """The float workspace of the bench's own FlashInfer wrappers (512 MiB: fa2's split-KV never overflows)."""
+        if self._raw_float_ws is None:
+            self._raw_float_ws = torch.empty(512 * 1024 * 1024, dtype=torch.uint8, device=self.device)
+        return self._raw_float_ws
+
+    def raw_wrapper(self, backend: str, slot: int = 0) -> Any:
+        """A raw ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper(float_ws, "NHD", backend=...)``, reused across
+        cases (each construction pins 8 MiB of host memory); re-planned per case."""
+        key = (backend, slot)
+        if key not in self._raw_wrappers:
+            import flashinfer
+
+            self._raw_wrappers[key] = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self.raw_float_workspace(), "NHD", backend=backend)
+        return self._raw_wrappers[key]
+
+    def close(self) -> None:
+        self._raw_wrappers.clear()
+        self._workspace = None
+        self._raw_float_ws = None
+        self.recover()
+
+
+def plan_raw(wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, *, heads: int, causal: bool,
+             sm_scale: float, dtype: torch.dtype, head_dim_qk: int = 192, head_dim_vo: int = 128) -> None:
+    """Plan a raw FlashInfer ragged wrapper with the arguments the core's FlashInfer backend passes."""
+    wrapper.plan(qo_indptr, kv_indptr, heads, heads, head_dim_qk, head_dim_vo=head_dim_vo, causal=causal,
+                 sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+
+
+def indptr(lens: Sequence[int]) -> torch.Tensor:
+    """int32 CPU prefix sums ``[len(lens) + 1]``."""
+    t = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    if lens:
+        t[1:] = torch.tensor(list(lens), dtype=torch.int64).cumsum(0)
+    return t.to(torch.int32)
+
+
+def flashinfer_importable() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True

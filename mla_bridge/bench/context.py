@@ -1,0 +1,410 @@
+"""Section 2: the context pass and the full ``mla_prefill`` with prefix-cached context.
+
+For each case and chunk budget: ``mla_prefill`` end to end; its phases run alone on the same tensors (gather by
+block table, up-projection with and without the k concat, the attention kernels, the merge); the hand-written
+pipeline a user would write without mla_bridge (torch gather by block table, ``kv_b_proj`` matmul, ``torch.cat``
+with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context pass
+(non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
+
+The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_gather_latent`` and
+``_up_project``); keep them in step when it changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..merge import merge_attn_states_
+from ..plan import PrefillPlan, schedule_context_chunks
+from ..prefill import _gather_latent, _up_project, mla_prefill
+from ..ragged import plan_ragged
+from ..workspace import Workspace
+from .cases import ContextCase, context_cases, dims_for
+from .common import Ctx, Job, Row, attention_flops, flashinfer_importable, fmt_err, gemm_flops, indptr, plan_raw
+
+__all__ = ["jobs", "PATHS", "Inputs", "make_inputs", "handwritten_pipeline", "handwritten_backend"]
+
+SECTION = "context"
+PATHS = (
+    "mla_prefill",
+    "mla_prefill, chunked schedule (fuse_context=False)",
+    "hand-written pipeline",
+    "phase: gather by block_table",
+    "phase: up-projection (GEMM + k concat)",
+    "phase: up-projection GEMM alone",
+    "phase: attention kernels alone",
+    "phase: merge",
+    "sum of phases alone",
+    "attention + GEMM alone",
+    "context pass: RaggedPlan.run",
+    "context pass: raw FlashInfer wrapper.run",
+)
+
+
+@dataclass
+class Inputs:
+    """One layer's inputs for a context case (random bf16 on the GPU, float32 on the CPU)."""
+
+    case: ContextCase
+    dims: Any
+    q: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    w: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+
+    @property
+    def q_lens(self) -> list[int]:
+        return [self.case.new] * self.case.batch
+
+    @property
+    def c_lens(self) -> list[int]:
+        return [self.case.context] * self.case.batch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.case.new * self.case.batch
+
+    @property
+    def num_context(self) -> int:
+        return self.case.context * self.case.batch
+
+    def flops(self) -> tuple[float, float]:
+        """(attention FLOPs, up-projection GEMM FLOPs) of one mla_prefill over this batch."""
+        attn = attention_flops(self.q_lens, [c + q for c, q in zip(self.c_lens, self.q_lens)], causal=True,
+                               heads=self.dims.num_heads)
+        d = self.dims
+        gemm = gemm_flops(self.num_context + self.num_tokens, d.kv_lora_rank,
+                          d.num_heads * (d.qk_nope_head_dim + d.v_head_dim))
+        return attn, gemm
+
+
+def make_inputs(ctx: Ctx, case: ContextCase, salt: int) -> Inputs:
+    dims = dims_for(case.heads)
+    heads = case.heads
+    g = ctx.generator(1000 + salt)
+    t = case.batch * case.new
+    bs = case.block_size
+    per_req = math.ceil(case.context / bs)
+    num_blocks = case.batch * per_req + 1
+    q = ctx.randn(t, heads, dims.head_dim_qk, gen=g)
+    kv_c = ctx.randn(t, dims.kv_lora_rank, gen=g)
+    k_pe = ctx.randn(t, dims.qk_rope_head_dim, gen=g)
+    w = ctx.randn(dims.kv_b_proj_shape[0], dims.kv_lora_rank, gen=g, scale=dims.kv_lora_rank ** -0.5)
+    kv_cache = ctx.randn(num_blocks, bs, dims.latent_dim, gen=g)
+    cpu_gen = torch.Generator().manual_seed(ctx.seed + salt)
+    perm = torch.randperm(num_blocks, generator=cpu_gen)[: case.batch * per_req]  # scattered pages
+    block_table = perm.view(case.batch, per_req).to(torch.int32).to(ctx.device)
+    return Inputs(case, dims, q, kv_c, k_pe, w, kv_cache, block_table)
+
+
+def handwritten_backend(ctx: Ctx) -> str:
+    """fa3 on SM90, fa2 elsewhere (what a user of FlashInfer would pick by hand)."""
+    from flashinfer.utils import is_sm90a_supported
+
+    return "fa3" if is_sm90a_supported(ctx.device) else "fa2"
+
+
+def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[], torch.Tensor]:
+    """The pipeline without mla_bridge, planned once per batch (host metadata and one wrapper per pass) and
+    returned as a per-layer function: torch gather by block table, ``kv_b_proj`` matmul, ``torch.cat`` with k_pe,
+    a FlashInfer run per chunk, ``flashinfer.merge_state`` (base-2 LSE throughout)."""
+    import flashinfer
+
+    d, bs, h = x.dims, x.case.block_size, x.dims.num_heads
+    fb = handwritten_backend(ctx)
+    nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
+    qo = indptr(x.q_lens)
+    main = ctx.raw_wrapper(fb, 0)
+    plan_raw(main, qo, qo, heads=h, causal=True, sm_scale=d.softmax_scale, dtype=ctx.dtype)
+    chunks = []
+    for i, spans in enumerate(schedule_context_chunks(x.c_lens, chunk_tokens)):
+        r0, r1 = spans[0][0], spans[-1][0] + 1
+        kv_lens = [0] * (r1 - r0)
+        for r, s, e in spans:
+            kv_lens[r - r0] = e - s
+        q0, q1 = int(qo[r0]), int(qo[r1])
+        wrapper = ctx.raw_wrapper(fb, i + 1)
+        plan_raw(wrapper, qo[r0:r1 + 1] - q0, indptr(kv_lens), heads=h, causal=False, sm_scale=d.softmax_scale,
+                 dtype=ctx.dtype)
+        req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
+        pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
+        chunks.append((wrapper, q0, q1, req_ids, pos))
+    t = x.num_tokens
+    cache = x.kv_cache.view(-1, d.latent_dim)
+
+    def up(kv_c: torch.Tensor, k_pe: torch.Tensor):
+        kv = torch.matmul(kv_c, x.w.t()).view(kv_c.shape[0], h, nope + d.v_head_dim)
+        k_nope, v = kv.split([nope, d.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)], dim=-1)
+        return k, v
+
+    def layer() -> torch.Tensor:
+        k, v = up(x.kv_c, x.k_pe)
+        out, lse = main.run(x.q, k, v, return_lse=True)
+        for wrapper, q0, q1, req_ids, pos in chunks:
+            slots = x.block_table[req_ids, pos // bs].long() * bs + pos % bs
+            latent = cache[slots]
+            k, v = up(latent[:, :rank], latent[:, rank:])
+            c_out, c_lse = wrapper.run(x.q[q0:q1], k, v, return_lse=True)
+            if q0 == 0 and q1 == t:
+                out, lse = flashinfer.merge_state(out, lse, c_out, c_lse)
+            else:
+                m_out, m_lse = flashinfer.merge_state(out[q0:q1], lse[q0:q1], c_out, c_lse)
+                out[q0:q1] = m_out
+                lse[q0:q1] = m_lse
+        return out
+
+    return layer
+
+
+class _Phases:
+    """mla_prefill's steps, each runnable alone on tensors prepared once (see the module docstring)."""
+
+    def __init__(self, x: Inputs, plan: PrefillPlan):
+        d, bs = x.dims, x.case.block_size
+        self.x, self.plan = x, plan
+        rank, e = d.kv_lora_rank, x.q.element_size()
+        self.out = torch.empty(x.num_tokens, d.num_heads, d.v_head_dim, dtype=plan.dtype, device=plan.device)
+        self.lse = torch.empty(x.num_tokens, d.num_heads, dtype=torch.float32, device=plan.device)
+        row_bytes = d.latent_dim * e
+        if plan.fused:
+            self.n_keys = int(plan.main_kv_indptr[-1])
+            latent = self.gather()
+            self.sources = [(latent[:, :rank], latent[:, rank:])]  # strided views, as mla_prefill passes them
+            self.gather_bytes = (4 * x.num_context + 2 * x.num_tokens) * row_bytes
+        else:
+            self.sources = [(x.kv_c, x.k_pe)] + [
+                (lat[:, :rank], lat[:, rank:]) for lat in self.gather()]
+            self.gather_bytes = 2 * x.num_context * row_bytes
+        self.kv = self.up_projection()
+        self.partials = []
+        self.attention()
+        if not plan.fused:
+            self.partials = [c.plan.run(x.q[c.q_start:c.q_end], k, v) if c.plan is not None else None
+                             for c, (k, v) in zip(plan.chunks, self.kv[1:])]
+        rows = sum(c.q_end - c.q_start for c in plan.chunks if c.plan is not None)
+        self.merge_bytes = 3 * rows * d.num_heads * (d.v_head_dim * e + 4)
+
+    def gather(self):
+        x, plan, d = self.x, self.plan, self.x.dims
+        if plan.fused:
+            latent = torch.empty(self.n_keys, d.latent_dim, dtype=plan.dtype, device=plan.device)
+            ctx_lat = _gather_latent(x.kv_cache, x.block_table, plan.ctx_req_ids, plan.ctx_positions, plan.block_size)
+            latent.index_copy_(0, plan.ctx_dst, ctx_lat)
+            latent[:, : d.kv_lora_rank].index_copy_(0, plan.new_dst, x.kv_c)
+            latent[:, d.kv_lora_rank:].index_copy_(0, plan.new_dst, x.k_pe)
+            return latent
+        return [_gather_latent(x.kv_cache, x.block_table, c.req_ids, c.positions, plan.block_size)
+                for c in plan.chunks]
+
+    def up_projection(self):
+        return [_up_project(c, pe, self.x.w, self.x.dims) for c, pe in self.sources]
+
+    def gemm(self):
+        return [torch.matmul(c, self.x.w.t()) for c, _ in self.sources]
+
+    def attention(self):
+        plan, q = self.plan, self.x.q
+        k, v = self.kv[0]
+        plan.main.run(q, k, v, out=self.out, lse=self.lse)
+        if not plan.fused:
+            for c, (k, v) in zip(plan.chunks, self.kv[1:]):
+                if c.plan is not None:
+                    c.plan.run(q[c.q_start:c.q_end], k, v)
+
+    def merge(self):
+        for c, part in zip(self.plan.chunks, self.partials):
+            if part is not None:
+                merge_attn_states_(self.out[c.q_start:c.q_end], self.lse[c.q_start:c.q_end], part[0], part[1])
+
+
+def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
+    label, budget = case.budgets[bi]
+    name = f"{case.name}, {label}"
+    x = make_inputs(ctx, case, ci)
+    attn_flops, up_flops = x.flops()
+    seq = x.num_context + x.num_tokens
+    meta = lambda pi: dict(seq_len=seq, heads=case.heads, order=(1, ci, pi))  # noqa: E731
+    rows: list[Row] = []
+    ws = Workspace(ctx.device, chunk_tokens=budget)
+    try:
+        plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
+                                 dtype=ctx.dtype, backend=ctx.backend)
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return [ctx.skipped(SECTION, name, PATHS[0], "plan failed: " + fmt_err(err, 160), err, **meta(0))]
+    sched = "fused (one causal pass)" if plan.fused else f"{len(plan.chunks)} chunk(s)"
+    extra = {"chunk_tokens": budget, "fused": plan.fused, "chunks": len(plan.chunks), "backend": plan.backend.name}
+    full = ctx.measure(SECTION, name, PATHS[0],
+                       lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan),
+                       flops=attn_flops + up_flops, note=f"{sched}, {plan.backend.name}", extra=dict(extra), **meta(0))
+    rows.append(full)
+    if plan.fused:
+        try:
+            plan2 = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
+                                      dtype=ctx.dtype, backend=ctx.backend, fuse_context=False)
+            rows.append(ctx.measure(SECTION, name, PATHS[1], lambda: mla_prefill(
+                x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan2), flops=attn_flops + up_flops,
+                note=f"main pass + {len(plan2.chunks)} chunk(s) + merge", **meta(1)))
+            del plan2
+        except Exception as err:  # noqa: BLE001
+            ctx.recover()
+            rows.append(ctx.skipped(SECTION, name, PATHS[1], "failed: " + fmt_err(err, 160), err, **meta(1)))
+    hand = _handwritten_row(ctx, x, budget, name, attn_flops + up_flops, meta(2))
+    rows.append(hand)
+    rows.extend(_phase_rows(ctx, x, plan, name, attn_flops, up_flops, meta, full, hand))
+    del plan
+    rows.extend(_context_pass_rows(ctx, x, budget, name, ws, meta))
+    return rows
+
+
+def _handwritten_row(ctx: Ctx, x: Inputs, budget: int, name: str, flops: float, meta: dict) -> Row:
+    if "handwritten" in ctx.skip:
+        return ctx.skipped(SECTION, name, PATHS[2], "--skip handwritten", **meta)
+    if not ctx.cuda or not flashinfer_importable():
+        return ctx.skipped(SECTION, name, PATHS[2], "needs CUDA and FlashInfer", **meta)
+    try:
+        layer = handwritten_pipeline(ctx, x, budget)
+        fb = handwritten_backend(ctx)
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return ctx.skipped(SECTION, name, PATHS[2], "plan failed: " + fmt_err(err, 160), err, **meta)
+    return ctx.measure(SECTION, name, PATHS[2], layer, flops=flops,
+                       note=f"torch gather, matmul, cat, {fb} per chunk, merge_state", **meta)
+
+
+def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, attn_flops: float, up_flops: float,
+                meta: Callable[[int], dict], full: Row, hand: Row) -> list[Row]:
+    try:
+        ph = _Phases(x, plan)
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return [ctx.skipped(SECTION, name, PATHS[3], "failed: " + fmt_err(err, 160), err, **meta(3))]
+    rows = [
+        ctx.measure(SECTION, name, PATHS[3], ph.gather, nbytes=ph.gather_bytes, **meta(3),
+                    note="latent rows read + written"),
+        ctx.measure(SECTION, name, PATHS[4], ph.up_projection, flops=up_flops, **meta(4)),
+        ctx.measure(SECTION, name, PATHS[5], ph.gemm, flops=up_flops, **meta(5)),
+        ctx.measure(SECTION, name, PATHS[6], ph.attention, flops=attn_flops, **meta(6)),
+    ]
+    if plan.fused:
+        rows.append(ctx.skipped(SECTION, name, PATHS[7], "fused schedule: one pass, nothing to merge", **meta(7)))
+    else:
+        rows.append(ctx.measure(SECTION, name, PATHS[7], ph.merge, nbytes=ph.merge_bytes, **meta(7),
+                                note="merge_attn_states_ per chunk"))
+    gather, up, gemm, attn, merge = rows
+    parts = [r.ms for r in (gather, up, attn, merge) if r.status == "ok"]
+    if gather.status == up.status == attn.status == "ok":
+        rows.append(ctx.row(SECTION, name, PATHS[8], ms=sum(parts), flops=attn_flops + up_flops, **meta(8),
+                            note="gather + up-projection + attention + merge"))
+    if attn.status == gemm.status == "ok":
+        base = attn.ms + gemm.ms
+        rows.append(ctx.row(SECTION, name, PATHS[9], ms=base, flops=attn_flops + up_flops, **meta(9),
+                            note="the 1.10x target's denominator"))
+        if full.status == "ok":
+            ratio = full.ms / base
+            full.extra["vs_attention_plus_gemm"] = ratio
+            full.note += f"; {ratio:.3f}x attn+GEMM"
+            ctx.check(f"context {name}: mla_prefill / (attention + GEMM alone)", ratio, "<=", 1.10)
+    elif full.status == "ok":
+        ctx.check(f"context {name}: mla_prefill / (attention + GEMM alone)", None, "<=", 1.10, "phases not measured")
+    if full.status == "ok" and hand.status == "ok":
+        ratio = full.ms / hand.ms
+        full.extra["vs_handwritten"] = ratio
+        full.note += f"; {ratio:.3f}x hand-written"
+        ctx.check(f"context {name}: mla_prefill / hand-written pipeline", ratio, "<=", 1.0, "never slower")
+    elif ctx.cuda:
+        ctx.check(f"context {name}: mla_prefill / hand-written pipeline", None, "<=", 1.0,
+                  "not measured: " + (hand.note if hand.status != "ok" else full.note))
+    del ph
+    return rows
+
+
+def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspace,
+                       meta: Callable[[int], dict]) -> list[Row]:
+    """One context chunk alone (the first of the schedule): non-causal, its requests' new tokens over it."""
+    d = x.dims
+    spans = schedule_context_chunks(x.c_lens, budget)[0]
+    r0, r1 = spans[0][0], spans[-1][0] + 1
+    kv_lens = [0] * (r1 - r0)
+    for r, s, e in spans:
+        kv_lens[r - r0] = e - s
+    q_lens = x.q_lens[r0:r1]
+    qo = indptr(q_lens)
+    q0 = sum(x.q_lens[:r0])
+    q = x.q[q0:q0 + sum(q_lens)]
+    flops = attention_flops(q_lens, kv_lens, causal=False, heads=d.num_heads)
+    case = f"{name}: chunk 0 (q {'+'.join(map(str, q_lens))} over kv {'+'.join(map(str, kv_lens))})"
+    m0, m1 = meta(10), meta(11)
+    m0["seq_len"] = m1["seq_len"] = sum(kv_lens)
+    try:
+        req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
+        pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
+        lat = _gather_latent(x.kv_cache, x.block_table, req_ids, pos, x.case.block_size)
+        k, v = _up_project(lat[:, : d.kv_lora_rank], lat[:, d.kv_lora_rank:], x.w, d)
+        plan = plan_ragged(qo, indptr(kv_lens), num_heads=d.num_heads, head_dim_qk=d.head_dim_qk,
+                           head_dim_vo=d.head_dim_vo, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype,
+                           workspace=ws, backend=ctx.backend)
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return [ctx.skipped(SECTION, case, PATHS[10], "failed: " + fmt_err(err, 160), err, **m0)]
+    core = ctx.measure(SECTION, case, PATHS[10], lambda: plan.run(q, k, v), flops=flops,
+                       note=f"backend {plan.backend.name}", **m0)
+    fb = plan.backend.flashinfer_backend
+    if fb is None or "raw" in ctx.skip:
+        raw = ctx.skipped(SECTION, case, PATHS[11], "--skip raw" if fb else "needs CUDA and FlashInfer", **m1)
+    else:
+        try:
+            wrapper = ctx.raw_wrapper(fb, 0)
+            plan_raw(wrapper, qo, indptr(kv_lens), heads=d.num_heads, causal=False, sm_scale=d.softmax_scale,
+                     dtype=ctx.dtype)
+            raw = ctx.measure(SECTION, case, PATHS[11], lambda: wrapper.run(q, k, v, return_lse=True), flops=flops,
+                              note=f"backend {fb}", **m1)
+        except Exception as err:  # noqa: BLE001
+            ctx.recover()
+            raw = ctx.skipped(SECTION, case, PATHS[11], "plan failed: " + fmt_err(err, 160), err, **m1)
+    if core.status == raw.status == "ok":
+        core.extra["vs_raw"] = raw.ms / core.ms
+        core.note += f"; {raw.ms / core.ms:.3f}x raw"
+    return [core, raw]
+
+
+def jobs(ctx: Ctx) -> list[Job]:
+    out = []
+    for k, case in enumerate(context_cases(ctx.quick)):
+        for bi, (label, _) in enumerate(case.budgets):
+            ci = k * len(case.budgets) + bi
+            out.append(Job(SECTION, f"context {case.name}, {label}",
+                           lambda c, cs=case, b=bi, i=ci: _case_job(c, cs, b, i)))
+    return out
+
+
+def budget_bytes(x: Inputs, chunk_tokens: int) -> dict:
+    """The memory budget of one mla_prefill (section 5): one chunk's up-projected k/v as the Workspace documents it
+    (``chunk_tokens x H x (head_dim_qk + head_dim_vo) x elem``, at most the whole context), the new tokens' k/v,
+    and the output (out and lse)."""
+    d, e = x.dims, x.q.element_size()
+    per_token = d.num_heads * (d.head_dim_qk + d.head_dim_vo) * e
+    chunk = min(chunk_tokens, x.num_context) * per_token
+    new_kv = x.num_tokens * per_token
+    output = x.num_tokens * d.num_heads * (d.v_head_dim * e + 4)
+    return {"chunk_kv": chunk, "new_kv": new_kv, "output": output, "total": chunk + new_kv + output}
+
+
+def peak_extra(ctx: Ctx, fn: Callable[[], Any]) -> int:
+    """Peak device memory allocated by ``fn()`` above what was allocated before it (after one warm-up call)."""
+    fn()
+    torch.cuda.synchronize(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    result = fn()
+    torch.cuda.synchronize(ctx.device)
+    peak = torch.cuda.max_memory_allocated(ctx.device) - base
+    del result
+    return int(peak)

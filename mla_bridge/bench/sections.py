@@ -1,0 +1,286 @@
+"""Sections 3-6: merge bandwidth, planning (host time, plans per 61-layer loop), peak memory, and the JAX adapter."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from ..merge import merge_attn_states, merge_attn_states_
+from ..plan import PrefillPlan
+from ..prefill import mla_prefill
+from ..workspace import Workspace
+from .cases import ContextCase, context_cases, dims_for
+from .common import Ctx, Job, Row, flashinfer_importable, fmt_err
+from .context import budget_bytes, handwritten_pipeline, make_inputs, peak_extra
+
+__all__ = ["merge_jobs", "plan_jobs", "memory_jobs", "jax_jobs", "normalize_jax_row"]
+
+GIB = 1024 ** 3
+
+
+# ------------------------------------------------------------------------------------------------ 3. merge
+MERGE_PATHS = ("merge_attn_states", "merge_attn_states_ (in place, as in mla_prefill)",
+               "flashinfer.merge_state (raw, base-2 lse)")
+
+
+def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
+    tokens = (2048 if ctx.quick else 2 ** 20) // heads  # the same bytes at every head count
+    d = 128
+    case = f"{heads}h x {tokens} tokens, d {d}"
+    g = ctx.generator(2000 + ci)
+    out_a, out_b = ctx.randn(tokens, heads, d, gen=g), ctx.randn(tokens, heads, d, gen=g)
+    lse_a = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
+    lse_b = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
+    nbytes = 3 * tokens * heads * (d * out_a.element_size() + 4)
+    meta = lambda pi: dict(heads=heads, seq_len=tokens, order=(2, ci, pi))  # noqa: E731
+    rows = [ctx.measure("merge", case, MERGE_PATHS[0], lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
+                        nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0))]
+    acc_out, acc_lse = out_a.clone(), lse_a.clone()
+    rows.append(ctx.measure("merge", case, MERGE_PATHS[1],
+                            lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), nbytes=nbytes, **meta(1)))
+    if not ctx.cuda or not flashinfer_importable():
+        rows.append(ctx.skipped("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
+    elif heads * (d // max(16 // out_a.element_size(), d // 32)) > 1024:
+        # FlashInfer 0.7.4 launches head_dim/vec x heads threads per block: above 64 heads at bf16, d 128, the
+        # launch fails (seen on the H200), and a failed launch can poison the next kernel's error check.
+        rows.append(ctx.skipped("merge", case, MERGE_PATHS[2], f"not run: FlashInfer's merge_state fails to launch "
+                                f"above 64 heads at bf16, d {d} (block of {heads} x "
+                                f"{d // max(16 // out_a.element_size(), d // 32)} "
+                                f"threads > 1024); merge_attn_states folds heads into rows", **meta(2)))
+    else:
+        from flashinfer import merge_state
+
+        s_a, s_b = lse_a * 1.4426950408889634, lse_b * 1.4426950408889634
+        rows.append(ctx.measure("merge", case, MERGE_PATHS[2], lambda: merge_state(out_a, s_a, out_b, s_b),
+                                nbytes=nbytes, **meta(2)))
+    main = rows[0]
+    ctx.check(f"merge {heads} heads: merge_attn_states GB/s", main.gbps, ">=", 2500.0,
+              main.note if main.status != "ok" else "")
+    return rows
+
+
+def merge_jobs(ctx: Ctx) -> list[Job]:
+    return [Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i)) for i, h in enumerate((16, 128))]
+
+
+# ------------------------------------------------------------------------------------------------ 4. plan
+def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[Row]:
+    dims = dims_for(16)
+    new, cached = 512, (2048 if with_context else 0)
+    case = f"batch {batch}: {new} new" + (f" + {cached} cached" if cached else "") + " per request"
+    path = "PrefillPlan.build host time"
+    meta = dict(heads=16, seq_len=batch * (new + cached), order=(3, ci, 0))
+    ws = Workspace(ctx.device)
+    q_lens, c_lens = [new] * batch, [cached] * batch
+
+    def build() -> Any:
+        return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=64, dtype=ctx.dtype,
+                                 backend=ctx.backend)
+
+    try:
+        plan = build()  # warm-up: FlashInfer's JIT and first allocations
+        shape = "fused" if plan.fused else (f"{len(plan.chunks)} chunk(s)" if plan.chunks else "no context")
+        backend = plan.backend.name
+        del plan
+        times = []
+        for _ in range(max(10, ctx.repeats)):
+            t = time.perf_counter()
+            plan = build()
+            times.append((time.perf_counter() - t) * 1e3)
+            del plan
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        row = ctx.skipped("plan", case, path, "failed: " + fmt_err(err, 160), err, **meta)
+    else:
+        ms = statistics.median(times)
+        row = Row("plan", case, path, ms=ms, host_ms=ms, repeats=len(times), note=f"{shape}, {backend}, host time",
+                  extra={"ms_samples": [round(t, 6) for t in times], "schedule": shape, "backend": backend}, **meta)
+    if batch == 128:
+        ctx.check(f"plan: PrefillPlan.build host ms, {case}", row.ms, "<=", 1.0)
+    return [row]
+
+
+def _loop_job(ctx: Ctx, case: ContextCase, budget_label: str, budget: int, ci: int) -> list[Row]:
+    """Build a plan once and run ``ctx.layers`` layers of mla_prefill: FlashInfer plans must be 1 + chunks, all
+    made by the build, none by the layers."""
+    name = f"{case.name}, {budget_label}" if case.context else case.name
+    path = f"{ctx.layers}-layer loop: FlashInfer plans"
+    x = make_inputs(ctx, case, 3000 + ci)
+    attn, up = x.flops()
+    meta = dict(heads=x.dims.num_heads, seq_len=x.num_context + x.num_tokens, order=(3, 100 + ci, 0))
+    ws = Workspace(ctx.device, chunk_tokens=budget)
+    try:
+        p0 = ws.plans_made
+        plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
+                                 dtype=ctx.dtype, backend=ctx.backend)
+        p1 = ws.plans_made
+
+        def loop() -> None:
+            for _ in range(ctx.layers):
+                mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan)
+
+        warm = 1 if ctx.cuda else 0
+        timing = ctx.time(loop, repeats=1, warmup=warm)
+        p2 = ws.plans_made
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        row = ctx.skipped("plan", name, path, "failed: " + fmt_err(err, 160), err, **meta)
+        ctx.check(f"plan: FlashInfer plans in a {ctx.layers}-layer loop, {name}", None, "==", 0, row.note)
+        return [row]
+    flashinfer = plan.backend.is_flashinfer
+    expected = 1 + len(plan.chunks) if flashinfer else 0
+    per_layer = timing.ms / ctx.layers
+    row = ctx.row("plan", name, path, ms=per_layer, flops=attn + up, **meta,
+                  note=f"plans: {p1 - p0} at build + {p2 - p1} in {ctx.layers * (1 + warm)} layers "
+                       f"(expected 1 + {len(plan.chunks)} chunk(s) = {1 + len(plan.chunks)})"
+                       + ("" if flashinfer else "; torch backend makes no FlashInfer plans") + "; ms per layer")
+    row.host_ms = timing.host_ms / ctx.layers
+    row.repeats = 1
+    row.extra.update(plans_at_build=p1 - p0, plans_in_loop=p2 - p1, layers_run=ctx.layers * (1 + warm),
+                     chunks=len(plan.chunks), fused=plan.fused, expected_plans=expected, backend=plan.backend.name,
+                     loop_ms=timing.ms)
+    ctx.check(f"plan: FlashInfer plans in a {ctx.layers}-layer loop, {name}", p2 - p0, "==", expected,
+              f"{p1 - p0} at build, {p2 - p1} in the layers")
+    return [row]
+
+
+def plan_jobs(ctx: Ctx) -> list[Job]:
+    out = []
+    ci = 0
+    for with_context in (False, True):
+        for batch in (1, 16, 128):
+            out.append(Job("plan", f"plan build batch {batch}" + (" with context" if with_context else ""),
+                           lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i)))
+            ci += 1
+    first = context_cases(ctx.quick)[0]
+    main_only = ContextCase(f"{first.batch}x{first.new} new, no context", first.batch, 0, first.new,
+                            (("no context", first.context),), first.block_size, heads=first.heads)
+    loops = [(main_only, "no context", first.context)] + [(first, label, b) for label, b in first.budgets]
+    for i, (case, label, budget) in enumerate(loops):
+        out.append(Job("plan", f"{ctx.layers}-layer loop {case.name} {label}",
+                       lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ 5. memory
+MEMORY_PATHS = ("mla_prefill peak extra memory", "hand-written pipeline peak extra memory")
+
+
+def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
+    label, budget = case.budgets[bi]
+    name = f"{case.name}, {label}"
+    x = make_inputs(ctx, case, 4000 + ci)
+    limit = budget_bytes(x, budget)
+    meta = lambda pi: dict(heads=x.dims.num_heads, seq_len=x.num_context + x.num_tokens, order=(4, ci, pi))  # noqa: E731
+    if not ctx.cuda:
+        return [ctx.skipped("memory", name, MEMORY_PATHS[0], "needs CUDA (torch.cuda memory statistics)",
+                            extra={"budget_bytes": limit}, **meta(0))]
+    ws = Workspace(ctx.device, chunk_tokens=budget)
+    rows = []
+    try:
+        plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
+                                 dtype=ctx.dtype, backend=ctx.backend)
+        peak = peak_extra(ctx, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan))
+        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunk(s)"
+        del plan
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        rows.append(ctx.skipped("memory", name, MEMORY_PATHS[0], "failed: " + fmt_err(err, 160), err, **meta(0)))
+        ctx.check(f"memory {name}: peak extra / (workspace budget + output)", None, "<=", 1.0, rows[-1].note)
+    else:
+        ratio = peak / limit["total"]
+        rows.append(Row("memory", name, MEMORY_PATHS[0], bytes=float(peak),
+                        note=f"{sched}: peak {peak / GIB:.3f} GiB vs budget {limit['total'] / GIB:.3f} GiB "
+                             f"({ratio:.2f}x)",
+                        extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio}, **meta(0)))
+        ctx.check(f"memory {name}: peak extra / (workspace budget + output)", ratio, "<=", 1.0,
+                  "budget: one chunk's up-projected k/v + the new tokens' k/v + out and lse")
+    if flashinfer_importable():
+        try:
+            layer = handwritten_pipeline(ctx, x, budget)
+            peak = peak_extra(ctx, layer)
+            rows.append(Row("memory", name, MEMORY_PATHS[1], bytes=float(peak),
+                            note=f"peak {peak / GIB:.3f} GiB ({peak / limit['total']:.2f}x the same budget)",
+                            extra={"peak_bytes": peak, "budget_bytes": limit,
+                                   "peak_over_budget": peak / limit["total"]}, **meta(1)))
+        except Exception as err:  # noqa: BLE001
+            ctx.recover()
+            rows.append(ctx.skipped("memory", name, MEMORY_PATHS[1], "failed: " + fmt_err(err, 160), err, **meta(1)))
+    return rows
+
+
+def memory_jobs(ctx: Ctx) -> list[Job]:
+    out = []
+    for k, case in enumerate(context_cases(ctx.quick)):
+        for bi, (label, _) in enumerate(case.budgets):
+            ci = k * len(case.budgets) + bi
+            out.append(Job("memory", f"memory {case.name}, {label}", lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ 6. JAX
+_JAX_KNOWN = {"section", "case", "path", "status", "ms", "host_ms", "tflops", "gbps", "fraction", "flops", "bytes",
+              "seq_len", "heads", "repeats", "note", "error"}
+
+
+def normalize_jax_row(ctx: Ctx, d: dict, i: int) -> Row:
+    """A row of ``mla_bridge_jax.bench.compare`` in this report's schema (unknown keys go to ``extra``)."""
+    d = dict(d)
+    path = str(d.pop("path", None) or d.pop("name", None) or d.pop("impl", None) or f"jax row {i}")
+    case = str(d.pop("case", None) or d.pop("shape", None) or "")
+    ms = d.pop("ms", None)
+    flops = d.pop("flops", None)
+    status = d.pop("status", "ok" if ms is not None else "skipped")
+    if status not in ("ok", "skipped"):
+        status = "skipped"
+    note = str(d.pop("note", "") or "")
+    error = d.pop("error", None)
+    known = {k: d.pop(k) for k in list(d) if k in _JAX_KNOWN}
+    row = ctx.row("jax", case, path, ms=float(ms) if ms is not None else None,
+                  flops=float(flops) if flops else None, note=note, order=(5, i, 0))
+    row.status = status
+    row.error = None if error is None else str(error)
+    for key in ("host_ms", "seq_len", "heads", "repeats"):
+        if known.get(key) is not None:
+            setattr(row, key, known[key])
+    if row.tflops is None and known.get("tflops") is not None:
+        row.tflops = float(known["tflops"])
+        peak = ctx.peaks.get("matmul_tflops")
+        row.fraction = row.tflops / peak if peak else None
+        row.fraction_of = "matmul_peak" if peak else None
+    if row.gbps is None and known.get("gbps") is not None:
+        row.gbps = float(known["gbps"])
+    row.extra.update(d)
+    return row
+
+
+def _jax_job(ctx: Ctx) -> list[Row]:
+    path = "mla_bridge_jax.bench.compare"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+    try:
+        mod = importlib.import_module("mla_bridge_jax.bench")
+        compare = mod.compare
+    except Exception as err:  # noqa: BLE001
+        return [ctx.skipped("jax", "JAX adapter", path, "JAX section skipped: mla_bridge_jax.bench.compare is not "
+                            "importable", err, order=(5, 0, 0))]
+    offered = dict(quick=ctx.quick, repeats=ctx.repeats, warmup=ctx.warmup, seed=ctx.seed, device=ctx.device,
+                   dtype=ctx.dtype, peak_tflops=ctx.peaks.get("matmul_tflops"), timer=ctx.time, console=ctx.console)
+    try:
+        params = inspect.signature(compare).parameters
+        kwargs = {k: v for k, v in offered.items() if k in params}
+        result = compare(**kwargs)
+        rows = [normalize_jax_row(ctx, dict(d), i) for i, d in enumerate(result or [])]
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return [ctx.skipped("jax", "JAX adapter", path, "failed: " + fmt_err(err, 160), err, order=(5, 0, 0))]
+    return rows or [ctx.skipped("jax", "JAX adapter", path, "compare() returned no rows", order=(5, 0, 0))]
+
+
+def jax_jobs(ctx: Ctx) -> list[Job]:
+    return [Job("jax", "JAX adapter (mla_bridge_jax.bench.compare)", _jax_job)]
