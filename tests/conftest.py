@@ -64,14 +64,14 @@ def dense_attention(q, k, v, sm_scale: float, mask=None):
     q, k, v = q.double(), k.double(), v.double()
     lq, h = q.shape[0], q.shape[1]
     lk = k.shape[0]
+    f64 = dict(dtype=torch.float64, device=q.device)
     if lq == 0:
-        return torch.zeros(0, h, v.shape[-1], dtype=torch.float64), torch.zeros(0, h, dtype=torch.float64)
+        return torch.zeros(0, h, v.shape[-1], **f64), torch.zeros(0, h, **f64)
     if lk == 0:
-        return (torch.zeros(lq, h, v.shape[-1], dtype=torch.float64),
-                torch.full((lq, h), float("-inf"), dtype=torch.float64))
+        return torch.zeros(lq, h, v.shape[-1], **f64), torch.full((lq, h), float("-inf"), **f64)
     scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
     if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+        scores = scores.masked_fill(~mask.to(scores.device).unsqueeze(0), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where nothing is visible
     finite = torch.isfinite(lse)
     p = torch.where(finite.unsqueeze(-1), torch.exp(scores - torch.where(finite, lse, 0.0).unsqueeze(-1)),
@@ -81,16 +81,15 @@ def dense_attention(q, k, v, sm_scale: float, mask=None):
 
 
 def bottom_right_mask(lq: int, lk: int) -> torch.Tensor:
-    """Query i sees key j iff j <= i + lk - lq (written as an explicit loop, independent of the library)."""
-    m = torch.zeros(lq, lk, dtype=torch.bool)
-    for i in range(lq):
-        for j in range(lk):
-            m[i, j] = j <= i + lk - lq
-    return m
+    """Query i sees key j iff j <= i + lk - lq (FlashInfer's bottom-right alignment), as a dense bool mask."""
+    i = torch.arange(lq).view(-1, 1)
+    j = torch.arange(lk).view(1, -1)
+    return j <= i + (lk - lq)
 
 
 def ragged_reference(q, k, v, qo_indptr, kv_indptr, *, causal: bool, sm_scale: float):
-    """Loop over requests, float64 dense attention each: out [T,H,Dv], lse [T,H] (natural log)."""
+    """Loop over requests, float64 dense attention each (on the inputs' device): out [T,H,Dv], lse [T,H]
+    (natural log), returned on the CPU."""
     qo = [int(x) for x in qo_indptr]
     kv = [int(x) for x in kv_indptr]
     t, h = q.shape[0], q.shape[1]
@@ -100,7 +99,7 @@ def ragged_reference(q, k, v, qo_indptr, kv_indptr, *, causal: bool, sm_scale: f
         qa, qb, ka, kb = qo[r], qo[r + 1], kv[r], kv[r + 1]
         mask = bottom_right_mask(qb - qa, kb - ka) if causal else None
         o, s = dense_attention(q[qa:qb], k[ka:kb], v[ka:kb], sm_scale, mask)
-        out[qa:qb], lse[qa:qb] = o, s
+        out[qa:qb], lse[qa:qb] = o.cpu(), s.cpu()
     return out, lse
 
 
