@@ -14,7 +14,7 @@
 #   VLLM_VERSION   vLLM release to test (default 0.32.0)
 #   VLLM_VENV      the environment's folder (default .venv-vllm; use one per vLLM version)
 #   PYTHON         the interpreter the environment is made from (default python3)
-# Arguments go to pytest instead of the default paths.
+# Arguments go to pytest (test paths among them replace the default paths).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -115,5 +115,7 @@ if ! checkout_ok; then
 fi
 
 export VLLM_TARGET_DEVICE=cpu
-[ $# -gt 0 ] || set -- tests/vllm tests/parity/test_vllm_parity.py
+has_path=0
+for arg in "$@"; do [ -e "${arg%%::*}" ] && has_path=1; done
+[ "$has_path" = 1 ] || set -- tests/vllm tests/parity/test_vllm_parity.py "$@"
 exec "$PY" -m pytest -q "$@"
