@@ -1,0 +1,303 @@
+"""The ``mla-bridge`` command, in process on the CPU: prefill (JSON fields, error against the float64 reference,
+schedules, checkpoints), info, bench wiring, bad arguments; and mla_bridge.reference against the suite's own
+float64 reference."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from mla_bridge import MLADims
+from mla_bridge.cli import CLIError, load_kv_b_proj_weight, main
+from mla_bridge.reference import reference_request
+
+PREFILL_FIELDS = {
+    "model", "dims", "weight", "device", "device_name", "dtype", "backend", "backend_reason", "passed_over",
+    "query_lens", "context_lens", "block_size", "chunk_tokens", "schedule", "num_chunks", "num_plans", "layers",
+    "timing_method", "timings_ms", "flops", "tflops", "peak_extra_memory_bytes", "check", "seed",
+}
+
+
+def run_json(tmp_path, *argv):
+    path = tmp_path / "out.json"
+    rc = main(["prefill", *argv, "--json", str(path)])
+    return rc, json.loads(path.read_text()) if path.exists() else None
+
+
+# ----------------------------------------------------------------------------------------------------- prefill
+
+def test_prefill_json_fields_and_error(tmp_path, capsys):
+    rc, res = run_json(tmp_path, "--prompt-lens", "5,9,1", "--context-lens", "0,70,3", "--block-size", "16",
+                       "--layers", "2", "--check-requests", "3", "--device", "cpu")
+    assert rc == 0
+    assert PREFILL_FIELDS <= set(res)
+    assert res["device"] == "cpu" and res["dtype"] == "float32" and res["backend"] == "torch"
+    assert [name for name, _ in res["passed_over"]] == ["flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2"]
+    assert res["query_lens"] == [5, 9, 1] and res["context_lens"] == [0, 70, 3]
+    assert res["schedule"] == "fused" and res["num_chunks"] == 0 and res["num_plans"] == 1
+    assert res["layers"] == 2 and len(res["timings_ms"]["per_layer"]) == 2
+    assert all(t > 0 for t in res["timings_ms"]["per_layer"])
+    assert set(res["timings_ms"]["phases"]) == {"gather + up-projection", "main pass"}
+    assert res["peak_extra_memory_bytes"] is None  # n/a on the CPU
+    # FLOPs: causal pairs counted exactly per request, plus the up-projection GEMM.
+    pairs = 5 * 6 // 2 + (9 * 70 + 9 * 10 // 2) + (1 * 3 + 1)
+    assert res["flops"]["attention"] == 2 * pairs * 16 * (192 + 128)
+    assert res["flops"]["up_projection"] == 2 * (15 + 73) * 512 * 16 * 256
+    assert res["tflops"] > 0
+    check = res["check"]
+    assert [c["request"] for c in check["requests"]] == [0, 1, 2]
+    assert check["passed"] is True
+    assert check["max_abs_err_out"] < 1e-4 and check["max_abs_err_lse"] < 1e-4
+    text = capsys.readouterr().out
+    for words in ("backend", "torch", "passed over", "schedule", "time per layer", "TFLOP/s", "max abs error out",
+                  "PASS", "n/a on CPU"):
+        assert words in text, words
+
+
+def test_prefill_chunked_schedule_merges(tmp_path):
+    rc, res = run_json(tmp_path, "--prompt-lens", "4,6", "--context-lens", "50,23", "--block-size", "8",
+                       "--chunk-tokens", "32", "--check-requests", "2")
+    assert rc == 0
+    assert res["schedule"] == "chunked" and res["num_chunks"] == 3  # 73 context tokens in chunks of <= 32
+    assert res["num_plans"] == 4
+    assert {"main pass", "context chunks", "merge"} <= set(res["timings_ms"]["phases"])
+    assert res["check"]["passed"] and res["check"]["max_abs_err_out"] < 1e-4 and res["check"]["max_abs_err_lse"] < 1e-4
+
+
+def test_prefill_no_fuse_and_no_context(tmp_path):
+    rc, res = run_json(tmp_path, "--prompt-lens", "3,5", "--context-lens", "16", "--block-size", "4", "--no-fuse")
+    assert rc == 0 and res["schedule"] == "chunked" and res["num_chunks"] == 1 and res["check"]["passed"]
+    rc, res = run_json(tmp_path, "--batch", "2", "--prompt-len", "7", "--no-breakdown")
+    assert rc == 0
+    assert res["context_lens"] == [0, 0] and res["schedule"] == "main-only"
+    assert res["timings_ms"]["phases"] is None and res["check"]["max_abs_err_out"] < 1e-4
+
+
+def test_prefill_bfloat16_on_cpu(tmp_path):
+    rc, res = run_json(tmp_path, "--prompt-lens", "6", "--context-lens", "10", "--block-size", "4", "--dtype",
+                       "bfloat16", "--check-requests", "1")
+    assert rc == 0 and res["dtype"] == "bfloat16"
+    assert res["check"]["max_abs_err_out"] < 2e-2 and res["check"]["max_abs_err_lse"] < 1e-2
+
+
+def test_prefill_check_catches_a_wrong_result(tmp_path, monkeypatch, capsys):
+    import mla_bridge
+
+    real = mla_bridge.mla_prefill
+
+    def off_by_a_bit(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        return out + 1e-2, lse
+
+    monkeypatch.setattr(mla_bridge, "mla_prefill", off_by_a_bit)
+    rc, res = run_json(tmp_path, "--prompt-lens", "4", "--no-breakdown", "--check-requests", "1")
+    assert rc == 1 and res["check"]["passed"] is False
+    assert "check FAILED" in capsys.readouterr().err
+
+
+def test_defaults_are_the_demo_batch_and_seed_workloads_in_help(capsys):
+    from mla_bridge.cli import DEMO_CONTEXT_LENS, _resolve_workload, build_parser
+
+    parser = build_parser()
+    w = _resolve_workload(parser.parse_args(["prefill"]))
+    assert w.query_lens == [256] * 4 and w.context_lens == list(DEMO_CONTEXT_LENS)
+    w = _resolve_workload(parser.parse_args(["prefill", "--batch", "4", "--prompt-len", "10000"]))
+    assert w.query_lens == [10000] * 4 and w.context_lens == [0] * 4
+    w = _resolve_workload(parser.parse_args(["prefill", "--context-lens", "8000", "--prompt-len", "2000"]))
+    assert w.query_lens == [2000] * 4 and w.context_lens == [8000] * 4
+    assert main(["prefill", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--batch 4 --prompt-len 10000" in text and "--context-lens 8000 --prompt-len 2000" in text
+
+
+# ----------------------------------------------------------------------------------------------------- bad args
+
+@pytest.mark.parametrize("argv, flag", [
+    (["prefill", "--block-size", "0"], "--block-size"),
+    (["prefill", "--prompt-lens", "a,b"], "--prompt-lens"),
+    (["prefill", "--prompt-lens", "4,-1"], "--prompt-lens"),
+    (["prefill", "--prompt-lens", "4", "--batch", "2"], "--prompt-lens"),
+    (["prefill", "--context-lens", "1,2,3"], "--context-lens"),
+    (["prefill", "--prompt-len", "0"], "--prompt-len"),
+    (["prefill", "--model", "llama"], "--model"),
+    (["prefill", "--dtype", "float8"], "--dtype"),
+    (["prefill", "--layers", "0"], "--layers"),
+    (["prefill", "--backend", "flashinfer-fa2", "--prompt-lens", "4"], "--backend"),
+    (["prefill", "--backend", "cudnn"], "--backend"),
+    (["prefill", "--device", "tpu"], "--device"),
+    (["prefill", "--layer", "3"], "--layer"),
+    (["prefill", "--checkpoint", "/nonexistent/ckpt", "--layer", "0"], "--checkpoint"),
+    (["prefill", "--checkpoint", "/nonexistent/ckpt"], "--layer"),
+    (["frobnicate"], "frobnicate"),
+])
+def test_bad_arguments_exit_nonzero_naming_the_flag(argv, flag, capsys):
+    rc = main(argv)
+    assert rc != 0
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_device_without_cuda(capsys):
+    assert main(["prefill", "--device", "cuda"]) == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_env_backend_that_cannot_serve(monkeypatch, capsys):
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "flashinfer-fa3")
+    assert main(["prefill", "--prompt-lens", "4"]) == 2
+    assert "MLA_BRIDGE_BACKEND" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------- info, bench
+
+def test_info(tmp_path, capsys):
+    path = tmp_path / "info.json"
+    assert main(["info", "--json", str(path)]) == 0
+    info = json.loads(path.read_text())
+    assert info["torch"] == torch.__version__
+    assert info["flashinfer_jit_cache"].endswith(".cache/flashinfer")
+    if not torch.cuda.is_available():
+        assert info["backend"]["name"] == "torch" and info["backend"]["passed_over"]
+    text = capsys.readouterr().out
+    assert "FlashInfer" in text and "backend" in text and "torch" in text
+
+
+def test_info_jit_cache_follows_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))
+    path = tmp_path / "info.json"
+    assert main(["info", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["flashinfer_jit_cache"] == str(tmp_path / ".cache" / "flashinfer")
+
+
+def test_bench_is_wired_lazily(monkeypatch):
+    calls = []
+    fake = types.ModuleType("mla_bridge.bench")
+    fake.add_arguments = lambda parser: parser.add_argument("--repeat", type=int, default=1)
+    fake.run = lambda args: calls.append(args.repeat) or 0
+    monkeypatch.setitem(sys.modules, "mla_bridge.bench", fake)
+    assert main(["bench", "--repeat", "3"]) == 0
+    assert calls == [3]
+
+
+def test_bench_missing_module(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "mla_bridge.bench", None)  # import raises ModuleNotFoundError
+    assert main(["bench"]) == 2
+    assert "mla_bridge.bench" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------- checkpoints
+
+TINY_CONFIG = {
+    "model_type": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 2, "kv_lora_rank": 32,
+    "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707},
+}
+WEIGHT = "model.layers.{}.self_attn.kv_b_proj.weight"
+
+
+def write_checkpoint(root, tensors_per_shard, config=TINY_CONFIG, index=True):
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    weight_map = {}
+    for i, tensors in enumerate(tensors_per_shard):
+        name = f"model-{i + 1:05d}-of-{len(tensors_per_shard):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(root / name))
+        weight_map.update({k: name for k in tensors})
+    if index:
+        (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+def tiny_weight(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2 * (16 + 16), 32, generator=g) * 32 ** -0.5
+
+
+def test_checkpoint_bf16_sharded_through_index(tmp_path):
+    w0, w1 = tiny_weight(0).bfloat16(), tiny_weight(1).bfloat16()
+    ckpt = write_checkpoint(tmp_path / "ckpt", [
+        {WEIGHT.format(0): w0, "model.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.bfloat16)},
+        {WEIGHT.format(1): w1},
+    ])
+    dims = MLADims.from_hf_config(TINY_CONFIG)
+    loaded, where = load_kv_b_proj_weight(ckpt, 1, dims, TINY_CONFIG)
+    assert loaded.dtype == torch.bfloat16 and torch.equal(loaded, w1)
+    assert "model-00002-of-00002.safetensors" in where
+    rc, res = run_json(tmp_path, "--checkpoint", str(ckpt), "--layer", "1", "--prompt-lens", "6,3",
+                       "--context-lens", "5,0", "--block-size", "4")
+    assert rc == 0
+    assert res["dims"]["num_heads"] == 2 and res["dims"]["kv_lora_rank"] == 32
+    assert res["dims"]["softmax_scale"] == pytest.approx(dims.softmax_scale)
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in res["weight"]
+    assert res["check"]["passed"] and res["check"]["max_abs_err_out"] < 1e-4
+
+
+def test_checkpoint_fp8_dequantized_with_block_scales(tmp_path):
+    w8 = tiny_weight(2).to(torch.float8_e4m3fn)
+    scale = torch.rand(4, 2, generator=torch.Generator().manual_seed(3)) + 0.5  # [64/16, 32/16] blocks of 16x16
+    config = {**TINY_CONFIG, "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
+    ckpt = write_checkpoint(tmp_path / "ckpt", [{WEIGHT.format(0): w8, WEIGHT.format(0) + "_scale_inv": scale}],
+                            config=config, index=False)
+    loaded, where = load_kv_b_proj_weight(ckpt, 0, MLADims.from_hf_config(config), config)
+    expected = w8.float() * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, expected)
+    assert "dequantized" in where and "16x16" in where
+    rc, res = run_json(tmp_path, "--checkpoint", str(ckpt), "--layer", "0", "--prompt-lens", "5",
+                       "--context-lens", "7", "--block-size", "4")
+    assert rc == 0 and res["check"]["passed"] and "dequantized" in res["weight"]
+
+
+def test_checkpoint_fp8_default_128_blocks(tmp_path):
+    w8 = tiny_weight(4).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.25]])  # one 128x128 block covers the whole [64, 32] weight
+    ckpt = write_checkpoint(tmp_path / "ckpt", [{WEIGHT.format(1): w8, WEIGHT.format(1) + "_scale_inv": scale}])
+    loaded, where = load_kv_b_proj_weight(ckpt, 1, None, TINY_CONFIG)
+    assert torch.equal(loaded, w8.float() * 0.25) and "128x128" in where
+
+
+def test_checkpoint_fp8_without_scale_is_refused(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "ckpt", [{WEIGHT.format(0): tiny_weight(5).to(torch.float8_e4m3fn)}])
+    with pytest.raises(CLIError, match="weight_scale_inv"):
+        load_kv_b_proj_weight(ckpt, 0, None, TINY_CONFIG)
+    assert main(["prefill", "--checkpoint", str(ckpt), "--layer", "0", "--prompt-lens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint" in err and "weight_scale_inv" in err and "FP8" in err
+
+
+def test_checkpoint_errors_name_the_flag(tmp_path, capsys):
+    ckpt = write_checkpoint(tmp_path / "ckpt", [{WEIGHT.format(0): tiny_weight(6).bfloat16()}])
+    assert main(["prefill", "--checkpoint", str(ckpt), "--layer", "5"]) == 2  # config: 2 layers
+    assert "--layer 5" in capsys.readouterr().err
+    assert main(["prefill", "--checkpoint", str(ckpt), "--layer", "1"]) == 2  # not in the index
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in capsys.readouterr().err
+    assert main(["prefill", "--checkpoint", str(ckpt), "--layer", "0", "--model", "deepseek-v3"]) == 2
+    assert "--model" in capsys.readouterr().err
+    bad = {**TINY_CONFIG, "num_attention_heads": 4}  # weight is [64, 32], dims want [128, 32]
+    ckpt2 = write_checkpoint(tmp_path / "ckpt2", [{WEIGHT.format(0): tiny_weight(7).bfloat16()}], config=bad)
+    assert main(["prefill", "--checkpoint", str(ckpt2), "--layer", "0"]) == 2
+    assert "[128, 32]" in capsys.readouterr().err
+    (tmp_path / "nocfg").mkdir()
+    assert main(["prefill", "--checkpoint", str(tmp_path / "nocfg"), "--layer", "0"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------- reference
+
+@pytest.mark.parametrize("score_elems", [1 << 25, 37])  # one block, and many small query blocks
+def test_reference_matches_the_suites_float64_reference(ref, tiny_dims, score_elems):
+    batch = ref.make_mla_batch(tiny_dims, [7, 1, 12, 5], [0, 9, 33, 16], 8)
+    out_ref, lse_ref = ref.mla_reference(batch)
+    qo = ref.cumsum0(batch.query_lens)
+    for r in range(4):
+        a, b = qo[r], qo[r + 1]
+        out, lse = reference_request(batch.q[a:b], batch.kv_c[a:b], batch.k_pe[a:b], batch.w, batch.cache,
+                                     batch.block_table[r], batch.context_lens[r], tiny_dims, score_elems=score_elems)
+        assert out.dtype == torch.float64 and lse.shape == (b - a, tiny_dims.num_heads)
+        torch.testing.assert_close(out, out_ref[a:b], atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse, lse_ref[a:b], atol=1e-12, rtol=0)
