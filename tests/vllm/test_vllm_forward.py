@@ -212,3 +212,23 @@ def test_errors_are_clear(setup):
     md = dataclasses.replace(ours.metadata.prefill, q_data_type=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="FP8"):
         fresh.prepare_metadata(md)
+
+
+@pytest.mark.parametrize("query_lens,context_lens,workspace", [
+    ((5, 3, 4, 6, 3, 2), (20, 30, 0, 100, 10, 0), 64),
+    ((37, 5, 30, 64, 2, 9), (500, 0, 1200, 33, 0, 70), 1024),
+    ((3, 2, 2), (33, 64, 1), 32),
+    ((2, 2), (0, 0), 64),
+])
+def test_kernel_path_chunk_layout_is_vllms(query_lens, context_lens, workspace):
+    """tests/vllm/kernel_path.py (the vLLM-free GPU test's driver) packs chunks exactly as vLLM's builder does."""
+    import kernel_path
+
+    batch = H.make_batch(torch.bfloat16, query_lens, context_lens)
+    step = H.build_step(H.make_layer(torch.bfloat16, batch.w), batch, workspace_tokens=workspace)
+    ctx = step.metadata.prefill.chunked_context
+    theirs = [] if ctx is None else [(c.request_slice, tuple(c.seq_lens.tolist()), c.is_continuation)
+                                     for c in ctx.chunks]
+    ours = [(c.request_slice, c.seq_lens, c.is_continuation)
+            for c in kernel_path.chunk_layout(context_lens, workspace, H.BLOCK)]
+    assert ours == theirs

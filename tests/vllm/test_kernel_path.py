@@ -1,0 +1,122 @@
+"""The vLLM adapter's kernel path without vLLM (``kernel_path``): CPU with the torch backend everywhere, and on a
+GPU (marked ``gpu``) FlashInfer fa3 / fa2 / cutlass, each where the dispatch table says it can serve, against the
+torch backend and a float64 full-sequence reference.
+
+Needs no vLLM: runs in the core suite and on the H200, e.g.
+    .venv/bin/python -m pytest tests/vllm/test_kernel_path.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernel_path as K
+from mla_bridge import MLADims, Workspace, select_backend
+from mla_bridge_vllm.plans import host_indptr_from_lens, servable
+
+V2_LITE = MLADims.deepseek_v2_lite().softmax_scale
+# bf16 against float64: out 2e-2 absolute plus 2e-2 relative (the path rounds the up-projected k/v and each merged
+# partial to bf16); lse 1e-2 against the torch backend on the same inputs.
+OUT_TOL = dict(atol=2e-2, rtol=2e-2)
+LSE_TOL = dict(atol=1e-2, rtol=0)
+
+# (query lens, context lens, heads, workspace tokens, block size): every batch has several chunks, a request split
+# across two chunks (a continuation) and requests without context.
+GPU_CASES = {
+    "v2lite_h16": ([37, 5, 300, 64, 2, 9], [500, 0, 1200, 33, 0, 70], 16, 1024, 16),
+    "v3_h128": ([19, 3, 40, 7], [90, 0, 200, 17], 128, 256, 16),
+    "long_h16": ([1000, 1], [4000, 3000], 16, 4096, 64),
+}
+CPU_CASE = ([5, 3, 4, 6, 3, 2], [20, 30, 0, 100, 10, 0], 4, 64, 16)
+
+
+def test_chunk_layout_cases():
+    chunks = K.chunk_layout([20, 30, 0, 100, 10, 0], 64, 16)
+    assert [(c.request_slice, c.starts, c.seq_lens) for c in chunks] == [
+        (slice(0, 2), (0, 0), (20, 30)), (slice(3, 4), (0,), (64,)), (slice(3, 5), (64, 0), (36, 10))]
+    assert [c.is_continuation for c in chunks] == [False, False, True]
+    assert K.chunk_layout([0, 0], 64, 16) == []
+    for ctx, ws, bs in ((GPU_CASES["v2lite_h16"][1], 1024, 16), ([4000, 3000], 4096, 64), ([33, 64, 1], 32, 16)):
+        chunks = K.chunk_layout(ctx, ws, bs)
+        assert all(sum(c.seq_lens) <= ws for c in chunks)
+        covered = [0] * len(ctx)
+        for c in chunks:
+            for r, s, n in zip(range(c.request_slice.start, c.request_slice.stop), c.starts, c.seq_lens):
+                assert s == covered[r] and n > 0 and s % bs == 0
+                covered[r] += n
+        assert covered == list(ctx)
+
+
+def test_host_indptr_from_lens():
+    assert host_indptr_from_lens(torch.tensor([3, 0, 2], dtype=torch.int32)).tolist() == [0, 3, 3, 5]
+    assert host_indptr_from_lens([]).tolist() == [0]
+    assert host_indptr_from_lens([4]).dtype == torch.int32
+
+
+def test_servable_answers_on_cpu():
+    ok, why = servable(None, dtype=torch.float32, head_dim_qk=192, head_dim_vo=128)
+    assert ok and why.startswith("torch")
+
+
+def _check(x, chunks, backend, workspace=None):
+    res = K.run_like_vllm(x, chunks, V2_LITE, backend=backend, workspace=workspace)
+    assert res.plans.main.backend.name == backend
+    assert all(p.backend.name == backend for p in res.plans.chunks.values())
+    ref = K.reference(x, V2_LITE)
+    assert torch.isfinite(res.out).all()
+    torch.testing.assert_close(res.out.double(), ref, **(OUT_TOL if x.q.dtype != torch.float32 else
+                                                         dict(atol=1e-5, rtol=1e-5)))
+    return res
+
+
+def test_kernel_path_cpu_torch_backend():
+    q_lens, ctx_lens, heads, ws, bs = CPU_CASE
+    for dtype in (torch.bfloat16, torch.float32):
+        x = K.make_inputs(q_lens, ctx_lens, heads, dtype, "cpu")
+        res = _check(x, K.chunk_layout(ctx_lens, ws, bs), "torch")
+        assert [p[0] for p in res.passes] == ["new", "chunk0", "chunk1", "chunk2"]
+        for _, out, lse in res.passes:
+            assert lse.shape == (heads, out.shape[0]) and lse.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2", "flashinfer-cutlass"])
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=str)
+def test_kernel_path_gpu(case, backend):
+    q_lens, ctx_lens, heads, ws, bs = GPU_CASES[case]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    try:
+        select_backend(dev, requested=backend, dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128)
+    except ValueError as err:
+        pytest.skip(f"{backend} cannot serve here: {err}")
+    x = K.make_inputs(q_lens, ctx_lens, heads, torch.bfloat16, dev, seed=7)
+    chunks = K.chunk_layout(ctx_lens, ws, bs)
+    assert len(chunks) >= 2 and any(c.is_continuation for c in chunks)
+    workspace = Workspace(dev)
+    res = _check(x, chunks, backend, workspace)
+    torch_res = K.run_like_vllm(x, chunks, V2_LITE, backend="torch")
+    for (name, out, lse), (_, t_out, t_lse) in zip(res.passes, torch_res.passes):
+        assert lse.shape == (heads, out.shape[0]) and lse.is_contiguous(), name
+        torch.testing.assert_close(out.double(), t_out.double(), **OUT_TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(lse, t_lse, **LSE_TOL, msg=lambda m: f"{name}: {m}")
+    # a second layer on the same step's plans: no re-planning, the same result bit for bit
+    plans_made = workspace.plans_made
+    k, v = K.up_project(x, x.kv_c, x.k_pe)
+    again, lse = res.plans.run_new_tokens(x.q, k, v, return_softmax_lse=True)
+    assert workspace.plans_made == plans_made
+    assert torch.equal(again, res.passes[0][1]) and torch.equal(lse, res.passes[0][2])
+
+
+@pytest.mark.gpu
+def test_default_dispatch_on_this_gpu():
+    """With no backend forced, the plans take what mla_bridge's dispatch picks for this GPU (fa3 on the H200)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    q_lens, ctx_lens, heads, ws, bs = GPU_CASES["v2lite_h16"]
+    x = K.make_inputs(q_lens, ctx_lens, heads, torch.bfloat16, dev, seed=1)
+    res = K.run_like_vllm(x, K.chunk_layout(ctx_lens, ws, bs), V2_LITE)
+    expected = select_backend(dev, dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128).name
+    assert res.plans.main.backend.name == expected and expected.startswith("flashinfer")
+    torch.testing.assert_close(res.out.double(), K.reference(x, V2_LITE), **OUT_TOL)
+    cap = torch.cuda.get_device_capability(dev)
+    assert servable(cap, dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128)[0]
