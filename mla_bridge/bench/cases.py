@@ -8,7 +8,7 @@ import numpy as np
 
 from ..dims import MLADims
 
-__all__ = ["MainShape", "ContextCase", "main_shapes", "context_cases", "mixed_lengths", "dims_for",
+__all__ = ["MainShape", "ContextCase", "main_shapes", "context_cases", "loop_case", "mixed_lengths", "dims_for",
            "TORCH_BACKEND_MAX_WORK"]
 
 #: The torch backend (blockwise float32, Python loops) runs on the GPU only up to this many causal (q, k) pairs x
@@ -93,3 +93,11 @@ def context_cases(quick: bool) -> list[ContextCase]:
         ContextCase("4x(8000+2000)", 4, 8000, 2000, (("all context", 32000), ("4 chunks", 8000)), 64),
         ContextCase("1x(64000+4000)", 1, 64000, 4000, (("all context", 64000), ("4 chunks", 16000)), 64),
     ]
+
+
+def loop_case(quick: bool) -> ContextCase:
+    """The batch of the 61-layer planning loop: the first context case (tinier still in quick mode, where 61
+    layers of the CPU reference add up)."""
+    if quick:
+        return ContextCase("4h 2x(32+8)", 2, 32, 8, (("all context", 64), ("4 chunks", 16)), 16, heads=4)
+    return context_cases(False)[0]

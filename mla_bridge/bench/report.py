@@ -130,6 +130,7 @@ def sort_rows(rows: Iterable[Row]) -> list[Row]:
 
 def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks: dict) -> None:
     """One rich table per section, then the targets."""
+    from rich.markup import escape
     from rich.table import Table
 
     head = f"{env.get('gpu') or 'CPU'} · torch {env['torch']} · CUDA {env.get('cuda')} · FlashInfer " \
@@ -152,11 +153,12 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
             case = r.case if r.case != last_case else ""
             last_case = r.case
             if r.status != "ok":
-                table.add_row(case, r.path, "", "", "", "", "", f"[yellow]skipped[/]: {r.note}")
+                note = r.note[len("skipped:"):].strip() if r.note.lower().startswith("skipped:") else r.note
+                table.add_row(escape(case), escape(r.path), "", "", "", "", "", f"[yellow]skipped[/]: {escape(note)}")
                 continue
             pct = "" if r.fraction is None else f"{100 * r.fraction:.0f}%"
-            table.add_row(case, r.path, _fmt(r.ms, ".3f"), _fmt(r.host_ms, ".3f"), _num(r.tflops), _num(r.gbps),
-                          pct, r.note)
+            table.add_row(escape(case), escape(r.path), _fmt(r.ms, ".3f"), _fmt(r.host_ms, ".3f"), _num(r.tflops),
+                          _num(r.gbps), pct, escape(r.note))
         console.print(table)
     if checks:
         table = Table(title="Targets (issue 5; they apply on the H200 in full mode)", title_justify="left")
@@ -169,8 +171,8 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
                 result = "[green]met[/]" if c.applies else "met (n/a here)"
             else:
                 result = "[red]missed[/]" if c.applies else "missed (n/a here)"
-            note = f" — {c.note}" if c.note else ""
-            table.add_row(c.name, "" if c.value is None else f"{c.value:.4g}", f"{c.op} {c.target:g}",
+            note = f" — {escape(c.note)}" if c.note else ""
+            table.add_row(escape(c.name), "" if c.value is None else f"{c.value:.4g}", f"{c.op} {c.target:g}",
                           result + note)
         console.print(table)
     if peaks:

@@ -15,7 +15,7 @@ from ..merge import merge_attn_states, merge_attn_states_
 from ..plan import PrefillPlan
 from ..prefill import mla_prefill
 from ..workspace import Workspace
-from .cases import ContextCase, context_cases, dims_for
+from .cases import ContextCase, context_cases, dims_for, loop_case
 from .common import Ctx, Job, Row, flashinfer_importable, fmt_err
 from .context import budget_bytes, handwritten_pipeline, make_inputs, peak_extra
 
@@ -158,7 +158,7 @@ def plan_jobs(ctx: Ctx) -> list[Job]:
             out.append(Job("plan", f"plan build batch {batch}" + (" with context" if with_context else ""),
                            lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i)))
             ci += 1
-    first = context_cases(ctx.quick)[0]
+    first = loop_case(ctx.quick)
     main_only = ContextCase(f"{first.batch}x{first.new} new, no context", first.batch, 0, first.new,
                             (("no context", first.context),), first.block_size, heads=first.heads)
     loops = [(main_only, "no context", first.context)] + [(first, label, b) for label, b in first.budgets]
@@ -257,7 +257,26 @@ def normalize_jax_row(ctx: Ctx, d: dict, i: int) -> Row:
     if row.gbps is None and known.get("gbps") is not None:
         row.gbps = float(known["gbps"])
     row.extra.update(d)
+    if row.flops is None and row.tflops is not None:
+        row.extra.setdefault("flops_convention", "the adapter's own")
     return row
+
+
+def _jax_kwargs(ctx: Ctx, params: Any) -> dict:
+    """What to hand ``compare``: only parameters it names; framework-neutral values only (its ``dtype`` is a JAX
+    dtype, so none is passed). Quick mode asks for one tiny case when it takes ``cases``."""
+    kwargs: dict = {}
+    for name in ("iters", "repeats"):
+        if name in params:
+            kwargs[name] = ctx.repeats
+    for name, value in (("warmup", ctx.warmup), ("seed", ctx.seed), ("quick", ctx.quick)):
+        if name in params:
+            kwargs[name] = value
+    if ctx.backend is not None and "backend" in params:
+        kwargs["backend"] = ctx.backend
+    if ctx.quick and "cases" in params:
+        kwargs["cases"] = (("tiny 2x32", (32, 32)),)
+    return kwargs
 
 
 def _jax_job(ctx: Ctx) -> list[Row]:
@@ -269,11 +288,8 @@ def _jax_job(ctx: Ctx) -> list[Row]:
     except Exception as err:  # noqa: BLE001
         return [ctx.skipped("jax", "JAX adapter", path, "JAX section skipped: mla_bridge_jax.bench.compare is not "
                             "importable", err, order=(5, 0, 0))]
-    offered = dict(quick=ctx.quick, repeats=ctx.repeats, warmup=ctx.warmup, seed=ctx.seed, device=ctx.device,
-                   dtype=ctx.dtype, peak_tflops=ctx.peaks.get("matmul_tflops"), timer=ctx.time, console=ctx.console)
     try:
-        params = inspect.signature(compare).parameters
-        kwargs = {k: v for k, v in offered.items() if k in params}
+        kwargs = _jax_kwargs(ctx, inspect.signature(compare).parameters)
         result = compare(**kwargs)
         rows = [normalize_jax_row(ctx, dict(d), i) for i, d in enumerate(result or [])]
     except Exception as err:  # noqa: BLE001

@@ -1,0 +1,317 @@
+"""``mla-bridge bench`` in its CPU quick mode: it runs in-process through argparse in a few seconds, its JSON holds
+every field, the plot is written. No timing value is asserted. The hand-written comparison pipeline and the isolated
+phases are checked for computing the same attention as ``mla_prefill`` (with a stand-in FlashInfer on the CPU), so
+that the GPU comparison rows compare like with like."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from mla_bridge import PrefillPlan, Workspace, mla_prefill
+from mla_bridge.backends.torch_ref import ragged_attention_reference
+from mla_bridge.bench import SECTIONS, add_arguments, run
+from mla_bridge.bench.common import Ctx, Row, attention_flops, causal_pairs
+
+ROW_FIELDS = {f.name for f in dataclasses.fields(Row)} - {"order"}
+ENV_FIELDS = {"date", "device", "gpu", "gpu_capability", "driver", "torch", "cuda", "flashinfer", "python", "dtype",
+              "mode"}
+FAKE_JAX_ROWS = [
+    {"case": "tiny 2x32", "impl": "torch core (RaggedPlan.run)", "backend": "torch", "ms": 0.5, "tflops": 0.001,
+     "vs_torch": 1.0, "note": ""},
+    {"case": "tiny 2x32", "impl": "jax jit (tvm_ffi)", "backend": "torch", "ms": None, "tflops": None,
+     "vs_torch": None, "note": "skipped: not implemented"},
+]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=200)
+
+
+def _fake_jax_module(calls: list):
+    mod = types.ModuleType("mla_bridge_jax.bench")
+
+    def compare(cases=(), *, warmup=5, iters=50, seed=0, backend=None):
+        calls.append(dict(cases=cases, warmup=warmup, iters=iters, seed=seed, backend=backend))
+        return [dict(r) for r in FAKE_JAX_ROWS]
+
+    mod.compare = compare
+    return mod
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One full CPU quick run of every section (the JAX adapter replaced by a stand-in)."""
+    out = tmp_path_factory.mktemp("bench")
+    calls: list = []
+    console = _quiet_console()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "mla_bridge_jax.bench", _fake_jax_module(calls))
+        mp.delenv("MLA_BRIDGE_BACKEND", raising=False)
+        # flex_attention's eager set-up costs seconds on a CPU: its own (slow) test below runs it.
+        args = _parse(["--device", "cpu", "--skip", "flex", "--json", str(out / "bench.json"),
+                       "--plot", str(out / "bench.png")])
+        rc = run(args, console=console)
+    data = json.loads((out / "bench.json").read_text())
+    return types.SimpleNamespace(rc=rc, data=data, png=out / "bench.png", calls=calls,
+                                 text=console.file.getvalue())
+
+
+def test_cpu_run_succeeds_and_prints_tables(cpu_run):
+    assert cpu_run.rc == 0
+    for title in ("1. Main pass", "2. Context pass", "3. Merge", "4. Planning", "5. Peak extra", "6. JAX", "Targets"):
+        assert title in cpu_run.text
+
+
+def test_json_has_environment_config_and_peaks(cpu_run):
+    d = cpu_run.data
+    assert ENV_FIELDS <= set(d["environment"])
+    assert d["environment"]["mode"] == "quick" and d["environment"]["torch"] == torch.__version__
+    assert d["environment"]["date"]
+    assert d["config"]["device"] == "cpu" and d["config"]["quick"] is True
+    assert d["config"]["repeats"] >= 1 and d["config"]["statistic"] == "median"
+    assert d["peaks"]["matmul_tflops"] > 0 and d["peaks"]["copy_gbps"] > 0
+    assert d["sections"] == list(SECTIONS)
+    assert isinstance(d["jobs"], list) and d["jobs"]
+
+
+def test_every_section_has_rows_and_every_row_every_field(cpu_run):
+    rows = cpu_run.data["rows"]
+    assert {r["section"] for r in rows} == set(SECTIONS) | {"peak"}
+    for r in rows:
+        assert set(r) == ROW_FIELDS, r
+        assert r["status"] in ("ok", "skipped")
+        if r["status"] == "skipped":
+            assert r["note"], r
+    measured = [r for r in rows if r["status"] == "ok" and r["section"] in ("main", "context", "merge", "peak")]
+    assert measured
+    for r in measured:
+        assert r["ms"] is not None and r["ms"] > 0, r
+        assert (r["tflops"] is not None) or (r["gbps"] is not None), r
+        assert r["fraction"] is not None and r["fraction_of"] in ("matmul_peak", "copy_bandwidth"), r
+
+
+def test_main_section_paths(cpu_run):
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "main"]
+    by_path: dict = {}
+    for r in rows:
+        by_path.setdefault(r["path"], []).append(r)
+    assert set(by_path) == {"mla_bridge RaggedPlan.run", "raw FlashInfer wrapper.run", "torch SDPA (dense)",
+                            "flex_attention (doc-causal)", "mla_bridge torch backend"}
+    assert all(r["status"] == "ok" for r in by_path["mla_bridge RaggedPlan.run"])
+    assert all(r["status"] == "skipped" for r in by_path["raw FlashInfer wrapper.run"])  # no CUDA here
+    ragged = [r for r in by_path["torch SDPA (dense)"] if "mixed" in r["case"]]
+    assert ragged and all("equal lengths" in r["note"] for r in ragged)
+    assert all(r["note"] == "--skip flex" for r in by_path["flex_attention (doc-causal)"])
+    for r in by_path["mla_bridge RaggedPlan.run"]:
+        assert r["seq_len"] > 0 and r["heads"] > 0 and r["flops"] > 0
+
+
+def test_context_section_splits_phases(cpu_run):
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "context"]
+    paths = {r["path"] for r in rows}
+    for p in ("mla_prefill", "hand-written pipeline", "phase: gather by block_table",
+              "phase: up-projection GEMM alone", "phase: attention kernels alone", "phase: merge",
+              "attention + GEMM alone", "context pass: RaggedPlan.run"):
+        assert p in paths
+    full = [r for r in rows if r["path"] == "mla_prefill"]
+    assert len(full) == 4  # 2 cases x 2 chunk budgets
+    assert {r["extra"]["chunks"] for r in full} >= {4}
+    assert all("vs_attention_plus_gemm" in r["extra"] for r in full)
+
+
+def test_plan_section_counts_plans_per_loop(cpu_run):
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "plan"]
+    builds = [r for r in rows if r["path"] == "PrefillPlan.build host time"]
+    assert sorted(r["case"].split(":")[0] for r in builds) == sorted(["batch 1", "batch 16", "batch 128"] * 2)
+    loops = [r for r in rows if "layer loop" in r["path"]]
+    assert len(loops) == 3
+    for r in loops:
+        assert r["extra"]["plans_in_loop"] == 0
+        assert r["extra"]["layers_run"] >= 61
+        assert r["extra"]["plans_at_build"] == r["extra"]["expected_plans"]  # 0 on the torch backend
+
+
+def test_checks_are_recorded_but_do_not_apply_on_cpu(cpu_run):
+    checks = cpu_run.data["checks"]
+    assert checks
+    for c in checks:
+        assert set(c) == {"name", "value", "target", "op", "passed", "applies", "note"}
+        assert c["applies"] is False
+    names = " ".join(c["name"] for c in checks)
+    for part in ("attention + GEMM alone", "merge 16 heads", "merge 128 heads", "PrefillPlan.build", "61-layer loop"):
+        assert part in names
+
+
+def test_memory_section_skips_without_cuda(cpu_run):
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "memory"]
+    assert rows and all(r["status"] == "skipped" and "CUDA" in r["note"] for r in rows)
+    assert all(r["extra"]["budget_bytes"]["total"] > 0 for r in rows)
+
+
+def test_jax_section_uses_compare_rows(cpu_run):
+    assert len(cpu_run.calls) == 1
+    call = cpu_run.calls[0]
+    assert call["iters"] >= 1 and call["cases"]  # quick mode asks for a tiny case
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "jax"]
+    assert [r["path"] for r in rows] == [d["impl"] for d in FAKE_JAX_ROWS]
+    assert rows[0]["status"] == "ok" and rows[0]["ms"] == 0.5 and rows[0]["fraction"] is not None
+    assert rows[0]["extra"]["vs_torch"] == 1.0
+    assert rows[1]["status"] == "skipped" and "not implemented" in rows[1]["note"]
+
+
+def test_plot_png_written(cpu_run):
+    data = cpu_run.png.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_flex_attention_row_on_cpu(tmp_path):
+    path = tmp_path / "b.json"
+    assert run(_parse(["--device", "cpu", "--sections", "main", "--skip", "sdpa,torch", "--json", str(path)]),
+               console=_quiet_console()) == 0
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["path"] == "flex_attention (doc-causal)"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) == 1 and "mixed" in ok[0]["case"] and ok[0]["tflops"] > 0  # the ragged shape; others noted
+    assert all("ragged shape only" in r["note"] for r in rows if r["status"] != "ok")
+
+
+def test_sections_flag_picks_sections(tmp_path):
+    path = tmp_path / "b.json"
+    rc = run(_parse(["--device", "cpu", "--sections", "merge,4", "--layers", "2", "--json", str(path)]),
+             console=_quiet_console())
+    assert rc == 0
+    d = json.loads(path.read_text())
+    assert d["sections"] == ["merge", "plan"]
+    assert {r["section"] for r in d["rows"]} == {"peak", "merge", "plan"}
+
+
+def test_missing_jax_adapter_skips_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mla_bridge_jax.bench", None)  # import raises ImportError
+    path = tmp_path / "b.json"
+    assert run(_parse(["--device", "cpu", "--sections", "jax", "--json", str(path)]), console=_quiet_console()) == 0
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["section"] == "jax"]
+    assert len(rows) == 1 and rows[0]["status"] == "skipped"
+    assert "not importable" in rows[0]["note"] and rows[0]["error"]
+
+
+@pytest.mark.parametrize("argv", [["--sections", "nope"], ["--skip", "everything"], ["--repeats", "-1"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        _parse(argv)
+
+
+def test_cuda_requested_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run(_parse(["--device", "cuda"]), console=_quiet_console()) == 2
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(0, 5), (5, 0), (1, 1), (7, 7), (3, 10), (10, 3), (64, 200), (200, 64)])
+def test_causal_pairs_exact(q_len, kv_len):
+    brute = sum(1 for i in range(q_len) for j in range(kv_len) if j <= i + kv_len - q_len)
+    assert causal_pairs(q_len, kv_len) == brute
+
+
+def test_attention_flops_counts_each_request():
+    assert attention_flops([10000], [10000], causal=True, heads=16) == 2 * (10000 * 10001 // 2) * 16 * 320
+    assert attention_flops([2, 3], [5, 7], causal=False, heads=1) == 2 * (10 + 21) * 320
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The comparison rows compute what mla_prefill computes (a stand-in FlashInfer made of the torch reference).
+# ---------------------------------------------------------------------------------------------------------------
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+class _FakeWrapper:
+    def __init__(self, float_ws, kv_layout="NHD", backend="auto"):
+        assert kv_layout == "NHD"
+        self.backend = backend
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False,
+             sm_scale=None, q_data_type=None, kv_data_type=None, o_data_type=None):
+        assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
+        self.qo, self.kv = qo_indptr.tolist(), kv_indptr.tolist()
+        self.causal, self.sm_scale = causal, sm_scale
+
+    def run(self, q, k, v, return_lse=False):
+        out, lse = ragged_attention_reference(q, k, v, self.qo, self.kv, causal=self.causal, sm_scale=self.sm_scale)
+        return (out, lse * LOG2E) if return_lse else out  # FlashInfer's default: base-2 lse
+
+
+def _fake_merge_state(v_a, s_a, v_b, s_b):
+    for x in (v_a, s_a, v_b, s_b):
+        assert x.is_contiguous()
+    s = torch.logaddexp2(s_a, s_b)
+    return v_a * torch.exp2(s_a - s).unsqueeze(-1) + v_b * torch.exp2(s_b - s).unsqueeze(-1), s
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    fi = types.ModuleType("flashinfer")
+    fi.BatchPrefillWithRaggedKVCacheWrapper = _FakeWrapper
+    fi.merge_state = _fake_merge_state
+    utils = types.ModuleType("flashinfer.utils")
+    utils.is_sm90a_supported = lambda device: False
+    fi.utils = utils
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", utils)
+    return fi
+
+
+def _ctx():
+    return Ctx(device=torch.device("cpu"), quick=True, repeats=1, warmup=0, seed=0, backend=None, skip=set(),
+               budget_s=None, console=_quiet_console())
+
+
+@pytest.mark.parametrize("budget_index", [0, 1])
+def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index):
+    from mla_bridge.bench.cases import context_cases
+    from mla_bridge.bench.context import handwritten_backend, handwritten_pipeline, make_inputs
+
+    ctx = _ctx()
+    case = context_cases(True)[0]
+    label, budget = case.budgets[budget_index]
+    x = make_inputs(ctx, case, 0)
+    assert handwritten_backend(ctx) == "fa2"  # not SM90
+    layer = handwritten_pipeline(ctx, x, budget)
+    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=Workspace("cpu", chunk_tokens=budget),
+                             block_size=case.block_size, dtype=ctx.dtype)
+    want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan)
+    torch.testing.assert_close(layer(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("budget_index", [0, 1])
+def test_isolated_phases_are_mla_prefills_steps(budget_index):
+    from mla_bridge.bench.cases import context_cases
+    from mla_bridge.bench.context import _Phases, make_inputs
+
+    ctx = _ctx()
+    case = context_cases(True)[1]
+    _, budget = case.budgets[budget_index]
+    x = make_inputs(ctx, case, 1)
+    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=Workspace("cpu", chunk_tokens=budget),
+                             block_size=case.block_size, dtype=ctx.dtype)
+    want, want_lse = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, return_lse=True)
+    ph = _Phases(x, plan)  # runs the attention once into ph.out / ph.lse
+    ph.merge()
+    torch.testing.assert_close(ph.out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ph.lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert plan.fused == (budget_index == 0)
