@@ -52,8 +52,9 @@ def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
 
 def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_proj_weight: torch.Tensor,
                       kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int, dims: MLADims,
-                      *, score_elems: int = _SCORE_ELEMS) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA prefill of ONE request over its whole sequence, in float64, on the CPU.
+                      *, score_elems: int = _SCORE_ELEMS, device: "torch.device | str | None" = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA prefill of ONE request over its whole sequence, in float64.
 
     Args:
         q: ``[L, H, qk_nope_head_dim + qk_rope_head_dim]`` the request's queries (RoPE already applied).
@@ -63,29 +64,31 @@ def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         block_table_row: ``[max_blocks]`` this request's block ids.
         context_len: cached tokens before the new ones.
         dims: the layer's :class:`MLADims` (head split and ``softmax_scale``).
+        score_elems: float64 scores held at once (sets the query block size; the result does not depend on it).
+        device: where to compute (default: q's device; a GPU's float64 is much faster than a CPU's).
 
     Returns:
-        ``(out [L, H, v_head_dim] float64, lse [L, H] float64 natural log)``, on the CPU. With no keys at all
+        ``(out [L, H, v_head_dim] float64, lse [L, H] float64 natural log)``, on the CPU. With no new tokens
         (``L == 0``) the tensors are empty.
     """
-    cpu = torch.device("cpu")
+    dev = torch.device(q.device if device is None else device)
     f64 = torch.float64
     r, rope, nope, dv, h = dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim, dims.num_heads
-    q = q.to(cpu, f64)
-    new_latent = torch.cat([kv_c.to(cpu, f64), k_pe.reshape(k_pe.shape[0], rope).to(cpu, f64)], dim=1)
-    ctx_latent = gather_context_latent(kv_cache.to(cpu), block_table_row.to(cpu), context_len).to(f64)
+    q = q.to(dev, f64)
+    new_latent = torch.cat([kv_c.to(dev, f64), k_pe.reshape(k_pe.shape[0], rope).to(dev, f64)], dim=1)
+    ctx_latent = gather_context_latent(kv_cache, block_table_row.to("cpu"), context_len).to(dev, f64)
     latent = torch.cat([ctx_latent, new_latent], dim=0)  # [S, kv_lora_rank + rope], context first
     s_len, l_len = latent.shape[0], q.shape[0]
 
-    w = kv_b_proj_weight.to(cpu, f64)
+    w = kv_b_proj_weight.to(dev, f64)
     kv = (latent[:, :r] @ w.t()).view(s_len, h, nope + dv)
     k = torch.cat([kv[..., :nope], latent[:, None, r:].expand(s_len, h, rope)], dim=-1)  # [S, H, nope + rope]
     v = kv[..., nope:]  # [S, H, dv]
     kh = k.permute(1, 2, 0)  # [H, Dqk, S]
     vh = v.permute(1, 0, 2)  # [H, S, Dv]
 
-    out = torch.zeros(l_len, h, dv, dtype=f64)
-    lse = torch.full((l_len, h), float("-inf"), dtype=f64)
+    out = torch.zeros(l_len, h, dv, dtype=f64, device=dev)
+    lse = torch.full((l_len, h), float("-inf"), dtype=f64, device=dev)
     block = max(1, score_elems // max(1, h * s_len))
     for i0 in range(0, l_len, block):
         i1 = min(l_len, i0 + block)
@@ -93,14 +96,14 @@ def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         scores = torch.matmul(q[i0:i1].permute(1, 0, 2), kh[:, :, :kv_end])  # [H, b, kv_end]
         scores.mul_(dims.softmax_scale)
         # Query i sees keys j <= context_len + i: only the block's last (i1 - i0) key columns hold masked pairs.
-        hidden = torch.ones(i1 - i0, i1 - i0, dtype=torch.bool).triu_(1)
+        hidden = torch.ones(i1 - i0, i1 - i0, dtype=torch.bool, device=dev).triu_(1)
         scores[:, :, context_len + i0:].masked_fill_(hidden, float("-inf"))
         row_max = scores.amax(dim=-1, keepdim=True)  # finite: every query sees at least itself
         p = scores.sub_(row_max).exp_()  # softmax numerator, over the full key row
         denom = p.sum(dim=-1)  # [H, b]
         out[i0:i1] = (torch.matmul(p, vh[:, :kv_end]) / denom.unsqueeze(-1)).permute(1, 0, 2)
         lse[i0:i1] = (row_max.squeeze(-1) + torch.log(denom)).t()
-    return out, lse
+    return out.cpu(), lse.cpu()
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

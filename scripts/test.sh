@@ -43,6 +43,15 @@ assert os.path.realpath(mla_bridge.__file__).startswith(os.path.realpath(sys.arg
 PYEOF
 }
 
+pip_install() {
+    # pip -q, minus the warnings this machine's pip configuration prints for each package (index folders that
+    # do not exist); every other line, warning or error, still shows.
+    local rc=0
+    "$PY" -m pip install -q "$@" 2>&1 \
+        | { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.\?$" || true; } || rc=$?
+    return "$rc"
+}
+
 setup() {
     local start=$SECONDS python
     if [ ! -x "$PY" ]; then
@@ -56,10 +65,10 @@ PYEOF
     fi
     if ! "$PY" -c "import torch" >/dev/null 2>&1; then
         echo "test.sh: installing $TORCH_SPEC first (a CPU build on these machines)"
-        "$PY" -m pip install -q "$TORCH_SPEC"
+        pip_install "$TORCH_SPEC"
     fi
     echo "test.sh: installing mla-bridge (editable) with extras [$EXTRAS]"
-    "$PY" -m pip install -q -e ".[$EXTRAS]"
+    pip_install -e ".[$EXTRAS]"
     want_stamp > "$STAMP"
     echo "test.sh: $VENV ready in $((SECONDS - start)) s (torch $("$PY" -c 'import torch; print(torch.__version__)'))"
 }
