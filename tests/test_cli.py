@@ -1,4 +1,4 @@
-"""The ``mla-bridge`` command, in process on the CPU: prefill (JSON fields, error against the float64 reference,
+"""The ``mla-bridge`` command, in process on the CPU (``--device cpu`` everywhere, also on a GPU machine): prefill (JSON fields, error against the float64 reference,
 schedules, checkpoints), info, bench wiring, bad arguments; and mla_bridge.reference against the suite's own
 float64 reference."""
 
@@ -24,7 +24,7 @@ PREFILL_FIELDS = {
 
 def run_json(tmp_path, *argv):
     path = tmp_path / "out.json"
-    rc = main(["prefill", *argv, "--json", str(path)])
+    rc = main(["prefill", "--device", "cpu", *argv, "--json", str(path)])
     return rc, json.loads(path.read_text()) if path.exists() else None
 
 
@@ -32,7 +32,7 @@ def run_json(tmp_path, *argv):
 
 def test_prefill_json_fields_and_error(tmp_path, capsys):
     rc, res = run_json(tmp_path, "--prompt-lens", "5,9,1", "--context-lens", "0,70,3", "--block-size", "16",
-                       "--layers", "2", "--check-requests", "3", "--device", "cpu")
+                       "--layers", "2", "--check-requests", "3")
     assert rc == 0
     assert PREFILL_FIELDS <= set(res)
     assert res["device"] == "cpu" and res["dtype"] == "float32" and res["backend"] == "torch"
@@ -126,7 +126,7 @@ def test_defaults_are_the_demo_batch_and_seed_workloads_in_help(capsys):
     (["prefill", "--model", "llama"], "--model"),
     (["prefill", "--dtype", "float8"], "--dtype"),
     (["prefill", "--layers", "0"], "--layers"),
-    (["prefill", "--backend", "flashinfer-fa2", "--prompt-lens", "4"], "--backend"),
+    (["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4"], "--backend"),
     (["prefill", "--backend", "cudnn"], "--backend"),
     (["prefill", "--device", "tpu"], "--device"),
     (["prefill", "--layer", "3"], "--layer"),
@@ -148,7 +148,7 @@ def test_cuda_device_without_cuda(capsys):
 
 def test_env_backend_that_cannot_serve(monkeypatch, capsys):
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", "flashinfer-fa3")
-    assert main(["prefill", "--prompt-lens", "4"]) == 2
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4"]) == 2
     assert "MLA_BRIDGE_BACKEND" in capsys.readouterr().err
 
 
