@@ -167,7 +167,7 @@ class _Phases:
     """mla_prefill's steps, each runnable alone on tensors prepared once (see the module docstring)."""
 
     def __init__(self, x: Inputs, plan: PrefillPlan):
-        d, bs = x.dims, x.case.block_size
+        d = x.dims
         self.x, self.plan = x, plan
         rank, e = d.kv_lora_rank, x.q.element_size()
         self.out = torch.empty(x.num_tokens, d.num_heads, d.v_head_dim, dtype=plan.dtype, device=plan.device)
@@ -252,14 +252,12 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
             rows.append(ctx.measure(SECTION, name, PATHS[1], lambda: mla_prefill(
                 x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan2), flops=attn_flops + up_flops,
                 note=f"main pass + {len(plan2.chunks)} chunk(s) + merge", **meta(1)))
-            del plan2
         except Exception as err:  # noqa: BLE001
             ctx.recover()
             rows.append(ctx.skipped(SECTION, name, PATHS[1], "failed: " + fmt_err(err, 160), err, **meta(1)))
     hand = _handwritten_row(ctx, x, budget, name, attn_flops + up_flops, meta(2))
     rows.append(hand)
     rows.extend(_phase_rows(ctx, x, plan, name, attn_flops, up_flops, meta, full, hand))
-    del plan
     rows.extend(_context_pass_rows(ctx, x, budget, name, ws, meta))
     return rows
 

@@ -78,7 +78,6 @@ def _core_and_raw(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     elif ctx.cuda:
         ctx.check(f"main {shape.name}: mla_bridge / raw FlashInfer throughput", None, ">=", 0.98,
                   "not measured: " + (core.note if core.status != "ok" else raw.note))
-    del plan
     rows.append(_sdpa(ctx, shape, ci, q, k, v, flops))
     return rows
 
@@ -103,7 +102,6 @@ def _sdpa(ctx: Ctx, shape: MainShape, ci: int, q, k, v, flops: float) -> Row:
         row = ctx.measure(SECTION, shape.name, PATHS[2], lambda: sdpa(qs, ks, vs, is_causal=True, scale=scale),
                           flops=flops, note="[B,H,L,D]; torch picks flash/efficient/cuDNN" if ctx.cuda
                           else "[B,H,L,D]", **meta)
-    del qs, ks, vs
     return row
 
 
@@ -171,8 +169,11 @@ def _compiled_flex(ctx: Ctx, flex_attention: Any) -> Any:
         import torch._dynamo
 
         for name in ("recompile_limit", "cache_size_limit"):  # one compile per shape; don't fall back to eager
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+            try:
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(64, int(getattr(torch._dynamo.config, name))))
+            except Exception:  # noqa: BLE001 - a renamed knob: the default limit (8) still covers 6 shapes
+                pass
         fn = torch.compile(flex_attention, dynamic=False)
         ctx._flex_fn = fn  # type: ignore[attr-defined]
     return fn

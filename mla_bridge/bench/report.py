@@ -93,7 +93,6 @@ def measure_peaks(ctx: Ctx) -> list[Row]:
         row = ctx.row("peak", f"torch.matmul {n}^3 {str(ctx.dtype).replace('torch.', '')}", "matmul peak", t,
                       flops=flops, order=(-1, 0, 0), note="the TFLOP/s rows' 100%")
         rows.append(row)
-        del a, b
     except Exception as err:  # noqa: BLE001
         ctx.recover()
         rows.append(ctx.skipped("peak", f"torch.matmul {n}^3", "matmul peak", "failed", err, order=(-1, 0, 0)))
@@ -106,7 +105,6 @@ def measure_peaks(ctx: Ctx) -> list[Row]:
         row = ctx.row("peak", f"device copy {src.numel() * src.element_size() / 1024 ** 2:.0f} MiB", "copy bandwidth",
                       t, nbytes=nbytes, order=(-1, 1, 0), note="read + write; the GB/s rows' 100%")
         rows.append(row)
-        del src, dst
     except Exception as err:  # noqa: BLE001
         ctx.recover()
         rows.append(ctx.skipped("peak", "device copy", "copy bandwidth", "failed", err, order=(-1, 1, 0)))
