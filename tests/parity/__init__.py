@@ -1,0 +1,1 @@
+"""Cross-framework parity tests: the same inputs (tests/parity/inputs.py) through the torch core and each adapter."""
