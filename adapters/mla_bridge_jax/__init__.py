@@ -1,0 +1,35 @@
+"""mla_bridge_jax: MLA (DeepSeek-V2/V3) ragged prefill for JAX, through the mla_bridge torch core.
+
+jax.Array in, jax.Array out, on the same device; eager calls pass buffers by DLPack (zero-copy), calls inside
+``jax.jit`` run as one XLA custom call on XLA's stream (see :mod:`mla_bridge_jax.api`).
+
+Public API:
+  * :func:`ragged_prefill` -- one-shot ragged attention ``(out, lse)``.
+  * :func:`plan_ragged` + :func:`run_ragged` -- plan once (host), run per layer (eager or under jit).
+  * :func:`build_plan` + :func:`mla_prefill` -- MLA prefill with the paged latent cache and context chunks.
+  * :func:`from_torch` / :func:`to_torch` -- DLPack conversion (one device copy for views DLPack cannot pass).
+  * :mod:`mla_bridge_jax.reference` -- pure-JAX float32 references (``ragged_attention``, ``mla_attention``).
+  * :func:`sharded_ragged_prefill` -- heads sharded over a mesh axis with ``shard_map``.
+  * :mod:`mla_bridge_jax.bench` -- ``compare()``, the GPU microbenchmark (imported on use).
+"""
+
+from mla_bridge import MLADims, Workspace
+
+from ._interop import from_torch
+from ._interop import to_torch as _to_torch
+from .api import (ENV_JIT_ROUTE, JIT_ROUTES, InferenceOnlyError, build_plan, mla_prefill, plan_ragged, ragged_prefill,
+                  run_ragged)
+from . import reference
+from .sharding import head_shardings, sharded_ragged_prefill, shard_map
+
+
+def to_torch(x):
+    """Zero-copy torch view of a single-device jax.Array (DLPack). It shares JAX's buffer: never write into it."""
+    return _to_torch("x", x)
+
+
+__all__ = [
+    "ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "mla_prefill", "from_torch", "to_torch",
+    "reference", "sharded_ragged_prefill", "head_shardings", "shard_map", "InferenceOnlyError", "JIT_ROUTES",
+    "ENV_JIT_ROUTE", "MLADims", "Workspace",
+]

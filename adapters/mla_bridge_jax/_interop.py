@@ -1,0 +1,217 @@
+"""JAX <-> torch conversion for the adapter: DLPack views, dtypes, devices, host values.
+
+Every conversion here is zero-copy except the ones documented otherwise:
+  * :func:`to_torch` (jax.Array -> torch.Tensor): ``torch.from_dlpack``; a JAX array is always dense, so this never
+    copies (an array JAX holds in a non-default layout, e.g. one made from a transposed torch tensor, arrives as a
+    strided view with the right strides). On CUDA, JAX makes torch's current stream wait for the array.
+  * :func:`to_jax` (torch.Tensor -> jax.Array): ``jax.dlpack.from_dlpack``; on CUDA, torch makes JAX's stream wait.
+  * :func:`from_torch` (user-facing torch -> JAX): tensors DLPack cannot hand over as they are are copied ONCE on
+    their device first (``.contiguous()`` / ``.clone()``): a non-contiguous view (a last-dim slice ``t[..., :128]``
+    is refused by JAX; a transposed tensor would become a JAX array in a non-default layout) and a data pointer that
+    is not 16-byte aligned (XLA assumes aligned buffers; on GPU JAX takes a misaligned pointer silently). Values are
+    never read at the wrong strides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+import torch
+
+__all__ = ["to_torch", "to_jax", "from_torch", "torch_dtype", "jax_dtype", "torch_device_of", "default_torch_device",
+           "is_tracer", "check_array", "host_values", "buffer_device", "xla_stream"]
+
+_ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_array(name: str, x: Any) -> None:
+    """``x`` must be a ``jax.Array`` (or a tracer of one under a JAX transformation).
+
+    Raises:
+        TypeError: naming ``name``; a torch tensor or numpy array gets a hint on how to convert it.
+    """
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return
+    hint = ""
+    if isinstance(x, torch.Tensor):
+        hint = " (convert a torch tensor with mla_bridge_jax.from_torch(t), or call mla_bridge's torch API directly)"
+    elif isinstance(x, np.ndarray):
+        hint = " (convert it with jnp.asarray(x))"
+    raise TypeError(f"{name} must be a jax.Array, got {type(x).__module__}.{type(x).__name__}{hint}")
+
+
+def host_values(name: str, x: Any, *, where: str) -> Any:
+    """Host value of a length/indptr argument: lists, numpy and torch pass through; a concrete jax.Array is read
+    back to numpy (a small device->host copy); a tracer is refused.
+
+    Raises:
+        TypeError: ``x`` is a tracer (a ``jax.jit`` argument or a value computed under a transformation).
+    """
+    if is_tracer(x):
+        raise TypeError(
+            f"{name} is a traced JAX value, but {where} needs it on the host (plan metadata is static): pass {name} "
+            f"as a Python list or numpy array (closed over, or a static argument of jax.jit), or build the plan "
+            f"outside the traced function (mla_bridge_jax.plan_ragged / mla_bridge_jax.build_plan)")
+    if isinstance(x, jax.Array):
+        return np.asarray(x)
+    return x
+
+
+_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
+    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a JAX/numpy dtype (or a torch dtype, returned as is).
+
+    Raises:
+        TypeError: a dtype with no torch counterpart.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = jnp.dtype(dtype).name
+    if name not in _TORCH_DTYPES:
+        raise TypeError(f"dtype {name} has no torch counterpart supported by mla_bridge")
+    return _TORCH_DTYPES[name]
+
+
+def jax_dtype(dtype: torch.dtype) -> Any:
+    return jnp.dtype(str(dtype).replace("torch.", ""))
+
+
+def torch_device_of(device: Any) -> torch.device:
+    """The torch device of a JAX device (``jax.Device``), a torch device, or a string such as ``"cuda:0"``.
+
+    Raises:
+        ValueError: a JAX platform torch cannot address, or a CUDA device while torch has no CUDA.
+    """
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        dev = torch.device(device)
+    else:
+        platform = getattr(device, "platform", None)
+        if platform == "cpu":
+            dev = torch.device("cpu")
+        elif platform in ("gpu", "cuda"):
+            hw = getattr(device, "local_hardware_id", None)
+            dev = torch.device("cuda", int(device.id if hw is None else hw))
+        else:
+            raise ValueError(f"JAX device {device!r} (platform {platform!r}) is not one mla_bridge can run on "
+                             f"(CPU or CUDA)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"the JAX arrays live on {dev}, but this torch build has no CUDA "
+                         f"(torch {torch.__version__}); install a CUDA build of torch")
+    return dev
+
+
+def default_torch_device() -> torch.device:
+    """Where a traced call is planned at trace time: JAX's default device (``jax_default_device`` if set, else
+    ``jax.devices()[0]``). A callback that runs on another device plans for that device on first use."""
+    dev = jax.config.jax_default_device
+    if dev is None or isinstance(dev, str):
+        dev = jax.devices(dev)[0] if isinstance(dev, str) else jax.devices()[0]
+    return torch_device_of(dev)
+
+
+def to_torch(name: str, x: Any) -> torch.Tensor:
+    """Zero-copy torch view of a single-device ``jax.Array`` (DLPack; on CUDA ordered after JAX's pending writes).
+
+    The view shares JAX's buffer: never write into it.
+
+    Raises:
+        TypeError: not a jax.Array (named).
+        ValueError: an array spread over several devices (named).
+    """
+    check_array(name, x)
+    devices = x.sharding.device_set
+    if len(devices) != 1:
+        raise ValueError(f"{name} is spread over {len(devices)} devices; call mla_bridge_jax per device "
+                         f"(mla_bridge_jax.shard_heads) or under jax.jit")
+    return torch.from_dlpack(x)
+
+
+def to_jax(t: torch.Tensor) -> jax.Array:
+    """Zero-copy ``jax.Array`` of a dense, aligned torch tensor the core produced (DLPack)."""
+    return jax.dlpack.from_dlpack(t)
+
+
+def _dlpack_ready(t: torch.Tensor) -> bool:
+    return t.numel() == 0 or (t.is_contiguous() and t.data_ptr() % _ALIGN == 0)
+
+
+def from_torch(t: torch.Tensor) -> jax.Array:
+    """A torch tensor as a ``jax.Array`` on the same device: zero-copy when DLPack can pass it as it is, else one
+    device copy first (non-contiguous views such as ``t[..., :128]`` or a transpose, or a data pointer that is not
+    16-byte aligned). The result never aliases memory at the wrong strides.
+
+    Raises:
+        TypeError: not a torch tensor.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_torch expects a torch.Tensor, got {type(t).__name__}")
+    t = t.detach()
+    if not _dlpack_ready(t):
+        t = t.contiguous() if not t.is_contiguous() else t.clone()  # one copy on t's device
+    return jax.dlpack.from_dlpack(t)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inside an XLA callback
+# ---------------------------------------------------------------------------------------------------------------
+
+def buffer_device(buf: Any) -> torch.device:
+    """The torch device of an XLA FFI buffer (``__dlpack_device__``: (1, _) CPU, (2, ordinal) CUDA)."""
+    kind, ordinal = buf.__dlpack_device__()
+    if int(kind) == 1:
+        return torch.device("cpu")
+    if int(kind) == 2:
+        return torch.device("cuda", int(ordinal))
+    raise ValueError(f"mla_bridge_jax: XLA buffer on DLPack device type {int(kind)}; only CPU and CUDA are served")
+
+
+_streams: dict[tuple[int, int], Any] = {}
+_synced = weakref.WeakKeyDictionary()  # plan -> set of devices whose prior torch work XLA's stream has waited for
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def xla_stream(ctx: Any, device: torch.device, get_plan: Callable[[torch.device], Any]):
+    """Inside a ``buffer_callback``: yield ``get_plan(device)`` with torch running on XLA's compute stream
+    (``ctx.stream``) and ``device`` current, on CUDA; on CPU just the plan.
+
+    The plan is fetched (and, for a device seen the first time, made) before torch switches streams; the first time
+    a plan runs on a device, XLA's stream waits for the work already queued on torch's current stream there
+    (FlashInfer's plan copies its schedule to the device on that stream, asynchronously).
+    """
+    if device.type != "cuda":
+        yield get_plan(device)
+        return
+    with torch.cuda.device(device):
+        plan = get_plan(device)
+        ptr = int(ctx.stream)
+        with _lock:
+            stream = _streams.get((device.index, ptr))
+            if stream is None:
+                stream = _streams[(device.index, ptr)] = torch.cuda.ExternalStream(ptr, device=device)
+            done = _synced.setdefault(plan, set())
+            first = device.index not in done
+            done.add(device.index)
+        if first:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield plan

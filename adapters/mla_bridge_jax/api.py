@@ -1,0 +1,352 @@
+"""MLA ragged prefill for JAX: jax.Array in, jax.Array out, delegating to the mla_bridge torch core.
+
+Two ways a call runs:
+  * **eager** (concrete ``jax.Array`` inputs): DLPack views both ways (no copy, no host round trip; on CUDA each
+    side makes the consumer's stream wait), then the core's :func:`mla_bridge.ragged_prefill` /
+    :meth:`mla_bridge.RaggedPlan.run` / :func:`mla_bridge.mla_prefill` on torch's current stream.
+  * **traced** (inside ``jax.jit``, ``jax.vmap``, ``shard_map``...): one XLA custom call per attention through
+    ``jax.experimental.buffer_callback``: XLA hands the callback its device buffers (inputs and the preallocated
+    outputs) and its compute stream; the callback views them with DLPack and runs the same core call on that stream
+    (``torch.cuda.ExternalStream(ctx.stream)``), writing the outputs in place. No host copy of q/k/v/out on GPU; on
+    CPU the buffers are host memory. See :mod:`mla_bridge_jax.tvm_ffi` for the optional route without Python in the
+    call path.
+
+Plans are host-side: index pointers and lengths must be host values (Python lists, numpy, concrete arrays), never
+tracers. Under ``jax.jit`` the plan is made when the function is traced and reused by every call of the compiled
+function; a new compile happens when shapes/dtypes change or when the host lengths change (they are closed over or
+static arguments). Validation is the core's, run on the host before anything is launched (at trace time under jit).
+
+Differentiation is refused (``jax.grad``/``jax.jvp`` raise "inference only"); ``jax.vmap`` is supported by running
+the batch elements one after another (``vmap_method="sequential"``), each with the same index pointers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax.experimental.buffer_callback import buffer_callback
+
+import mla_bridge as _core
+from mla_bridge import prefill as _core_prefill
+from mla_bridge import MLADims, PrefillPlan, RaggedPlan, Workspace
+from mla_bridge.workspace import default_workspace
+
+from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype, to_jax,
+                       to_torch, torch_device_of, torch_dtype, xla_stream)
+
+__all__ = ["ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "mla_prefill", "JIT_ROUTES", "ENV_JIT_ROUTE",
+           "InferenceOnlyError"]
+
+#: Routes a traced call can take: "buffer_callback" (any platform) and "tvm_ffi" (CUDA, FlashInfer fa2/fa3 plans,
+#: needs jax-tvm-ffi); "auto" picks tvm_ffi when it can serve, else buffer_callback.
+JIT_ROUTES = ("auto", "buffer_callback", "tvm_ffi")
+ENV_JIT_ROUTE = "MLA_BRIDGE_JAX_JIT_ROUTE"
+
+
+class InferenceOnlyError(NotImplementedError):
+    """Raised when JAX tries to differentiate through an mla_bridge_jax call."""
+
+
+def _inference_only(fn: Callable, what: str) -> Callable:
+    """``fn`` with a JVP rule that raises: jax.grad / jax.jvp / jax.jacrev through it fail loudly instead of
+    producing zero gradients. (Differentiating with respect to something that does not flow into ``fn`` still
+    works: JAX skips the rule when every tangent is zero.)"""
+
+    @jax.custom_jvp
+    def wrapped(*args):
+        return fn(*args)
+
+    @wrapped.defjvp
+    def _jvp(primals, tangents):
+        raise InferenceOnlyError(
+            f"{what} is inference only: it has no gradient (FlashInfer's ragged prefill has no backward pass "
+            f"here). Wrap its inputs in jax.lax.stop_gradient if you differentiate a larger function through it.")
+
+    return wrapped
+
+
+def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float = 0.0) -> torch.Tensor:
+    """A torch stand-in for a traced array, for the core's host-side validation: right shape/dtype/device, one
+    element of memory (an expanded scalar)."""
+    return torch.full((), fill, dtype=torch_dtype(dtype), device=device).expand(*shape)
+
+
+class _Plans:
+    """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill) or plans made on first
+    use for each device a callback runs on (ragged_prefill, shard_map over several devices)."""
+
+    def __init__(self, make: Optional[Callable[[torch.device], Any]] = None, plan: Any = None):
+        self._make = make
+        self._plans: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()
+        if plan is not None:
+            self._plans[self._device_of(plan)] = plan
+
+    @staticmethod
+    def _device_of(plan: Any) -> torch.device:
+        return plan.spec.device if isinstance(plan, RaggedPlan) else plan.device
+
+    def get(self, device: torch.device) -> Any:
+        plan = self._plans.get(device)
+        if plan is not None:
+            return plan
+        if self._make is None:
+            (have,) = self._plans
+            raise ValueError(f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
+                             f"build the plan for that device (device=...)")
+        with self._lock:
+            plan = self._plans.get(device)
+            if plan is None:
+                plan = self._plans[device] = self._make(device)
+        return plan
+
+
+def _route(requested: Optional[str], plan: Any) -> str:
+    route = requested or os.environ.get(ENV_JIT_ROUTE) or "auto"
+    if route not in JIT_ROUTES:
+        raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {route!r}")
+    if route == "buffer_callback":
+        return route
+    from . import tvm_ffi
+
+    reason = tvm_ffi.why_not(plan)
+    if reason is None:
+        return "tvm_ffi"
+    if route == "tvm_ffi":
+        raise ValueError(f"jit_route='tvm_ffi' cannot serve this call: {reason}")
+    return "buffer_callback"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ragged attention
+# ---------------------------------------------------------------------------------------------------------------
+
+def _ragged_callback(plans: _Plans) -> Callable:
+    def callback(ctx, outs, q, k, v):
+        out, lse = outs
+        with xla_stream(ctx, buffer_device(q), plans.get) as plan:
+            plan.run(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v),
+                     out=torch.from_dlpack(out), lse=torch.from_dlpack(lse))
+
+    return callback
+
+
+def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional[str]):
+    """Validate against ``plan`` now (host, trace time), then emit one custom call."""
+    plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))
+    s = plan.spec
+    out_types = (jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
+                 jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads), jnp.float32))
+    if _route(jit_route, plan) == "tvm_ffi":
+        from . import tvm_ffi
+
+        call = tvm_ffi.ragged_call(plan, out_types)
+    else:
+        call = buffer_callback(_ragged_callback(plans), out_types, vmap_method="sequential")
+    out, lse = _inference_only(call, "mla_bridge_jax.ragged_prefill")(q, k, v)
+    return out, lse
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_array(name, x)
+
+
+def _heads_dims(q, v) -> tuple[int, int, int]:
+    # Only what planning needs to read; every other shape check is the core's (RaggedPlan.validate).
+    for name, x in (("q", q), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
+    return q.shape[1], q.shape[2], v.shape[2]
+
+
+def ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_indptr: Any, *, causal: bool,
+                   sm_scale: float, backend: Optional[str] = None, jit_route: Optional[str] = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Ragged (packed-batch) attention, MLA prefill shapes, as :func:`mla_bridge.ragged_prefill`.
+
+    Args:
+        q: ``[T, H, head_dim_qk]`` (192 for DeepSeek), ``T = qo_indptr[-1]``.
+        k: ``[S, H, head_dim_qk]``, ``S = kv_indptr[-1]``.
+        v: ``[S, H, head_dim_vo]`` (128).
+        qo_indptr, kv_indptr: ``[batch + 1]`` int prefix sums on the HOST (list, numpy, torch, or a concrete
+            jax.Array, read back once); under ``jax.jit`` they must not be traced arguments.
+        causal: bottom-right aligned causal mask (query ``i`` sees keys ``j <= i + kv_len - q_len``).
+        sm_scale: logit scale.
+        backend: force a core backend ("flashinfer-fa3", "torch", ...; see :func:`mla_bridge.select_backend`).
+        jit_route: traced calls only: "auto" (default, or ``$MLA_BRIDGE_JAX_JIT_ROUTE``), "buffer_callback" or
+            "tvm_ffi" (see :data:`JIT_ROUTES`).
+
+    Returns:
+        ``(out [T, H, head_dim_vo] in q's dtype, lse [T, H] float32, natural log)``; rows with no visible key give
+        out 0 and lse -inf.
+
+    Raises:
+        TypeError: a non-JAX q/k/v, or a traced indptr (named).
+        ValueError / TypeError: the core's validation (shapes against the indptrs, dtypes, bad indptrs), raised
+            before anything runs (at trace time under jit).
+        InferenceOnlyError: on differentiation.
+    """
+    _check_qkv(q, k, v)
+    qo = host_values("qo_indptr", qo_indptr, where="ragged_prefill")
+    kv = host_values("kv_indptr", kv_indptr, where="ragged_prefill")
+    if not any(is_tracer(x) for x in (q, k, v)):
+        tq, tk, tv = to_torch("q", q), to_torch("k", k), to_torch("v", v)
+        out, lse = _core.ragged_prefill(tq, tk, tv, qo, kv, causal=causal, sm_scale=sm_scale, backend=backend)
+        return to_jax(out), to_jax(lse)
+
+    heads, d_qk, d_vo = _heads_dims(q, v)
+
+    def make(device: torch.device) -> RaggedPlan:
+        return _core.plan_ragged(qo, kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal,
+                                 sm_scale=sm_scale, dtype=torch_dtype(q.dtype), workspace=default_workspace(device),
+                                 backend=backend)
+
+    plans = _Plans(make)
+    plan = plans.get(default_torch_device())
+    return _ragged_traced(plans, plan, q, k, v, jit_route)
+
+
+def plan_ragged(qo_indptr: Any, kv_indptr: Any, *, num_heads: int, head_dim_qk: int, head_dim_vo: int, causal: bool,
+                sm_scale: float, dtype: Any = jnp.bfloat16, device: Any = None, workspace: Optional[Workspace] = None,
+                backend: Optional[str] = None) -> RaggedPlan:
+    """Plan a ragged batch once, outside ``jax.jit`` (the core's :func:`mla_bridge.plan_ragged`); run it per layer
+    with :func:`run_ragged`, eagerly or inside jit.
+
+    Args:
+        qo_indptr, kv_indptr: host prefix sums (list, numpy, torch, concrete jax.Array; never a tracer).
+        dtype: a JAX/numpy (or torch) dtype, q/k/v's.
+        device: the ``jax.Device`` the arrays live on (or a torch device / "cuda:0"); default: the workspace's
+            device, else JAX's default device.
+        workspace: a :class:`mla_bridge.Workspace` (default: the device's shared one).
+        Others: as :func:`mla_bridge.plan_ragged`.
+
+    Returns:
+        the core's :class:`mla_bridge.RaggedPlan` (holds one pooled FlashInfer wrapper while it lives).
+    """
+    qo = host_values("qo_indptr", qo_indptr, where="plan_ragged")
+    kv = host_values("kv_indptr", kv_indptr, where="plan_ragged")
+    if workspace is None:
+        workspace = default_workspace(default_torch_device() if device is None else torch_device_of(device))
+    elif device is not None and torch_device_of(device) != workspace.device:
+        raise ValueError(f"device {torch_device_of(device)} differs from the workspace's device {workspace.device}")
+    return _core.plan_ragged(qo, kv, num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+                             causal=causal, sm_scale=sm_scale, dtype=torch_dtype(dtype), workspace=workspace,
+                             backend=backend)
+
+
+def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, jit_route: Optional[str] = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """Run a :func:`plan_ragged` plan: ``(out [T, H, head_dim_vo], lse [T, H] float32 natural log)``.
+
+    Eagerly or inside ``jax.jit`` (close over the plan; the compiled function reuses it on every call).
+
+    Raises:
+        TypeError: ``plan`` is not a RaggedPlan, or a non-JAX q/k/v (named).
+        ValueError / TypeError: the core's :meth:`mla_bridge.RaggedPlan.validate`, before anything runs.
+    """
+    if not isinstance(plan, RaggedPlan):
+        raise TypeError(f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), "
+                        f"got {type(plan).__name__}")
+    _check_qkv(q, k, v)
+    if not any(is_tracer(x) for x in (q, k, v)):
+        out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
+        return to_jax(out), to_jax(lse)
+    return _ragged_traced(_Plans(plan=plan), plan, q, k, v, jit_route)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MLA prefill (latent cache, up-projection, context chunks)
+# ---------------------------------------------------------------------------------------------------------------
+
+def build_plan(query_lens: Any, context_lens: Any = None, *, dims: MLADims, block_size: int, dtype: Any = jnp.bfloat16,
+               device: Any = None, workspace: Optional[Workspace] = None, backend: Optional[str] = None,
+               fuse_context: bool = True) -> PrefillPlan:
+    """The core's :meth:`mla_bridge.PrefillPlan.build` from host lengths, for :func:`mla_prefill`; build it once per
+    batch, outside ``jax.jit``, and share it across layers.
+
+    Args:
+        query_lens, context_lens: new / cached tokens per request (host values: list, numpy, concrete jax.Array).
+        dtype: q / cache / weight dtype (a JAX or numpy dtype).
+        device: the ``jax.Device`` the arrays live on (default: the workspace's, else JAX's default device).
+        workspace: a :class:`mla_bridge.Workspace` (default: the device's shared one); its ``chunk_tokens`` bounds
+            one context chunk.
+        dims, block_size, backend, fuse_context: as :meth:`mla_bridge.PrefillPlan.build`.
+
+    Raises:
+        TypeError: traced lengths (named); the core's errors otherwise.
+    """
+    q_lens = host_values("query_lens", query_lens, where="build_plan")
+    c_lens = None if context_lens is None else host_values("context_lens", context_lens, where="build_plan")
+    q_lens = q_lens.tolist() if hasattr(q_lens, "tolist") else q_lens
+    c_lens = c_lens.tolist() if hasattr(c_lens, "tolist") else c_lens
+    if workspace is None:
+        workspace = default_workspace(default_torch_device() if device is None else torch_device_of(device))
+    return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size,
+                             device=None if device is None else torch_device_of(device), dtype=torch_dtype(dtype),
+                             backend=backend, fuse_context=fuse_context)
+
+
+_MLA_ARGS = ("q", "kv_c", "k_pe", "kv_b_proj_weight", "kv_cache", "block_table")
+
+
+def _mla_callback(plan: PrefillPlan) -> Callable:
+    def get_plan(device: torch.device) -> PrefillPlan:
+        if device != plan.device:
+            raise ValueError(f"mla_bridge_jax.mla_prefill: the plan is for {plan.device}, but XLA ran the call on "
+                             f"{device}; build the plan for that device")
+        return plan
+
+    def callback(ctx, outs, *args):
+        out, lse = outs
+        with xla_stream(ctx, buffer_device(args[0]), get_plan):
+            t_out, t_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+            _, lse_full = _core.mla_prefill(*(torch.from_dlpack(a) for a in args), plan, out=t_out, return_lse=True)
+            t_lse.copy_(lse_full)
+
+    return callback
+
+
+def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: jax.Array, kv_cache: jax.Array,
+                block_table: jax.Array, plan: PrefillPlan, *, return_lse: bool = False):
+    """MLA prefill attention of one layer, as :func:`mla_bridge.mla_prefill` (same shapes and conventions).
+
+    Args:
+        q ``[T, H, 192]``, kv_c ``[T, 512]``, k_pe ``[T, 64]`` or ``[T, 1, 64]``, kv_b_proj_weight
+        ``[H * 256, 512]``, kv_cache ``[num_blocks, block_size, 576]``, block_table ``[batch, max_blocks]`` int32:
+        jax.Arrays (tracers inside jit) on the plan's device.
+        plan: from :func:`build_plan` (host lengths; built outside jit, closed over inside it).
+        return_lse: also return the natural-log lse ``[T, H]`` float32.
+
+    Returns:
+        ``out [T, H, 128]`` in the plan's dtype, or ``(out, lse)``.
+
+    Raises:
+        TypeError: a non-JAX input (named), a plan that is not a PrefillPlan.
+        ValueError / TypeError: the core's ``mla_bridge.prefill.validate_prefill_inputs`` (at trace time
+            under jit; block ids on a CPU plan are range-checked when the call runs).
+        InferenceOnlyError: on differentiation.
+    """
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan), "
+                        f"got {type(plan).__name__}")
+    args = (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table)
+    for name, x in zip(_MLA_ARGS, args):
+        check_array(name, x)
+    if not any(is_tracer(x) for x in args):
+        result = _core.mla_prefill(*(to_torch(n, x) for n, x in zip(_MLA_ARGS, args)), plan, return_lse=return_lse)
+        return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
+
+    _core_prefill.validate_prefill_inputs(*(_proxy(x.shape, x.dtype, plan.device) for x in args), plan)
+    d, t = plan.dims, plan.num_tokens
+    out_types = (jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
+                 jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32))
+    call = buffer_callback(_mla_callback(plan), out_types, vmap_method="sequential")
+    out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args)
+    return (out, lse) if return_lse else out
