@@ -1,0 +1,305 @@
+"""mla_bridge_jax API on CPU: zero-copy eager calls, the jit route, plans, bad input, grad and vmap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+import mla_bridge  # noqa: E402
+from mla_bridge import MLADims, Workspace  # noqa: E402
+
+import mla_bridge_jax as mj  # noqa: E402
+
+SM = 192 ** -0.5
+QO, KV = [0, 3, 3, 4, 9], [0, 5, 5, 6, 11]  # lengths q [3, 0, 1, 5], kv [5, 0, 1, 5]: kv_len >= q_len
+
+
+def _qkv(t=9, s=11, h=4, dtype=jnp.bfloat16, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((t, h, 192)), dtype), jnp.asarray(rng.standard_normal((s, h, 192)), dtype),
+            jnp.asarray(rng.standard_normal((s, h, 128)), dtype))
+
+
+def _core(q, k, v, qo=QO, kv=KV, causal=True):
+    return mla_bridge.ragged_prefill(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v), qo, kv,
+                                     causal=causal, sm_scale=SM)
+
+
+def _equal(jx, tx) -> bool:
+    return torch.equal(torch.from_dlpack(jx), tx)
+
+
+class _RunSpy:
+    """Records what RaggedPlan.run receives (pointers, whether out/lse were given) and how often it runs."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        orig = mla_bridge.RaggedPlan.run
+
+        def run(plan, q, k, v, *, out=None, lse=None, lse_layout="NH"):
+            self.calls.append(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+                                   out=None if out is None else out.data_ptr(),
+                                   lse=None if lse is None else lse.data_ptr()))
+            return orig(plan, q, k, v, out=out, lse=lse, lse_layout=lse_layout)
+
+        monkeypatch.setattr(mla_bridge.RaggedPlan, "run", run)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# values and zero copy
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_eager_and_jit_bitwise_equal_core(causal):
+    q, k, v = _qkv()
+    core_out, core_lse = _core(q, k, v, causal=causal)
+    out, lse = mj.ragged_prefill(q, k, v, QO, KV, causal=causal, sm_scale=SM)
+    assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16 and out.shape == (9, 4, 128)
+    assert lse.dtype == jnp.float32 and lse.shape == (9, 4)
+    assert _equal(out, core_out) and _equal(lse, core_lse)
+    jout, jlse = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=causal, sm_scale=SM))(q, k, v)
+    assert _equal(jout, core_out) and _equal(jlse, core_lse)
+
+
+def test_eager_is_zero_copy_both_ways(monkeypatch):
+    q, k, v = _qkv()
+    seen = {}
+    orig = mla_bridge.ragged_prefill
+
+    def spy(tq, tk, tv, *args, **kwargs):
+        out, lse = orig(tq, tk, tv, *args, **kwargs)
+        seen.update(q=tq.data_ptr(), k=tk.data_ptr(), v=tv.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr())
+        return out, lse
+
+    monkeypatch.setattr(mla_bridge, "ragged_prefill", spy)
+    out, lse = mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM)
+    assert seen["q"] == q.unsafe_buffer_pointer()
+    assert seen["k"] == k.unsafe_buffer_pointer()
+    assert seen["v"] == v.unsafe_buffer_pointer()
+    assert seen["out"] == out.unsafe_buffer_pointer()
+    assert seen["lse"] == lse.unsafe_buffer_pointer()
+
+
+def test_jit_reads_and_writes_xla_buffers_in_place(monkeypatch):
+    spy = _RunSpy(monkeypatch)
+    q, k, v = _qkv()
+    out, lse = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
+    (call,) = spy.calls
+    assert call["q"] == q.unsafe_buffer_pointer() and call["k"] == k.unsafe_buffer_pointer()
+    assert call["out"] == out.unsafe_buffer_pointer() and call["lse"] == lse.unsafe_buffer_pointer()
+
+
+def test_jit_plans_once_per_trace(monkeypatch):
+    made = []
+    orig = mla_bridge.plan_ragged
+    monkeypatch.setattr(mla_bridge, "plan_ragged", lambda *a, **kw: made.append(1) or orig(*a, **kw))
+    f = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))
+    for seed in range(3):
+        q, k, v = _qkv(seed=seed)
+        out, _ = f(q, k, v)
+        assert _equal(out, _core(q, k, v)[0])
+    assert len(made) == 1
+
+
+def test_plan_ragged_run_ragged_eager_and_jit(monkeypatch):
+    plan = mj.plan_ragged(QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
+                          dtype=jnp.bfloat16)
+    assert isinstance(plan, mla_bridge.RaggedPlan) and plan.spec.device == torch.device("cpu")
+    made = []
+    monkeypatch.setattr(mla_bridge, "plan_ragged", lambda *a, **kw: made.append(1))
+    f = jax.jit(lambda a, b, c: mj.run_ragged(plan, a, b, c))
+    for seed in range(2):
+        q, k, v = _qkv(seed=seed)
+        core_out, core_lse = _core(q, k, v)
+        for out, lse in (mj.run_ragged(plan, q, k, v), f(q, k, v)):
+            assert _equal(out, core_out) and _equal(lse, core_lse)
+    assert made == []  # running never re-plans
+
+
+def test_indptrs_as_numpy_torch_and_concrete_jax_arrays():
+    q, k, v = _qkv()
+    core_out, _ = _core(q, k, v)
+    for qo, kv in ((np.array(QO, np.int32), np.array(KV, np.int64)), (torch.tensor(QO), torch.tensor(KV)),
+                   (jnp.asarray(QO), jnp.asarray(KV))):
+        out, _ = mj.ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=SM)
+        assert _equal(out, core_out)
+        out, _ = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, qo, kv, causal=True, sm_scale=SM))(q, k, v)
+        assert _equal(out, core_out)
+
+
+def test_empty_batch_and_no_keys():
+    q, k, v = _qkv(t=3, s=0)
+    for fn in (mj.ragged_prefill, jax.jit(mj.ragged_prefill, static_argnums=(3, 4),
+                                         static_argnames=("causal", "sm_scale"))):
+        out, lse = fn(q, k, v, (0, 3), (0, 0), causal=False, sm_scale=SM)
+        assert np.array_equal(np.asarray(out, np.float32), np.zeros((3, 4, 128), np.float32))
+        assert np.all(np.isneginf(np.asarray(lse)))
+    q, k, v = _qkv(t=0, s=0)
+    out, lse = mj.ragged_prefill(q, k, v, [0], [0], causal=True, sm_scale=SM)
+    assert out.shape == (0, 4, 128) and lse.shape == (0, 4)
+
+
+def test_mla_prefill_eager_and_jit():
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    rng = np.random.default_rng(3)
+    ql, cl, bs = [2, 3], [5, 0], 4
+    t = sum(ql)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+            ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))]
+    table = jnp.asarray([[2, 0], [-1, -1]], jnp.int32)
+    plan = mj.build_plan(jnp.asarray(ql), np.asarray(cl), dims=dims, block_size=bs, dtype=jnp.float32)
+    targs = [torch.from_dlpack(a) for a in args] + [torch.from_dlpack(table)]
+    core_out, core_lse = mla_bridge.mla_prefill(*targs, plan, return_lse=True)
+    out = mj.mla_prefill(*args, table, plan)
+    assert isinstance(out, jax.Array) and _equal(out, core_out)
+    jout, jlse = jax.jit(lambda *a: mj.mla_prefill(*a, plan, return_lse=True))(*args, table)
+    assert _equal(jout, core_out) and _equal(jlse, core_lse)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bad input: clear errors naming the argument, raised before anything runs
+# --------------------------------------------------------------------------------------------------------------
+
+def test_non_jax_inputs_are_named():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"q must be a jax\.Array.*from_torch"):
+        mj.ragged_prefill(torch.from_dlpack(q), k, v, QO, KV, causal=True, sm_scale=SM)
+    with pytest.raises(TypeError, match=r"k must be a jax\.Array.*jnp\.asarray"):
+        mj.ragged_prefill(q, np.asarray(k), v, QO, KV, causal=True, sm_scale=SM)
+    with pytest.raises(TypeError, match=r"v must be a jax\.Array"):
+        mj.ragged_prefill(q, k, [1.0], QO, KV, causal=True, sm_scale=SM)
+
+
+@pytest.mark.parametrize("name", ["qo_indptr", "kv_indptr"])
+def test_traced_indptr_is_refused_by_name(name):
+    q, k, v = _qkv()
+
+    def f(a, b, c, indptr):
+        kw = dict(qo_indptr=QO, kv_indptr=KV)
+        kw[name] = indptr
+        return mj.ragged_prefill(a, b, c, **kw, causal=True, sm_scale=SM)
+
+    with pytest.raises(TypeError, match=rf"{name} is a traced JAX value.*host"):
+        jax.jit(f)(q, k, v, jnp.asarray(QO if name == "qo_indptr" else KV))
+
+
+def test_traced_lengths_refused_by_build_plan():
+    dims = MLADims(num_heads=4)
+    with pytest.raises(TypeError, match=r"query_lens is a traced JAX value"):
+        jax.jit(lambda n: mj.build_plan(n, dims=dims, block_size=4))(jnp.asarray([1, 2]))
+    with pytest.raises(TypeError, match=r"context_lens is a traced JAX value"):
+        jax.jit(lambda c: mj.build_plan([1, 2], c, dims=dims, block_size=4))(jnp.asarray([1, 2]))
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+@pytest.mark.parametrize("jit", [False, True])
+def test_off_by_one_rows_raise_before_running(monkeypatch, delta, jit):
+    """Issue 6 case 11 through the adapter: q has one row more/less than qo_indptr[-1] -> the core's error."""
+    spy = _RunSpy(monkeypatch)
+    q, k, v = _qkv(t=9 + delta)
+    call = lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM)  # noqa: E731
+    with pytest.raises(ValueError, match=rf"q has {9 + delta} tokens but qo_indptr\[-1\] = 9"):
+        (jax.jit(call) if jit else call)(q, k, v)
+    assert all(c["out"] is None for c in spy.calls)  # under jit: raised at trace time, the kernel never ran
+    if jit:
+        assert spy.calls == []
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_core_validation_errors_come_through(jit):
+    q, k, v = _qkv()
+    wrap = (lambda f: jax.jit(f)) if jit else (lambda f: f)
+    with pytest.raises(TypeError, match=r"k must have dtype torch\.bfloat16"):
+        wrap(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k.astype(jnp.float32), v)
+    with pytest.raises(ValueError, match=r"qo_indptr must be non-decreasing"):
+        wrap(lambda a, b, c: mj.ragged_prefill(a, b, c, [0, 5, 3, 4, 9], KV, causal=True, sm_scale=SM))(q, k, v)
+    with pytest.raises(ValueError, match=r"k must have shape \[11, 4, 192\], got \[11, 2, 192\]"):
+        wrap(lambda a, b, c: mj.ragged_prefill(a, b[:, :2], c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
+    with pytest.raises(ValueError, match=r"q must be 3-D"):
+        wrap(lambda a, b, c: mj.ragged_prefill(a[:, 0], b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
+    with pytest.raises(ValueError, match=r"sm_scale must be a positive"):
+        wrap(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=-1.0))(q, k, v)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_mla_prefill_validation_is_the_cores(jit):
+    dims = MLADims(num_heads=4)
+    plan = mj.build_plan([2], dims=dims, block_size=4, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+            ((2, 4, 192), (2, 500), (2, 64), dims.kv_b_proj_shape, (1, 4, 576))]
+    table = jnp.zeros((1, 1), jnp.int32)
+    call = lambda *a: mj.mla_prefill(*a, plan)  # noqa: E731
+    with pytest.raises(ValueError, match=r"kv_c must be \[T=2, kv_lora_rank=512\], got \[2, 500\]"):
+        (jax.jit(call) if jit else call)(*args, table)
+    with pytest.raises(TypeError, match=r"block_table must be a jax\.Array"):
+        mj.mla_prefill(*args, np.zeros((1, 1), np.int32), plan)
+    with pytest.raises(TypeError, match=r"plan must be a mla_bridge\.PrefillPlan"):
+        mj.mla_prefill(*args, table, "plan")
+
+
+def test_run_ragged_wants_a_plan():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"plan must be a mla_bridge\.RaggedPlan"):
+        mj.run_ragged(None, q, k, v)
+
+
+def test_unknown_jit_route():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"jit_route must be one of"):
+        jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM, jit_route="x"))(q, k, v)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# transformations
+# --------------------------------------------------------------------------------------------------------------
+
+def test_grad_raises_inference_only():
+    q, k, v = _qkv(dtype=jnp.float32)
+    loss = lambda a: mj.ragged_prefill(a, k, v, QO, KV, causal=True, sm_scale=SM)[0].sum()  # noqa: E731
+    with pytest.raises(mj.InferenceOnlyError, match="inference only"):
+        jax.grad(loss)(q)
+    with pytest.raises(mj.InferenceOnlyError, match="inference only"):
+        jax.jit(jax.grad(loss))(q)
+    with pytest.raises(mj.InferenceOnlyError, match="inference only"):
+        jax.jvp(lambda a: mj.ragged_prefill(a, k, v, QO, KV, causal=True, sm_scale=SM), (q,), (q,))
+
+
+def test_grad_of_mla_prefill_raises():
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    plan = mj.build_plan([2], dims=dims, block_size=4, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+            ((2, 4, 24), (2, 32), (2, 8), dims.kv_b_proj_shape, (1, 4, 40))]
+    table = jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(mj.InferenceOnlyError, match="inference only"):
+        jax.grad(lambda w: mj.mla_prefill(args[0], args[1], args[2], w, args[4], table, plan).sum())(args[3])
+
+
+def test_grad_through_other_inputs_still_works():
+    """Only a gradient that must flow through the attention is refused; stop_gradient and unrelated inputs work."""
+    q, k, v = _qkv(dtype=jnp.float32)
+    out, _ = mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM)
+
+    def loss(scale, q):
+        o, _ = mj.ragged_prefill(jax.lax.stop_gradient(q), k, v, QO, KV, causal=True, sm_scale=SM)
+        return (o * scale).sum()
+
+    g = jax.grad(loss)(2.0, q)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(out).sum(), rtol=1e-6)
+
+
+def test_vmap_runs_each_batch_element():
+    qs = jnp.stack([_qkv(seed=s, dtype=jnp.float32)[0] for s in range(3)])
+    _, k, v = _qkv(seed=7, dtype=jnp.float32)
+    f = lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM)  # noqa: E731
+    outs, lses = jax.vmap(f, in_axes=(0, None, None))(qs, k, v)
+    jouts, _ = jax.jit(jax.vmap(f, in_axes=(0, None, None)))(qs, k, v)
+    assert outs.shape == (3, 9, 4, 128) and lses.shape == (3, 9, 4)
+    for i in range(3):
+        core_out, core_lse = _core(qs[i], k, v)
+        assert _equal(outs[i], core_out) and _equal(lses[i], core_lse) and _equal(jouts[i], core_out)
