@@ -12,6 +12,7 @@ laid out ``[H, T]`` (``RaggedPlan.run(..., lse_layout="HN")``, written that way 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -56,6 +57,19 @@ def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dty
     return False, f"no FlashInfer backend serves capability {capability[0]}.{capability[1]} ({reasons})"
 
 
+_WARNED = [False]
+
+
+def _warn_if_reference(*plans: RaggedPlan) -> None:
+    """Once per process: a batch on a GPU that no FlashInfer kernel serves runs the (slow) float32 torch reference."""
+    for plan in plans:
+        if plan.backend.name == "torch" and not plan.backend.reason.startswith("forced") and not _WARNED[0]:
+            _WARNED[0] = True
+            why = "; ".join(f"{name}: {reason}" for name, reason in plan.backend.passed_over)
+            warnings.warn(f"mla_bridge_vllm: no FlashInfer kernel serves this batch ({why}); it runs on the float32 "
+                          f"torch reference backend, which is slow", RuntimeWarning, stacklevel=3)
+
+
 @dataclass(frozen=True)
 class ChunkIndptrs:
     """Host indptrs of one vLLM context chunk: queries over its requests' new tokens, keys over their context."""
@@ -86,6 +100,8 @@ class PrefillStepPlans:
         self.main: RaggedPlan = plan_ragged(qo_indptr, qo_indptr, causal=True, **common)
         self.chunks: dict[int, RaggedPlan] = {
             c.index: plan_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks}
+        if ws.device.type == "cuda":
+            _warn_if_reference(self.main, *self.chunks.values())
 
     def run_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool,
                        out: Optional[torch.Tensor] = None) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":

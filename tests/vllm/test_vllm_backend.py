@@ -150,3 +150,22 @@ def test_cpu_platform_answers():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert cls.supports_dtype(dtype)
     assert cls.supports_mla_dimensions(DEEPSEEK)
+
+
+def test_cli_flag_sets_the_custom_slot():
+    """``vllm serve ... --attention-config.mla_prefill_backend CUSTOM``, parsed by vLLM's own argument parser."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older vLLM
+        from vllm.utils import FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct",
+                              "--attention-config.mla_prefill_backend", "CUSTOM"])
+    attention_config = EngineArgs.from_cli_args(args).attention_config
+    if isinstance(attention_config, dict):
+        from vllm.config import AttentionConfig
+
+        attention_config = AttentionConfig(**attention_config)
+    assert attention_config.mla_prefill_backend is CUSTOM
