@@ -31,8 +31,14 @@ DEMO_PROMPT_LEN = 256
 DEMO_CONTEXT_LENS = (0, 256, 512, 1024)
 DEFAULT_CHECK_REQUESTS = 2
 FP8_DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
-#: max abs error allowed against the float64 reference: (out, lse) per run dtype.
-TOLERANCE = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 1e-2), "float16": (1e-2, 1e-2)}
+#: Allowed error against the float64 reference, per run dtype: ``|x - ref| <= atol + rtol * |ref|`` elementwise, as
+#: ((out atol, out rtol), (lse atol, lse rtol)). Half precision: out is rounded to bf16/fp16 (a relative error of up
+#: to 2**-8 / 2**-11, so rtol is two such roundings), and k/v are rounded after the up-projection.
+TOLERANCE = {
+    "float32": ((1e-4, 0.0), (1e-4, 0.0)),
+    "bfloat16": ((2e-2, 2.0 ** -7), (1e-2, 1e-3)),
+    "float16": ((1e-2, 2.0 ** -10), (1e-2, 1e-3)),
+}
 
 
 class CLIError(Exception):
@@ -92,7 +98,8 @@ comes from one extra layer that runs the plan's pieces one by one (--no-breakdow
 
 check: --check-requests requests (spread over the batch) are recomputed by mla_bridge.reference: float64,
 unchunked, straight from the paged cache; cache slots that hold no context are NaN, so reading one shows.
-Exit code 1 when the max abs error exceeds the tolerance (float32 1e-4; bf16 2e-2 out / 1e-2 lse).
+Exit code 1 when an error exceeds atol + rtol x |ref| (float32: 1e-4; bf16: out 2e-2 + 2**-7 x |ref|,
+lse 1e-2 + 1e-3 x |ref|; fp16: out 1e-2 + 2**-10 x |ref|, lse as bf16).
 
 checkpoint: --checkpoint DIR --layer N reads DIR/config.json for the dims and only
 model.layers.N.self_attn.kv_b_proj.weight (via model.safetensors.index.json when present); an FP8 weight
@@ -525,6 +532,11 @@ def _lens_text(lens: Sequence[int], limit: int = 8) -> str:
     return shown + (f", ... ({len(lens)} requests)" if len(lens) > limit else "")
 
 
+def _tol_text(tol: tuple[float, float]) -> str:
+    atol, rtol = tol
+    return f"{atol:g}" if rtol == 0 else f"{atol:g} + {rtol:.2g} x |ref|"
+
+
 def _ms(x: Optional[float]) -> str:
     if x is None:
         return "n/a"
@@ -538,7 +550,7 @@ def cmd_prefill(args, console) -> int:
 
     from . import MLADims, PrefillPlan, Workspace, mla_prefill
     from .dims import PRESETS
-    from .reference import max_abs_error, reference_request
+    from .reference import max_abs_error, max_excess_error, reference_request
     from .workspace import DEFAULT_CHUNK_TOKENS
 
     # ---- arguments -> dims, weight, workload
@@ -575,11 +587,15 @@ def cmd_prefill(args, console) -> int:
     # ---- plan once
     try:
         workspace = Workspace(device, chunk_tokens=chunk_tokens)
+        build = lambda: PrefillPlan.build(  # noqa: E731
+            workload.query_lens, workload.context_lens, dims=dims, workspace=workspace, block_size=args.block_size,
+            device=device, dtype=dtype, backend=args.backend, fuse_context=not args.no_fuse)
         t0 = time.perf_counter()
-        plan = PrefillPlan.build(workload.query_lens, workload.context_lens, dims=dims, workspace=workspace,
-                                 block_size=args.block_size, device=device, dtype=dtype, backend=args.backend,
-                                 fuse_context=not args.no_fuse)
-        plan_ms = 1e3 * (time.perf_counter() - t0)
+        plan = build()
+        plan_ms = 1e3 * (time.perf_counter() - t0)  # the first build also loads FlashInfer's kernels
+        t0 = time.perf_counter()
+        build()  # what planning costs once everything is loaded (dropped at once: its wrapper goes back to the pool)
+        plan_again_ms = 1e3 * (time.perf_counter() - t0)
     except (ValueError, TypeError) as err:
         if args.backend:
             raise CLIError(f"--backend {args.backend}: {err}") from None
@@ -634,6 +650,7 @@ def cmd_prefill(args, console) -> int:
             progress.advance(task)
 
         checked = []
+        tol_out, tol_lse = TOLERANCE[dtype_name]
         qo = plan.qo_indptr.tolist()
         for r in sample:
             progress.update(task, description=f"float64 check, request {r}")
@@ -642,20 +659,22 @@ def cmd_prefill(args, console) -> int:
                                                  workload.context_lens[r], dims)
             checked.append({"request": r, "new_tokens": b - a, "context_tokens": workload.context_lens[r],
                             "max_abs_err_out": max_abs_error(out[a:b], ref_out),
-                            "max_abs_err_lse": max_abs_error(lse[a:b], ref_lse)})
+                            "max_abs_err_lse": max_abs_error(lse[a:b], ref_lse),
+                            "max_abs_ref_out": float(ref_out.abs().max()),
+                            "max_excess_out": max_excess_error(out[a:b], ref_out, tol_out[1]),
+                            "max_excess_lse": max_excess_error(lse[a:b], ref_lse, tol_lse[1])})
             progress.advance(task)
 
     # ---- numbers
     attn_flops, up_flops = _flops(dims, workload)
     mean_ms = sum(layer_ms) / len(layer_ms)
     tflops = (attn_flops + up_flops) / (mean_ms * 1e-3) / 1e12 if mean_ms > 0 else None
-    tol_out, tol_lse = TOLERANCE[dtype_name]
     err_out = max((c["max_abs_err_out"] for c in checked), default=None)
     err_lse = max((c["max_abs_err_lse"] for c in checked), default=None)
     passed = None
     if checked:
         passed = all(math.isfinite(c["max_abs_err_out"]) and math.isfinite(c["max_abs_err_lse"])
-                     and c["max_abs_err_out"] <= tol_out and c["max_abs_err_lse"] <= tol_lse for c in checked)
+                     and c["max_excess_out"] <= tol_out[0] and c["max_excess_lse"] <= tol_lse[0] for c in checked)
     if device.type == "cuda":
         device_text = f"{device} {torch.cuda.get_device_name(device)} (SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
     else:
@@ -681,8 +700,8 @@ def cmd_prefill(args, console) -> int:
     table.add_row("paged cache", f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
                   f"shuffled block_table")
     table.add_row("schedule", schedule)
-    table.add_row("plan", f"{plan.num_plans} ragged plan(s), built once in {_ms(plan_ms)} (host); "
-                  f"{args.layers} layer(s) reuse it")
+    table.add_row("plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
+                  f"{_ms(plan_ms)} (first build, kernels loaded), {_ms(plan_again_ms)} (built again)")
     table.add_section()
     timing = "CUDA events, after 1 untimed warm-up layer" if device.type == "cuda" else "time.perf_counter"
     if len(layer_ms) > 1:
@@ -709,8 +728,8 @@ def cmd_prefill(args, console) -> int:
         verdict = "[green]PASS[/green]" if passed else "[red]FAIL[/red]"
         table.add_row("check", f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
                       f"from the paged cache (mla_bridge.reference)")
-        table.add_row("  max abs error out", f"{err_out:.3e} (tolerance {tol_out:g})")
-        table.add_row("  max abs error lse", f"{err_lse:.3e} (tolerance {tol_lse:g}) {verdict}")
+        table.add_row("  max abs error out", f"{err_out:.3e} (tolerance {_tol_text(tol_out)})")
+        table.add_row("  max abs error lse", f"{err_lse:.3e} (tolerance {_tol_text(tol_lse)}) {verdict}")
     else:
         table.add_row("check", "skipped (--check-requests 0)")
     console.print(table)
@@ -736,14 +755,15 @@ def cmd_prefill(args, console) -> int:
         "num_plans": plan.num_plans,
         "layers": args.layers,
         "timing_method": timing,
-        "timings_ms": {"plan": plan_ms, "per_layer": layer_ms, "layer_mean": mean_ms, "total": sum(layer_ms),
+        "timings_ms": {"plan": plan_ms, "plan_again": plan_again_ms, "per_layer": layer_ms, "layer_mean": mean_ms, "total": sum(layer_ms),
                        "phases": phases},
         "flops": {"attention": attn_flops, "up_projection": up_flops, "total": attn_flops + up_flops},
         "tflops": tflops,
         "peak_extra_memory_bytes": peak_extra,
         "check": {"reference": "mla_bridge.reference: unchunked float64 from the paged cache",
                   "requests": checked, "max_abs_err_out": err_out, "max_abs_err_lse": err_lse,
-                  "tolerance_out": tol_out, "tolerance_lse": tol_lse, "passed": passed},
+                  "tolerance_out": {"atol": tol_out[0], "rtol": tol_out[1]},
+                  "tolerance_lse": {"atol": tol_lse[0], "rtol": tol_lse[1]}, "passed": passed},
         "seed": args.seed,
     }
     if args.json is not None:
@@ -751,8 +771,8 @@ def cmd_prefill(args, console) -> int:
         args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
         console.print(f"results written to {args.json}")
     if passed is False:
-        print(f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {tol_out:g}), "
-              f"lse {err_lse:.3e} (tolerance {tol_lse:g})", file=sys.stderr)
+        print(f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {_tol_text(tol_out)}), "
+              f"lse {err_lse:.3e} (tolerance {_tol_text(tol_lse)})", file=sys.stderr)
         return 1
     return 0
 

@@ -26,7 +26,7 @@ import torch
 
 from .dims import MLADims
 
-__all__ = ["gather_context_latent", "reference_request", "max_abs_error"]
+__all__ = ["gather_context_latent", "reference_request", "max_abs_error", "max_excess_error"]
 
 #: float64 scores held at once per query block (256 MiB).
 _SCORE_ELEMS = 1 << 25
@@ -107,10 +107,23 @@ def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max |actual - expected|`` in float64 (0.0 for empty tensors); NaN anywhere gives ``nan``."""
+    """``max |actual - expected|`` in float64 on the CPU (0.0 for empty tensors); NaN anywhere gives ``nan``."""
     if actual.numel() == 0:
         return 0.0
-    diff = (actual.detach().to("cpu", torch.float64) - expected.to(torch.float64)).abs()
+    diff = (actual.detach().to("cpu", torch.float64) - expected.detach().to("cpu", torch.float64)).abs()
     if torch.isnan(diff).any():
         return float("nan")
     return float(diff.max())
+
+
+def max_excess_error(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> float:
+    """``max(|actual - expected| - rtol * |expected|)`` in float64 on the CPU: a result is within
+    ``atol + rtol * |expected|`` everywhere iff this is ``<= atol`` (``nan`` if NaN appears; -inf when empty)."""
+    if actual.numel() == 0:
+        return float("-inf")
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    excess = (a - e).abs() - rtol * e.abs()
+    if torch.isnan(excess).any():
+        return float("nan")
+    return float(excess.max())

@@ -5,6 +5,7 @@ float64 reference."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 
@@ -301,3 +302,14 @@ def test_reference_matches_the_suites_float64_reference(ref, tiny_dims, score_el
         assert out.dtype == torch.float64 and lse.shape == (b - a, tiny_dims.num_heads)
         torch.testing.assert_close(out, out_ref[a:b], atol=1e-12, rtol=0)
         torch.testing.assert_close(lse, lse_ref[a:b], atol=1e-12, rtol=0)
+
+
+def test_max_excess_error():
+    from mla_bridge.reference import max_abs_error, max_excess_error
+
+    ref = torch.tensor([1.0, -4.0, 0.0], dtype=torch.float64)
+    got = torch.tensor([1.01, -4.03, 0.0])
+    assert max_abs_error(got, ref) == pytest.approx(0.03, abs=1e-6)
+    assert max_excess_error(got, ref, 0.0) == pytest.approx(0.03, abs=1e-6)
+    assert max_excess_error(got, ref, 0.01) == pytest.approx(0.0, abs=1e-6)  # 0.01 - 0.01 x 1, 0.03 - 0.01 x 4, 0
+    assert math.isnan(max_excess_error(torch.tensor([float("nan")]), torch.zeros(1), 0.1))
