@@ -16,6 +16,9 @@ import math  # noqa: E402
 import torch  # noqa: E402
 import vllm_harness as H  # noqa: E402
 
+if not H.HAS_CPU_MLA_PREFILL:
+    pytest.skip(f"vLLM {H.vllm_version()} has no CPU MLA prefill path to drive", allow_module_level=True)
+
 import mla_bridge_vllm.plans  # noqa: E402
 from mla_bridge_vllm.backend import MLABridgePrefillBackend  # noqa: E402
 

@@ -46,6 +46,9 @@ from vllm.v1.attention.backends.mla.prefill import registry, selector  # noqa: E
 
 import mla_bridge_vllm  # noqa: E402
 
+#: vLLM 0.28 has the prefill kernel API but no CPU MLA prefill path (no CPU registry slot, no CPU context gather).
+HAS_CPU_MLA_PREFILL = "CPU" in registry.MLAPrefillBackendEnum.__members__
+
 HEADS, RANK, NOPE, ROPE, VDIM = 4, 512, 128, 64, 128
 SCALE = (NOPE + ROPE) ** -0.5
 BLOCK = 16
@@ -259,3 +262,9 @@ def ragged_lse_reference(q: torch.Tensor, k: torch.Tensor, qo: Sequence[int], kv
             s = s.masked_fill(~keep, float("-inf"))
         lse[:, qa:qb] = torch.logsumexp(s, dim=-1)
     return lse
+
+
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
