@@ -44,6 +44,11 @@ def _quiet_console():
     return Console(file=io.StringIO(), width=200)
 
 
+def _ctx():
+    return Ctx(device=torch.device("cpu"), quick=True, repeats=1, warmup=0, seed=0, backend=None, skip=set(),
+               budget_s=None, console=_quiet_console())
+
+
 def _fake_jax_module(calls: list):
     mod = types.ModuleType("mla_bridge_jax.bench")
 
@@ -222,6 +227,24 @@ def test_cuda_requested_without_cuda(monkeypatch):
     assert run(_parse(["--device", "cuda"]), console=_quiet_console()) == 2
 
 
+def test_a_failing_path_becomes_a_skipped_row_and_the_others_are_timed():
+    ctx = _ctx()
+    calls = {"good": 0}
+
+    def good():
+        calls["good"] += 1
+
+    def bad():
+        raise RuntimeError("kernel failed to launch")
+
+    rows = ctx.measure_many("main", "case", [("good", good, dict(flops=1e9, note="n")),
+                                             ("bad", bad, dict(flops=1e9, note="n", heads=4))], repeats=3, warmup=1)
+    assert [r.path for r in rows] == ["good", "bad"]
+    assert rows[0].status == "ok" and rows[0].repeats == 3 and rows[0].tflops > 0 and calls["good"] == 4
+    assert rows[1].status == "skipped" and "kernel failed to launch" in rows[1].error and rows[1].heads == 4
+    assert rows[1].note.startswith("failed: RuntimeError")
+
+
 @pytest.mark.parametrize("q_len,kv_len", [(0, 5), (5, 0), (1, 1), (7, 7), (3, 10), (10, 3), (64, 200), (200, 64)])
 def test_causal_pairs_exact(q_len, kv_len):
     brute = sum(1 for i in range(q_len) for j in range(kv_len) if j <= i + kv_len - q_len)
@@ -276,9 +299,6 @@ def fake_flashinfer(monkeypatch):
     return fi
 
 
-def _ctx():
-    return Ctx(device=torch.device("cpu"), quick=True, repeats=1, warmup=0, seed=0, backend=None, skip=set(),
-               budget_s=None, console=_quiet_console())
 
 
 @pytest.mark.parametrize("budget_index", [0, 1])

@@ -185,8 +185,8 @@ class Ctx:
             torch.cuda.synchronize(self.device)
 
     def time(self, fn: Callable[[], Any], *, repeats: Optional[int] = None, warmup: Optional[int] = None) -> Timing:
-        """Median time of ``fn()`` (see the module docstring). On CUDA at least one warm-up call is always made,
-        so that a JIT compile is never timed."""
+        """Median time of ``fn()`` (see the module docstring); exceptions propagate. On CUDA at least one warm-up
+        call is always made, so that a JIT compile is never timed."""
         r = max(1, self.repeats if repeats is None else repeats)
         w = self.warmup if warmup is None else warmup
         if self.cuda:
@@ -249,13 +249,75 @@ class Ctx:
                 **kw: Any) -> Row:
         """Time ``fn`` into a row; a failure (a kernel that does not compile or launch, out of memory) becomes a
         skipped row carrying the error text, and the run goes on."""
+        return self.measure_many(section, case, [(path, fn, dict(flops=flops, nbytes=nbytes, **kw))],
+                                 repeats=repeats, warmup=warmup)[0]
+
+    def measure_many(self, section: str, case: str, items: Sequence[tuple[str, Callable[[], Any], dict]], *,
+                     repeats: Optional[int] = None, warmup: Optional[int] = None) -> list[Row]:
+        """Time several paths of one case interleaved (A B C A B C ...: clock and thermal drift hit each alike, so
+        their ratios hold on a noisy machine). ``items`` are ``(path, fn, row keywords)``; the keywords may hold
+        ``flops`` / ``nbytes`` and any :class:`Row` field. Rows come back in ``items`` order; a path that fails
+        becomes a skipped row with the error text, the others are still timed."""
+        r = max(1, self.repeats if repeats is None else repeats)
+        w = self.warmup if warmup is None else warmup
+        if self.cuda:
+            w = max(1, w)  # FlashInfer's JIT compile and first allocations are never timed
+        rows: list[Optional[Row]] = [None] * len(items)
+        live: list[int] = []
+        for i, (path, fn, kw) in enumerate(items):
+            try:
+                for _ in range(w):
+                    fn()
+                self.sync()
+                live.append(i)
+            except Exception as err:  # noqa: BLE001 - reported in the row
+                self.recover()
+                rows[i] = self._failed(section, case, path, err, kw)
+        samples: dict[int, list[float]] = {i: [] for i in live}
+        host: dict[int, list[float]] = {i: [] for i in live}
         try:
-            timing = self.time(fn, repeats=repeats, warmup=warmup)
-        except Exception as err:  # noqa: BLE001 - reported in the row
+            if self.cuda:
+                events = {i: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                              for _ in range(r)] for i in live}
+                for rep in range(r):
+                    for i in live:
+                        start, end = events[i][rep]
+                        t = time.perf_counter()
+                        start.record()
+                        items[i][1]()
+                        end.record()
+                        host[i].append((time.perf_counter() - t) * 1e3)
+                torch.cuda.synchronize(self.device)
+                for i in live:
+                    samples[i] = [s.elapsed_time(e) for s, e in events[i]]
+            else:
+                for _ in range(r):
+                    for i in live:
+                        t = time.perf_counter()
+                        items[i][1]()
+                        samples[i].append((time.perf_counter() - t) * 1e3)
+                host = samples
+        except Exception as err:  # noqa: BLE001 - time each alone, so that the row that fails is the one named
             self.recover()
-            return self.skipped(section, case, path, "failed: " + fmt_err(err, 160), err,
-                                flops=flops, bytes=nbytes, **kw)
-        return self.row(section, case, path, timing, flops=flops, nbytes=nbytes, **kw)
+            for i in live:
+                path, fn, kw = items[i]
+                rows[i] = (self._failed(section, case, path, err, kw) if len(live) == 1 else
+                           self.measure_many(section, case, [items[i]], repeats=r, warmup=0)[0])
+            return [row for row in rows if row is not None]
+        for i in live:
+            path, _, kw = items[i]
+            kw = dict(kw)
+            timing = Timing(statistics.median(samples[i]), statistics.median(host[i]),
+                            [round(s, 6) for s in samples[i]], r)
+            rows[i] = self.row(section, case, path, timing, flops=kw.pop("flops", None),
+                               nbytes=kw.pop("nbytes", None), **kw)
+        return [row for row in rows if row is not None]
+
+    def _failed(self, section: str, case: str, path: str, err: BaseException, kw: dict) -> Row:
+        kw = dict(kw)
+        kw.pop("note", None)
+        flops, nbytes = kw.pop("flops", None), kw.pop("nbytes", None)
+        return self.skipped(section, case, path, "failed: " + fmt_err(err, 160), err, flops=flops, bytes=nbytes, **kw)
 
     def recover(self) -> None:
         """After a failed call: surface a pending launch error on a throw-away kernel (so it is not blamed on the

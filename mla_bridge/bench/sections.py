@@ -39,26 +39,27 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
     lse_b = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     nbytes = 3 * tokens * heads * (d * out_a.element_size() + 4)
     meta = lambda pi: dict(heads=heads, seq_len=tokens, order=(2, ci, pi))  # noqa: E731
-    rows = [ctx.measure("merge", case, MERGE_PATHS[0], lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
-                        nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0))]
     acc_out, acc_lse = out_a.clone(), lse_a.clone()
-    rows.append(ctx.measure("merge", case, MERGE_PATHS[1],
-                            lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), nbytes=nbytes, **meta(1)))
+    items = [(MERGE_PATHS[0], lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
+              dict(nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0))),
+             (MERGE_PATHS[1], lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b),
+              dict(nbytes=nbytes, **meta(1)))]
+    skipped = []
     if not ctx.cuda or not flashinfer_importable():
-        rows.append(ctx.skipped("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
+        skipped.append(ctx.skipped("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
     elif heads * (d // max(16 // out_a.element_size(), d // 32)) > 1024:
         # FlashInfer 0.7.4 launches head_dim/vec x heads threads per block: above 64 heads at bf16, d 128, the
         # launch fails (seen on the H200), and a failed launch can poison the next kernel's error check.
-        rows.append(ctx.skipped("merge", case, MERGE_PATHS[2], f"not run: FlashInfer's merge_state fails to launch "
-                                f"above 64 heads at bf16, d {d} (block of {heads} x "
-                                f"{d // max(16 // out_a.element_size(), d // 32)} "
-                                f"threads > 1024); merge_attn_states folds heads into rows", **meta(2)))
+        skipped.append(ctx.skipped("merge", case, MERGE_PATHS[2], f"not run: FlashInfer's merge_state fails to "
+                                   f"launch above 64 heads at bf16, d {d} (block of {heads} x "
+                                   f"{d // max(16 // out_a.element_size(), d // 32)} threads > 1024); "
+                                   f"merge_attn_states folds heads into rows", **meta(2)))
     else:
         from flashinfer import merge_state
 
         s_a, s_b = lse_a * 1.4426950408889634, lse_b * 1.4426950408889634
-        rows.append(ctx.measure("merge", case, MERGE_PATHS[2], lambda: merge_state(out_a, s_a, out_b, s_b),
-                                nbytes=nbytes, **meta(2)))
+        items.append((MERGE_PATHS[2], lambda: merge_state(out_a, s_a, out_b, s_b), dict(nbytes=nbytes, **meta(2))))
+    rows = ctx.measure_many("merge", case, items) + skipped
     main = rows[0]
     ctx.check(f"merge {heads} heads: merge_attn_states GB/s", main.gbps, ">=", 2500.0,
               main.note if main.status != "ok" else "")
@@ -66,7 +67,8 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
 
 
 def merge_jobs(ctx: Ctx) -> list[Job]:
-    return [Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i)) for i, h in enumerate((16, 128))]
+    return [Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i))
+            for i, h in enumerate((16, 128))]
 
 
 # ------------------------------------------------------------------------------------------------ 4. plan
@@ -176,7 +178,8 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     name = f"{case.name}, {label}"
     x = make_inputs(ctx, case, 4000 + ci)
     limit = budget_bytes(x, budget)
-    meta = lambda pi: dict(heads=x.dims.num_heads, seq_len=x.num_context + x.num_tokens, order=(4, ci, pi))  # noqa: E731
+    seq = x.num_context + x.num_tokens
+    meta = lambda pi: dict(heads=x.dims.num_heads, seq_len=seq, order=(4, ci, pi))  # noqa: E731
     if not ctx.cuda:
         return [ctx.skipped("memory", name, MEMORY_PATHS[0], "needs CUDA (torch.cuda memory statistics)",
                             extra={"budget_bytes": limit}, **meta(0))]
@@ -218,7 +221,8 @@ def memory_jobs(ctx: Ctx) -> list[Job]:
     for k, case in enumerate(context_cases(ctx.quick)):
         for bi, (label, _) in enumerate(case.budgets):
             ci = k * len(case.budgets) + bi
-            out.append(Job("memory", f"memory {case.name}, {label}", lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i)))
+            out.append(Job("memory", f"memory {case.name}, {label}",
+                           lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i)))
     return out
 
 
