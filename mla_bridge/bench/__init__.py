@@ -130,6 +130,22 @@ def _clean(x: Any) -> Any:
     return x
 
 
+def _payload(env: dict, ctx: Any, sections: Sequence[str], rows: list, job_times: list, *, complete: bool) -> dict:
+    """Everything the JSON holds (NaN and infinities as null)."""
+    from .report import sort_rows
+
+    config = {"sections": list(sections), "quick": ctx.quick, "device": str(ctx.device), "repeats": ctx.repeats,
+              "warmup": ctx.warmup, "seed": ctx.seed, "backend": ctx.backend, "skip": sorted(ctx.skip),
+              "budget_s": ctx.budget_s, "layers": ctx.layers,
+              "timer": "cuda events" if ctx.cuda else "time.perf_counter", "statistic": "median",
+              "interleaved": True, "l2_flush": False}
+    return _clean({
+        "complete": complete, "environment": env, "config": config, "peaks": ctx.peaks, "sections": list(sections),
+        "elapsed_s": round(ctx.elapsed(), 3), "rows": [r.to_dict() for r in sort_rows(rows)],
+        "checks": [c.to_dict() for c in ctx.checks], "jobs": list(job_times),
+    })
+
+
 def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
     """Run the bench described by ``args`` (from a parser given :func:`add_arguments`). Returns the exit code."""
     import torch
@@ -180,7 +196,7 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
             progress.advance(task)
             for job in jobs:
                 progress.update(task, description=job.label)
-                started = time.perf_counter()
+                started, n_before = time.perf_counter(), len(rows)
                 try:
                     if budget is not None and ctx.elapsed() > budget + HARD_MARGIN_S:
                         rows.append(Row(job.section, job.label, "(whole job)", status="skipped",
@@ -192,25 +208,22 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
                     ctx.recover()
                     rows.append(Row(job.section, job.label, "(whole job)", status="skipped",
                                     note="failed: " + fmt_err(err, 160), error=fmt_err(err), order=(9, 0, 0)))
-                job_times.append({"section": job.section, "job": job.label,
-                                  "seconds": round(time.perf_counter() - started, 3)})
+                seconds = time.perf_counter() - started
+                job_times.append({"section": job.section, "job": job.label, "seconds": round(seconds, 3)})
+                done = rows[n_before:]
+                n_ok = sum(r.status == "ok" for r in done)
+                progress.console.print(f"[dim]{job.label}: {n_ok} measured, {len(done) - n_ok} skipped, "
+                                       f"{seconds:.1f} s (total {ctx.elapsed():.0f} s)[/]", highlight=False)
+                if getattr(args, "json", None):  # a run killed at a time limit still leaves every figure so far
+                    write_json(args.json, _payload(env, ctx, sections, rows, job_times, complete=False))
                 progress.advance(task)
     finally:
         ctx.close()
         torch.set_num_threads(threads)
     rows = sort_rows(rows)
     render(console, rows, ctx.checks, env, ctx.peaks)
-    config = {"sections": sections, "quick": quick, "device": str(device), "repeats": repeats, "warmup": warmup,
-              "seed": ctx.seed, "backend": ctx.backend, "skip": sorted(ctx.skip), "budget_s": budget,
-              "layers": ctx.layers, "timer": "cuda events" if use_cuda else "time.perf_counter",
-              "statistic": "median", "l2_flush": False}
-    payload = _clean({
-        "environment": env, "config": config, "peaks": ctx.peaks, "sections": sections,
-        "elapsed_s": round(ctx.elapsed(), 3), "rows": [r.to_dict() for r in rows],
-        "checks": [c.to_dict() for c in ctx.checks], "jobs": job_times,
-    })
     if getattr(args, "json", None):
-        write_json(args.json, payload)
+        write_json(args.json, _payload(env, ctx, sections, rows, job_times, complete=True))
         console.print(f"JSON: {args.json}")
     if getattr(args, "plot", None):
         try:

@@ -164,7 +164,7 @@ def plan_jobs(ctx: Ctx) -> list[Job]:
                             (("no context", first.context),), first.block_size, heads=first.heads)
     loops = [(main_only, "no context", first.context)] + [(first, label, b) for label, b in first.budgets]
     for i, (case, label, budget) in enumerate(loops):
-        out.append(Job("plan", f"{ctx.layers}-layer loop {case.name} {label}",
+        out.append(Job("plan", f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else ""),
                        lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k)))
     return out
 
