@@ -86,6 +86,7 @@ def test_cpu_run_succeeds_and_prints_tables(cpu_run):
 
 def test_json_has_environment_config_and_peaks(cpu_run):
     d = cpu_run.data
+    assert d["complete"] is True
     assert ENV_FIELDS <= set(d["environment"])
     assert d["environment"]["mode"] == "quick" and d["environment"]["torch"] == torch.__version__
     assert d["environment"]["date"]
