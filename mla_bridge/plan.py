@@ -97,9 +97,10 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
 
 
 def _cumsum(lens: Sequence[int]) -> torch.Tensor:
-    t = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    t[1:] = torch.tensor(list(lens), dtype=torch.int64).cumsum(0) if lens else t[1:]
-    return t.to(torch.int32)
+    """int32 CPU prefix sums ``[len(lens) + 1]`` starting at 0."""
+    out = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lens, dtype=np.int64), out=out[1:])
+    return torch.from_numpy(out.astype(np.int32))
 
 
 class PrefillPlan:
@@ -177,20 +178,32 @@ class PrefillPlan:
         self.main = plan_ragged(self.qo_indptr, self.main_kv_indptr, causal=True, **common)
         return self
 
-    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Host int64 index arrays -> device tensors in one copy."""
-        flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False)).to(self.device)
-        return list(torch.split(flat, [a.size for a in arrays]))
+    def _expand(self, counts: np.ndarray, *values: np.ndarray) -> list[torch.Tensor]:
+        """Per-token device indices from per-segment host data, with one small host-to-device copy.
+
+        For segments of ``counts[i]`` tokens returns ``[offset of each token in its segment] + [values[j][segment of
+        each token] for each j]`` (int64 device tensors of ``counts.sum()`` entries). On CUDA the expansion runs on the
+        device, so host work stays O(segments), not O(tokens).
+        """
+        total = int(counts.sum())
+        starts = np.cumsum(counts) - counts
+        if self.device.type == "cpu":  # host memory is device memory: expand with numpy
+            seg = np.repeat(np.arange(counts.size), counts)
+            return [torch.from_numpy(a) for a in [np.arange(total) - starts[seg]] + [v.astype(np.int64)[seg] for v in values]]
+        small = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).to(self.device)
+        seg = torch.repeat_interleave(torch.arange(counts.size, device=self.device), small[0], output_size=total)
+        offset = torch.arange(total, device=self.device) - small[1][seg]
+        return [offset] + [small[2 + j][seg] for j in range(len(values))]
 
     def _plan_fused_indices(self) -> None:
         c = np.asarray(self.context_lens, dtype=np.int64)
         q = np.asarray(self.query_lens, dtype=np.int64)
         seq_start = np.cumsum(c + q) - (c + q)
-        req = np.repeat(np.arange(c.size), c)
-        pos = np.arange(c.sum()) - np.repeat(np.cumsum(c) - c, c)
-        dst = np.repeat(seq_start, c) + pos
-        new_dst = np.repeat(seq_start + c, q) + (np.arange(q.sum()) - np.repeat(np.cumsum(q) - q, q))
-        self.ctx_req_ids, self.ctx_positions, self.ctx_dst, self.new_dst = self._to_device(req, pos, dst, new_dst)
+        pos, req, ctx_base = self._expand(c, np.arange(c.size), seq_start)
+        new_pos, new_base = self._expand(q, seq_start + c)
+        self.ctx_req_ids, self.ctx_positions = req, pos
+        self.ctx_dst = ctx_base + pos
+        self.new_dst = new_base + new_pos
 
     def _plan_chunk(self, spans, common) -> ContextChunk:
         req_start, req_end = spans[0][0], spans[-1][0] + 1
@@ -200,10 +213,9 @@ class PrefillPlan:
         q_start, q_end = int(self.qo_indptr[req_start]), int(self.qo_indptr[req_end])
         qo = self.qo_indptr[req_start:req_end + 1] - q_start
         plan = plan_ragged(qo, _cumsum(kv_lens), causal=False, **common) if q_end > q_start else None
-        req_ids = np.concatenate([np.full(end - start, r, dtype=np.int64) for r, start, end in spans])
-        positions = np.concatenate([np.arange(start, end, dtype=np.int64) for _, start, end in spans])
-        req_ids_d, positions_d = self._to_device(req_ids, positions)
-        return ContextChunk(req_start, req_end, q_start, q_end, tuple(spans), plan, req_ids_d, positions_d)
+        r, start, end = np.asarray(spans, dtype=np.int64).T
+        offset, req_ids, first = self._expand(end - start, r, start)
+        return ContextChunk(req_start, req_end, q_start, q_end, tuple(spans), plan, req_ids, first + offset)
 
     @property
     def batch_size(self) -> int:

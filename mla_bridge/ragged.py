@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .backends import make_kernel
@@ -29,40 +30,35 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:
-    """``indptr`` as a contiguous int32 CPU tensor, after checking it.
+    """``indptr`` as a contiguous int32 CPU tensor, after checking it (on the host, with numpy: cheap at plan time).
 
     Raises:
         TypeError: not a tensor/sequence of integers.
         ValueError: not 1-D, empty, not starting at 0, decreasing, or beyond int32.
     """
     if isinstance(indptr, torch.Tensor):
-        t = indptr
-        if t.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name} must hold integers (int32), got dtype {t.dtype}")
+        if indptr.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must hold integers (int32), got dtype {indptr.dtype}")
+        arr = indptr.detach().to("cpu").numpy()
     else:
-        try:
-            import numpy as np
-            arr = np.asarray(indptr)
-        except Exception as err:  # pragma: no cover - numpy always converts sequences
-            raise TypeError(f"{name} must be an int32 tensor or a sequence of ints, got {type(indptr).__name__}") from err
+        arr = np.asarray(indptr)
         if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
             raise TypeError(f"{name} must hold integers (int32), got {arr.dtype}")
-        t = torch.from_numpy(arr.astype("int64", copy=False).copy())
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D [batch + 1], got shape {tuple(t.shape)}")
-    if t.numel() == 0:
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D [batch + 1], got shape {tuple(arr.shape)}")
+    if arr.size == 0:
         raise ValueError(f"{name} must have at least one entry (0), got an empty tensor")
-    t = t.detach().to("cpu", torch.int64)
-    if int(t[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(t[0])}")
-    diffs = t[1:] - t[:-1]
-    if diffs.numel() and int(diffs.min()) < 0:
-        r = int(torch.nonzero(diffs < 0)[0])
-        raise ValueError(f"{name} must be non-decreasing, but {name}[{r + 1}]={int(t[r + 1])} < "
-                         f"{name}[{r}]={int(t[r])} (a negative length)")
-    if int(t[-1]) > 2 ** 31 - 1:
-        raise ValueError(f"{name}[-1]={int(t[-1])} does not fit in int32")
-    return t.to(torch.int32).contiguous()
+    arr = arr.astype(np.int64, copy=False)
+    if arr[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {int(arr[0])}")
+    diffs = np.diff(arr)
+    if diffs.size and diffs.min() < 0:
+        r = int(np.argmax(diffs < 0))
+        raise ValueError(f"{name} must be non-decreasing, but {name}[{r + 1}]={int(arr[r + 1])} < "
+                         f"{name}[{r}]={int(arr[r])} (a negative length)")
+    if arr[-1] > 2 ** 31 - 1:
+        raise ValueError(f"{name}[-1]={int(arr[-1])} does not fit in int32")
+    return torch.from_numpy(arr.astype(np.int32))
 
 
 @dataclass(frozen=True)
