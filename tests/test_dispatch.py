@@ -166,6 +166,9 @@ def test_cutlass_passed_over_for_causal_q_longer_than_kv(fi):
     # The same lengths non-causal, or causal with q_len <= kv_len, are served by cutlass.
     assert select_backend(causal=False, qo_indptr=[0, 2, 6], kv_indptr=[0, 5, 7], **common).name == "flashinfer-cutlass"
     assert select_backend(causal=True, qo_indptr=[0, 2, 6], kv_indptr=[0, 5, 9], **common).name == "flashinfer-cutlass"
+    # the boundary: q_len == kv_len + 1 is passed over, q_len == kv_len is served
+    assert select_backend(causal=True, qo_indptr=[0, 3], kv_indptr=[0, 2], **common).name == "flashinfer-fa2"
+    assert select_backend(causal=True, qo_indptr=[0, 3], kv_indptr=[0, 3], **common).name == "flashinfer-cutlass"
 
 
 @pytest.mark.parametrize("num_requests,q_len,heads", [(1024, 1, 128), (1025, 1, 128), (1, 256 * 1024, 1),

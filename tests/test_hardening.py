@@ -287,6 +287,18 @@ def test_case07_forced_backend_refused_before_any_kernel(fi, t, cap, forced):
                        **MLA7)
 
 
+@pytest.mark.parametrize("cap,limit,name", [((10, 0), 2 ** 31, "flashinfer-cutlass"), ((8, 0), 2 ** 32, "flashinfer-fa2")])
+def test_case07_limit_is_exclusive(fi, cap, limit, name):
+    """128/128 dims and 128 heads hit the limits exactly: a tensor of exactly the limit is refused, one row less
+    is served."""
+    t = limit // (128 * 128)
+    common = dict(capability=cap, cuda_version=(12, 8), dtype=torch.bfloat16, head_dim_qk=128, head_dim_vo=128,
+                  num_heads=128, causal=False)
+    assert select_backend(qo_indptr=[0, t - 1], kv_indptr=[0, t - 1], **common).name == name
+    choice = select_backend(qo_indptr=[0, t], kv_indptr=[0, t], **common)
+    assert choice.name != name and str(limit) in dict(choice.passed_over)[name]
+
+
 def test_case07_kv_side_counts_too(fi):
     """A short q over a long k: the k tensor is what crosses the limit."""
     choice = select_backend(capability=(10, 0), cuda_version=(12, 8), qo_indptr=[0, 1], kv_indptr=[0, 87382],
