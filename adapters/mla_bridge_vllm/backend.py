@@ -32,18 +32,31 @@ __all__ = ["MLABridgePrefillBackend", "BACKEND_NAME"]
 BACKEND_NAME = "MLA_BRIDGE"
 
 
-def _capability(device_capability: Any) -> Optional[tuple[int, int]]:
-    if device_capability is None:
-        return None
-    return int(device_capability.major), int(device_capability.minor)
+_NOT_SERVED = "mla_bridge serves NVIDIA GPUs (through FlashInfer) and vLLM's CPU platform only"
 
 
-def _current_capability() -> Optional[tuple[int, int]]:
+def _platform() -> str:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return None
-    return _capability(current_platform.get_device_capability())
+        return "cpu"
+    return "cuda" if current_platform.is_cuda() else "other"
+
+
+def _servable(device_capability: Any = "current", **kwargs: Any) -> tuple[bool, str]:
+    """:func:`servable` for vLLM's platform: ``device_capability`` as vLLM passes it, or the current device's."""
+    platform = _platform()
+    if platform == "other":
+        return False, _NOT_SERVED
+    if platform == "cpu":
+        return servable(None, **kwargs)
+    if isinstance(device_capability, str):
+        from vllm.platforms import current_platform
+
+        device_capability = current_platform.get_device_capability()
+    if device_capability is None:
+        return False, "the CUDA device's compute capability is unknown"
+    return servable((int(device_capability.major), int(device_capability.minor)), **kwargs)
 
 
 def _head_dims(dims: MLADimensions) -> tuple[int, int]:
@@ -72,27 +85,26 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
     # --- what can be served: every answer comes from mla_bridge.select_backend ---------------------------------
     @classmethod
     def supports_compute_capability(cls, device_capability: Any) -> bool:
-        return servable(_capability(device_capability))[0]
+        return _servable(device_capability)[0]
 
     @classmethod
     def supports_dtype(cls, dtype: torch.dtype) -> bool:
-        return servable(_current_capability(), dtype=dtype)[0]
+        return _servable(dtype=dtype)[0]
 
     @classmethod
     def supports_mla_dimensions(cls, mla_dimensions: MLADimensions) -> bool:
         qk, vo = _head_dims(mla_dimensions)
-        return servable(_current_capability(), head_dim_qk=qk, head_dim_vo=vo)[0]
+        return _servable(head_dim_qk=qk, head_dim_vo=vo)[0]
 
     @classmethod
     def is_available(cls) -> bool:
-        return servable(_current_capability())[0]
+        return _servable()[0]
 
     @classmethod
     def validate_configuration(cls, device_capability: Any, selector_config: Any) -> list[str]:
         """One joint question to mla_bridge's dispatch (capability, dtype and dims together), with its reasons."""
         qk, vo = _head_dims(selector_config.mla_dimensions)
-        ok, why = servable(_capability(device_capability), dtype=selector_config.dtype, head_dim_qk=qk,
-                           head_dim_vo=vo)
+        ok, why = _servable(device_capability, dtype=selector_config.dtype, head_dim_qk=qk, head_dim_vo=vo)
         return [] if ok else [f"mla_bridge: {why}"]
 
     def supports_out(self) -> bool:

@@ -82,6 +82,7 @@ def test_attention_config_custom_names_the_slot():
 def _as_cuda(monkeypatch, capability):
     """Make vLLM's platform answer like a CUDA device of ``capability`` (the selector's non-CPU branch)."""
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(*capability))
     selector._auto_select_mla_prefill_backend.cache_clear()
 
@@ -94,9 +95,9 @@ def test_vllm_selector_picks_it_from_attention_config(custom_slot, monkeypatch, 
     import vllm_harness
 
     mla_bridge_vllm.register()
+    vc = vllm_harness.vllm_config(torch.bfloat16)  # made on the real (CPU) platform, before pretending CUDA
     monkeypatch.setattr(mla_bridge.dispatch, "flashinfer_version", lambda: "0.7.4")
     _as_cuda(monkeypatch, capability)
-    vc = vllm_harness.vllm_config(torch.bfloat16)
     assert vc.attention_config.mla_prefill_backend is CUSTOM
     assert selector.get_mla_prefill_backend(vc) is MLABridgePrefillBackend
     choice = mla_bridge.select_backend(capability=capability, dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128)
@@ -114,10 +115,11 @@ def test_vllm_selector_refuses_what_no_kernel_serves(custom_slot, monkeypatch, c
     import vllm_harness
 
     mla_bridge_vllm.register()
+    vc = vllm_harness.vllm_config(dtype)  # made on the real (CPU) platform, before pretending CUDA
     monkeypatch.setattr(mla_bridge.dispatch, "flashinfer_version", lambda: "0.7.4" if flashinfer else None)
     _as_cuda(monkeypatch, capability)
     with pytest.raises(ValueError, match=match) as err:
-        selector.get_mla_prefill_backend(vllm_harness.vllm_config(dtype))
+        selector.get_mla_prefill_backend(vc)
     assert "CUSTOM" in str(err.value) and "mla_bridge" in str(err.value)
 
 
@@ -125,11 +127,12 @@ def test_capability_dtype_dims_answers_come_from_select_backend(monkeypatch):
     """Each answer is mla_bridge's dispatch table's: no list of our own."""
     monkeypatch.setattr(mla_bridge.dispatch, "flashinfer_version", lambda: "0.7.4")
     cls = MLABridgePrefillBackend
+    assert cls.supports_compute_capability(None)  # vLLM's CPU platform: the torch backend
+    _as_cuda(monkeypatch, (9, 0))
     assert cls.supports_compute_capability(DeviceCapability(9, 0))
     assert cls.supports_compute_capability(DeviceCapability(8, 6))
     assert not cls.supports_compute_capability(DeviceCapability(7, 5))
-    assert cls.supports_compute_capability(None)  # no GPU: vLLM's CPU platform, the torch backend
-    _as_cuda(monkeypatch, (9, 0))
+    assert not cls.supports_compute_capability(None)
     assert cls.supports_dtype(torch.bfloat16) and cls.supports_dtype(torch.float16)
     assert not cls.supports_dtype(torch.float32)
     assert cls.supports_mla_dimensions(DEEPSEEK)
@@ -140,6 +143,16 @@ def test_capability_dtype_dims_answers_come_from_select_backend(monkeypatch):
     monkeypatch.setattr(mla_bridge.dispatch, "flashinfer_version", lambda: None)
     assert not cls.is_available()  # a GPU without FlashInfer: nothing fast can serve
     assert cls.supported_dtypes == [torch.float16, torch.bfloat16]
+
+
+def test_other_platforms_are_not_served(monkeypatch):
+    """ROCm, XPU, TPU...: mla_bridge has no kernel there (FlashInfer is NVIDIA-only, the torch backend is for CPU)."""
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
+    cls = MLABridgePrefillBackend
+    assert not cls.is_available()
+    assert not cls.supports_compute_capability(DeviceCapability(9, 4))
+    assert not cls.supports_dtype(torch.bfloat16)
 
 
 def test_cpu_platform_answers():
