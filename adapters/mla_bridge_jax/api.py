@@ -107,7 +107,23 @@ class _Plans:
         return plan
 
 
+def _spread_over_devices() -> Optional[str]:
+    """Why a traced call may run on several devices (then each device needs its own plan, which only the
+    buffer_callback route makes on demand), or None."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = [name for name, kind in zip(mesh.axis_names, mesh.axis_types) if "Manual" in str(kind)]
+        if manual and math.prod(mesh.shape[a] for a in manual) > 1:
+            return f"inside shard_map over {manual}"
+    except Exception:  # noqa: BLE001 - older JAX: no abstract mesh
+        pass
+    if jax.local_device_count() > 1:
+        return f"{jax.local_device_count()} local devices (a jit over sharded arrays runs the call on each)"
+    return None
+
+
 def _route(requested: Optional[str], plan: Any) -> str:
+    """The traced route for ``plan``: "auto" takes tvm_ffi when it can serve and the call is single-device."""
     route = requested or os.environ.get(ENV_JIT_ROUTE) or "auto"
     if route not in JIT_ROUTES:
         raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {route!r}")
@@ -116,10 +132,12 @@ def _route(requested: Optional[str], plan: Any) -> str:
     from . import tvm_ffi
 
     reason = tvm_ffi.why_not(plan)
-    if reason is None:
-        return "tvm_ffi"
     if route == "tvm_ffi":
-        raise ValueError(f"jit_route='tvm_ffi' cannot serve this call: {reason}")
+        if reason is not None:
+            raise ValueError(f"jit_route='tvm_ffi' cannot serve this call: {reason}")
+        return route
+    if reason is None and _spread_over_devices() is None:
+        return "tvm_ffi"
     return "buffer_callback"
 
 
@@ -143,11 +161,17 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
     s = plan.spec
     out_types = (jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
                  jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads), jnp.float32))
-    if _route(jit_route, plan) == "tvm_ffi":
+    call = None
+    route = _route(jit_route, plan)
+    if route == "tvm_ffi":
         from . import tvm_ffi
 
-        call = tvm_ffi.ragged_call(plan, out_types)
-    else:
+        try:
+            call = tvm_ffi.ragged_call(plan, out_types)
+        except LookupError:  # FlashInfer's wrapper is not the one the recorder knows
+            if jit_route == "tvm_ffi" or os.environ.get(ENV_JIT_ROUTE) == "tvm_ffi":
+                raise
+    if call is None:
         call = buffer_callback(_ragged_callback(plans), out_types, vmap_method="sequential")
     out, lse = _inference_only(call, "mla_bridge_jax.ragged_prefill")(q, k, v)
     return out, lse

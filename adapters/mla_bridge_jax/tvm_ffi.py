@@ -1,15 +1,316 @@
-"""Optional jit route without Python in the call path (placeholder until implemented)."""
+"""The jit route without Python in the call path: FlashInfer's compiled ragged run as an XLA FFI custom call.
+
+How it works (CUDA, FlashInfer fa2/fa3 plans, jax-tvm-ffi installed):
+  1. Outside the traced computation the core plans as usual (:func:`mla_bridge.plan_ragged`: FlashInfer's
+     ``plan()`` fills the wrapper's workspace buffers and plan info).
+  2. :func:`register` records, once per plan, the exact argument list FlashInfer's ``wrapper.run`` would hand its
+     compiled TVM-FFI function ``ragged_run`` (workspace buffers, plan info, index buffers, mask mode, scale...),
+     by running the wrapper's Python ``run`` against recorders: nothing is launched. The five per-call tensors
+     (q, k, v, out, lse) are located in that list by identity.
+  3. A 60-line C++ shim (compiled once with ``tvm_ffi.cpp.load_inline``) keeps ``plan id -> (function, recorded
+     arguments, slots)`` and is registered as the XLA FFI target ``mla_bridge_jax_ragged_run`` through
+     ``jax_tvm_ffi.register_ffi_target(arg_spec=["attrs.plan_id", "args", "rets"])``. At run time XLA calls the
+     shim with its device buffers; the shim substitutes them into the recorded list and calls FlashInfer's compiled
+     function directly -- no Python. jax-tvm-ffi sets TVM-FFI's current stream to XLA's, and FlashInfer launches on
+     it.
+  4. FlashInfer's kernels write a base-2 LSE; the natural-log conversion FlashInfer's wrapper does in torch
+     (``lse.mul_(ln 2)``, one float32 multiply) is done by XLA after the call: bitwise the same.
+
+If any step cannot be done (no jax-tvm-ffi, a CPU or torch-backend plan, a FlashInfer whose wrapper no longer looks
+like 0.7's), :func:`why_not` says why and the ``auto`` route uses ``buffer_callback`` instead.
+
+Lifetime: a registered plan (and its pooled FlashInfer wrapper) is kept alive by this module, because a compiled
+XLA executable may run it at any later time; :func:`release` drops it when no compiled function uses it any more.
+A plan serves the one device it was made for (the shim refuses another device with a clear error).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import itertools
+import math
+import threading
+import types
+from typing import Any, Callable, Optional
 
-__all__ = ["why_not", "ragged_call"]
+import numpy as np
 
+import jax
+import torch
+
+__all__ = ["why_not", "ragged_call", "register", "release", "registered_plans", "TARGET"]
+
+TARGET = "mla_bridge_jax_ragged_run"
+_LN2 = np.float32(math.log(2.0))
+
+_SHIM_SOURCE = r"""
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/function.h>
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+struct Entry {
+  tvm::ffi::Function fn;
+  std::vector<tvm::ffi::Any> args;
+  int64_t slot[5];  // where q, k, v, out, lse go in args
+  int64_t device_type;
+  int64_t device_id;
+};
+std::mutex g_mu;
+std::unordered_map<int64_t, std::shared_ptr<const Entry>> g_entries;
+}  // namespace
+
+void set_plan(int64_t id, tvm::ffi::Function fn, tvm::ffi::Array<tvm::ffi::Any> args,
+              tvm::ffi::Array<int64_t> slots, int64_t device_type, int64_t device_id) {
+  auto e = std::make_shared<Entry>();
+  e->fn = fn;
+  for (const tvm::ffi::Any& a : args) e->args.push_back(a);
+  TVM_FFI_ICHECK_EQ(slots.size(), 5);
+  for (int i = 0; i < 5; ++i) {
+    e->slot[i] = slots[i];
+    TVM_FFI_ICHECK(slots[i] >= 0 && slots[i] < static_cast<int64_t>(e->args.size()));
+  }
+  e->device_type = device_type;
+  e->device_id = device_id;
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_entries[id] = std::move(e);
+}
+
+void drop_plan(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_entries.erase(id);
+}
+
+int64_t num_plans() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return static_cast<int64_t>(g_entries.size());
+}
+
+void run(int64_t plan_id, tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::ffi::TensorView v,
+         tvm::ffi::TensorView out, tvm::ffi::TensorView lse) {
+  std::shared_ptr<const Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_entries.find(plan_id);
+    if (it == g_entries.end()) {
+      TVM_FFI_THROW(ValueError) << "mla_bridge_jax: plan " << plan_id << " was released (mla_bridge_jax.tvm_ffi."
+                                << "release) but a compiled function still runs it";
+    }
+    e = it->second;
+  }
+  DLDevice dev = q.device();
+  if (dev.device_type != e->device_type || dev.device_id != e->device_id) {
+    TVM_FFI_THROW(ValueError) << "mla_bridge_jax: plan " << plan_id << " was made for device " << e->device_id
+                              << " but XLA ran it on device " << dev.device_id
+                              << "; use jit_route='buffer_callback' for calls spread over several devices";
+  }
+  std::vector<tvm::ffi::AnyView> packed;
+  packed.reserve(e->args.size());
+  for (const tvm::ffi::Any& a : e->args) packed.push_back(a);
+  const tvm::ffi::TensorView* views[5] = {&q, &k, &v, &out, &lse};
+  for (int i = 0; i < 5; ++i) packed[e->slot[i]] = *views[i];
+  tvm::ffi::Any rv;
+  e->fn.CallPacked(packed.data(), static_cast<int32_t>(packed.size()), &rv);
+}
+"""
+
+_lock = threading.RLock()
+_shim_module: Any = None
+_targets: set[str] = set()
+_ids = itertools.count(1)
+_registered: dict[int, tuple[int, Any]] = {}  # id(plan) -> (plan id, plan): keeps the plan and its wrapper alive
+
+
+def _jax_tvm_ffi():
+    import jax_tvm_ffi  # noqa: F401  (pip install jax-tvm-ffi)
+
+    return jax_tvm_ffi
+
+
+def shim() -> Any:
+    """The compiled C++ shim (``set_plan`` / ``drop_plan`` / ``num_plans`` / ``run``), built on first use."""
+    global _shim_module
+    with _lock:
+        if _shim_module is None:
+            import tvm_ffi.cpp
+
+            _shim_module = tvm_ffi.cpp.load_inline(name="mla_bridge_jax_shim", cpp_sources=_SHIM_SOURCE,
+                                                   functions=["set_plan", "drop_plan", "num_plans", "run"])
+        return _shim_module
+
+
+def target(platform: str = "gpu", name: str = TARGET) -> str:
+    """Register the shim's ``run`` as XLA FFI target ``name`` on ``platform`` (once per process)."""
+    with _lock:
+        if (platform, name) not in _targets:
+            _jax_tvm_ffi().register_ffi_target(name, shim().run, arg_spec=["attrs.plan_id", "args", "rets"],
+                                               platform=platform, allow_cuda_graph=False, pass_owned_tensor=False)
+            _targets.add((platform, name))
+    return name
+
+
+def set_entry(fn: Any, args: list, slots: list[int], device: torch.device) -> int:
+    """Store ``(fn, args, slots)`` in the shim under a new plan id (the q/k/v/out/lse slots are cleared)."""
+    args = list(args)
+    for s in slots:
+        args[s] = None
+    pid = next(_ids)
+    dev_type = 2 if device.type == "cuda" else 1
+    shim().set_plan(pid, fn, args, list(slots), dev_type, device.index or 0)
+    return pid
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Recording FlashInfer's call
+# --------------------------------------------------------------------------------------------------------------
+
+def _kernel_wrapper(plan: Any) -> Any:
+    kernel = getattr(plan, "_kernel", None)
+    wrapper = getattr(kernel, "wrapper", None)
+    if wrapper is None or not hasattr(wrapper, "_cached_module"):
+        raise LookupError("the plan holds no FlashInfer wrapper this route knows (mla_bridge or FlashInfer changed)")
+    return wrapper
+
+
+def _compiled_and_args(py_ragged_run: Callable, py_args: list) -> tuple[Any, list]:
+    """FlashInfer 0.7: ``module.ragged_run`` is a Python function that reorders its arguments for the compiled
+    ``ragged_run_func`` (a free variable). Run a copy of it whose ``ragged_run_func`` records instead of launching."""
+    code = py_ragged_run.__code__
+    if "ragged_run_func" not in code.co_freevars:
+        raise LookupError("FlashInfer's ragged_run no longer calls a compiled ragged_run_func")
+    recorded: list = []
+    cells = []
+    compiled = None
+    for name, cell in zip(code.co_freevars, py_ragged_run.__closure__):
+        if name == "ragged_run_func":
+            compiled = cell.cell_contents
+            cells.append(types.CellType(lambda *a: recorded.append(list(a))))
+        else:
+            cells.append(cell)
+    clone = types.FunctionType(code, py_ragged_run.__globals__, code.co_name, py_ragged_run.__defaults__,
+                               tuple(cells))
+    clone.__kwdefaults__ = py_ragged_run.__kwdefaults__
+    clone(*py_args)
+    if len(recorded) != 1:
+        raise LookupError(f"FlashInfer's ragged_run called its compiled function {len(recorded)} times")
+    return compiled, recorded[0]
+
+
+def record(plan: Any) -> tuple[Any, list, list[int]]:
+    """``(compiled ragged_run, its argument list, slots of q/k/v/out/lse)`` for a planned FlashInfer fa2/fa3 batch,
+    exactly as the core's :meth:`RaggedPlan.run` would call it (``lse_layout="NH"``); nothing is launched."""
+    wrapper = _kernel_wrapper(plan)
+    s = plan.spec
+    dummy = lambda shape, dtype: torch.empty((), dtype=dtype, device=s.device).expand(*shape)  # noqa: E731
+    t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
+    q, k = dummy((t, h, s.head_dim_qk), s.dtype), dummy((n, h, s.head_dim_qk), s.dtype)
+    v, out = dummy((n, h, s.head_dim_vo), s.dtype), dummy((t, h, s.head_dim_vo), s.dtype)
+    lse = dummy((t, h), torch.float32)
+    module = wrapper._cached_module
+    py_calls: list = []
+    proxy = types.SimpleNamespace(**vars(module)) if isinstance(module, types.SimpleNamespace) else None
+    if proxy is None or not callable(getattr(module, "ragged_run", None)):
+        raise LookupError("FlashInfer's wrapper module has no ragged_run")
+    proxy.ragged_run = lambda *a: py_calls.append(list(a))
+    wrapper._cached_module = proxy
+    try:
+        # The core's FlashInfer kernel calls run(..., lse_base="ln"); "log2" differs only in the finishing multiply
+        # (done by XLA here) and avoids writing into the dummy lse.
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="log2", lse_layout="NH")
+    finally:
+        wrapper._cached_module = module
+    if len(py_calls) != 1:
+        raise LookupError(f"FlashInfer's run called ragged_run {len(py_calls)} times")
+    compiled, args = _compiled_and_args(module.ragged_run, py_calls[0])
+    slots = []
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
+        hits = [i for i, a in enumerate(args) if a is x]
+        if len(hits) != 1:
+            raise LookupError(f"{name} appears {len(hits)} times in FlashInfer's compiled call")
+        slots.append(hits[0])
+    return compiled, args, slots
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Public
+# --------------------------------------------------------------------------------------------------------------
 
 def why_not(plan: Any) -> Optional[str]:
-    return "the tvm_ffi route is not implemented yet"
+    """``None`` when the route can serve ``plan`` (a :class:`mla_bridge.RaggedPlan`), else the reason."""
+    from mla_bridge import RaggedPlan
+
+    if not isinstance(plan, RaggedPlan):
+        return f"needs a mla_bridge.RaggedPlan, got {type(plan).__name__}"
+    if plan.spec.device.type != "cuda":
+        return f"needs a CUDA device (the plan is for {plan.spec.device})"
+    if plan.backend.flashinfer_backend not in ("fa2", "fa3"):
+        return f"serves FlashInfer fa2/fa3 plans; this plan runs {plan.backend.name}"
+    if plan.spec.num_qo_tokens == 0 or plan.spec.num_kv_tokens == 0:
+        return "an empty batch launches no kernel"
+    try:
+        _jax_tvm_ffi()
+        import tvm_ffi.cpp  # noqa: F401
+    except Exception as err:  # noqa: BLE001
+        return f"jax-tvm-ffi is not importable ({type(err).__name__}: {err}); pip install jax-tvm-ffi"
+    if id(plan) in _registered:
+        return None
+    try:
+        _kernel_wrapper(plan)
+    except LookupError as err:
+        return str(err)
+    return None
 
 
-def ragged_call(plan: Any, out_types: Any):  # pragma: no cover
-    raise NotImplementedError
+def register(plan: Any) -> int:
+    """Record ``plan``'s FlashInfer call into the shim (once per plan); returns its plan id.
+
+    Raises:
+        LookupError: FlashInfer's wrapper does not look like 0.7's (the caller falls back to buffer_callback).
+    """
+    with _lock:
+        hit = _registered.get(id(plan))
+        if hit is not None and hit[1] is plan:
+            return hit[0]
+        compiled, args, slots = record(plan)
+        pid = set_entry(compiled, args, slots, plan.spec.device)
+        _registered[id(plan)] = (pid, plan)
+    # FlashInfer's plan() copied its schedule to the device on torch's stream; XLA's stream must see it.
+    torch.cuda.current_stream(plan.spec.device).synchronize()
+    return pid
+
+
+def release(plan: Any) -> bool:
+    """Forget ``plan``: the shim drops its entry and the plan (with its FlashInfer wrapper) can be freed. A compiled
+    function that still runs it then fails with a clear error. Returns whether it was registered."""
+    with _lock:
+        hit = _registered.pop(id(plan), None)
+        if hit is None:
+            return False
+        shim().drop_plan(hit[0])
+        return True
+
+
+def registered_plans() -> int:
+    return len(_registered)
+
+
+def ffi_call(pid: int, out_types: tuple, platform: str = "gpu", name: str = TARGET) -> Callable:
+    """``(q, k, v) -> (out, lse base 2)`` through the shim entry ``pid``."""
+    call = jax.ffi.ffi_call(target(platform, name), out_types, vmap_method="sequential")
+    return lambda q, k, v: call(q, k, v, plan_id=np.int64(pid))
+
+
+def ragged_call(plan: Any, out_types: tuple) -> Callable:
+    """The traced call for ``plan``: FlashInfer's compiled run, then the natural-log LSE (``* ln 2``) in XLA."""
+    call = ffi_call(register(plan), out_types)
+
+    def run(q, k, v):
+        out, lse2 = call(q, k, v)
+        return out, lse2 * _LN2
+
+    return run
