@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["MLABridgePrefillBackend", "BACKEND_NAME"]
 
 BACKEND_NAME = "MLA_BRIDGE"
-
-
 _NOT_SERVED = "mla_bridge serves NVIDIA GPUs (through FlashInfer) and vLLM's CPU platform only"
 
 
