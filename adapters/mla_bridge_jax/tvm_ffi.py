@@ -203,24 +203,44 @@ def _compiled_and_args(py_ragged_run: Callable, py_args: list) -> tuple[Any, lis
 
 def record(plan: Any) -> tuple[Any, list, list[int]]:
     """``(compiled ragged_run, its argument list, slots of q/k/v/out/lse)`` for a planned FlashInfer fa2/fa3 batch,
-    exactly as the core's :meth:`RaggedPlan.run` would call it (``lse_layout="NH"``); nothing is launched."""
+    exactly as the core's :meth:`RaggedPlan.run` would call it (``lse_layout="NH"``); nothing is launched.
+
+    Stand-ins for q/k/v/out/lse are one-element tensors expanded to the plan's shapes (no memory); should FlashInfer
+    refuse those, real (uninitialised) tensors are used once.
+
+    Raises:
+        LookupError: FlashInfer's wrapper does not look like 0.7's, or refused the stand-ins.
+    """
+    try:
+        return _record(plan, lambda shape, dtype, dev: torch.empty((), dtype=dtype, device=dev).expand(*shape))
+    except LookupError:
+        raise
+    except Exception:  # noqa: BLE001 - FlashInfer checked something the expanded stand-ins do not have
+        try:
+            return _record(plan, lambda shape, dtype, dev: torch.empty(shape, dtype=dtype, device=dev))
+        except LookupError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise LookupError(f"recording FlashInfer's run failed: {type(err).__name__}: {err}") from err
+
+
+def _record(plan: Any, make: Callable) -> tuple[Any, list, list[int]]:
     wrapper = _kernel_wrapper(plan)
     s = plan.spec
-    dummy = lambda shape, dtype: torch.empty((), dtype=dtype, device=s.device).expand(*shape)  # noqa: E731
     t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
-    q, k = dummy((t, h, s.head_dim_qk), s.dtype), dummy((n, h, s.head_dim_qk), s.dtype)
-    v, out = dummy((n, h, s.head_dim_vo), s.dtype), dummy((t, h, s.head_dim_vo), s.dtype)
-    lse = dummy((t, h), torch.float32)
+    q, k = make((t, h, s.head_dim_qk), s.dtype, s.device), make((n, h, s.head_dim_qk), s.dtype, s.device)
+    v, out = make((n, h, s.head_dim_vo), s.dtype, s.device), make((t, h, s.head_dim_vo), s.dtype, s.device)
+    lse = make((t, h), torch.float32, s.device)
     module = wrapper._cached_module
-    py_calls: list = []
-    proxy = types.SimpleNamespace(**vars(module)) if isinstance(module, types.SimpleNamespace) else None
-    if proxy is None or not callable(getattr(module, "ragged_run", None)):
+    if not isinstance(module, types.SimpleNamespace) or not callable(getattr(module, "ragged_run", None)):
         raise LookupError("FlashInfer's wrapper module has no ragged_run")
+    py_calls: list = []
+    proxy = types.SimpleNamespace(**vars(module))
     proxy.ragged_run = lambda *a: py_calls.append(list(a))
     wrapper._cached_module = proxy
     try:
         # The core's FlashInfer kernel calls run(..., lse_base="ln"); "log2" differs only in the finishing multiply
-        # (done by XLA here) and avoids writing into the dummy lse.
+        # (done by XLA here) and avoids writing into the stand-in lse.
         wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="log2", lse_layout="NH")
     finally:
         wrapper._cached_module = module
@@ -257,6 +277,10 @@ def why_not(plan: Any) -> Optional[str]:
         import tvm_ffi.cpp  # noqa: F401
     except Exception as err:  # noqa: BLE001
         return f"jax-tvm-ffi is not importable ({type(err).__name__}: {err}); pip install jax-tvm-ffi"
+    try:
+        shim()
+    except Exception as err:  # noqa: BLE001 - no C++ compiler, or tvm_ffi headers missing
+        return f"cannot build the C++ shim with tvm_ffi.cpp.load_inline ({type(err).__name__}: {str(err)[:200]})"
     if id(plan) in _registered:
         return None
     try:

@@ -123,7 +123,7 @@ def test_eager_waits_for_pending_jax_work(gpu):
     q, k, v = _qkv(lens, lens, 16, gpu, seed=4)
     big = jax.device_put(jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16), gpu)
     for _ in range(3):  # the next line is dispatched while this is still running on the GPU
-        q = q + (big @ big)[: q.shape[0], :1, :1].astype(jnp.bfloat16) * 0
+        q = q + ((big @ big)[0, 0] * 0).astype(jnp.bfloat16)
     out, lse = mj.ragged_prefill(q, k, v, _indptr(lens), _indptr(lens), causal=True, sm_scale=SM)
     core_out, core_lse = mla_bridge.ragged_prefill(*(torch.from_dlpack(x) for x in (q, k, v)), _indptr(lens),
                                                    _indptr(lens), causal=True, sm_scale=SM)
