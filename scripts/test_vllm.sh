@@ -120,4 +120,4 @@ for arg in "$@"; do [ -e "${arg%%::*}" ] && has_path=1; done
 [ "$has_path" = 1 ] || set -- tests/vllm tests/parity/test_vllm_parity.py "$@"
 # GPU tests (tests/vllm/test_kernel_path.py -m gpu) need no vLLM and run in the core suite on a GPU machine.
 case " $* " in *" -m "*) ;; *) set -- -m "not gpu" "$@" ;; esac
-exec "$PY" -m pytest -q "$@"
+exec "$PY" -m pytest -q -W "ignore::DeprecationWarning:torch.jit._script" "$@"
