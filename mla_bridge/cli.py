@@ -30,6 +30,7 @@ DEMO_BATCH = 4
 DEMO_PROMPT_LEN = 256
 DEMO_CONTEXT_LENS = (0, 256, 512, 1024)
 DEFAULT_CHECK_REQUESTS = 2
+CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
 FP8_DEFAULT_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size
 #: Allowed error against the float64 reference, per run dtype: ``|x - ref| <= atol + rtol * |ref|`` elementwise, as
 #: ((out atol, out rtol), (lse atol, lse rtol)). Half precision: out is rounded to bf16/fp16 (a relative error of up
@@ -85,6 +86,8 @@ workload:
                      (a few seconds on a 2-core CPU); --context-lens defaults to 0 as soon as you
                      set --batch, --prompt-len or --prompt-lens yourself.
   seed workload      mla-bridge prefill --batch 4 --prompt-len 10000
+                     (milliseconds on an H200; minutes on a 2-core CPU: --check-requests 1 saves one
+                     float64 check of a 10000-token request, --no-breakdown one extra layer)
   prefix-cache case  mla-bridge prefill --context-lens 8000 --prompt-len 2000
                      (4 requests, each 8000 cached + 2000 new tokens)
   chunked context    add --chunk-tokens 4096 (context above the budget runs in chunks merged by LSE)
@@ -92,9 +95,10 @@ workload:
 dtype: --dtype auto is bfloat16 on CUDA (what FlashInfer runs) and float32 on the CPU (where only the
 torch backend runs; it computes in float32 anyway, so bf16 inputs there only add rounding).
 
-timing: the per-layer time is mla_prefill itself (CUDA events on a GPU, after one untimed warm-up layer;
-time.perf_counter on the CPU). The split into gather/up-projection, main pass, context chunks and merge
-comes from one extra layer that runs the plan's pieces one by one (--no-breakdown skips it).
+timing: the per-layer time is mla_prefill itself (CUDA events on a GPU, time.perf_counter on the CPU),
+after one untimed warm-up layer (on the CPU only while a layer is under 50 GFLOP). The split into
+gather/up-projection, main pass, context chunks and merge comes from one extra layer that runs the
+plan's pieces one by one (--no-breakdown skips it).
 
 check: --check-requests requests (spread over the batch) are recomputed by mla_bridge.reference: float64,
 unchunked, straight from the paged cache; cache slots that hold no context are NaN, so reading one shows.
@@ -532,6 +536,13 @@ def _lens_text(lens: Sequence[int], limit: int = 8) -> str:
     return shown + (f", ... ({len(lens)} requests)" if len(lens) > limit else "")
 
 
+def _row(table, key: str, value) -> None:
+    """A table row; plain strings are shown literally (no rich markup: values hold brackets such as [flashinfer])."""
+    from rich.text import Text
+
+    table.add_row(Text(key), value if isinstance(value, Text) else Text(str(value)))
+
+
 def _tol_text(tol: tuple[float, float]) -> str:
     atol, rtol = tol
     return f"{atol:g}" if rtol == 0 else f"{atol:g} + {rtol:.2g} x |ref|"
@@ -547,6 +558,7 @@ def cmd_prefill(args, console) -> int:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
+    from rich.text import Text
 
     from . import MLADims, PrefillPlan, Workspace, mla_prefill
     from .dims import PRESETS
@@ -609,7 +621,11 @@ def cmd_prefill(args, console) -> int:
         schedule = "main pass only (no cached context)"
 
     sample = _sample_requests(workload.query_lens, args.check_requests)
-    steps = args.layers + (1 if device.type == "cuda" else 0) + (0 if args.no_breakdown else 1) + len(sample)
+    attn_flops, up_flops = _flops(dims, workload)
+    # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
+    # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
+    warmup = device.type == "cuda" or attn_flops + up_flops < CPU_WARMUP_FLOPS
+    steps = args.layers + int(warmup) + (0 if args.no_breakdown else 1) + len(sample)
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, transient=True)
     timer = Timer(device)
@@ -617,11 +633,12 @@ def cmd_prefill(args, console) -> int:
     with progress:
         task = progress.add_task("prefill", total=steps)
         inputs = (q, kv_c, k_pe, weight, cache, block_table)
-        if device.type == "cuda":  # one untimed warm-up layer (lazy CUDA/FlashInfer set-up)
+        if warmup:
             progress.update(task, description="warm-up layer")
             mla_prefill(*inputs, plan, return_lse=True)
-            torch.cuda.synchronize(device)
             progress.advance(task)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         result = None
@@ -666,7 +683,6 @@ def cmd_prefill(args, console) -> int:
             progress.advance(task)
 
     # ---- numbers
-    attn_flops, up_flops = _flops(dims, workload)
     mean_ms = sum(layer_ms) / len(layer_ms)
     tflops = (attn_flops + up_flops) / (mean_ms * 1e-3) / 1e12 if mean_ms > 0 else None
     err_out = max((c["max_abs_err_out"] for c in checked), default=None)
@@ -685,53 +701,55 @@ def cmd_prefill(args, console) -> int:
                   title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("")
-    table.add_row("model dims", f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, q/k {dims.qk_nope_head_dim}"
+    _row(table, "model dims", f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, q/k {dims.qk_nope_head_dim}"
                   f"+{dims.qk_rope_head_dim}, v {dims.v_head_dim}, softmax_scale {dims.softmax_scale:.6f}")
-    table.add_row("kv_b_proj weight", weight_text)
-    table.add_row("device", device_text)
-    table.add_row("dtype", dtype_name)
-    table.add_row("backend", f"[green]{backend.name}[/green]: {backend.reason}")
+    _row(table, "kv_b_proj weight", weight_text)
+    _row(table, "device", device_text)
+    _row(table, "dtype", dtype_name)
+    _row(table, "backend", Text.assemble((backend.name, "green"), f": {backend.reason}"))
     for name, why in backend.passed_over:
-        table.add_row("  passed over", f"{name}: {why}")
+        _row(table, "  passed over", f"{name}: {why}")
     table.add_section()
-    table.add_row("requests", str(len(workload.query_lens)))
-    table.add_row("new tokens", f"{sum(workload.query_lens)} ({_lens_text(workload.query_lens)})")
-    table.add_row("context tokens", f"{sum(workload.context_lens)} ({_lens_text(workload.context_lens)})")
-    table.add_row("paged cache", f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
+    _row(table, "requests", str(len(workload.query_lens)))
+    _row(table, "new tokens", f"{sum(workload.query_lens)} ({_lens_text(workload.query_lens)})")
+    _row(table, "context tokens", f"{sum(workload.context_lens)} ({_lens_text(workload.context_lens)})")
+    _row(table, "paged cache", f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
                   f"shuffled block_table")
-    table.add_row("schedule", schedule)
-    table.add_row("plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
-                  f"{_ms(plan_ms)} (first build, kernels loaded), {_ms(plan_again_ms)} (built again)")
+    _row(table, "schedule", schedule)
+    loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
+    _row(table, "plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
+         f"{_ms(plan_ms)} (first build{loads}), {_ms(plan_again_ms)} (built again)")
     table.add_section()
-    timing = "CUDA events, after 1 untimed warm-up layer" if device.type == "cuda" else "time.perf_counter"
+    timing = "CUDA events" if device.type == "cuda" else "time.perf_counter"
+    timing += ", after 1 untimed warm-up layer" if warmup else ", no warm-up layer"
     if len(layer_ms) > 1:
-        table.add_row("time per layer", f"{_ms(mean_ms)} mean, {_ms(min(layer_ms))} min, {_ms(max(layer_ms))} max "
+        _row(table, "time per layer", f"{_ms(mean_ms)} mean, {_ms(min(layer_ms))} min, {_ms(max(layer_ms))} max "
                       f"over {len(layer_ms)} layers ({timing})")
     else:
-        table.add_row("time per layer", f"{_ms(mean_ms)} ({timing})")
+        _row(table, "time per layer", f"{_ms(mean_ms)} ({timing})")
     if phases is not None:
         for name in ("gather + up-projection", "main pass", "context chunks", "merge"):
             if name in phases:
                 count = len(phase_timer.spans[name])
                 extra = f" ({count} passes)" if name in ("context chunks", "merge") else ""
-                table.add_row(f"  {name}", f"{_ms(phases[name])}{extra}")
-        table.add_row("  sum of phases", f"{_ms(sum(phases.values()))} (one extra instrumented layer; output "
+                _row(table, f"  {name}", f"{_ms(phases[name])}{extra}")
+        _row(table, "  sum of phases", f"{_ms(sum(phases.values()))} (one extra instrumented layer; output "
                       f"{'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to mla_prefill's)")
-    table.add_row("total", f"{_ms(sum(layer_ms))} for {len(layer_ms)} layer(s)")
-    table.add_row("FLOPs per layer", f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
+    _row(table, "total", f"{_ms(sum(layer_ms))} for {len(layer_ms)} layer(s)")
+    _row(table, "FLOPs per layer", f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
                   f"up-projection {up_flops / 1e9:.2f})")
-    table.add_row("throughput", "n/a" if tflops is None else f"{tflops:.3f} TFLOP/s")
-    table.add_row("peak extra memory", "n/a on CPU" if peak_extra is None
+    _row(table, "throughput", "n/a" if tflops is None else f"{tflops:.3f} TFLOP/s")
+    _row(table, "peak extra memory", "n/a on CPU" if peak_extra is None
                   else f"{peak_extra / 2**20:.1f} MiB (torch.cuda.max_memory_allocated over the inputs)")
     table.add_section()
     if checked:
-        verdict = "[green]PASS[/green]" if passed else "[red]FAIL[/red]"
-        table.add_row("check", f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
+        verdict = ("PASS", "green") if passed else ("FAIL", "bold red")
+        _row(table, "check", f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
                       f"from the paged cache (mla_bridge.reference)")
-        table.add_row("  max abs error out", f"{err_out:.3e} (tolerance {_tol_text(tol_out)})")
-        table.add_row("  max abs error lse", f"{err_lse:.3e} (tolerance {_tol_text(tol_lse)}) {verdict}")
+        _row(table, "  max abs error out", f"{err_out:.3e} (tolerance {_tol_text(tol_out)})")
+        _row(table, "  max abs error lse", Text.assemble(f"{err_lse:.3e} (tolerance {_tol_text(tol_lse)}) ", verdict))
     else:
-        table.add_row("check", "skipped (--check-requests 0)")
+        _row(table, "check", "skipped (--check-requests 0)")
     console.print(table)
 
     results = {
@@ -797,6 +815,7 @@ def flashinfer_cache_dir() -> Path:
 def cmd_info(args, console) -> int:
     import torch
     from rich.table import Table
+    from rich.text import Text
 
     from . import __version__
     from .dispatch import ENV_VAR, flashinfer_version, select_backend
@@ -815,30 +834,30 @@ def cmd_info(args, console) -> int:
     table = Table(title="mla-bridge info", title_justify="left", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("")
-    table.add_row("mla-bridge", __version__)
-    table.add_row("python", f"{info['python']} ({sys.executable})")
-    table.add_row("torch", info["torch"])
-    table.add_row("CUDA", f"available, torch built with CUDA {info['torch_cuda']}" if info["cuda_available"]
+    _row(table, "mla-bridge", __version__)
+    _row(table, "python", f"{info['python']} ({sys.executable})")
+    _row(table, "torch", info["torch"])
+    _row(table, "CUDA", f"available, torch built with CUDA {info['torch_cuda']}" if info["cuda_available"]
                   else f"not available (torch CUDA build: {info['torch_cuda'] or 'none, CPU build'})")
     for d in info["devices"]:
-        table.add_row(f"device cuda:{d['index']}", f"{d['name']}, capability {d['capability'][0]}.{d['capability'][1]}")
+        _row(table, f"device cuda:{d['index']}", f"{d['name']}, capability {d['capability'][0]}.{d['capability'][1]}")
     if not info["devices"]:
-        table.add_row("device", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
-    table.add_row("FlashInfer", info["flashinfer"] or "not installed (pip install 'mla-bridge[flashinfer]')")
-    table.add_row("FlashInfer JIT cache", f"{info['flashinfer_jit_cache']}"
+        _row(table, "device", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
+    _row(table, "FlashInfer", info["flashinfer"] or "not installed (pip install 'mla-bridge[flashinfer]')")
+    _row(table, "FlashInfer JIT cache", f"{info['flashinfer_jit_cache']}"
                   + ("" if os.environ.get("FLASHINFER_WORKSPACE_BASE") else " (set FLASHINFER_WORKSPACE_BASE to move it)"))
-    table.add_row("JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
-    table.add_row(ENV_VAR, info[ENV_VAR] or "unset (the dispatch table decides)")
+    _row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
+    _row(table, ENV_VAR, info[ENV_VAR] or "unset (the dispatch table decides)")
     table.add_section()
     try:
         choice = select_backend(dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128, causal=True)
         info["backend"] = {"name": choice.name, "reason": choice.reason, "passed_over": [list(p) for p in choice.passed_over]}
-        table.add_row("backend", f"[green]{choice.name}[/green] for bf16, head dims 192/128, causal: {choice.reason}")
+        _row(table, "backend", Text.assemble((choice.name, "green"), f" for bf16, head dims 192/128, causal: {choice.reason}"))
         for name, why in choice.passed_over:
-            table.add_row("  passed over", f"{name}: {why}")
+            _row(table, "  passed over", f"{name}: {why}")
     except ValueError as err:
         info["backend"] = {"error": str(err)}
-        table.add_row("backend", f"[red]error[/red]: {err}")
+        _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
     console.print(table)
     if getattr(args, "json", None) is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -313,3 +313,12 @@ def test_max_excess_error():
     assert max_excess_error(got, ref, 0.0) == pytest.approx(0.03, abs=1e-6)
     assert max_excess_error(got, ref, 0.01) == pytest.approx(0.0, abs=1e-6)  # 0.01 - 0.01 x 1, 0.03 - 0.01 x 4, 0
     assert math.isnan(max_excess_error(torch.tensor([float("nan")]), torch.zeros(1), 0.1))
+
+
+def test_info_without_flashinfer_shows_the_extra_literally(monkeypatch, capsys):
+    import mla_bridge.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: None)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "pip install 'mla-bridge[flashinfer]'" in out  # not eaten as rich markup
