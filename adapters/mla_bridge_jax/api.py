@@ -4,12 +4,13 @@ Two ways a call runs:
   * **eager** (concrete ``jax.Array`` inputs): DLPack views both ways (no copy, no host round trip; on CUDA each
     side makes the consumer's stream wait), then the core's :func:`mla_bridge.ragged_prefill` /
     :meth:`mla_bridge.RaggedPlan.run` / :func:`mla_bridge.mla_prefill` on torch's current stream.
-  * **traced** (inside ``jax.jit``, ``jax.vmap``, ``shard_map``...): one XLA custom call per attention through
-    ``jax.experimental.buffer_callback``: XLA hands the callback its device buffers (inputs and the preallocated
-    outputs) and its compute stream; the callback views them with DLPack and runs the same core call on that stream
-    (``torch.cuda.ExternalStream(ctx.stream)``), writing the outputs in place. No host copy of q/k/v/out on GPU; on
-    CPU the buffers are host memory. See :mod:`mla_bridge_jax.tvm_ffi` for the optional route without Python in the
-    call path.
+  * **traced** (inside ``jax.jit``, ``jax.vmap``, ``shard_map``...): one XLA custom call per attention that reads
+    XLA's input buffers and writes its output buffers in place, on XLA's stream (no host copy on GPU). Routes
+    (``jit_route``, or ``$MLA_BRIDGE_JAX_JIT_ROUTE``): "tvm_ffi" calls FlashInfer's compiled run from a C++ shim
+    registered with jax-tvm-ffi, no Python per call (:mod:`mla_bridge_jax.tvm_ffi`; CUDA, fa2/fa3 plans);
+    "buffer_callback" runs the core in a ``jax.experimental.buffer_callback`` under
+    ``torch.cuda.ExternalStream(ctx.stream)`` (everywhere, CPU included); "auto" (default) takes tvm_ffi when it can
+    serve a single-device call, else buffer_callback.
 
 Plans are host-side: index pointers and lengths must be host values (Python lists, numpy, concrete arrays), never
 tracers. Under ``jax.jit`` the plan is made when the function is traced and reused by every call of the compiled

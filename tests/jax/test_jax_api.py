@@ -303,3 +303,13 @@ def test_vmap_runs_each_batch_element():
     for i in range(3):
         core_out, core_lse = _core(qs[i], k, v)
         assert _equal(outs[i], core_out) and _equal(lses[i], core_lse) and _equal(jouts[i], core_out)
+
+
+def test_tvm_ffi_route_is_refused_on_cpu_and_auto_falls_back(monkeypatch):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"jit_route='tvm_ffi' cannot serve this call: needs a CUDA device"):
+        jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM, jit_route="tvm_ffi"))(
+            q, k, v)
+    monkeypatch.setenv(mj.ENV_JIT_ROUTE, "auto")
+    out, _ = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
+    assert _equal(out, _core(q, k, v)[0])
