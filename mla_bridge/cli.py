@@ -454,54 +454,21 @@ def _make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed:
 
 
 def _instrumented_layer(plan, q, kv_c, k_pe, weight, cache, block_table, timer: Timer):
-    """One layer of mla_prefill run piece by piece through what the plan exposes, each phase timed.
+    """One layer of mla_prefill with each phase timed through its ``phase_hook`` (the same code path, so the phases
+    add up to a real layer). Gather and up-projection are reported together, as are the context chunks."""
+    from .prefill import mla_prefill
 
-    Mirrors :func:`mla_bridge.mla_prefill` (same helpers, same order) so that its phases add up to a real layer;
-    its output is compared with mla_prefill's by the caller.
-    """
-    import torch
+    label = {"gather": "gather + up-projection", "up-projection": "gather + up-projection",
+             "context chunk": "context chunks"}
+    current: list = []
 
-    from .merge import merge_attn_states_
-    from .prefill import _gather_latent, _up_project
+    def hook(name: str) -> None:
+        if current:
+            timer.stop(*current.pop())
+        if name != "end":
+            current.append((label.get(name, name), timer.start()))
 
-    dims = plan.dims
-    out = torch.empty(plan.num_tokens, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
-    lse = torch.empty(plan.num_tokens, dims.num_heads, dtype=torch.float32, device=plan.device)
-    r = dims.kv_lora_rank
-    if plan.fused:
-        s = timer.start()
-        latent = torch.empty(int(plan.main_kv_indptr[-1]), dims.latent_dim, dtype=plan.dtype, device=plan.device)
-        ctx = _gather_latent(cache, block_table, plan.ctx_req_ids, plan.ctx_positions, plan.block_size)
-        latent.index_copy_(0, plan.ctx_dst, ctx)
-        latent[:, :r].index_copy_(0, plan.new_dst, kv_c)
-        latent[:, r:].index_copy_(0, plan.new_dst, k_pe)
-        k, v = _up_project(latent[:, :r], latent[:, r:], weight, dims)
-        timer.stop("gather + up-projection", s)
-        s = timer.start()
-        plan.main.run(q, k, v, out=out, lse=lse)
-        timer.stop("main pass", s)
-        return out, lse
-    s = timer.start()
-    k, v = _up_project(kv_c, k_pe, weight, dims)
-    timer.stop("gather + up-projection", s)
-    s = timer.start()
-    plan.main.run(q, k, v, out=out, lse=lse)
-    timer.stop("main pass", s)
-    for chunk in plan.chunks:
-        if chunk.plan is None:
-            continue
-        s = timer.start()
-        latent = _gather_latent(cache, block_table, chunk.req_ids, chunk.positions, plan.block_size)
-        k, v = _up_project(latent[:, :r], latent[:, r:], weight, dims)
-        timer.stop("gather + up-projection", s)
-        rows = slice(chunk.q_start, chunk.q_end)
-        s = timer.start()
-        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v)
-        timer.stop("context chunks", s)
-        s = timer.start()
-        merge_attn_states_(out[rows], lse[rows], chunk_out, chunk_lse)
-        timer.stop("merge", s)
-    return out, lse
+    return mla_prefill(q, kv_c, k_pe, weight, cache, block_table, plan, return_lse=True, phase_hook=hook)
 
 
 def _flops(dims, workload: Workload) -> tuple[int, int]:

@@ -6,7 +6,7 @@ pipeline a user would write without mla_bridge (torch gather by block table, ``k
 with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context pass
 (non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
 
-The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_gather_latent`` and
+The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_fused_latent``, ``_gather_latent`` and
 ``_up_project``); keep them in step when it changes.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from ..merge import merge_attn_states_
 from ..plan import PrefillPlan, schedule_context_chunks
-from ..prefill import _gather_latent, _up_project, mla_prefill
+from ..prefill import _fused_latent, _gather_latent, _up_project, mla_prefill, up_projection_weight
 from ..ragged import plan_ragged
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for
@@ -175,12 +175,10 @@ class _Phases:
         row_bytes = d.latent_dim * e
         if plan.fused:
             self.n_keys = int(plan.main_kv_indptr[-1])
-            latent = self.gather()
-            self.sources = [(latent[:, :rank], latent[:, rank:])]  # strided views, as mla_prefill passes them
+            self.sources = [self.gather()]  # 576-wide latent rows, as mla_prefill passes them
             self.gather_bytes = (4 * x.num_context + 2 * x.num_tokens) * row_bytes
         else:
-            self.sources = [(x.kv_c, x.k_pe)] + [
-                (lat[:, :rank], lat[:, rank:]) for lat in self.gather()]
+            self.sources = [torch.cat([x.kv_c, x.k_pe], dim=-1)] + self.gather()
             self.gather_bytes = 2 * x.num_context * row_bytes
         self.kv = self.up_projection()
         self.partials = []
@@ -194,20 +192,18 @@ class _Phases:
     def gather(self):
         x, plan, d = self.x, self.plan, self.x.dims
         if plan.fused:
-            latent = torch.empty(self.n_keys, d.latent_dim, dtype=plan.dtype, device=plan.device)
-            ctx_lat = _gather_latent(x.kv_cache, x.block_table, plan.ctx_req_ids, plan.ctx_positions, plan.block_size)
-            latent.index_copy_(0, plan.ctx_dst, ctx_lat)
-            latent[:, : d.kv_lora_rank].index_copy_(0, plan.new_dst, x.kv_c)
-            latent[:, d.kv_lora_rank:].index_copy_(0, plan.new_dst, x.k_pe)
-            return latent
+            return _fused_latent(plan, x.kv_c, x.k_pe, x.kv_cache, x.block_table)
         return [_gather_latent(x.kv_cache, x.block_table, c.req_ids, c.positions, plan.block_size)
                 for c in plan.chunks]
 
     def up_projection(self):
-        return [_up_project(c, pe, self.x.w, self.x.dims) for c, pe in self.sources]
+        w = up_projection_weight(self.x.w, self.x.dims)
+        return [_up_project(lat, w, self.x.dims) for lat in self.sources]
 
     def gemm(self):
-        return [torch.matmul(c, self.x.w.t()) for c, _ in self.sources]
+        # the bare kv_b_proj GEMM (kv_c @ W.T): the up-projection's inherent work, the stricter yardstick
+        rank = self.x.dims.kv_lora_rank
+        return [torch.matmul(lat[:, :rank], self.x.w.t()) for lat in self.sources]
 
     def attention(self):
         plan, q = self.plan, self.x.q
@@ -355,7 +351,7 @@ def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspac
         req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
         pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
         lat = _gather_latent(x.kv_cache, x.block_table, req_ids, pos, x.case.block_size)
-        k, v = _up_project(lat[:, : d.kv_lora_rank], lat[:, d.kv_lora_rank:], x.w, d)
+        k, v = _up_project(lat, up_projection_weight(x.w, d), d)
         plan = plan_ragged(qo, indptr(kv_lens), num_heads=d.num_heads, head_dim_qk=d.head_dim_qk,
                            head_dim_vo=d.head_dim_vo, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype,
                            workspace=ws, backend=ctx.backend)
