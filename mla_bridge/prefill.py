@@ -18,7 +18,7 @@ import torch
 from .merge import merge_attn_states_
 from .plan import PrefillPlan
 
-__all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight"]
+__all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes"]
 
 
 def _need(cond: bool, exc: type, msg: str) -> None:
@@ -178,6 +178,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
     for chunk in plan.chunks:
         if chunk.plan is None:
             continue
+        del latent, k, v  # free the previous pass's buffers before this chunk allocates its own
         hook("gather")
         latent = _gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, plan.block_size)
         hook("up-projection")
@@ -189,3 +190,32 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
         merge_attn_states_(out[rows], lse[rows], chunk_out, chunk_lse)
     hook("end")
     return (out, lse) if return_lse else out
+
+
+def prefill_memory_bytes(plan: PrefillPlan) -> int:
+    """Bytes of device memory one :func:`mla_prefill` call allocates at its peak (out and lse included), by schedule.
+
+    With ``e`` the dtype's size, ``L = kv_lora_rank + qk_rope_head_dim`` (576), ``P = head_dim_qk + head_dim_vo``
+    (320) and ``H`` heads, a pass over ``N`` key tokens holds the latent rows (``N x L x e``, plus the gathered copy
+    of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the rearranged
+    weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
+    pass over context + new tokens; the chunked one frees each pass before the next, whose peak adds the chunk's
+    partial out/lse and the merge's float32 LSE copies for its query rows. Index tensors (8 bytes per gathered
+    token, three at once) are included. This is the "workspace budget" the benchmark checks peak memory against.
+    """
+    d = plan.dims
+    e = torch.empty((), dtype=plan.dtype).element_size()
+    lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens
+    fixed = h * p * lat * e + t * h * (d.v_head_dim * e + 4)
+
+    def one_pass(keys: int, gathered: int) -> int:
+        return keys * lat * e + gathered * (lat * e + 24) + keys * h * p * e
+
+    if plan.fused:
+        return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_context_tokens)
+    peak = one_pass(t, 0)
+    for c in plan.chunks:
+        if c.plan is not None:
+            rows = c.q_end - c.q_start
+            peak = max(peak, one_pass(c.num_tokens, c.num_tokens) + rows * h * (d.v_head_dim * e + 4 + 8))
+    return fixed + peak

@@ -218,3 +218,23 @@ def test_chunk_rows_and_plans(tiny_dims):
     assert (c2.q_start, c2.q_end) == (5, 9) and c2.plan.kv_indptr.tolist() == [0, 3]
     assert c0.req_ids.tolist() == [0, 0, 0, 0, 2] and c0.positions.tolist() == [0, 1, 2, 3, 0]
     assert plan.num_plans == 3 and plan.main.spec.causal
+
+
+def test_prefill_memory_bytes_follows_the_schedule():
+    """The documented peak-memory formula: one pass over context + new keys when fused; the largest of the main
+    pass and each chunk pass otherwise (hand-computed here for V2-Lite dims, bf16)."""
+    from mla_bridge import MLADims, PrefillPlan, Workspace
+    from mla_bridge.prefill import prefill_memory_bytes
+
+    d = MLADims.deepseek_v2_lite()
+    e, lat, p, h = 2, 576, 320, 16
+    q_lens, c_lens = [100, 50], [300, 0]
+    fixed = h * p * lat * e + 150 * h * (128 * e + 4)
+    fused = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=1000), block_size=16,
+                              dtype=torch.bfloat16)
+    assert prefill_memory_bytes(fused) == fixed + 450 * lat * e + 300 * (lat * e + 24) + 450 * h * p * e
+    chunked = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=128), block_size=16,
+                                dtype=torch.bfloat16)
+    chunk = 128 * lat * e + 128 * (lat * e + 24) + 128 * h * p * e + 100 * h * (128 * e + 12)
+    assert prefill_memory_bytes(chunked) == fixed + max(150 * lat * e + 150 * h * p * e, chunk)
+    assert prefill_memory_bytes(chunked) < prefill_memory_bytes(fused)

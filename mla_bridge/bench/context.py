@@ -20,7 +20,8 @@ import torch
 
 from ..merge import merge_attn_states_
 from ..plan import PrefillPlan, schedule_context_chunks
-from ..prefill import _fused_latent, _gather_latent, _up_project, mla_prefill, up_projection_weight
+from ..prefill import (_fused_latent, _gather_latent, _up_project, mla_prefill, prefill_memory_bytes,
+                       up_projection_weight)
 from ..ragged import plan_ragged
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for
@@ -393,16 +394,10 @@ def jobs(ctx: Ctx) -> list[Job]:
     return out
 
 
-def budget_bytes(x: Inputs, chunk_tokens: int) -> dict:
-    """The memory budget of one mla_prefill (section 5): one chunk's up-projected k/v as the Workspace documents it
-    (``chunk_tokens x H x (head_dim_qk + head_dim_vo) x elem``, at most the whole context), the new tokens' k/v,
-    and the output (out and lse)."""
-    d, e = x.dims, x.q.element_size()
-    per_token = d.num_heads * (d.head_dim_qk + d.head_dim_vo) * e
-    chunk = min(chunk_tokens, x.num_context) * per_token
-    new_kv = x.num_tokens * per_token
-    output = x.num_tokens * d.num_heads * (d.v_head_dim * e + 4)
-    return {"chunk_kv": chunk, "new_kv": new_kv, "output": output, "total": chunk + new_kv + output}
+def budget_bytes(x: Inputs, plan: PrefillPlan) -> dict:
+    """The memory budget of one mla_prefill (section 5): what :func:`mla_bridge.prefill.prefill_memory_bytes`
+    documents for the plan (latent rows, the k/v GEMM output of the largest pass, the rearranged weight, out, lse)."""
+    return {"total": prefill_memory_bytes(plan)}
 
 
 def peak_extra(ctx: Ctx, fn: Callable[[], Any]) -> int:

@@ -177,17 +177,17 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     label, budget = case.budgets[bi]
     name = f"{case.name}, {label}"
     x = make_inputs(ctx, case, 4000 + ci)
-    limit = budget_bytes(x, budget)
     seq = x.num_context + x.num_tokens
     meta = lambda pi: dict(heads=x.dims.num_heads, seq_len=seq, order=(4, ci, pi))  # noqa: E731
+    ws = Workspace(ctx.device, chunk_tokens=budget)
+    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
+                             dtype=ctx.dtype, backend=ctx.backend)
+    limit = budget_bytes(x, plan)
     if not ctx.cuda:
         return [ctx.skipped("memory", name, MEMORY_PATHS[0], "needs CUDA (torch.cuda memory statistics)",
                             extra={"budget_bytes": limit}, **meta(0))]
-    ws = Workspace(ctx.device, chunk_tokens=budget)
     rows = []
     try:
-        plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
-                                 dtype=ctx.dtype, backend=ctx.backend)
         peak = peak_extra(ctx, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan))
         sched = "fused" if plan.fused else f"{len(plan.chunks)} chunk(s)"
     except Exception as err:  # noqa: BLE001
@@ -201,7 +201,7 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                              f"({ratio:.2f}x)",
                         extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio}, **meta(0)))
         ctx.check(f"memory {name}: peak extra / (workspace budget + output)", ratio, "<=", 1.0,
-                  "budget: one chunk's up-projected k/v + the new tokens' k/v + out and lse")
+                  "budget: mla_bridge.prefill.prefill_memory_bytes(plan)")
     if flashinfer_importable():
         try:
             layer = handwritten_pipeline(ctx, x, budget)
