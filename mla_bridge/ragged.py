@@ -125,6 +125,13 @@ class RaggedPlan:
         self._kernel = None if empty else make_kernel(backend, workspace, spec)
 
     @property
+    def flashinfer_wrapper(self) -> Any:
+        """The planned ``BatchPrefillWithRaggedKVCacheWrapper`` this plan holds, or ``None`` (torch backend, or an
+        empty batch that runs no kernel). For adapters that hand FlashInfer's compiled run to another runtime (the
+        JAX adapter's ``tvm_ffi`` route); calling its ``plan()`` again would invalidate this plan."""
+        return getattr(self._kernel, "wrapper", None)
+
+    @property
     def qo_indptr(self) -> torch.Tensor:
         return self.spec.qo_indptr
 

@@ -170,8 +170,7 @@ def set_entry(fn: Any, args: list, slots: list[int], device: torch.device) -> in
 # --------------------------------------------------------------------------------------------------------------
 
 def _kernel_wrapper(plan: Any) -> Any:
-    kernel = getattr(plan, "_kernel", None)
-    wrapper = getattr(kernel, "wrapper", None)
+    wrapper = getattr(plan, "flashinfer_wrapper", None)
     if wrapper is None or not hasattr(wrapper, "_cached_module"):
         raise LookupError("the plan holds no FlashInfer wrapper this route knows (mla_bridge or FlashInfer changed)")
     return wrapper
