@@ -114,9 +114,9 @@ is dequantized with its weight_scale_inv (128x128 blocks, or quantization_config
 def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     """The argument parser. ``bench_module`` (``mla_bridge.bench``) adds the ``bench`` options when given; it is
     only imported when ``bench`` is the command, so other commands never pay for it."""
-    from . import __version__
-    from .dims import PRESETS
-    from .dispatch import BACKEND_NAMES
+    from .. import __version__
+    from ..dims import PRESETS
+    from ..dispatch import BACKEND_NAMES
 
     parser = argparse.ArgumentParser(
         prog="mla-bridge",
@@ -456,7 +456,7 @@ def _make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed:
 def _instrumented_layer(plan, q, kv_c, k_pe, weight, cache, block_table, timer: Timer):
     """One layer of mla_prefill with each phase timed through its ``phase_hook`` (the same code path, so the phases
     add up to a real layer). Gather and up-projection are reported together, as are the context chunks."""
-    from .prefill import mla_prefill
+    from ..prefill import mla_prefill
 
     label = {"gather": "gather + up-projection", "up-projection": "gather + up-projection",
              "context chunk": "context chunks"}
@@ -527,10 +527,10 @@ def cmd_prefill(args, console) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from . import MLADims, PrefillPlan, Workspace, mla_prefill
-    from .dims import PRESETS
-    from .reference import max_abs_error, max_excess_error, reference_request
-    from .workspace import DEFAULT_CHUNK_TOKENS
+    from .. import MLADims, PrefillPlan, Workspace, mla_prefill
+    from ..dims import PRESETS
+    from ..reference import max_abs_error, max_excess_error, reference_request
+    from ..workspace import DEFAULT_CHUNK_TOKENS
 
     # ---- arguments -> dims, weight, workload
     if args.layer is not None and args.checkpoint is None:
@@ -784,8 +784,8 @@ def cmd_info(args, console) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from . import __version__
-    from .dispatch import ENV_VAR, flashinfer_version, select_backend
+    from .. import __version__
+    from ..dispatch import ENV_VAR, flashinfer_version, select_backend
 
     info: dict[str, Any] = {
         "mla_bridge": __version__, "python": platform.python_version(), "torch": torch.__version__,
@@ -831,6 +831,3 @@ def cmd_info(args, console) -> int:
         args.json.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return 0
 
-
-if __name__ == "__main__":  # python -m mla_bridge.cli
-    sys.exit(main())
