@@ -1,0 +1,268 @@
+"""``mla-bridge prefill``: plan one batch once, run it per layer, time it, check a sample against float64, and
+report a table (and JSON)."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+from .batch import _flops, _make_inputs, _resolve_device_dtype, _resolve_workload, _sample_requests
+from .checkpoint import load_kv_b_proj_weight
+from .errors import CLIError
+from .table import _lens_text, _ms, _row, _tol_text
+from .timing import Timer, _instrumented_layer
+
+CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
+#: Allowed error against the float64 reference, per run dtype: ``|x - ref| <= atol + rtol * |ref|`` elementwise, as
+#: ((out atol, out rtol), (lse atol, lse rtol)). Half precision: out is rounded to bf16/fp16 (a relative error of up
+#: to 2**-8 / 2**-11, so rtol is two such roundings), and k/v are rounded after the up-projection.
+TOLERANCE = {
+    "float32": ((1e-4, 0.0), (1e-4, 0.0)),
+    "bfloat16": ((2e-2, 2.0 ** -7), (1e-2, 1e-3)),
+    "float16": ((1e-2, 2.0 ** -10), (1e-2, 1e-3)),
+}
+
+
+def cmd_prefill(args, console) -> int:
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+    from rich.text import Text
+
+    from .. import MLADims, PrefillPlan, Workspace, mla_prefill
+    from ..dims import PRESETS
+    from ..reference import max_abs_error, max_excess_error, reference_request
+    from ..workspace import DEFAULT_CHUNK_TOKENS
+
+    # ---- arguments -> dims, weight, workload
+    if args.layer is not None and args.checkpoint is None:
+        raise CLIError("--layer needs --checkpoint DIR (it picks which layer's kv_b_proj.weight to load)")
+    if args.checkpoint is not None and args.model is not None:
+        raise CLIError("--model and --checkpoint are exclusive: the checkpoint's config.json gives the dims")
+    if args.checkpoint is not None and args.layer is None:
+        raise CLIError("--checkpoint needs --layer N (which layer's kv_b_proj.weight to load)")
+    workload = _resolve_workload(args)
+    device, dtype, dtype_name = _resolve_device_dtype(args)
+    loaded_weight, weight_text = None, None
+    if args.checkpoint is not None:
+        cfg_path = Path(args.checkpoint) / "config.json"
+        if not cfg_path.is_file():
+            raise CLIError(f"--checkpoint: {cfg_path} not found (the dims come from it)")
+        try:
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+            dims = MLADims.from_hf_config(config)
+        except ValueError as err:
+            raise CLIError(f"--checkpoint: {cfg_path}: {err}") from None
+        loaded_weight, weight_text = load_kv_b_proj_weight(args.checkpoint, args.layer, dims, config)
+        model_name = f"{args.checkpoint} (config.json)"
+    else:
+        model_name = args.model or PRESETS[0]
+        dims = MLADims.preset(model_name)
+    chunk_tokens = args.chunk_tokens or DEFAULT_CHUNK_TOKENS
+
+    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(dims, workload, args.block_size, dtype, device,
+                                                             args.seed, loaded_weight)
+    if weight_text is None:
+        weight_text = f"random N(0, 1/{dims.kv_lora_rank}), seed {args.seed}"
+
+    # ---- plan once
+    try:
+        workspace = Workspace(device, chunk_tokens=chunk_tokens)
+        build = lambda: PrefillPlan.build(  # noqa: E731
+            workload.query_lens, workload.context_lens, dims=dims, workspace=workspace, block_size=args.block_size,
+            device=device, dtype=dtype, backend=args.backend, fuse_context=not args.no_fuse)
+        t0 = time.perf_counter()
+        plan = build()
+        plan_ms = 1e3 * (time.perf_counter() - t0)  # the first build also loads FlashInfer's kernels
+        t0 = time.perf_counter()
+        build()  # what planning costs once everything is loaded (dropped at once: its wrapper goes back to the pool)
+        plan_again_ms = 1e3 * (time.perf_counter() - t0)
+    except (ValueError, TypeError) as err:
+        if args.backend:
+            raise CLIError(f"--backend {args.backend}: {err}") from None
+        raise CLIError(str(err)) from None
+    backend = plan.backend
+    if plan.fused:
+        schedule = "fused: context + new tokens in one causal pass"
+    elif plan.chunks:
+        schedule = f"chunked: main pass + {len(plan.chunks)} context chunk(s) of <= {chunk_tokens} tokens, merged by LSE"
+    else:
+        schedule = "main pass only (no cached context)"
+
+    sample = _sample_requests(workload.query_lens, args.check_requests)
+    attn_flops, up_flops = _flops(dims, workload)
+    # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
+    # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
+    warmup = device.type == "cuda" or attn_flops + up_flops < CPU_WARMUP_FLOPS
+    steps = args.layers + int(warmup) + (0 if args.no_breakdown else 1) + len(sample)
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=console, transient=True)
+    timer = Timer(device)
+    peak_extra = None
+    with progress:
+        task = progress.add_task("prefill", total=steps)
+        inputs = (q, kv_c, k_pe, weight, cache, block_table)
+        if warmup:
+            progress.update(task, description="warm-up layer")
+            mla_prefill(*inputs, plan, return_lse=True)
+            progress.advance(task)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        result = None
+        for layer in range(args.layers):
+            progress.update(task, description=f"layer {layer + 1}/{args.layers}")
+            result = None  # let the previous layer's output go before the next one allocates
+            s = timer.start()
+            result = mla_prefill(*inputs, plan, return_lse=True)
+            timer.stop("layer", s)
+            if device.type == "cpu":
+                progress.advance(task)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            peak_extra = torch.cuda.max_memory_allocated(device) - base
+            progress.advance(task, args.layers)
+        out, lse = result
+        layer_ms = timer.each_ms("layer")
+
+        phases, breakdown_diff = None, None
+        if not args.no_breakdown:
+            progress.update(task, description="instrumented layer (phase times)")
+            phase_timer = Timer(device)
+            out_i, lse_i = _instrumented_layer(plan, *inputs, phase_timer)
+            phases = phase_timer.totals_ms()
+            breakdown_diff = max(max_abs_error(out_i, out.float()), max_abs_error(lse_i, lse))
+            progress.advance(task)
+
+        checked = []
+        tol_out, tol_lse = TOLERANCE[dtype_name]
+        qo = plan.qo_indptr.tolist()
+        for r in sample:
+            progress.update(task, description=f"float64 check, request {r}")
+            a, b = qo[r], qo[r + 1]
+            ref_out, ref_lse = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], weight, cache, block_table[r],
+                                                 workload.context_lens[r], dims)
+            checked.append({"request": r, "new_tokens": b - a, "context_tokens": workload.context_lens[r],
+                            "max_abs_err_out": max_abs_error(out[a:b], ref_out),
+                            "max_abs_err_lse": max_abs_error(lse[a:b], ref_lse),
+                            "max_abs_ref_out": float(ref_out.abs().max()),
+                            "max_excess_out": max_excess_error(out[a:b], ref_out, tol_out[1]),
+                            "max_excess_lse": max_excess_error(lse[a:b], ref_lse, tol_lse[1])})
+            progress.advance(task)
+
+    # ---- numbers
+    mean_ms = sum(layer_ms) / len(layer_ms)
+    tflops = (attn_flops + up_flops) / (mean_ms * 1e-3) / 1e12 if mean_ms > 0 else None
+    err_out = max((c["max_abs_err_out"] for c in checked), default=None)
+    err_lse = max((c["max_abs_err_lse"] for c in checked), default=None)
+    passed = None
+    if checked:
+        passed = all(math.isfinite(c["max_abs_err_out"]) and math.isfinite(c["max_abs_err_lse"])
+                     and c["max_excess_out"] <= tol_out[0] and c["max_excess_lse"] <= tol_lse[0] for c in checked)
+    if device.type == "cuda":
+        device_text = f"{device} {torch.cuda.get_device_name(device)} (SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+    else:
+        device_text = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+    # ---- table
+    table = Table(title=f"mla-bridge prefill: {model_name}", show_header=False,
+                  title_justify="left")
+    table.add_column("", style="bold", no_wrap=True)
+    table.add_column("")
+    _row(table, "model dims", f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, q/k {dims.qk_nope_head_dim}"
+                  f"+{dims.qk_rope_head_dim}, v {dims.v_head_dim}, softmax_scale {dims.softmax_scale:.6f}")
+    _row(table, "kv_b_proj weight", weight_text)
+    _row(table, "device", device_text)
+    _row(table, "dtype", dtype_name)
+    _row(table, "backend", Text.assemble((backend.name, "green"), f": {backend.reason}"))
+    for name, why in backend.passed_over:
+        _row(table, "  passed over", f"{name}: {why}")
+    table.add_section()
+    _row(table, "requests", str(len(workload.query_lens)))
+    _row(table, "new tokens", f"{sum(workload.query_lens)} ({_lens_text(workload.query_lens)})")
+    _row(table, "context tokens", f"{sum(workload.context_lens)} ({_lens_text(workload.context_lens)})")
+    _row(table, "paged cache", f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
+                  f"shuffled block_table")
+    _row(table, "schedule", schedule)
+    loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
+    _row(table, "plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
+         f"{_ms(plan_ms)} (first build{loads}), {_ms(plan_again_ms)} (built again)")
+    table.add_section()
+    timing = "CUDA events" if device.type == "cuda" else "time.perf_counter"
+    timing += ", after 1 untimed warm-up layer" if warmup else ", no warm-up layer"
+    if len(layer_ms) > 1:
+        _row(table, "time per layer", f"{_ms(mean_ms)} mean, {_ms(min(layer_ms))} min, {_ms(max(layer_ms))} max "
+                      f"over {len(layer_ms)} layers ({timing})")
+    else:
+        _row(table, "time per layer", f"{_ms(mean_ms)} ({timing})")
+    if phases is not None:
+        for name in ("gather + up-projection", "main pass", "context chunks", "merge"):
+            if name in phases:
+                count = len(phase_timer.spans[name])
+                extra = f" ({count} passes)" if name in ("context chunks", "merge") else ""
+                _row(table, f"  {name}", f"{_ms(phases[name])}{extra}")
+        _row(table, "  sum of phases", f"{_ms(sum(phases.values()))} (one extra instrumented layer; output "
+                      f"{'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to mla_prefill's)")
+    _row(table, "total", f"{_ms(sum(layer_ms))} for {len(layer_ms)} layer(s)")
+    _row(table, "FLOPs per layer", f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
+                  f"up-projection {up_flops / 1e9:.2f})")
+    _row(table, "throughput", "n/a" if tflops is None else f"{tflops:.3f} TFLOP/s")
+    _row(table, "peak extra memory", "n/a on CPU" if peak_extra is None
+                  else f"{peak_extra / 2**20:.1f} MiB (torch.cuda.max_memory_allocated over the inputs)")
+    table.add_section()
+    if checked:
+        verdict = ("PASS", "green") if passed else ("FAIL", "bold red")
+        _row(table, "check", f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
+                      f"from the paged cache (mla_bridge.reference)")
+        _row(table, "  max abs error out", f"{err_out:.3e} (tolerance {_tol_text(tol_out)})")
+        _row(table, "  max abs error lse", Text.assemble(f"{err_lse:.3e} (tolerance {_tol_text(tol_lse)}) ", verdict))
+    else:
+        _row(table, "check", "skipped (--check-requests 0)")
+    console.print(table)
+
+    results = {
+        "model": model_name,
+        "dims": {"num_heads": dims.num_heads, "kv_lora_rank": dims.kv_lora_rank,
+                 "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
+                 "v_head_dim": dims.v_head_dim, "softmax_scale": dims.softmax_scale},
+        "weight": weight_text,
+        "device": str(device),
+        "device_name": device_text,
+        "dtype": dtype_name,
+        "backend": backend.name,
+        "backend_reason": backend.reason,
+        "passed_over": [list(p) for p in backend.passed_over],
+        "query_lens": workload.query_lens,
+        "context_lens": workload.context_lens,
+        "block_size": args.block_size,
+        "chunk_tokens": chunk_tokens,
+        "schedule": "fused" if plan.fused else ("chunked" if plan.chunks else "main-only"),
+        "num_chunks": len(plan.chunks),
+        "num_plans": plan.num_plans,
+        "layers": args.layers,
+        "timing_method": timing,
+        "timings_ms": {"plan": plan_ms, "plan_again": plan_again_ms, "per_layer": layer_ms, "layer_mean": mean_ms, "total": sum(layer_ms),
+                       "phases": phases},
+        "flops": {"attention": attn_flops, "up_projection": up_flops, "total": attn_flops + up_flops},
+        "tflops": tflops,
+        "peak_extra_memory_bytes": peak_extra,
+        "check": {"reference": "mla_bridge.reference: unchunked float64 from the paged cache",
+                  "requests": checked, "max_abs_err_out": err_out, "max_abs_err_lse": err_lse,
+                  "tolerance_out": {"atol": tol_out[0], "rtol": tol_out[1]},
+                  "tolerance_lse": {"atol": tol_lse[0], "rtol": tol_lse[1]}, "passed": passed},
+        "seed": args.seed,
+    }
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        console.print(f"results written to {args.json}")
+    if passed is False:
+        print(f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {_tol_text(tol_out)}), "
+              f"lse {err_lse:.3e} (tolerance {_tol_text(tol_lse)})", file=sys.stderr)
+        return 1
+    return 0
