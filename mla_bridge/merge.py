@@ -9,7 +9,9 @@ empty rows) is read as empty too. Two empties merge to out 0, lse -inf, never Na
 On CUDA with fp16/bf16 and FlashInfer installed the merge runs FlashInfer's ``merge_state`` kernel, with the heads
 folded into rows so that a block never needs more than 1024 threads (FlashInfer's kernel launches
 ``head_dim / vec`` x ``num_heads`` threads per block and fails above 64 heads at bf16, d=128), and its base-2 LSE
-converted at this edge. Elsewhere it runs in float32 torch.
+converted at this edge. Elsewhere it runs in float32 torch. A NaN LSE propagates to the merged row in the torch
+merge; FlashInfer's kernel takes ``max()`` of the two LSEs, which drops a NaN, so on CUDA a NaN partial is merged as
+if it were empty (FlashInfer 0.7.4 ``MergeStateKernel``).
 """
 
 from __future__ import annotations
@@ -131,12 +133,12 @@ def _merge_torch(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor
     wa = torch.exp(la - m_safe)
     wb = torch.exp(lb - m_safe)
     total = wa + wb
-    nonempty = total > 0
+    nonempty = total != 0  # a NaN lse stays NaN: it is never read as an empty partial
     total_safe = torch.where(nonempty, total, torch.ones_like(total))
     lse = torch.where(nonempty, m_safe + torch.log(total_safe), neg_inf)
     sa = (wa / total_safe).unsqueeze(-1)
     sb = (wb / total_safe).unsqueeze(-1)
     # where(), not a product, so that an empty partial's out (possibly garbage, even NaN) never leaks.
     zero = torch.zeros((), dtype=torch.float32, device=out_a.device)
-    out = torch.where(sa > 0, out_a.float() * sa, zero) + torch.where(sb > 0, out_b.float() * sb, zero)
+    out = torch.where(sa != 0, out_a.float() * sa, zero) + torch.where(sb != 0, out_b.float() * sb, zero)
     return out.to(out_a.dtype), lse

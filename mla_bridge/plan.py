@@ -25,7 +25,7 @@ import torch
 
 from .dims import MLADims
 from .ragged import RaggedPlan, plan_ragged
-from .workspace import Workspace
+from .workspace import Workspace, _checked_device
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks"]
 
@@ -80,6 +80,10 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got {values.dtype}")
         values = values.tolist()
+    try:
+        values = list(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints (one per request), got {type(values).__name__}") from None
     out = []
     for r, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -149,9 +153,7 @@ class PrefillPlan:
             raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        dev = workspace.device if device is None else torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        dev = workspace.device if device is None else _checked_device(device)
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype

@@ -23,7 +23,7 @@ from .backends import make_kernel
 from .dispatch import BackendChoice, select_backend
 from .workspace import Workspace, default_workspace
 
-__all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr"]
+__all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr", "as_sm_scale"]
 
 IndptrLike = Union[torch.Tensor, Sequence[int]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -206,6 +206,29 @@ class RaggedPlan:
                 f"causal={s.causal}, dtype={s.dtype})")
 
 
+def as_sm_scale(sm_scale: Any) -> float:
+    """``sm_scale`` as a Python float: any real scalar (int, float, numpy, a 0-d torch tensor, a concrete JAX scalar),
+    positive and finite in float32 (the kernels' logit type).
+
+    Raises:
+        ValueError: a bool, a non-number, a traced value (it must be static: the plan is made on the host), zero,
+            negative, NaN, or beyond float32.
+    """
+    value = None
+    if not isinstance(sm_scale, (bool, str, bytes)):
+        try:
+            value = float(sm_scale)
+        except Exception:  # noqa: BLE001 - a tracer, a string, a tensor of several elements...
+            value = None
+    if value is None or not (0 < value <= _FLOAT32_MAX):
+        raise ValueError(f"sm_scale must be a positive finite float (a static value, not a traced one; at most "
+                         f"{_FLOAT32_MAX:.3g}), got {sm_scale!r}")
+    return value
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -240,13 +263,12 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
     _positive_int("num_heads", num_heads)
     _positive_int("head_dim_qk", head_dim_qk)
     _positive_int("head_dim_vo", head_dim_vo)
-    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0 or sm_scale == float("inf"):
-        raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+    sm_scale = as_sm_scale(sm_scale)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-    spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, bool(causal), float(sm_scale), dtype,
+    spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, bool(causal), sm_scale, dtype,
                       workspace.device)
     choice = select_backend(workspace.device, dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk,
                             head_dim_vo=head_dim_vo, causal=bool(causal), num_heads=num_heads,

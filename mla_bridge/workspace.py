@@ -42,6 +42,29 @@ class WorkspaceTooSmallError(RuntimeError):
             f"or split the batch")
 
 
+def _checked_device(device: "torch.device | str") -> torch.device:
+    """``device`` as a concrete torch.device ("cpu", or "cuda:<index>" of a CUDA device that exists).
+
+    Raises:
+        ValueError: not a device, a device type other than cpu/cuda, CUDA unavailable, or no such CUDA device.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from err
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {dev}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {dev}: CUDA is not available here (torch {torch.__version__}, "
+                             f"CUDA build: {torch.version.cuda or 'none'})")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {dev}: only {torch.cuda.device_count()} CUDA device(s)")
+        dev = torch.device("cuda", index)
+    return dev
+
+
 class _Slot:
     __slots__ = ("wrapper", "owner")
 
@@ -64,7 +87,7 @@ class Workspace:
             to what the plan asked for) up to this many bytes, then :class:`WorkspaceTooSmallError` is raised.
 
     Raises:
-        ValueError: a size that is not a positive int.
+        ValueError: a size that is not a positive int; a device that is not cpu or an existing CUDA device.
     """
 
     def __init__(self, device: "torch.device | str" = "cpu", *, float_workspace_bytes: int = DEFAULT_FLOAT_WORKSPACE_BYTES,
@@ -74,9 +97,7 @@ class Workspace:
                             ("max_float_workspace_bytes", max_float_workspace_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Workspace: {name} must be a positive int, got {value!r}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _checked_device(device)
         self.float_workspace_bytes = float_workspace_bytes
         self.max_float_workspace_bytes = max(max_float_workspace_bytes, float_workspace_bytes)
         self.chunk_tokens = chunk_tokens
@@ -154,9 +175,7 @@ _DEFAULT_WORKSPACES: dict[torch.device, Workspace] = {}
 
 def default_workspace(device: "torch.device | str") -> Workspace:
     """The process-wide :class:`Workspace` for ``device``, made on first use (what the one-shot calls share)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _checked_device(device)
     ws = _DEFAULT_WORKSPACES.get(dev)
     if ws is None:
         ws = _DEFAULT_WORKSPACES[dev] = Workspace(dev)

@@ -134,6 +134,12 @@ def test_defaults_are_the_demo_batch_and_seed_workloads_in_help(capsys):
     (["prefill", "--checkpoint", "/nonexistent/ckpt", "--layer", "0"], "--checkpoint"),
     (["prefill", "--checkpoint", "/nonexistent/ckpt"], "--layer"),
     (["frobnicate"], "frobnicate"),
+    (["prefill", "--json", "/"], "--json"),  # a folder: refused when parsed, not after the run
+    (["prefill", "--json", "/nonexistent-folder/out.json"], "--json"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--layers", "0"], "--layers"),
+    (["bench", "--budget-s", "-5"], "--budget-s"),
+    (["bench", "--json", "/"], "--json"),
 ])
 def test_bad_arguments_exit_nonzero_naming_the_flag(argv, flag, capsys):
     rc = main(argv)
@@ -322,3 +328,9 @@ def test_info_without_flashinfer_shows_the_extra_literally(monkeypatch, capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "pip install 'mla-bridge[flashinfer]'" in out  # not eaten as rich markup
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_bench_refuses_a_forced_backend_this_machine_cannot_run(capsys):
+    assert main(["bench", "--backend", "flashinfer-fa3", "--sections", "plan"]) == 2
+    assert "--backend flashinfer-fa3" in capsys.readouterr().out

@@ -307,6 +307,8 @@ def fake_flashinfer(monkeypatch, fi):
 def fake_sm100(monkeypatch, fake_flashinfer):
     """A CUDA device of capability 10.0 with CUDA 12.8, as far as mla_bridge can tell (no tensor goes there)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # Workspace checks the device exists
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     buf = torch.empty(1024, dtype=torch.uint8)
     monkeypatch.setattr(Workspace, "float_workspace", property(lambda self: buf))

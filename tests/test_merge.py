@@ -172,3 +172,12 @@ def test_in_place_needs_contiguous_lse():
     lse = torch.zeros(3, 2).t()  # [2, 3], not contiguous
     with pytest.raises(ValueError, match="lse"):
         merge_attn_states_(torch.zeros(2, 3, 4), lse, torch.zeros(2, 3, 4), torch.zeros(2, 3))
+
+
+def test_nan_partial_stays_nan_in_the_torch_merge():
+    """A NaN LSE is never read as an empty partial (which would silently drop it)."""
+    out = torch.ones(2, 1, 4)
+    lse = torch.tensor([[float("nan")], [0.0]])
+    merged, merged_lse = merge_attn_states(out, lse, out * 2, torch.zeros(2, 1))
+    assert torch.isnan(merged_lse[0]).all() and torch.isnan(merged[0]).all()
+    assert torch.allclose(merged[1], torch.full((1, 4), 1.5)) and torch.allclose(merged_lse[1], torch.log(torch.tensor(2.0)))

@@ -238,3 +238,21 @@ def test_prefill_memory_bytes_follows_the_schedule():
     chunk = 128 * lat * e + 128 * (lat * e + 24) + 128 * h * p * e + 100 * h * (128 * e + 12)
     assert prefill_memory_bytes(chunked) == fixed + max(150 * lat * e + 150 * h * p * e, chunk)
     assert prefill_memory_bytes(chunked) < prefill_memory_bytes(fused)
+
+
+def test_nan_in_q_is_not_hidden_by_either_schedule():
+    """NaN in a query row gives NaN in that row's out and lse, fused or chunked (never out 0 / lse -inf)."""
+    d = MLADims(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 2, 16, generator=g)
+    q[0, 0, 0] = float("nan")
+    kv_c, k_pe = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+    w = torch.randn(*d.kv_b_proj_shape, generator=g) * 0.1
+    cache = torch.randn(8, 4, d.latent_dim, generator=g)
+    block_table = torch.arange(8).view(2, 4)
+    for chunk_tokens in (64, 4):
+        plan = PrefillPlan.build([5, 3], [12, 0], dims=d, workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+                                 block_size=4, dtype=torch.float32)
+        out, lse = mla_prefill(q, kv_c, k_pe, w, cache, block_table, plan, return_lse=True)
+        assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]), (plan, out[0, 0], lse[0, 0])
+        assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()

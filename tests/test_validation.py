@@ -188,6 +188,8 @@ def test_float32_for_a_flashinfer_backend(monkeypatch):
     monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # Workspace checks the device exists
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"flashinfer-fa3.*capability 9\.0.*float16/bfloat16"):
         plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1,
                     dtype=torch.float32, workspace=Workspace("cuda:0"), backend="flashinfer-fa3")
@@ -347,7 +349,7 @@ def test_bad_lengths(tiny_dims, query_lens, context_lens, exc, match):
     (dict(block_size=4.0), ValueError, "block_size"),
     (dict(dims=(4, 32, 16, 8, 16)), TypeError, "dims"),
     (dict(workspace=None), TypeError, "workspace"),
-    (dict(device="meta"), ValueError, r"device meta differs from the workspace's device cpu"),
+    (dict(device="meta"), ValueError, r"device must be 'cpu' or 'cuda"),
     (dict(backend="nope"), ValueError, "unknown backend"),
 ])
 def test_bad_plan_build(tiny_dims, kwargs, exc, match):
@@ -376,3 +378,28 @@ def test_dims_mismatch_between_plan_and_tensors(prefill):
     bad = dict(args, kv_b_proj_weight=torch.randn(*real.kv_b_proj_shape))
     with pytest.raises(ValueError, match="kv_b_proj_weight"):
         mla_prefill(**bad, plan=plan)
+
+
+def test_sm_scale_accepts_real_scalars_and_refuses_the_rest():
+    import numpy as np
+
+    q, k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    ref, _ = ragged_prefill(q, k, v, [0, 3], [0, 3], causal=True, sm_scale=0.25)
+    for scale in (np.float32(0.25), np.float64(0.25), torch.tensor(0.25)):
+        out, _ = ragged_prefill(q, k, v, [0, 3], [0, 3], causal=True, sm_scale=scale)
+        assert torch.equal(out, ref)
+    for bad in (True, "0.25", 1e39, torch.tensor([0.25, 0.5])):
+        with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+            ragged_prefill(q, k, v, [0, 3], [0, 3], causal=True, sm_scale=bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a CPU-only machine")
+def test_cuda_workspace_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="device cuda.*CUDA is not available"):
+        Workspace("cuda")
+
+
+def test_lengths_must_be_a_sequence():
+    with pytest.raises(TypeError, match="query_lens must be a sequence of ints"):
+        PrefillPlan.build(5, dims=MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                          v_head_dim=8), workspace=Workspace("cpu"), block_size=4)

@@ -54,7 +54,7 @@ def _attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             l = l * corr + p.sum(dim=-1)
             acc = acc * corr.unsqueeze(-1) + torch.bmm(p, vh[:, k0:k1].float())
             m = m_new
-        has_keys = l > 0
+        has_keys = l != 0  # structural emptiness only: a NaN stays NaN (never mistaken for "no keys")
         l_safe = torch.where(has_keys, l, torch.ones_like(l))
         out[q0:q1] = (acc / l_safe.unsqueeze(-1)).permute(1, 0, 2)
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)

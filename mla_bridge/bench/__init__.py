@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 __all__ = ["add_arguments", "run", "main", "SECTIONS"]
 
+from ..cli.args import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
 from .common import SECTIONS  # noqa: E402  (light: imports torch only)
 
 _ALIASES = {str(i + 1): name for i, name in enumerate(SECTIONS)}
@@ -65,16 +66,6 @@ def _skip(text: str) -> set:
     return names
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench's options to ``parser`` (the ``mla-bridge bench`` subcommand)."""
     parser.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="LIST",
@@ -83,13 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny shapes, a few seconds (automatic on a machine without CUDA)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="where to run (default: cuda when available, else cpu in quick mode)")
-    parser.add_argument("--repeats", type=_nonneg_int, default=None,
+    parser.add_argument("--repeats", type=positive_int, default=None,
                         help="timed calls per row, median reported (default 15 on a GPU, 3 in quick mode)")
-    parser.add_argument("--warmup", type=_nonneg_int, default=None,
+    parser.add_argument("--warmup", type=nonnegative_int, default=None,
                         help="untimed calls before timing (default 3 on a GPU, 1 in quick mode; on CUDA at least 1, "
                              "which absorbs FlashInfer's JIT compile)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write every figure and the environment here")
-    parser.add_argument("--plot", metavar="PATH", default=None, help="write a PNG: TFLOP/s vs sequence length per path")
+    parser.add_argument("--json", type=output_file, metavar="PATH", default=None, help="write every figure and the environment here")
+    parser.add_argument("--plot", type=output_file, metavar="PATH", default=None, help="write a PNG: TFLOP/s vs sequence length per path")
     from ..dispatch import BACKEND_NAMES
 
     parser.add_argument("--backend", default=None, choices=BACKEND_NAMES, metavar="NAME",
@@ -97,11 +88,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the raw FlashInfer rows follow it")
     parser.add_argument("--skip", type=_skip, default=set(), metavar="PATHS",
                         help=f"comparison paths to leave out: {','.join(SKIPPABLE)}")
-    parser.add_argument("--budget-s", type=float, default=None, metavar="S",
+    parser.add_argument("--budget-s", type=nonnegative_float, default=None, metavar="S",
                         help="seconds after which the slow optional rows (flex_attention, torch backend) are skipped; "
                              f"any job still waiting {HARD_MARGIN_S:.0f} s later is skipped too (default "
                              f"{DEFAULT_BUDGET_S:.0f} on a GPU in full mode, none otherwise)")
-    parser.add_argument("--layers", type=_nonneg_int, default=61, help="layers in the planning loop (default 61)")
+    parser.add_argument("--layers", type=positive_int, default=61, help="layers in the planning loop (default 61)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target that applies was missed")
 
@@ -166,6 +157,15 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
         console.print("[red]mla-bridge bench: --device cuda, but CUDA is not available[/]")
         return 2
     use_cuda = has_cuda and device_arg != "cpu"
+    if getattr(args, "backend", None):  # refuse a forced backend this machine cannot run, before any work
+        from ..dispatch import select_backend
+
+        try:
+            select_backend(torch.device("cuda") if use_cuda else torch.device("cpu"), requested=args.backend,
+                           dtype=torch.bfloat16 if use_cuda else torch.float32, head_dim_qk=192, head_dim_vo=128)
+        except ValueError as err:
+            console.print(f"mla-bridge bench: --backend {args.backend}: {err}", style="red", markup=False)
+            return 2
     quick = bool(getattr(args, "quick", False)) or not use_cuda
     if not use_cuda and not getattr(args, "quick", False):
         console.print("No CUDA device: running the quick CPU version (torch backend, tiny shapes, CPU timers).")

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 # DEMO_CONTEXT_LENS and _resolve_workload are imported from here by the tests.
 from .batch import DEMO_BATCH, DEMO_CONTEXT_LENS, DEMO_PROMPT_LEN, _resolve_workload  # noqa: F401
 from .checkpoint import load_kv_b_proj_weight
+from .args import int_list, nonnegative_int, output_file, positive_int
 from .errors import CLIError
 from .info import cmd_info
 from .prefill import cmd_prefill
@@ -37,36 +38,7 @@ DEFAULT_CHECK_REQUESTS = 2
 
 # --------------------------------------------------------------------------------------------------- arguments
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 256,512, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
-    if any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text!r}")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_int_list, _positive_int, _nonnegative_int = int_list, positive_int, nonnegative_int
 
 
 PREFILL_EPILOG = """\
@@ -150,13 +122,13 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     g.add_argument("--check-requests", type=_nonnegative_int, default=DEFAULT_CHECK_REQUESTS, metavar="K",
                    help=f"requests checked against the float64 reference, 0 for none (default {DEFAULT_CHECK_REQUESTS})")
     g.add_argument("--no-breakdown", action="store_true", help="skip the extra layer that times each pass")
-    g.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    g.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser("info", help="torch, CUDA, device, FlashInfer, JAX, and the backend this machine gets",
                        description="What this machine has, and which backend select_backend picks for DeepSeek MLA "
                                    "prefill (bf16, head dims 192/128, causal).")
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("bench", help="benchmarks (mla_bridge.bench)",
