@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .dims import MLADims
-from .ragged import RaggedPlan, plan_ragged
+from .ragged import RaggedPlan, indptr_from_lens, plan_ragged
 from .workspace import Workspace, _checked_device
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks"]
@@ -100,13 +100,6 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
     return out
 
 
-def _cumsum(lens: Sequence[int]) -> torch.Tensor:
-    """int32 CPU prefix sums ``[len(lens) + 1]`` starting at 0."""
-    out = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(lens, dtype=np.int64), out=out[1:])
-    return torch.from_numpy(out.astype(np.int32))
-
-
 class PrefillPlan:
     """Host-side plan of one MLA prefill batch, shared by every layer (see the module docstring).
 
@@ -158,7 +151,7 @@ class PrefillPlan:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
-        self.qo_indptr = _cumsum(q_lens)
+        self.qo_indptr = indptr_from_lens(q_lens)
         total_context = sum(c_lens)
         fused_keys = total_context + sum(q_lens)
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
@@ -171,7 +164,7 @@ class PrefillPlan:
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         if self.fused:
             seq = [c + q for c, q in zip(c_lens, q_lens)]
-            self.main_kv_indptr = _cumsum(seq)
+            self.main_kv_indptr = indptr_from_lens(seq)
             self._plan_fused_indices()
         else:
             self.main_kv_indptr = self.qo_indptr.clone()
@@ -214,7 +207,7 @@ class PrefillPlan:
             kv_lens[r - req_start] = end - start
         q_start, q_end = int(self.qo_indptr[req_start]), int(self.qo_indptr[req_end])
         qo = self.qo_indptr[req_start:req_end + 1] - q_start
-        plan = plan_ragged(qo, _cumsum(kv_lens), causal=False, **common) if q_end > q_start else None
+        plan = plan_ragged(qo, indptr_from_lens(kv_lens), causal=False, **common) if q_end > q_start else None
         r, start, end = np.asarray(spans, dtype=np.int64).T
         offset, req_ids, first = self._expand(end - start, r, start)
         return ContextChunk(req_start, req_end, q_start, q_end, tuple(spans), plan, req_ids, first + offset)

@@ -23,10 +23,20 @@ from .backends import make_kernel
 from .dispatch import BackendChoice, select_backend
 from .workspace import Workspace, default_workspace
 
-__all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr", "as_sm_scale"]
+__all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr", "as_sm_scale", "indptr_from_lens"]
 
 IndptrLike = Union[torch.Tensor, Sequence[int]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def indptr_from_lens(lens: "torch.Tensor | Sequence[int]") -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]``: int32 CPU prefix sums ``[len(lens) + 1]`` of per-request lengths (ints or a tensor;
+    a device tensor is copied to the host, a CPU one is read without a sync)."""
+    if isinstance(lens, torch.Tensor):
+        lens = lens.detach().cpu().numpy()
+    out = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lens, dtype=np.int64), out=out[1:])
+    return torch.from_numpy(out.astype(np.int32))
 
 
 def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:

@@ -221,3 +221,13 @@ def ref():
 def tiny_dims():
     from mla_bridge import MLADims
     return MLADims(**TINY)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test: on a small CPU machine torch's OpenMP threads and XLA's thread pool fight
+    over the cores (100x slowdowns seen); the JAX and parity suites use it for every test."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,20 +19,10 @@ from typing import Optional, Sequence
 import torch
 
 from mla_bridge import RaggedPlan, plan_ragged, select_backend
+from mla_bridge.ragged import indptr_from_lens as host_indptr_from_lens
 from mla_bridge.workspace import Workspace, default_workspace
 
 __all__ = ["ChunkIndptrs", "PrefillStepPlans", "servable", "host_indptr_from_lens"]
-
-
-def host_indptr_from_lens(lens: "torch.Tensor | Sequence[int]") -> torch.Tensor:
-    """``[0, l0, l0+l1, ...]`` as an int32 CPU tensor from per-request lengths (a CPU tensor or ints; no sync)."""
-    t = lens if isinstance(lens, torch.Tensor) else torch.tensor(list(lens), dtype=torch.int64)
-    if t.device.type != "cpu":
-        t = t.cpu()  # only reached when a caller hands device lengths; vLLM's are host tensors
-    out = torch.zeros(t.numel() + 1, dtype=torch.int64)
-    if t.numel():
-        torch.cumsum(t.to(torch.int64), 0, out=out[1:])
-    return out.to(torch.int32)
 
 
 def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dtype] = None,

@@ -17,13 +17,8 @@ if importlib.util.find_spec("jax") is None:  # every module here also does pytes
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

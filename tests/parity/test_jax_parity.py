@@ -31,12 +31,8 @@ PLATFORMS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # On a small CPU machine torch's OpenMP threads and XLA's thread pool fight over the cores (100x slowdowns).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_torch_thread(one_torch_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _devices(platform: str):
