@@ -122,6 +122,9 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     g.add_argument("--check-requests", type=_nonnegative_int, default=DEFAULT_CHECK_REQUESTS, metavar="K",
                    help=f"requests checked against the float64 reference, 0 for none (default {DEFAULT_CHECK_REQUESTS})")
     g.add_argument("--no-breakdown", action="store_true", help="skip the extra layer that times each pass")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="run even when the memory estimate (inputs, cache, plan, prefill peak, float64 check) "
+                        "exceeds what is available (default: refuse with exit 2)")
     g.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_prefill)
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from .batch import _flops, _make_inputs, _resolve_device_dtype, _resolve_workload, _sample_requests
 from .checkpoint import load_kv_b_proj_weight
+from .args import write_output
 from .errors import CLIError
+from .memory import check_fits, estimate_run_memory
 from .table import _lens_text, _ms, _row, _tol_text
 from .timing import Timer, _instrumented_layer
 
@@ -63,11 +65,21 @@ def cmd_prefill(args, console) -> int:
         model_name = args.model or PRESETS[0]
         dims = MLADims.preset(model_name)
     chunk_tokens = args.chunk_tokens or DEFAULT_CHUNK_TOKENS
+    sample = _sample_requests(workload.query_lens, args.check_requests)
 
-    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(dims, workload, args.block_size, dtype, device,
-                                                             args.seed, loaded_weight)
-    if weight_text is None:
-        weight_text = f"random N(0, 1/{dims.kv_lora_rank}), seed {args.seed}"
+    # ---- memory: refuse what cannot fit before the plan (whose index tensors are allocations) and the inputs
+    def fits(plan=None):
+        est = estimate_run_memory(dims, workload.query_lens, workload.context_lens, args.block_size, dtype, device,
+                                  sample, plan=plan)
+        check_fits(est, device, skip=args.no_memory_check)
+
+    try:
+        from ..plan import _check_length_sums
+
+        _check_length_sums(workload.query_lens, workload.context_lens)
+    except ValueError as err:
+        raise CLIError(f"--prompt-len / --prompt-lens / --context-lens: {err}") from None
+    fits()
 
     # ---- plan once
     try:
@@ -85,6 +97,11 @@ def cmd_prefill(args, console) -> int:
         if args.backend:
             raise CLIError(f"--backend {args.backend}: {err}") from None
         raise CLIError(str(err)) from None
+    fits(plan)
+    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(dims, workload, args.block_size, dtype, device,
+                                                             args.seed, loaded_weight)
+    if weight_text is None:
+        weight_text = f"random N(0, 1/{dims.kv_lora_rank}), seed {args.seed}"
     backend = plan.backend
     if plan.fused:
         schedule = "fused: context + new tokens in one causal pass"
@@ -93,7 +110,6 @@ def cmd_prefill(args, console) -> int:
     else:
         schedule = "main pass only (no cached context)"
 
-    sample = _sample_requests(workload.query_lens, args.check_requests)
     attn_flops, up_flops = _flops(dims, workload)
     # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
     # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
@@ -258,8 +274,7 @@ def cmd_prefill(args, console) -> int:
         "seed": args.seed,
     }
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(results, indent=2) + "\n")
         console.print(f"results written to {args.json}")
     if passed is False:
         print(f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {_tol_text(tol_out)}), "
