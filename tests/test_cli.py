@@ -447,3 +447,49 @@ def test_a_run_refused_after_parsing_leaves_no_output_file(tmp_path, capsys):
     assert main(["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4",
                  "--json", str(path)]) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_prints_one_line_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    import mla_bridge
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mla_bridge, "mla_prefill", interrupted)
+    path = tmp_path / "out.json"
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4", "--json", str(path)]) == 130
+    assert capsys.readouterr().err == "mla-bridge prefill: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_on_the_real_command(tmp_path):
+    """A real SIGINT in the middle of a run: one line on stderr, exit 130, no JSON, no temporary file."""
+    import signal
+    import subprocess
+
+    path = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mla_bridge.cli", "prefill", "--device", "cpu", "--prompt-len",
+                             "3000", "--batch", "1", "--layers", "50", "--no-breakdown", "--json", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # stdout is a pipe: the command logs a line per phase
+        if "layer 1/50" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err == "mla-bridge prefill: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_piped_output_logs_a_line_per_phase_and_layer_group(capsys):
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "8,4", "--context-lens", "16", "--layers", "30",
+                 "--check-requests", "1", "--block-size", "16"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mla-bridge prefill: ")
+             and line.endswith(" s)")]
+    names = [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in lines]
+    layers = [n for n in names if n.startswith("layer ")]
+    assert names[0].startswith("planning 2 request(s), 12 new + 32 context tokens")
+    assert "making the inputs and the paged cache" in names and "warm-up layer" in names
+    assert layers[0] == "layer 1/30" and layers[-1] == "layer 30/30" and 3 <= len(layers) <= 12
+    assert names[-2:] == ["instrumented layer (phase times)", "float64 check, request 1"]

@@ -29,6 +29,25 @@ TOLERANCE = {
 }
 
 
+class _Log:
+    """Where the run is, when stdout is not a terminal (a pipe, a log file), where rich's progress bar shows
+    nothing: one plain line per phase, and per group of layers (at most about ten lines for them), with the
+    seconds since the command started. On a terminal the progress bar says it and this prints nothing."""
+
+    def __init__(self, console) -> None:
+        self.console, self.plain, self.t0 = console, not console.is_terminal, time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        if self.plain:
+            self.console.print(f"mla-bridge prefill: {text} ({time.perf_counter() - self.t0:.1f} s)",
+                               markup=False, highlight=False)
+
+    def layer(self, i: int, n: int) -> None:
+        group = max(1, -(-n // 10))
+        if i == 0 or i == n - 1 or (i + 1) % group == 0:
+            self(f"layer {i + 1}/{n}")
+
+
 def cmd_prefill(args, console) -> int:
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -82,6 +101,9 @@ def cmd_prefill(args, console) -> int:
     fits()
 
     # ---- plan once
+    log = _Log(console)
+    log(f"planning {len(workload.query_lens)} request(s), {sum(workload.query_lens)} new + "
+        f"{sum(workload.context_lens)} context tokens")
     try:
         workspace = Workspace(device, chunk_tokens=chunk_tokens)
         build = lambda: PrefillPlan.build(  # noqa: E731
@@ -98,6 +120,7 @@ def cmd_prefill(args, console) -> int:
             raise CLIError(f"--backend {args.backend}: {err}") from None
         raise CLIError(str(err)) from None
     fits(plan)
+    log("making the inputs and the paged cache")
     q, kv_c, k_pe, weight, cache, block_table = _make_inputs(dims, workload, args.block_size, dtype, device,
                                                              args.seed, loaded_weight)
     if weight_text is None:
@@ -124,6 +147,7 @@ def cmd_prefill(args, console) -> int:
         inputs = (q, kv_c, k_pe, weight, cache, block_table)
         if warmup:
             progress.update(task, description="warm-up layer")
+            log("warm-up layer")
             mla_prefill(*inputs, plan, return_lse=True)
             progress.advance(task)
         if device.type == "cuda":
@@ -133,6 +157,7 @@ def cmd_prefill(args, console) -> int:
         result = None
         for layer in range(args.layers):
             progress.update(task, description=f"layer {layer + 1}/{args.layers}")
+            log.layer(layer, args.layers)
             result = None  # let the previous layer's output go before the next one allocates
             s = timer.start()
             result = mla_prefill(*inputs, plan, return_lse=True)
@@ -149,6 +174,7 @@ def cmd_prefill(args, console) -> int:
         phases, breakdown_diff = None, None
         if not args.no_breakdown:
             progress.update(task, description="instrumented layer (phase times)")
+            log("instrumented layer (phase times)")
             phase_timer = Timer(device)
             out_i, lse_i = _instrumented_layer(plan, *inputs, phase_timer)
             phases = phase_timer.totals_ms()
@@ -160,6 +186,7 @@ def cmd_prefill(args, console) -> int:
         qo = plan.qo_indptr.tolist()
         for r in sample:
             progress.update(task, description=f"float64 check, request {r}")
+            log(f"float64 check, request {r}")
             a, b = qo[r], qo[r + 1]
             ref_out, ref_lse = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], weight, cache, block_table[r],
                                                  workload.context_lens[r], dims)
