@@ -493,3 +493,11 @@ def test_piped_output_logs_a_line_per_phase_and_layer_group(capsys):
     assert "making the inputs and the paged cache" in names and "warm-up layer" in names
     assert layers[0] == "layer 1/30" and layers[-1] == "layer 30/30" and 3 <= len(layers) <= 12
     assert names[-2:] == ["instrumented layer (phase times)", "float64 check, request 1"]
+
+
+@pytest.mark.gpu
+def test_cuda_run_that_cannot_fit_is_refused_against_the_gpus_free_memory(capsys):
+    """2M new tokens on the GPU: the float64 check alone needs ~200 GiB of device memory, more than an H200's."""
+    assert main(["prefill", "--device", "cuda", "--prompt-len", "2000000", "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs about" in err and "torch.cuda.mem_get_info" in err and "cuda:" in err

@@ -51,3 +51,22 @@ def test_plan_at_the_int32_edge_of_query_lens_is_not_refused_by_the_length_check
     _check_length_sums([INT32_MAX], [INT32_MAX])
     with pytest.raises(ValueError, match="context_lens"):
         _check_length_sums([0], [INT32_MAX + 1])
+
+
+@pytest.mark.gpu
+def test_cuda_plan_host_memory_stays_per_chunk_for_a_long_context():
+    """On CUDA the per-token index tensors are expanded on the device: planning 10**8 context tokens (1526 chunks of
+    65536) holds O(requests + chunks) host memory (the CPU device holds 16 bytes per context token by design)."""
+    import tracemalloc
+
+    dims = MLADims.deepseek_v2_lite()
+    ws = Workspace("cuda")
+    tracemalloc.start()
+    try:
+        plan = PrefillPlan.build([5], [10 ** 8], dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(plan.chunks) == -(-10 ** 8 // ws.chunk_tokens)
+    assert plan.chunks[-1].positions.device.type == "cuda"
+    assert peak < 64 * 2 ** 20, f"{peak / 2**20:.1f} MiB of host memory while planning"
