@@ -212,7 +212,7 @@ def cmd_prefill(args, console) -> int:
                f"{'' if phase_times.host_ran_ahead else ' (NOT reached: figures include host gaps)'}; host gaps "
                f"apart" if gpu else "time.perf_counter")
         _row(table, "  sum of phases", f"{_ms(phase_times.sum_ms)} ({how}; mean of {phase_times.layers} extra "
-                      f"layers; output {'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to "
+                      f"layer(s); output {'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to "
                       f"mla_prefill's)")
     _row(table, "total", f"{_ms(sum(layer_ms))} for {len(layer_ms)} layer(s)")
     _row(table, "FLOPs per layer", f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
