@@ -243,12 +243,14 @@ def test_fa2_lse_accuracy():
     dims = MLADims.deepseek_v2_lite()
     heads, lens = 32, [17, 64, 129, 256, 333, 512, 700, 977]
     q, k, v, indptr = _ragged_inputs(lens, heads, 192, 128, seed=11)
+    ws = Workspace(dev())
     plan = plan_ragged(indptr, indptr, num_heads=heads, head_dim_qk=192, head_dim_vo=128, causal=True,
-                       sm_scale=dims.softmax_scale, dtype=BF16, workspace=Workspace(dev()), backend="flashinfer-fa2")
+                       sm_scale=dims.softmax_scale, dtype=BF16, workspace=ws, backend="flashinfer-fa2")
     assert plan.spec.sm_scale == dims.softmax_scale and type(plan.spec.sm_scale) is float
     out, lse = plan.run(q, k, v)
-    ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=dev())
-    raw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend="fa2")
+    torch.cuda.synchronize()
+    # the raw wrapper on the same float workspace, so that nothing but what mla_bridge passes can differ
+    raw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws.float_workspace, kv_layout="NHD", backend="fa2")
     ip = torch.tensor(indptr, dtype=torch.int32)
     raw.plan(ip, ip, heads, heads, 192, head_dim_vo=128, causal=True, sm_scale=dims.softmax_scale, q_data_type=BF16,
              kv_data_type=BF16, o_data_type=BF16)
