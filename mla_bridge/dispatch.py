@@ -12,12 +12,10 @@ FlashInfer's explicit ``backend="cutlass"``).
 Head dims (:func:`head_dims_why_not`): fa2 prefill turns ``HEAD_DIM`` into ``NUM_MMA_D = HEAD_DIM / 16`` by integer
 division and never checks it (``include/flashinfer/attention/prefill.cuh``); with 2-byte q/k/v only multiples of 64
 work: others give an illegal memory access or "Invalid configuration : NUM_MMA_Q=1 NUM_MMA_D_QK=1" (head dim 16),
-and dims that are not multiples of 16 return silently wrong values (flashinfer#4299; the check PR #4312 adds is
-``head_dim % 64 == 0``, not in 0.7.4, whose ``prefill.py`` checks no fa2 head dim; the 192/128 of DeepSeek MLA
-qualifies). The rule holds for 2-byte q/k/v; 1-byte (FP8) KV needs a stricter one (PR #4312's review). fa3 takes what
-FlashInfer's
-``is_fa3_prefill_head_dim_supported`` allows: 64/64, 128/128, 256/256, 192/128 (read in the 0.7.4 wheel's
-``flashinfer/utils.py``). A shape no FlashInfer row serves
+and dims that are not multiples of 16 return silently wrong values (flashinfer#4299; PR #4312 adds the check
+``head_dim % 64 == 0``, which 0.7.4 lacks; DeepSeek's 192/128 qualifies). The rule is for 2-byte q/k/v; 1-byte (FP8)
+KV needs a stricter one (PR #4312's review). fa3 takes what ``is_fa3_prefill_head_dim_supported`` allows: 64/64,
+128/128, 256/256, 192/128 (read in the 0.7.4 wheel's ``flashinfer/utils.py``). A shape no FlashInfer row serves
 runs on the torch backend, and :class:`BackendChoice` says why.
 """
 
