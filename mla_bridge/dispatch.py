@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
            "cutlass_work_items", "flashinfer_version", "head_dims_why_not", "FA3_HEAD_DIMS", "CUTLASS_HEAD_DIMS",
-           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM"]
+           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO"]
 
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
@@ -42,9 +42,14 @@ CUTLASS_PLAN_QO_TILE_SIZE = 256  # FlashInfer: one work item per (q tile of 256,
 CUTLASS_ELEMENT_LIMIT = 2 ** 31
 FA2_ELEMENT_LIMIT = 2 ** 32
 _HALF = (torch.float16, torch.bfloat16)
-#: fa2 prefill: head dims multiples of this (flashinfer#4299 / PR #4312), up to FA2_MAX_HEAD_DIM.
+#: fa2 prefill: head dims multiples of this (flashinfer#4299 / PR #4312), up to FA2_MAX_HEAD_DIM. Measured on the
+#: H200 (2026-12-01, bf16, raw wrapper vs float64): 16, 32, 48 fail in plan/run ("Invalid configuration"); 64, 128, 256
+#: and 192/128 are right.
 FA2_HEAD_DIM_MULTIPLE = 64
 FA2_MAX_HEAD_DIM = 256
+#: fa2's split-KV merge (``VariableLengthMergeStates``, ``DISPATCH_HEAD_DIM``) takes only these v head dims: measured
+#: on the H200 (2026-12-01), fa2 at 96/96 fails there with "Unsupported head_dim: 96"; 192 is not among them either.
+FA2_HEAD_DIMS_VO = (64, 128, 256)
 #: fa3 prefill: FlashInfer 0.7.4 ``flashinfer.utils.is_fa3_prefill_head_dim_supported``.
 FA3_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 #: cutlass (SM100): ``DISPATCH_head_dim`` of ``csrc/fmha_cutlass_sm100.cu``.
@@ -64,6 +69,9 @@ def head_dims_why_not(backend: str, head_dim_qk: Optional[int], head_dim_vo: Opt
             if d is not None and (d <= 0 or d % FA2_HEAD_DIM_MULTIPLE or d > FA2_MAX_HEAD_DIM):
                 return (f"{name} {d} is not a multiple of {FA2_HEAD_DIM_MULTIPLE} up to {FA2_MAX_HEAD_DIM} "
                         f"(fa2 prefill fails or is wrong at other head dims: flashinfer#4299)")
+        if vo is not None and vo not in FA2_HEAD_DIMS_VO:
+            return (f"head_dim_vo {vo} is not one of {', '.join(map(str, FA2_HEAD_DIMS_VO))} (fa2's split-KV merge "
+                    f"dispatches only those; 96 failed there on the H200)")
         return None
     table = {"fa3": FA3_HEAD_DIMS, "cutlass": CUTLASS_HEAD_DIMS}[backend]
     if qk is None or vo is None:

@@ -210,7 +210,7 @@ def test_head_dim_16_four_heads_is_torch_with_reason(fi):
     ((128, 128), "flashinfer-fa3", "flashinfer-fa2"),
     ((64, 64), "flashinfer-fa3", "flashinfer-fa2"),
     ((256, 256), "flashinfer-fa3", "flashinfer-fa2"),
-    ((192, 192), "flashinfer-fa2", "flashinfer-fa2"),  # fa3 takes only 192/128 at 192
+    ((192, 192), "torch", "torch"),  # fa3 takes only 192/128 at 192; fa2's split-KV merge has no v head dim 192
     ((128, 64), "flashinfer-fa2", "flashinfer-fa2"),
     ((16, 16), "torch", "torch"),
     ((32, 32), "torch", "torch"),
@@ -242,6 +242,7 @@ def test_head_dims_why_not_table():
 
     assert head_dims_why_not("fa2", 192, 128) is None and head_dims_why_not("fa2", 64, 256) is None
     assert "head_dim_vo 96" in head_dims_why_not("fa2", 128, 96)
+    assert "split-KV merge" in head_dims_why_not("fa2", 192, 192)
     assert head_dims_why_not("fa2", 320, 320) is not None
     assert head_dims_why_not("fa3", 192, 128) is None and head_dims_why_not("fa3", 192, 192) is not None
     assert head_dims_why_not("cutlass", 256, 256) is not None and head_dims_why_not("cutlass", 64, 64) is None
