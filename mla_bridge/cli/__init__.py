@@ -13,8 +13,8 @@ exceeds what is available; 130 interrupted (Ctrl-C).
 
 This module holds the argument parser, :func:`main` and the dispatch to the commands. The rest: ``prefill``
 (the prefill command: plan, run, check, table, JSON), ``batch`` (workload, device/dtype, random inputs, FLOPs),
-``timing`` (phase timer, instrumented layer), ``checkpoint`` (safetensors ``kv_b_proj.weight``, FP8
-dequantization), ``info`` (the info command), ``table`` (table rows and cell text), ``errors`` (:class:`CLIError`).
+``timing`` (phase timer, instrumented layer), ``memory`` (the run's memory estimate against what is free),
+``checkpoint`` (safetensors ``kv_b_proj.weight``, FP8 dequantization), ``info`` (the info command), ``table`` (table rows and cell text), ``errors`` (:class:`CLIError`).
 """
 
 from __future__ import annotations
