@@ -294,7 +294,7 @@ def test_item8_graph_replays_right_after_its_plan_is_dropped(backend):
 def test_item9_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 3, 250], 16, dtype=BF16, device=dev())
-    ws = Workspace(dev(), chunk_tokens=128)
+    ws = Workspace(dev(), chunk_tokens=4096 if fuse else 128)  # 293 context tokens: fused, or three chunks
     build = lambda: PrefillPlan.build(batch.query_lens, batch.context_lens, dims=dims, workspace=ws,  # noqa: E731
                                       block_size=16, dtype=BF16, fuse_context=fuse)
     args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table)
@@ -303,6 +303,7 @@ def test_item9_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
     torch.cuda._sleep(SLEEP)
     plan = build()
     assert not torch.cuda.current_stream().query(), "PrefillPlan.build waited for the queued GPU work"
+    assert plan.fused == fuse
     got = mla_prefill(*args, plan)
     torch.cuda.synchronize()
     assert (got.float() - expected.float()).abs().max().item() < TOL
