@@ -113,6 +113,24 @@ class _Lease:
                 and self.gpu_done())
 
 
+_BURIED: list[_Lease] = []  # leases of garbage-collected workspaces whose GPU work may still be queued
+_BURIED_LOCK = threading.Lock()
+
+
+def _bury(slots: dict[str, list[_Lease]]) -> None:
+    # A finalizer: no CUDA call here (it may run while a stream captures); _sweep_buried queries later.
+    keep = [lease for leases in slots.values() for lease in leases
+            if lease.captured or lease.graph_holds or lease.plan_event is not None or lease.run_events]
+    if keep:
+        with _BURIED_LOCK:
+            _BURIED.extend(keep)
+
+
+def _sweep_buried() -> None:
+    with _BURIED_LOCK:
+        _BURIED[:] = [lease for lease in _BURIED if lease.captured or lease.graph_holds or not lease.gpu_done()]
+
+
 class Workspace:
     """Per-device memory for ragged prefill, made once and handed to every plan (FlashInfer's wrapper pattern).
 
@@ -170,6 +188,10 @@ class Workspace:
         self._slots: dict[str, list[_Lease]] = {}
         self._acquisitions: dict[str, int] = {}
         self._lock = threading.RLock()
+        # A workspace dropped while the GPU still reads its wrappers (a one-shot call on a temporary workspace)
+        # leaves those wrappers in _BURIED until their events complete: freed earlier, FlashInfer's page-locked
+        # schedule buffer could be handed to another allocation while its copy is still queued.
+        weakref.finalize(self, _bury, self._slots)
         self.wrappers_created = 0
         self.plans_made = 0  # FlashInfer plan() calls through this workspace (a benchmark counts them)
 
@@ -212,6 +234,8 @@ class Workspace:
         ``factory(float_workspace, backend)`` builds a new wrapper when no pooled one is free. Idle wrappers beyond
         ``max_idle_wrappers`` are freed here.
         """
+        if _BURIED:
+            _sweep_buried()
         with self._lock:
             base = self.float_workspace
             slots = self._slots.setdefault(backend, [])
