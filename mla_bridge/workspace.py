@@ -187,6 +187,7 @@ class Workspace:
         self._regions: dict[Any, torch.Tensor] = {}  # stream pointer (or an external key) -> float region
         self._slots: dict[str, list[_Lease]] = {}
         self._acquisitions: dict[str, int] = {}
+        self._released_graphs: list[_Lease] = []  # graphs collected while a stream captured (see _graph_released)
         self._lock = threading.RLock()
         # A workspace dropped while the GPU still reads its wrappers (a one-shot call on a temporary workspace)
         # leaves those wrappers in _BURIED until their events complete: freed earlier, FlashInfer's page-locked
@@ -236,6 +237,11 @@ class Workspace:
         """
         if _BURIED:
             _sweep_buried()
+        if self._released_graphs:
+            with self._lock:
+                released, self._released_graphs = self._released_graphs, []
+            for done in released:
+                self._graph_released(done, None)
         with self._lock:
             base = self.float_workspace
             slots = self._slots.setdefault(backend, [])
@@ -298,8 +304,13 @@ class Workspace:
 
     def _graph_released(self, lease: _Lease, stream: Any) -> None:
         # The graph is gone; its replays were queued on ``stream`` (default: the current one). The wrapper stays busy
-        # until that stream's work queued so far has completed.
+        # until that stream's work queued so far has completed. A finalizer may run while a stream captures: then
+        # the event is recorded at the next plan instead (an event recorded now would become part of that graph).
         if self.device.type == "cuda":
+            if stream is None and torch.cuda.is_current_stream_capturing():
+                with self._lock:
+                    self._released_graphs.append(lease)
+                return
             stream = stream if stream is not None else torch.cuda.current_stream(self.device)
             event = torch.cuda.Event()
             event.record(stream)

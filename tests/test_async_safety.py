@@ -447,6 +447,26 @@ def test_item8_captured_plan_is_retired_until_its_graph_is_gone(gpu):
     assert wrapper_of(plan(ws, [0, 4], backend="flashinfer-fa2")) is w
 
 
+def test_item8_graph_collected_during_another_capture(gpu):
+    """A graph garbage collected while a stream captures: no event is recorded then; the hand-back waits for the
+    next plan, and the wrapper stays out of the pool until the event recorded then completes."""
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4])
+    w = wrapper_of(p)
+    gpu.finish()
+    gpu.capturing = True
+    run(p, 4)
+    graph = Graph()
+    p.retain_for_graph(graph)
+    del graph, p
+    gc.collect()  # the stand-in event asserts nothing is recorded or queried while capturing
+    gpu.capturing = False
+    assert wrapper_of(plan(ws, [0, 4])) is not w  # this plan records the hand-back's event; not complete yet
+    gpu.finish()
+    gc.collect()
+    assert wrapper_of(plan(ws, [0, 4])) is w
+
+
 def test_item8_captured_without_owner_is_never_reused(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
