@@ -133,7 +133,8 @@ class Captured:
     ``k_pe`` ``[c + n, qk_rope_head_dim]`` (transformers' cached latents of the whole sequence), ``out``
     ``[n, H, v_head_dim]`` (transformers' eager attention output), ``scaling`` (transformers' softmax scale),
     ``hidden`` ``[n, hidden]`` (the attention layer's input) and ``attn_out`` ``[n, hidden]`` (its output after
-    o_proj), ``context_len`` c.
+    o_proj), ``context_len`` c; ``prefix_hidden`` / ``prefix_attn_out`` ``[c, hidden]`` the same for the prefix call
+    (``None`` without a prefix).
     """
 
     query: torch.Tensor
@@ -144,6 +145,8 @@ class Captured:
     hidden: torch.Tensor
     attn_out: torch.Tensor
     context_len: int
+    prefix_hidden: Optional[torch.Tensor] = None
+    prefix_attn_out: Optional[torch.Tensor] = None
 
 
 def run_request(model, tokens: torch.Tensor, context_len: int, layer: int = 0) -> Captured:
@@ -153,13 +156,13 @@ def run_request(model, tokens: torch.Tensor, context_len: int, layer: int = 0) -
 
     cache = DynamicCache(config=model.config)
     attn = model.model.layers[layer].self_attn
-    seen = {}
+    seen = {"hidden": [], "attn_out": []}
 
     def pre(mod, args, kwargs):
-        seen["hidden"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+        seen["hidden"].append((args[0] if args else kwargs["hidden_states"]).detach().clone())
 
     def post(mod, args, kwargs, output):
-        seen["attn_out"] = output[0].detach().clone()
+        seen["attn_out"].append(output[0].detach().clone())
 
     h1 = attn.register_forward_pre_hook(pre, with_kwargs=True)
     h2 = attn.register_forward_hook(post, with_kwargs=True)
@@ -177,8 +180,10 @@ def run_request(model, tokens: torch.Tensor, context_len: int, layer: int = 0) -
     call = call[0]
     lat = cache.layers[layer]
     return Captured(query=call.query[0].transpose(0, 1).contiguous(), kv_c=lat.keys[0, 0].clone(),
-                    k_pe=lat.values[0, 0].clone(), out=call.out[0], scaling=call.scaling, hidden=seen["hidden"][0],
-                    attn_out=seen["attn_out"][0], context_len=context_len)
+                    k_pe=lat.values[0, 0].clone(), out=call.out[0], scaling=call.scaling,
+                    hidden=seen["hidden"][-1][0], attn_out=seen["attn_out"][-1][0], context_len=context_len,
+                    prefix_hidden=seen["hidden"][0][0] if context_len else None,
+                    prefix_attn_out=seen["attn_out"][0][0] if context_len else None)
 
 
 def page(latents: list, block_size: int, *, latent_dim: int, seed: int = 0, spare_blocks: int = 2,
