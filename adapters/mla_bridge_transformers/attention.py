@@ -14,10 +14,11 @@ Conversion (no attention math here):
   non-padding positions, so the causal mask among them is bottom-right aligned on the packed request; padding may be
   left, right or anywhere. Rows of padding tokens get output 0 (eager gives them an arbitrary average).
 * Plans (:func:`mla_bridge.plan_ragged`) are reused while the lengths stay the same: every layer of one forward shares
-  one plan.
+  one plan. The mask is checked (one device-to-host copy) once per mask object, not per layer; no mask costs no
+  device work.
 
 Handed back to transformers (the reason is logged once per kind), never silently wrong:
-``dropout > 0`` (training), a sliding window, softcap or attention sinks, ``output_attentions`` (to ``eager``, the
+``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``), ``output_attentions`` (to ``eager``, the
 only implementation returning weights), fewer key/value heads than query heads (GQA), a non-causal module, a float
 (additive) mask, or any boolean mask of another structure (packed sequences, custom patterns): ``sdpa``.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -40,6 +42,7 @@ ATTN_IMPLEMENTATION = "mla_bridge"
 logger = logging.getLogger("mla_bridge_transformers")
 _warned: set[str] = set()
 _plan_cache: dict[tuple, Any] = {}
+_mask_cache: list = [None, None, None]  # [weakref to the mask, its _version, (key_valid, q_lens, kv_lens)]
 
 
 def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int,
@@ -73,6 +76,8 @@ def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attenti
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             return f"{name}"
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return "packed sequences (cu_seq_lens)"
     config = getattr(module, "config", None)
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
         return "output_attentions (attention weights)"
@@ -107,6 +112,27 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
+    """``(key_valid [B, K] bool or None when nothing is padding, q_lens, kv_lens)`` of a servable mask, else None.
+
+    ``None`` (no mask) costs no device work. A mask costs one check and one device-to-host copy; the layers of one
+    forward get the same mask object, so the result is kept while that object lives unmodified (``_version``)."""
+    if attention_mask is None:
+        return None, (q_len,) * b, (kv_len,) * b
+    ref, version, cached = _mask_cache
+    if ref is not None and ref() is attention_mask and version == attention_mask._version:
+        return cached
+    key_valid = ragged_from_mask(attention_mask, b, q_len, kv_len, device)
+    if key_valid is None:
+        result = None
+    else:
+        lens = torch.stack([key_valid[:, kv_len - q_len:].sum(1), key_valid.sum(1)]).cpu()
+        q_lens, kv_lens = tuple(lens[0].tolist()), tuple(lens[1].tolist())
+        result = (None if sum(kv_lens) == b * kv_len else key_valid), q_lens, kv_lens
+    _mask_cache[:] = [weakref.ref(attention_mask), attention_mask._version, result]
+    return result
+
+
 def _plan(q_lens: tuple, kv_lens: tuple, heads: int, d_qk: int, d_vo: int, sm_scale: float, dtype, device):
     key = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device)
     plan = _plan_cache.get(key)
@@ -137,17 +163,16 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs)
     b, h, q_len, d_qk = query.shape
     kv_len, d_vo = key.shape[2], value.shape[-1]
-    key_valid = None if reason else ragged_from_mask(attention_mask, b, q_len, kv_len, query.device)
-    if reason is None and key_valid is None:
+    layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device)
+    if reason is None and layout is None:
         reason = "an attention mask other than key padding + causal (custom or packed)"
     if reason is not None:
         return _hand_back(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
+    key_valid, q_lens, kv_lens = layout
     sm_scale = float(scaling) if scaling is not None else d_qk ** -0.5
-    q_valid = key_valid[:, kv_len - q_len:]
-    lens = torch.stack([q_valid.sum(1), key_valid.sum(1)]).cpu()  # one device-to-host copy per layer call
-    q_lens, kv_lens = tuple(lens[0].tolist()), tuple(lens[1].tolist())
-    all_valid = sum(kv_lens) == b * kv_len
+    q_valid = None if key_valid is None else key_valid[:, kv_len - q_len:]
+    all_valid = key_valid is None
     qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, len, H, D]
     if all_valid:
         q, k, v = qt.reshape(b * q_len, h, d_qk), kt.reshape(b * kv_len, h, d_qk), vt.reshape(b * kv_len, h, d_vo)

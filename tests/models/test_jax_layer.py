@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch (the GPU test)
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 

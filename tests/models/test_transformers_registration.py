@@ -103,6 +103,35 @@ def test_right_padded_batch_equals_eager(pair, no_hand_back, two_torch_threads):
     torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=0)
 
 
+def test_one_plan_and_one_mask_check_per_forward(pair, no_hand_back, monkeypatch, two_torch_threads):
+    import mla_bridge
+
+    eager, ours = pair
+    counts = {"plan": 0, "mask": 0}
+    real_plan, real_mask = mla_bridge.plan_ragged, mbt_attention.ragged_from_mask
+
+    def plan(*a, **k):
+        counts["plan"] += 1
+        return real_plan(*a, **k)
+
+    def mask(*a, **k):
+        counts["mask"] += 1
+        return real_mask(*a, **k)
+
+    monkeypatch.setattr(mla_bridge, "plan_ragged", plan)
+    monkeypatch.setattr(mbt_attention, "ragged_from_mask", mask)
+    mbt_attention._plan_cache.clear()
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(4))
+    pad = torch.ones_like(ids)
+    pad[0, :2] = 0
+    with torch.no_grad():
+        ours(ids, attention_mask=pad)
+    assert ours.config.num_hidden_layers == 2 and counts == {"plan": 1, "mask": 1}
+    with torch.no_grad():
+        ours(ids)  # no padding: transformers passes no mask, nothing to check
+    assert counts == {"plan": 2, "mask": 1}
+
+
 # ---- the mask conversion ------------------------------------------------------------------------------------------
 
 def _sdpa_mask(padding, q_len, kv_len):
@@ -149,6 +178,7 @@ def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2
     (dict(dropout=0.1), "dropout"),
     (dict(sliding_window=2), "sliding window"),
     (dict(softcap=30.0), "softcap"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 2, 4])), "packed sequences"),
     (dict(kv_heads=1), "GQA"),
     (dict(is_causal=False), "non-causal"),
     (dict(mask=torch.zeros(1, 1, 4, 4)), "mask"),
@@ -204,7 +234,7 @@ def test_served_call_equals_eager_on_a_continuation(two_torch_threads):
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_bf16_gpu_logits_within_transformers_own_spread(v2_folder):
+def test_bf16_gpu_logits_within_transformers_own_spread(v2_folder, no_hand_back):
     """bf16 on the H200 (FlashInfer): the float32 eager model on the GPU is the truth; mla_bridge's bf16 logits must be
     no further from it than 1.5x the furthest of transformers' own bf16 implementations (eager, sdpa) measured in the
     same run: bf16 rounding of activations is the error source all three share, and a fused kernel that accumulates
