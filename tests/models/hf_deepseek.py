@@ -6,9 +6,10 @@ Nothing here computes attention: the reference is transformers' own ``DeepseekV2
 
 * q after RoPE: the ``query`` argument transformers passes to its attention function (a capturing function
   registered in transformers' ``AttentionInterface``, which then calls transformers' own eager function);
-* kv_c after ``kv_a_layernorm`` and k_pe after RoPE: what transformers writes into its ``DynamicCache`` (transformers
-  5 caches DeepSeek's compressed latents: keys = kv_c ``[B, 1, S, kv_lora_rank]``, values = k_pe
-  ``[B, 1, S, qk_rope_head_dim]``);
+* kv_c after ``kv_a_layernorm``: the output of that module (a forward hook), for every call (prefix, then new tokens);
+* k_pe after RoPE: the last ``qk_rope_head_dim`` of head 0 of the ``key`` transformers passes to its attention function
+  (``expand_kv`` copies the shared k_pe into every head; the key covers the cached prefix too). This holds whether the
+  cache keeps latents (transformers 5.24) or expanded keys;
 * ``kv_b_proj.weight`` of the layer.
 
 Configs carry the attention fields of DeepSeek's published config.json (V2-Lite: 16 heads, no q LoRA, YaRN mscale_all_dim
@@ -17,6 +18,7 @@ Configs carry the attention fields of DeepSeek's published config.json (V2-Lite:
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -79,6 +81,7 @@ class Call:
 
     layer: int
     query: torch.Tensor
+    key: torch.Tensor
     scaling: float
     attention_mask: Optional[torch.Tensor]
     out: torch.Tensor
@@ -97,7 +100,7 @@ def _capturing_eager(module, query, key, value, attention_mask, scaling=None, dr
     eager = sys.modules[type(module).__module__].eager_attention_forward
     out, weights = eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if _RECORDER is not None:
-        _RECORDER.calls.append(Call(module.layer_idx, query.detach().clone(), float(scaling),
+        _RECORDER.calls.append(Call(module.layer_idx, query.detach().clone(), key.detach().clone(), float(scaling),
                                     None if attention_mask is None else attention_mask.detach().clone(),
                                     out.detach().clone()))
     return out, weights
@@ -130,7 +133,7 @@ class Captured:
     """One request run through transformers, prefix first (into its DynamicCache), then the new tokens.
 
     ``query`` ``[n, H, qk_head_dim]`` (q after RoPE of the new tokens), ``kv_c`` ``[c + n, kv_lora_rank]`` and
-    ``k_pe`` ``[c + n, qk_rope_head_dim]`` (transformers' cached latents of the whole sequence), ``out``
+    ``k_pe`` ``[c + n, qk_rope_head_dim]`` (transformers' latents of the whole sequence), ``out``
     ``[n, H, v_head_dim]`` (transformers' eager attention output), ``scaling`` (transformers' softmax scale),
     ``hidden`` ``[n, hidden]`` (the attention layer's input) and ``attn_out`` ``[n, hidden]`` (its output after
     o_proj), ``context_len`` c; ``prefix_hidden`` / ``prefix_attn_out`` ``[c, hidden]`` the same for the prefix call
@@ -155,8 +158,10 @@ def run_request(model, tokens: torch.Tensor, context_len: int, layer: int = 0) -
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    # transformers 5.24 names the argument `cache` (`past_key_values` deprecated); earlier 5.x releases `past_key_values`
+    cache_kw = {("cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"): cache}
     attn = model.model.layers[layer].self_attn
-    seen = {"hidden": [], "attn_out": []}
+    seen = {"hidden": [], "attn_out": [], "kv_c": []}
 
     def pre(mod, args, kwargs):
         seen["hidden"].append((args[0] if args else kwargs["hidden_states"]).detach().clone())
@@ -164,23 +169,31 @@ def run_request(model, tokens: torch.Tensor, context_len: int, layer: int = 0) -
     def post(mod, args, kwargs, output):
         seen["attn_out"].append(output[0].detach().clone())
 
+    def latent(mod, args, output):
+        seen["kv_c"].append(output.detach().clone().reshape(-1, output.shape[-1]))
+
     h1 = attn.register_forward_pre_hook(pre, with_kwargs=True)
     h2 = attn.register_forward_hook(post, with_kwargs=True)
+    h3 = attn.kv_a_layernorm.register_forward_hook(latent)
     try:
         with torch.no_grad():
             if context_len:
-                model.model(input_ids=tokens[None, :context_len], cache=cache, use_cache=True)
+                model.model(input_ids=tokens[None, :context_len], use_cache=True, **cache_kw)
             with recording() as rec:
-                model.model(input_ids=tokens[None, context_len:], cache=cache, use_cache=True)
+                model.model(input_ids=tokens[None, context_len:], use_cache=True, **cache_kw)
     finally:
         h1.remove()
         h2.remove()
+        h3.remove()
     call = [c for c in rec.calls if c.layer == layer]
     assert len(call) == 1, f"expected one attention call of layer {layer}, got {len(call)}"
     call = call[0]
-    lat = cache.layers[layer]
-    return Captured(query=call.query[0].transpose(0, 1).contiguous(), kv_c=lat.keys[0, 0].clone(),
-                    k_pe=lat.values[0, 0].clone(), out=call.out[0], scaling=call.scaling,
+    nope = attn.qk_nope_head_dim
+    kv_c = torch.cat(seen["kv_c"])
+    k_pe = call.key[0, 0, :, nope:].contiguous()
+    assert kv_c.shape[0] == k_pe.shape[0] == tokens.shape[0]
+    return Captured(query=call.query[0].transpose(0, 1).contiguous(), kv_c=kv_c, k_pe=k_pe, out=call.out[0],
+                    scaling=call.scaling,
                     hidden=seen["hidden"][-1][0], attn_out=seen["attn_out"][-1][0], context_len=context_len,
                     prefix_hidden=seen["hidden"][0][0] if context_len else None,
                     prefix_attn_out=seen["attn_out"][0][0] if context_len else None)
