@@ -157,6 +157,7 @@ def run_request(model, tokens: torch.Tensor, context_len: int, layer: int = 0) -
     into a fresh DynamicCache, then the rest over that cache; capture layer ``layer``'s tensors of the second call."""
     from transformers import DynamicCache
 
+    tokens = tokens.to(model.device)
     cache = DynamicCache(config=model.config)
     # transformers 5.24 names the argument `cache` (`past_key_values` deprecated); earlier 5.x releases `past_key_values`
     cache_kw = {("cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"): cache}
@@ -216,5 +217,5 @@ def page(latents: list, block_size: int, *, latent_dim: int, seed: int = 0, spar
             nxt += 1
             table[r, b] = blk
             rows = x[b * block_size:(b + 1) * block_size]
-            cache[blk, : rows.shape[0]] = rows.to(dtype)
+            cache[blk, : rows.shape[0]] = rows.to("cpu", dtype)
     return cache.to(device), table.to(device)

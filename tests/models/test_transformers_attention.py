@@ -96,8 +96,10 @@ def test_wrong_scale_would_show(models, two_torch_threads, name):
 @pytest.mark.parametrize("case", ["no-context", *SCHEDULES])
 def test_mla_prefill_equals_transformers_attention_bf16_gpu(checkpoint, name, case):
     """bf16 on the GPU (FlashInfer): transformers' tensors captured in float32 on the GPU, rounded to bf16 for
-    mla_bridge; out within 2e-2 of transformers' float32 eager output (the parity suite's bf16 tolerance), and no
-    worse than 2x transformers' own eager attention run in bf16 on the same bf16 tensors' model."""
+    mla_bridge. The error against transformers' float32 eager output must stay within 2e-2 of the output's largest
+    magnitude (the parity suite's bf16 tolerance, made relative for V3's larger outputs) and within 2x the error of
+    transformers' own model run in bf16 (eager) on the same prompts: the bf16 rounding of q/k/v is the error both
+    share."""
     folder = checkpoint(name)
     model = H.load(folder, H.CAPTURE_IMPL, device="cuda")
     dims = MLADims.from_hf_config(folder)
@@ -110,8 +112,9 @@ def test_mla_prefill_equals_transformers_attention_bf16_gpu(checkpoint, name, ca
                                 fuse_context=fuse, dtype=torch.bfloat16, device="cuda")
     assert plan.backend.flashinfer_backend is not None  # FlashInfer ran, not the torch fallback
     want = torch.cat([c.out for c in caps]).float()
-    err = (out.float() - want).abs().max().item()
+    err, wmax = (out.float() - want).abs().max().item(), want.abs().max().item()
     bf16_model = H.load(folder, H.CAPTURE_IMPL, dtype=torch.bfloat16, device="cuda")
     spread = (torch.cat([c.out for c in _captured(bf16_model, requests)]).float() - want).abs().max().item()
-    assert err < 2e-2, (err, spread)
-    assert err <= max(2 * spread, 1e-2), (err, spread)
+    print(f"{name} {case}: mla_bridge bf16 err {err:.3g}, transformers bf16 eager err {spread:.3g}, max |out| {wmax:.3g}")
+    assert err <= 2e-2 * wmax, (err, spread, wmax)
+    assert err <= max(2 * spread, 1e-2 * wmax), (err, spread, wmax)
