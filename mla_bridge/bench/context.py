@@ -4,7 +4,9 @@ For each case and chunk budget: ``mla_prefill`` end to end; its phases run alone
 block table, up-projection with and without the k concat, the attention kernels, the merge); the hand-written
 pipeline a user would write without mla_bridge (torch gather by block table, ``kv_b_proj`` matmul, ``torch.cat``
 with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context pass
-(non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
+(non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper; and
+mla_prefill's phases timed inside the layer by :mod:`mla_bridge.profiling` (the way the CLI times them), whose sum
+is checked against the layer's time (within 5% on a GPU).
 
 The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_fused_latent``, ``_gather_latent`` and
 ``_up_project``); keep them in step when it changes.
@@ -43,7 +45,16 @@ PATHS = (
     "attention + GEMM alone",
     "context pass: RaggedPlan.run",
     "context pass: raw FlashInfer wrapper.run",
+    "in mla_prefill: gather",
+    "in mla_prefill: up-projection",
+    "in mla_prefill: main pass",
+    "in mla_prefill: context chunk",
+    "in mla_prefill: merge",
+    "in mla_prefill: sum of phases",
 )
+#: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
+IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
+PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time within 5% (issue 10.2)
 
 
 @dataclass
@@ -278,7 +289,65 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                                                    **meta(7))))
     rows = ctx.measure_many(SECTION, name, items) + skipped
     rows.extend(_summary_rows(ctx, name, {r.path: r for r in rows}, attn_flops, up_flops, meta))
+    rows.extend(_in_layer_rows(ctx, x, plan, name, rows[0], meta))
     rows.extend(_context_pass_rows(ctx, x, budget, name, ws, meta))
+    return rows
+
+
+def _in_layer_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row,
+                   meta: Callable[[int], dict]) -> list[Row]:
+    """mla_prefill's phases timed inside the layer by :func:`mla_bridge.profiling.time_phases` (CUDA events at the
+    phase boundaries with the GPU ahead of the host; host issue time and idle-GPU gaps apart), and their sum against
+    the layer's own time (``full``, the mla_prefill row): within 5% on a GPU."""
+    from ..profiling import time_phases
+
+    base = 12  # index of "in mla_prefill: gather" in PATHS
+    try:
+        times, _ = time_phases(lambda hook: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan,
+                                                        phase_hook=hook),
+                               ctx.device, layers=max(1, min(ctx.repeats, 5)))
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return [ctx.skipped(SECTION, name, PATHS[base + 5], "failed: " + fmt_err(err, 160), err, **meta(base + 5))]
+    d, e = x.dims, x.q.element_size()
+    attn, up = x.flops()
+    main_attn = attn if plan.fused else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads)
+    merged_rows = sum(c.q_end - c.q_start for c in plan.chunks if c.plan is not None)
+    # what each phase moves or computes: latent rows read + written; the GEMM; the attention; partials read + written
+    work = {"gather": dict(nbytes=((4 * x.num_context + 2 * x.num_tokens) if plan.fused
+                                   else 2 * (x.num_context + x.num_tokens)) * d.latent_dim * e),
+            "up-projection": dict(flops=up), "main pass": dict(flops=main_attn),
+            "context chunk": dict(flops=attn - main_attn),
+            "merge": dict(nbytes=3 * merged_rows * d.num_heads * (d.v_head_dim * e + 4))}
+    rows = []
+    for i, phase in enumerate(IN_LAYER_PHASES):
+        if phase in times.phases_ms:
+            row = ctx.row(SECTION, name, PATHS[base + i], ms=times.phases_ms[phase], **work[phase], **meta(base + i),
+                          note=f"{times.passes[phase]} pass(es) per layer")
+            row.host_ms, row.repeats = times.host_ms[phase], times.layers
+            row.extra.update(passes=times.passes[phase], gap_ms=times.gap_ms.get(phase), method=times.method)
+            rows.append(row)
+    total = ctx.row(SECTION, name, PATHS[base + 5], ms=times.sum_ms, flops=attn + up, **meta(base + 5))
+    total.repeats = times.layers
+    total.extra.update(phase_timing=times.to_dict(), method=times.method)
+    ratio = times.sum_ms / full.ms if full.status == "ok" and full.ms else None
+    if ratio is not None:
+        total.extra["vs_layer"] = ratio
+        total.note = f"{ratio:.3f}x the mla_prefill row"
+    if not times.host_ran_ahead and ctx.cuda:
+        total.note += "; the host did not run ahead: phases include host gaps"
+    gaps = sum(times.gap_ms.values())
+    total.extra["host_gap_ms"] = gaps
+    rows.append(total)
+    if gaps > PHASE_SUM_TOLERANCE * times.sum_ms:
+        # host-bound: the layer waits for the host, which GPU phase times leave out (reported as gaps instead)
+        total.note += f"; host-bound: {gaps:.3f} ms of host gaps on an idle GPU"
+        ctx.check(f"context {name}: in-layer phase sum / mla_prefill (host-bound: GPU time <= layer)", ratio, "<=",
+                  1.0 + PHASE_SUM_TOLERANCE, "phases timed inside the layer (mla_bridge.profiling)")
+    else:
+        ctx.check(f"context {name}: |in-layer phase sum / mla_prefill - 1|",
+                  None if ratio is None else abs(ratio - 1.0), "<=", PHASE_SUM_TOLERANCE,
+                  "phases timed inside the layer (mla_bridge.profiling)")
     return rows
 
 
