@@ -58,7 +58,7 @@ def _rope_entry(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if value is not None and not isinstance(value, Mapping):
             raise ValueError(f"config: {name} must be a mapping or null, got {type(value).__name__}")
-    if params and scaling and softmax_scale_from_rope_scaling(192, params) != softmax_scale_from_rope_scaling(192, scaling):
+    if params and scaling and softmax_scale_from_rope_scaling(1, params) != softmax_scale_from_rope_scaling(1, scaling):
         raise ValueError(f"config: rope_parameters {dict(params)} and rope_scaling {dict(scaling)} disagree on the "
                          f"YaRN softmax factor; keep one of them")
     return params or scaling

@@ -263,3 +263,11 @@ def test_any_object_with_to_dict_is_read():
 def test_other_kinds_get_a_type_error_naming_what_is_accepted(bad):
     with pytest.raises(TypeError, match=r"path to config.json .*mapping.*to_dict\(\)"):
         MLADims.from_hf_config(bad)
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_rope_entry_that_is_not_a_mapping_is_named(key):
+    cfg = dict(V3_CONFIG, rope_scaling=None)
+    cfg[key] = "yarn"
+    with pytest.raises(ValueError, match=key):
+        MLADims.from_hf_config(cfg)
