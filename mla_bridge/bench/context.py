@@ -6,8 +6,8 @@ pipeline a user would write without mla_bridge (torch gather by block table, ``k
 with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context pass
 (non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
 
-The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_fused_latent``, ``_gather_latent`` and
-``_up_project``); keep them in step when it changes.
+The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call :mod:`mla_bridge.cache`'s ``fused_latent`` and
+``gather_latent`` and its ``_up_project``); keep them in step when it changes.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 from ..merge import merge_attn_states_
 from ..plan import PrefillPlan, schedule_context_chunks
-from ..prefill import (_fused_latent, _gather_latent, _up_project, mla_prefill, prefill_memory_bytes,
-                       up_projection_weight)
+from ..cache import fused_latent, gather_latent
+from ..prefill import _up_project, mla_prefill, prefill_memory_bytes, up_projection_weight
 from ..ragged import plan_ragged
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for
@@ -193,8 +193,8 @@ class _Phases:
     def gather(self):
         x, plan, d = self.x, self.plan, self.x.dims
         if plan.fused:
-            return _fused_latent(plan, x.kv_c, x.k_pe, x.kv_cache, x.block_table)
-        return [_gather_latent(x.kv_cache, x.block_table, c.req_ids, c.positions, plan.block_size)
+            return fused_latent(plan, x.kv_c, x.k_pe, x.kv_cache, x.block_table)
+        return [gather_latent(x.kv_cache, x.block_table, c.req_ids, c.positions, dtype=plan.dtype)
                 for c in plan.chunks]
 
     def up_projection(self):
@@ -351,7 +351,7 @@ def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspac
     try:
         req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
         pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
-        lat = _gather_latent(x.kv_cache, x.block_table, req_ids, pos, x.case.block_size)
+        lat = gather_latent(x.kv_cache, x.block_table, req_ids, pos, dtype=ctx.dtype)
         k, v = _up_project(lat, up_projection_weight(x.w, d), d)
         plan = plan_ragged(qo, indptr(kv_lens), num_heads=d.num_heads, head_dim_qk=d.head_dim_qk,
                            head_dim_vo=d.head_dim_vo, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype,
