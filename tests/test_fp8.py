@@ -1,0 +1,190 @@
+"""mla_prefill with an FP8 e4m3 latent cache (torch backend, CPU) against float64 over the dequantized cache.
+
+The cache of conftest.make_mla_batch (shuffled blocks, NaN in spare blocks and unused slots, -1 table padding) is
+quantized with mla_bridge.cache.quantize_latent_cache; the reference reads the same bytes back as
+``float64(stored) * scale`` (conftest.mla_reference on that float64 cache, and mla_bridge.reference).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
+from mla_bridge import reference as R
+from mla_bridge.cache import quantize_latent_cache
+from mla_bridge.prefill import prefill_memory_bytes
+
+ATOL = 3e-5
+F8 = torch.float8_e4m3fn
+QUERY_LENS = [3, 4, 1, 0, 5, 2]
+CONTEXT_LENS = [0, 37, 5, 9, 70, 0]
+
+
+def fp8_batch(ref, dims, q_lens, c_lens, block_size, seed=0, dtype=torch.float32, scale=None, gain=3.0):
+    """A batch whose cache holds ``gain`` x the random latents, quantized (so the scale is not ~1/448 x 4)."""
+    batch = ref.make_mla_batch(dims, q_lens, c_lens, block_size, seed=seed, dtype=dtype)
+    batch.latent_cache = batch.cache
+    batch.cache, batch.scale = quantize_latent_cache(batch.cache.float() * gain, scale)
+    deq = copy.copy(batch)
+    deq.cache = batch.cache.double() * float(batch.scale)  # the same bytes, read back in float64
+    return batch, deq
+
+
+def plan_for(dims, q_lens, c_lens, block_size, chunk_tokens, fuse=True, dtype=torch.float32, kv_cache_dtype="fp8"):
+    return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+                             block_size=block_size, dtype=dtype, fuse_context=fuse, kv_cache_dtype=kv_cache_dtype)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("budget", [1, 23, 121, 100_000])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_fp8_cache_equals_float64_over_the_dequantized_cache(ref, tiny_dims, block_size, budget, fuse):
+    batch, deq = fp8_batch(ref, tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, seed=block_size)
+    assert torch.isnan(batch.cache.float()).any()  # the poison survives quantization (e4m3fn has NaN)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, budget, fuse)
+    assert plan.fused == (fuse and budget >= sum(CONTEXT_LENS)) and plan.kv_cache_dtype == F8
+    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                           return_lse=True, kv_cache_scale=batch.scale)
+    exp_out, exp_lse = ref.mla_reference(deq)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_scale_forms_and_uint8_view_give_identical_results(ref, tiny_dims):
+    batch, deq = fp8_batch(ref, tiny_dims, [3, 2], [13, 6], 4, seed=3)
+    s = float(batch.scale)
+    plan = plan_for(tiny_dims, [3, 2], [13, 6], 4, 5, fuse=False)
+    base = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                       kv_cache_scale=batch.scale)
+    for cache, scale in ((batch.cache, s), (batch.cache, torch.tensor([s])), (batch.cache.view(torch.uint8), s)):
+        got = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan,
+                          kv_cache_scale=scale)
+        assert torch.equal(got, base)
+    plan_u8 = plan_for(tiny_dims, [3, 2], [13, 6], 4, 5, fuse=False, kv_cache_dtype=torch.uint8)
+    assert plan_u8.kv_cache_dtype == F8
+    ref.assert_out_close(base, ref.mla_reference(deq)[0], atol=ATOL)
+
+
+def test_scale_matters(ref, tiny_dims):
+    """Guards the tests above: a wrong scale changes the result (so the scale is really applied)."""
+    batch, _ = fp8_batch(ref, tiny_dims, [3], [10], 4, seed=6)
+    plan = plan_for(tiny_dims, [3], [10], 4, 100)
+    a = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                    kv_cache_scale=batch.scale)
+    b = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                    kv_cache_scale=2 * float(batch.scale))
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_quantization_error_against_the_unquantized_cache(ref, tiny_dims):
+    """The FP8 cache's error against the unquantized cache is the quantization error: e4m3 keeps 3 mantissa bits
+    (relative step 2**-4), so it is far above the kernel error and of a few percent here."""
+    q_lens, c_lens = [4, 3], [40, 25]
+    batch, deq = fp8_batch(ref, tiny_dims, q_lens, c_lens, 16, seed=11)
+    plan = plan_for(tiny_dims, q_lens, c_lens, 16, 100)
+    out = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                      kv_cache_scale=batch.scale)
+    unq = copy.copy(batch)
+    unq.cache = batch.latent_cache * 3.0
+    exp_unq = ref.mla_reference(unq)[0]
+    err = float((out.double() - exp_unq).abs().max() / exp_unq.abs().max())
+    assert 1e-4 < err < 0.1, err
+    assert float((out.double() - ref.mla_reference(deq)[0]).abs().max()) < ATOL
+
+
+def test_bf16_plan_with_fp8_cache(ref, tiny_dims):
+    q_lens, c_lens = [3, 5], [12, 7]
+    batch, deq = fp8_batch(ref, tiny_dims, q_lens, c_lens, 4, seed=12, dtype=torch.bfloat16, gain=1.0)
+    for chunk, fuse in ((8, False), (100, True)):
+        plan = plan_for(tiny_dims, q_lens, c_lens, 4, chunk, fuse, dtype=torch.bfloat16)
+        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                               return_lse=True, kv_cache_scale=batch.scale)
+        assert out.dtype == torch.bfloat16
+        exp_out, exp_lse = ref.mla_reference(deq)
+        ref.assert_out_close(out, exp_out, atol=3e-2)  # the bf16 tolerance of tests/test_prefill.py
+        ref.assert_lse_close(lse, exp_lse, atol=3e-2)
+
+
+def test_reference_request_dequantizes_the_same_bytes(ref, tiny_dims):
+    q_lens, c_lens = [4], [21]
+    batch, deq = fp8_batch(ref, tiny_dims, q_lens, c_lens, 8, seed=13)
+    exp_out, exp_lse = ref.mla_reference(deq)
+    for cache in (batch.cache, batch.cache.view(torch.uint8)):
+        out, lse = R.reference_request(batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table[0], 21,
+                                       tiny_dims, kv_cache_scale=batch.scale)
+        torch.testing.assert_close(out, exp_out, atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse, exp_lse, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="kv_cache_scale is required"):
+        R.reference_request(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table[0], 21, tiny_dims)
+    with pytest.raises(ValueError, match="only FP8"):
+        R.gather_context_latent(deq.cache, batch.block_table[0], 21, 0.5)
+
+
+def test_real_dims_deepseek_v2_lite_fp8(ref):
+    dims = MLADims.deepseek_v2_lite()
+    q_lens, c_lens = [4, 2], [19, 0]
+    batch, deq = fp8_batch(ref, dims, q_lens, c_lens, 16, seed=10)
+    exp_out, exp_lse = ref.mla_reference(deq)
+    for chunk, fuse in ((7, False), (64, True)):
+        plan = plan_for(dims, q_lens, c_lens, 16, chunk, fuse)
+        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                               return_lse=True, kv_cache_scale=batch.scale)
+        ref.assert_out_close(out, exp_out, atol=1e-4)
+        ref.assert_lse_close(lse, exp_lse, atol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------- refusals
+def _refused(ref, dims, exc, match, *, plan_dtype="fp8", cache=None, scale="ok"):
+    batch, _ = fp8_batch(ref, dims, [2, 1], [5, 3], 4, seed=1)
+    plan = plan_for(dims, [2, 1], [5, 3], 4, 100, kv_cache_dtype=plan_dtype)
+    out = torch.full((3, dims.num_heads, dims.v_head_dim), 7.0)
+    with pytest.raises(exc, match=match):
+        mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache if cache is None else cache,
+                    batch.block_table, plan, out=out, kv_cache_scale=batch.scale if scale == "ok" else scale)
+    assert (out == 7.0).all()  # nothing written
+
+
+def test_refusals(ref, tiny_dims):
+    d = tiny_dims
+    f32_cache = torch.zeros(6, 4, d.latent_dim)
+    _refused(ref, d, ValueError, "kv_cache_scale is required", scale=None)
+    _refused(ref, d, ValueError, "only an FP8 cache takes a scale", plan_dtype=None, cache=f32_cache, scale=0.5)
+    _refused(ref, d, TypeError, "kv_cache_dtype='fp8'", plan_dtype=None, scale=None)  # fp8 cache, unquantized plan
+    _refused(ref, d, TypeError, "kv_cache_dtype=None", cache=f32_cache)  # unquantized cache, fp8 plan
+    for bad in (0.0, -0.5, float("inf"), float("nan"), torch.tensor(float("inf"))):
+        _refused(ref, d, ValueError, "finite and > 0", scale=bad)
+    _refused(ref, d, ValueError, "fp8_ds_mla", cache=torch.zeros(6, 4, 656, dtype=torch.uint8))
+    _refused(ref, d, ValueError, "not supported", cache=torch.zeros(6, 4, d.latent_dim, dtype=torch.float8_e5m2))
+    _refused(ref, d, ValueError, r"kv_cache must be \[num_blocks", cache=torch.zeros(6, 4, 3, dtype=F8))
+    with pytest.raises(ValueError, match="not supported"):
+        plan_for(d, [1], [1], 4, 100, kv_cache_dtype="fp8_e5m2")
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def test_prefill_memory_bytes_counts_the_fp8_gather():
+    """torch gather with an FP8 cache: per context row the fp8 rows (1 byte), their float32 product (4) and the
+    rounded rows (e) plus 24 bytes of indices, instead of the bf16 path's e + 24 (V2-Lite dims, hand-computed)."""
+    d = MLADims.deepseek_v2_lite()
+    e, lat, p, h = 2, 576, 320, 16
+    fixed = h * p * lat * e + 150 * h * (128 * e + 4)
+    ws = Workspace("cpu", chunk_tokens=1000)
+    kw = dict(dims=d, workspace=ws, block_size=16, dtype=torch.bfloat16)
+    bf16 = PrefillPlan.build([100, 50], [300, 0], **kw)
+    fp8 = PrefillPlan.build([100, 50], [300, 0], kv_cache_dtype="fp8", **kw)
+    assert prefill_memory_bytes(bf16) == fixed + 450 * lat * e + 300 * (lat * e + 24) + 450 * h * p * e
+    assert prefill_memory_bytes(fp8) == fixed + 450 * lat * e + 300 * (lat * (1 + 4 + e) + 24) + 450 * h * p * e
+
+
+def test_prefill_memory_bytes_with_the_triton_gather(monkeypatch):
+    """The Triton gather writes the key buffer directly: no per-row temporaries, FP8 or not."""
+    monkeypatch.setenv("MLA_BRIDGE_GATHER", "triton")
+    d = MLADims.deepseek_v2_lite()
+    e, lat, p, h = 2, 576, 320, 16
+    fixed = h * p * lat * e + 150 * h * (128 * e + 4)
+    for kv in (None, "fp8"):
+        plan = PrefillPlan.build([100, 50], [300, 0], dims=d, workspace=Workspace("cpu", chunk_tokens=1000),
+                                 block_size=16, dtype=torch.bfloat16, kv_cache_dtype=kv)
+        assert prefill_memory_bytes(plan) == fixed + 450 * lat * e + 450 * h * p * e
