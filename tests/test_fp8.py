@@ -188,3 +188,32 @@ def test_prefill_memory_bytes_with_the_triton_gather(monkeypatch):
         plan = PrefillPlan.build([100, 50], [300, 0], dims=d, workspace=Workspace("cpu", chunk_tokens=1000),
                                  block_size=16, dtype=torch.bfloat16, kv_cache_dtype=kv)
         assert prefill_memory_bytes(plan) == fixed + 450 * lat * e + 450 * h * p * e
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("extra,schedule", [([], "fused"), (["--chunk-tokens", "32"], "chunked")])
+def test_cli_kv_cache_dtype_fp8(tmp_path, capsys, extra, schedule):
+    import json
+
+    from mla_bridge.cli import main
+
+    path = tmp_path / "out.json"
+    argv = ["prefill", "--device", "cpu", "--prompt-lens", "4,6", "--context-lens", "50,23", "--block-size", "8",
+            "--check-requests", "2", "--kv-cache-dtype", "fp8", "--json", str(path), *extra]
+    assert main(argv) == 0
+    res = json.loads(path.read_text())
+    kv = res["kv_cache"]
+    assert res["schedule"] == schedule and kv["dtype"] == "fp8_e4m3" and 0 < kv["scale"] < 1
+    blocks = -(-50 // 8) + -(-23 // 8) + 1
+    assert kv["bytes"] == blocks * 8 * 576  # one byte per value
+    check = res["check"]
+    assert check["passed"] and check["max_abs_err_out"] < 1e-4  # kernels vs float64 over the dequantized bytes
+    q_err = max(c["max_abs_err_out_vs_unquantized"] for c in check["requests"])
+    assert 100 * check["max_abs_err_out"] < q_err < 0.5  # the quantization error, reported beside the check
+    text = capsys.readouterr().out
+    for words in ("fp8_e4m3", "kv_cache_scale", "fp8 quantization error", "PASS", "dequantized"):
+        assert words in text, words
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4", "--context-lens", "8", "--block-size", "8",
+                 "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["kv_cache"] == {"dtype": "float32", "scale": None, "bytes": 2 * 8 * 576 * 4, "quantization": None}

@@ -51,7 +51,7 @@ class Timer:
         return [1e3 * x for x in self.spans.get(name, [])]
 
 
-def _instrumented_layer(plan, q, kv_c, k_pe, weight, cache, block_table, timer: Timer):
+def _instrumented_layer(plan, q, kv_c, k_pe, weight, cache, block_table, timer: Timer, kv_cache_scale=None):
     """One layer of mla_prefill with each phase timed through its ``phase_hook`` (the same code path, so the phases
     add up to a real layer). Gather and up-projection are reported together, as are the context chunks."""
     from ..prefill import mla_prefill
@@ -66,4 +66,5 @@ def _instrumented_layer(plan, q, kv_c, k_pe, weight, cache, block_table, timer: 
         if name != "end":
             current.append((label.get(name, name), timer.start()))
 
-    return mla_prefill(q, kv_c, k_pe, weight, cache, block_table, plan, return_lse=True, phase_hook=hook)
+    return mla_prefill(q, kv_c, k_pe, weight, cache, block_table, plan, return_lse=True, phase_hook=hook,
+                       kv_cache_scale=kv_cache_scale)
