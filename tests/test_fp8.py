@@ -217,3 +217,25 @@ def test_cli_kv_cache_dtype_fp8(tmp_path, capsys, extra, schedule):
                  "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     assert res["kv_cache"] == {"dtype": "float32", "scale": None, "bytes": 2 * 8 * 576 * 4, "quantization": None}
+
+
+# ----------------------------------------------------------------------------------------------------- bench
+def test_bench_context_section_has_fp8_rows(tmp_path):
+    """FP8-cache rows beside the bf16 ones (same cases), with their ratio to the bf16 row of the same run and the
+    quantization error; the torch-gather rows are skipped where the default gather is the torch one (the CPU)."""
+    import json
+
+    from mla_bridge.bench import main as bench_main
+
+    path = tmp_path / "b.json"
+    bench_main(["--device", "cpu", "--sections", "context", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    by = lambda p: [r for r in rows if r["path"] == p]  # noqa: E731
+    bf16, fp8 = by("mla_prefill"), by("mla_prefill, FP8 cache")
+    assert len(fp8) == len(bf16) == 4 and {r["case"] for r in fp8} == {r["case"] for r in bf16}
+    for r in fp8:
+        assert r["status"] == "ok" and r["extra"]["vs_bf16_cache"] > 0
+        assert 1e-3 < r["extra"]["rel_err_vs_unquantized"] < 0.2 and r["extra"]["kv_cache_scale"] > 0
+        assert r["extra"]["fused"] == next(b for b in bf16 if b["case"] == r["case"])["extra"]["fused"]
+    assert all(r["status"] == "ok" for r in by("phase: gather by block_table, FP8 cache"))
+    assert all(r["status"] == "skipped" for r in by("phase: gather by block_table, torch gather"))
