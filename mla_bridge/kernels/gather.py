@@ -28,19 +28,6 @@ _BLOCK_M = 4
 
 
 @triton.jit
-def _to_out(x, dtype: tl.constexpr, ROUND: tl.constexpr):
-    """A float32 product rounded once to ``dtype``, to nearest even as torch's ``.to(dtype)``. For bf16 the rounding
-    is integer arithmetic on the bits (identical to ``cvt.rn.bf16.f32``; NaN -> 0x7FC0 as c10::BFloat16), so that
-    the Triton interpreter, whose float casts truncate, gives the GPU's bits too."""
-    if ROUND and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(x != x, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
 def _gather_kernel(out_ptr, out_stride,
                    cache_ptr, cs_block, cs_slot, cs_elem,
                    table_ptr, ts_row, ts_col,
@@ -49,7 +36,7 @@ def _gather_kernel(out_ptr, out_stride,
                    scale_ptr, scale_val,
                    BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, HAS_CTX_DST: tl.constexpr, DEQUANT: tl.constexpr,
-                   SCALE_IS_PTR: tl.constexpr):
+                   SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr):
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < LAT
@@ -68,7 +55,14 @@ def _gather_kernel(out_ptr, out_stride,
             else:
                 s = scale_val
             x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
-        x = _to_out(x, out_ptr.dtype.element_ty, DEQUANT)
+            if OUT_BF16:
+                # round the float32 product to nearest even on the bits (as cvt.rn.bf16.f32 and torch's .to();
+                # NaN -> 0x7FC0 as c10::BFloat16): the interpreter, whose float casts truncate, gives the same bits
+                bits = x.to(tl.uint32, bitcast=True)
+                rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                rounded = tl.where(x != x, 0x7FC0, rounded)
+                x = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        x = x.to(out_ptr.dtype.element_ty)
         if HAS_CTX_DST:
             dst = tl.load(ctx_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
@@ -112,7 +106,8 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
         kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1), new_dst, n_new,
         scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0,
         BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=triton.next_power_of_2(lat), BLOCK_M=_BLOCK_M,
-        HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr, num_warps=4)
+        HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
+        OUT_BF16=out.dtype == torch.bfloat16, num_warps=4)
 
 
 def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
