@@ -255,9 +255,9 @@ def _torch_rows(cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.T
     directly (advanced indexing through strides: no reshape, so a strided cache is not copied)."""
     bs = cache.shape[1]
     block_ids = block_table[req_ids, torch.div(positions, bs, rounding_mode="floor")].long()
-    rows = cache[block_ids, positions % bs]
     if scale is None:
-        return rows
+        return cache[block_ids, positions % bs]
+    rows = cache.view(torch.uint8)[block_ids, positions % bs].view(FP8_DTYPE)  # bytes: indexing any build supports
     return rows.float().mul_(scale).to(dtype)
 
 

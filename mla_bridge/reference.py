@@ -53,8 +53,8 @@ def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
         if kv_cache_scale is None:
             raise ValueError("kv_cache_scale is required for an FP8 kv_cache")
         scale = float(torch.as_tensor(kv_cache_scale, dtype=torch.float32).reshape(()).cpu())
-        fp8 = kv_cache.view(torch.float8_e4m3fn) if kv_cache.dtype == torch.uint8 else kv_cache
-        return _gather_rows(fp8, block_table_row, context_len).to(torch.float64) * scale
+        rows = _gather_rows(kv_cache.view(torch.uint8), block_table_row, context_len)  # the bytes
+        return rows.view(torch.float8_e4m3fn).to(torch.float64) * scale
     if kv_cache_scale is not None:
         raise ValueError(f"kv_cache_scale was given for a {kv_cache.dtype} kv_cache (only FP8 caches take one)")
     return _gather_rows(kv_cache, block_table_row, context_len)
