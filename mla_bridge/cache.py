@@ -298,15 +298,14 @@ def fused_latent(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.T
     return latent
 
 
-def gather_row_bytes(cache_dtype: torch.dtype, dtype: torch.dtype, latent_dim: int, impl: str) -> int:
-    """Temporary bytes per gathered context row beyond the destination buffer, for :func:`prefill_memory_bytes`.
+def gather_row_bytes(cache_dtype: torch.dtype, dtype: torch.dtype, latent_dim: int) -> int:
+    """Temporary bytes per gathered context row, for :func:`mla_bridge.prefill.prefill_memory_bytes` (an upper bound).
 
-    torch path: the gathered rows in the cache's dtype (``L x cache bytes``), for FP8 also their float32 product
-    (``L x 4``) and the rounded copy (``L x e``), plus three int64 index tensors (24 bytes); the fused schedule
-    then copies them into the key buffer. Triton: none (it writes the destination directly).
+    The torch path allocates the gathered rows in the cache's dtype (``L x e``) and three int64 index tensors (24
+    bytes); for an FP8 cache the rows in bytes (``L x 1``), their float32 product (``L x 4``) and the rounded rows
+    (``L x e``). The Triton gather writes the destination directly and allocates none of these: the bound is the
+    torch path's, so that the budget holds whichever implementation :func:`gather_impl` picks.
     """
-    if impl == "triton":
-        return 0
     e = torch.empty((), dtype=dtype).element_size()
     if is_fp8(cache_dtype):
         return latent_dim * (1 + 4 + e) + 24

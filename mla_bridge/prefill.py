@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .cache import check_kv_cache, fused_latent, gather_impl, gather_latent, gather_row_bytes
+from .cache import check_kv_cache, fused_latent, gather_latent, gather_row_bytes
 from .merge import merge_attn_states_
 from .plan import PrefillPlan
 
@@ -197,9 +197,9 @@ def prefill_memory_bytes(plan: PrefillPlan) -> int:
     weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
     pass over context + new tokens; the chunked one frees each pass before the next, whose peak adds the chunk's
     partial out/lse and the merge's float32 LSE copies for its query rows. The gather's temporaries per context row
-    are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype and gather implementation (torch: the
-    rows in the cache's dtype, for FP8 also their float32 dequantization, and 24 bytes of indices; the Triton
-    gather: none). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for FP8) is the
+    are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the rows in the
+    cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices; the Triton
+    gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for FP8) is the
     caller's, not counted. This is the "workspace budget" the benchmark checks peak memory against.
     """
     d = plan.dims
@@ -207,7 +207,7 @@ def prefill_memory_bytes(plan: PrefillPlan) -> int:
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens
     fixed = h * p * lat * e + t * h * (d.v_head_dim * e + 4)
 
-    row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat, gather_impl(plan.device))
+    row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat)
 
     def one_pass(keys: int, gathered: int) -> int:
         return keys * lat * e + gathered * row + keys * h * p * e
