@@ -16,6 +16,8 @@ Refused with a :class:`ValueError` / :class:`TypeError` that says what is suppor
 FP8 cache, a scale given for an unquantized cache (it would silently scale the logits), a scale that is not a Python
 number or a 0-d / 1-element float32 tensor on the cache's device, and a non-finite or non-positive scale (checked on
 the host for Python numbers and CPU tensors; a CUDA tensor is read on the device only, never with a host sync).
+Under CUDA-graph capture a Python-float scale is baked into the captured kernels; a tensor scale is read at every
+replay (update it in place to change it).
 
 The gather (context rows through ``block_table``, dequantized into the plan's dtype, and for the fused schedule the new
 tokens' kv_c / k_pe placed after each request's context) has two implementations chosen in ONE place,

@@ -72,12 +72,13 @@ def test_triton_gather_equals_torch_gather_bitwise(block_size, fp8, strided):
     assert cache.is_contiguous() == (not strided)
     scales = (C._scale_value(scale, cache.device), float(scale)) if fp8 else (None,)
     for s in scales:
-        torch.cuda._sleep(int(1e8))  # the host runs ahead: the kernels must not read anything not yet written
-        a = C.gather_latent(cache, table, req, pos, dtype=BF16, kv_cache_scale=s, impl="torch")
-        b = C.gather_latent(cache, table, req, pos, dtype=BF16, kv_cache_scale=s, impl="triton")
-        torch.cuda.synchronize()
-        assert not torch.isnan(a).any()  # no unused slot was read
-        assert _bits_equal(a, b), (block_size, fp8, strided, s)
+        for out_dtype in ((BF16, torch.float16, torch.float32) if fp8 else (BF16,)):
+            torch.cuda._sleep(int(1e8))  # the host runs ahead: the kernels must not read anything not yet written
+            a = C.gather_latent(cache, table, req, pos, dtype=out_dtype, kv_cache_scale=s, impl="torch")
+            b = C.gather_latent(cache, table, req, pos, dtype=out_dtype, kv_cache_scale=s, impl="triton")
+            torch.cuda.synchronize()
+            assert not torch.isnan(a).any()  # no unused slot was read
+            assert _bits_equal(a, b), (block_size, fp8, strided, s, out_dtype)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
