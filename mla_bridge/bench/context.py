@@ -4,10 +4,13 @@ For each case and chunk budget: ``mla_prefill`` end to end; its phases run alone
 block table, up-projection with and without the k concat, the attention kernels, the merge); the hand-written
 pipeline a user would write without mla_bridge (torch gather by block table, ``kv_b_proj`` matmul, ``torch.cat``
 with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context pass
-(non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
+(non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper; and
+mla_prefill's phases timed inside the layer by :mod:`mla_bridge.profiling` (the way the CLI times them), whose sum
+is checked against the layer's time (within 5% on a GPU).
 
-The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call :mod:`mla_bridge.cache`'s ``fused_latent`` and
-``gather_latent`` and its ``_up_project``); keep them in step when it changes.
+The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call :mod:`mla_bridge.cache`'s
+``fused_latent`` and ``gather_latent`` and its ``_up_project``); keep them in step when it changes.
+FP8-cache rows (issue 12) time the same case with its cache quantized, beside the bf16-cache ones.
 """
 
 from __future__ import annotations
@@ -43,14 +46,25 @@ PATHS = (
     "attention + GEMM alone",
     "context pass: RaggedPlan.run",
     "context pass: raw FlashInfer wrapper.run",
+    "in mla_prefill: gather",
+    "in mla_prefill: up-projection",
+    "in mla_prefill: main pass",
+    "in mla_prefill: context chunk",
+    "in mla_prefill: merge",
+    "in mla_prefill: sum of phases",
     "mla_prefill, FP8 cache",
     "phase: gather by block_table, FP8 cache",
     "phase: gather by block_table, torch gather",
     "phase: gather by block_table, FP8 cache, torch gather",
 )
+#: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
+IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
+PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time within 5% (issue 10.2)
 #: FP8-cache rows (issue 12): the same case with its cache quantized (mla_bridge.cache.quantize_latent_cache);
 #: the ratio to the bf16-cache row of the same run is the target (<= 1.02).
 FP8_TARGET = 1.02
+I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(PATHS.index("mla_prefill, FP8 cache"),
+                                                               PATHS.index("mla_prefill, FP8 cache") + 4)
 
 
 @dataclass
@@ -275,8 +289,9 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
         skipped.append(ctx.skipped(SECTION, name, PATHS[3], "phases failed: " + fmt_err(err, 160), err, **meta(3)))
     if ph is not None:
         items += [
-            (PATHS[3], ph.gather, dict(nbytes=ph.gather_bytes(x.q.element_size()), note=f"{gather_impl(ctx.device)} gather; latent "
-                                       "rows read + written", **meta(3))),
+            (PATHS[3], ph.gather, dict(nbytes=ph.gather_bytes(x.q.element_size()),
+                                       note=f"{gather_impl(ctx.device)} gather; latent rows read + written",
+                                       **meta(3))),
             (PATHS[4], ph.up_projection, dict(flops=up_flops, **meta(4))),
             (PATHS[5], ph.gemm, dict(flops=up_flops, **meta(5))),
             (PATHS[6], ph.attention, dict(flops=attn_flops, **meta(6))),
@@ -291,6 +306,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     items += fp8["items"]
     rows = ctx.measure_many(SECTION, name, items) + skipped + fp8["skipped"]
     rows.extend(_summary_rows(ctx, name, {r.path: r for r in rows}, attn_flops, up_flops, meta))
+    rows.extend(_in_layer_rows(ctx, x, plan, name, rows[0], meta))
     _fp8_summary(ctx, name, {r.path: r for r in rows}, fp8)
     rows.extend(_context_pass_rows(ctx, x, budget, name, ws, meta))
     return rows
@@ -313,31 +329,33 @@ def _fp8_items(ctx: Ctx, x: Inputs, plan: PrefillPlan, ph, name: str, flops: flo
         res["rel_err"] = float((run8().float() - ref).abs().max() / ref.abs().max())
     except Exception as err:  # noqa: BLE001
         ctx.recover()
-        res["skipped"].append(ctx.skipped(SECTION, name, PATHS[12], "failed: " + fmt_err(err, 160), err, **meta(12)))
+        res["skipped"].append(ctx.skipped(SECTION, name, PATHS[I_FP8], "failed: " + fmt_err(err, 160), err,
+                                          **meta(I_FP8)))
         return res
     extra["kv_cache_scale"] = float(scale)
-    res["items"].append((PATHS[12], run8, dict(flops=flops, note=f"fp8_e4m3 cache, {gather_impl(ctx.device)} gather",
-                                               extra=extra, **meta(12))))
+    res["items"].append((PATHS[I_FP8], run8, dict(flops=flops, note=f"fp8_e4m3 cache, {gather_impl(ctx.device)} "
+                                                  "gather", extra=extra, **meta(I_FP8))))
     if ph is None:
         return res
-    res["items"].append((PATHS[13], lambda: ph.gather(cache8, scale),
-                         dict(nbytes=ph.gather_bytes(1), note="fp8 rows read, dequantized rows written", **meta(13))))
+    res["items"].append((PATHS[I_FP8_GATHER], lambda: ph.gather(cache8, scale),
+                         dict(nbytes=ph.gather_bytes(1), note="fp8 rows read, dequantized rows written",
+                              **meta(I_FP8_GATHER))))
     if gather_impl(ctx.device) == "torch":
         res["skipped"] += [ctx.skipped(SECTION, name, PATHS[i], "the gather above is the torch one here", **meta(i))
-                           for i in (14, 15)]
+                           for i in (I_TORCH_GATHER, I_FP8_TORCH_GATHER)]
     else:
         res["items"] += [
-            (PATHS[14], lambda: ph.gather(impl="torch"), dict(nbytes=ph.gather_bytes(e), note="the torch fallback",
-                                                             **meta(14))),
-            (PATHS[15], lambda: ph.gather(cache8, scale, impl="torch"),
-             dict(nbytes=ph.gather_bytes(1), note="the torch fallback", **meta(15))),
+            (PATHS[I_TORCH_GATHER], lambda: ph.gather(impl="torch"),
+             dict(nbytes=ph.gather_bytes(e), note="the torch fallback", **meta(I_TORCH_GATHER))),
+            (PATHS[I_FP8_TORCH_GATHER], lambda: ph.gather(cache8, scale, impl="torch"),
+             dict(nbytes=ph.gather_bytes(1), note="the torch fallback", **meta(I_FP8_TORCH_GATHER))),
         ]
     return res
 
 
 def _fp8_summary(ctx: Ctx, name: str, by_path: dict, fp8: dict) -> None:
     """FP8 row against the bf16-cache row of the same run (the <= 1.02 target) and its quantization error."""
-    full, row8 = by_path.get(PATHS[0]), by_path.get(PATHS[12])
+    full, row8 = by_path.get(PATHS[0]), by_path.get(PATHS[I_FP8])
     if row8 is None or row8.status != "ok":
         ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", None, "<=", FP8_TARGET, "not measured")
         return
@@ -348,11 +366,68 @@ def _fp8_summary(ctx: Ctx, name: str, by_path: dict, fp8: dict) -> None:
         row8.extra["vs_bf16_cache"] = ratio
         row8.note += f"; {ratio:.3f}x the bf16-cache row"
     ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", ratio, "<=", FP8_TARGET, "same run")
-    for fast, slow in ((PATHS[3], PATHS[14]), (PATHS[13], PATHS[15])):
+    for fast, slow in ((PATHS[3], PATHS[I_TORCH_GATHER]), (PATHS[I_FP8_GATHER], PATHS[I_FP8_TORCH_GATHER])):
         a, b = by_path.get(fast), by_path.get(slow)
         if a is not None and b is not None and a.status == b.status == "ok":
             a.extra["vs_torch_gather"] = a.ms / b.ms
             a.note += f"; {a.ms / b.ms:.3f}x the torch gather"
+
+
+def _in_layer_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row,
+                   meta: Callable[[int], dict]) -> list[Row]:
+    """mla_prefill's phases timed inside the layer by :func:`mla_bridge.profiling.time_phases` (CUDA events at the
+    phase boundaries with the GPU ahead of the host; host issue time and idle-GPU gaps apart), and their sum against
+    the layer's own time (``full``, the mla_prefill row): within 5% on a GPU."""
+    from ..profiling import time_phases
+
+    base = 12  # index of "in mla_prefill: gather" in PATHS
+    try:
+        times, _ = time_phases(lambda hook: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan,
+                                                        phase_hook=hook),
+                               ctx.device, layers=max(1, min(ctx.repeats, 5)))
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return [ctx.skipped(SECTION, name, PATHS[base + 5], "failed: " + fmt_err(err, 160), err, **meta(base + 5))]
+    d, e = x.dims, x.q.element_size()
+    attn, up = x.flops()
+    main_attn = attn if plan.fused else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads)
+    merged_rows = sum(c.q_end - c.q_start for c in plan.chunks if c.plan is not None)
+    # what each phase moves or computes: latent rows read + written; the GEMM; the attention; partials read + written
+    work = {"gather": dict(nbytes=((4 * x.num_context + 2 * x.num_tokens) if plan.fused
+                                   else 2 * (x.num_context + x.num_tokens)) * d.latent_dim * e),
+            "up-projection": dict(flops=up), "main pass": dict(flops=main_attn),
+            "context chunk": dict(flops=attn - main_attn),
+            "merge": dict(nbytes=3 * merged_rows * d.num_heads * (d.v_head_dim * e + 4))}
+    rows = []
+    for i, phase in enumerate(IN_LAYER_PHASES):
+        if phase in times.phases_ms:
+            row = ctx.row(SECTION, name, PATHS[base + i], ms=times.phases_ms[phase], **work[phase], **meta(base + i),
+                          note=f"{times.passes[phase]} pass(es) per layer")
+            row.host_ms, row.repeats = times.host_ms[phase], times.layers
+            row.extra.update(passes=times.passes[phase], gap_ms=times.gap_ms.get(phase), method=times.method)
+            rows.append(row)
+    total = ctx.row(SECTION, name, PATHS[base + 5], ms=times.sum_ms, flops=attn + up, **meta(base + 5))
+    total.repeats = times.layers
+    total.extra.update(phase_timing=times.to_dict(), method=times.method)
+    ratio = times.sum_ms / full.ms if full.status == "ok" and full.ms else None
+    if ratio is not None:
+        total.extra["vs_layer"] = ratio
+        total.note = f"{ratio:.3f}x the mla_prefill row"
+    if not times.host_ran_ahead and ctx.cuda:
+        total.note += "; the host did not run ahead: phases include host gaps"
+    gaps = sum(times.gap_ms.values())
+    total.extra["host_gap_ms"] = gaps
+    rows.append(total)
+    if gaps > PHASE_SUM_TOLERANCE * times.sum_ms:
+        # host-bound: the layer waits for the host, which GPU phase times leave out (reported as gaps instead)
+        total.note += f"; host-bound: {gaps:.3f} ms of host gaps on an idle GPU"
+        ctx.check(f"context {name}: in-layer phase sum / mla_prefill (host-bound: GPU time <= layer)", ratio, "<=",
+                  1.0 + PHASE_SUM_TOLERANCE, "phases timed inside the layer (mla_bridge.profiling)")
+    else:
+        ctx.check(f"context {name}: |in-layer phase sum / mla_prefill - 1|",
+                  None if ratio is None else abs(ratio - 1.0), "<=", PHASE_SUM_TOLERANCE,
+                  "phases timed inside the layer (mla_bridge.profiling)")
+    return rows
 
 
 def _handwritten_item(ctx: Ctx, x: Inputs, budget: int, name: str, flops: float, meta: dict):
