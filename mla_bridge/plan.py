@@ -25,7 +25,7 @@ import torch
 
 from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
-from .ragged import RaggedPlan, indptr_from_lens, plan_ragged
+from .ragged import INT32_MAX, RaggedPlan, indptr_from_lens, plan_ragged
 from .workspace import Workspace, _checked_device
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks"]
@@ -101,6 +101,16 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
     return out
 
 
+def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> None:
+    """New and context tokens each index int32 offsets (qo_indptr, block positions, vLLM's seq_lens): refuse sums
+    beyond ``2**31 - 1`` in O(requests), before any per-token or per-chunk work."""
+    for name, lens in (("query_lens", q_lens), ("context_lens", c_lens)):
+        total = sum(lens)
+        if total > INT32_MAX:
+            raise ValueError(f"{name} sum to {total} tokens, beyond what an int32 indptr holds "
+                             f"(2**31 - 1 = {INT32_MAX} tokens)")
+
+
 class PrefillPlan:
     """Host-side plan of one MLA prefill batch, shared by every layer (see the module docstring).
 
@@ -136,9 +146,14 @@ class PrefillPlan:
                 scale, dequantized into ``dtype`` in the gather (see :mod:`mla_bridge.cache`).
 
         Raises:
-            TypeError / ValueError: lengths that are not non-negative ints or differ in count, a bad block size,
-                a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that is
-                not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``).
+            TypeError / ValueError: lengths that are not non-negative ints or differ in count, ``query_lens`` or
+                ``context_lens`` summing beyond ``2**31 - 1`` tokens (checked first, in O(requests)), a bad block
+                size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
+                is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``).
+
+        Host work is O(requests + chunks) on CUDA (per-token index tensors are expanded on the device). On the CPU
+        device those index tensors are host memory, made here: 16 bytes per context token in the chunked schedule,
+        24 per context token and 8 per new token in the fused one.
         """
         self = object.__new__(cls)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
@@ -146,6 +161,7 @@ class PrefillPlan:
         c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
         if len(c_lens) != len(q_lens):
             raise ValueError(f"context_lens has {len(c_lens)} entries but query_lens has {len(q_lens)}")
+        _check_length_sums(q_lens, c_lens)
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
         if not isinstance(workspace, Workspace):
@@ -157,7 +173,7 @@ class PrefillPlan:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
-        self.qo_indptr = indptr_from_lens(q_lens)
+        self.qo_indptr = indptr_from_lens(q_lens, "query_lens")
         total_context = sum(c_lens)
         fused_keys = total_context + sum(q_lens)
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
@@ -184,14 +200,19 @@ class PrefillPlan:
 
         For segments of ``counts[i]`` tokens returns ``[offset of each token in its segment] + [values[j][segment of
         each token] for each j]`` (int64 device tensors of ``counts.sum()`` entries). On CUDA the expansion runs on the
-        device, so host work stays O(segments), not O(tokens).
+        device, so host work stays O(segments), not O(tokens). The copy never blocks the host: it leaves page-locked
+        memory with ``non_blocking=True`` on the current stream (ordered before the RaggedPlans made after it, whose
+        plan events therefore cover it); the page-locked tensor stays referenced by the plan (and torch's host
+        allocator records the copy's event before it reuses that memory).
         """
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts
         if self.device.type == "cpu":  # host memory is device memory: expand with numpy
             seg = np.repeat(np.arange(counts.size), counts)
             return [torch.from_numpy(a) for a in [np.arange(total) - starts[seg]] + [v.astype(np.int64)[seg] for v in values]]
-        small = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).to(self.device)
+        host = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).pin_memory()
+        self.__dict__.setdefault("_pinned_indices", []).append(host)
+        small = host.to(self.device, non_blocking=True)
         seg = torch.repeat_interleave(torch.arange(counts.size, device=self.device), small[0], output_size=total)
         offset = torch.arange(total, device=self.device) - small[1][seg]
         return [offset] + [small[2 + j][seg] for j in range(len(values))]

@@ -238,3 +238,18 @@ def test_bench_context_section_has_fp8_rows(tmp_path):
         assert r["extra"]["fused"] == next(b for b in bf16 if b["case"] == r["case"])["extra"]["fused"]
     assert all(r["status"] == "ok" for r in by("phase: gather by block_table, FP8 cache"))
     assert all(r["status"] == "skipped" for r in by("phase: gather by block_table, torch gather"))
+
+
+def test_cli_memory_estimate_counts_the_fp8_cache():
+    """The CLI's estimate holds the 1-byte FP8 copy beside the unquantized cache (kept for the quantization error)
+    and the quantization's float32 temporaries as a peak."""
+    from mla_bridge.cli.memory import estimate_run_memory
+
+    d = MLADims.deepseek_v2_lite()
+    kw = dict(dims=d, workspace=Workspace("cpu", chunk_tokens=1000), block_size=16, dtype=torch.float32)
+    blocks = -(-300 // 16) + 1
+    for kv, extra in ((None, 0), ("fp8", blocks * 16 * 576)):
+        plan = PrefillPlan.build([100, 50], [300, 0], kv_cache_dtype=kv, **kw)
+        est = estimate_run_memory(d, [100, 50], [300, 0], 16, torch.float32, "cpu", [0], plan=plan)
+        assert est.held["device"].get("FP8 paged cache", 0) == extra
+        assert est.peaks["device"].get("quantizing the cache", 0) == 9 * extra

@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -78,33 +80,61 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
     return torch.full((), fill, dtype=torch_dtype(dtype), device=device).expand(tuple(shape))
 
 
+#: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) held at once, process-wide, most recently used
+#: last; each holds a pooled FlashInfer wrapper (8 MiB device + 8 MiB page-locked host). ``$MLA_BRIDGE_JAX_MAX_PLANS``.
+MAX_TRACED_PLANS = int(os.environ.get("MLA_BRIDGE_JAX_MAX_PLANS") or 16)
+_traced_plans: "OrderedDict[tuple[int, torch.device], Any]" = OrderedDict()
+_traced_lock = threading.Lock()
+
+
+def _forget_traced(owner: int) -> None:
+    with _traced_lock:
+        for key in [key for key in _traced_plans if key[0] == owner]:
+            del _traced_plans[key]
+
+
 class _Plans:
-    """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill) or plans made on first
-    use for each device a callback runs on (ragged_prefill, shard_map over several devices)."""
+    """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill: the caller's, held as long
+    as the compiled function holds this object) or plans made on first use for each device a callback runs on
+    (ragged_prefill, shard_map over several devices).
+
+    Made plans live in a process-wide cache bounded by :data:`MAX_TRACED_PLANS` (least recently used out) and no
+    longer than this object, i.e. than the compiled function whose callback holds it; an evicted one is made again
+    on its next use (host planning, the run ordered after its copies by the core). The core keeps a dropped plan's
+    wrapper out of the pool until the GPU has finished the work queued with it."""
 
     def __init__(self, make: Optional[Callable[[torch.device], Any]] = None, plan: Any = None):
         self._make = make
         self._plans: dict[torch.device, Any] = {}
-        self._lock = threading.Lock()
         if plan is not None:
             self._plans[self._device_of(plan)] = plan
+        if make is not None:
+            weakref.finalize(self, _forget_traced, id(self))
 
     @staticmethod
     def _device_of(plan: Any) -> torch.device:
         return plan.spec.device if isinstance(plan, RaggedPlan) else plan.device
 
     def get(self, device: torch.device) -> Any:
-        plan = self._plans.get(device)
-        if plan is not None:
-            return plan
         if self._make is None:
+            plan = self._plans.get(device)
+            if plan is not None:
+                return plan
             (have,) = self._plans
             raise ValueError(f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
                              f"build the plan for that device (device=...)")
-        with self._lock:
-            plan = self._plans.get(device)
-            if plan is None:
-                plan = self._plans[device] = self._make(device)
+        key = (id(self), device)
+        with _traced_lock:
+            plan = _traced_plans.get(key)
+            if plan is not None:
+                _traced_plans.move_to_end(key)
+                return plan
+        plan = self._make(device)
+        with _traced_lock:
+            _traced_plans[key] = plan
+            _traced_plans.move_to_end(key)
+            while len(_traced_plans) > max(1, MAX_TRACED_PLANS):
+                _traced_plans.popitem(last=False)
         return plan
 
 
@@ -333,6 +363,37 @@ def _cache_dtype(dtype: Any) -> Any:
 _MLA_ARGS = ("q", "kv_c", "k_pe", "kv_b_proj_weight", "kv_cache", "block_table")
 
 
+def _shallow(err: BaseException, what: str) -> BaseException:
+    """``err`` as a new exception of its type, message ``"<what>: <message>"``, raised once in a fresh thread.
+
+    Why: an error raised inside a ``buffer_callback`` reaches the user as XLA's ``JaxRuntimeError: INTERNAL: Error
+    when calling buffer callback: <text>``, where ``<text>`` is the Python stack of the deepest frame of the
+    exception's traceback (a dozen frames of jax's dispatch, and the user's own) and only then the message.
+    A thread's first frame has no caller, so raised from there the text is one frame line and then
+    ``ValueError: mla_bridge_jax...: <message>`` (XLA's prefix itself cannot be changed from Python).
+    """
+    import _thread
+
+    try:
+        new = type(err)(f"{what}: {err}")
+    except Exception:  # an exception type with another constructor: keep it as it is
+        new = err
+    done = threading.Event()
+
+    def mla_bridge_jax_input_error():
+        try:
+            raise new
+        except BaseException:
+            pass
+        finally:
+            done.set()
+
+    _thread.start_new_thread(mla_bridge_jax_input_error, ())
+    done.wait()
+    new.__cause__, new.__suppress_context__ = None, True
+    return new
+
+
 def _mla_callback(plan: PrefillPlan, scale: Any = None) -> Callable:
     """The traced call's body; ``scale``: a Python float closed over, or None (no scale, or the scale is the last
     buffer: read on the device)."""
@@ -348,7 +409,10 @@ def _mla_callback(plan: PrefillPlan, scale: Any = None) -> Callable:
             t_out, t_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
             tensors = [torch.from_dlpack(a) for a in args]
             s = tensors.pop() if len(tensors) > len(_MLA_ARGS) else scale
-            _, lse_full = _core.mla_prefill(*tensors, plan, out=t_out, return_lse=True, kv_cache_scale=s)
+            try:  # block ids are traced values: the core checks them (on a CPU plan) only now, when the call runs
+                _, lse_full = _core.mla_prefill(*tensors, plan, out=t_out, return_lse=True, kv_cache_scale=s)
+            except (ValueError, TypeError, IndexError) as err:
+                raise _shallow(err, "mla_bridge_jax.mla_prefill") from None
             t_lse.copy_(lse_full)
 
     return callback
@@ -377,7 +441,9 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
     Raises:
         TypeError: a non-JAX input (named), a plan that is not a PrefillPlan.
         ValueError / TypeError: the core's ``mla_bridge.prefill.validate_prefill_inputs`` (at trace time
-            under jit; block ids on a CPU plan are range-checked when the call runs).
+            under jit; block ids on a CPU plan are range-checked when the call runs: under jit that error comes
+            inside XLA's ``JaxRuntimeError``, as its last line ``ValueError: mla_bridge_jax.mla_prefill: ...``
+            after a one-frame traceback).
         InferenceOnlyError: on differentiation.
     """
     if not isinstance(plan, PrefillPlan):
