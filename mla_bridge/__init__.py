@@ -4,6 +4,7 @@ Data flows one way: :class:`MLADims` -> :func:`select_backend` -> :class:`Prefil
 -> :func:`mla_prefill` / :meth:`RaggedPlan.run` -> :func:`merge_attn_states`. LSEs are natural-log everywhere.
 """
 
+from .cache import quantize_latent_cache
 from .dims import MLADims
 from .dispatch import BACKEND_NAMES, BackendChoice, select_backend
 from .merge import merge_attn_states
@@ -17,4 +18,5 @@ __version__ = "0.1.0"
 __all__ = [
     "MLADims", "BackendChoice", "BACKEND_NAMES", "select_backend", "Workspace", "WorkspaceTooSmallError",
     "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "mla_prefill", "__version__",
+    "quantize_latent_cache",
 ]

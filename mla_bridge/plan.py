@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
 from .ragged import INT32_MAX, RaggedPlan, indptr_from_lens, plan_ragged
 from .workspace import Workspace, _checked_device
@@ -116,7 +117,7 @@ class PrefillPlan:
     Build it with :meth:`build`. Attributes: ``dims``, ``block_size``, ``query_lens``, ``context_lens`` (lists of
     ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
     fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks``
-    (list of :class:`ContextChunk`), ``device``, ``dtype``, ``workspace``, and for the fused schedule the
+    (list of :class:`ContextChunk`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, and for the fused schedule the
     device index tensors that place gathered context and new tokens into one key buffer.
     """
 
@@ -127,7 +128,7 @@ class PrefillPlan:
     def build(cls, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
               workspace: Workspace, block_size: int, device: "torch.device | str | None" = None,
               dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None,
-              fuse_context: bool = True) -> "PrefillPlan":
+              fuse_context: bool = True, kv_cache_dtype=None) -> "PrefillPlan":
         """Plan a batch once: indptrs, the context-chunk schedule, and one :class:`RaggedPlan` per pass.
 
         Args:
@@ -140,17 +141,22 @@ class PrefillPlan:
             dtype: q / cache / weight dtype (bf16 or fp16 for FlashInfer; float32 runs the torch backend).
             backend: force a backend for every pass (see :func:`mla_bridge.select_backend`).
             fuse_context: allow the fused single-pass schedule when the context fits one chunk (default True).
+            kv_cache_dtype: the paged cache's dtype (``plan.kv_cache_dtype``): None / ``"auto"`` = ``dtype``;
+                ``"fp8"`` / ``torch.float8_e4m3fn`` / ``torch.uint8`` = an FP8 e4m3 cache with one per-tensor
+                scale, dequantized into ``dtype`` in the gather (see :mod:`mla_bridge.cache`).
 
         Raises:
             TypeError / ValueError: lengths that are not non-negative ints or differ in count, ``query_lens`` or
                 ``context_lens`` summing beyond ``2**31 - 1`` tokens (checked first, in O(requests)), a bad block
-                size, a device other than the workspace's, a forced backend that cannot serve.
+                size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
+                is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``).
 
         Host work is O(requests + chunks) on CUDA (per-token index tensors are expanded on the device). On the CPU
         device those index tensors are host memory, made here: 16 bytes per context token in the chunked schedule,
         24 per context token and 8 per new token in the fused one.
         """
         self = object.__new__(cls)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         q_lens = _lengths("query_lens", query_lens)
         c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
         if len(c_lens) != len(q_lens):

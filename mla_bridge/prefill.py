@@ -1,7 +1,9 @@
 """mla_prefill: MLA prefill attention of one layer for a planned batch (new tokens + paged cached context).
 
 Steps per layer (all host decisions were made in :class:`mla_bridge.PrefillPlan`):
-  1. up-project the 576-wide latent rows (kv_c ++ k_pe) of the keys with one GEMM against ``kv_b_proj_weight``
+  1. gather the context's latent rows through ``block_table`` (dequantizing an FP8 cache into the plan's dtype) and,
+     for the fused schedule, place the new tokens after each request's context (:mod:`mla_bridge.cache`);
+  2. up-project the 576-wide latent rows (kv_c ++ k_pe) of the keys with one GEMM against ``kv_b_proj_weight``
      rearranged (:func:`up_projection_weight`), whose output holds k = concat(k_nope, k_pe) and v side by side;
   3. attention: the fused schedule gathers context and new tokens into one key buffer and runs one causal pass;
      the chunked schedule runs the causal main pass over the new tokens, then for each context chunk gathers the
@@ -15,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .cache import check_kv_cache, fused_latent, gather_latent, gather_row_bytes
 from .merge import merge_attn_states_
 from .plan import PrefillPlan
 
@@ -27,13 +30,16 @@ def _need(cond: bool, exc: type, msg: str) -> None:
 
 
 def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan: PrefillPlan,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None, kv_cache_scale=None) -> torch.Tensor:
     """Check every :func:`mla_prefill` input against ``plan`` on the host; returns ``k_pe`` as ``[T, rope]``.
 
     Raises:
-        TypeError: a non-tensor, or a dtype other than the plan's (block_table: an integer dtype).
+        TypeError: a non-tensor, or a dtype other than the plan's (block_table: an integer dtype; kv_cache: the
+            plan's ``kv_cache_dtype``).
         ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
-            expected), another device, a block_table row too short for its context, a context longer than the cache.
+            expected), another device, a block_table row too short for its context, a context longer than the cache,
+            and the cache-scale rules of :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``,
+            a scale with an unquantized cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
     """
     _need(isinstance(plan, PrefillPlan), TypeError, f"plan must be a PrefillPlan, got {type(plan).__name__}")
     d, t = plan.dims, plan.num_tokens
@@ -42,8 +48,9 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     for name, x in named:
         _need(isinstance(x, torch.Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(x).__name__}")
         _need(x.device == plan.device, ValueError, f"{name} is on {x.device}, but the plan is on {plan.device}")
-        if name != "block_table":
+        if name not in ("block_table", "kv_cache"):
             _need(x.dtype == plan.dtype, TypeError, f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
+    check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     _need(q.dim() == 3 and q.shape[0] == t, ValueError,
           f"q must be [T={t} (qo_indptr[-1]), H, head_dim_qk], got {list(q.shape)}")
     _need(tuple(q.shape[1:]) == (d.num_heads, d.head_dim_qk), ValueError,
@@ -110,31 +117,13 @@ def _up_project(latent: torch.Tensor, weight: torch.Tensor, dims) -> tuple[torch
     return out[..., : dims.head_dim_qk], out[..., dims.head_dim_qk:]
 
 
-def _gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,
-                   block_size: int) -> torch.Tensor:
-    """Latent cache rows [N, latent_dim] of (request, position) pairs, through block_table."""
-    block_ids = block_table[req_ids, torch.div(positions, block_size, rounding_mode="floor")].long()
-    slots = block_ids * block_size + positions % block_size
-    return kv_cache.reshape(-1, kv_cache.shape[-1]).index_select(0, slots)
-
-
-def _fused_latent(plan: PrefillPlan, kv_c, k_pe, kv_cache, block_table) -> torch.Tensor:
-    """Each request's context latents followed by its new tokens' latents, [main_kv_indptr[-1], latent_dim]."""
-    dims = plan.dims
-    latent = torch.empty(int(plan.main_kv_indptr[-1]), dims.latent_dim, dtype=plan.dtype, device=plan.device)
-    latent.index_copy_(0, plan.ctx_dst, _gather_latent(kv_cache, block_table, plan.ctx_req_ids, plan.ctx_positions,
-                                                       plan.block_size))
-    latent[:, : dims.kv_lora_rank].index_copy_(0, plan.new_dst, kv_c)
-    latent[:, dims.kv_lora_rank:].index_copy_(0, plan.new_dst, k_pe)
-    return latent
-
-
 PhaseHook = Callable[[str], None]
 
 
 def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_proj_weight: torch.Tensor,
                 kv_cache: torch.Tensor, block_table: torch.Tensor, plan: PrefillPlan, *,
-                out: Optional[torch.Tensor] = None, return_lse: bool = False, phase_hook: Optional[PhaseHook] = None):
+                out: Optional[torch.Tensor] = None, return_lse: bool = False, phase_hook: Optional[PhaseHook] = None,
+                kv_cache_scale=None):
     """MLA prefill attention for one layer: each request's new tokens over its whole sequence (context + new,
     causal among the new tokens).
 
@@ -145,7 +134,9 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
         k_pe: ``[T, qk_rope_head_dim]`` or ``[T, 1, qk_rope_head_dim]``, the new tokens' RoPE key (shared by heads).
         kv_b_proj_weight: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``, as stored in DeepSeek checkpoints.
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` paged latent cache holding each
-            request's first ``context_lens[r]`` tokens in the blocks its ``block_table`` row lists.
+            request's first ``context_lens[r]`` tokens in the blocks its ``block_table`` row lists; dtype
+            ``plan.kv_cache_dtype``: the plan's dtype, or FP8 e4m3 (``float8_e4m3fn`` or its uint8 view). Read
+            through its strides (never copied).
         block_table: ``[batch, max_blocks]`` integer block ids. On CUDA their range is not checked on the host (that
             would sync every layer); on the CPU it is.
         plan: the batch's :class:`PrefillPlan` (built once, shared by every layer).
@@ -153,6 +144,9 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
         return_lse: also return the LSE ``[T, H]`` float32, natural log.
         phase_hook: for profiling: called with "gather", "up-projection", "main pass", "context chunk", "merge" as
             each phase starts and "end" after the last (the CLI and the benchmark time phases with it).
+        kv_cache_scale: the FP8 cache's per-tensor scale (required for FP8, refused otherwise): a Python float or a
+            0-d/1-element float32 tensor on the cache's device (vLLM's ``layer._k_scale``; read on the device, no
+            host sync). Context rows are dequantized into the plan's dtype in the gather (:mod:`mla_bridge.cache`).
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -160,7 +154,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; raised before any kernel runs.
     """
-    k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out)
+    k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)
+    kv_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     hook = phase_hook or (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:
@@ -169,7 +164,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
 
     plan.main.order_after_plan()  # the index tensors and schedules were queued at plan time, maybe on another stream
     hook("gather")
-    latent = (_fused_latent(plan, kv_c, k_pe, kv_cache, block_table) if plan.fused
+    latent = (fused_latent(plan, kv_c, k_pe, kv_cache, block_table, scale) if plan.fused
               else torch.cat([kv_c, k_pe], dim=-1))
     hook("up-projection")
     weight = up_projection_weight(kv_b_proj_weight, dims)
@@ -181,7 +176,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
             continue
         del latent, k, v  # free the previous pass's buffers before this chunk allocates its own
         hook("gather")
-        latent = _gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, plan.block_size)
+        latent = gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, dtype=plan.dtype,
+                               kv_cache_scale=scale)
         hook("up-projection")
         k, v = _up_project(latent, weight, dims)
         hook("context chunk")
@@ -201,16 +197,21 @@ def prefill_memory_bytes(plan: PrefillPlan) -> int:
     of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the rearranged
     weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
     pass over context + new tokens; the chunked one frees each pass before the next, whose peak adds the chunk's
-    partial out/lse and the merge's float32 LSE copies for its query rows. Index tensors (8 bytes per gathered
-    token, three at once) are included. This is the "workspace budget" the benchmark checks peak memory against.
+    partial out/lse and the merge's float32 LSE copies for its query rows. The gather's temporaries per context row
+    are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the rows in the
+    cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices; the Triton
+    gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for FP8) is the
+    caller's, not counted. This is the "workspace budget" the benchmark checks peak memory against.
     """
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens
     fixed = h * p * lat * e + t * h * (d.v_head_dim * e + 4)
 
+    row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat)
+
     def one_pass(keys: int, gathered: int) -> int:
-        return keys * lat * e + gathered * (lat * e + 24) + keys * h * p * e
+        return keys * lat * e + gathered * row + keys * h * p * e
 
     if plan.fused:
         return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_context_tokens)

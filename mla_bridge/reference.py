@@ -5,7 +5,10 @@ This shares no code with :mod:`mla_bridge.prefill`, :mod:`mla_bridge.plan` or th
 DeepSeek-V2 paper's MLA in its "MHA form" step by step, in float64, with an ordinary (not online) softmax:
 
 1. gather the request's ``context_len`` cached latent tokens through its ``block_table`` row
-   (position ``p`` lives in block ``block_table[p // block_size]``, slot ``p % block_size``);
+   (position ``p`` lives in block ``block_table[p // block_size]``, slot ``p % block_size``); an FP8 e4m3 cache
+   (``float8_e4m3fn`` or its uint8 view) is dequantized from the same bytes as ``float64(stored) * scale`` (exact:
+   the product of an e4m3 value and a float32 scale fits a float64), so the check measures the kernels, not the
+   quantization; the kernels' gather rounds that same product once to the plan's dtype;
 2. append the request's new tokens (``kv_c`` ++ ``k_pe``): the whole sequence, context first;
 3. up-project with ``kv_b_proj_weight`` (``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``):
    ``kv_c @ W.T`` viewed ``[S, H, qk_nope_head_dim + v_head_dim]`` splits into k_nope and v;
@@ -32,14 +35,32 @@ __all__ = ["gather_context_latent", "reference_request", "max_abs_error", "max_e
 _SCORE_ELEMS = 1 << 25
 
 
-def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int) -> torch.Tensor:
-    """The first ``context_len`` latent tokens of one request, ``[context_len, latent_dim]`` in the cache's dtype.
+def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int,
+                          kv_cache_scale=None) -> torch.Tensor:
+    """The first ``context_len`` latent tokens of one request, ``[context_len, latent_dim]``: in the cache's dtype,
+    or for an FP8 cache (``float8_e4m3fn`` / uint8 view, ``kv_cache_scale`` required) float64 ``stored * scale``.
 
     Args:
         kv_cache: ``[num_blocks, block_size, latent_dim]``.
         block_table_row: ``[max_blocks]`` integer block ids of this request.
         context_len: cached tokens of this request (>= 0).
+        kv_cache_scale: the FP8 cache's per-tensor scale (float or 1-element tensor); None for other caches.
+
+    Raises:
+        ValueError: an FP8 cache without a scale, or a scale with another cache.
     """
+    if kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn):
+        if kv_cache_scale is None:
+            raise ValueError("kv_cache_scale is required for an FP8 kv_cache")
+        scale = float(torch.as_tensor(kv_cache_scale, dtype=torch.float32).reshape(()).cpu())
+        rows = _gather_rows(kv_cache.view(torch.uint8), block_table_row, context_len)  # the bytes
+        return rows.view(torch.float8_e4m3fn).to(torch.float64) * scale
+    if kv_cache_scale is not None:
+        raise ValueError(f"kv_cache_scale was given for a {kv_cache.dtype} kv_cache (only FP8 caches take one)")
+    return _gather_rows(kv_cache, block_table_row, context_len)
+
+
+def _gather_rows(kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int) -> torch.Tensor:
     block_size = kv_cache.shape[1]
     rows = []
     for p0 in range(0, context_len, block_size):
@@ -52,8 +73,8 @@ def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
 
 def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_proj_weight: torch.Tensor,
                       kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int, dims: MLADims,
-                      *, score_elems: int = _SCORE_ELEMS, device: "torch.device | str | None" = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      *, score_elems: int = _SCORE_ELEMS, device: "torch.device | str | None" = None,
+                      kv_cache_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA prefill of ONE request over its whole sequence, in float64.
 
     Args:
@@ -66,6 +87,7 @@ def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         dims: the layer's :class:`MLADims` (head split and ``softmax_scale``).
         score_elems: float64 scores held at once (sets the query block size; the result does not depend on it).
         device: where to compute (default: q's device; a GPU's float64 is much faster than a CPU's).
+        kv_cache_scale: an FP8 cache's per-tensor scale (see :func:`gather_context_latent`).
 
     Returns:
         ``(out [L, H, v_head_dim] float64, lse [L, H] float64 natural log)``, on the CPU. With no new tokens
@@ -76,7 +98,7 @@ def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     r, rope, nope, dv, h = dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim, dims.num_heads
     q = q.to(dev, f64)
     new_latent = torch.cat([kv_c.to(dev, f64), k_pe.reshape(k_pe.shape[0], rope).to(dev, f64)], dim=1)
-    ctx_latent = gather_context_latent(kv_cache, block_table_row.to("cpu"), context_len).to(dev, f64)
+    ctx_latent = gather_context_latent(kv_cache, block_table_row.to("cpu"), context_len, kv_cache_scale).to(dev, f64)
     latent = torch.cat([ctx_latent, new_latent], dim=0)  # [S, kv_lora_rank + rope], context first
     s_len, l_len = latent.shape[0], q.shape[0]
 

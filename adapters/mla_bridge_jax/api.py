@@ -77,7 +77,7 @@ def _inference_only(fn: Callable, what: str) -> Callable:
 def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float = 0.0) -> torch.Tensor:
     """A torch stand-in for a traced array, for the core's host-side validation: right shape/dtype/device, one
     element of memory (an expanded scalar)."""
-    return torch.full((), fill, dtype=torch_dtype(dtype), device=device).expand(*shape)
+    return torch.full((), fill, dtype=torch_dtype(dtype), device=device).expand(tuple(shape))
 
 
 #: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) held at once, process-wide, most recently used
@@ -322,7 +322,7 @@ def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, ji
 
 def build_plan(query_lens: Any, context_lens: Any = None, *, dims: MLADims, block_size: int, dtype: Any = jnp.bfloat16,
                device: Any = None, workspace: Optional[Workspace] = None, backend: Optional[str] = None,
-               fuse_context: bool = True) -> PrefillPlan:
+               fuse_context: bool = True, kv_cache_dtype: Any = None) -> PrefillPlan:
     """The core's :meth:`mla_bridge.PrefillPlan.build` from host lengths, for :func:`mla_prefill`; build it once per
     batch, outside ``jax.jit``, and share it across layers.
 
@@ -333,6 +333,9 @@ def build_plan(query_lens: Any, context_lens: Any = None, *, dims: MLADims, bloc
         workspace: a :class:`mla_bridge.Workspace` (default: the device's shared one); its ``chunk_tokens`` bounds
             one context chunk.
         dims, block_size, backend, fuse_context: as :meth:`mla_bridge.PrefillPlan.build`.
+        kv_cache_dtype: the paged cache's dtype: None / "auto" (= ``dtype``), "fp8", ``jnp.float8_e4m3fn`` or
+            ``jnp.uint8`` (a view of FP8 bytes): an FP8 e4m3 cache with one per-tensor scale (see
+            :mod:`mla_bridge.cache`).
 
     Raises:
         TypeError: traced lengths (named); the core's errors otherwise.
@@ -345,7 +348,16 @@ def build_plan(query_lens: Any, context_lens: Any = None, *, dims: MLADims, bloc
         workspace = default_workspace(default_torch_device() if device is None else torch_device_of(device))
     return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size,
                              device=None if device is None else torch_device_of(device), dtype=torch_dtype(dtype),
-                             backend=backend, fuse_context=fuse_context)
+                             backend=backend, fuse_context=fuse_context,
+                             kv_cache_dtype=_cache_dtype(kv_cache_dtype))
+
+
+def _cache_dtype(dtype: Any) -> Any:
+    """A JAX/numpy cache dtype as torch's (``float8_e4m3fn`` included); strings and None pass through."""
+    if dtype is None or isinstance(dtype, (str, torch.dtype)):
+        return dtype
+    name = jnp.dtype(dtype).name
+    return getattr(torch, name) if name.startswith("float8") else torch_dtype(dtype)
 
 
 _MLA_ARGS = ("q", "kv_c", "k_pe", "kv_b_proj_weight", "kv_cache", "block_table")
@@ -382,7 +394,9 @@ def _shallow(err: BaseException, what: str) -> BaseException:
     return new
 
 
-def _mla_callback(plan: PrefillPlan) -> Callable:
+def _mla_callback(plan: PrefillPlan, scale: Any = None) -> Callable:
+    """The traced call's body; ``scale``: a Python float closed over, or None (no scale, or the scale is the last
+    buffer: read on the device)."""
     def get_plan(device: torch.device) -> PrefillPlan:
         if device != plan.device:
             raise ValueError(f"mla_bridge_jax.mla_prefill: the plan is for {plan.device}, but XLA ran the call on "
@@ -393,9 +407,10 @@ def _mla_callback(plan: PrefillPlan) -> Callable:
         out, lse = outs
         with xla_stream(ctx, buffer_device(args[0]), get_plan):
             t_out, t_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+            tensors = [torch.from_dlpack(a) for a in args]
+            s = tensors.pop() if len(tensors) > len(_MLA_ARGS) else scale
             try:  # block ids are traced values: the core checks them (on a CPU plan) only now, when the call runs
-                _, lse_full = _core.mla_prefill(*(torch.from_dlpack(a) for a in args), plan, out=t_out,
-                                                return_lse=True)
+                _, lse_full = _core.mla_prefill(*tensors, plan, out=t_out, return_lse=True, kv_cache_scale=s)
             except (ValueError, TypeError, IndexError) as err:
                 raise _shallow(err, "mla_bridge_jax.mla_prefill") from None
             t_lse.copy_(lse_full)
@@ -404,15 +419,21 @@ def _mla_callback(plan: PrefillPlan) -> Callable:
 
 
 def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: jax.Array, kv_cache: jax.Array,
-                block_table: jax.Array, plan: PrefillPlan, *, return_lse: bool = False):
+                block_table: jax.Array, plan: PrefillPlan, *, return_lse: bool = False, kv_cache_scale: Any = None):
     """MLA prefill attention of one layer, as :func:`mla_bridge.mla_prefill` (same shapes and conventions).
 
     Args:
         q ``[T, H, 192]``, kv_c ``[T, 512]``, k_pe ``[T, 64]`` or ``[T, 1, 64]``, kv_b_proj_weight
         ``[H * 256, 512]``, kv_cache ``[num_blocks, block_size, 576]``, block_table ``[batch, max_blocks]`` int32:
         jax.Arrays (tracers inside jit) on the plan's device.
+        kv_cache may be FP8 e4m3 (``jnp.float8_e4m3fn``, or a ``jnp.uint8`` view of it) when the plan was built with
+        ``kv_cache_dtype="fp8"``; DLPack hands it to torch zero-copy as ``torch.float8_e4m3fn`` (uint8 as uint8,
+        reinterpreted by the core).
         plan: from :func:`build_plan` (host lengths; built outside jit, closed over inside it).
         return_lse: also return the natural-log lse ``[T, H]`` float32.
+        kv_cache_scale: the FP8 cache's per-tensor scale: a Python float (static under jit), or a 0-d/1-element
+            float32 jax.Array on the plan's device (traced under jit: passed to the custom call as a buffer and read
+            on the device). Required for FP8, refused otherwise (as :func:`mla_bridge.mla_prefill`).
 
     Returns:
         ``out [T, H, 128]`` in the plan's dtype, or ``(out, lse)``.
@@ -431,14 +452,21 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
     args = (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table)
     for name, x in zip(_MLA_ARGS, args):
         check_array(name, x)
-    if not any(is_tracer(x) for x in args):
-        result = _core.mla_prefill(*(to_torch(n, x) for n, x in zip(_MLA_ARGS, args)), plan, return_lse=return_lse)
+    scale_array = isinstance(kv_cache_scale, (jax.Array, jax.core.Tracer))
+    if not any(is_tracer(x) for x in args + ((kv_cache_scale,) if scale_array else ())):
+        scale = to_torch("kv_cache_scale", kv_cache_scale) if scale_array else kv_cache_scale
+        result = _core.mla_prefill(*(to_torch(n, x) for n, x in zip(_MLA_ARGS, args)), plan, return_lse=return_lse,
+                                   kv_cache_scale=scale)
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
 
-    _core_prefill.validate_prefill_inputs(*(_proxy(x.shape, x.dtype, plan.device) for x in args), plan)
+    proxies = [_proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype, plan.device)
+               for n, x in zip(_MLA_ARGS, args)]
+    scale_proxy = _proxy(kv_cache_scale.shape, kv_cache_scale.dtype, plan.device, 1.0) if scale_array else kv_cache_scale
+    _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)
     d, t = plan.dims, plan.num_tokens
     out_types = (jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
                  jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32))
-    call = buffer_callback(_mla_callback(plan), out_types, vmap_method="sequential")
-    out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args)
+    call = buffer_callback(_mla_callback(plan, None if scale_array else kv_cache_scale), out_types,
+                           vmap_method="sequential")
+    out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *((kv_cache_scale,) if scale_array else ()))
     return (out, lse) if return_lse else out

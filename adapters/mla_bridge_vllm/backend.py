@@ -70,6 +70,12 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
     Supported dtypes: float16 and bfloat16 (FlashInfer's); on vLLM's CPU platform any floating dtype (the torch
     backend computes in float32). Dimensions: whatever the selected FlashInfer kernel takes (192/128 for
     DeepSeek-V2/V3 everywhere; see :data:`mla_bridge.dispatch.BACKENDS`). No FP8 query/output quantization.
+
+    FP8 KV cache (``--kv-cache-dtype fp8``): selectable and correct as is. vLLM 0.32's prefill selector asks nothing
+    about the cache dtype (``MLAPrefillSelectorConfig`` holds the model dtype and MLA dims only); vLLM dequantizes
+    the context itself (``gather_and_maybe_dequant_cache``) and quantizes prefill queries to FP8 only for the
+    backends it names (FLASHINFER, TRTLLM_RAGGED, TOKENSPEED_MLA on SM100), so this backend gets bf16 q/k/v
+    (tests/vllm/test_vllm_fp8.py checks all three facts).
     """
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]

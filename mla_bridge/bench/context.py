@@ -8,8 +8,9 @@ with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_s
 mla_prefill's phases timed inside the layer by :mod:`mla_bridge.profiling` (the way the CLI times them), whose sum
 is checked against the layer's time (within 5% on a GPU).
 
-The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_fused_latent``, ``_gather_latent`` and
-``_up_project``); keep them in step when it changes.
+The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call :mod:`mla_bridge.cache`'s
+``fused_latent`` and ``gather_latent`` and its ``_up_project``); keep them in step when it changes.
+FP8-cache rows (issue 12) time the same case with its cache quantized, beside the bf16-cache ones.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 from ..merge import merge_attn_states_
 from ..plan import PrefillPlan, schedule_context_chunks
-from ..prefill import (_fused_latent, _gather_latent, _up_project, mla_prefill, prefill_memory_bytes,
-                       up_projection_weight)
+from ..cache import fused_latent, gather_impl, gather_latent, quantize_latent_cache
+from ..prefill import _up_project, mla_prefill, prefill_memory_bytes, up_projection_weight
 from ..ragged import plan_ragged
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for
@@ -51,10 +52,19 @@ PATHS = (
     "in mla_prefill: context chunk",
     "in mla_prefill: merge",
     "in mla_prefill: sum of phases",
+    "mla_prefill, FP8 cache",
+    "phase: gather by block_table, FP8 cache",
+    "phase: gather by block_table, torch gather",
+    "phase: gather by block_table, FP8 cache, torch gather",
 )
 #: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
 IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
 PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time within 5% (issue 10.2)
+#: FP8-cache rows (issue 12): the same case with its cache quantized (mla_bridge.cache.quantize_latent_cache);
+#: the ratio to the bf16-cache row of the same run is the target (<= 1.02).
+FP8_TARGET = 1.02
+I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(PATHS.index("mla_prefill, FP8 cache"),
+                                                               PATHS.index("mla_prefill, FP8 cache") + 4)
 
 
 @dataclass
@@ -185,13 +195,14 @@ class _Phases:
         self.out = torch.empty(x.num_tokens, d.num_heads, d.v_head_dim, dtype=plan.dtype, device=plan.device)
         self.lse = torch.empty(x.num_tokens, d.num_heads, dtype=torch.float32, device=plan.device)
         row_bytes = d.latent_dim * e
+        # bytes a gather must move: context rows read (in the cache's dtype) and written, new rows read and written
+        self.gather_bytes = lambda cache_e: x.num_context * d.latent_dim * (cache_e + e) + (
+            2 * x.num_tokens * row_bytes if plan.fused else 0)
         if plan.fused:
             self.n_keys = int(plan.main_kv_indptr[-1])
             self.sources = [self.gather()]  # 576-wide latent rows, as mla_prefill passes them
-            self.gather_bytes = (4 * x.num_context + 2 * x.num_tokens) * row_bytes
         else:
             self.sources = [torch.cat([x.kv_c, x.k_pe], dim=-1)] + self.gather()
-            self.gather_bytes = 2 * x.num_context * row_bytes
         self.kv = self.up_projection()
         self.partials = []
         self.attention()
@@ -201,12 +212,14 @@ class _Phases:
         rows = sum(c.q_end - c.q_start for c in plan.chunks if c.plan is not None)
         self.merge_bytes = 3 * rows * d.num_heads * (d.v_head_dim * e + 4)
 
-    def gather(self):
-        x, plan, d = self.x, self.plan, self.x.dims
+    def gather(self, cache=None, scale=None, impl=None):
+        """The gather of mla_prefill (``cache``/``scale``: an FP8 copy of the cache; ``impl``: torch or triton)."""
+        x, plan = self.x, self.plan
+        cache = x.kv_cache if cache is None else cache
         if plan.fused:
-            return _fused_latent(plan, x.kv_c, x.k_pe, x.kv_cache, x.block_table)
-        return [_gather_latent(x.kv_cache, x.block_table, c.req_ids, c.positions, plan.block_size)
-                for c in plan.chunks]
+            return fused_latent(plan, x.kv_c, x.k_pe, cache, x.block_table, scale, impl=impl)
+        return [gather_latent(cache, x.block_table, c.req_ids, c.positions, dtype=plan.dtype, kv_cache_scale=scale,
+                              impl=impl) for c in plan.chunks]
 
     def up_projection(self):
         w = up_projection_weight(self.x.w, self.x.dims)
@@ -276,7 +289,9 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
         skipped.append(ctx.skipped(SECTION, name, PATHS[3], "phases failed: " + fmt_err(err, 160), err, **meta(3)))
     if ph is not None:
         items += [
-            (PATHS[3], ph.gather, dict(nbytes=ph.gather_bytes, note="latent rows read + written", **meta(3))),
+            (PATHS[3], ph.gather, dict(nbytes=ph.gather_bytes(x.q.element_size()),
+                                       note=f"{gather_impl(ctx.device)} gather; latent rows read + written",
+                                       **meta(3))),
             (PATHS[4], ph.up_projection, dict(flops=up_flops, **meta(4))),
             (PATHS[5], ph.gemm, dict(flops=up_flops, **meta(5))),
             (PATHS[6], ph.attention, dict(flops=attn_flops, **meta(6))),
@@ -287,11 +302,75 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
         else:
             items.append((PATHS[7], ph.merge, dict(nbytes=ph.merge_bytes, note="merge_attn_states_ per chunk",
                                                    **meta(7))))
-    rows = ctx.measure_many(SECTION, name, items) + skipped
+    fp8 = _fp8_items(ctx, x, plan, ph, name, flops, dict(extra), meta)
+    items += fp8["items"]
+    rows = ctx.measure_many(SECTION, name, items) + skipped + fp8["skipped"]
     rows.extend(_summary_rows(ctx, name, {r.path: r for r in rows}, attn_flops, up_flops, meta))
     rows.extend(_in_layer_rows(ctx, x, plan, name, rows[0], meta))
+    _fp8_summary(ctx, name, {r.path: r for r in rows}, fp8)
     rows.extend(_context_pass_rows(ctx, x, budget, name, ws, meta))
     return rows
+
+
+def _fp8_items(ctx: Ctx, x: Inputs, plan: PrefillPlan, ph, name: str, flops: float, extra: dict,
+               meta: Callable[[int], dict]) -> dict:
+    """The FP8-cache paths of a case (same inputs, the cache quantized once), the torch-gather phases, and the
+    FP8 result's error against the bf16-cache result (the quantization error), computed once, untimed."""
+    e = x.q.element_size()
+    res: dict = {"items": [], "skipped": [], "rel_err": None}
+    try:
+        cache8, scale = quantize_latent_cache(x.kv_cache)
+        plan8 = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=plan.workspace,
+                                  block_size=x.case.block_size, dtype=ctx.dtype, backend=ctx.backend,
+                                  kv_cache_dtype="fp8")
+        run8 = lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, cache8, x.block_table, plan8,  # noqa: E731
+                                   kv_cache_scale=scale)
+        ref = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan).float()
+        res["rel_err"] = float((run8().float() - ref).abs().max() / ref.abs().max())
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        res["skipped"].append(ctx.skipped(SECTION, name, PATHS[I_FP8], "failed: " + fmt_err(err, 160), err,
+                                          **meta(I_FP8)))
+        return res
+    extra["kv_cache_scale"] = float(scale)
+    res["items"].append((PATHS[I_FP8], run8, dict(flops=flops, note=f"fp8_e4m3 cache, {gather_impl(ctx.device)} "
+                                                  "gather", extra=extra, **meta(I_FP8))))
+    if ph is None:
+        return res
+    res["items"].append((PATHS[I_FP8_GATHER], lambda: ph.gather(cache8, scale),
+                         dict(nbytes=ph.gather_bytes(1), note="fp8 rows read, dequantized rows written",
+                              **meta(I_FP8_GATHER))))
+    if gather_impl(ctx.device) == "torch":
+        res["skipped"] += [ctx.skipped(SECTION, name, PATHS[i], "the gather above is the torch one here", **meta(i))
+                           for i in (I_TORCH_GATHER, I_FP8_TORCH_GATHER)]
+    else:
+        res["items"] += [
+            (PATHS[I_TORCH_GATHER], lambda: ph.gather(impl="torch"),
+             dict(nbytes=ph.gather_bytes(e), note="the torch fallback", **meta(I_TORCH_GATHER))),
+            (PATHS[I_FP8_TORCH_GATHER], lambda: ph.gather(cache8, scale, impl="torch"),
+             dict(nbytes=ph.gather_bytes(1), note="the torch fallback", **meta(I_FP8_TORCH_GATHER))),
+        ]
+    return res
+
+
+def _fp8_summary(ctx: Ctx, name: str, by_path: dict, fp8: dict) -> None:
+    """FP8 row against the bf16-cache row of the same run (the <= 1.02 target) and its quantization error."""
+    full, row8 = by_path.get(PATHS[0]), by_path.get(PATHS[I_FP8])
+    if row8 is None or row8.status != "ok":
+        ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", None, "<=", FP8_TARGET, "not measured")
+        return
+    row8.extra["rel_err_vs_unquantized"] = fp8["rel_err"]
+    row8.note += f"; max |out - out(bf16 cache)| / max |out| = {fp8['rel_err']:.2e} (quantization error)"
+    ratio = row8.ms / full.ms if full is not None and full.status == "ok" else None
+    if ratio is not None:
+        row8.extra["vs_bf16_cache"] = ratio
+        row8.note += f"; {ratio:.3f}x the bf16-cache row"
+    ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", ratio, "<=", FP8_TARGET, "same run")
+    for fast, slow in ((PATHS[3], PATHS[I_TORCH_GATHER]), (PATHS[I_FP8_GATHER], PATHS[I_FP8_TORCH_GATHER])):
+        a, b = by_path.get(fast), by_path.get(slow)
+        if a is not None and b is not None and a.status == b.status == "ok":
+            a.extra["vs_torch_gather"] = a.ms / b.ms
+            a.note += f"; {a.ms / b.ms:.3f}x the torch gather"
 
 
 def _in_layer_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row,
@@ -420,7 +499,7 @@ def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspac
     try:
         req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
         pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
-        lat = _gather_latent(x.kv_cache, x.block_table, req_ids, pos, x.case.block_size)
+        lat = gather_latent(x.kv_cache, x.block_table, req_ids, pos, dtype=ctx.dtype)
         k, v = _up_project(lat, up_projection_weight(x.w, d), d)
         plan = plan_ragged(qo, indptr(kv_lens), num_heads=d.num_heads, head_dim_qk=d.head_dim_qk,
                            head_dim_vo=d.head_dim_vo, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype,

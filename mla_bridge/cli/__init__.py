@@ -114,6 +114,9 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="q / cache / weight dtype (default auto: bfloat16 on CUDA, float32 on the CPU)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="paged latent cache dtype: auto = --dtype; fp8 = float8_e4m3fn with one per-tensor scale "
+                        "(amax/448, vLLM's kv_cache_dtype='fp8'), dequantized in the gather")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default cuda when available, else cpu)")
     g.add_argument("--backend", choices=BACKEND_NAMES + ("auto",), default=None,
                    help="force a backend (default: the dispatch table, or $MLA_BRIDGE_BACKEND)")

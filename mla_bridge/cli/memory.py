@@ -96,6 +96,8 @@ def estimate_run_memory(dims, query_lens: Sequence[int], context_lens: Sequence[
     dev["inputs"] = input_elems * e + len(query_lens) * max(1, max((-(-c // block_size) for c in context_lens),
                                                                   default=1)) * 4
     dev["paged cache"] = cache_elems * e
+    if plan is not None and plan.kv_cache_dtype != plan.dtype:  # --kv-cache-dtype fp8: the 1-byte copy beside it
+        dev["FP8 paged cache"] = cache_elems  # (the unquantized one is kept for the quantization error)
     index = _plan_index_bytes(plan) if plan is not None else 24 * ctx + 8 * t
     dev["plan index tensors"] = plans_held * index
     dev["layer outputs"] = 2 * out_bytes  # the timed layer's and the instrumented layer's
@@ -107,6 +109,8 @@ def estimate_run_memory(dims, query_lens: Sequence[int], context_lens: Sequence[
         if plan.backend.name == "torch":  # per-request float32 output and score blocks
             peak += max(query_lens, default=0) * h * dims.v_head_dim * _F32 + _TORCH_BLOCK_BYTES
         peaks["mla_prefill"] = peak
+        if plan.kv_cache_dtype != plan.dtype:  # quantize_latent_cache: float32 copy, its quotient, the bytes
+            peaks["quantizing the cache"] = cache_elems * (2 * _F32 + 1)
     if check_requests:
         worst = max(check_requests, key=lambda i: (context_lens[i] + query_lens[i], query_lens[i]))
         lq, s = query_lens[worst], context_lens[worst] + query_lens[worst]

@@ -55,6 +55,7 @@ def cmd_prefill(args, console) -> int:
     from rich.text import Text
 
     from .. import MLADims, PrefillPlan, Workspace, mla_prefill
+    from ..cache import cache_dtype_name, quantize_latent_cache
     from ..dims import PRESETS
     from ..reference import max_abs_error, max_excess_error, reference_request
     from ..workspace import DEFAULT_CHUNK_TOKENS
@@ -108,7 +109,8 @@ def cmd_prefill(args, console) -> int:
         workspace = Workspace(device, chunk_tokens=chunk_tokens)
         build = lambda: PrefillPlan.build(  # noqa: E731
             workload.query_lens, workload.context_lens, dims=dims, workspace=workspace, block_size=args.block_size,
-            device=device, dtype=dtype, backend=args.backend, fuse_context=not args.no_fuse)
+            device=device, dtype=dtype, backend=args.backend, fuse_context=not args.no_fuse,
+            kv_cache_dtype=args.kv_cache_dtype)
         t0 = time.perf_counter()
         plan = build()
         plan_ms = 1e3 * (time.perf_counter() - t0)  # the first build also loads FlashInfer's kernels
@@ -125,6 +127,13 @@ def cmd_prefill(args, console) -> int:
                                                              args.seed, loaded_weight)
     if weight_text is None:
         weight_text = f"random N(0, 1/{dims.kv_lora_rank}), seed {args.seed}"
+    kv_scale = None
+    unquantized_cache = None
+    if args.kv_cache_dtype == "fp8":  # quantized as vLLM's cache write; the check reads the same bytes back
+        unquantized_cache = cache
+        cache, kv_scale = quantize_latent_cache(cache)
+        kv_scale = float(kv_scale)
+    cache_bytes = cache.numel() * cache.element_size()
     backend = plan.backend
     if plan.fused:
         schedule = "fused: context + new tokens in one causal pass"
@@ -148,7 +157,7 @@ def cmd_prefill(args, console) -> int:
         if warmup:
             progress.update(task, description="warm-up layer")
             log("warm-up layer")
-            mla_prefill(*inputs, plan, return_lse=True)
+            mla_prefill(*inputs, plan, return_lse=True, kv_cache_scale=kv_scale)
             progress.advance(task)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -160,7 +169,7 @@ def cmd_prefill(args, console) -> int:
             log.layer(layer, args.layers)
             result = None  # let the previous layer's output go before the next one allocates
             s = timer.start()
-            result = mla_prefill(*inputs, plan, return_lse=True)
+            result = mla_prefill(*inputs, plan, return_lse=True, kv_cache_scale=kv_scale)
             timer.stop("layer", s)
             if device.type == "cpu":
                 progress.advance(task)
@@ -175,7 +184,7 @@ def cmd_prefill(args, console) -> int:
         if not args.no_breakdown:
             progress.update(task, description="instrumented layer (phase times)")
             log("instrumented layer (phase times)")
-            phase_times, (out_i, lse_i) = phase_breakdown(plan, *inputs)
+            phase_times, (out_i, lse_i) = phase_breakdown(plan, *inputs, kv_cache_scale=kv_scale)
             phases = phase_times.phases_ms
             breakdown_diff = max(max_abs_error(out_i, out.float()), max_abs_error(lse_i, lse))
             progress.advance(task)
@@ -188,8 +197,15 @@ def cmd_prefill(args, console) -> int:
             log(f"float64 check, request {r}")
             a, b = qo[r], qo[r + 1]
             ref_out, ref_lse = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], weight, cache, block_table[r],
-                                                 workload.context_lens[r], dims)
-            checked.append({"request": r, "new_tokens": b - a, "context_tokens": workload.context_lens[r],
+                                                 workload.context_lens[r], dims, kv_cache_scale=kv_scale)
+            quant = {}
+            if unquantized_cache is not None:  # the quantization error: against the cache before quantization
+                unq_out, _ = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], weight, unquantized_cache,
+                                               block_table[r], workload.context_lens[r], dims)
+                scale_ref = float(unq_out.abs().max()) if unq_out.numel() else 0.0
+                quant = {"max_abs_err_out_vs_unquantized": max_abs_error(out[a:b], unq_out),
+                         "max_abs_ref_out_unquantized": scale_ref}
+            checked.append({**quant, "request": r, "new_tokens": b - a, "context_tokens": workload.context_lens[r],
                             "max_abs_err_out": max_abs_error(out[a:b], ref_out),
                             "max_abs_err_lse": max_abs_error(lse[a:b], ref_lse),
                             "max_abs_ref_out": float(ref_out.abs().max()),
@@ -228,8 +244,11 @@ def cmd_prefill(args, console) -> int:
     _row(table, "requests", str(len(workload.query_lens)))
     _row(table, "new tokens", f"{sum(workload.query_lens)} ({_lens_text(workload.query_lens)})")
     _row(table, "context tokens", f"{sum(workload.context_lens)} ({_lens_text(workload.context_lens)})")
+    cache_text = cache_dtype_name(cache.dtype)
+    if kv_scale is not None:
+        cache_text += f", kv_cache_scale {kv_scale:.6g} (amax/448)"
     _row(table, "paged cache", f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
-                  f"shuffled block_table")
+                  f"shuffled block_table; {cache_text}; {cache_bytes / 2**20:.2f} MiB")
     _row(table, "schedule", schedule)
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
     _row(table, "plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
@@ -267,9 +286,15 @@ def cmd_prefill(args, console) -> int:
     if checked:
         verdict = ("PASS", "green") if passed else ("FAIL", "bold red")
         _row(table, "check", f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
-                      f"from the paged cache (mla_bridge.reference)")
+                      f"from the paged cache (mla_bridge.reference"
+                      f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})")
         _row(table, "  max abs error out", f"{err_out:.3e} (tolerance {_tol_text(tol_out)})")
         _row(table, "  max abs error lse", Text.assemble(f"{err_lse:.3e} (tolerance {_tol_text(tol_lse)}) ", verdict))
+        if unquantized_cache is not None:
+            q_err = max(c["max_abs_err_out_vs_unquantized"] for c in checked)
+            q_ref = max(c["max_abs_ref_out_unquantized"] for c in checked)
+            _row(table, "  fp8 quantization error", f"out vs float64 over the unquantized cache: {q_err:.3e} max abs "
+                 f"({q_err / q_ref if q_ref else float('nan'):.2e} of max |out|; reported, not checked)")
     else:
         _row(table, "check", "skipped (--check-requests 0)")
     console.print(table)
@@ -289,6 +314,9 @@ def cmd_prefill(args, console) -> int:
         "query_lens": workload.query_lens,
         "context_lens": workload.context_lens,
         "block_size": args.block_size,
+        "kv_cache": {"dtype": cache_dtype_name(cache.dtype), "scale": kv_scale, "bytes": cache_bytes,
+                     "quantization": "vLLM fp8 cache write: e4m3(x / scale), scale = amax / 448"
+                     if kv_scale is not None else None},
         "chunk_tokens": chunk_tokens,
         "schedule": "fused" if plan.fused else ("chunked" if plan.chunks else "main-only"),
         "num_chunks": len(plan.chunks),
@@ -301,7 +329,8 @@ def cmd_prefill(args, console) -> int:
         "flops": {"attention": attn_flops, "up_projection": up_flops, "total": attn_flops + up_flops},
         "tflops": tflops,
         "peak_extra_memory_bytes": peak_extra,
-        "check": {"reference": "mla_bridge.reference: unchunked float64 from the paged cache",
+        "check": {"reference": "mla_bridge.reference: unchunked float64 from the paged cache"
+                  + (" (dequantized: float64(stored) * scale)" if kv_scale is not None else ""),
                   "requests": checked, "max_abs_err_out": err_out, "max_abs_err_lse": err_lse,
                   "tolerance_out": {"atol": tol_out[0], "rtol": tol_out[1]},
                   "tolerance_lse": {"atol": tol_lse[0], "rtol": tol_lse[1]}, "passed": passed},

@@ -1,0 +1,19 @@
+"""GPU kernels of mla_bridge's own, one module per kernel, each imported only by the module that chooses it
+(:mod:`mla_bridge.cache` for :mod:`mla_bridge.kernels.gather`). Nothing here imports Triton at import time."""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["triton_available"]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when ``import triton`` works (Triton ships with torch's CUDA builds; CPU builds have none)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True

@@ -1,0 +1,128 @@
+"""Triton kernel: gather latent rows through ``block_table`` (+ FP8 dequantization) and place new tokens' kv_c / k_pe.
+
+One launch writes the latent buffer the up-projection GEMM reads, in the plan's dtype:
+
+* context rows: for each gathered token ``i`` (request ``req_ids[i]``, context position ``positions[i]``) the row
+  ``kv_cache[block_table[req, pos // block_size], pos % block_size, :]`` (read through the cache's strides), for an
+  FP8 cache ``float32(stored) * scale`` rounded once to the output dtype (as vLLM's ``gather_and_maybe_dequant_cache``),
+  written to row ``ctx_dst[i]`` (or row ``i`` for a chunk's gather);
+* new rows (fused schedule): ``kv_c[j] ++ k_pe[j]`` written to row ``new_dst[j]``.
+
+The result is bitwise equal to the torch path of :mod:`mla_bridge.cache` (same float32 product, same round to
+nearest even). Imported only by :mod:`mla_bridge.cache`, and only on first use: Triton is not needed on the CPU.
+Programs ``[0, ctx_programs)`` take ``BLOCK_M`` context rows each, the rest ``BLOCK_M`` new rows each; every program
+covers a whole 576-wide row (``BLOCK_D`` = next power of two, masked).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gather_latent_triton", "fused_latent_triton"]
+
+_BLOCK_M = 4
+
+
+@triton.jit
+def _gather_kernel(out_ptr, out_stride,
+                   cache_ptr, cs_block, cs_slot, cs_elem,
+                   table_ptr, ts_row, ts_col,
+                   req_ptr, pos_ptr, ctx_dst_ptr, n_ctx, ctx_programs,
+                   kvc_ptr, kvc_row, kvc_elem, kpe_ptr, kpe_row, kpe_elem, new_dst_ptr, n_new,
+                   scale_ptr, scale_val,
+                   BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, HAS_CTX_DST: tl.constexpr, DEQUANT: tl.constexpr,
+                   SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < LAT
+    if pid < ctx_programs:
+        rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < n_ctx
+        req = tl.load(req_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        blk = tl.load(table_ptr + req * ts_row + (pos // BLOCK_SIZE) * ts_col, mask=rmask, other=0).to(tl.int64)
+        src = cache_ptr + blk[:, None] * cs_block + (pos % BLOCK_SIZE)[:, None] * cs_slot + d[None, :] * cs_elem
+        m = rmask[:, None] & dmask[None, :]
+        x = tl.load(src, mask=m, other=0)
+        if DEQUANT:
+            if SCALE_IS_PTR:
+                s = tl.load(scale_ptr)
+            else:
+                s = scale_val
+            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+            if OUT_BF16:
+                # round the float32 product to nearest even on the bits (as cvt.rn.bf16.f32 and torch's .to();
+                # NaN -> 0x7FC0 as c10::BFloat16): the interpreter, whose float casts truncate, gives the same bits
+                bits = x.to(tl.uint32, bitcast=True)
+                rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+                rounded = tl.where(x != x, 0x7FC0, rounded)
+                x = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        x = x.to(out_ptr.dtype.element_ty)
+        if HAS_CTX_DST:
+            dst = tl.load(ctx_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            dst = rows
+        tl.store(out_ptr + dst[:, None] * out_stride + d[None, :], x, mask=m)
+    else:
+        rows = (pid - ctx_programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < n_new
+        dst = tl.load(new_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        is_c = d < RANK
+        a = tl.load(kvc_ptr + rows[:, None] * kvc_row + d[None, :] * kvc_elem,
+                    mask=rmask[:, None] & is_c[None, :], other=0)
+        b = tl.load(kpe_ptr + rows[:, None] * kpe_row + (d - RANK)[None, :] * kpe_elem,
+                    mask=rmask[:, None] & (~is_c & dmask)[None, :], other=0)
+        x = tl.where(is_c[None, :], a, b).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + dst[:, None] * out_stride + d[None, :], x, mask=rmask[:, None] & dmask[None, :])
+
+
+def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
+            positions: torch.Tensor, ctx_dst: Optional[torch.Tensor], kv_c: Optional[torch.Tensor],
+            k_pe: Optional[torch.Tensor], new_dst: Optional[torch.Tensor],
+            scale: Union[None, float, torch.Tensor], rank: int) -> None:
+    lat = cache.shape[-1]
+    dequant = scale is not None
+    cache_arg = cache.view(torch.uint8) if dequant else cache  # FP8 bytes, reinterpreted in the kernel
+    n_ctx = req_ids.shape[0]
+    n_new = 0 if new_dst is None else new_dst.shape[0]
+    ctx_programs = triton.cdiv(n_ctx, _BLOCK_M)
+    grid = (ctx_programs + triton.cdiv(n_new, _BLOCK_M),)
+    if grid[0] == 0:
+        return
+    if kv_c is None:  # unused pointers of the gather-only launch: any tensor of the right kind
+        kv_c = k_pe = out
+        new_dst = req_ids
+    scale_is_ptr = isinstance(scale, torch.Tensor)
+    _gather_kernel[grid](
+        out, out.stride(0),
+        cache_arg, cache.stride(0), cache.stride(1), cache.stride(2),
+        block_table, block_table.stride(0), block_table.stride(1),
+        req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_programs,
+        kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1), new_dst, n_new,
+        scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0,
+        BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=triton.next_power_of_2(lat), BLOCK_M=_BLOCK_M,
+        HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
+        OUT_BF16=out.dtype == torch.bfloat16, num_warps=4)
+
+
+def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
+                         positions: torch.Tensor, kv_cache_scale=None) -> None:
+    """``out[i] = dequant(kv_cache[block_table[req_ids[i], positions[i] // bs], positions[i] % bs])``.
+
+    ``out`` ``[N, L]`` contiguous rows in the output dtype; ``kv_cache`` ``[num_blocks, bs, L]`` (any strides) in
+    ``out``'s dtype, or float8_e4m3fn with ``kv_cache_scale`` (a float or a 0-d float32 device tensor)."""
+    _launch(out, kv_cache, block_table, req_ids, positions, None, None, None, None, kv_cache_scale, kv_cache.shape[-1])
+
+
+def fused_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
+                        positions: torch.Tensor, ctx_dst: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                        new_dst: torch.Tensor, kv_cache_scale=None) -> None:
+    """The fused schedule's key latents in one launch: context rows (as :func:`gather_latent_triton`) to rows
+    ``ctx_dst``, ``kv_c[j] ++ k_pe[j]`` (``[T, rank]``, ``[T, rope]``) to rows ``new_dst[j]``."""
+    _launch(out, kv_cache, block_table, req_ids, positions, ctx_dst, kv_c, k_pe, new_dst, kv_cache_scale,
+            kv_c.shape[-1])
