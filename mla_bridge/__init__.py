@@ -10,11 +10,13 @@ from .merge import merge_attn_states
 from .plan import PrefillPlan
 from .prefill import mla_prefill
 from .ragged import RaggedPlan, plan_ragged, ragged_prefill
+from .weights import PreparedKVBProj, prepare_kv_b_proj
 from .workspace import Workspace, WorkspaceTooSmallError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MLADims", "BackendChoice", "BACKEND_NAMES", "select_backend", "Workspace", "WorkspaceTooSmallError",
-    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "mla_prefill", "__version__",
+    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "mla_prefill",
+    "PreparedKVBProj", "prepare_kv_b_proj", "__version__",
 ]
