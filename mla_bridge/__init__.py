@@ -7,7 +7,7 @@ Data flows one way: :class:`MLADims` -> :func:`select_backend` -> :class:`Prefil
 from .dims import MLADims
 from .dispatch import BACKEND_NAMES, BackendChoice, select_backend
 from .merge import merge_attn_states
-from .plan import PrefillPlan
+from .plan import PlanCache, PrefillPlan
 from .prefill import mla_prefill
 from .ragged import RaggedPlan, plan_ragged, ragged_prefill
 from .weights import PreparedKVBProj, prepare_kv_b_proj
@@ -17,6 +17,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MLADims", "BackendChoice", "BACKEND_NAMES", "select_backend", "Workspace", "WorkspaceTooSmallError",
-    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "mla_prefill",
+    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "PlanCache", "mla_prefill",
     "PreparedKVBProj", "prepare_kv_b_proj", "__version__",
 ]
