@@ -1,14 +1,14 @@
 """Section 2: the context pass and the full ``mla_prefill`` with prefix-cached context.
 
 For each case and chunk budget: ``mla_prefill`` end to end (with the weight prepared once, the raw weight, the split
-k_pe layout, and replayed from a CUDA graph, :mod:`mla_bridge.graphs`); its phases run alone on the same tensors (gather by
-block table, up-projection with and without the k concat, the attention kernels, the merge); the hand-written
-pipeline a user would write without mla_bridge (torch gather by block table, ``kv_b_proj`` matmul, ``torch.cat``
-with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context pass
-(non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
+k_pe layout, and replayed from a CUDA graph, :mod:`mla_bridge.graphs`); its phases run alone on the same tensors
+(gather by block table, up-projection with and without the k concat, the attention kernels, the merge); the
+hand-written pipeline a user would write without mla_bridge (torch gather by block table, ``kv_b_proj`` matmul,
+``torch.cat`` with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context
+pass (non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
 
-The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_fused_latent``, ``_gather_latent`` and
-the prepared weight's ``up_project``); keep them in step when it changes.
+The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_fused_latent``,
+``_gather_latent`` and the prepared weight's ``up_project``); keep them in step when it changes.
 """
 
 from __future__ import annotations
