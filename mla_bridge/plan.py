@@ -182,14 +182,19 @@ class PrefillPlan:
 
         For segments of ``counts[i]`` tokens returns ``[offset of each token in its segment] + [values[j][segment of
         each token] for each j]`` (int64 device tensors of ``counts.sum()`` entries). On CUDA the expansion runs on the
-        device, so host work stays O(segments), not O(tokens).
+        device, so host work stays O(segments), not O(tokens). The copy never blocks the host: it leaves page-locked
+        memory with ``non_blocking=True`` on the current stream (ordered before the RaggedPlans made after it, whose
+        plan events therefore cover it); the page-locked tensor stays referenced by the plan (and torch's host
+        allocator records the copy's event before it reuses that memory).
         """
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts
         if self.device.type == "cpu":  # host memory is device memory: expand with numpy
             seg = np.repeat(np.arange(counts.size), counts)
             return [torch.from_numpy(a) for a in [np.arange(total) - starts[seg]] + [v.astype(np.int64)[seg] for v in values]]
-        small = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).to(self.device)
+        host = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).pin_memory()
+        self.__dict__.setdefault("_pinned_indices", []).append(host)
+        small = host.to(self.device, non_blocking=True)
         seg = torch.repeat_interleave(torch.arange(counts.size, device=self.device), small[0], output_size=total)
         offset = torch.arange(total, device=self.device) - small[1][seg]
         return [offset] + [small[2 + j][seg] for j in range(len(values))]

@@ -123,7 +123,10 @@ class RaggedPlan:
     """A planned ragged attention (FlashInfer's ``plan()`` done once): call :meth:`run` once per layer.
 
     Made by :func:`plan_ragged`. Attributes: ``spec`` (:class:`RaggedSpec`), ``backend`` (:class:`BackendChoice`),
-    ``workspace``. Holding the plan holds one pooled FlashInfer wrapper; drop the plan to give it back.
+    ``workspace``. Holding the plan holds one pooled FlashInfer wrapper; drop the plan to give it back: the pool
+    reuses it once the GPU has finished the plan's copies and every run queued so far (CUDA events, never a wait).
+    Threads and streams: a plan may be run from any thread on any CUDA stream; a run on a stream other than the
+    plan's waits for the plan's copies first. A run captured into a CUDA graph: see :meth:`retain_for_graph`.
     """
 
     def __init__(self, spec: RaggedSpec, backend: BackendChoice, workspace: Workspace):
@@ -140,6 +143,43 @@ class RaggedPlan:
         empty batch that runs no kernel). For adapters that hand FlashInfer's compiled run to another runtime (the
         JAX adapter's ``tvm_ffi`` route); calling its ``plan()`` again would invalidate this plan."""
         return getattr(self._kernel, "wrapper", None)
+
+    def external_flashinfer_wrapper(self, key: str) -> Any:
+        """:attr:`flashinfer_wrapper` for a runtime that runs FlashInfer's compiled call itself, on a stream torch
+        cannot see (the JAX adapter's ``tvm_ffi`` route: ``key`` names that stream, e.g. ``"xla:0"``). fa2's float
+        workspace is then the workspace's region for ``key``, so those runs never share split-KV temporaries with
+        runs queued through :meth:`run`. The caller keeps this plan alive for as long as such runs may be queued,
+        and waits for them (or the device) before dropping it."""
+        return None if self._kernel is None or not hasattr(self._kernel, "external_wrapper") \
+            else self._kernel.external_wrapper(key)
+
+    def retain_for_graph(self, graph: Any, *, stream: Any = None) -> Any:
+        """Keep this plan's FlashInfer wrapper (schedule buffers, plan info, fa2 float workspace) out of the pool for
+        as long as ``graph`` exists, and hand it back afterwards: for the owner of a CUDA graph that captured
+        :meth:`run` (``torch.cuda.CUDAGraph``, or any object whose lifetime is the graph's).
+
+        A run captured into a graph retires the wrapper from the pool for good (it is kept alive and never given to
+        another plan, even after this plan is dropped), because the pool cannot know when the graph stops
+        replaying. Registering the graph here lets it come back: when ``graph`` is garbage collected, an event is
+        recorded on ``stream`` (default: the stream current at that moment; pass the stream the graph is replayed
+        on if it is another one) and the wrapper returns to the pool once that event has completed and the plan
+        itself is gone. Call this once per graph that captured the plan (before or after the capture).
+
+        Returns:
+            the ``weakref.finalize`` object: calling it hands the wrapper back early (the graph must not be
+            replayed afterwards); ``None`` when the plan holds no FlashInfer wrapper (torch backend, empty batch).
+        """
+        lease = getattr(self._kernel, "lease", None)
+        return None if lease is None else self.workspace.retain_for_graph(lease, graph, stream)
+
+    def order_after_plan(self) -> None:
+        """Make the current CUDA stream wait for the host-to-device copies queued when this plan was made (a no-op
+        on the plan's own stream, on the CPU and for the torch backend). :meth:`run` does this itself; callers
+        that read other device data queued at plan time before the first run (PrefillPlan's index tensors) call
+        it first."""
+        order = getattr(self._kernel, "order_after_plan", None)
+        if order is not None:
+            order()
 
     @property
     def qo_indptr(self) -> torch.Tensor:
@@ -187,7 +227,9 @@ class RaggedPlan:
         Args:
             q, k, v: see the module docstring; dtype and device must match the plan. Inputs FlashInfer cannot
                 read in place (last dim not contiguous, strides or pointer not 16-byte aligned) are copied once.
-            out: optional destination ``[T, H, head_dim_vo]``.
+            out: optional destination ``[T, H, head_dim_vo]``, any strides with a unit last stride and 16-byte
+                aligned (fa2 and cutlass ignore out's strides: a non-contiguous ``out`` is written through a
+                contiguous temporary and copied into it, one extra device copy).
             lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``.
             lse_layout: "NH" (``[T, H]``, default) or "HN" (``[H, T]``, as vLLM's merge wants it).
 

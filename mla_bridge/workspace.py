@@ -9,6 +9,7 @@ latent cache in :func:`mla_bridge.mla_prefill`.
 from __future__ import annotations
 
 import re
+import threading
 import weakref
 from typing import Any, Callable, Optional, TypeVar
 
@@ -22,6 +23,8 @@ DEFAULT_FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024
 DEFAULT_MAX_FLOAT_WORKSPACE_BYTES = 2 * 1024 * 1024 * 1024
 #: vLLM's cap on the context-chunk workspace: ``min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 64 * 1024)``.
 DEFAULT_CHUNK_TOKENS = 64 * 1024
+#: Idle pooled wrappers kept per FlashInfer backend (each 8 MiB device + 8 MiB page-locked host memory).
+DEFAULT_MAX_IDLE_WRAPPERS = 8
 
 _OVERFLOW = re.compile(r"Buffer overflow when allocating memory for (\S+) with size (\d+).*?only (\d+) bytes", re.S)
 T = TypeVar("T")
@@ -65,12 +68,46 @@ def _checked_device(device: "torch.device | str") -> torch.device:
     return dev
 
 
-class _Slot:
-    __slots__ = ("wrapper", "owner")
+class _Lease:
+    """One pooled FlashInfer wrapper and what says whether queued GPU work may still read it.
 
-    def __init__(self, wrapper: Any):
+    A lease is *busy* while its plan (``owner``) lives, while a CUDA graph may replay a run of it (``captured`` /
+    ``graph_holds``), and until every CUDA event it recorded has completed: ``plan_event`` (recorded on
+    ``plan_stream`` after FlashInfer's ``plan()`` queued its host-to-device schedule copy from the wrapper's one
+    page-locked buffer) and ``run_events`` (one per stream a run was queued on, re-recorded after each run).
+    Only a lease that is not busy is handed to another plan, re-planned, re-buffered or freed.
+    """
+
+    __slots__ = ("wrapper", "backend", "owner", "plan_event", "plan_stream", "run_events", "captured",
+                 "graph_holds", "region", "__weakref__")
+
+    def __init__(self, wrapper: Any, backend: str):
         self.wrapper = wrapper
+        self.backend = backend
         self.owner: Optional[weakref.ref] = None
+        self.plan_event: Any = None
+        self.plan_stream: int = 0  # cuda_stream pointer of the stream plan() queued its copies on
+        self.run_events: dict[int, Any] = {}  # cuda_stream pointer -> event recorded after the last run there
+        self.captured = False  # a run was captured into a CUDA graph: never handed back by the pool itself
+        self.graph_holds = 0  # graphs registered through RaggedPlan.retain_for_graph that still exist
+        self.region: Optional[torch.Tensor] = None  # fa2: a private float workspace (captured runs)
+
+    def gpu_done(self) -> bool:
+        """Every event this lease recorded has completed (``Event.query``, no wait); clears them once done."""
+        if self.plan_event is not None:
+            if not self.plan_event.query():
+                return False
+            self.plan_event = None
+        if self.run_events:
+            if not all(e.query() for e in self.run_events.values()):
+                return False
+            self.run_events = {}
+        return True
+
+    def free(self) -> bool:
+        """No plan holds it, no graph may replay it, and the GPU has finished everything queued on it."""
+        return ((self.owner is None or self.owner() is None) and not self.captured and self.graph_holds == 0
+                and self.gpu_done())
 
 
 class Workspace:
@@ -85,6 +122,23 @@ class Workspace:
             bytes at bf16.
         max_float_workspace_bytes: when fa2's plan reports "buffer overflow", the float workspace grows (doubling, or
             to what the plan asked for) up to this many bytes, then :class:`WorkspaceTooSmallError` is raised.
+        max_idle_wrappers: pooled wrappers per FlashInfer backend kept while no plan holds them (default 8, each
+            8 MiB of device memory + 8 MiB of page-locked host memory); more idle ones are freed at the next plan
+            (or by :meth:`trim`).
+
+    Threads, streams and graphs (the rule: a plan owns what its queued GPU work reads until the GPU is done):
+      * The pool is locked: any number of threads may plan on one workspace (``default_workspace`` is shared).
+      * A wrapper goes back to the pool only when its plan is gone AND the CUDA events recorded after its
+        ``plan()`` copies and after each of its runs have completed (``Event.query``: never a wait); until then
+        the next plan takes or creates another wrapper. Growth of the float workspace re-buffers free wrappers
+        only; wrappers of live plans keep their old buffers.
+      * fa2 keeps split-KV partials in the float workspace, so runs that may overlap must not share it: each CUDA
+        stream a run is queued on gets its own float-workspace region of ``float_workspace_bytes`` (runs on one
+        stream are ordered, so they share it safely); the stream that first allocated the workspace uses it
+        directly. fa3 and cutlass do not use the float workspace (FlashInfer 0.7.4), so they cost nothing extra.
+      * A run captured into a CUDA graph retires its wrapper from the pool for good (kept alive, never handed to
+        another plan), unless the graph owner registers the graph with :meth:`mla_bridge.RaggedPlan.retain_for_graph`:
+        then the wrapper comes back once the graph object is gone and its last replay has completed.
 
     Raises:
         ValueError: a size that is not a positive int; a device that is not cpu or an existing CUDA device.
@@ -92,46 +146,146 @@ class Workspace:
 
     def __init__(self, device: "torch.device | str" = "cpu", *, float_workspace_bytes: int = DEFAULT_FLOAT_WORKSPACE_BYTES,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 max_float_workspace_bytes: int = DEFAULT_MAX_FLOAT_WORKSPACE_BYTES):
+                 max_float_workspace_bytes: int = DEFAULT_MAX_FLOAT_WORKSPACE_BYTES,
+                 max_idle_wrappers: int = DEFAULT_MAX_IDLE_WRAPPERS):
         for name, value in (("float_workspace_bytes", float_workspace_bytes), ("chunk_tokens", chunk_tokens),
                             ("max_float_workspace_bytes", max_float_workspace_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Workspace: {name} must be a positive int, got {value!r}")
+        if isinstance(max_idle_wrappers, bool) or not isinstance(max_idle_wrappers, int) or max_idle_wrappers < 0:
+            raise ValueError(f"Workspace: max_idle_wrappers must be an int >= 0, got {max_idle_wrappers!r}")
         self.device = _checked_device(device)
         self.float_workspace_bytes = float_workspace_bytes
         self.max_float_workspace_bytes = max(max_float_workspace_bytes, float_workspace_bytes)
         self.chunk_tokens = chunk_tokens
+        self.max_idle_wrappers = max_idle_wrappers
         self._float_workspace: Optional[torch.Tensor] = None
-        self._slots: dict[str, list[_Slot]] = {}
+        self._float_stream: Any = None  # the stream the float workspace was allocated on
+        self._regions: dict[Any, torch.Tensor] = {}  # stream pointer (or an external key) -> float region
+        self._slots: dict[str, list[_Lease]] = {}
+        self._lock = threading.RLock()
         self.wrappers_created = 0
         self.plans_made = 0  # FlashInfer plan() calls through this workspace (a benchmark counts them)
+
+    def _new_float_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _stream_key(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
 
     @property
     def float_workspace(self) -> torch.Tensor:
         """The uint8 float workspace ``[float_workspace_bytes]`` on ``device`` (allocated on first access)."""
-        if self._float_workspace is None:
-            self._float_workspace = torch.empty(self.float_workspace_bytes, dtype=torch.uint8, device=self.device)
-        return self._float_workspace
+        buf = self._float_workspace
+        if buf is None:
+            with self._lock:
+                buf = self._float_workspace
+                if buf is None:
+                    self._float_stream = self._stream_key()
+                    buf = self._float_workspace = self._new_float_buffer(self.float_workspace_bytes)
+        return buf
+
+    def float_region(self, key: Any) -> torch.Tensor:
+        """The float workspace region of stream ``key`` (a ``cuda_stream`` pointer, or a string naming work queued
+        outside torch, such as XLA's stream): ``[float_workspace_bytes]`` uint8, made on first use (while that
+        stream is current, so torch's allocator orders its reuse on it) and shared only by runs on that stream."""
+        buf = self._regions.get(key)
+        if buf is None:
+            with self._lock:
+                buf = self._regions.get(key)
+                if buf is None:
+                    base = self.float_workspace
+                    buf = base if key == self._float_stream else self._new_float_buffer(self.float_workspace_bytes)
+                    self._regions[key] = buf
+        return buf
+
+    def acquire(self, backend: str, owner: object, factory: Callable[[torch.Tensor, str], Any]) -> _Lease:
+        """A :class:`_Lease` of a FlashInfer ragged wrapper for ``backend`` ("cutlass", "fa3", "fa2") that is free
+        (see the class docstring), now held by ``owner`` (the kernel) until ``owner`` is garbage collected.
+
+        ``factory(float_workspace, backend)`` builds a new wrapper when no pooled one is free. Idle wrappers beyond
+        ``max_idle_wrappers`` are freed here.
+        """
+        with self._lock:
+            base = self.float_workspace
+            slots = self._slots.setdefault(backend, [])
+            lease = None
+            idle = []
+            for slot in slots:
+                if slot.free():
+                    if lease is None:
+                        lease = slot
+                    else:
+                        idle.append(slot)
+            if len(idle) > self.max_idle_wrappers:
+                drop = {id(s) for s in idle[self.max_idle_wrappers:]}
+                slots[:] = [s for s in slots if id(s) not in drop]
+            if lease is None:
+                lease = _Lease(factory(base, backend), backend)
+                self.wrappers_created += 1
+                slots.append(lease)
+            elif getattr(lease.wrapper, "_float_workspace_buffer", base) is not base:
+                # fa2 plans size their split-KV partials against this buffer (FlashInfer reads its numel): after a
+                # growth, or a run on another stream's region, point it back at the current workspace.
+                lease.wrapper._float_workspace_buffer = base
+            lease.owner = weakref.ref(owner)
+            lease.plan_event = None
+            lease.run_events = {}
+            return lease
 
     def acquire_wrapper(self, backend: str, owner: object, factory: Callable[[torch.Tensor, str], Any]) -> Any:
-        """A FlashInfer ragged wrapper for ``backend`` ("cutlass", "fa3", "fa2") that no live plan holds.
+        """The wrapper of :meth:`acquire` (held by ``owner`` until it is garbage collected)."""
+        return self.acquire(backend, owner, factory).wrapper
 
-        ``owner`` (the plan) holds it until ``owner`` is garbage collected; then the next plan reuses it.
-        ``factory(float_workspace, backend)`` builds a new one when every pooled wrapper is held.
-        """
-        slots = self._slots.setdefault(backend, [])
-        for slot in slots:
-            if slot.owner is None or slot.owner() is None:
-                slot.owner = weakref.ref(owner)
-                return slot.wrapper
-        slot = _Slot(factory(self.float_workspace, backend))
-        self.wrappers_created += 1
-        slot.owner = weakref.ref(owner)
-        slots.append(slot)
-        return slot.wrapper
+    def trim(self) -> int:
+        """Free every pooled wrapper that is free (no plan, no graph, GPU done) beyond ``max_idle_wrappers`` per
+        backend; returns how many were freed."""
+        freed = 0
+        with self._lock:
+            for slots in self._slots.values():
+                keep, idle = [], 0
+                for slot in slots:
+                    if slot.free():
+                        idle += 1
+                        if idle > self.max_idle_wrappers:
+                            freed += 1
+                            continue
+                    keep.append(slot)
+                slots[:] = keep
+        return freed
 
-    def plan_with_growth(self, plan: Callable[[], T]) -> T:
+    @property
+    def pooled_wrappers(self) -> int:
+        """Wrappers the pool holds now (held by plans, retained by graphs, or idle)."""
+        with self._lock:
+            return sum(len(s) for s in self._slots.values())
+
+    def retain_for_graph(self, lease: _Lease, graph: Any, stream: Any = None) -> Any:
+        """Keep ``lease`` out of the pool while ``graph`` exists (see :meth:`mla_bridge.RaggedPlan.retain_for_graph`).
+        Returns the ``weakref.finalize`` that hands it back (call it to hand back early)."""
+        with self._lock:
+            lease.graph_holds += 1
+        return weakref.finalize(graph, self._graph_released, lease, stream)
+
+    def _graph_released(self, lease: _Lease, stream: Any) -> None:
+        # The graph is gone; its replays were queued on ``stream`` (default: the current one). The wrapper stays busy
+        # until that stream's work queued so far has completed.
+        if self.device.type == "cuda":
+            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+            with self._lock:
+                lease.run_events[("graph", id(event))] = event
+        with self._lock:
+            lease.graph_holds -= 1
+            if lease.graph_holds == 0:
+                lease.captured = False
+
+    def plan_with_growth(self, plan: Callable[[], T], lease: Optional[_Lease] = None) -> T:
         """Run a FlashInfer ``plan`` call, growing the float workspace while it reports "Buffer overflow".
+
+        ``lease``: the wrapper being planned (re-buffered on growth with the free wrappers; nothing of it is queued
+        yet: FlashInfer's plan fails on the host before it copies).
 
         Raises:
             WorkspaceTooSmallError: the plan needs more than ``max_float_workspace_bytes``.
@@ -139,7 +293,8 @@ class Workspace:
         while True:
             try:
                 result = plan()
-                self.plans_made += 1
+                with self._lock:
+                    self.plans_made += 1
                 return result
             except RuntimeError as err:
                 match = _OVERFLOW.search(str(err))
@@ -154,15 +309,26 @@ class Workspace:
                     new_size = self.max_float_workspace_bytes
                     if new_size <= self.float_workspace_bytes:
                         raise WorkspaceTooSmallError(needed, self.max_float_workspace_bytes, what) from None
-                self._grow(new_size)
+                self._grow(new_size, lease)
 
-    def _grow(self, new_size: int) -> None:
-        self.float_workspace_bytes = new_size
-        self._float_workspace = None
-        buf = self.float_workspace
-        for slots in self._slots.values():
-            for slot in slots:
-                slot.wrapper.reset_workspace_buffer(buf, slot.wrapper._int_workspace_buffer)
+    def _grow(self, new_size: int, planning: Optional[_Lease] = None) -> None:
+        """A larger float workspace. Free wrappers (and the one being planned) are re-buffered now; wrappers of live
+        plans keep the old buffer, which they hold, until they are free again (then :meth:`acquire` re-points them).
+        Old stream regions are dropped: each was allocated on its own stream, so torch reuses it only after the
+        work queued there."""
+        with self._lock:
+            if new_size > self.float_workspace_bytes:  # else another thread grew it meanwhile
+                self.float_workspace_bytes = new_size
+                self._float_workspace = None
+                self._regions = {}
+                buf = self.float_workspace
+                for slots in self._slots.values():
+                    for slot in slots:
+                        if slot is not planning and slot.free():
+                            slot.wrapper.reset_workspace_buffer(buf, slot.wrapper._int_workspace_buffer)
+            buf = self.float_workspace
+            if planning is not None and getattr(planning.wrapper, "_float_workspace_buffer", None) is not buf:
+                planning.wrapper.reset_workspace_buffer(buf, planning.wrapper._int_workspace_buffer)
 
     def __repr__(self) -> str:
         pooled = sum(len(s) for s in self._slots.values())
@@ -171,6 +337,7 @@ class Workspace:
 
 
 _DEFAULT_WORKSPACES: dict[torch.device, Workspace] = {}
+_DEFAULT_LOCK = threading.Lock()
 
 
 def default_workspace(device: "torch.device | str") -> Workspace:
@@ -178,5 +345,8 @@ def default_workspace(device: "torch.device | str") -> Workspace:
     dev = _checked_device(device)
     ws = _DEFAULT_WORKSPACES.get(dev)
     if ws is None:
-        ws = _DEFAULT_WORKSPACES[dev] = Workspace(dev)
+        with _DEFAULT_LOCK:
+            ws = _DEFAULT_WORKSPACES.get(dev)
+            if ws is None:
+                ws = _DEFAULT_WORKSPACES[dev] = Workspace(dev)
     return ws

@@ -4,6 +4,8 @@ closing table can cite them; GPU cases live in tests/gpu/test_gpu_core.py under 
 
 from __future__ import annotations
 
+import gc
+
 import math
 
 import pytest
@@ -352,16 +354,25 @@ def failing_plan(times, size=123, avail=45):
 
 def test_case08_workspace_grows_on_overflow():
     ws = Workspace("cpu", float_workspace_bytes=1024, max_float_workspace_bytes=1 << 20)
-    wrappers = [ws.acquire_wrapper("fa2", owner, lambda buf, b: GrowWrapper()) for owner in (ws, GrowWrapper)]
+    class Owner:
+        pass
+
+    live, gone = Owner(), Owner()
+    wrappers = [ws.acquire_wrapper("fa2", owner, lambda buf, b: GrowWrapper()) for owner in (live, gone)]
+    old_buf = ws.float_workspace
+    del gone
+    gc.collect()
     plan, calls = failing_plan(1)
     assert ws.plan_with_growth(plan) == "planned"
     assert len(calls) == 2 and ws.plans_made == 1
     needed = 1024 + (123 - 45) + 4096
     assert ws.float_workspace_bytes == max(needed, 2 * 1024) == 5198
     assert ws.float_workspace.numel() == 5198
-    for w in wrappers:  # every pooled wrapper now points at the new buffer, keeping its own int buffer
-        (buf, int_buf), = w.resets
-        assert buf is ws.float_workspace and int_buf is w._int_workspace_buffer
+    # Issue 11 item 5: only the free wrapper is re-buffered (keeping its own int buffer); the live plan's wrapper
+    # keeps the buffers its queued work reads until it is free again.
+    assert wrappers[0].resets == [] and old_buf.numel() == 1024
+    (buf, int_buf), = wrappers[1].resets
+    assert buf is ws.float_workspace and int_buf is wrappers[1]._int_workspace_buffer
 
 
 def test_case08_workspace_doubles_and_retries():

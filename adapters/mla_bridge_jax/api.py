@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -78,33 +80,61 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
     return torch.full((), fill, dtype=torch_dtype(dtype), device=device).expand(*shape)
 
 
+#: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) held at once, process-wide, most recently used
+#: last; each holds a pooled FlashInfer wrapper (8 MiB device + 8 MiB page-locked host). ``$MLA_BRIDGE_JAX_MAX_PLANS``.
+MAX_TRACED_PLANS = int(os.environ.get("MLA_BRIDGE_JAX_MAX_PLANS") or 16)
+_traced_plans: "OrderedDict[tuple[int, torch.device], Any]" = OrderedDict()
+_traced_lock = threading.Lock()
+
+
+def _forget_traced(owner: int) -> None:
+    with _traced_lock:
+        for key in [key for key in _traced_plans if key[0] == owner]:
+            del _traced_plans[key]
+
+
 class _Plans:
-    """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill) or plans made on first
-    use for each device a callback runs on (ragged_prefill, shard_map over several devices)."""
+    """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill: the caller's, held as long
+    as the compiled function holds this object) or plans made on first use for each device a callback runs on
+    (ragged_prefill, shard_map over several devices).
+
+    Made plans live in a process-wide cache bounded by :data:`MAX_TRACED_PLANS` (least recently used out) and no
+    longer than this object, i.e. than the compiled function whose callback holds it; an evicted one is made again
+    on its next use (host planning, the run ordered after its copies by the core). The core keeps a dropped plan's
+    wrapper out of the pool until the GPU has finished the work queued with it."""
 
     def __init__(self, make: Optional[Callable[[torch.device], Any]] = None, plan: Any = None):
         self._make = make
         self._plans: dict[torch.device, Any] = {}
-        self._lock = threading.Lock()
         if plan is not None:
             self._plans[self._device_of(plan)] = plan
+        if make is not None:
+            weakref.finalize(self, _forget_traced, id(self))
 
     @staticmethod
     def _device_of(plan: Any) -> torch.device:
         return plan.spec.device if isinstance(plan, RaggedPlan) else plan.device
 
     def get(self, device: torch.device) -> Any:
-        plan = self._plans.get(device)
-        if plan is not None:
-            return plan
         if self._make is None:
+            plan = self._plans.get(device)
+            if plan is not None:
+                return plan
             (have,) = self._plans
             raise ValueError(f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
                              f"build the plan for that device (device=...)")
-        with self._lock:
-            plan = self._plans.get(device)
-            if plan is None:
-                plan = self._plans[device] = self._make(device)
+        key = (id(self), device)
+        with _traced_lock:
+            plan = _traced_plans.get(key)
+            if plan is not None:
+                _traced_plans.move_to_end(key)
+                return plan
+        plan = self._make(device)
+        with _traced_lock:
+            _traced_plans[key] = plan
+            _traced_plans.move_to_end(key)
+            while len(_traced_plans) > max(1, MAX_TRACED_PLANS):
+                _traced_plans.popitem(last=False)
         return plan
 
 

@@ -19,8 +19,16 @@ How it works (CUDA, FlashInfer fa2/fa3 plans, jax-tvm-ffi installed):
 If any step cannot be done (no jax-tvm-ffi, a CPU or torch-backend plan, a FlashInfer whose wrapper no longer looks
 like 0.7's), :func:`why_not` says why and the ``auto`` route uses ``buffer_callback`` instead.
 
-Lifetime: a registered plan (and its pooled FlashInfer wrapper) is kept alive by this module, because a compiled
-XLA executable may run it at any later time; :func:`release` drops it when no compiled function uses it any more.
+Lifetime (issue 11 item 7): a compiled XLA executable may run a registered plan at any later time, and nothing
+tells this module when the executable is gone, so the registry is a bounded cache. At most :data:`MAX_PLANS`
+registered plans (and their pooled FlashInfer wrappers, 8 MiB device + 8 MiB page-locked host each) are held,
+least recently registered first out (``$MLA_BRIDGE_JAX_MAX_PLANS``, default 16). An evicted plan is dropped only
+after the device has finished its queued work (one device synchronize, at registration time: trace time, never per
+call); a compiled function that later runs an evicted plan re-plans it transparently, once, from the host data kept
+for it (its indptrs and sizes, a few hundred bytes, kept per plan id for the life of the process), with XLA's
+stream waiting for the new schedule. :func:`release` drops a plan for good: a compiled function that still runs it
+then fails with a clear error. fa2 plans run here use the workspace's float-workspace region reserved for XLA's
+stream (:meth:`mla_bridge.RaggedPlan.external_flashinfer_wrapper`), never the one of torch's streams.
 A plan serves the one device it was made for (the shim refuses another device with a clear error).
 """
 
@@ -28,8 +36,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import types
+from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -37,9 +47,12 @@ import numpy as np
 import jax
 import torch
 
-__all__ = ["why_not", "ragged_call", "register", "release", "registered_plans", "TARGET"]
+__all__ = ["why_not", "ragged_call", "register", "release", "registered_plans", "TARGET", "MAX_PLANS", "ENV_MAX_PLANS"]
 
 TARGET = "mla_bridge_jax_ragged_run"
+ENV_MAX_PLANS = "MLA_BRIDGE_JAX_MAX_PLANS"
+#: Registered plans held at once (each holds a pooled FlashInfer wrapper); more are evicted, oldest first.
+MAX_PLANS = int(os.environ.get(ENV_MAX_PLANS) or 16)
 _LN2 = np.float32(math.log(2.0))
 
 _SHIM_SOURCE = r"""
@@ -63,7 +76,21 @@ struct Entry {
 };
 std::mutex g_mu;
 std::unordered_map<int64_t, std::shared_ptr<const Entry>> g_entries;
+bool g_has_miss = false;
+tvm::ffi::Function g_on_miss;  // Python: re-plan an evicted plan id, returns whether it did
+
+std::shared_ptr<const Entry> find(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_entries.find(id);
+  return it == g_entries.end() ? nullptr : it->second;
+}
 }  // namespace
+
+void set_miss_handler(tvm::ffi::Function fn) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_on_miss = fn;
+  g_has_miss = true;
+}
 
 void set_plan(int64_t id, tvm::ffi::Function fn, tvm::ffi::Array<tvm::ffi::Any> args,
               tvm::ffi::Array<int64_t> slots, int64_t device_type, int64_t device_id) {
@@ -93,15 +120,21 @@ int64_t num_plans() {
 
 void run(int64_t plan_id, tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::ffi::TensorView v,
          tvm::ffi::TensorView out, tvm::ffi::TensorView lse) {
-  std::shared_ptr<const Entry> e;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_entries.find(plan_id);
-    if (it == g_entries.end()) {
+  std::shared_ptr<const Entry> e = find(plan_id);
+  if (!e) {
+    tvm::ffi::Function miss;
+    bool has_miss;
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      miss = g_on_miss;
+      has_miss = g_has_miss;
+    }
+    // Evicted from the bounded registry: re-plan it (Python, only on this path), then look again.
+    if (has_miss && miss(plan_id).cast<bool>()) e = find(plan_id);
+    if (!e) {
       TVM_FFI_THROW(ValueError) << "mla_bridge_jax: plan " << plan_id << " was released (mla_bridge_jax.tvm_ffi."
                                 << "release) but a compiled function still runs it";
     }
-    e = it->second;
   }
   DLDevice dev = q.device();
   if (dev.device_type != e->device_type || dev.device_id != e->device_id) {
@@ -123,7 +156,9 @@ _lock = threading.RLock()
 _shim_module: Any = None
 _targets: set[str] = set()
 _ids = itertools.count(1)
-_registered: dict[int, tuple[int, Any]] = {}  # id(plan) -> (plan id, plan): keeps the plan and its wrapper alive
+_registered: "OrderedDict[int, Any]" = OrderedDict()  # plan id -> plan (LRU): keeps the plan and its wrapper alive
+_ids_of: dict[int, int] = {}  # id(plan) -> plan id, for registered plans
+_remake: dict[int, Callable[[], Any]] = {}  # plan id -> how to plan it again (host data only) once evicted
 
 
 def _jax_tvm_ffi():
@@ -133,14 +168,17 @@ def _jax_tvm_ffi():
 
 
 def shim() -> Any:
-    """The compiled C++ shim (``set_plan`` / ``drop_plan`` / ``num_plans`` / ``run``), built on first use."""
+    """The compiled C++ shim (``set_plan`` / ``drop_plan`` / ``num_plans`` / ``run`` / ``set_miss_handler``), built
+    on first use; its miss handler is :func:`_on_miss`."""
     global _shim_module
     with _lock:
         if _shim_module is None:
             import tvm_ffi.cpp
 
             _shim_module = tvm_ffi.cpp.load_inline(name="mla_bridge_jax_shim", cpp_sources=_SHIM_SOURCE,
-                                                   functions=["set_plan", "drop_plan", "num_plans", "run"])
+                                                   functions=["set_plan", "drop_plan", "num_plans", "run",
+                                                              "set_miss_handler"])
+            _shim_module.set_miss_handler(_on_miss)
         return _shim_module
 
 
@@ -154,12 +192,13 @@ def target(platform: str = "gpu", name: str = TARGET) -> str:
     return name
 
 
-def set_entry(fn: Any, args: list, slots: list[int], device: torch.device) -> int:
-    """Store ``(fn, args, slots)`` in the shim under a new plan id (the q/k/v/out/lse slots are cleared)."""
+def set_entry(fn: Any, args: list, slots: list[int], device: torch.device, pid: Optional[int] = None) -> int:
+    """Store ``(fn, args, slots)`` in the shim under plan id ``pid`` (default: a new one; the q/k/v/out/lse slots are
+    cleared)."""
     args = list(args)
     for s in slots:
         args[s] = None
-    pid = next(_ids)
+    pid = next(_ids) if pid is None else pid
     dev_type = 2 if device.type == "cuda" else 1
     shim().set_plan(pid, fn, args, list(slots), dev_type, device.index or 0)
     return pid
@@ -170,7 +209,9 @@ def set_entry(fn: Any, args: list, slots: list[int], device: torch.device) -> in
 # --------------------------------------------------------------------------------------------------------------
 
 def _kernel_wrapper(plan: Any) -> Any:
-    wrapper = getattr(plan, "flashinfer_wrapper", None)
+    # fa2's float workspace: the region reserved for XLA's stream, never shared with runs on torch's streams.
+    external = getattr(plan, "external_flashinfer_wrapper", None)
+    wrapper = external(f"xla:{plan.spec.device}") if external is not None else getattr(plan, "flashinfer_wrapper", None)
     if wrapper is None or not hasattr(wrapper, "_cached_module"):
         raise LookupError("the plan holds no FlashInfer wrapper this route knows (mla_bridge or FlashInfer changed)")
     return wrapper
@@ -280,13 +321,50 @@ def why_not(plan: Any) -> Optional[str]:
         shim()
     except Exception as err:  # noqa: BLE001 - no C++ compiler, or tvm_ffi headers missing
         return f"cannot build the C++ shim with tvm_ffi.cpp.load_inline ({type(err).__name__}: {str(err)[:200]})"
-    if id(plan) in _registered:
+    if id(plan) in _ids_of:
         return None
     try:
         _kernel_wrapper(plan)
     except LookupError as err:
         return str(err)
     return None
+
+
+def _remaker(plan: Any) -> Callable[[], Any]:
+    """How to make ``plan`` again from its host data (the same indptrs, sizes, backend and workspace)."""
+    from mla_bridge import plan_ragged
+
+    s, workspace, backend = plan.spec, plan.workspace, plan.backend.name
+
+    def remake() -> Any:
+        return plan_ragged(s.qo_indptr, s.kv_indptr, num_heads=s.num_heads, head_dim_qk=s.head_dim_qk,
+                           head_dim_vo=s.head_dim_vo, causal=s.causal, sm_scale=s.sm_scale, dtype=s.dtype,
+                           workspace=workspace, backend=backend)
+
+    return remake
+
+
+def _store(pid: int, plan: Any) -> None:
+    """Record ``plan`` into the shim under ``pid`` and hold it; evict the oldest beyond :data:`MAX_PLANS`."""
+    compiled, args, slots = record(plan)
+    set_entry(compiled, args, slots, plan.spec.device, pid)
+    _registered[pid] = plan
+    _ids_of[id(plan)] = pid
+    evicted = []
+    while len(_registered) > max(1, MAX_PLANS):
+        old_pid, old = _registered.popitem(last=False)
+        _ids_of.pop(id(old), None)
+        evicted.append((old_pid, old))
+    if evicted:
+        # XLA may still have runs of the evicted plans queued: the device finishes them before their wrappers can go
+        # back to the pool (trace time or the re-plan path only, never per call).
+        for dev in {old.spec.device for _, old in evicted if old.spec.device.type == "cuda"}:
+            torch.cuda.synchronize(dev)
+        for old_pid, _ in evicted:
+            shim().drop_plan(old_pid)
+    # FlashInfer's plan() copied its schedule to the device on torch's stream; XLA's stream must see it.
+    if plan.spec.device.type == "cuda":
+        torch.cuda.current_stream(plan.spec.device).synchronize()
 
 
 def register(plan: Any) -> int:
@@ -296,29 +374,46 @@ def register(plan: Any) -> int:
         LookupError: FlashInfer's wrapper does not look like 0.7's (the caller falls back to buffer_callback).
     """
     with _lock:
-        hit = _registered.get(id(plan))
-        if hit is not None and hit[1] is plan:
-            return hit[0]
-        compiled, args, slots = record(plan)
-        pid = set_entry(compiled, args, slots, plan.spec.device)
-        _registered[id(plan)] = (pid, plan)
-    # FlashInfer's plan() copied its schedule to the device on torch's stream; XLA's stream must see it.
-    torch.cuda.current_stream(plan.spec.device).synchronize()
-    return pid
+        pid = _ids_of.get(id(plan))
+        if pid is not None and _registered.get(pid) is plan:
+            _registered.move_to_end(pid)
+            return pid
+        pid = next(_ids)
+        _store(pid, plan)
+        _remake[pid] = _remaker(plan)
+        return pid
+
+
+def _on_miss(pid: int) -> bool:
+    """The shim's miss handler: a compiled function runs plan ``pid``, evicted from the registry; plan it again
+    (on torch's current stream, then waited for, so XLA's stream sees the schedule). False when it was released."""
+    with _lock:
+        if pid in _registered:
+            return True
+        remake = _remake.get(int(pid))
+        if remake is None:
+            return False
+        _store(int(pid), remake())
+        return True
 
 
 def release(plan: Any) -> bool:
-    """Forget ``plan``: the shim drops its entry and the plan (with its FlashInfer wrapper) can be freed. A compiled
-    function that still runs it then fails with a clear error. Returns whether it was registered."""
+    """Forget ``plan`` for good: the shim drops its entry and the plan (with its FlashInfer wrapper) can be freed. A
+    compiled function that still runs it then fails with a clear error. Returns whether it was registered."""
     with _lock:
-        hit = _registered.pop(id(plan), None)
-        if hit is None:
+        pid = _ids_of.pop(id(plan), None)
+        if pid is None or _registered.get(pid) is not plan:
             return False
-        shim().drop_plan(hit[0])
+        del _registered[pid]
+        _remake.pop(pid, None)
+        if plan.spec.device.type == "cuda":
+            torch.cuda.synchronize(plan.spec.device)  # its queued runs finish before its wrapper is reused
+        shim().drop_plan(pid)
         return True
 
 
 def registered_plans() -> int:
+    """Plans the registry holds now (at most :data:`MAX_PLANS`)."""
     return len(_registered)
 
 

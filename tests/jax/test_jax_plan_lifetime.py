@@ -1,0 +1,181 @@
+"""Issue 11 item 7 on the CPU: the JAX adapter's plans live exactly as long as the compiled functions that can call
+them, within a documented bound; an evicted plan is made again transparently, never read after it was freed.
+
+* buffer_callback route (the CPU jit route): plans made inside a trace (``ragged_prefill`` under ``jax.jit``) are
+  held by a process-wide cache bounded by ``mla_bridge_jax.api.MAX_TRACED_PLANS`` and by the compiled function.
+* tvm_ffi route: the registry is bounded by ``mla_bridge_jax.tvm_ffi.MAX_PLANS``; run here with the C++ shim and
+  a stand-in compiled kernel (needs jax-tvm-ffi and a C++ compiler, skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+import mla_bridge  # noqa: E402
+
+import mla_bridge_jax as mj  # noqa: E402
+from mla_bridge_jax import api  # noqa: E402
+
+SM = 192 ** -0.5
+
+
+def _qkv(t, s, h=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((t, h, 192)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((s, h, 192)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((s, h, 128)), jnp.bfloat16))
+
+
+def _core(q, k, v, qo):
+    return mla_bridge.ragged_prefill(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v), qo, qo,
+                                     causal=True, sm_scale=SM)[0]
+
+
+class _PlanCounter:
+    """Weak references to every RaggedPlan mla_bridge.plan_ragged makes (to count the live ones)."""
+
+    def __init__(self, monkeypatch):
+        self.refs = []
+        orig = mla_bridge.plan_ragged
+
+        def plan_ragged(*a, **kw):
+            plan = orig(*a, **kw)
+            self.refs.append(weakref.ref(plan))
+            return plan
+
+        monkeypatch.setattr(mla_bridge, "plan_ragged", plan_ragged)
+
+    def live(self) -> int:
+        gc.collect()
+        return sum(r() is not None for r in self.refs)
+
+
+def test_traced_plans_are_bounded_and_replanned_when_evicted(monkeypatch):
+    monkeypatch.setattr(api, "MAX_TRACED_PLANS", 2, raising=False)
+    counter = _PlanCounter(monkeypatch)
+    layouts = [[0, n] for n in (3, 4, 5, 6, 7)]  # 5 batch layouts: 5 traces, 5 compiled functions
+    fns = [jax.jit(lambda a, b, c, qo=qo: mj.ragged_prefill(a, b, c, qo, qo, causal=True, sm_scale=SM))
+           for qo in layouts]
+    inputs = [_qkv(qo[-1], qo[-1], seed=i) for i, qo in enumerate(layouts)]
+    for f, x, qo in zip(fns, inputs, layouts):
+        out, _ = f(*x)
+        assert torch.equal(torch.from_dlpack(out), _core(*x, qo))
+    assert counter.live() <= 2  # before: one live plan (and wrapper) per compiled function, 5 here
+    made = len(counter.refs)
+    out, _ = fns[0](*inputs[0])  # its plan was evicted: made again, transparently, with the right values
+    assert torch.equal(torch.from_dlpack(out), _core(*inputs[0], layouts[0]))
+    assert len(counter.refs) == made + 1 and counter.live() <= 2
+
+
+def test_traced_plans_die_with_their_compiled_function(monkeypatch):
+    counter = _PlanCounter(monkeypatch)
+    f = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, [0, 3, 5], [0, 3, 5], causal=True, sm_scale=SM))
+    x = _qkv(5, 5)
+    jax.block_until_ready(f(*x))
+    assert counter.live() == 1
+    del f
+    jax.clear_caches()
+    assert counter.live() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tvm_ffi registry (C++ shim + stand-in kernel on the CPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+KERNEL = r"""
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/function.h>
+// out = q[..., :D] + ws[0]; lse = 0.
+void stand_in(tvm::ffi::TensorView ws, tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::ffi::TensorView v,
+              tvm::ffi::TensorView out, tvm::ffi::TensorView lse) {
+  const float* w = static_cast<const float*>(ws.data_ptr());
+  const float* qp = static_cast<const float*>(q.data_ptr());
+  float* op = static_cast<float*>(out.data_ptr());
+  int64_t rows = out.size(0) * out.size(1), d = out.size(2), dq = q.size(2);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < d; ++j) op[r * d + j] = qp[r * dq + j] + w[0];
+  float* lp = static_cast<float*>(lse.data_ptr());
+  for (int64_t r = 0; r < rows; ++r) lp[r] = 0.f;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    pytest.importorskip("jax_tvm_ffi")
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    try:
+        return tvm_ffi.cpp.load_inline(name="mla_bridge_jax_test_lifetime", cpp_sources=KERNEL, functions=["stand_in"])
+    except Exception as err:  # noqa: BLE001 - no compiler
+        pytest.skip(f"cannot build a TVM-FFI module here: {err}")
+
+
+class FakePlan:
+    """What the registry needs of a RaggedPlan: its device; "planning" is the value the stand-in adds."""
+
+    made: list = []
+
+    def __init__(self, value: float):
+        self.value = value
+        self.spec = types.SimpleNamespace(device=torch.device("cpu"))
+        FakePlan.made.append(weakref.ref(self))
+
+
+@pytest.fixture
+def registry(monkeypatch, stand_in):
+    from mla_bridge_jax import tvm_ffi as route
+
+    def record(plan):
+        return stand_in.stand_in, [torch.full((1,), float(plan.value)), None, None, None, None, None], [1, 2, 3, 4, 5]
+
+    monkeypatch.setattr(route, "record", record)
+    monkeypatch.setattr(route, "_remaker", lambda plan, value=None: (lambda v=plan.value: FakePlan(v)), raising=False)
+    monkeypatch.setattr(route, "MAX_PLANS", 2, raising=False)
+    FakePlan.made = []
+    yield route
+    for pid in list(route._registered):
+        route.release(route._registered[pid])
+
+
+def _call(route, pid):
+    out_types = (jax.ShapeDtypeStruct((2, 1, 4), jnp.float32), jax.ShapeDtypeStruct((2, 1), jnp.float32))
+    q = jnp.arange(16, dtype=jnp.float32).reshape(2, 1, 8)
+    return jax.jit(route.ffi_call(pid, out_types, platform="cpu", name="mla_bridge_jax_test_lifetime_cpu"))(q, q, q)
+
+
+def test_tvm_ffi_registry_is_bounded_and_replans_evicted_plans(registry):
+    route = registry
+    pids = [route.register(FakePlan(v)) for v in (10.0, 20.0, 30.0)]
+    assert route.registered_plans() == 2  # before: every registered plan was kept for the life of the process
+    gc.collect()
+    assert FakePlan.made[0]() is None  # the evicted plan (and its wrapper) is gone
+    q = np.arange(16, dtype=np.float32).reshape(2, 1, 8)
+    out, _ = _call(route, pids[0])  # evicted: re-planned on its next call (which evicts the oldest, pids[1])
+    np.testing.assert_array_equal(np.asarray(out), q[..., :4] + 10.0)
+    assert route.registered_plans() == 2 and len(FakePlan.made) == 4
+    out, _ = _call(route, pids[2])  # still registered: no re-plan
+    np.testing.assert_array_equal(np.asarray(out), q[..., :4] + 30.0)
+    assert len(FakePlan.made) == 4
+    out, _ = _call(route, pids[1])
+    np.testing.assert_array_equal(np.asarray(out), q[..., :4] + 20.0)
+    assert route.registered_plans() == 2 and len(FakePlan.made) == 5
+
+
+def test_tvm_ffi_released_plan_fails_clearly(registry):
+    route = registry
+    plan = FakePlan(5.0)
+    pid = route.register(plan)
+    assert route.register(plan) == pid  # once per plan
+    assert route.release(plan) and not route.release(plan)
+    with pytest.raises(Exception, match=rf"plan {pid} was released"):
+        jax.block_until_ready(_call(route, pid))

@@ -1,0 +1,523 @@
+"""Issue 11 on the CPU: a plan's state is never rewritten, freed or shared while queued GPU work can still read it.
+
+No GPU here: FlashInfer's wrapper, CUDA streams and CUDA events are recording stand-ins (monkeypatched into
+``torch.cuda`` and ``mla_bridge.backends.flashinfer``), and "the GPU" is a list of events the test completes when it
+wants, so the host can be made to run ahead of it. Each test checks the ordering itself (which wrapper a plan gets,
+which stream waited for which event, which float buffer a run was handed) and fails on the code before issue 11.
+The same faults on the H200 with the GPU kept busy: tests/gpu/test_gpu_async.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+
+import pytest
+import torch
+
+import mla_bridge.dispatch as dispatch
+import mla_bridge.workspace as workspace_module
+from mla_bridge import Workspace, plan_ragged
+from mla_bridge.backends import flashinfer as fi_backend
+
+BF16 = torch.bfloat16
+H, DQK, DVO = 2, 64, 64  # head dims every FlashInfer backend serves (fa3 and cutlass: 64/64)
+
+
+class FakeGPU:
+    """Streams, events and a log of what the host queued, in order."""
+
+    def __init__(self):
+        self.log: list = []
+        self.pending: list = []
+        self.capturing = False
+        self.streams = {}
+        self.current = self.stream(1)
+
+    def stream(self, ptr: int) -> "FakeStream":
+        if ptr not in self.streams:
+            self.streams[ptr] = FakeStream(self, ptr)
+        return self.streams[ptr]
+
+    def finish(self) -> None:
+        """The GPU catches up: every event recorded so far completes."""
+        for e in self.pending:
+            e.done = True
+        self.pending = []
+
+
+class FakeStream:
+    def __init__(self, gpu: FakeGPU, ptr: int):
+        self.gpu, self.cuda_stream = gpu, ptr
+
+    def wait_event(self, event) -> None:
+        self.gpu.log.append(("wait", self.cuda_stream, event))
+
+    def __repr__(self):
+        return f"FakeStream({self.cuda_stream})"
+
+
+def make_event_class(gpu: FakeGPU):
+    class FakeEvent:
+        def __init__(self, *args, **kwargs):
+            self.done = True
+            self.stream = None
+
+        def record(self, stream=None):
+            stream = stream or gpu.current
+            assert not gpu.capturing, "an event was recorded while a stream was capturing"
+            self.stream, self.done = stream.cuda_stream, False
+            gpu.pending.append(self)
+            gpu.log.append(("record", stream.cuda_stream, self))
+
+        def query(self):
+            assert not gpu.capturing, "an event was queried while a stream was capturing"
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    return FakeEvent
+
+
+class StandInWrapper:
+    """FlashInfer's ragged wrapper as far as the asynchrony goes: plan() stands for "write the schedule into the one
+    page-locked buffer and queue its copy"; run() logs the stream and the float buffer it was handed and, like fa2
+    and cutlass, writes ``out`` as if it were contiguous (``out[t, h, d] = q[t, h, d] + 1`` at contiguous strides)."""
+
+    instances: list = []
+
+    def __init__(self, gpu: FakeGPU, float_workspace: torch.Tensor, backend: str):
+        self.gpu, self.backend = gpu, backend
+        self._float_workspace_buffer = float_workspace
+        self._int_workspace_buffer = torch.empty(8, dtype=torch.uint8)
+        self.resets: list = []
+        self.schedule = None
+        StandInWrapper.instances.append(self)
+
+    def plan(self, qo_indptr, kv_indptr, *args, **kwargs):
+        self.schedule = qo_indptr.tolist()
+        self.gpu.log.append(("plan", self, self.schedule))
+
+    def run(self, q, k, v, out=None, lse=None, **kwargs):
+        self.gpu.log.append(("run", self, self.gpu.current.cuda_stream, self._float_workspace_buffer, self.schedule,
+                             out.data_ptr()))
+        vals = q[..., : out.shape[-1]].float() + 1
+        if self.backend in ("fa2", "cutlass"):
+            contiguous = torch.empty(out.shape).stride()
+            out.as_strided(out.shape, contiguous).copy_(vals)
+        else:
+            out.copy_(vals)
+        lse.fill_(0.5)
+        return out, lse
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer):
+        self.resets.append(float_workspace_buffer)
+        self._float_workspace_buffer = float_workspace_buffer
+
+
+class _TorchOnCPU:
+    """``torch`` for mla_bridge.workspace with its device allocations made on the CPU (no CUDA here)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake SM90 device (fa3 by default; fa2/cutlass when forced) with stand-in streams, events and wrapper."""
+    g = FakeGPU()
+    StandInWrapper.instances = []
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: g.capability)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: g.current)
+    monkeypatch.setattr(torch.cuda, "Event", make_event_class(g))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: g.capturing)
+    monkeypatch.setattr(workspace_module, "torch", _TorchOnCPU())
+    monkeypatch.setattr(fi_backend, "new_wrapper", lambda buf, backend: StandInWrapper(g, buf, backend))
+    g.capability = (9, 0)
+    return g
+
+
+def plan(ws, qo, backend=None, causal=True):
+    return plan_ragged(qo, qo, num_heads=H, head_dim_qk=DQK, head_dim_vo=DVO, causal=causal, sm_scale=0.1, dtype=BF16,
+                       workspace=ws, backend=backend)
+
+
+def tensors(t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, H, DQK, generator=g).to(BF16)
+    return q, q.clone(), q[..., :DVO].clone()
+
+
+def run(p, t, out=None, seed=0):
+    """plan.run's kernel call on CPU tensors (the plan's device is the fake CUDA one, so validation is skipped)."""
+    q, k, v = tensors(t, seed)
+    out = torch.empty(t, H, DVO, dtype=BF16) if out is None else out
+    lse = torch.empty(t, H)
+    p._kernel.run(q, k, v, out, lse, "NH")
+    return q, out
+
+
+def wrapper_of(p):
+    return p.flashinfer_wrapper
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 1: a pooled wrapper is re-planned before the previous plan's queued work ran
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_item1_dropped_plan_keeps_its_wrapper_until_the_gpu_is_done(gpu):
+    ws = Workspace("cuda:0")
+    a = plan(ws, [0, 4])
+    wa = wrapper_of(a)
+    run(a, 4)
+    del a
+    gc.collect()
+    b = plan(ws, [0, 2, 6])  # the GPU has not run A yet: A's wrapper and its schedule buffer are still read
+    assert wrapper_of(b) is not wa
+    assert wa.schedule == [0, 4]  # A's schedule was never overwritten while queued
+    gpu.finish()
+    del b
+    gc.collect()
+    c = plan(ws, [0, 3])  # now A's (and B's) work is done: wrappers are reused, none created
+    assert wrapper_of(c) in StandInWrapper.instances[:2] and ws.wrappers_created == 2
+
+
+def test_item1_plan_copy_alone_holds_the_wrapper(gpu):
+    """A plan dropped before any run still has its schedule copy queued (plan() does not wait)."""
+    ws = Workspace("cuda:0")
+    a = plan(ws, [0, 4])
+    wa = wrapper_of(a)
+    del a
+    gc.collect()
+    assert wrapper_of(plan(ws, [0, 5])) is not wa
+    gpu.finish()
+    gc.collect()
+    assert wrapper_of(plan(ws, [0, 5])) in (wa, StandInWrapper.instances[1])
+    assert ws.wrappers_created == 2
+
+
+def test_item1_one_shot_calls_in_a_row(gpu, monkeypatch):
+    """ragged_prefill twice in a row (the JAX eager path too): the second call never re-plans the first's wrapper
+    while its run is queued."""
+    ws = Workspace("cuda:0")
+    seen = []
+    for qo in ([0, 4], [0, 1, 4]):
+        p = plan(ws, qo)
+        run(p, 4)
+        seen.append(wrapper_of(p))
+        del p
+    assert seen[0] is not seen[1]
+    runs = [e for e in gpu.log if e[0] == "run"]
+    assert [r[4] for r in runs] == [[0, 4], [0, 1, 4]]
+    assert seen[0].schedule == [0, 4]
+
+
+def test_item1_event_recorded_after_plan_and_after_each_run_on_its_stream(gpu):
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4])
+    kinds = [(e[0], e[1]) for e in gpu.log if e[0] in ("plan", "record")]
+    assert kinds[-1] == ("record", 1) and gpu.log[-2][0] == "plan"  # the plan event follows plan()'s copy
+    run(p, 4)
+    run(p, 4)
+    assert [e[0] for e in gpu.log[-4:]] == ["run", "record", "run", "record"]
+    assert gpu.log[-1][2] is gpu.log[-3][2]  # one event per stream, re-recorded: no allocation per run
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 2: runs on another stream are ordered after the plan's copies
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_item2_run_on_another_stream_waits_for_the_plan(gpu):
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4])
+    plan_event = next(e[2] for e in reversed(gpu.log) if e[0] == "record")
+    gpu.current = gpu.stream(7)
+    run(p, 4)
+    waits = [e for e in gpu.log if e[0] == "wait"]
+    assert waits == [("wait", 7, plan_event)]
+    i_wait = gpu.log.index(waits[0])
+    i_run = next(i for i, e in enumerate(gpu.log) if e[0] == "run")
+    assert i_wait < i_run
+    run(p, 4)  # once per stream: the stream is ordered after the copy from then on
+    assert len([e for e in gpu.log if e[0] == "wait"]) == 1
+    gpu.current = gpu.stream(1)
+    run(p, 4)  # the plan's own stream never waits
+    assert len([e for e in gpu.log if e[0] == "wait"]) == 1
+
+
+def test_item2_held_until_every_stream_it_ran_on_is_done(gpu):
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4])
+    w = wrapper_of(p)
+    run(p, 4)
+    gpu.current = gpu.stream(7)
+    run(p, 4)
+    del p
+    gc.collect()
+    for e in gpu.pending:
+        if e.stream == 1:  # stream 1 caught up, stream 7 still runs
+            e.done = True
+    gpu.current = gpu.stream(1)
+    assert wrapper_of(plan(ws, [0, 4])) is not w
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 3: fa2 and cutlass ignore out's strides
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend,capability", [("flashinfer-fa2", (9, 0)), ("flashinfer-cutlass", (10, 0)),
+                                                ("flashinfer-fa3", (9, 0))])
+@pytest.mark.parametrize("view", ["last_dim_slice", "head_slice"])
+def test_item3_strided_out_is_written_at_its_strides(gpu, backend, capability, view):
+    gpu.capability = capability
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 3, 5], backend=backend, causal=False)
+    assert p.backend.name == backend
+    if view == "last_dim_slice":
+        buf = torch.full((5, H, 2 * DVO), -7.0, dtype=BF16)
+        out = buf[..., :DVO]
+    else:
+        buf = torch.full((5, 2 * H, DVO), -7.0, dtype=BF16)
+        out = buf[:, :H]
+    assert not out.is_contiguous()
+    q, got = run(p, 5, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, (q[..., :DVO].float() + 1).to(BF16), atol=0, rtol=0)
+    rest = buf[..., DVO:] if view == "last_dim_slice" else buf[:, H:]
+    assert (rest == -7).all()  # nothing written outside the view
+
+
+def test_item3_contiguous_out_is_written_directly(gpu):
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 5], backend="flashinfer-fa2")
+    out = torch.empty(5, H, DVO, dtype=BF16)
+    q, _ = run(p, 5, out=out)
+    (entry,) = [e for e in gpu.log if e[0] == "run"]
+    assert entry[5] == out.data_ptr()  # no temporary, no copy
+    torch.testing.assert_close(out, (q[..., :DVO].float() + 1).to(BF16), atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 4: plans that may run at once never share a float-workspace region (fa2)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_item4_fa2_runs_on_two_streams_get_two_float_regions(gpu):
+    ws = Workspace("cuda:0")
+    a = plan(ws, [0, 4], backend="flashinfer-fa2")
+    b = plan(ws, [0, 6], backend="flashinfer-fa2")
+    run(a, 4)
+    gpu.current = gpu.stream(2)
+    run(b, 6)
+    gpu.current = gpu.stream(3)
+    run(a, 4)
+    runs = [e for e in gpu.log if e[0] == "run"]
+    bufs = [r[3] for r in runs]
+    assert len({id(x) for x in bufs}) == 3  # streams 1, 2, 3: three regions
+    assert all(x.numel() == ws.float_workspace_bytes for x in bufs)
+    gpu.current = gpu.stream(2)
+    run(a, 4)  # same stream as b's run: they are ordered, so they share stream 2's region
+    assert gpu.log[-2][3] is bufs[1]
+    assert bufs[0] is ws.float_workspace  # the first stream uses the workspace itself: no extra memory
+
+
+def test_item4_fa3_runs_use_no_extra_float_memory(gpu):
+    ws = Workspace("cuda:0")
+    a = plan(ws, [0, 4])
+    gpu.current = gpu.stream(2)
+    run(a, 4)
+    assert ws._regions == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 5: growth re-buffers free wrappers only
+# ---------------------------------------------------------------------------------------------------------------
+
+OVERFLOW = ("Buffer overflow when allocating memory for batch_prefill_tmp_v with size 5000 and alignment 16, "
+            "but only 100 bytes available in AlignedAllocator. Increase the workspace buffer size.")
+
+
+def test_item5_growth_leaves_live_plans_buffers_alone(gpu, monkeypatch):
+    ws = Workspace("cuda:0", float_workspace_bytes=4096, max_float_workspace_bytes=1 << 20)
+    live = plan(ws, [0, 4], backend="flashinfer-fa2")
+    run(live, 4)
+    done = plan(ws, [0, 4], backend="flashinfer-fa2")
+    w_live, w_done = wrapper_of(live), wrapper_of(done)
+    old = w_live._float_workspace_buffer
+    del done
+    gpu.finish()
+    run(live, 4)  # queued again: live's work is pending
+    gc.collect()
+    fails = [1]
+    real_plan = StandInWrapper.plan
+
+    def overflowing(self, *args, **kwargs):
+        if fails:
+            fails.pop()
+            raise RuntimeError(OVERFLOW)
+        return real_plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(StandInWrapper, "plan", overflowing)
+    grown = plan(ws, [0, 8], backend="flashinfer-fa2")  # the free wrapper (done's) is the one planned
+    assert ws.float_workspace_bytes > 4096
+    assert wrapper_of(grown) is w_done and w_done.resets and w_done.resets[-1] is ws.float_workspace
+    assert w_live.resets == [] and w_live._float_workspace_buffer is old and old.numel() == 4096
+    gpu.finish()
+    del live
+    gc.collect()
+    again = plan(ws, [0, 2], backend="flashinfer-fa2")  # live's wrapper is free now: re-pointed at the new buffer
+    assert wrapper_of(again) is w_live and w_live._float_workspace_buffer is ws.float_workspace
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 6: the pool is locked (check-then-act race)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_item6_threads_never_share_a_wrapper(gpu):
+    ws = Workspace("cpu")  # a CPU workspace: no events involved, the pool logic alone
+    factory = lambda buf, backend: object()  # noqa: E731
+
+    class Owner:
+        pass
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(1500):
+            owners = [Owner() for _ in range(4)]
+            got = [None] * 4
+            barrier = threading.Barrier(4)
+
+            def take(i):
+                barrier.wait()
+                got[i] = ws.acquire_wrapper("fa2", owners[i], factory)
+
+            threads = [threading.Thread(target=take, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len({id(w) for w in got}) == 4, "one wrapper handed to two live plans"
+            del owners
+    finally:
+        sys.setswitchinterval(old)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 8: a run captured into a CUDA graph keeps its wrapper
+# ---------------------------------------------------------------------------------------------------------------
+
+class Graph:
+    pass
+
+
+def test_item8_captured_plan_is_retired_until_its_graph_is_gone(gpu):
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4], backend="flashinfer-fa2")
+    w = wrapper_of(p)
+    gpu.finish()  # torch.cuda.graph synchronizes before it captures
+    gpu.capturing = True
+    run(p, 4)  # no event is queried or recorded while capturing (the stand-in asserts it)
+    gpu.capturing = False
+    captured_buf = [e for e in gpu.log if e[0] == "run"][-1][3]
+    assert captured_buf is not ws.float_workspace  # fa2: a float workspace of its own (replays may overlap)
+    graph = Graph()
+    fin = p.retain_for_graph(graph)
+    del p
+    gc.collect()
+    gpu.finish()
+    assert wrapper_of(plan(ws, [0, 4], backend="flashinfer-fa2")) is not w  # the graph may still replay it
+    del graph
+    gc.collect()
+    assert not fin.alive
+    gc.collect()
+    assert wrapper_of(plan(ws, [0, 4], backend="flashinfer-fa2")) is not w  # its last replay may still be queued
+    gpu.finish()
+    gc.collect()
+    assert wrapper_of(plan(ws, [0, 4], backend="flashinfer-fa2")) is w
+
+
+def test_item8_captured_without_owner_is_never_reused(gpu):
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4])
+    w = wrapper_of(p)
+    gpu.finish()
+    gpu.capturing = True
+    run(p, 4)
+    gpu.capturing = False
+    del p
+    gc.collect()
+    gpu.finish()
+    assert all(wrapper_of(plan(ws, [0, 4])) is not w for _ in range(3))
+    assert any(s.wrapper is w for s in ws._slots["fa3"])  # kept alive in the pool, not freed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 9: idle wrappers above a small bound are freed
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_item9_idle_wrappers_above_the_bound_are_freed(gpu):
+    ws = Workspace("cuda:0", max_idle_wrappers=3)
+    burst = [plan(ws, [0, 4]) for _ in range(20)]
+    assert ws.wrappers_created == 20
+    del burst
+    gc.collect()
+    gpu.finish()
+    keep = plan(ws, [0, 4])
+    assert sum(len(s) for s in ws._slots.values()) == 1 + 3
+    assert ws.wrappers_created == 20
+    del keep
+    gc.collect()
+    gpu.finish()
+    assert ws.trim() == 1 and ws.pooled_wrappers == 3
+
+
+def test_item9_busy_wrappers_are_never_freed(gpu):
+    ws = Workspace("cuda:0", max_idle_wrappers=0)
+    ps = [plan(ws, [0, 4]) for _ in range(3)]
+    for p in ps:
+        run(p, 4)
+    del ps, p
+    gc.collect()  # dropped, but their runs are queued
+    assert ws.trim() == 0 and ws.pooled_wrappers == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 1c: the vLLM adapter's per-step plans
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_item1c_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
+    plans_mod = pytest.importorskip("mla_bridge_vllm.plans")
+    from mla_bridge.ragged import indptr_from_lens
+
+    ws = Workspace("cuda:0")
+
+    def step(q_lens, ctx_lens):
+        qo = indptr_from_lens(q_lens)
+        chunk = plans_mod.ChunkIndptrs(0, qo, indptr_from_lens(ctx_lens))
+        return plans_mod.PrefillStepPlans(qo, [chunk], num_heads=H, head_dim_qk=DQK, head_dim_vo=DVO, sm_scale=0.1,
+                                          dtype=BF16, device="cuda:0", workspace=ws)
+
+    seen = []
+    plans = None
+    for q_lens in ([4, 2], [1, 1], [2, 3]):  # each step replaces the last one's plans (vLLM's metadata per step)
+        plans = step(q_lens, [3, 5])
+        seen.append({id(wrapper_of(plans.main)), id(wrapper_of(plans.chunks[0]))})
+        run(plans.main, sum(q_lens))
+        run(plans.chunks[0], sum(q_lens))
+    # The GPU is still on step 1: step 3 (planned after step 1's plans were dropped) must not re-plan its wrappers.
+    assert not seen[0] & seen[2] and not seen[1] & seen[2]
+    sched = {id(w): w.schedule for w in StandInWrapper.instances}
+    assert sorted(sched[i] for i in seen[0]) == [[0, 4, 6], [0, 4, 6]]
+    gpu.finish()
+    plans = step([1], [2])
+    assert {id(wrapper_of(plans.main)), id(wrapper_of(plans.chunks[0]))} <= seen[0] | seen[1]
