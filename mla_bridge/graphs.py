@@ -20,11 +20,12 @@ Rules, checked or documented:
   * A graph replays fixed pointers and a fixed schedule: it serves exactly the batch its plan was built for
     (:class:`mla_bridge.PrefillPlan` lengths), and replays read whatever the captured input buffers hold then.
   * Graph safety (the plan-ownership rule of issue 11): a :class:`PrefillGraph` holds, for as long as it can be
-    replayed, the plans it was captured with (so their pooled FlashInfer wrappers, device schedule buffers and index
-    tensors are never handed to another plan), the float workspace its kernels were captured against, and the
-    captured callable with every tensor it closes over. :func:`retain_plan_for_graph` is the one place that tells a
-    plan a graph owns it (``plan.retain_for_graph(graph)`` when the plan has that method). :meth:`PrefillGraph.release`
-    ends the graph's life explicitly; dropping the object does the same.
+    replayed, the plans it was captured with (their index tensors, device schedule buffers and pooled FlashInfer
+    wrappers, which :meth:`mla_bridge.RaggedPlan.retain_for_graph` keeps out of the pool for the graph's lifetime),
+    the float workspace its kernels were captured against, and the captured callable with every tensor it closes
+    over. :func:`retain_plan_for_graph` is the one place that registers a graph with its plans.
+    :meth:`PrefillGraph.release` ends the graph's life explicitly; dropping the object does the same.
+    Replays run on the current stream, in stream order with the caller's writes of the inputs.
   * Capture follows torch's documented recipe: warm-up calls on a side stream (FlashInfer's JIT, first allocations),
     then ``torch.cuda.graph`` capture; allocations inside the capture come from the graph's private memory pool,
     whose size is reported (:attr:`PrefillGraph.memory_bytes`) with the capture time (:attr:`PrefillGraph.capture_ms`).
@@ -50,32 +51,39 @@ from .weights import PreparedKVBProj
 __all__ = ["PrefillGraph", "PrefillLayer", "capture", "capture_prefill", "retain_plan_for_graph"]
 
 def _ragged_plans(plan: Any) -> list[RaggedPlan]:
+    """The distinct ragged passes of a plan (chunks of one shape share one RaggedPlan)."""
     if isinstance(plan, RaggedPlan):
         return [plan]
-    return [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]
+    found = {id(plan.main): plan.main}
+    for c in plan.chunks:
+        if c.plan is not None:
+            found.setdefault(id(c.plan), c.plan)
+    return list(found.values())
 
 
-def retain_plan_for_graph(plan: "PrefillPlan | RaggedPlan", graph: "PrefillGraph") -> list:
-    """Tell ``plan`` (and its ragged passes) that ``graph`` replays its kernels; returns what the graph must hold.
+def retain_plan_for_graph(plan: "PrefillPlan | RaggedPlan", graph: "PrefillGraph") -> tuple[list, list]:
+    """Tell ``plan``'s ragged passes that ``graph`` replays their kernels; returns ``(held, releases)``: what the
+    graph must hold, and the callables that hand the plans' resources back early (:meth:`PrefillGraph.release`).
 
-    The one call site of the plan-ownership API (issue 11): ``retain_for_graph(graph)`` on each object that has it,
-    so that the plan's resources (wrapper, schedule buffers, workspace region) stay reserved while the graph lives.
-    Whatever that API does, the graph holds strong references to the plan, its ragged plans and, for FlashInfer
-    plans, the float workspace tensor its kernels were captured against (a later growth of the workspace swaps in
-    a new tensor; the captured kernels keep the old pointer, which must stay allocated).
+    The one call site of the plan-ownership API of issue 11 (:meth:`mla_bridge.RaggedPlan.retain_for_graph`: a
+    wrapper whose run was captured stays out of the workspace pool until every graph registered for it is gone and
+    the GPU has finished the replays queued on the current stream). On top of it the graph holds strong references
+    to the plan (its index tensors, which the captured gathers read), its ragged passes and, for FlashInfer plans,
+    the float workspace tensor current at capture (a later growth swaps in a new tensor; a kernel captured against
+    the old pointer needs it allocated).
     """
     held: list = [plan]
-    for p in [plan] + (_ragged_plans(plan) if isinstance(plan, PrefillPlan) else []):
-        hook = getattr(p, "retain_for_graph", None)
-        if callable(hook):
-            token = hook(graph)
-            if token is not None:
-                held.append(token)
+    releases: list = []
     for rp in _ragged_plans(plan):
         held.append(rp)
+        hook = getattr(rp, "retain_for_graph", None)
+        if callable(hook):
+            token = hook(graph)
+            if callable(token):
+                releases.append(token)
         if rp.backend.is_flashinfer:
             held.append(rp.workspace.float_workspace)
-    return held
+    return held, releases
 
 
 class PrefillGraph:
@@ -106,8 +114,11 @@ class PrefillGraph:
         self.replays = 0
         self._graph: Any = None
         self._held: list = []
+        self._releases: list = []
         for p in self.plans:
-            self._held.extend(retain_plan_for_graph(p, self))
+            held, releases = retain_plan_for_graph(p, self)
+            self._held.extend(held)
+            self._releases.extend(releases)
 
     @property
     def alive(self) -> bool:
@@ -133,11 +144,15 @@ class PrefillGraph:
         return self.outputs
 
     def release(self) -> None:
-        """Drop the CUDA graph, then the plans and buffers it held (the plans' resources go back to their pools when
-        nothing else holds them). Replaying afterwards raises."""
+        """Drop the CUDA graph, then the plans and buffers it held: their wrappers go back to the workspace pool once
+        the replays queued so far on the current stream have finished (replayed on other streams: synchronize them
+        first) and nothing else holds the plans. Replaying afterwards raises. Dropping the object does the same."""
         self._graph = None
         self._fn = None
         self.outputs = None
+        for give_back in self._releases:
+            give_back()
+        self._releases.clear()
         self._held.clear()
         self.plans = ()
 

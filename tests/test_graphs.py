@@ -127,13 +127,19 @@ def _fa2_plan(ws):
 
 def test_graph_keeps_its_plan_wrapper_and_workspace(monkeypatch):
     monkeypatch.setattr(fi_backend, "new_wrapper", StandInWrapper)
+    registered = []
+    real_retain = RaggedPlan.retain_for_graph
+
+    def spy(plan, graph, **kw):  # the ownership API of issue 11, recorded and then run
+        registered.append((id(plan), id(graph)))
+        return real_retain(plan, graph, **kw)
+
+    monkeypatch.setattr(RaggedPlan, "retain_for_graph", spy)
     ws = Workspace("cpu", float_workspace_bytes=1024, max_float_workspace_bytes=1 << 20)
     plan_a = _fa2_plan(ws)
     wrapper_a = plan_a.flashinfer_wrapper
-    retained = []
-    plan_a.retain_for_graph = retained.append  # the ownership API of issue 11, when the plan has it
     graph = capture(lambda: None, plans=[plan_a])
-    assert retained == [graph]
+    assert registered == [(id(plan_a), id(graph))]
     alive = weakref.ref(plan_a)
     float_ws = ws.float_workspace
     del plan_a
@@ -148,13 +154,22 @@ def test_graph_keeps_its_plan_wrapper_and_workspace(monkeypatch):
     ws._grow(4096)
     gc.collect()
     assert held() is not None and held() is not ws.float_workspace
-    # after the graph is released its plan goes, and the next plan reuses its wrapper
+    # release() hands everything back at once, even while the graph object itself is still referenced
     graph.release()
-    del graph
     gc.collect()
     assert alive() is None and held() is None
     plan_c = _fa2_plan(ws)
     assert plan_c.flashinfer_wrapper is wrapper_a and ws.wrappers_created == 2
+
+
+def test_chunks_sharing_a_plan_register_it_once(ref, tiny_dims, monkeypatch):
+    registered = []
+    monkeypatch.setattr(RaggedPlan, "retain_for_graph", lambda plan, graph, **kw: registered.append(plan))
+    plan = PrefillPlan.build([2] * 6, [8] * 6, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=16),
+                             block_size=8, dtype=torch.float32)
+    assert len(plan.chunks) == 3 and plan.num_plans == 2
+    capture(lambda: None, plans=[plan])
+    assert registered == [plan.main, plan.chunks[0].plan]
 
 
 def test_dropping_the_graph_frees_its_plans(monkeypatch):
