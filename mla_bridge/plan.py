@@ -87,6 +87,8 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
         values = list(values)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of ints (one per request), got {type(values).__name__}") from None
+    if all(type(v) is int for v in values) and (not values or min(values) >= 0):
+        return values  # plain non-negative ints (the common case): no per-item work
     out = []
     for r, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -190,8 +192,8 @@ class PrefillPlan:
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts
         if self.device.type == "cpu":  # host memory is device memory: expand with numpy
-            seg = np.repeat(np.arange(counts.size), counts)
-            return [torch.from_numpy(a) for a in [np.arange(total) - starts[seg]] + [v.astype(np.int64)[seg] for v in values]]
+            offset = np.arange(total) - np.repeat(starts, counts)
+            return [torch.from_numpy(offset)] + [torch.from_numpy(np.repeat(v.astype(np.int64), counts)) for v in values]
         host = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).pin_memory()
         self.__dict__.setdefault("_pinned_indices", []).append(host)
         small = host.to(self.device, non_blocking=True)
