@@ -30,6 +30,8 @@ def _need(cond: bool, exc: type, msg: str) -> None:
 def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan: PrefillPlan,
                             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Check every :func:`mla_prefill` input against ``plan`` on the host; returns ``k_pe`` as ``[T, rope]``.
+    ``kv_b_proj_weight`` may be raw or a :class:`mla_bridge.PreparedKVBProj` (checked for the plan's dims, dtype and
+    device by :func:`mla_bridge.weights.as_prepared`).
 
     Raises:
         TypeError: a non-tensor, or a dtype other than the plan's (block_table: an integer dtype).
