@@ -8,6 +8,15 @@ Sources: FlashInfer 0.7.4 ``flashinfer/prefill.py`` (``_CUTLASS_PLAN_WORK_CAPACI
 ``_CUTLASS_PLAN_QO_TILE_SIZE``, ``DISPATCH_head_dim`` of ``csrc/fmha_cutlass_sm100.cu``, the cutlass dtype rule),
 ``flashinfer/utils.py`` (``is_fa3_prefill_head_dim_supported``), and vLLM's MLA prefill selector (SM10x uses
 FlashInfer's explicit ``backend="cutlass"``).
+
+Head dims (:func:`head_dims_why_not`): fa2 prefill turns ``HEAD_DIM`` into ``NUM_MMA_D = HEAD_DIM / 16`` by integer
+division and never checks it (``include/flashinfer/attention/prefill.cuh``); with 2-byte q/k/v only multiples of 64
+work: others give an illegal memory access or "Invalid configuration : NUM_MMA_Q=1 NUM_MMA_D_QK=1" (head dim 16),
+and dims that are not multiples of 16 return silently wrong values (flashinfer#4299; PR #4312 adds the check
+``head_dim % 64 == 0``, which 0.7.4 lacks; DeepSeek's 192/128 qualifies). The rule is for 2-byte q/k/v; 1-byte (FP8)
+KV needs a stricter one (PR #4312's review). fa3 takes what ``is_fa3_prefill_head_dim_supported`` allows: 64/64,
+128/128, 256/256, 192/128 (read in the 0.7.4 wheel's ``flashinfer/utils.py``). A shape no FlashInfer row serves
+runs on the torch backend, and :class:`BackendChoice` says why.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
-           "cutlass_work_items", "flashinfer_version"]
+           "cutlass_work_items", "flashinfer_version", "head_dims_why_not", "FA3_HEAD_DIMS", "CUTLASS_HEAD_DIMS",
+           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO"]
 
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
@@ -32,6 +42,43 @@ CUTLASS_PLAN_QO_TILE_SIZE = 256  # FlashInfer: one work item per (q tile of 256,
 CUTLASS_ELEMENT_LIMIT = 2 ** 31
 FA2_ELEMENT_LIMIT = 2 ** 32
 _HALF = (torch.float16, torch.bfloat16)
+#: fa2 prefill: head dims multiples of this (flashinfer#4299 / PR #4312), up to FA2_MAX_HEAD_DIM. Measured on the
+#: H200 (2026-12-01, bf16, raw wrapper vs float64): 16, 32, 48 fail in plan/run ("Invalid configuration"); 64, 128, 256
+#: and 192/128 are right.
+FA2_HEAD_DIM_MULTIPLE = 64
+FA2_MAX_HEAD_DIM = 256
+#: fa2's split-KV merge (``VariableLengthMergeStates``, ``DISPATCH_HEAD_DIM``) takes only these v head dims: measured
+#: on the H200 (2026-12-01), fa2 at 96/96 fails there with "Unsupported head_dim: 96"; 192 is not among them either.
+FA2_HEAD_DIMS_VO = (64, 128, 256)
+#: fa3 prefill: FlashInfer 0.7.4 ``flashinfer.utils.is_fa3_prefill_head_dim_supported``.
+FA3_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+#: cutlass (SM100): ``DISPATCH_head_dim`` of ``csrc/fmha_cutlass_sm100.cu``.
+CUTLASS_HEAD_DIMS = ((192, 128), (128, 128), (64, 64))
+
+
+def head_dims_why_not(backend: str, head_dim_qk: Optional[int], head_dim_vo: Optional[int]) -> Optional[str]:
+    """Why FlashInfer ``backend`` ("fa2", "fa3", "cutlass") cannot take these head dims, or ``None`` if it can.
+
+    ``None`` dims are unknown and pass. Sources: see the module docstring (fa2: flashinfer#4299 / PR #4312;
+    fa3: ``is_fa3_prefill_head_dim_supported``; cutlass: ``DISPATCH_head_dim``), measured on the H200 by
+    ``scripts/gpu/head_dim_grid.sh``.
+    """
+    qk, vo = head_dim_qk, head_dim_vo
+    if backend == "fa2":
+        for name, d in (("head_dim_qk", qk), ("head_dim_vo", vo)):
+            if d is not None and (d <= 0 or d % FA2_HEAD_DIM_MULTIPLE or d > FA2_MAX_HEAD_DIM):
+                return (f"{name} {d} is not a multiple of {FA2_HEAD_DIM_MULTIPLE} up to {FA2_MAX_HEAD_DIM} "
+                        f"(fa2 prefill fails or is wrong at other head dims: flashinfer#4299)")
+        if vo is not None and vo not in FA2_HEAD_DIMS_VO:
+            return (f"head_dim_vo {vo} is not one of {', '.join(map(str, FA2_HEAD_DIMS_VO))} (fa2's split-KV merge "
+                    f"dispatches only those; 96 failed there on the H200)")
+        return None
+    table = {"fa3": FA3_HEAD_DIMS, "cutlass": CUTLASS_HEAD_DIMS}[backend]
+    if qk is None or vo is None:
+        return None
+    if (qk, vo) not in table:
+        return f"head dims {qk}/{vo} not in {', '.join(f'{a}/{b}' for a, b in table)}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,9 +168,9 @@ def _cutlass_why_not(req: Request) -> Optional[str]:
     reason = _flashinfer_common(req, CUTLASS_ELEMENT_LIMIT)
     if reason:
         return reason
-    dims = (req.head_dim_qk, req.head_dim_vo)
-    if None not in dims and dims not in ((192, 128), (128, 128), (64, 64)):
-        return f"head dims {dims[0]}/{dims[1]} not in 192/128, 128/128, 64/64"
+    reason = head_dims_why_not("cutlass", req.head_dim_qk, req.head_dim_vo)
+    if reason:
+        return reason
     if req.qo_indptr is not None and req.kv_indptr is not None:
         if req.causal:
             for r, (qa, qb, ka, kb) in enumerate(zip(req.qo_indptr[:-1], req.qo_indptr[1:],
@@ -143,10 +190,7 @@ def _fa3_why_not(req: Request) -> Optional[str]:
     reason = _flashinfer_common(req, None)
     if reason:
         return reason
-    qk, vo = req.head_dim_qk, req.head_dim_vo
-    if qk is not None and vo is not None and not ((qk == vo and qk in (64, 128, 256)) or (qk, vo) == (192, 128)):
-        return f"head dims {qk}/{vo} not in 64/64, 128/128, 256/256, 192/128"
-    return None
+    return head_dims_why_not("fa3", req.head_dim_qk, req.head_dim_vo)
 
 
 def _fa2_why_not(req: Request) -> Optional[str]:
@@ -155,10 +199,7 @@ def _fa2_why_not(req: Request) -> Optional[str]:
     reason = _flashinfer_common(req, FA2_ELEMENT_LIMIT)
     if reason:
         return reason
-    for name, d in (("head_dim_qk", req.head_dim_qk), ("head_dim_vo", req.head_dim_vo)):
-        if d is not None and (d % 16 or d > 256):
-            return f"{name} {d} is not a multiple of 16 up to 256"
-    return None
+    return head_dims_why_not("fa2", req.head_dim_qk, req.head_dim_vo)
 
 
 def _torch_why_not(req: Request) -> Optional[str]:
@@ -174,8 +215,8 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 _cutlass_why_not),
     BackendSpec("flashinfer-fa3", "fa3", "SM90 (9.x); fp16/bf16; head dims 64/64, 128/128, 256/256, 192/128",
                 _fa3_why_not),
-    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors < 2**32 elements; head dims multiples of 16 "
-                "up to 256", _fa2_why_not),
+    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors < 2**32 elements; head dims multiples of 64 "
+                "up to 256 (192/128 included)", _fa2_why_not),
     BackendSpec("torch", None, "any device and dtype (blockwise float32 reference)", _torch_why_not),
 )
 BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in BACKENDS)
@@ -297,7 +338,8 @@ def select_backend(
         if reason is None:
             why = f"first backend that serves {_cap(capability)}"
             if spec.name == "torch":
-                why = "fallback: no FlashInfer backend serves this request"
+                why = "fallback: no FlashInfer backend serves this request (" + "; ".join(
+                    f"{name}: {r}" for name, r in passed_over) + ")"
             return BackendChoice(spec.name, why, tuple(passed_over))
         passed_over.append((spec.name, reason))
     raise AssertionError("the torch row serves every request")  # pragma: no cover

@@ -6,27 +6,117 @@ For partials ``(out_a, lse_a)`` and ``(out_b, lse_b)`` (natural-log LSE):
 contributes nothing, whatever its out holds; +inf (what the FlashAttention-2 library's varlen forward reports for
 empty rows) is read as empty too. Two empties merge to out 0, lse -inf, never NaN.
 
-On CUDA with fp16/bf16 and FlashInfer installed the merge runs FlashInfer's ``merge_state`` kernel, with the heads
-folded into rows so that a block never needs more than 1024 threads (FlashInfer's kernel launches
-``head_dim / vec`` x ``num_heads`` threads per block and fails above 64 heads at bf16, d=128), and its base-2 LSE
-converted at this edge. Elsewhere it runs in float32 torch. A NaN LSE propagates to the merged row in the torch
-merge; FlashInfer's kernel takes ``max()`` of the two LSEs, which drops a NaN, so on CUDA a NaN partial is merged as
-if it were empty (FlashInfer 0.7.4 ``MergeStateKernel``).
+Which merge a shape gets is decided in one place, :func:`select_merge`, by the same rule as the attention dispatch:
+FlashInfer's ``merge_state`` only where it is known right, the float32 torch merge everywhere else. FlashInfer
+0.7.4's merge (``include/flashinfer/attention/cascade.cuh``, ``MergeState`` / ``MergeStateInPlace``):
+
+* dispatches ``head_dim`` through ``DISPATCH_HEAD_DIM`` (``include/flashinfer/utils.cuh``): 64, 128, 256, 512
+  only; anything else raises "Unsupported head_dim" (:data:`FLASHINFER_MERGE_HEAD_DIMS`);
+* takes fp16/bf16 only (``DISPATCH_DLPACK_DTYPE_TO_CTYPE_FP16`` in ``csrc/cascade.cu``);
+* indexes ``(pos * num_heads + head) * head_dim`` in ``uint32_t``: a tensor of ``2**32`` elements or more wraps
+  and its last rows come back wrong (seen on the H200: max error 3.25 out of place, 5.11 in place at 2**32 + 16384
+  elements), so rows are merged in pieces below :data:`FLASHINFER_MERGE_ELEMENT_LIMIT`;
+* launches ``head_dim / vec`` x ``num_heads`` threads per block (``vec = max(16 / sizeof(dtype), head_dim / 32)``):
+  above 1024 the launch fails (64 heads at bf16, d 128), so heads are folded into rows.
+
+Its base-2 LSE is converted at this edge. A NaN LSE propagates to the merged row in the torch merge; FlashInfer's
+kernel takes ``max()`` of the two LSEs, which drops a NaN, so on CUDA a NaN partial is merged as if it were empty.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .dispatch import flashinfer_version
 
-__all__ = ["merge_attn_states", "merge_attn_states_"]
+__all__ = ["merge_attn_states", "merge_attn_states_", "select_merge", "MergeChoice", "FLASHINFER_MERGE_HEAD_DIMS",
+           "FLASHINFER_MERGE_ELEMENT_LIMIT", "TORCH_MERGE_PIECE_ELEMENTS"]
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
+_HALF = (torch.float16, torch.bfloat16)
+
+#: Head dims FlashInfer 0.7.4's merge dispatches (``DISPATCH_HEAD_DIM`` in ``include/flashinfer/utils.cuh``).
+FLASHINFER_MERGE_HEAD_DIMS = (64, 128, 256, 512)
+#: FlashInfer's merge computes element offsets in 32 bits: every piece it is handed holds fewer elements than this.
+FLASHINFER_MERGE_ELEMENT_LIMIT = 2 ** 32
+#: The torch merge works in float32 temporaries (about 4 copies of the piece): on CUDA it runs in row pieces of at
+#: most this many elements, so that a merge of any size needs bounded extra memory (2 GiB of float32 per copy).
+TORCH_MERGE_PIECE_ELEMENTS = 2 ** 29
+
+
+@dataclass(frozen=True)
+class MergeChoice:
+    """The merge :func:`select_merge` picked for a shape.
+
+    Attributes:
+        name: ``"flashinfer"`` (``merge_state`` / ``merge_state_in_place``) or ``"torch"`` (float32 torch).
+        reason: why (for the torch merge: why FlashInfer's is not used).
+        rows_per_piece: rows handed to one kernel call (all rows when they fit in one piece).
+        heads_per_row: heads folded into one FlashInfer row (``num_heads`` when no folding is needed; 0 for torch).
+    """
+
+    name: str
+    reason: str
+    rows_per_piece: int
+    heads_per_row: int = 0
+
+
+def _heads_per_row(num_heads: int, head_dim: int, elem_size: int) -> int:
+    """Largest divisor g of num_heads whose FlashInfer merge block, (head_dim / vec) x g threads, fits 1024."""
+    vec = max(16 // elem_size, head_dim // 32)
+    threads_per_head = max(1, head_dim // vec)
+    g = num_heads
+    while g > 1 and (num_heads % g or g * threads_per_head > 1024):
+        g -= 1
+    return g
+
+
+def select_merge(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, *, contiguous: bool = True,
+                 flashinfer: Optional[bool] = None) -> MergeChoice:
+    """Which merge serves partials of ``shape = (T, H, D)`` (the one routing rule; see the module docstring).
+
+    Args:
+        shape: ``(rows T, heads H, head_dim D)`` of ``out``.
+        dtype: ``out``'s dtype; device_type: ``"cuda"`` or ``"cpu"``.
+        contiguous: whether both outs are contiguous (FlashInfer's merge reads them densely).
+        flashinfer: whether flashinfer-python is installed (default: :func:`~mla_bridge.dispatch.flashinfer_version`).
+
+    Returns:
+        a :class:`MergeChoice`; FlashInfer's only for CUDA, fp16/bf16, contiguous, D in
+        :data:`FLASHINFER_MERGE_HEAD_DIMS`, in pieces of fewer than :data:`FLASHINFER_MERGE_ELEMENT_LIMIT` elements.
+    """
+    t, h, d = (int(x) for x in shape)
+    row = max(1, h * d)
+    torch_rows = max(1, TORCH_MERGE_PIECE_ELEMENTS // row) if device_type == "cuda" else max(1, t)
+
+    def use_torch(reason: str) -> MergeChoice:
+        return MergeChoice("torch", reason, min(max(1, t), torch_rows))
+
+    if flashinfer is None:
+        flashinfer = flashinfer_version() is not None
+    if device_type != "cuda":
+        return use_torch(f"FlashInfer's merge needs CUDA, got {device_type}")
+    if not flashinfer:
+        return use_torch("flashinfer-python is not installed")
+    if dtype not in _HALF:
+        return use_torch(f"FlashInfer's merge takes float16/bfloat16, got {dtype}")
+    if d not in FLASHINFER_MERGE_HEAD_DIMS:
+        return use_torch(f"head_dim {d} not in FlashInfer's merge head dims {list(FLASHINFER_MERGE_HEAD_DIMS)}")
+    if not contiguous:
+        return use_torch("out_a / out_b not contiguous")
+    if t * h == 0:
+        return use_torch("nothing to merge")
+    rows = (FLASHINFER_MERGE_ELEMENT_LIMIT - 1) // row  # each piece: rows * h * d < 2**32
+    g = _heads_per_row(h, d, dtype.itemsize)
+    why = "head dim and dtype served by FlashInfer's merge_state"
+    if rows < t:
+        why += f"; {-(-t // rows)} pieces of <= {rows} rows (32-bit element offsets)"
+    return MergeChoice("flashinfer", why, min(t, rows), g)
 
 
 def _check(out_a, lse_a, out_b, lse_b) -> None:
@@ -49,22 +139,9 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
             raise ValueError(f"{name} is on {x.device}, but out_a is on {out_a.device}")
 
 
-def _heads_per_row(num_heads: int, head_dim: int, elem_size: int) -> int:
-    """Largest divisor g of num_heads whose FlashInfer merge block, (head_dim / vec) x g threads, fits 1024."""
-    vec = max(16 // elem_size, head_dim // 32)
-    threads_per_head = max(1, head_dim // vec)
-    g = num_heads
-    while g > 1 and (num_heads % g or g * threads_per_head > 1024):
-        g -= 1
-    return g
-
-
-def _flashinfer_ok(out_a: torch.Tensor, out_b: torch.Tensor) -> bool:
-    if out_a.device.type != "cuda" or out_a.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    d = out_a.shape[-1]
-    return (flashinfer_version() is not None and d % 8 == 0 and d <= 512 and out_a.is_contiguous()
-            and out_b.is_contiguous() and out_a.numel() > 0)
+def _choice(out_a: torch.Tensor, out_b: torch.Tensor) -> MergeChoice:
+    return select_merge(tuple(out_a.shape), out_a.dtype, out_a.device.type,
+                        contiguous=out_a.is_contiguous() and out_b.is_contiguous())
 
 
 def _as_base2(lse: torch.Tensor) -> torch.Tensor:
@@ -82,26 +159,30 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
     _check(out, lse, out_b, lse_b)
     if not lse.is_contiguous():
         raise ValueError("lse must be contiguous to be merged in place")
-    if _flashinfer_ok(out, out_b):
-        from flashinfer.cascade import merge_state_in_place
+    choice = _choice(out, out_b)
+    t, h, d = out.shape
+    for a in range(0, t, choice.rows_per_piece):
+        r = slice(a, min(t, a + choice.rows_per_piece))
+        if choice.name == "flashinfer":
+            from flashinfer.cascade import merge_state_in_place
 
-        t, h, d = out.shape
-        g = _heads_per_row(h, d, out.element_size())
-        s = _as_base2(lse)
-        merge_state_in_place(out.view(-1, g, d), s.view(-1, g), out_b.view(-1, g, d), _as_base2(lse_b).view(-1, g))
-        torch.mul(s, _LN2, out=lse)
-        return
-    new_out, new_lse = _merge_torch(out, lse, out_b, lse_b)
-    out.copy_(new_out)
-    lse.copy_(new_lse)
+            g = choice.heads_per_row
+            s = _as_base2(lse[r])
+            merge_state_in_place(out[r].view(-1, g, d), s.view(-1, g), out_b[r].view(-1, g, d),
+                                 _as_base2(lse_b[r]).view(-1, g))
+            torch.mul(s, _LN2, out=lse[r])
+        else:
+            new_out, new_lse = _merge_torch(out[r], lse[r], out_b[r], lse_b[r])
+            out[r].copy_(new_out)
+            lse[r].copy_(new_lse)
 
 
 def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two attention partials over disjoint key sets.
+    """Merge two attention partials over disjoint key sets (the kernel: :func:`select_merge`).
 
     Args:
-        out_a, out_b: ``[T, H, D]``, same dtype and device.
+        out_a, out_b: ``[T, H, D]``, same dtype and device; any T, H and D.
         lse_a, lse_b: ``[T, H]`` float32, natural log; -inf or +inf marks an empty partial.
 
     Returns:
@@ -113,11 +194,24 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
         ValueError: shapes that disagree (the message names the argument), different devices.
     """
     _check(out_a, lse_a, out_b, lse_b)
-    if _flashinfer_ok(out_a, out_b):
+    choice = _choice(out_a, out_b)
+    t, h, d = out_a.shape
+    if choice.rows_per_piece >= t:
+        return _merge_piece(choice, out_a, lse_a, out_b, lse_b)
+    out = torch.empty_like(out_a, memory_format=torch.contiguous_format)
+    lse = torch.empty(t, h, dtype=torch.float32, device=out_a.device)
+    for a in range(0, t, choice.rows_per_piece):
+        r = slice(a, min(t, a + choice.rows_per_piece))
+        out[r], lse[r] = _merge_piece(choice, out_a[r], lse_a[r], out_b[r], lse_b[r])
+    return out, lse
+
+
+def _merge_piece(choice: MergeChoice, out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    if choice.name == "flashinfer":
         from flashinfer.cascade import merge_state
 
         t, h, d = out_a.shape
-        g = _heads_per_row(h, d, out_a.element_size())
+        g = choice.heads_per_row
         v, s = merge_state(out_a.view(-1, g, d), _as_base2(lse_a).view(-1, g), out_b.view(-1, g, d),
                            _as_base2(lse_b).view(-1, g))
         return v.view(t, h, d), s.view(t, h).mul_(_LN2)

@@ -191,6 +191,65 @@ def test_work_items_count_empty_requests_as_zero_tiles():
 
 
 # --------------------------------------------------------------------------------------------------------------
+# head dims: what each kernel really supports (issue 10.4; flashinfer#4299 / PR #4312, is_fa3_prefill_head_dim_supported)
+# --------------------------------------------------------------------------------------------------------------
+
+def test_head_dim_16_four_heads_is_torch_with_reason(fi):
+    """vLLM's CPU-backend test shape: fa2 failed inside FlashInfer ("Invalid configuration : NUM_MMA_Q=1
+    NUM_MMA_D_QK=1"); no FlashInfer row may take it."""
+    for cap in [(8, 0), (9, 0), (10, 0)]:
+        choice = select_backend(capability=cap, cuda_version=(12, 8), dtype=BF16, head_dim_qk=16, head_dim_vo=16,
+                                num_heads=4, causal=True, qo_indptr=[0, 5, 9], kv_indptr=[0, 5, 9])
+        assert choice.name == "torch", cap
+        assert "multiple of 64" in passed(choice)["flashinfer-fa2"]
+        assert "fallback" in choice.reason and "flashinfer-fa2: head_dim_qk 16" in choice.reason
+
+
+@pytest.mark.parametrize("dims,sm90,sm80", [
+    ((192, 128), "flashinfer-fa3", "flashinfer-fa2"),
+    ((128, 128), "flashinfer-fa3", "flashinfer-fa2"),
+    ((64, 64), "flashinfer-fa3", "flashinfer-fa2"),
+    ((256, 256), "flashinfer-fa3", "flashinfer-fa2"),
+    ((192, 192), "torch", "torch"),  # fa3 takes only 192/128 at 192; fa2's split-KV merge has no v head dim 192
+    ((128, 64), "flashinfer-fa2", "flashinfer-fa2"),
+    ((16, 16), "torch", "torch"),
+    ((32, 32), "torch", "torch"),
+    ((48, 48), "torch", "torch"),
+    ((80, 80), "torch", "torch"),
+    ((96, 96), "torch", "torch"),
+    ((72, 72), "torch", "torch"),  # not a multiple of 16: fa2 silently returned wrong columns (flashinfer#4299)
+    ((160, 160), "torch", "torch"),
+    ((320, 320), "torch", "torch"),
+    ((512, 512), "torch", "torch"),
+    ((192, 96), "torch", "torch"),
+])
+def test_head_dim_rows(fi, dims, sm90, sm80):
+    kw = dict(cuda_version=(12, 8), dtype=BF16, head_dim_qk=dims[0], head_dim_vo=dims[1])
+    assert select_backend(capability=(9, 0), **kw).name == sm90
+    assert select_backend(capability=(8, 0), **kw).name == sm80
+    assert select_backend(capability=(8, 9), **kw).name == sm80
+
+
+@pytest.mark.parametrize("dims", [(96, 96), (16, 16), (192, 96)])
+def test_forced_fa2_refuses_head_dims_it_gets_wrong(fi, dims):
+    with pytest.raises(ValueError, match="multiple of 64.*4299"):
+        select_backend(capability=(8, 0), cuda_version=(12, 8), requested="flashinfer-fa2", dtype=BF16,
+                       head_dim_qk=dims[0], head_dim_vo=dims[1])
+
+
+def test_head_dims_why_not_table():
+    from mla_bridge.dispatch import head_dims_why_not
+
+    assert head_dims_why_not("fa2", 192, 128) is None and head_dims_why_not("fa2", 64, 256) is None
+    assert "head_dim_vo 96" in head_dims_why_not("fa2", 128, 96)
+    assert "split-KV merge" in head_dims_why_not("fa2", 192, 192)
+    assert head_dims_why_not("fa2", 320, 320) is not None
+    assert head_dims_why_not("fa3", 192, 128) is None and head_dims_why_not("fa3", 192, 192) is not None
+    assert head_dims_why_not("cutlass", 256, 256) is not None and head_dims_why_not("cutlass", 64, 64) is None
+    assert head_dims_why_not("fa2", None, None) is None and head_dims_why_not("fa3", None, 128) is None
+
+
+# --------------------------------------------------------------------------------------------------------------
 # forcing a backend
 # --------------------------------------------------------------------------------------------------------------
 

@@ -181,3 +181,145 @@ def test_nan_partial_stays_nan_in_the_torch_merge():
     merged, merged_lse = merge_attn_states(out, lse, out * 2, torch.zeros(2, 1))
     assert torch.isnan(merged_lse[0]).all() and torch.isnan(merged[0]).all()
     assert torch.allclose(merged[1], torch.full((1, 4), 1.5)) and torch.allclose(merged_lse[1], torch.log(torch.tensor(2.0)))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# routing: which merge a shape gets (select_merge), and the pieces it is cut into
+# --------------------------------------------------------------------------------------------------------------
+from mla_bridge import merge as merge_mod  # noqa: E402
+from mla_bridge.merge import FLASHINFER_MERGE_ELEMENT_LIMIT, MergeChoice, select_merge  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flashinfer_merge_for_its_head_dims(d, dtype):
+    c = select_merge((1000, 16, d), dtype, "cuda", flashinfer=True)
+    assert c.name == "flashinfer" and c.rows_per_piece == 1000
+    assert c.heads_per_row * (d // max(16 // dtype.itemsize, d // 32)) <= 1024
+
+
+@pytest.mark.parametrize("d", [8, 16, 32, 48, 80, 96, 192, 320, 576])
+def test_torch_merge_for_other_head_dims(d):
+    """FlashInfer 0.7.4's DISPATCH_HEAD_DIM takes 64/128/256/512 only: 32, 48, 96 raised 'Unsupported head_dim'."""
+    c = select_merge((10, 8, d), BF16, "cuda", flashinfer=True)
+    assert c.name == "torch"
+    assert f"head_dim {d}" in c.reason and "64, 128, 256, 512" in c.reason
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(dtype=torch.float32), "float16/bfloat16"),
+    (dict(device_type="cpu"), "CUDA"),
+    (dict(flashinfer=False), "not installed"),
+    (dict(contiguous=False), "contiguous"),
+])
+def test_torch_merge_reasons(kw, why):
+    args = dict(shape=(10, 8, 128), dtype=BF16, device_type="cuda", flashinfer=True)
+    args.update(kw)
+    c = select_merge(**args)
+    assert c.name == "torch" and why in c.reason
+
+
+def test_flashinfer_default_follows_the_installed_package(monkeypatch):
+    monkeypatch.setattr(merge_mod, "flashinfer_version", lambda: None)
+    assert select_merge((4, 2, 128), BF16, "cuda").name == "torch"
+    monkeypatch.setattr(merge_mod, "flashinfer_version", lambda: "0.7.4")
+    assert select_merge((4, 2, 128), BF16, "cuda").name == "flashinfer"
+
+
+@pytest.mark.parametrize("t,pieces", [(262_143, 1), (262_144, 2), (262_208, 2), (2 * 262_144, 3)])
+def test_flashinfer_pieces_stay_below_32_bit_offsets(t, pieces):
+    """128 heads x 128: 2**32 elements is 262,144 rows; every piece must hold fewer than 2**32 elements."""
+    c = select_merge((t, 128, 128), BF16, "cuda", flashinfer=True)
+    assert c.name == "flashinfer"
+    assert c.rows_per_piece * 128 * 128 < FLASHINFER_MERGE_ELEMENT_LIMIT
+    assert -(-t // c.rows_per_piece) == pieces
+    assert c.heads_per_row == 64  # 128 heads fold into rows of 64 (a block of 16 x 64 = 1024 threads)
+
+
+def test_torch_merge_pieces_bound_memory_on_cuda():
+    c = select_merge((300_000, 128, 96), BF16, "cuda", flashinfer=True)
+    assert c.name == "torch" and c.rows_per_piece * 128 * 96 <= merge_mod.TORCH_MERGE_PIECE_ELEMENTS
+    assert select_merge((300_000, 128, 96), torch.float32, "cpu").rows_per_piece == 300_000
+
+
+class _FakeCascade:
+    """Stands in for flashinfer.cascade on the CPU: base-2 merge in float64, refusing what FlashInfer 0.7.4 cannot
+    take (other head dims, 2**32 elements or more at the patched limit, blocks above 1024 threads)."""
+
+    def __init__(self, limit):
+        self.limit, self.calls = limit, []
+
+    def _check(self, v, s):
+        t, g, d = v.shape
+        assert d in (64, 128, 256, 512), d
+        assert v.numel() < self.limit, (v.numel(), self.limit)
+        assert v.is_contiguous() and s.is_contiguous() and s.shape == (t, g)
+        assert g * (d // max(16 // v.element_size(), d // 32)) <= 1024
+        self.calls.append(tuple(v.shape))
+
+    @staticmethod
+    def _merge(va, sa, vb, sb):
+        m = torch.maximum(sa, sb).double()
+        wa, wb = torch.exp2(sa.double() - m), torch.exp2(sb.double() - m)
+        tot = wa + wb
+        v = (va.double() * (wa / tot).unsqueeze(-1) + vb.double() * (wb / tot).unsqueeze(-1)).to(va.dtype)
+        return v, (torch.log2(tot) + m).float()
+
+    def merge_state(self, va, sa, vb, sb):
+        self._check(va, sa)
+        return self._merge(va, sa, vb, sb)
+
+    def merge_state_in_place(self, v, s, vo, so):
+        self._check(v, s)
+        nv, ns = self._merge(v, s, vo, so)
+        v.copy_(nv)
+        s.copy_(ns)
+
+
+@pytest.fixture
+def fake_flashinfer_merge(monkeypatch):
+    """CPU tensors routed as if on CUDA with FlashInfer, the 32-bit limit patched down to 3 * 2**14 elements."""
+    import sys
+    import types
+
+    limit = 3 * 2 ** 14
+    fake = _FakeCascade(limit)
+    mod = types.ModuleType("flashinfer.cascade")
+    mod.merge_state, mod.merge_state_in_place = fake.merge_state, fake.merge_state_in_place
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.cascade", mod)
+    monkeypatch.setattr(merge_mod, "FLASHINFER_MERGE_ELEMENT_LIMIT", limit)
+    monkeypatch.setattr(merge_mod, "_choice", lambda a, b: select_merge(
+        tuple(a.shape), a.dtype, "cuda", contiguous=a.is_contiguous() and b.is_contiguous(), flashinfer=True))
+    return fake
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 7])
+def test_pieces_merge_every_row(ref, fake_flashinfer_merge, t):
+    """128 heads x 128 dims at a patched limit of 3 * 2**14 elements: 2 rows per piece, heads folded by 64."""
+    g = torch.Generator().manual_seed(5)
+    oa, ob = torch.randn(t, 128, 128, generator=g).to(BF16), torch.randn(t, 128, 128, generator=g).to(BF16)
+    la, lb = torch.randn(t, 128, generator=g) * 3, torch.randn(t, 128, generator=g) * 3
+    la[-1, :3] = -INF  # an empty partial in the last piece
+    out, lse = merge_attn_states(oa, la, ob, lb)
+    o2, l2 = oa.clone(), la.clone()
+    merge_attn_states_(o2, l2, ob, lb)
+    calls = fake_flashinfer_merge.calls
+    assert len(calls) == 2 * -(-t // 2) and all(c[0] <= 2 * 2 and c[1] == 64 for c in calls)
+    eo, el = merge64(oa.float(), la, ob.float(), lb)
+    for o, s in ((out, lse), (o2, l2)):
+        ref.assert_out_close(o.float(), eo, atol=1.6e-2)
+        ref.assert_lse_close(s, el, atol=1e-5, rtol=1e-6)
+
+
+def test_torch_merge_in_pieces(ref, monkeypatch):
+    """The torch merge cut into row pieces (as on CUDA) gives what one piece gives, in and out of place."""
+    g = torch.Generator().manual_seed(6)
+    oa, ob = torch.randn(11, 3, 48, generator=g), torch.randn(11, 3, 48, generator=g)
+    la, lb = torch.randn(11, 3, generator=g), torch.randn(11, 3, generator=g)
+    whole = merge_attn_states(oa, la, ob, lb)
+    monkeypatch.setattr(merge_mod, "_choice", lambda a, b: MergeChoice("torch", "test", 4))
+    out, lse = both(oa, la, ob, lb)
+    assert torch.equal(out, whole[0]) and torch.equal(lse, whole[1])

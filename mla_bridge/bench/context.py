@@ -4,8 +4,10 @@ For each case and chunk budget: ``mla_prefill`` end to end (with the weight prep
 k_pe layout, and replayed from a CUDA graph, :mod:`mla_bridge.graphs`); its phases run alone on the same tensors
 (gather by block table, up-projection with and without the k concat, the attention kernels, the merge); the
 hand-written pipeline a user would write without mla_bridge (torch gather by block table, ``kv_b_proj`` matmul,
-``torch.cat`` with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); and one context
-pass (non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper.
+``torch.cat`` with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); one context
+pass (non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper; and
+mla_prefill's phases timed inside the layer by :mod:`mla_bridge.profiling` (the way the CLI times them), whose sum
+is checked against the layer's time (within 5% on a GPU).
 
 The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call its ``_fused_latent``,
 ``_gather_latent`` and the prepared weight's ``up_project``); keep them in step when it changes.
@@ -45,10 +47,19 @@ PATHS = (
     "attention + GEMM alone",
     "context pass: RaggedPlan.run",
     "context pass: raw FlashInfer wrapper.run",
+    "in mla_prefill: gather",
+    "in mla_prefill: up-projection",
+    "in mla_prefill: main pass",
+    "in mla_prefill: context chunk",
+    "in mla_prefill: merge",
+    "in mla_prefill: sum of phases",
     "mla_prefill, raw weight (re-prepared per call)",
     "mla_prefill, split k_pe layout (bmm + broadcast copy)",
     "mla_prefill, CUDA graph replay",
 )
+#: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
+IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
+PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time within 5% (issue 10.2)
 #: Targets of issue 13 on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
 #: cases against their eager figure before it (``ContextCase.eager_ms_before``).
 EAGER_TARGET, GRAPHED_TARGET, GRAPHED_SPEEDUP = 1.12, 1.05, 2.5
@@ -255,9 +266,9 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     items: list = [(PATHS[0], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan),
                     dict(flops=flops, note=f"{sched}, {plan.backend.name}, weight prepared once", extra=dict(extra),
                          **meta(0))),
-                   (PATHS[12], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan),
+                   (PATHS[18], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan),
                     dict(flops=flops, note="kv_b_proj rearranged inside every call", **meta(0.2))),
-                   (PATHS[13], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp_split, x.kv_cache, x.block_table, plan),
+                   (PATHS[19], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp_split, x.kv_cache, x.block_table, plan),
                     dict(flops=flops, note="no identity block: 256 x 512 GEMM per head, k_pe copied", **meta(0.4)))]
     skipped: list[Row] = []
     graph_item, graph = _graph_item(ctx, x, plan, name, flops, meta(0.6))
@@ -299,6 +310,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     if graph is not None:
         graph.release()  # its private pool goes back before the next case
     rows.extend(_summary_rows(ctx, case, bi, name, {r.path: r for r in rows}, attn_flops, up_flops, meta))
+    rows.extend(_in_layer_rows(ctx, x, plan, name, rows[0], meta))
     if case.context:
         rows.extend(_context_pass_rows(ctx, x, budget, name, ws, meta))
     return rows
@@ -312,12 +324,69 @@ def _graph_item(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, flops: float,
         graph = capture_prefill(plan, [PrefillLayer(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache)], x.block_table)
     except Exception as err:  # noqa: BLE001
         ctx.recover()
-        return ctx.skipped(SECTION, name, PATHS[14], "capture failed: " + fmt_err(err, 160), err, **meta), None
+        return ctx.skipped(SECTION, name, PATHS[20], "capture failed: " + fmt_err(err, 160), err, **meta), None
     note = (f"captured in {graph.capture_ms:.1f} ms (+ {graph.warmup_ms:.1f} ms warm-up), graph pool "
             f"{graph.memory_bytes / 2 ** 20:.1f} MiB" if graph.graphed else "CPU: the same API, run eagerly")
     extra = {"graphed": graph.graphed, "capture_ms": graph.capture_ms, "warmup_ms": graph.warmup_ms,
              "graph_memory_bytes": graph.memory_bytes}
-    return (PATHS[14], graph.replay, dict(flops=flops, note=note, extra=extra, **meta)), graph
+    return (PATHS[20], graph.replay, dict(flops=flops, note=note, extra=extra, **meta)), graph
+
+
+def _in_layer_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row,
+                   meta: Callable[[int], dict]) -> list[Row]:
+    """mla_prefill's phases timed inside the layer by :func:`mla_bridge.profiling.time_phases` (CUDA events at the
+    phase boundaries with the GPU ahead of the host; host issue time and idle-GPU gaps apart), and their sum against
+    the layer's own time (``full``, the mla_prefill row): within 5% on a GPU."""
+    from ..profiling import time_phases
+
+    base = 12  # index of "in mla_prefill: gather" in PATHS
+    try:
+        times, _ = time_phases(lambda hook: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan,
+                                                        phase_hook=hook),
+                               ctx.device, layers=max(1, min(ctx.repeats, 5)))
+    except Exception as err:  # noqa: BLE001
+        ctx.recover()
+        return [ctx.skipped(SECTION, name, PATHS[base + 5], "failed: " + fmt_err(err, 160), err, **meta(base + 5))]
+    d, e = x.dims, x.q.element_size()
+    attn, up = x.flops()
+    main_attn = attn if plan.fused else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads)
+    merged_rows = sum(c.q_end - c.q_start for c in plan.chunks if c.plan is not None)
+    # what each phase moves or computes: latent rows read + written; the GEMM; the attention; partials read + written
+    work = {"gather": dict(nbytes=((4 * x.num_context + 2 * x.num_tokens) if plan.fused
+                                   else 2 * (x.num_context + x.num_tokens)) * d.latent_dim * e),
+            "up-projection": dict(flops=up), "main pass": dict(flops=main_attn),
+            "context chunk": dict(flops=attn - main_attn),
+            "merge": dict(nbytes=3 * merged_rows * d.num_heads * (d.v_head_dim * e + 4))}
+    rows = []
+    for i, phase in enumerate(IN_LAYER_PHASES):
+        if phase in times.phases_ms:
+            row = ctx.row(SECTION, name, PATHS[base + i], ms=times.phases_ms[phase], **work[phase], **meta(base + i),
+                          note=f"{times.passes[phase]} pass(es) per layer")
+            row.host_ms, row.repeats = times.host_ms[phase], times.layers
+            row.extra.update(passes=times.passes[phase], gap_ms=times.gap_ms.get(phase), method=times.method)
+            rows.append(row)
+    total = ctx.row(SECTION, name, PATHS[base + 5], ms=times.sum_ms, flops=attn + up, **meta(base + 5))
+    total.repeats = times.layers
+    total.extra.update(phase_timing=times.to_dict(), method=times.method)
+    ratio = times.sum_ms / full.ms if full.status == "ok" and full.ms else None
+    if ratio is not None:
+        total.extra["vs_layer"] = ratio
+        total.note = f"{ratio:.3f}x the mla_prefill row"
+    if not times.host_ran_ahead and ctx.cuda:
+        total.note += "; the host did not run ahead: phases include host gaps"
+    gaps = sum(times.gap_ms.values())
+    total.extra["host_gap_ms"] = gaps
+    rows.append(total)
+    if gaps > PHASE_SUM_TOLERANCE * times.sum_ms:
+        # host-bound: the layer waits for the host, which GPU phase times leave out (reported as gaps instead)
+        total.note += f"; host-bound: {gaps:.3f} ms of host gaps on an idle GPU"
+        ctx.check(f"context {name}: in-layer phase sum / mla_prefill (host-bound: GPU time <= layer)", ratio, "<=",
+                  1.0 + PHASE_SUM_TOLERANCE, "phases timed inside the layer (mla_bridge.profiling)")
+    else:
+        ctx.check(f"context {name}: |in-layer phase sum / mla_prefill - 1|",
+                  None if ratio is None else abs(ratio - 1.0), "<=", PHASE_SUM_TOLERANCE,
+                  "phases timed inside the layer (mla_bridge.profiling)")
+    return rows
 
 
 def _handwritten_item(ctx: Ctx, x: Inputs, budget: int, name: str, flops: float, meta: dict):
@@ -354,7 +423,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
                             note="the targets' denominator"))
     long_case = not case.eager_ms_before
     # (path, target against attention + GEMM alone on the long cases)
-    for path, target in ((PATHS[0], EAGER_TARGET), (PATHS[14], GRAPHED_TARGET), (PATHS[12], None), (PATHS[13], None)):
+    for path, target in ((PATHS[0], EAGER_TARGET), (PATHS[20], GRAPHED_TARGET), (PATHS[18], None), (PATHS[19], None)):
         row = by_path.get(path)
         if not ok(path):
             if target and long_case and case.context:
@@ -377,14 +446,14 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     if not ok(PATHS[2]) and ctx.cuda:
         why = hand.note if hand is not None and hand.status != "ok" else (full.note if full is not None else "")
         ctx.check(f"context {name}: mla_prefill / hand-written pipeline", None, "<=", 1.0, "not measured: " + why)
-    graphed = by_path.get(PATHS[14])
-    if ok(PATHS[0]) and ok(PATHS[14]):
+    graphed = by_path.get(PATHS[20])
+    if ok(PATHS[0]) and ok(PATHS[20]):
         graphed.extra["speedup_vs_eager"] = full.ms / graphed.ms
         graphed.note += f"; {full.ms / graphed.ms:.2f}x faster than eager"
     if case.eager_ms_before:
         before = case.eager_ms_before[bi]
         ctx.check(f"context {name}: graphed speedup over eager before issue 13 ({before} ms)",
-                  before / graphed.ms if ok(PATHS[14]) else None, ">=", GRAPHED_SPEEDUP)
+                  before / graphed.ms if ok(PATHS[20]) else None, ">=", GRAPHED_SPEEDUP)
         ctx.check(f"context {name}: eager mla_prefill ms (before issue 13: {before} ms)",
                   full.ms if ok(PATHS[0]) else None, "<=", before, "no slower")
     return rows

@@ -14,7 +14,7 @@ from .batch import _flops, _make_inputs, _resolve_device_dtype, _resolve_workloa
 from .checkpoint import load_kv_b_proj_weight
 from .errors import CLIError
 from .table import _lens_text, _ms, _row, _tol_text
-from .timing import Timer, _instrumented_layer
+from .timing import Timer, phase_breakdown
 
 CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
 #: Allowed error against the float64 reference, per run dtype: ``|x - ref| <= atol + rtol * |ref|`` elementwise, as
@@ -134,9 +134,8 @@ def cmd_prefill(args, console) -> int:
         phases, breakdown_diff = None, None
         if not args.no_breakdown:
             progress.update(task, description="instrumented layer (phase times)")
-            phase_timer = Timer(device)
-            out_i, lse_i = _instrumented_layer(plan, *inputs, phase_timer)
-            phases = phase_timer.totals_ms()
+            phase_times, (out_i, lse_i) = phase_breakdown(plan, *inputs)
+            phases = phase_times.phases_ms
             breakdown_diff = max(max_abs_error(out_i, out.float()), max_abs_error(lse_i, lse))
             progress.advance(task)
 
@@ -202,13 +201,20 @@ def cmd_prefill(args, console) -> int:
     else:
         _row(table, "time per layer", f"{_ms(mean_ms)} ({timing})")
     if phases is not None:
+        gpu = device.type == "cuda"
         for name in ("gather + up-projection", "main pass", "context chunks", "merge"):
             if name in phases:
-                count = len(phase_timer.spans[name])
+                count = phase_times.passes[name]
                 extra = f" ({count} passes)" if name in ("context chunks", "merge") else ""
-                _row(table, f"  {name}", f"{_ms(phases[name])}{extra}")
-        _row(table, "  sum of phases", f"{_ms(sum(phases.values()))} (one extra instrumented layer; output "
-                      f"{'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to mla_prefill's)")
+                host = f"; host {_ms(phase_times.host_ms[name])} to issue, gap {_ms(phase_times.gap_ms[name])} " \
+                       f"on an idle GPU" if gpu else ""
+                _row(table, f"  {name}", f"{_ms(phases[name])}{extra}{host}")
+        how = (f"GPU time, CUDA events at the phase boundaries with the GPU ahead of the host"
+               f"{'' if phase_times.host_ran_ahead else ' (NOT reached: figures include host gaps)'}; host gaps "
+               f"apart" if gpu else "time.perf_counter")
+        _row(table, "  sum of phases", f"{_ms(phase_times.sum_ms)} ({how}; mean of {phase_times.layers} extra "
+                      f"layer(s); output {'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to "
+                      f"mla_prefill's)")
     _row(table, "total", f"{_ms(sum(layer_ms))} for {len(layer_ms)} layer(s)")
     _row(table, "FLOPs per layer", f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
                   f"up-projection {up_flops / 1e9:.2f})")
@@ -248,7 +254,8 @@ def cmd_prefill(args, console) -> int:
         "layers": args.layers,
         "timing_method": timing,
         "timings_ms": {"plan": plan_ms, "plan_again": plan_again_ms, "per_layer": layer_ms, "layer_mean": mean_ms, "total": sum(layer_ms),
-                       "phases": phases},
+                       "phases": phases,
+                       "phase_timing": None if phases is None else phase_times.to_dict()},
         "flops": {"attention": attn_flops, "up_projection": up_flops, "total": attn_flops + up_flops},
         "tflops": tflops,
         "peak_extra_memory_bytes": peak_extra,

@@ -1,11 +1,11 @@
-"""Timing of the prefill command: a phase timer (CUDA events or time.perf_counter) and the instrumented layer
-that times each pass of mla_prefill through its phase hook."""
+"""Timing of the prefill command: the per-layer timer (CUDA events or time.perf_counter) and the phase breakdown,
+which is :mod:`mla_bridge.profiling`'s (shared with the benchmark's context section)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -51,19 +51,26 @@ class Timer:
         return [1e3 * x for x in self.spans.get(name, [])]
 
 
-def _instrumented_layer(plan, q, kv_c, k_pe, weight, cache, block_table, timer: Timer):
-    """One layer of mla_prefill with each phase timed through its ``phase_hook`` (the same code path, so the phases
-    add up to a real layer). Gather and up-projection are reported together, as are the context chunks."""
+#: How the prefill command groups mla_prefill's phases in its table.
+PHASE_LABELS = {"gather": "gather + up-projection", "up-projection": "gather + up-projection",
+                "context chunk": "context chunks"}
+
+
+def phase_breakdown(plan, q, kv_c, k_pe, weight, cache, block_table, *, layers: Optional[int] = None):
+    """Phase times of mla_prefill on these inputs, measured by :func:`mla_bridge.profiling.time_phases` (the one way
+    the CLI and the benchmark time phases: CUDA events at the phase boundaries with the GPU kept ahead of the host,
+    host gaps apart). Gather and up-projection are reported together, as are the context chunks. ``layers``: timed
+    layers (default 3 on a GPU, 1 on the CPU, where a layer may take seconds).
+
+    Returns:
+        ``(PhaseTimes, (out, lse) of the last timed layer)``.
+    """
     from ..prefill import mla_prefill
+    from ..profiling import time_phases
 
-    label = {"gather": "gather + up-projection", "up-projection": "gather + up-projection",
-             "context chunk": "context chunks"}
-    current: list = []
+    def layer(hook):
+        return mla_prefill(q, kv_c, k_pe, weight, cache, block_table, plan, return_lse=True, phase_hook=hook)
 
-    def hook(name: str) -> None:
-        if current:
-            timer.stop(*current.pop())
-        if name != "end":
-            current.append((label.get(name, name), timer.start()))
-
-    return mla_prefill(q, kv_c, k_pe, weight, cache, block_table, plan, return_lse=True, phase_hook=hook)
+    if layers is None:
+        layers = 3 if plan.device.type == "cuda" else 1
+    return time_phases(layer, plan.device, layers=layers, labels=PHASE_LABELS)

@@ -136,8 +136,10 @@ def test_capability_dtype_dims_answers_come_from_select_backend(monkeypatch):
     assert cls.supports_dtype(torch.bfloat16) and cls.supports_dtype(torch.float16)
     assert not cls.supports_dtype(torch.float32)
     assert cls.supports_mla_dimensions(DEEPSEEK)
-    # 96/64 (MiniCPM3-like): fa3 refuses those dims, fa2 takes them on SM90
-    assert cls.supports_mla_dimensions(MLADimensions(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64))
+    # 96/64 (MiniCPM3-like): fa3 refuses those dims and fa2 faults at head dim 96 (flashinfer#4299): no FlashInfer
+    # kernel serves it; 128/64 + 64 (192/128 at other splits) still goes to fa3
+    assert not cls.supports_mla_dimensions(MLADimensions(qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64))
+    assert cls.supports_mla_dimensions(MLADimensions(qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128))
     assert not cls.supports_mla_dimensions(MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=72, v_head_dim=128))
     assert cls.is_available()
     monkeypatch.setattr(mla_bridge.dispatch, "flashinfer_version", lambda: None)
