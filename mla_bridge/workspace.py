@@ -25,6 +25,8 @@ DEFAULT_MAX_FLOAT_WORKSPACE_BYTES = 2 * 1024 * 1024 * 1024
 DEFAULT_CHUNK_TOKENS = 64 * 1024
 #: Idle pooled wrappers kept per FlashInfer backend (each 8 MiB device + 8 MiB page-locked host memory).
 DEFAULT_MAX_IDLE_WRAPPERS = 8
+#: A free wrapper beyond ``max_idle_wrappers`` that was not handed out in this many plans of its backend is freed.
+IDLE_AFTER_ACQUISITIONS = 64
 
 _OVERFLOW = re.compile(r"Buffer overflow when allocating memory for (\S+) with size (\d+).*?only (\d+) bytes", re.S)
 T = TypeVar("T")
@@ -79,7 +81,7 @@ class _Lease:
     """
 
     __slots__ = ("wrapper", "backend", "owner", "plan_event", "plan_stream", "run_events", "captured",
-                 "graph_holds", "region", "__weakref__")
+                 "graph_holds", "region", "last_acquired", "__weakref__")
 
     def __init__(self, wrapper: Any, backend: str):
         self.wrapper = wrapper
@@ -91,6 +93,7 @@ class _Lease:
         self.captured = False  # a run was captured into a CUDA graph: never handed back by the pool itself
         self.graph_holds = 0  # graphs registered through RaggedPlan.retain_for_graph that still exist
         self.region: Optional[torch.Tensor] = None  # fa2: a private float workspace (captured runs)
+        self.last_acquired = 0  # the workspace's acquisition count when this lease was last handed out
 
     def gpu_done(self) -> bool:
         """Every event this lease recorded has completed (``Event.query``, no wait); clears them once done."""
@@ -123,8 +126,10 @@ class Workspace:
         max_float_workspace_bytes: when fa2's plan reports "buffer overflow", the float workspace grows (doubling, or
             to what the plan asked for) up to this many bytes, then :class:`WorkspaceTooSmallError` is raised.
         max_idle_wrappers: pooled wrappers per FlashInfer backend kept while no plan holds them (default 8, each
-            8 MiB of device memory + 8 MiB of page-locked host memory); more idle ones are freed at the next plan
-            (or by :meth:`trim`).
+            8 MiB of device memory + 8 MiB of page-locked host memory). Beyond that, a free wrapper not handed out in
+            the last :data:`IDLE_AFTER_ACQUISITIONS` (64) plans of its backend is freed when the next plan is made
+            (so a serving loop that cycles through more wrappers never frees and rebuilds them), and :meth:`trim`
+            frees every free one beyond the bound at once.
 
     Threads, streams and graphs (the rule: a plan owns what its queued GPU work reads until the GPU is done):
       * The pool is locked: any number of threads may plan on one workspace (``default_workspace`` is shared).
@@ -163,6 +168,7 @@ class Workspace:
         self._float_stream: Any = None  # the stream the float workspace was allocated on
         self._regions: dict[Any, torch.Tensor] = {}  # stream pointer (or an external key) -> float region
         self._slots: dict[str, list[_Lease]] = {}
+        self._acquisitions: dict[str, int] = {}
         self._lock = threading.RLock()
         self.wrappers_created = 0
         self.plans_made = 0  # FlashInfer plan() calls through this workspace (a benchmark counts them)
@@ -209,6 +215,7 @@ class Workspace:
         with self._lock:
             base = self.float_workspace
             slots = self._slots.setdefault(backend, [])
+            self._acquisitions[backend] = now = self._acquisitions.get(backend, 0) + 1
             lease = None
             idle = []
             for slot in slots:
@@ -218,8 +225,10 @@ class Workspace:
                     else:
                         idle.append(slot)
             if len(idle) > self.max_idle_wrappers:
-                drop = {id(s) for s in idle[self.max_idle_wrappers:]}
-                slots[:] = [s for s in slots if id(s) not in drop]
+                idle.sort(key=lambda s: s.last_acquired, reverse=True)  # keep the most recently used
+                drop = {id(s) for s in idle[self.max_idle_wrappers:] if now - s.last_acquired > IDLE_AFTER_ACQUISITIONS}
+                if drop:
+                    slots[:] = [s for s in slots if id(s) not in drop]
             if lease is None:
                 lease = _Lease(factory(base, backend), backend)
                 self.wrappers_created += 1
@@ -229,6 +238,7 @@ class Workspace:
                 # growth, or a run on another stream's region, point it back at the current workspace.
                 lease.wrapper._float_workspace_buffer = base
             lease.owner = weakref.ref(owner)
+            lease.last_acquired = now
             lease.plan_event = None
             lease.run_events = {}
             return lease
@@ -243,15 +253,10 @@ class Workspace:
         freed = 0
         with self._lock:
             for slots in self._slots.values():
-                keep, idle = [], 0
-                for slot in slots:
-                    if slot.free():
-                        idle += 1
-                        if idle > self.max_idle_wrappers:
-                            freed += 1
-                            continue
-                    keep.append(slot)
-                slots[:] = keep
+                idle = sorted((s for s in slots if s.free()), key=lambda s: s.last_acquired, reverse=True)
+                drop = {id(s) for s in idle[self.max_idle_wrappers:]}
+                freed += len(drop)
+                slots[:] = [s for s in slots if id(s) not in drop]
         return freed
 
     @property
