@@ -121,3 +121,25 @@ def test_chunks_of_equal_shape_share_one_flashinfer_plan(stand_in_flashinfer):
     shapes = {(tuple(c.plan.qo_indptr.tolist()), tuple(c.plan.kv_indptr.tolist())) for c in p2.chunks}
     assert len(p2.chunks) == 5 and len(shapes) == 4
     assert p2.num_plans == 1 + len(shapes) == ws2.plans_made
+
+
+def test_bench_splits_build_time_into_flashinfer_and_our_own(stand_in_flashinfer, monkeypatch):
+    """The plan section's host-time split on the CPU, with a stand-in FlashInfer whose plan() takes 2 ms."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from mla_bridge.bench.common import Ctx
+    from mla_bridge.bench.sections import _build_time_job
+
+    monkeypatch.setattr(StandIn, "plan", lambda self, *a, **k: time.sleep(0.002))
+    ctx = Ctx(device=torch.device("cpu"), quick=True, repeats=3, warmup=0, seed=0, backend=None, skip=set(),
+              budget_s=None, console=Console(file=io.StringIO()))
+    build, fi, own = _build_time_job(ctx, 128, True, 0)
+    assert build.status == "ok" and build.extra["flashinfer_plans"] == 2  # main + one for the 4 equal chunks
+    assert fi.path == "PrefillPlan.build: FlashInfer plan() calls" and fi.ms >= 4.0
+    assert own.path == "PrefillPlan.build: our own host work" and 0 < own.ms < build.ms
+    assert build.extra["own_over_flashinfer"] == pytest.approx(own.ms / fi.ms)
+    (check,) = [c for c in ctx.checks if c.name.startswith("plan: own host work / FlashInfer plan() time")]
+    assert check.value == build.extra["own_over_flashinfer"] and check.target == 0.20
