@@ -31,8 +31,9 @@ Rules, checked or documented:
     whose size is reported (:attr:`PrefillGraph.memory_bytes`) with the capture time (:attr:`PrefillGraph.capture_ms`).
   * Exactly equal to eager: a replay launches the same kernels on the same data, so it is bitwise equal to the eager
     calls.
-  * On the CPU (and for plans on the torch backend off CUDA) the same API runs eagerly: :meth:`PrefillGraph.replay`
-    calls the captured callable; ``graphed`` is False and the capture figures are 0.
+  * On the CPU the same API runs eagerly: :meth:`PrefillGraph.replay` calls the captured callable; ``graphed`` is
+    False and the capture figures are 0. (On CUDA the torch backend is captured like FlashInfer's: it plans on host
+    lengths and never syncs.)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from .ragged import RaggedPlan
 from .weights import PreparedKVBProj
 
 __all__ = ["PrefillGraph", "PrefillLayer", "capture", "capture_prefill", "retain_plan_for_graph"]
+
 
 def _ragged_plans(plan: Any) -> list[RaggedPlan]:
     """The distinct ragged passes of a plan (chunks of one shape share one RaggedPlan)."""
