@@ -74,7 +74,9 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     _need(block_table.dim() == 2 and block_table.shape[0] == plan.batch_size, ValueError,
           f"block_table must be [num_requests={plan.batch_size}, max_blocks], got {list(block_table.shape)}")
     capacity = kv_cache.shape[0] * plan.block_size
-    for r, c in enumerate(plan.context_lens):
+    longest = max(plan.context_lens, default=0)  # per layer: the per-request loop (and its messages) only on failure
+    ok = longest <= capacity and -(-longest // plan.block_size) <= block_table.shape[1]
+    for r, c in enumerate(() if ok else plan.context_lens):
         _need(c <= capacity, ValueError,
               f"context_lens[{r}] = {c} tokens is longer than the cache ({kv_cache.shape[0]} blocks x {plan.block_size})")
         blocks = -(-c // plan.block_size)
