@@ -27,7 +27,7 @@ import torch
 
 from .dims import MLADims
 from .dispatch import ENV_VAR
-from .ragged import RaggedPlan, indptr_from_lens, plan_ragged
+from .ragged import INT32_MAX, RaggedPlan, indptr_from_lens, plan_ragged
 from .workspace import Workspace, _checked_device
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
@@ -105,6 +105,16 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
     return out
 
 
+def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> None:
+    """New and context tokens each index int32 offsets (qo_indptr, block positions, vLLM's seq_lens): refuse sums
+    beyond ``2**31 - 1`` in O(requests), before any per-token or per-chunk work."""
+    for name, lens in (("query_lens", q_lens), ("context_lens", c_lens)):
+        total = sum(lens)
+        if total > INT32_MAX:
+            raise ValueError(f"{name} sum to {total} tokens, beyond what an int32 indptr holds "
+                             f"(2**31 - 1 = {INT32_MAX} tokens)")
+
+
 class PrefillPlan:
     """Host-side plan of one MLA prefill batch, shared by every layer (see the module docstring).
 
@@ -138,14 +148,20 @@ class PrefillPlan:
             fuse_context: allow the fused single-pass schedule when the context fits one chunk (default True).
 
         Raises:
-            TypeError / ValueError: lengths that are not non-negative ints or differ in count, a bad block size,
-                a device other than the workspace's, a forced backend that cannot serve.
+            TypeError / ValueError: lengths that are not non-negative ints or differ in count, ``query_lens`` or
+                ``context_lens`` summing beyond ``2**31 - 1`` tokens (checked first, in O(requests)), a bad block
+                size, a device other than the workspace's, a forced backend that cannot serve.
+
+        Host work is O(requests + chunks) on CUDA (per-token index tensors are expanded on the device). On the CPU
+        device those index tensors are host memory, made here: 16 bytes per context token in the chunked schedule,
+        24 per context token and 8 per new token in the fused one.
         """
         self = object.__new__(cls)
         q_lens = _lengths("query_lens", query_lens)
         c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
         if len(c_lens) != len(q_lens):
             raise ValueError(f"context_lens has {len(c_lens)} entries but query_lens has {len(q_lens)}")
+        _check_length_sums(q_lens, c_lens)
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
         if not isinstance(workspace, Workspace):
@@ -158,7 +174,7 @@ class PrefillPlan:
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
         self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context)
-        self.qo_indptr = indptr_from_lens(q_lens)
+        self.qo_indptr = indptr_from_lens(q_lens, "query_lens")
         total_context = sum(c_lens)
         fused_keys = total_context + sum(q_lens)
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
@@ -218,8 +234,9 @@ class PrefillPlan:
         if not schedule:
             return []
         spans = np.asarray([span for chunk in schedule for span in chunk], dtype=np.int64)
-        offset, req_ids, first = self._expand(spans[:, 2] - spans[:, 1], spans[:, 0], spans[:, 1])
-        positions = first + offset
+        positions, req_ids, first = self._expand(spans[:, 2] - spans[:, 1], spans[:, 0], spans[:, 1])
+        positions += first  # offset in the span + the span's first position (in place: one token-long buffer less)
+        del first
         qo_all = self.qo_indptr.numpy()
         plans: dict = {}
         chunks, tok = [], 0

@@ -27,15 +27,24 @@ __all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host
 
 IndptrLike = Union[torch.Tensor, Sequence[int]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+INT32_MAX = 2 ** 31 - 1  # the largest token offset an int32 indptr holds
 
 
-def indptr_from_lens(lens: "torch.Tensor | Sequence[int]") -> torch.Tensor:
+def indptr_from_lens(lens: "torch.Tensor | Sequence[int]", name: str = "lens") -> torch.Tensor:
     """``[0, l0, l0+l1, ...]``: int32 CPU prefix sums ``[len(lens) + 1]`` of per-request lengths (ints or a tensor;
-    a device tensor is copied to the host, a CPU one is read without a sync)."""
+    a device tensor is copied to the host, a CPU one is read without a sync).
+
+    Raises:
+        ValueError: the lengths sum beyond int32 (``2**31 - 1`` tokens, what every kernel's indptr holds); the
+            message names ``name``. Summed in int64 first, so nothing wraps silently.
+    """
     if isinstance(lens, torch.Tensor):
         lens = lens.detach().cpu().numpy()
     out = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(np.asarray(lens, dtype=np.int64), out=out[1:])
+    if out[-1] > INT32_MAX:
+        raise ValueError(f"{name} sum to {int(out[-1])} tokens, beyond what an int32 indptr holds "
+                         f"(2**31 - 1 = {INT32_MAX} tokens)")
     return torch.from_numpy(out.astype(np.int32))
 
 

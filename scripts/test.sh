@@ -4,6 +4,13 @@
 #   bash scripts/test.sh [pytest arguments...]     e.g. bash scripts/test.sh -k cli -x
 #   bash scripts/test.sh --setup-only              set up .venv and stop (scripts/demo.sh uses this)
 #
+# Two suites: the core suite (pytest tests --ignore=tests/vllm, in .venv) and the vLLM suite (scripts/test_vllm.sh:
+# tests/vllm and tests/parity/test_vllm_parity.py, in .venv-vllm). Arguments go to both. Test paths among them
+# (an argument naming an existing file or folder, optionally with ::test) are sorted: paths under tests/vllm and
+# tests/parity/test_vllm_parity.py go to the vLLM suite, the others to the core suite, and a suite none of the
+# paths names is not run. A suite in which no test was selected (pytest exit 5, e.g. `-k cli` matches only core
+# tests) counts as a success when the other suite ran tests; when no suite ran any test the exit is 5.
+#
 # Set-up: makes .venv (Python >= 3.11) when it is missing; installs torch==2.13.0 FIRST when the venv has no
 # torch (the CPU build that lies on these machines' disk; an unpinned torch resolves to a 5.5 GB CUDA build; a
 # torch you installed yourself, such as a CUDA build on a GPU machine, is kept); then this checkout, editable,
@@ -83,11 +90,51 @@ if [ "${1:-}" = "--setup-only" ]; then
     exit 0
 fi
 
-status=0
-"$PY" -m pytest -q tests --ignore=tests/vllm "$@" || status=$?
-if [ -f scripts/test_vllm.sh ] && [ "${MLA_BRIDGE_SKIP_VLLM:-0}" != "1" ]; then
+# Sort the arguments: options (and an option's value) go to both suites, test paths to the suite they belong to.
+both=() core_paths=() vllm_paths=() prev=""
+for arg in "$@"; do
+    case "$prev" in -k|-m|-p|-o|-c|-W|--rootdir|--deselect|--ignore|--ignore-glob|--junitxml|--basetemp) takes=1 ;; *) takes=0 ;; esac
+    prev="$arg"
+    if [ "$takes" = 0 ] && [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ]; then
+        case "$(realpath -m --relative-to="$ROOT" "${arg%%::*}")" in
+            tests/vllm|tests/vllm/*|tests/parity/test_vllm_parity.py) vllm_paths+=("$arg") ;;
+            *) core_paths+=("$arg") ;;
+        esac
+    else
+        both+=("$arg")
+    fi
+done
+run_core=1 run_vllm=1
+[ -f scripts/test_vllm.sh ] && [ "${MLA_BRIDGE_SKIP_VLLM:-0}" != "1" ] || run_vllm=0
+if [ "${#core_paths[@]}" -gt 0 ] || [ "${#vllm_paths[@]}" -gt 0 ]; then
+    [ "${#core_paths[@]}" -gt 0 ] || run_core=0
+    [ "${#vllm_paths[@]}" -gt 0 ] || run_vllm=0
+else
+    core_paths=(tests)
+fi
+
+core_rc=none vllm_rc=none
+if [ "$run_core" = 1 ]; then
+    core_rc=0
+    "$PY" -m pytest -q "${core_paths[@]}" --ignore=tests/vllm "${both[@]}" || core_rc=$?
+fi
+if [ "$run_vllm" = 1 ]; then
     echo "test.sh: vLLM adapter tests (scripts/test_vllm.sh)"
-    bash scripts/test_vllm.sh || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+    vllm_rc=0
+    bash scripts/test_vllm.sh "${vllm_paths[@]}" "${both[@]}" || vllm_rc=$?
+fi
+
+# pytest exit 5 = no test collected or selected: fine in one suite when the other ran tests (exit 0).
+status=0
+for rc in "$core_rc" "$vllm_rc"; do
+    [ "$rc" = none ] || [ "$rc" = 0 ] || [ "$rc" = 5 ] || { status=$rc; break; }
+done
+if [ "$status" = 0 ] && [ "$core_rc" != 0 ] && [ "$vllm_rc" != 0 ]; then
+    status=5
+    echo "test.sh: no test ran in either suite (pytest exit 5)" >&2
+elif [ "$status" = 0 ]; then
+    [ "$core_rc" != 5 ] || echo "test.sh: no test of the core suite selected; the vLLM suite ran"
+    [ "$vllm_rc" != 5 ] || echo "test.sh: no test of the vLLM suite selected; the core suite ran"
 fi
 if [ "$status" -ne 0 ]; then
     echo "test.sh: FAILED (exit $status)" >&2

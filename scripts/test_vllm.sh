@@ -14,7 +14,8 @@
 #   VLLM_VERSION   vLLM release to test (default 0.32.0)
 #   VLLM_VENV      the environment's folder (default .venv-vllm; use one per vLLM version)
 #   PYTHON         the interpreter the environment is made from (default python3)
-# Arguments go to pytest (test paths among them replace the default paths).
+# Arguments go to pytest (test paths among them replace the default paths; the value of -k/-m/... is never taken
+# for a path). Without -m, "-m 'not gpu'" is added. Exit status: pytest's (5 when no test was selected).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -115,8 +116,13 @@ if ! checkout_ok; then
 fi
 
 export VLLM_TARGET_DEVICE=cpu
-has_path=0
-for arg in "$@"; do [ -e "${arg%%::*}" ] && has_path=1; done
+has_path=0 prev=""
+for arg in "$@"; do  # a test path: an existing file or folder that is not an option nor an option's value
+    case "$prev" in -k|-m|-p|-o|-c|-W|--rootdir|--deselect|--ignore|--ignore-glob|--junitxml|--basetemp) ;;
+        *) [ "${arg#-}" = "$arg" ] && [ -e "${arg%%::*}" ] && has_path=1 ;;
+    esac
+    prev="$arg"
+done
 [ "$has_path" = 1 ] || set -- tests/vllm tests/parity/test_vllm_parity.py "$@"
 # GPU tests (tests/vllm/test_kernel_path.py -m gpu) need no vLLM and run in the core suite on a GPU machine.
 case " $* " in *" -m "*) ;; *) set -- -m "not gpu" "$@" ;; esac

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import types
 
@@ -334,3 +335,169 @@ def test_info_without_flashinfer_shows_the_extra_literally(monkeypatch, capsys):
 def test_bench_refuses_a_forced_backend_this_machine_cannot_run(capsys):
     assert main(["bench", "--backend", "flashinfer-fa3", "--sections", "plan"]) == 2
     assert "--backend flashinfer-fa3" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------- issue 9
+
+ISSUE9_TOO_BIG = [
+    (["--prompt-len", "100000000"], "needs about"),
+    (["--batch", "100000000", "--prompt-len", "1"], "--batch"),
+    (["--context-lens", "10000000000"], "--context-lens"),
+    (["--prompt-len", "2000000", "--batch", "1"], "needs about"),  # was OOM-killed at 24 GB
+]
+
+
+@pytest.mark.parametrize("argv, words", ISSUE9_TOO_BIG)
+def test_sizes_that_cannot_fit_are_refused_before_anything_is_allocated(argv, words, capsys, monkeypatch):
+    import mla_bridge.cli.prefill as prefill_cmd
+
+    def no_inputs(*a, **k):
+        raise AssertionError("inputs were allocated")
+
+    monkeypatch.setattr(prefill_cmd, "_make_inputs", no_inputs)
+    assert main(["prefill", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    if words == "needs about":
+        assert "available" in err and "--no-memory-check" in err and "GiB" in err
+
+
+def test_memory_estimate_refuses_with_the_estimate_and_what_is_available(monkeypatch, capsys, tmp_path):
+    import mla_bridge.cli.memory as memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda place, device: (5 << 20, "free in this test"))
+    built = []
+    import mla_bridge
+
+    monkeypatch.setattr(mla_bridge.PrefillPlan, "build", classmethod(lambda cls, *a, **k: built.append(1)))
+    path = tmp_path / "out.json"
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "512", "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    # q 512 x 16 x 192 x 4 bytes = 6 MiB alone: refused before the plan (whose index tensors are allocations).
+    assert "needs about" in err and "5.0 MiB is free in this test" in err and "inputs" in err
+    assert built == [] and not path.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_memory_check_can_be_overridden(monkeypatch, tmp_path):
+    import mla_bridge.cli.memory as memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda place, device: (1 << 20, "free in this test"))
+    rc, res = run_json(tmp_path, "--prompt-lens", "5", "--no-memory-check")
+    assert rc == 0 and res["check"]["passed"] is True
+
+
+def test_memory_estimate_parts(tiny_dims):
+    """The parts of the estimate against their own formulas: the cache, the plan's index tensors counted from the
+    plan (twice: the command builds it again), and the prefill peak from prefill_memory_bytes."""
+    from mla_bridge import PrefillPlan, Workspace
+    from mla_bridge.prefill import prefill_memory_bytes
+    from mla_bridge.cli.memory import estimate_run_memory
+
+    q_lens, c_lens, bs = [5, 9, 1], [0, 70, 300], 16
+    for budget, fused in ((4096, True), (64, False)):
+        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=budget),
+                                 block_size=bs, dtype=torch.float32)
+        assert plan.fused is fused
+        est = estimate_run_memory(tiny_dims, q_lens, c_lens, bs, torch.float32, "cpu", [1], plan=plan)
+        held = est.held["device"]
+        assert held["paged cache"] == (5 + 19 + 1) * bs * tiny_dims.latent_dim * 4
+        per_build = (24 * 370 + 8 * 15) if fused else 16 * 370
+        assert held["plan index tensors"] == 2 * per_build
+        assert est.peaks["device"]["mla_prefill"] >= prefill_memory_bytes(plan)
+        assert est.total("device") == sum(held.values()) + max(est.peaks["device"].values())
+        assert "host" not in est.held  # a CPU run: the host is the device
+    before = estimate_run_memory(tiny_dims, q_lens, c_lens, bs, torch.float32, "cpu", [1])
+    assert before.held["device"]["plan index tensors"] == 2 * (24 * 370 + 8 * 15)  # the fused bound
+
+
+OUTPUT_FLAGS = [
+    ["prefill", "--device", "cpu", "--prompt-lens", "4", "--json"],
+    ["info", "--json"],
+    ["bench", "--json"],
+    ["bench", "--plot"],
+]
+
+
+@pytest.mark.parametrize("argv", OUTPUT_FLAGS, ids=lambda a: " ".join(a[:1] + a[-1:]))
+@pytest.mark.parametrize("where", ["proc", "missing folder"])
+def test_output_flags_are_checked_before_any_work_the_same_way(argv, where, tmp_path, capsys):
+    # /proc: os.access says yes to root there, but no file can be created.
+    path = "/proc/mla_bridge_test.json" if where == "proc" else str(tmp_path / "missing" / "out.json")
+    assert main([*argv, path]) == 2
+    captured = capsys.readouterr()
+    assert argv[-1] in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""  # no table: nothing ran
+    assert not os.path.exists(path)
+
+
+def test_output_file_leaves_nothing_behind(tmp_path):
+    """The check writes and removes a sibling temporary file; an existing file is opened for append, unchanged."""
+    from mla_bridge.cli.args import output_file, write_output
+
+    target = tmp_path / "out.json"
+    assert output_file(str(target)) == target and list(tmp_path.iterdir()) == []
+    target.write_text("old")
+    assert output_file(str(target)) == target and target.read_text() == "old"
+    write_output(target, "new\n")
+    assert target.read_text() == "new\n" and list(tmp_path.iterdir()) == [target]
+
+
+def test_a_run_refused_after_parsing_leaves_no_output_file(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    assert main(["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4",
+                 "--json", str(path)]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_prints_one_line_exits_130_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    import mla_bridge
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mla_bridge, "mla_prefill", interrupted)
+    path = tmp_path / "out.json"
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4", "--json", str(path)]) == 130
+    assert capsys.readouterr().err == "mla-bridge prefill: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_on_the_real_command(tmp_path):
+    """A real SIGINT in the middle of a run: one line on stderr, exit 130, no JSON, no temporary file."""
+    import signal
+    import subprocess
+
+    path = tmp_path / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mla_bridge.cli", "prefill", "--device", "cpu", "--prompt-len",
+                             "3000", "--batch", "1", "--layers", "50", "--no-breakdown", "--json", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:  # stdout is a pipe: the command logs a line per phase
+        if "layer 1/50" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err == "mla-bridge prefill: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_piped_output_logs_a_line_per_phase_and_layer_group(capsys):
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "8,4", "--context-lens", "16", "--layers", "30",
+                 "--check-requests", "1", "--block-size", "16"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mla-bridge prefill: ")
+             and line.endswith(" s)")]
+    names = [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in lines]
+    layers = [n for n in names if n.startswith("layer ")]
+    assert names[0].startswith("planning 2 request(s), 12 new + 32 context tokens")
+    assert "making the inputs and the paged cache" in names and "warm-up layer" in names
+    assert layers[0] == "layer 1/30" and layers[-1] == "layer 30/30" and 3 <= len(layers) <= 12
+    assert names[-2:] == ["instrumented layer (phase times)", "float64 check, request 1"]
+
+
+@pytest.mark.gpu
+def test_cuda_run_that_cannot_fit_is_refused_against_the_gpus_free_memory(capsys):
+    """2M new tokens on the GPU: the float64 check alone needs ~200 GiB of device memory, more than an H200's."""
+    assert main(["prefill", "--device", "cuda", "--prompt-len", "2000000", "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs about" in err and "torch.cuda.mem_get_info" in err and "cuda:" in err

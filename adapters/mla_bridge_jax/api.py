@@ -377,6 +377,37 @@ def prepare_kv_b_proj(kv_b_proj_weight: jax.Array, dims: MLADims, *, layout: Opt
     return prepared
 
 
+def _shallow(err: BaseException, what: str) -> BaseException:
+    """``err`` as a new exception of its type, message ``"<what>: <message>"``, raised once in a fresh thread.
+
+    Why: an error raised inside a ``buffer_callback`` reaches the user as XLA's ``JaxRuntimeError: INTERNAL: Error
+    when calling buffer callback: <text>``, where ``<text>`` is the Python stack of the deepest frame of the
+    exception's traceback (a dozen frames of jax's dispatch, and the user's own) and only then the message.
+    A thread's first frame has no caller, so raised from there the text is one frame line and then
+    ``ValueError: mla_bridge_jax...: <message>`` (XLA's prefix itself cannot be changed from Python).
+    """
+    import _thread
+
+    try:
+        new = type(err)(f"{what}: {err}")
+    except Exception:  # an exception type with another constructor: keep it as it is
+        new = err
+    done = threading.Event()
+
+    def mla_bridge_jax_input_error():
+        try:
+            raise new
+        except BaseException:
+            pass
+        finally:
+            done.set()
+
+    _thread.start_new_thread(mla_bridge_jax_input_error, ())
+    done.wait()
+    new.__cause__, new.__suppress_context__ = None, True
+    return new
+
+
 def _mla_callback(plan: PrefillPlan, prepared: Optional[PreparedKVBProj] = None) -> Callable:
     def get_plan(device: torch.device) -> PrefillPlan:
         if device != plan.device:
@@ -391,7 +422,10 @@ def _mla_callback(plan: PrefillPlan, prepared: Optional[PreparedKVBProj] = None)
             tensors = [torch.from_dlpack(a) for a in args]
             if prepared is not None:  # a constant of the compiled function, not one of XLA's buffers
                 tensors.insert(3, prepared)
-            _, lse_full = _core.mla_prefill(*tensors, plan, out=t_out, return_lse=True)
+            try:  # block ids are traced values: the core checks them (on a CPU plan) only now, when the call runs
+                _, lse_full = _core.mla_prefill(*tensors, plan, out=t_out, return_lse=True)
+            except (ValueError, TypeError, IndexError) as err:
+                raise _shallow(err, "mla_bridge_jax.mla_prefill") from None
             t_lse.copy_(lse_full)
 
     return callback
@@ -416,7 +450,9 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
     Raises:
         TypeError: a non-JAX input (named), a plan that is not a PrefillPlan.
         ValueError / TypeError: the core's ``mla_bridge.prefill.validate_prefill_inputs`` (at trace time
-            under jit; block ids on a CPU plan are range-checked when the call runs).
+            under jit; block ids on a CPU plan are range-checked when the call runs: under jit that error comes
+            inside XLA's ``JaxRuntimeError``, as its last line ``ValueError: mla_bridge_jax.mla_prefill: ...``
+            after a one-frame traceback).
         InferenceOnlyError: on differentiation.
     """
     if not isinstance(plan, PrefillPlan):

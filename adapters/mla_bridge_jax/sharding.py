@@ -56,8 +56,12 @@ def sharded_ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: 
         ``(out [T, H, Dvo] sharded P(None, axis, None), lse [T, H] sharded P(None, axis))``.
 
     Raises:
-        ValueError: ``H`` not divisible by the axis size; errors of :func:`mla_bridge_jax.ragged_prefill`.
+        ValueError: ``axis`` not an axis of ``mesh`` (the message lists the mesh's axes); ``H`` not divisible by
+            the axis size; errors of :func:`mla_bridge_jax.ragged_prefill`.
     """
+    if axis not in mesh.shape:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh; its axes are {list(mesh.axis_names)} "
+                         f"(sizes {dict(mesh.shape)})")
     n = mesh.shape[axis]
     if q.ndim != 3 or q.shape[1] % n:
         raise ValueError(f"q must be [T, H, D] with H divisible by mesh axis {axis!r} of size {n}, "

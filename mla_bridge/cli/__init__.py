@@ -8,12 +8,13 @@ dispatch table picks, and checks a sample of requests against an independent flo
 ``mla-bridge bench`` is :mod:`mla_bridge.bench` (imported only when asked for).
 
 Exit codes: 0 success; 1 the check against the float64 reference failed its tolerance; 2 bad arguments or a
-request the library refuses (the message names the flag or the reason).
+request the library refuses (the message names the flag or the reason), including a run whose memory estimate
+exceeds what is available; 130 interrupted (Ctrl-C).
 
 This module holds the argument parser, :func:`main` and the dispatch to the commands. The rest: ``prefill``
 (the prefill command: plan, run, check, table, JSON), ``batch`` (workload, device/dtype, random inputs, FLOPs),
-``timing`` (phase timer, instrumented layer), ``checkpoint`` (safetensors ``kv_b_proj.weight``, FP8
-dequantization), ``info`` (the info command), ``table`` (table rows and cell text), ``errors`` (:class:`CLIError`).
+``timing`` (phase timer, instrumented layer), ``memory`` (the run's memory estimate against what is free),
+``checkpoint`` (safetensors ``kv_b_proj.weight``, FP8 dequantization), ``info`` (the info command), ``table`` (table rows and cell text), ``errors`` (:class:`CLIError`).
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     g.add_argument("--check-requests", type=_nonnegative_int, default=DEFAULT_CHECK_REQUESTS, metavar="K",
                    help=f"requests checked against the float64 reference, 0 for none (default {DEFAULT_CHECK_REQUESTS})")
     g.add_argument("--no-breakdown", action="store_true", help="skip the extra layer that times each pass")
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="run even when the memory estimate (inputs, cache, plan, prefill peak, float64 check) "
+                        "exceeds what is available (default: refuse with exit 2)")
     g.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_prefill)
 
@@ -151,8 +155,21 @@ def _console(file=None):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``mla-bridge`` console script; returns the exit code (see the module docstring)."""
+    """Entry point of the ``mla-bridge`` console script; returns the exit code (see the module docstring).
+
+    Ctrl-C (KeyboardInterrupt) anywhere prints one line, ``mla-bridge COMMAND: interrupted``, and returns 130 (the
+    shell's 128 + SIGINT); output files are only written whole at the end, so none is left half-written.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        command = next((a for a in argv if not a.startswith("-")), None)
+        print(f"mla-bridge{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     bench_module = None
     if command == "bench":

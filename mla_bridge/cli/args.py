@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-__all__ = ["int_list", "positive_int", "nonnegative_int", "nonnegative_float", "output_file"]
+__all__ = ["int_list", "positive_int", "nonnegative_int", "nonnegative_float", "output_file", "write_output"]
 
 
 def int_list(text: str) -> list[int]:
@@ -50,13 +49,59 @@ def nonnegative_float(text: str) -> float:
 
 
 def output_file(text: str) -> Path:
-    """A file path that can be written, checked when the flags are parsed (before any work runs)."""
+    """A file path that can really be written, checked when the flags are parsed (before any work runs): the one
+    rule of every output flag (``prefill/info/bench --json``, ``bench --plot``).
+
+    An existing file is opened for append (its content is untouched); otherwise a temporary sibling file is created
+    and removed in the same folder, so nothing is left behind when the run later fails. ``os.access`` is not
+    enough: it says yes to root for folders such as ``/proc`` where no file can be created. argparse reports a
+    refusal as ``argument --json: ...`` with exit 2.
+    """
+    import tempfile
+
     path = Path(text)
-    if path.is_dir():
+    if text == "" or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"folder {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    try:
+        if path.exists():
+            with open(path, "a", encoding="utf-8"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{path.name}.", suffix=".tmp"):
+                pass
+    except OSError as err:
+        what = f"{text!r} cannot be written" if path.exists() else f"no file can be created in {str(parent)!r}"
+        raise argparse.ArgumentTypeError(f"{what} ({err.strerror or err})") from None
     return path
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a sibling temporary file, then renamed over ``path`` (an
+    interrupted or failed write leaves no partial file). A path that is not a regular file (``/dev/stdout``) is
+    written directly."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        path.write_text(text, encoding="utf-8")
+        return
+    if path.exists():
+        mode = path.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, mode)  # mkstemp makes 0600: give the file the mode a plain open() would have
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

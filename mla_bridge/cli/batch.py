@@ -11,6 +11,9 @@ from .errors import CLIError
 DEMO_BATCH = 4
 DEMO_PROMPT_LEN = 256
 DEMO_CONTEXT_LENS = (0, 256, 512, 1024)
+#: Most requests one run takes: the command keeps per-request Python lists (and samples over them) before its
+#: memory estimate can refuse a batch, so a larger ``--batch`` would cost minutes and gigabytes by itself.
+MAX_REQUESTS = 1 << 20
 
 
 @dataclass
@@ -28,6 +31,9 @@ def _resolve_workload(args) -> Workload:
         query_lens = list(args.prompt_lens)
     else:
         batch = DEMO_BATCH if args.batch is None else args.batch
+        if batch > MAX_REQUESTS:
+            raise CLIError(f"--batch {batch}: at most {MAX_REQUESTS} requests per run (the command keeps "
+                           f"per-request lists on the host)")
         query_lens = [DEMO_PROMPT_LEN if args.prompt_len is None else args.prompt_len] * batch
     if args.context_lens is None:
         context_lens = [0] * len(query_lens) if explicit else list(DEMO_CONTEXT_LENS)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .args import write_output
 from .table import _row
 
 
@@ -76,6 +77,5 @@ def cmd_info(args, console) -> int:
         _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
     console.print(table)
     if getattr(args, "json", None) is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(info, indent=2) + "\n")
     return 0

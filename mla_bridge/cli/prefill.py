@@ -12,7 +12,9 @@ from pathlib import Path
 
 from .batch import _flops, _make_inputs, _resolve_device_dtype, _resolve_workload, _sample_requests
 from .checkpoint import load_kv_b_proj_weight
+from .args import write_output
 from .errors import CLIError
+from .memory import check_fits, estimate_run_memory
 from .table import _lens_text, _ms, _row, _tol_text
 from .timing import Timer, phase_breakdown
 
@@ -25,6 +27,25 @@ TOLERANCE = {
     "bfloat16": ((2e-2, 2.0 ** -7), (1e-2, 1e-3)),
     "float16": ((1e-2, 2.0 ** -10), (1e-2, 1e-3)),
 }
+
+
+class _Log:
+    """Where the run is, when stdout is not a terminal (a pipe, a log file), where rich's progress bar shows
+    nothing: one plain line per phase, and per group of layers (at most about ten lines for them), with the
+    seconds since the command started. On a terminal the progress bar says it and this prints nothing."""
+
+    def __init__(self, console) -> None:
+        self.console, self.plain, self.t0 = console, not console.is_terminal, time.perf_counter()
+
+    def __call__(self, text: str) -> None:
+        if self.plain:
+            self.console.print(f"mla-bridge prefill: {text} ({time.perf_counter() - self.t0:.1f} s)",
+                               markup=False, highlight=False)
+
+    def layer(self, i: int, n: int) -> None:
+        group = max(1, -(-n // 10))
+        if i == 0 or i == n - 1 or (i + 1) % group == 0:
+            self(f"layer {i + 1}/{n}")
 
 
 def cmd_prefill(args, console) -> int:
@@ -63,13 +84,26 @@ def cmd_prefill(args, console) -> int:
         model_name = args.model or PRESETS[0]
         dims = MLADims.preset(model_name)
     chunk_tokens = args.chunk_tokens or DEFAULT_CHUNK_TOKENS
+    sample = _sample_requests(workload.query_lens, args.check_requests)
 
-    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(dims, workload, args.block_size, dtype, device,
-                                                             args.seed, loaded_weight)
-    if weight_text is None:
-        weight_text = f"random N(0, 1/{dims.kv_lora_rank}), seed {args.seed}"
+    # ---- memory: refuse what cannot fit before the plan (whose index tensors are allocations) and the inputs
+    def fits(plan=None):
+        est = estimate_run_memory(dims, workload.query_lens, workload.context_lens, args.block_size, dtype, device,
+                                  sample, plan=plan)
+        check_fits(est, device, skip=args.no_memory_check)
+
+    try:
+        from ..plan import _check_length_sums
+
+        _check_length_sums(workload.query_lens, workload.context_lens)
+    except ValueError as err:
+        raise CLIError(f"--prompt-len / --prompt-lens / --context-lens: {err}") from None
+    fits()
 
     # ---- plan once
+    log = _Log(console)
+    log(f"planning {len(workload.query_lens)} request(s), {sum(workload.query_lens)} new + "
+        f"{sum(workload.context_lens)} context tokens")
     try:
         workspace = Workspace(device, chunk_tokens=chunk_tokens)
         build = lambda: PrefillPlan.build(  # noqa: E731
@@ -85,6 +119,12 @@ def cmd_prefill(args, console) -> int:
         if args.backend:
             raise CLIError(f"--backend {args.backend}: {err}") from None
         raise CLIError(str(err)) from None
+    fits(plan)
+    log("making the inputs and the paged cache")
+    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(dims, workload, args.block_size, dtype, device,
+                                                             args.seed, loaded_weight)
+    if weight_text is None:
+        weight_text = f"random N(0, 1/{dims.kv_lora_rank}), seed {args.seed}"
     backend = plan.backend
     if plan.fused:
         schedule = "fused: context + new tokens in one causal pass"
@@ -93,7 +133,6 @@ def cmd_prefill(args, console) -> int:
     else:
         schedule = "main pass only (no cached context)"
 
-    sample = _sample_requests(workload.query_lens, args.check_requests)
     attn_flops, up_flops = _flops(dims, workload)
     # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
     # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
@@ -109,6 +148,7 @@ def cmd_prefill(args, console) -> int:
         inputs = (q, kv_c, k_pe, prepare_kv_b_proj(weight, dims), cache, block_table)
         if warmup:
             progress.update(task, description="warm-up layer")
+            log("warm-up layer")
             mla_prefill(*inputs, plan, return_lse=True)
             progress.advance(task)
         if device.type == "cuda":
@@ -118,6 +158,7 @@ def cmd_prefill(args, console) -> int:
         result = None
         for layer in range(args.layers):
             progress.update(task, description=f"layer {layer + 1}/{args.layers}")
+            log.layer(layer, args.layers)
             result = None  # let the previous layer's output go before the next one allocates
             s = timer.start()
             result = mla_prefill(*inputs, plan, return_lse=True)
@@ -134,6 +175,7 @@ def cmd_prefill(args, console) -> int:
         phases, breakdown_diff = None, None
         if not args.no_breakdown:
             progress.update(task, description="instrumented layer (phase times)")
+            log("instrumented layer (phase times)")
             phase_times, (out_i, lse_i) = phase_breakdown(plan, *inputs)
             phases = phase_times.phases_ms
             breakdown_diff = max(max_abs_error(out_i, out.float()), max_abs_error(lse_i, lse))
@@ -144,6 +186,7 @@ def cmd_prefill(args, console) -> int:
         qo = plan.qo_indptr.tolist()
         for r in sample:
             progress.update(task, description=f"float64 check, request {r}")
+            log(f"float64 check, request {r}")
             a, b = qo[r], qo[r + 1]
             ref_out, ref_lse = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], weight, cache, block_table[r],
                                                  workload.context_lens[r], dims)
@@ -266,8 +309,7 @@ def cmd_prefill(args, console) -> int:
         "seed": args.seed,
     }
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        write_output(args.json, json.dumps(results, indent=2) + "\n")
         console.print(f"results written to {args.json}")
     if passed is False:
         print(f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {_tol_text(tol_out)}), "

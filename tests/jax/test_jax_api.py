@@ -341,3 +341,24 @@ def test_tvm_ffi_route_is_refused_on_cpu_and_auto_falls_back(monkeypatch):
     monkeypatch.setenv(mj.ENV_JIT_ROUTE, "auto")
     out, _ = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
     assert _equal(out, _core(q, k, v)[0])
+
+
+def test_out_of_range_block_table_under_jit_surfaces_the_real_message():
+    """Block ids are traced: the core checks them when the call runs, inside XLA's buffer callback. The error used
+    to be XLA's prefix, then 12 lines of jax's dispatch stack, then the ValueError on the 13th (issue 9); now the
+    stack is one frame and the message names the call and the argument."""
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    rng = np.random.default_rng(3)
+    ql, cl, bs = [2, 3], [5, 0], 4
+    t = sum(ql)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+            ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))]
+    table = jnp.asarray([[7, 0], [-1, -1]], jnp.int32)  # block 7 of a 3-block cache
+    plan = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.float32)
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(jax.jit(lambda *a: mj.mla_prefill(*a, plan))(*args, table))
+    lines = str(info.value).splitlines()
+    assert len(lines) <= 3, lines
+    assert lines[-1] == "ValueError: mla_bridge_jax.mla_prefill: block_table row 0 holds block ids outside [0, 3)"
+    with pytest.raises(ValueError, match=r"^block_table row 0 holds block ids outside \[0, 3\)"):
+        mj.mla_prefill(*args, table, plan)  # eagerly: the core's own error, unchanged

@@ -65,3 +65,20 @@ def test_head_sharding_matches_single_device(repo_root):
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout + proc.stderr
+
+
+def test_an_axis_the_mesh_lacks_is_named_with_the_mesh_axes():
+    """Was a bare ``KeyError: 'dp'`` (issue 9)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import mla_bridge_jax as mj
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("heads",))
+    q = jnp.zeros((4, 4, 192), jnp.bfloat16)
+    k = jnp.zeros((4, 4, 192), jnp.bfloat16)
+    v = jnp.zeros((4, 4, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"axis 'dp' is not an axis of the mesh; its axes are \['heads'\]"):
+        mj.sharded_ragged_prefill(q, k, v, [0, 4], [0, 4], mesh=mesh, axis="dp", causal=True, sm_scale=0.1)

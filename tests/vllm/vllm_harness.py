@@ -4,7 +4,10 @@ What is real vLLM code here (vLLM >= 0.29, run with ``VLLM_TARGET_DEVICE=cpu``):
 
 * the config: ``VllmConfig`` / ``ModelConfig`` read from a tiny DeepSeek-V2 ``config.json`` written to disk
   (DeepSeek's MLA sizes: kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128; 4 heads), with
-  ``AttentionConfig(mla_prefill_backend="custom")``;
+  ``AttentionConfig(backend="CPU_MLA", mla_prefill_backend="custom")``: vLLM's CPU platform would pick its AMX MLA
+  attention backend (``AMX_MLA``, compiled CPU ops that the lean install lacks) whenever
+  ``torch.cpu._is_amx_tile_supported()`` is True, so the reference ``CPU_MLA`` backend is named to make the suite
+  mean the same on every x86 CPU (``test_cpu_attention_backend.py`` runs this set-up with AMX forced both ways);
 * the layer: ``MLAAttention`` with a real ``ColumnParallelLinear`` ``kv_b_proj`` (tensor parallel size 1 over gloo),
   which asks vLLM's selector (``get_mla_prefill_backend``) for its prefill class and builds its CPU impl;
 * the metadata: the CPU MLA backend's ``MLACommonMetadataBuilder.build`` on a ``CommonAttentionMetadata``, which
@@ -43,6 +46,7 @@ from vllm.model_executor.layers.attention.mla_attention import (  # noqa: E402
 from vllm.model_executor.layers.linear import ColumnParallelLinear  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.mla.prefill import registry, selector  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 import mla_bridge_vllm  # noqa: E402
 
@@ -55,6 +59,9 @@ BLOCK = 16
 WORKSPACE_TOKENS = 64
 ADAPTER = mla_bridge_vllm.BACKEND_CLASS_PATH
 VLLM_CPU = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa.CPUSDPAMLAPrefillBackend"
+#: vLLM's reference CPU MLA attention backend (decode kernel + the shared MLA prefill scaffolding), named explicitly
+#: so that an AMX CPU does not get ``AMX_MLA``; vLLM releases without it have no AMX choice to avoid either.
+CPU_MLA = "CPU_MLA" if "CPU_MLA" in AttentionBackendEnum.__members__ else None
 
 # Chunks with a 64-token workspace and 16-token blocks: [req 0 (20), req 1 (30)], [req 3 tokens 0-63],
 # [req 3 tokens 64-99 (a continuation), req 4 (10)]; requests 2 and 5 have no context.
@@ -103,7 +110,8 @@ def vllm_config(dtype: torch.dtype) -> VllmConfig:
         vc = VllmConfig(
             model_config=ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype=dtype, max_model_len=1024),
             cache_config=CacheConfig(block_size=BLOCK),
-            attention_config=AttentionConfig(mla_prefill_backend="custom"),
+            attention_config=AttentionConfig(mla_prefill_backend="custom",
+                                             **({"backend": CPU_MLA} if CPU_MLA else {})),
         )
         _init_distributed(vc)
         _CONFIGS[dtype] = vc
