@@ -209,7 +209,7 @@ class PrefillPlan:
         starts = np.cumsum(counts) - counts
         if self.device.type == "cpu":  # host memory is device memory: expand with numpy
             offset = np.arange(total) - np.repeat(starts, counts)
-            return [torch.from_numpy(offset)] + [torch.from_numpy(np.repeat(v.astype(np.int64), counts)) for v in values]
+            return [torch.from_numpy(a) for a in [offset] + [np.repeat(v.astype(np.int64), counts) for v in values]]
         host = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).pin_memory()
         self.__dict__.setdefault("_pinned_indices", []).append(host)
         small = host.to(self.device, non_blocking=True)

@@ -69,7 +69,8 @@ def up_projection_weight(kv_b_proj_weight: torch.Tensor, dims: MLADims) -> torch
     k_pe, exactly), then the v rows ``[W_v | 0]``. ``latent @ W.T`` viewed ``[N, H, 320]`` is ``[k (192) | v (128)]``
     per head. Allocates ``H * 320 * 576`` elements; call it once per layer (:func:`prepare_kv_b_proj`).
     """
-    h, nope, rope, vd, r = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, dims.kv_lora_rank
+    h, nope, rope, vd = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
+    r = dims.kv_lora_rank
     w = kv_b_proj_weight.reshape(h, nope + vd, r)
     aug = kv_b_proj_weight.new_zeros(h, nope + rope + vd, r + rope)
     aug[:, :nope, :r] = w[:, :nope]
