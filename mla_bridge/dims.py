@@ -28,22 +28,40 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def softmax_scale_from_rope_scaling(head_dim_qk: int, rope_scaling: Mapping[str, Any] | None) -> float:
     """DeepSeek's softmax scale: ``head_dim_qk ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2``
-    when ``rope_scaling`` is YaRN (``type`` or ``rope_type`` == "yarn"), sets ``mscale_all_dim`` and has
-    ``factor > 1``.
+    when ``rope_scaling`` is a scaled RoPE (its ``rope_type`` or ``type`` is set and is not ``"default"``), sets
+    ``mscale_all_dim`` and has ``factor > 1``.
 
-    ``head_dim_qk`` is ``qk_nope_head_dim + qk_rope_head_dim`` (192 for DeepSeek), never the latent width
-    576 (a known bug). DeepSeek-V2-Lite gives 0.114722, DeepSeek-V3 0.135234, no YaRN 0.0721688.
+    ``rope_scaling`` is the ``rope_scaling`` entry of DeepSeek's published config.json or the ``rope_parameters``
+    entry that transformers 5 writes (same keys plus ``rope_theta``). The rule is DeepSeek's
+    (``DeepseekV2Attention.__init__`` in ``modeling_deepseek.py``) and transformers' (``yarn_apply_mscale`` in
+    ``models/deepseek_v2/modeling_deepseek_v2.py``, transformers 5.24): both apply the factor for any scaled RoPE
+    with ``mscale_all_dim``, not only YaRN. ``head_dim_qk`` is ``qk_nope_head_dim + qk_rope_head_dim`` (192 for
+    DeepSeek), never the latent width 576 (a known bug). DeepSeek-V2-Lite gives 0.114722, DeepSeek-V3 0.135234,
+    no scaling 0.0721688.
     """
     scale = head_dim_qk ** -0.5
     if not rope_scaling:
         return scale
-    kind = rope_scaling.get("type", rope_scaling.get("rope_type"))
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     mscale_all_dim = rope_scaling.get("mscale_all_dim", 0) or 0
     factor = float(rope_scaling.get("factor", 1.0) or 1.0)
-    if kind == "yarn" and mscale_all_dim and factor > 1:
+    if kind not in (None, "default") and mscale_all_dim and factor > 1:
         m = yarn_mscale(factor, float(mscale_all_dim))
         scale *= m * m
     return scale
+
+
+def _rope_entry(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The RoPE scaling entry of a config: ``rope_parameters`` (transformers 5 writes only this) or ``rope_scaling``
+    (DeepSeek's published files, transformers 4). Both present with different scales is an error."""
+    params, scaling = config.get("rope_parameters"), config.get("rope_scaling")
+    for name, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, Mapping):
+            raise ValueError(f"config: {name} must be a mapping or null, got {type(value).__name__}")
+    if params and scaling and softmax_scale_from_rope_scaling(1, params) != softmax_scale_from_rope_scaling(1, scaling):
+        raise ValueError(f"config: rope_parameters {dict(params)} and rope_scaling {dict(scaling)} disagree on the "
+                         f"YaRN softmax factor; keep one of them")
+    return params or scaling
 
 
 @dataclass(frozen=True)
@@ -106,23 +124,39 @@ class MLADims:
         return (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
 
     @classmethod
-    def from_hf_config(cls, config: Union[str, os.PathLike, Mapping[str, Any]]) -> "MLADims":
-        """Read a DeepSeek-V2/V3 ``config.json`` (a path to the file or its folder, or the parsed dict).
+    def from_hf_config(cls, config: Union[str, os.PathLike, Mapping[str, Any], Any]) -> "MLADims":
+        """Read a DeepSeek-V2/V3 config: a path to ``config.json`` or its folder, the parsed dict, or a config object
+        with ``to_dict()`` (a ``transformers`` ``DeepseekV2Config`` / ``DeepseekV3Config``).
 
         Uses ``num_attention_heads``, ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
-        ``v_head_dim`` and ``rope_scaling`` (``type`` or ``rope_type``; see
-        :func:`softmax_scale_from_rope_scaling`).
+        ``v_head_dim`` and the RoPE scaling entry: ``rope_parameters`` (what transformers 5 writes) or
+        ``rope_scaling`` (DeepSeek's published files), keyed ``rope_type`` or ``type``, ``"default"`` meaning no
+        scaling (see :func:`softmax_scale_from_rope_scaling`). The scale equals transformers' own
+        ``DeepseekV2Attention.scaling`` / ``DeepseekV3Attention.scaling`` (tests/test_dims.py checks it).
 
         Raises:
+            TypeError: ``config`` is none of the accepted kinds (the message lists them).
             FileNotFoundError: the path does not exist.
-            ValueError: a required field is missing (the message names it).
+            ValueError: a required field is missing (the message names it), or rope_parameters and rope_scaling
+                disagree.
         """
         if not isinstance(config, Mapping):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+            if callable(getattr(config, "to_dict", None)) and not isinstance(config, (str, os.PathLike)):
+                config = config.to_dict()
+                if not isinstance(config, Mapping):
+                    raise TypeError(f"config.to_dict() must return a mapping, got {type(config).__name__}")
+            elif isinstance(config, (str, os.PathLike)):
+                path = os.fspath(config)
+                if os.path.isdir(path):
+                    path = os.path.join(path, "config.json")
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+                if not isinstance(config, Mapping):
+                    raise ValueError(f"config: {path} holds a JSON {type(config).__name__}, not an object")
+            else:
+                raise TypeError("config must be a path to config.json or its folder (str or os.PathLike), the parsed "
+                                "config (a mapping), or a config object with to_dict() (e.g. transformers' "
+                                f"DeepseekV2Config); got {type(config).__name__}")
         missing = [k for k in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                "v_head_dim") if config.get(k) is None]
         if missing:
@@ -134,7 +168,7 @@ class MLADims:
             qk_nope_head_dim=int(config["qk_nope_head_dim"]),
             qk_rope_head_dim=int(config["qk_rope_head_dim"]),
             v_head_dim=int(config["v_head_dim"]),
-            softmax_scale=softmax_scale_from_rope_scaling(head_dim_qk, config.get("rope_scaling")),
+            softmax_scale=softmax_scale_from_rope_scaling(head_dim_qk, _rope_entry(config)),
         )
 
     @classmethod

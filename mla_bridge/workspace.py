@@ -113,6 +113,24 @@ class _Lease:
                 and self.gpu_done())
 
 
+_BURIED: list[_Lease] = []  # leases of garbage-collected workspaces whose GPU work may still be queued
+_BURIED_LOCK = threading.Lock()
+
+
+def _bury(slots: dict[str, list[_Lease]]) -> None:
+    # A finalizer: no CUDA call here (it may run while a stream captures); _sweep_buried queries later.
+    keep = [lease for leases in slots.values() for lease in leases
+            if lease.captured or lease.graph_holds or lease.plan_event is not None or lease.run_events]
+    if keep:
+        with _BURIED_LOCK:
+            _BURIED.extend(keep)
+
+
+def _sweep_buried() -> None:
+    with _BURIED_LOCK:
+        _BURIED[:] = [lease for lease in _BURIED if lease.captured or lease.graph_holds or not lease.gpu_done()]
+
+
 class Workspace:
     """Per-device memory for ragged prefill, made once and handed to every plan (FlashInfer's wrapper pattern).
 
@@ -169,7 +187,12 @@ class Workspace:
         self._regions: dict[Any, torch.Tensor] = {}  # stream pointer (or an external key) -> float region
         self._slots: dict[str, list[_Lease]] = {}
         self._acquisitions: dict[str, int] = {}
+        self._released_graphs: list[_Lease] = []  # graphs collected while a stream captured (see _graph_released)
         self._lock = threading.RLock()
+        # A workspace dropped while the GPU still reads its wrappers (a one-shot call on a temporary workspace)
+        # leaves those wrappers in _BURIED until their events complete: freed earlier, FlashInfer's page-locked
+        # schedule buffer could be handed to another allocation while its copy is still queued.
+        weakref.finalize(self, _bury, self._slots)
         self.wrappers_created = 0
         self.plans_made = 0  # FlashInfer plan() calls through this workspace (a benchmark counts them)
 
@@ -212,6 +235,13 @@ class Workspace:
         ``factory(float_workspace, backend)`` builds a new wrapper when no pooled one is free. Idle wrappers beyond
         ``max_idle_wrappers`` are freed here.
         """
+        if _BURIED:
+            _sweep_buried()
+        if self._released_graphs:
+            with self._lock:
+                released, self._released_graphs = self._released_graphs, []
+            for done in released:
+                self._graph_released(done, None)
         with self._lock:
             base = self.float_workspace
             slots = self._slots.setdefault(backend, [])
@@ -274,8 +304,13 @@ class Workspace:
 
     def _graph_released(self, lease: _Lease, stream: Any) -> None:
         # The graph is gone; its replays were queued on ``stream`` (default: the current one). The wrapper stays busy
-        # until that stream's work queued so far has completed.
+        # until that stream's work queued so far has completed. A finalizer may run while a stream captures: then
+        # the event is recorded at the next plan instead (an event recorded now would become part of that graph).
         if self.device.type == "cuda":
+            if stream is None and torch.cuda.is_current_stream_capturing():
+                with self._lock:
+                    self._released_graphs.append(lease)
+                return
             stream = stream if stream is not None else torch.cuda.current_stream(self.device)
             event = torch.cuda.Event()
             event.record(stream)

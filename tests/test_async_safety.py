@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -446,6 +447,26 @@ def test_item8_captured_plan_is_retired_until_its_graph_is_gone(gpu):
     assert wrapper_of(plan(ws, [0, 4], backend="flashinfer-fa2")) is w
 
 
+def test_item8_graph_collected_during_another_capture(gpu):
+    """A graph garbage collected while a stream captures: no event is recorded then; the hand-back waits for the
+    next plan, and the wrapper stays out of the pool until the event recorded then completes."""
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4])
+    w = wrapper_of(p)
+    gpu.finish()
+    gpu.capturing = True
+    run(p, 4)
+    graph = Graph()
+    p.retain_for_graph(graph)
+    del graph, p
+    gc.collect()  # the stand-in event asserts nothing is recorded or queried while capturing
+    gpu.capturing = False
+    assert wrapper_of(plan(ws, [0, 4])) is not w  # this plan records the hand-back's event; not complete yet
+    gpu.finish()
+    gc.collect()
+    assert wrapper_of(plan(ws, [0, 4])) is w
+
+
 def test_item8_captured_without_owner_is_never_reused(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
@@ -540,3 +561,20 @@ def test_item1c_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
     gpu.finish()
     plans = step([1], [2])
     assert {id(wrapper_of(plans.main)), id(wrapper_of(plans.chunks[0]))} <= seen[0] | seen[1]
+
+
+def test_a_dropped_workspace_keeps_wrappers_the_gpu_still_reads(gpu):
+    """A one-shot call on a temporary workspace: the workspace is gone before the GPU ran the plan."""
+    ws = Workspace("cuda:0")
+    p = plan(ws, [0, 4])
+    run(p, 4)
+    w = weakref.ref(wrapper_of(p))
+    StandInWrapper.instances.clear()  # the stand-ins' own records must not keep it alive
+    gpu.log.clear()
+    del p, ws
+    gc.collect()
+    assert w() is not None  # still alive: its copy and run are queued
+    gpu.finish()
+    Workspace("cuda:0").acquire_wrapper("fa3", gpu, lambda buf, backend: object())  # any later plan sweeps
+    gc.collect()
+    assert w() is None

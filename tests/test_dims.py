@@ -109,7 +109,7 @@ def test_presets_match_the_configs():
     {"type": "yarn", "factor": 40},  # no mscale_all_dim: DeepSeek multiplies by mscale**2 only when it is set
     {"type": "yarn", "factor": 40, "mscale_all_dim": 0},
     {"type": "yarn", "factor": 1.0, "mscale_all_dim": 1.0},  # factor <= 1: yarn_get_mscale returns 1
-    {"type": "linear", "factor": 40, "mscale_all_dim": 1.0},
+    {"type": "default", "factor": 40, "mscale_all_dim": 1.0},  # "default" means no scaling, whatever else is set
 ])
 def test_no_yarn_scale_is_plain_192(rope_scaling):
     cfg = dict(V2_LITE_CONFIG, rope_scaling=rope_scaling)
@@ -152,3 +152,122 @@ def test_missing_file(tmp_path):
 def test_bad_sizes(kwargs, name):
     with pytest.raises(ValueError, match=name):
         MLADims(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs written by transformers 5 (rope_parameters, no rope_scaling) and config objects; the scale checked against
+# transformers' own attention module (its `scaling` attribute, set by yarn_apply_mscale in modeling_deepseek_v2.py).
+# ----------------------------------------------------------------------------------------------------------------
+
+def _hf_config(version: str, published: dict, **overrides):
+    """A transformers DeepseekV2Config / DeepseekV3Config with the published attention fields and a tiny body."""
+    import transformers
+
+    cls = {"v2": transformers.DeepseekV2Config, "v3": transformers.DeepseekV3Config}[version]
+    fields = {k: published[k] for k in ("num_attention_heads", "num_key_value_heads", "kv_lora_rank", "q_lora_rank",
+                                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                        "max_position_embeddings", "rope_scaling")}
+    fields.update(hidden_size=256, intermediate_size=64, num_hidden_layers=1, vocab_size=32)
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def _transformers_scaling(config) -> float:
+    """transformers' own softmax scale: the `scaling` attribute of its attention module built from `config`."""
+    import transformers
+
+    attn = {"deepseek_v2": transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention,
+            "deepseek_v3": transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention}[config.model_type]
+    return float(attn(config, layer_idx=0).scaling)
+
+
+HF_CASES = [("v2", V2_LITE_CONFIG, 0.707), ("v3", V3_CONFIG, 1.0), ("v2", V3_CONFIG, 1.0), ("v3", V2_LITE_CONFIG, 0.707)]
+
+
+@pytest.mark.parametrize("version,published,mscale_all_dim", HF_CASES)
+@pytest.mark.parametrize("form", ["folder", "file", "dict", "object"])
+def test_config_written_by_transformers(tmp_path, version, published, mscale_all_dim, form):
+    config = _hf_config(version, published)
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in written  # what transformers 5 writes (the form that gave 192**-0.5 before)
+    source = {"folder": tmp_path, "file": str(tmp_path / "config.json"), "dict": written, "object": config}[form]
+    d = MLADims.from_hf_config(source)
+    assert d.num_heads == published["num_attention_heads"]
+    assert d.softmax_scale == pytest.approx(_transformers_scaling(config), rel=1e-12)
+    assert d.softmax_scale == pytest.approx(deepseek_scale(mscale_all_dim), rel=1e-12)
+
+
+@pytest.mark.parametrize("version,published,mscale_all_dim", HF_CASES[:2])
+def test_published_config_json_matches_transformers(tmp_path, version, published, mscale_all_dim):
+    # DeepSeek's published config.json (rope_scaling, "type": "yarn"), loaded by transformers itself.
+    import transformers
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(published, model_type=f"deepseek_{version}",
+                                                          hidden_size=256, intermediate_size=64, vocab_size=32,
+                                                          num_hidden_layers=1)))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    scale = MLADims.from_hf_config(tmp_path).softmax_scale
+    assert scale == pytest.approx(_transformers_scaling(config), rel=1e-12)
+    assert scale == pytest.approx(deepseek_scale(mscale_all_dim), rel=1e-12)
+    assert MLADims.from_hf_config(config).softmax_scale == scale
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "default"},
+    {"rope_type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 8, "mscale": 0.5, "mscale_all_dim": 0.3, "original_max_position_embeddings": 4096},
+    {"rope_type": "linear", "factor": 4.0},
+    # DeepSeek's modeling_deepseek.py and transformers both apply mscale_all_dim for any scaled RoPE, not only YaRN
+    {"rope_type": "linear", "factor": 4.0, "mscale_all_dim": 1.0},
+])
+@pytest.mark.parametrize("version", ["v2", "v3"])
+def test_scale_equals_transformers_for_rope_kinds(tmp_path, version, rope_scaling):
+    config = _hf_config(version, V2_LITE_CONFIG, rope_scaling=rope_scaling)
+    config.save_pretrained(tmp_path)
+    expected = _transformers_scaling(config)
+    assert MLADims.from_hf_config(tmp_path).softmax_scale == pytest.approx(expected, rel=1e-12)
+    assert MLADims.from_hf_config(config).softmax_scale == pytest.approx(expected, rel=1e-12)
+
+
+def test_rope_parameters_default_means_no_yarn():
+    cfg = dict(V3_CONFIG, rope_scaling=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert MLADims.from_hf_config(cfg).softmax_scale == pytest.approx(192 ** -0.5, rel=1e-12)
+    both = dict(V3_CONFIG, rope_parameters={**V3_CONFIG["rope_scaling"], "rope_theta": 10000.0})
+    assert MLADims.from_hf_config(both).softmax_scale == pytest.approx(deepseek_scale(1.0), rel=1e-12)
+
+
+def test_rope_parameters_and_rope_scaling_that_disagree_are_refused():
+    cfg = dict(V3_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="rope_parameters .* rope_scaling"):
+        MLADims.from_hf_config(cfg)
+
+
+class _ToDict:
+    def __init__(self, d):
+        self._d = d
+
+    def to_dict(self):
+        return dict(self._d)
+
+
+def test_any_object_with_to_dict_is_read():
+    cfg = dict(V2_LITE_CONFIG)
+    cfg["rope_parameters"] = cfg.pop("rope_scaling")
+    assert MLADims.from_hf_config(_ToDict(cfg)) == MLADims.deepseek_v2_lite()
+
+
+@pytest.mark.parametrize("bad", [42, 1.5, None, ["config.json"], b"config.json", object()])
+def test_other_kinds_get_a_type_error_naming_what_is_accepted(bad):
+    with pytest.raises(TypeError, match=r"path to config.json .*mapping.*to_dict\(\)"):
+        MLADims.from_hf_config(bad)
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_rope_entry_that_is_not_a_mapping_is_named(key):
+    cfg = dict(V3_CONFIG, rope_scaling=None)
+    cfg[key] = "yarn"
+    with pytest.raises(ValueError, match=key):
+        MLADims.from_hf_config(cfg)

@@ -208,9 +208,10 @@ def set_entry(fn: Any, args: list, slots: list[int], device: torch.device, pid: 
 # Recording FlashInfer's call
 # --------------------------------------------------------------------------------------------------------------
 
-def _kernel_wrapper(plan: Any) -> Any:
-    # fa2's float workspace: the region reserved for XLA's stream, never shared with runs on torch's streams.
-    external = getattr(plan, "external_flashinfer_wrapper", None)
+def _kernel_wrapper(plan: Any, for_xla: bool = True) -> Any:
+    # for_xla: fa2's float workspace becomes the region reserved for XLA's stream, never shared with runs on torch's
+    # streams (allocated on first use: not when only asking whether the route can serve).
+    external = getattr(plan, "external_flashinfer_wrapper", None) if for_xla else None
     wrapper = external(f"xla:{plan.spec.device}") if external is not None else getattr(plan, "flashinfer_wrapper", None)
     if wrapper is None or not hasattr(wrapper, "_cached_module"):
         raise LookupError("the plan holds no FlashInfer wrapper this route knows (mla_bridge or FlashInfer changed)")
@@ -324,7 +325,7 @@ def why_not(plan: Any) -> Optional[str]:
     if id(plan) in _ids_of:
         return None
     try:
-        _kernel_wrapper(plan)
+        _kernel_wrapper(plan, for_xla=False)
     except LookupError as err:
         return str(err)
     return None

@@ -79,6 +79,10 @@ class PrefillStepPlans:
         device: where q/k/v live.
         workspace: mla_bridge's workspace for ``device`` (default: the process-wide one).
         backend: force an mla_bridge backend by name (default: :func:`select_backend` decides per plan).
+
+    vLLM replaces a step's plans at the next step while the GPU may still run the last one: that is safe, since the
+    workspace pool gives a dropped plan's FlashInfer wrapper to a later plan only once the GPU has finished the work
+    queued with it (:class:`mla_bridge.Workspace`).
     """
 
     def __init__(self, qo_indptr: torch.Tensor, chunks: Sequence[ChunkIndptrs], *, num_heads: int, head_dim_qk: int,

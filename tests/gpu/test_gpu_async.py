@@ -244,23 +244,28 @@ def test_item5_growth_while_a_live_plan_is_queued():
 # item 8: a captured CUDA graph keeps its plan's wrapper
 # ---------------------------------------------------------------------------------------------------------------
 
+def _captured(plan, case):
+    """A CUDA graph of ``plan.run`` into static out/lse (warm-up on a side stream first, as torch recommends)."""
+    out = torch.empty_like(case.ref)
+    lse = torch.empty_like(case.ref_lse)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plan.run(case.q, case.k, case.v, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(case.q, case.k, case.v, out=out, lse=lse)
+    return graph, out
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_item8_graph_replays_right_after_its_plan_is_dropped(backend):
     require(backend)
     a, b, c = cases(backend)
     ws = Workspace(dev())
     plan = a.plan(ws)
-    out = torch.empty_like(a.ref)
-    lse = torch.empty_like(a.ref_lse)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture, as torch recommends
-        plan.run(a.q, a.k, a.v, out=out, lse=lse)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(a.q, a.k, a.v, out=out, lse=lse)
-    fin = plan.retain_for_graph(graph)
+    graph, out = _captured(plan, a)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -275,15 +280,31 @@ def test_item8_graph_replays_right_after_its_plan_is_dropped(backend):
     torch.cuda.synchronize()
     assert a.error(out) < TOL  # before: error 4.0
     assert max(case.error(o) for case, o in other_outs) < TOL
-    # Handing it back: once the graph is gone (and its last replay done) the wrapper serves new plans again.
-    del others, other_outs
-    created = ws.wrappers_created
-    del graph
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_item8_retain_for_graph_hands_the_wrapper_back(backend):
+    require(backend)
+    a, b, c = cases(backend)
+    ws = Workspace(dev())
+    plan = a.plan(ws)
+    graph, out = _captured(plan, a)
+    fin = plan.retain_for_graph(graph)
+    del plan
+    gc.collect()
+    torch.cuda._sleep(SLEEP)
+    graph.replay()
+    others = [case.plan(ws) for case in (b, c)]
+    assert ws.wrappers_created == 3  # the graph's wrapper is still out of the pool
+    del others
+    torch.cuda.synchronize()
+    assert a.error(out) < TOL
+    del graph  # the graph is gone: its wrapper comes back once its last replay is done
     gc.collect()
     assert fin is not None and not fin.alive
     torch.cuda.synchronize()
     again = [case.plan(ws) for case in (a, b, c)]
-    assert ws.wrappers_created == created and len(again) == 3
+    assert ws.wrappers_created == 3 and len(again) == 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
