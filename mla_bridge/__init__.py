@@ -8,15 +8,18 @@ from .cache import quantize_latent_cache
 from .dims import MLADims
 from .dispatch import BACKEND_NAMES, BackendChoice, select_backend
 from .merge import merge_attn_states
-from .plan import PrefillPlan
+from .plan import PlanCache, PrefillPlan
 from .prefill import mla_prefill
+from .graphs import PrefillGraph, PrefillLayer, capture_prefill
 from .ragged import RaggedPlan, plan_ragged, ragged_prefill
+from .weights import PreparedKVBProj, prepare_kv_b_proj
 from .workspace import Workspace, WorkspaceTooSmallError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MLADims", "BackendChoice", "BACKEND_NAMES", "select_backend", "Workspace", "WorkspaceTooSmallError",
-    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "mla_prefill", "__version__",
-    "quantize_latent_cache",
+    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "PlanCache", "mla_prefill",
+    "PreparedKVBProj", "prepare_kv_b_proj", "PrefillGraph", "PrefillLayer", "capture_prefill", "quantize_latent_cache",
+    "__version__",
 ]

@@ -17,6 +17,8 @@ Two schedules, picked here from host lengths alone:
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -25,10 +27,11 @@ import torch
 
 from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
+from .dispatch import ENV_VAR
 from .ragged import INT32_MAX, RaggedPlan, indptr_from_lens, plan_ragged
 from .workspace import Workspace, _checked_device
 
-__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks"]
+__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
         values = list(values)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of ints (one per request), got {type(values).__name__}") from None
+    if all(type(v) is int for v in values) and (not values or min(values) >= 0):
+        return values  # plain non-negative ints (the common case): no per-item work
     out = []
     for r, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -117,8 +122,9 @@ class PrefillPlan:
     Build it with :meth:`build`. Attributes: ``dims``, ``block_size``, ``query_lens``, ``context_lens`` (lists of
     ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
     fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks``
-    (list of :class:`ContextChunk`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, and for the fused schedule the
-    device index tensors that place gathered context and new tokens into one key buffer.
+    (list of :class:`ContextChunk`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything
+    the plan depends on, see :class:`PlanCache`), and for the fused schedule the device index tensors that place
+    gathered context and new tokens into one key buffer.
     """
 
     def __init__(self) -> None:  # use PrefillPlan.build
@@ -173,6 +179,7 @@ class PrefillPlan:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
+        self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context)
         self.qo_indptr = indptr_from_lens(q_lens, "query_lens")
         total_context = sum(c_lens)
         fused_keys = total_context + sum(q_lens)
@@ -190,8 +197,7 @@ class PrefillPlan:
             self._plan_fused_indices()
         else:
             self.main_kv_indptr = self.qo_indptr.clone()
-            for spans in schedule_context_chunks(c_lens, workspace.chunk_tokens):
-                self.chunks.append(self._plan_chunk(spans, common))
+            self.chunks = self._plan_chunks(schedule_context_chunks(c_lens, workspace.chunk_tokens), common)
         self.main = plan_ragged(self.qo_indptr, self.main_kv_indptr, causal=True, **common)
         return self
 
@@ -208,8 +214,8 @@ class PrefillPlan:
         total = int(counts.sum())
         starts = np.cumsum(counts) - counts
         if self.device.type == "cpu":  # host memory is device memory: expand with numpy
-            seg = np.repeat(np.arange(counts.size), counts)
-            return [torch.from_numpy(a) for a in [np.arange(total) - starts[seg]] + [v.astype(np.int64)[seg] for v in values]]
+            offset = np.arange(total) - np.repeat(starts, counts)
+            return [torch.from_numpy(a) for a in [offset] + [np.repeat(v.astype(np.int64), counts) for v in values]]
         host = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).pin_memory()
         self.__dict__.setdefault("_pinned_indices", []).append(host)
         small = host.to(self.device, non_blocking=True)
@@ -227,17 +233,38 @@ class PrefillPlan:
         self.ctx_dst = ctx_base + pos
         self.new_dst = new_base + new_pos
 
-    def _plan_chunk(self, spans, common) -> ContextChunk:
-        req_start, req_end = spans[0][0], spans[-1][0] + 1
-        kv_lens = [0] * (req_end - req_start)
-        for r, start, end in spans:
-            kv_lens[r - req_start] = end - start
-        q_start, q_end = int(self.qo_indptr[req_start]), int(self.qo_indptr[req_end])
-        qo = self.qo_indptr[req_start:req_end + 1] - q_start
-        plan = plan_ragged(qo, indptr_from_lens(kv_lens), causal=False, **common) if q_end > q_start else None
-        r, start, end = np.asarray(spans, dtype=np.int64).T
-        offset, req_ids, first = self._expand(end - start, r, start)
-        return ContextChunk(req_start, req_end, q_start, q_end, tuple(spans), plan, req_ids, first + offset)
+    def _plan_chunks(self, schedule, common) -> list[ContextChunk]:
+        """The chunks of ``schedule``: one :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of
+        the same shape share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices
+        from ONE expansion over all spans (one host-to-device copy for the whole schedule), sliced per chunk."""
+        if not schedule:
+            return []
+        spans = np.asarray([span for chunk in schedule for span in chunk], dtype=np.int64)
+        positions, req_ids, first = self._expand(spans[:, 2] - spans[:, 1], spans[:, 0], spans[:, 1])
+        positions += first  # offset in the span + the span's first position (in place: one token-long buffer less)
+        del first
+        qo_all = self.qo_indptr.numpy()
+        plans: dict = {}
+        chunks, tok = [], 0
+        for chunk in schedule:
+            req_start, req_end = chunk[0][0], chunk[-1][0] + 1
+            kv_lens = [0] * (req_end - req_start)
+            for r, start, end in chunk:
+                kv_lens[r - req_start] = end - start
+            q_start, q_end = int(qo_all[req_start]), int(qo_all[req_end])
+            plan = None
+            if q_end > q_start:
+                qo = qo_all[req_start:req_end + 1] - q_start
+                key = (tuple(qo.tolist()), tuple(kv_lens))
+                plan = plans.get(key)
+                if plan is None:
+                    plan = plans[key] = plan_ragged(torch.from_numpy(qo), indptr_from_lens(kv_lens), causal=False,
+                                                    **common)
+            n = sum(kv_lens)
+            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, tuple(chunk), plan,
+                                       req_ids[tok:tok + n], positions[tok:tok + n]))
+            tok += n
+        return chunks
 
     @property
     def batch_size(self) -> int:
@@ -259,10 +286,76 @@ class PrefillPlan:
 
     @property
     def num_plans(self) -> int:
-        """Ragged plans made for this batch: the main pass plus one per chunk (never per layer)."""
-        return 1 + sum(1 for c in self.chunks if c.plan is not None)
+        """Ragged plans made for this batch: the main pass plus one per distinct chunk shape (chunks with equal
+        query and key lengths share one; never one per layer)."""
+        return 1 + len({id(c.plan) for c in self.chunks if c.plan is not None})
 
     def __repr__(self) -> str:
         return (f"PrefillPlan(batch={self.batch_size}, new_tokens={self.num_tokens}, "
                 f"context_tokens={self.num_context_tokens}, fused={self.fused}, chunks={len(self.chunks)}, "
                 f"backend={self.backend.name!r})")
+
+
+def _plan_key(q_lens: list, c_lens: list, dims: MLADims, workspace: Workspace, block_size: int, device: torch.device,
+              dtype: torch.dtype, backend: Optional[str], fuse_context: bool) -> tuple:
+    """Everything a :class:`PrefillPlan` depends on, hashable: per-request query and context lengths, dims (sizes and
+    softmax scale), dtype, block size, the chunk budget (``workspace.chunk_tokens`` now), the backend asked for (with
+    ``MLA_BRIDGE_BACKEND`` when none is named, as :func:`mla_bridge.select_backend` reads it), the schedule switch,
+    the workspace (by identity: a plan holds its wrappers) and the device."""
+    requested = backend if backend is not None else (os.environ.get(ENV_VAR) or None)
+    return (tuple(q_lens), tuple(c_lens), dims, dtype, block_size, workspace.chunk_tokens, requested,
+            bool(fuse_context), id(workspace), device)
+
+
+class PlanCache:
+    """Reuse of :class:`PrefillPlan` across batches: a plan is handed out again only when EVERYTHING it depends on is
+    equal (:attr:`PrefillPlan.key`: the per-request query and context lengths, dims, dtype, block size, chunk budget,
+    backend, workspace and device), never on a partial key.
+
+    Args:
+        maxsize: plans kept (least recently used dropped first; default 8). Each kept plan holds its pooled FlashInfer
+            wrappers (8 MiB device + 8 MiB page-locked host memory each, 1 + distinct chunk shapes per plan).
+
+    Attributes: ``hits``, ``misses`` (counts of :meth:`get`).
+
+    Raises:
+        ValueError: ``maxsize`` not a positive int.
+    """
+
+    def __init__(self, maxsize: int = 8):
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize <= 0:
+            raise ValueError(f"PlanCache: maxsize must be a positive int, got {maxsize!r}")
+        self.maxsize = maxsize
+        self._plans: "OrderedDict[tuple, PrefillPlan]" = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
+            workspace: Workspace, block_size: int, device: "torch.device | str | None" = None,
+            dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None,
+            fuse_context: bool = True) -> PrefillPlan:
+        """The plan of :meth:`PrefillPlan.build` for these arguments: a kept one whose key is equal, else a new one
+        (kept). Same arguments and errors as :meth:`PrefillPlan.build`."""
+        q_lens = _lengths("query_lens", query_lens)
+        c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
+        if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
+            dev = workspace.device if device is None else _checked_device(device)
+            key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context)
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                self.hits += 1
+                return plan
+        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size, device=device,
+                                 dtype=dtype, backend=backend, fuse_context=fuse_context)
+        self.misses += 1
+        self._plans[plan.key] = plan
+        while len(self._plans) > self.maxsize:
+            self._plans.popitem(last=False)
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        """Drop every kept plan (their wrappers go back to the workspace pool once nothing else holds them)."""
+        self._plans.clear()

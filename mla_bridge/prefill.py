@@ -3,8 +3,8 @@
 Steps per layer (all host decisions were made in :class:`mla_bridge.PrefillPlan`):
   1. gather the context's latent rows through ``block_table`` (dequantizing an FP8 cache into the plan's dtype) and,
      for the fused schedule, place the new tokens after each request's context (:mod:`mla_bridge.cache`);
-  2. up-project the 576-wide latent rows (kv_c ++ k_pe) of the keys with one GEMM against ``kv_b_proj_weight``
-     rearranged (:func:`up_projection_weight`), whose output holds k = concat(k_nope, k_pe) and v side by side;
+  2. up-project the 576-wide latent rows (kv_c ++ k_pe) of the keys with the layer's weight prepared once
+     (:func:`mla_bridge.prepare_kv_b_proj`), whose output holds k = concat(k_nope, k_pe) and v side by side;
   3. attention: the fused schedule gathers context and new tokens into one key buffer and runs one causal pass;
      the chunked schedule runs the causal main pass over the new tokens, then for each context chunk gathers the
      latent cache by ``block_table``, up-projects it, runs a non-causal pass and merges by LSE.
@@ -20,6 +20,7 @@ import torch
 from .cache import check_kv_cache, fused_latent, gather_latent, gather_row_bytes
 from .merge import merge_attn_states_
 from .plan import PrefillPlan
+from .weights import PreparedKVBProj, as_prepared, up_projection_weight  # up_projection_weight: moved to weights
 
 __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes"]
 
@@ -32,6 +33,8 @@ def _need(cond: bool, exc: type, msg: str) -> None:
 def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan: PrefillPlan,
                             out: Optional[torch.Tensor] = None, kv_cache_scale=None) -> torch.Tensor:
     """Check every :func:`mla_prefill` input against ``plan`` on the host; returns ``k_pe`` as ``[T, rope]``.
+    ``kv_b_proj_weight`` may be raw or a :class:`mla_bridge.PreparedKVBProj` (checked for the plan's dims, dtype and
+    device by :func:`mla_bridge.weights.as_prepared`).
 
     Raises:
         TypeError: a non-tensor, or a dtype other than the plan's (block_table: an integer dtype; kv_cache: the
@@ -43,8 +46,11 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     """
     _need(isinstance(plan, PrefillPlan), TypeError, f"plan must be a PrefillPlan, got {type(plan).__name__}")
     d, t = plan.dims, plan.num_tokens
-    named = (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_b_proj_weight", kv_b_proj_weight),
-             ("kv_cache", kv_cache), ("block_table", block_table)) + ((("out", out),) if out is not None else ())
+    prepared = isinstance(kv_b_proj_weight, PreparedKVBProj)
+    if prepared:
+        as_prepared(kv_b_proj_weight, d, plan.dtype, plan.device)
+    named = (("q", q), ("kv_c", kv_c), ("k_pe", k_pe)) + (() if prepared else (("kv_b_proj_weight", kv_b_proj_weight),))
+    named += (("kv_cache", kv_cache), ("block_table", block_table)) + ((("out", out),) if out is not None else ())
     for name, x in named:
         _need(isinstance(x, torch.Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(x).__name__}")
         _need(x.device == plan.device, ValueError, f"{name} is on {x.device}, but the plan is on {plan.device}")
@@ -63,9 +69,10 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     _need(tuple(k_pe.shape) == (t, d.qk_rope_head_dim), ValueError,
           f"k_pe must be [T={t}, qk_rope_head_dim={d.qk_rope_head_dim}] or [T, 1, {d.qk_rope_head_dim}], "
           f"got {list(k_pe.shape)}")
-    _need(tuple(kv_b_proj_weight.shape) == d.kv_b_proj_shape, ValueError,
-          f"kv_b_proj_weight must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = {list(d.kv_b_proj_shape)}, "
-          f"got {list(kv_b_proj_weight.shape)}")
+    if not prepared:
+        _need(tuple(kv_b_proj_weight.shape) == d.kv_b_proj_shape, ValueError,
+              f"kv_b_proj_weight must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = {list(d.kv_b_proj_shape)}, "
+              f"got {list(kv_b_proj_weight.shape)}")
     _need(kv_cache.dim() == 3 and tuple(kv_cache.shape[1:]) == (plan.block_size, d.latent_dim), ValueError,
           f"kv_cache must be [num_blocks, block_size={plan.block_size}, kv_lora_rank+qk_rope_head_dim={d.latent_dim}], "
           f"got {list(kv_cache.shape)}")
@@ -74,7 +81,9 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     _need(block_table.dim() == 2 and block_table.shape[0] == plan.batch_size, ValueError,
           f"block_table must be [num_requests={plan.batch_size}, max_blocks], got {list(block_table.shape)}")
     capacity = kv_cache.shape[0] * plan.block_size
-    for r, c in enumerate(plan.context_lens):
+    longest = max(plan.context_lens, default=0)  # per layer: the per-request loop (and its messages) only on failure
+    ok = longest <= capacity and -(-longest // plan.block_size) <= block_table.shape[1]
+    for r, c in enumerate(() if ok else plan.context_lens):
         _need(c <= capacity, ValueError,
               f"context_lens[{r}] = {c} tokens is longer than the cache ({kv_cache.shape[0]} blocks x {plan.block_size})")
         blocks = -(-c // plan.block_size)
@@ -92,35 +101,13 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     return k_pe
 
 
-def up_projection_weight(kv_b_proj_weight: torch.Tensor, dims) -> torch.Tensor:
-    """``kv_b_proj_weight`` rearranged so that ONE GEMM of the 576-wide latent rows gives k and v in place.
-
-    Returns ``[H * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim), kv_lora_rank + qk_rope_head_dim]``: per head,
-    the k_nope rows ``[W_nope | 0]``, then ``[0 | I]`` (an identity that copies k_pe, exactly: one non-zero product
-    per output, accumulated in float32), then the v rows ``[W_v | 0]``. ``latent @ W.T`` viewed ``[N, H, 320]`` is
-    ``[k (192) | v (128)]`` per head: k = concat(k_nope, k_pe) needs no separate concat kernel. The GEMM does 40% more
-    FLOPs than the bare up-projection and saves the copies of k_nope and k_pe (measured on the H200 as the larger cost).
-    """
-    h, nope, rope, vd, r = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, dims.kv_lora_rank
-    w = kv_b_proj_weight.reshape(h, nope + vd, r)
-    aug = kv_b_proj_weight.new_zeros(h, nope + rope + vd, r + rope)
-    aug[:, :nope, :r] = w[:, :nope]
-    aug[:, nope + rope:, :r] = w[:, nope:]
-    aug[:, nope:nope + rope, r:] = torch.eye(rope, dtype=aug.dtype, device=aug.device)
-    return aug.view(h * (nope + rope + vd), r + rope)
-
-
-def _up_project(latent: torch.Tensor, weight: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor]:
-    """latent [N, kv_lora_rank + rope] (rows may be strided), weight from :func:`up_projection_weight`
-    -> k [N, H, nope + rope], v [N, H, v_head_dim]: two views of one GEMM output, read by the kernels through strides."""
-    out = torch.matmul(latent, weight.t()).view(latent.shape[0], dims.num_heads, dims.head_dim_qk + dims.v_head_dim)
-    return out[..., : dims.head_dim_qk], out[..., dims.head_dim_qk:]
 
 
 PhaseHook = Callable[[str], None]
 
 
-def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_proj_weight: torch.Tensor,
+def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                kv_b_proj_weight: "torch.Tensor | PreparedKVBProj",
                 kv_cache: torch.Tensor, block_table: torch.Tensor, plan: PrefillPlan, *,
                 out: Optional[torch.Tensor] = None, return_lse: bool = False, phase_hook: Optional[PhaseHook] = None,
                 kv_cache_scale=None):
@@ -132,7 +119,10 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
             ``qk_rope_head_dim``), ``T = plan.num_tokens``, requests packed in order.
         kv_c: ``[T, kv_lora_rank]`` latent of the new tokens (after the KV RMSNorm).
         k_pe: ``[T, qk_rope_head_dim]`` or ``[T, 1, qk_rope_head_dim]``, the new tokens' RoPE key (shared by heads).
-        kv_b_proj_weight: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]``, as stored in DeepSeek checkpoints.
+        kv_b_proj_weight: the layer's weight prepared once at load time (:func:`mla_bridge.prepare_kv_b_proj`, the
+            fast form), or the raw ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` as stored in DeepSeek
+            checkpoints (slower: rearranged again on every call, 0.075-0.085 ms per DeepSeek-V2-Lite layer on the
+            H200).
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` paged latent cache holding each
             request's first ``context_lens[r]`` tokens in the blocks its ``block_table`` row lists; dtype
             ``plan.kv_cache_dtype``: the plan's dtype, or FP8 e4m3 (``float8_e4m3fn`` or its uint8 view). Read
@@ -167,8 +157,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
     latent = (fused_latent(plan, kv_c, k_pe, kv_cache, block_table, scale) if plan.fused
               else torch.cat([kv_c, k_pe], dim=-1))
     hook("up-projection")
-    weight = up_projection_weight(kv_b_proj_weight, dims)
-    k, v = _up_project(latent, weight, dims)
+    weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight is prepared here, per call
+    k, v = weight.up_project(latent)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse)
     for chunk in plan.chunks:
@@ -179,7 +169,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
         latent = gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, dtype=plan.dtype,
                                kv_cache_scale=scale)
         hook("up-projection")
-        k, v = _up_project(latent, weight, dims)
+        k, v = weight.up_project(latent)
         hook("context chunk")
         rows = slice(chunk.q_start, chunk.q_end)
         chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v)
@@ -189,7 +179,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_pr
     return (out, lse) if return_lse else out
 
 
-def prefill_memory_bytes(plan: PrefillPlan) -> int:
+def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) -> int:
     """Bytes of device memory one :func:`mla_prefill` call allocates at its peak (out and lse included), by schedule.
 
     With ``e`` the dtype's size, ``L = kv_lora_rank + qk_rope_head_dim`` (576), ``P = head_dim_qk + head_dim_vo``
@@ -200,13 +190,15 @@ def prefill_memory_bytes(plan: PrefillPlan) -> int:
     partial out/lse and the merge's float32 LSE copies for its query rows. The gather's temporaries per context row
     are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the rows in the
     cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices; the Triton
-    gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for FP8) is the
-    caller's, not counted. This is the "workspace budget" the benchmark checks peak memory against.
+    gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x
+    block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
+    benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
+    :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left out.
     """
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens
-    fixed = h * p * lat * e + t * h * (d.v_head_dim * e + 4)
+    fixed = (0 if prepared_weight else h * p * lat * e) + t * h * (d.v_head_dim * e + 4)
 
     row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat)
 

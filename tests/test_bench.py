@@ -137,15 +137,36 @@ def test_context_section_splits_phases(cpu_run):
               "attention + GEMM alone", "context pass: RaggedPlan.run"):
         assert p in paths
     full = [r for r in rows if r["path"] == "mla_prefill"]
-    assert len(full) == 4  # 2 cases x 2 chunk budgets
-    assert {r["extra"]["chunks"] for r in full} >= {4}
-    assert all("vs_attention_plus_gemm" in r["extra"] for r in full)
+    assert len(full) == 6  # 2 long cases x 2 chunk budgets + 2 host-bound cases
+    assert {r["extra"]["chunks"] for r in full} >= {0, 4, 8}
+    assert all("vs_attention_plus_gemm" in r["extra"] for r in full if r["extra"]["chunks"] != 0 or r["extra"]["fused"])
+
+
+def test_context_section_prepared_split_and_graphed_paths(cpu_run):
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "context"]
+    for path in ("mla_prefill, raw weight (re-prepared per call)",
+                 "mla_prefill, split k_pe layout (bmm + broadcast copy)", "mla_prefill, CUDA graph replay",
+                 "mla_prefill, split k_pe layout, CUDA graph replay"):
+        got = [r for r in rows if r["path"] == path]
+        assert len(got) == 6 and all(r["status"] == "ok" and r["ms"] > 0 and r["tflops"] for r in got), path
+    graphed = [r for r in rows if r["path"] == "mla_prefill, CUDA graph replay"]
+    for r in graphed:  # the CPU runs the same API eagerly; the capture fields are there, zero
+        assert r["extra"]["graphed"] is False and r["extra"]["capture_ms"] == r["extra"]["graph_memory_bytes"] == 0
+        assert "speedup_vs_eager" in r["extra"]
+    names = {c["name"] for c in cpu_run.data["checks"]}
+    assert "context 4h 2x(96+32), all context: mla_prefill, CUDA graph replay / (attention + GEMM alone)" in names
+    assert not any(n.startswith("context 4h 8x16 new") and "attention + GEMM" in n for n in names)  # no phases
 
 
 def test_plan_section_counts_plans_per_loop(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "plan"]
     builds = [r for r in rows if r["path"] == "PrefillPlan.build host time"]
     assert sorted(r["case"].split(":")[0] for r in builds) == sorted(["batch 1", "batch 16", "batch 128"] * 2)
+    for r in builds:  # the host-time split: the torch backend of the CPU makes no FlashInfer plans
+        assert r["extra"]["flashinfer_plans"] == 0 and r["extra"]["flashinfer_plan_ms"] == 0
+        assert r["extra"]["own_host_ms"] > 0 and r["extra"]["own_over_flashinfer"] is None
+    for path in ("PrefillPlan.build: FlashInfer plan() calls", "PrefillPlan.build: our own host work"):
+        assert len([r for r in rows if r["path"] == path]) == 6
     loops = [r for r in rows if "layer loop" in r["path"]]
     assert len(loops) == 3
     for r in loops:

@@ -6,7 +6,8 @@ jax.Array in, jax.Array out, on the same device; eager calls pass buffers by DLP
 Public API:
   * :func:`ragged_prefill` -- one-shot ragged attention ``(out, lse)``.
   * :func:`plan_ragged` + :func:`run_ragged` -- plan once (host), run per layer (eager or under jit).
-  * :func:`build_plan` + :func:`mla_prefill` -- MLA prefill with the paged latent cache and context chunks.
+  * :func:`build_plan` + :func:`mla_prefill` -- MLA prefill with the paged latent cache and context chunks;
+    :func:`prepare_kv_b_proj` prepares each layer's weight once, at load time.
   * :func:`from_torch` / :func:`to_torch` -- DLPack conversion (one device copy for views DLPack cannot pass).
   * :mod:`mla_bridge_jax.reference` -- pure-JAX float32 references (``ragged_attention``, ``mla_attention``).
   * :func:`sharded_ragged_prefill` -- heads sharded over a mesh axis with ``shard_map``.
@@ -17,8 +18,8 @@ from mla_bridge import MLADims, Workspace
 
 from ._interop import from_torch
 from ._interop import to_torch as _to_torch
-from .api import (ENV_JIT_ROUTE, JIT_ROUTES, InferenceOnlyError, build_plan, mla_prefill, plan_ragged, ragged_prefill,
-                  run_ragged)
+from .api import (ENV_JIT_ROUTE, JIT_ROUTES, InferenceOnlyError, build_plan, mla_prefill, plan_ragged,
+                  prepare_kv_b_proj, ragged_prefill, run_ragged)
 from . import reference
 from .sharding import head_shardings, sharded_ragged_prefill, shard_map
 
@@ -29,7 +30,8 @@ def to_torch(x):
 
 
 __all__ = [
-    "ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "mla_prefill", "from_torch", "to_torch",
+    "ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill", "from_torch",
+    "to_torch",
     "reference", "sharded_ragged_prefill", "head_shardings", "shard_map", "InferenceOnlyError", "JIT_ROUTES",
     "ENV_JIT_ROUTE", "MLADims", "Workspace",
 ]

@@ -37,14 +37,14 @@ from jax.experimental.buffer_callback import buffer_callback
 
 import mla_bridge as _core
 from mla_bridge import prefill as _core_prefill
-from mla_bridge import MLADims, PrefillPlan, RaggedPlan, Workspace
+from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype, to_jax,
                        to_torch, torch_device_of, torch_dtype, xla_stream)
 
-__all__ = ["ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "mla_prefill", "JIT_ROUTES", "ENV_JIT_ROUTE",
-           "InferenceOnlyError"]
+__all__ = ["ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill",
+           "JIT_ROUTES", "ENV_JIT_ROUTE", "InferenceOnlyError"]
 
 #: Routes a traced call can take: "buffer_callback" (any platform) and "tvm_ffi" (CUDA, FlashInfer fa2/fa3 plans,
 #: needs jax-tvm-ffi); "auto" picks tvm_ffi when it can serve, else buffer_callback.
@@ -363,6 +363,32 @@ def _cache_dtype(dtype: Any) -> Any:
 _MLA_ARGS = ("q", "kv_c", "k_pe", "kv_b_proj_weight", "kv_cache", "block_table")
 
 
+def prepare_kv_b_proj(kv_b_proj_weight: jax.Array, dims: MLADims, *, layout: Optional[str] = None) -> PreparedKVBProj:
+    """One layer's ``kv_b_proj.weight`` prepared once, at load time, for :func:`mla_prefill` (the core's
+    :func:`mla_bridge.prepare_kv_b_proj`: the layout the up-projection reads, made on the array's device).
+
+    Args:
+        kv_b_proj_weight: concrete ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` jax.Array on one device
+            (read once through DLPack; the prepared copy is the core's own memory, the array may be deleted after).
+        dims, layout: as :func:`mla_bridge.prepare_kv_b_proj`.
+
+    Returns:
+        A :class:`mla_bridge.PreparedKVBProj`: pass it as ``kv_b_proj_weight`` to :func:`mla_prefill`, eagerly or
+        closed over inside ``jax.jit`` (it is a constant of the compiled function, not a traced argument).
+
+    Raises:
+        TypeError: a traced weight (prepare it outside jit), a non-JAX input; the core's errors otherwise.
+    """
+    check_array("kv_b_proj_weight", kv_b_proj_weight)
+    if is_tracer(kv_b_proj_weight):
+        raise TypeError("mla_bridge_jax.prepare_kv_b_proj: kv_b_proj_weight is traced; prepare the weight once, "
+                        "outside jax.jit, at load time")
+    prepared = _core.prepare_kv_b_proj(to_torch("kv_b_proj_weight", kv_b_proj_weight), dims, layout=layout)
+    if prepared.device.type == "cuda":
+        torch.cuda.current_stream(prepared.device).synchronize()  # load time: ready before XLA's stream reads it
+    return prepared
+
+
 def _shallow(err: BaseException, what: str) -> BaseException:
     """``err`` as a new exception of its type, message ``"<what>: <message>"``, raised once in a fresh thread.
 
@@ -394,9 +420,10 @@ def _shallow(err: BaseException, what: str) -> BaseException:
     return new
 
 
-def _mla_callback(plan: PrefillPlan, scale: Any = None) -> Callable:
+def _mla_callback(plan: PrefillPlan, scale: Any = None, prepared: Optional[PreparedKVBProj] = None) -> Callable:
     """The traced call's body; ``scale``: a Python float closed over, or None (no scale, or the scale is the last
-    buffer: read on the device)."""
+    buffer: read on the device); ``prepared``: the prepared weight, a constant of the compiled function (not one of
+    XLA's buffers)."""
     def get_plan(device: torch.device) -> PrefillPlan:
         if device != plan.device:
             raise ValueError(f"mla_bridge_jax.mla_prefill: the plan is for {plan.device}, but XLA ran the call on "
@@ -408,7 +435,9 @@ def _mla_callback(plan: PrefillPlan, scale: Any = None) -> Callable:
         with xla_stream(ctx, buffer_device(args[0]), get_plan):
             t_out, t_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
             tensors = [torch.from_dlpack(a) for a in args]
-            s = tensors.pop() if len(tensors) > len(_MLA_ARGS) else scale
+            s = tensors.pop() if len(tensors) > len(_MLA_ARGS) - (prepared is not None) else scale
+            if prepared is not None:
+                tensors.insert(3, prepared)
             try:  # block ids are traced values: the core checks them (on a CPU plan) only now, when the call runs
                 _, lse_full = _core.mla_prefill(*tensors, plan, out=t_out, return_lse=True, kv_cache_scale=s)
             except (ValueError, TypeError, IndexError) as err:
@@ -418,17 +447,20 @@ def _mla_callback(plan: PrefillPlan, scale: Any = None) -> Callable:
     return callback
 
 
-def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: jax.Array, kv_cache: jax.Array,
-                block_table: jax.Array, plan: PrefillPlan, *, return_lse: bool = False, kv_cache_scale: Any = None):
+def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: "jax.Array | PreparedKVBProj",
+                kv_cache: jax.Array, block_table: jax.Array, plan: PrefillPlan, *, return_lse: bool = False,
+                kv_cache_scale: Any = None):
     """MLA prefill attention of one layer, as :func:`mla_bridge.mla_prefill` (same shapes and conventions).
 
     Args:
-        q ``[T, H, 192]``, kv_c ``[T, 512]``, k_pe ``[T, 64]`` or ``[T, 1, 64]``, kv_b_proj_weight
-        ``[H * 256, 512]``, kv_cache ``[num_blocks, block_size, 576]``, block_table ``[batch, max_blocks]`` int32:
-        jax.Arrays (tracers inside jit) on the plan's device.
+        q ``[T, H, 192]``, kv_c ``[T, 512]``, k_pe ``[T, 64]`` or ``[T, 1, 64]``, kv_cache
+        ``[num_blocks, block_size, 576]``, block_table ``[batch, max_blocks]`` int32: jax.Arrays (tracers inside
+        jit) on the plan's device.
         kv_cache may be FP8 e4m3 (``jnp.float8_e4m3fn``, or a ``jnp.uint8`` view of it) when the plan was built with
         ``kv_cache_dtype="fp8"``; DLPack hands it to torch zero-copy as ``torch.float8_e4m3fn`` (uint8 as uint8,
         reinterpreted by the core).
+        kv_b_proj_weight: the layer's weight from :func:`prepare_kv_b_proj` (made once at load time; the fast form),
+            or the raw ``[H * 256, 512]`` jax.Array (rearranged again in every call: slower).
         plan: from :func:`build_plan` (host lengths; built outside jit, closed over inside it).
         return_lse: also return the natural-log lse ``[T, H]`` float32.
         kv_cache_scale: the FP8 cache's per-tensor scale: a Python float (static under jit), or a 0-d/1-element
@@ -449,24 +481,30 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan), "
                         f"got {type(plan).__name__}")
-    args = (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table)
-    for name, x in zip(_MLA_ARGS, args):
+    prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None
+    names = [n for n in _MLA_ARGS if prepared is None or n != "kv_b_proj_weight"]
+    args = tuple(x for x in (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table) if x is not prepared)
+    for name, x in zip(names, args):
         check_array(name, x)
+
+    def core_args(convert: Callable) -> list:
+        tensors = [convert(n, x) for n, x in zip(names, args)]
+        return tensors if prepared is None else tensors[:3] + [prepared] + tensors[3:]
+
     scale_array = isinstance(kv_cache_scale, (jax.Array, jax.core.Tracer))
     if not any(is_tracer(x) for x in args + ((kv_cache_scale,) if scale_array else ())):
         scale = to_torch("kv_cache_scale", kv_cache_scale) if scale_array else kv_cache_scale
-        result = _core.mla_prefill(*(to_torch(n, x) for n, x in zip(_MLA_ARGS, args)), plan, return_lse=return_lse,
-                                   kv_cache_scale=scale)
+        result = _core.mla_prefill(*core_args(to_torch), plan, return_lse=return_lse, kv_cache_scale=scale)
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
 
-    proxies = [_proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype, plan.device)
-               for n, x in zip(_MLA_ARGS, args)]
+    proxies = core_args(lambda n, x: _proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype,
+                                            plan.device))
     scale_proxy = _proxy(kv_cache_scale.shape, kv_cache_scale.dtype, plan.device, 1.0) if scale_array else kv_cache_scale
     _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)
     d, t = plan.dims, plan.num_tokens
     out_types = (jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
                  jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32))
-    call = buffer_callback(_mla_callback(plan, None if scale_array else kv_cache_scale), out_types,
+    call = buffer_callback(_mla_callback(plan, None if scale_array else kv_cache_scale, prepared), out_types,
                            vmap_method="sequential")
     out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *((kv_cache_scale,) if scale_array else ()))
     return (out, lse) if return_lse else out

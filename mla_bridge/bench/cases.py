@@ -34,7 +34,8 @@ class MainShape:
 @dataclass(frozen=True)
 class ContextCase:
     """``batch`` requests of ``context`` cached + ``new`` new tokens at ``heads`` heads; ``budgets`` are
-    (label, chunk_tokens)."""
+    (label, chunk_tokens). ``eager_ms_before``: eager mla_prefill per budget on the H200 before issue 13
+    (2026-12-01), the yardstick of the host-bound cases (graphed >= 2.5x faster, eager no slower)."""
 
     name: str
     batch: int
@@ -43,6 +44,7 @@ class ContextCase:
     budgets: tuple[tuple[str, int], ...]
     block_size: int
     heads: int = 16
+    eager_ms_before: tuple[float, ...] = ()
 
 
 def dims_for(heads: int) -> MLADims:
@@ -83,15 +85,20 @@ def main_shapes(quick: bool) -> list[MainShape]:
 
 
 def context_cases(quick: bool) -> list[ContextCase]:
-    """Each case with a chunk budget that holds all its context and one that needs 4 chunks."""
+    """Each long case with a chunk budget that holds all its context and one that needs 4 chunks; then the two
+    host-bound cases of issue 13 (many chunks; many short requests without context)."""
     if quick:
         return [
             ContextCase("4h 2x(96+32)", 2, 96, 32, (("all context", 192), ("4 chunks", 48)), 16, heads=4),
             ContextCase("4h 1x(256+32)", 1, 256, 32, (("all context", 256), ("4 chunks", 64)), 16, heads=4),
+            ContextCase("4h 4x(32+8)", 4, 32, 8, (("8 chunks", 16),), 16, heads=4),
+            ContextCase("4h 8x16 new", 8, 0, 16, (("no context", 64),), 16, heads=4),
         ]
     return [
         ContextCase("4x(8000+2000)", 4, 8000, 2000, (("all context", 32000), ("4 chunks", 8000)), 64),
         ContextCase("1x(64000+4000)", 1, 64000, 4000, (("all context", 64000), ("4 chunks", 16000)), 64),
+        ContextCase("16x(2048+512)", 16, 2048, 512, (("8 chunks", 4096),), 64, eager_ms_before=(3.35,)),
+        ContextCase("64x128 new", 64, 0, 128, (("no context", 65536),), 64, eager_ms_before=(0.42,)),
     ]
 
 

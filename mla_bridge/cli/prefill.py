@@ -54,7 +54,7 @@ def cmd_prefill(args, console) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from .. import MLADims, PrefillPlan, Workspace, mla_prefill
+    from .. import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj
     from ..cache import cache_dtype_name, quantize_latent_cache
     from ..dims import PRESETS
     from ..reference import max_abs_error, max_excess_error, reference_request
@@ -153,7 +153,8 @@ def cmd_prefill(args, console) -> int:
     peak_extra = None
     with progress:
         task = progress.add_task("prefill", total=steps)
-        inputs = (q, kv_c, k_pe, weight, cache, block_table)
+        # kv_b_proj prepared once, as at load time; the float64 check below reads the raw weight
+        inputs = (q, kv_c, k_pe, prepare_kv_b_proj(weight, dims), cache, block_table)
         if warmup:
             progress.update(task, description="warm-up layer")
             log("warm-up layer")

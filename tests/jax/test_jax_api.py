@@ -160,6 +160,34 @@ def test_mla_prefill_eager_and_jit():
     assert _equal(jout, core_out) and _equal(jlse, core_lse)
 
 
+@pytest.mark.parametrize("layout", ["identity", "split"])
+def test_mla_prefill_with_prepared_weight_eager_and_jit(layout):
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    rng = np.random.default_rng(4)
+    ql, cl, bs = [2, 3], [5, 0], 4
+    t = sum(ql)
+    q, kv_c, k_pe, w, cache = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+                               ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))]
+    table = jnp.asarray([[2, 0], [-1, -1]], jnp.int32)
+    plan = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.float32)
+    prepared = mj.prepare_kv_b_proj(w, dims, layout=layout)
+    assert isinstance(prepared, mla_bridge.PreparedKVBProj) and prepared.layout == layout
+    targs = [torch.from_dlpack(a) for a in (q, kv_c, k_pe)]
+    core_out, core_lse = mla_bridge.mla_prefill(*targs, mla_bridge.prepare_kv_b_proj(torch.from_dlpack(w), dims,
+                                                                                     layout=layout),
+                                                torch.from_dlpack(cache), torch.from_dlpack(table), plan,
+                                                return_lse=True)
+    out = mj.mla_prefill(q, kv_c, k_pe, prepared, cache, table, plan)
+    assert _equal(out, core_out)
+    jout, jlse = jax.jit(lambda q, c, p, kc, bt: mj.mla_prefill(q, c, p, prepared, kc, bt, plan, return_lse=True))(
+        q, kv_c, k_pe, cache, table)
+    assert _equal(jout, core_out) and _equal(jlse, core_lse)
+    if layout == "identity":  # the raw jax weight gives the same bits
+        assert _equal(mj.mla_prefill(q, kv_c, k_pe, w, cache, table, plan), core_out)
+    with pytest.raises(TypeError, match="traced; prepare the weight once"):
+        jax.jit(lambda w: mj.prepare_kv_b_proj(w, dims))(w)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # bad input: clear errors naming the argument, raised before anything runs
 # --------------------------------------------------------------------------------------------------------------

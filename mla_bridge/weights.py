@@ -1,0 +1,195 @@
+"""kv_b_proj prepared once per layer, at load time: the layout the up-projection of mla_prefill reads.
+
+A DeepSeek checkpoint stores ``kv_b_proj.weight`` as ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` (per
+head: the k_nope rows, then the v rows). The prefill up-projection wants, for each key token's 576-wide latent row
+(``kv_c ++ k_pe``), ``k = [k_nope | k_pe]`` (192 per head, contiguous, what the attention kernel reads) and ``v``
+(128 per head). Rearranging the weight for that costs a copy of the weight with zero padding (0.075-0.085 ms per
+DeepSeek-V2-Lite layer on the H200, about 5% of a 1.6 ms layer): :func:`prepare_kv_b_proj` does it once and the
+returned :class:`PreparedKVBProj` is reused by every batch. ``mla_prefill`` still accepts the raw weight (it then
+prepares it on every call: the slower form).
+
+Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per call of :func:`prepare_kv_b_proj`):
+
+* ``"identity"``: ONE GEMM ``latent [N, 576] @ W.T`` with ``W [H * 320, 576]`` holding per head the k_nope rows
+  ``[W_nope | 0]``, an identity block ``[0 | I]`` that copies k_pe exactly (one non-zero product per output,
+  accumulated in float32) and the v rows ``[W_v | 0]``; the output viewed ``[N, H, 320]`` is ``[k (192) | v (128)]``
+  per head. One launch, 40% more GEMM FLOPs than the bare up-projection (320 x 576 against 256 x 512 per head).
+* ``"split"``: a buffer ``[N, H, 320]`` laid out per head as ``[v (128) | k_nope (128) | k_pe (64)]``; ONE batched
+  GEMM (``torch.bmm`` over heads, the latent's first ``kv_lora_rank`` columns broadcast with batch stride 0, writing
+  through an ``out=`` view of batch stride 320) fills the v and k_nope columns, and one broadcast ``copy_`` writes
+  k_pe into every head. No extra FLOPs, two launches. k_nope and v equal the identity layout's within float32
+  accumulation-order rounding (the GEMM sums 512 products instead of 512 plus 64 exact zeros); k_pe is copied
+  exactly in both.
+
+Which is faster is a property of the GPU's GEMM library, measured by the bench (section 2, rows
+"mla_prefill, prepared weights (split k_pe)"), not assumed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .dims import MLADims
+
+__all__ = ["PreparedKVBProj", "prepare_kv_b_proj", "up_projection_weight", "as_prepared", "LAYOUTS",
+           "DEFAULT_LAYOUT"]
+
+#: The up-projection layouts (see the module docstring).
+LAYOUTS = ("identity", "split")
+#: The layout :func:`prepare_kv_b_proj` (and ``mla_prefill`` given a raw weight) uses when none is named: the one
+#: place that picks the variant.
+DEFAULT_LAYOUT = "identity"
+
+
+def _shape_key(dims: MLADims) -> tuple[int, int, int, int, int]:
+    return (dims.num_heads, dims.kv_lora_rank, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim)
+
+
+def _check_raw(kv_b_proj_weight: torch.Tensor, dims: MLADims, name: str = "kv_b_proj_weight") -> None:
+    if not isinstance(dims, MLADims):
+        raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
+    if not isinstance(kv_b_proj_weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(kv_b_proj_weight).__name__}")
+    if not kv_b_proj_weight.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {kv_b_proj_weight.dtype}")
+    if tuple(kv_b_proj_weight.shape) != dims.kv_b_proj_shape:
+        raise ValueError(f"{name} must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = "
+                         f"{list(dims.kv_b_proj_shape)}, got {list(kv_b_proj_weight.shape)}")
+
+
+def up_projection_weight(kv_b_proj_weight: torch.Tensor, dims: MLADims) -> torch.Tensor:
+    """``kv_b_proj_weight`` rearranged for the ``"identity"`` layout (ONE GEMM of the 576-wide latent rows gives k
+    and v in place).
+
+    Returns ``[H * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim), kv_lora_rank + qk_rope_head_dim]`` in the
+    weight's dtype and device: per head the k_nope rows ``[W_nope | 0]``, then ``[0 | I]`` (an identity that copies
+    k_pe, exactly), then the v rows ``[W_v | 0]``. ``latent @ W.T`` viewed ``[N, H, 320]`` is ``[k (192) | v (128)]``
+    per head. Allocates ``H * 320 * 576`` elements; call it once per layer (:func:`prepare_kv_b_proj`).
+    """
+    h, nope, rope, vd = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
+    r = dims.kv_lora_rank
+    w = kv_b_proj_weight.reshape(h, nope + vd, r)
+    aug = kv_b_proj_weight.new_zeros(h, nope + rope + vd, r + rope)
+    aug[:, :nope, :r] = w[:, :nope]
+    aug[:, nope + rope:, :r] = w[:, nope:]
+    aug[:, nope:nope + rope, r:] = torch.eye(rope, dtype=aug.dtype, device=aug.device)
+    return aug.view(h * (nope + rope + vd), r + rope)
+
+
+def _split_weight(kv_b_proj_weight: torch.Tensor, dims: MLADims) -> torch.Tensor:
+    """``[H, v_head_dim + qk_nope_head_dim, kv_lora_rank]``: per head the v rows, then the k_nope rows (contiguous)."""
+    h, nope, vd, r = dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank
+    w = kv_b_proj_weight.reshape(h, nope + vd, r)
+    return torch.cat([w[:, nope:], w[:, :nope]], dim=1).contiguous()
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedKVBProj:
+    """One layer's ``kv_b_proj`` in the layout the up-projection reads, made by :func:`prepare_kv_b_proj`.
+
+    Attributes:
+        dims: the :class:`MLADims` it was prepared for (heads and widths are checked against the plan's).
+        layout: "identity" or "split" (module docstring).
+        weight: identity ``[H * 320, 576]``; split ``[H, v_head_dim + qk_nope_head_dim, kv_lora_rank]``.
+        dtype, device: the weight's (checked against the plan's by ``mla_prefill``).
+    """
+
+    dims: MLADims
+    layout: str
+    weight: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the prepared weight holds."""
+        return self.weight.numel() * self.weight.element_size()
+
+    def up_project(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows ``[N, kv_lora_rank + qk_rope_head_dim]`` (rows may be strided, unit last stride) ->
+        ``(k [N, H, qk_nope_head_dim + qk_rope_head_dim], v [N, H, v_head_dim])``: two strided views of one
+        ``[N, H, 320]`` buffer, read by the attention kernels through their strides (no copy)."""
+        d = self.dims
+        h, qk, vd, r = d.num_heads, d.head_dim_qk, d.v_head_dim, d.kv_lora_rank
+        n = latent.shape[0]
+        if self.layout == "identity":
+            out = torch.matmul(latent, self.weight.t()).view(n, h, qk + vd)
+            return out[..., :qk], out[..., qk:]
+        buf = torch.empty(n, h, vd + qk, dtype=latent.dtype, device=latent.device)
+        gemm_cols = vd + d.qk_nope_head_dim
+        torch.bmm(latent[:, :r].unsqueeze(0).expand(h, n, r), self.weight.transpose(1, 2),
+                  out=buf.permute(1, 0, 2)[:, :, :gemm_cols])
+        buf[:, :, gemm_cols:].copy_(latent[:, r:].unsqueeze(1).expand(n, h, d.qk_rope_head_dim))
+        return buf[..., vd:], buf[..., :vd]
+
+    def __repr__(self) -> str:
+        return (f"PreparedKVBProj(layout={self.layout!r}, heads={self.dims.num_heads}, "
+                f"weight={list(self.weight.shape)}, dtype={self.dtype}, device={self.device})")
+
+
+def prepare_kv_b_proj(kv_b_proj_weight: torch.Tensor, dims: MLADims, *, layout: Optional[str] = None
+                      ) -> PreparedKVBProj:
+    """Prepare one layer's ``kv_b_proj.weight`` once (at load time) for every later :func:`mla_bridge.mla_prefill`.
+
+    Args:
+        kv_b_proj_weight: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` as stored in DeepSeek
+            checkpoints, in the dtype and on the device the layer runs in (the prepared copy keeps both).
+        dims: the layer's :class:`MLADims`.
+        layout: "identity" or "split" (module docstring); default :data:`DEFAULT_LAYOUT`.
+
+    Returns:
+        A :class:`PreparedKVBProj` (a new tensor; the raw weight may be freed afterwards). Identity layout:
+        ``H * 320 * 576`` elements (5.9 MB at bf16 for 16 heads); split: ``H * 256 * 512``.
+
+    Raises:
+        TypeError: ``dims`` not an MLADims, a weight that is not a floating tensor.
+        ValueError: a weight shape other than ``dims.kv_b_proj_shape``, an unknown layout.
+    """
+    _check_raw(kv_b_proj_weight, dims)
+    layout = DEFAULT_LAYOUT if layout is None else layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    with torch.no_grad():
+        w = kv_b_proj_weight.detach()
+        weight = up_projection_weight(w, dims) if layout == "identity" else _split_weight(w, dims)
+    return PreparedKVBProj(dims, layout, weight)
+
+
+def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADims, dtype: torch.dtype,
+                device: torch.device, name: str = "kv_b_proj_weight") -> PreparedKVBProj:
+    """What ``mla_prefill`` up-projects with: a :class:`PreparedKVBProj` checked against the plan's dims, dtype and
+    device, or a raw weight checked the same way and prepared now (:data:`DEFAULT_LAYOUT`; once per call).
+
+    Raises:
+        TypeError: neither a tensor nor a PreparedKVBProj; a dtype other than ``dtype``.
+        ValueError: prepared for other dims, a raw shape other than ``dims.kv_b_proj_shape``, another device.
+    """
+    if isinstance(kv_b_proj_weight, PreparedKVBProj):
+        p = kv_b_proj_weight
+        if _shape_key(p.dims) != _shape_key(dims):
+            raise ValueError(f"{name} was prepared for {p.dims.num_heads} heads, kv_lora_rank {p.dims.kv_lora_rank}, "
+                             f"qk_nope/rope/v {p.dims.qk_nope_head_dim}/{p.dims.qk_rope_head_dim}/{p.dims.v_head_dim}, "
+                             f"but the plan has {dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, "
+                             f"{dims.qk_nope_head_dim}/{dims.qk_rope_head_dim}/{dims.v_head_dim}")
+        if p.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype} (the plan's), got a PreparedKVBProj of {p.dtype}")
+        if p.device != device:
+            raise ValueError(f"{name} is on {p.device}, but the plan is on {device}")
+        return p
+    if not isinstance(kv_b_proj_weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or a PreparedKVBProj (mla_bridge.prepare_kv_b_proj), "
+                        f"got {type(kv_b_proj_weight).__name__}")
+    if kv_b_proj_weight.device != device:
+        raise ValueError(f"{name} is on {kv_b_proj_weight.device}, but the plan is on {device}")
+    if kv_b_proj_weight.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (the plan's), got {kv_b_proj_weight.dtype}")
+    return prepare_kv_b_proj(kv_b_proj_weight, dims)

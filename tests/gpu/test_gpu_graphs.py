@@ -1,0 +1,151 @@
+"""CUDA-graph replay of the prefill layers (mla_bridge.graphs) on the GPU: bitwise equal to eager mla_prefill for the
+fused and the chunked schedule (both weight layouts) and to eager RaggedPlan.run, with the GPU kept busy
+(``torch.cuda._sleep``) so that the host runs ahead of the replay; still right after other plans were made and run on
+the same workspace once the user dropped the plan.
+
+Marked ``gpu``: skipped unless CUDA is available and FlashInfer imports. Run on the H200:
+    python -m pytest tests/gpu/test_gpu_graphs.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, plan_ragged, prepare_kv_b_proj  # noqa: E402
+from mla_bridge.graphs import PrefillLayer, capture, capture_prefill  # noqa: E402
+
+BF16 = torch.bfloat16
+Q_LENS = [37, 120, 1, 64, 200]
+C_LENS = [300, 0, 77, 513, 150]
+BLOCK = 16
+LAYERS = 3
+SLEEP = int(1e8)  # about 50-100 ms of GPU time: the host enqueues the replay long before the GPU gets to it
+
+
+def dev() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _layers(ref, dims, layout, seed):
+    batch = ref.make_mla_batch(dims, Q_LENS, C_LENS, BLOCK, dtype=BF16, seed=seed, device=dev())
+    g = torch.Generator(device=dev()).manual_seed(seed)
+    layers = []
+    for _ in range(LAYERS):
+        cache = batch.cache.clone()
+        live = ~torch.isnan(cache)
+        cache[live] = torch.randn(int(live.sum()), generator=g, device=dev()).to(BF16)
+        w = (torch.randn(dims.kv_b_proj_shape, generator=g, device=dev()) * dims.kv_lora_rank ** -0.5).to(BF16)
+        rnd = lambda x: torch.randn(x.shape, generator=g, device=dev()).to(BF16)  # noqa: E731
+        layers.append(PrefillLayer(rnd(batch.q), rnd(batch.kv_c), rnd(batch.k_pe), prepare_kv_b_proj(w, dims,
+                                                                                                     layout=layout),
+                                   cache))
+    return layers, batch.block_table
+
+
+def _eager(layers, table, plan):
+    return [tuple(t.clone() for t in mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, table, plan,
+                                                  return_lse=True)) for x in layers]
+
+
+def _new_inputs(layers, seed):
+    g = torch.Generator(device=dev()).manual_seed(seed)
+    for x in layers:
+        for t in (x.q, x.kv_c, x.k_pe):
+            t.copy_(torch.randn(t.shape, generator=g, device=dev()).to(BF16))
+
+
+def _assert_bitwise(got, want):
+    assert len(got) == len(want)
+    for (o, s), (eo, es) in zip(got, want):
+        assert torch.equal(o, eo), f"out differs: max {(o.float() - eo.float()).abs().max().item()}"
+        assert torch.equal(s, es), "lse differs"
+
+
+@pytest.mark.parametrize("layout", ["identity", "split"])
+@pytest.mark.parametrize("fuse,budget", [(True, 100_000), (False, 256)])
+def test_graphed_prefill_equals_eager_bitwise(ref, fuse, budget, layout):
+    dims = MLADims.deepseek_v2_lite()
+    layers, table = _layers(ref, dims, layout, seed=1)
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
+                             block_size=BLOCK, dtype=BF16, fuse_context=fuse)
+    assert plan.backend.is_flashinfer and plan.fused == fuse and (fuse or len(plan.chunks) >= 3)
+    graph = capture_prefill(plan, layers, table, return_lse=True)
+    assert graph.graphed and graph.capture_ms > 0 and graph.memory_bytes > 0
+    for step in range(2):  # two batches of values through the same buffers
+        _new_inputs(layers, seed=10 + step)
+        want = _eager(layers, table, plan)
+        torch.cuda._sleep(SLEEP)
+        got = graph.replay()
+        torch.cuda.synchronize()
+        _assert_bitwise(got, want)
+    assert graph.replays == 2
+
+
+def test_graphed_ragged_plan_run_equals_eager_bitwise():
+    g = torch.Generator(device=dev()).manual_seed(3)
+    q_lens, kv_lens = [100, 7, 300], [400, 7, 1000]
+    q = torch.randn(sum(q_lens), 16, 192, generator=g, device=dev()).to(BF16)
+    k = torch.randn(sum(kv_lens), 16, 192, generator=g, device=dev()).to(BF16)
+    v = torch.randn(sum(kv_lens), 16, 128, generator=g, device=dev()).to(BF16)
+    qo = [0, 100, 107, 407]
+    kv = [0, 400, 407, 1407]
+    plan = plan_ragged(qo, kv, num_heads=16, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1147,
+                       dtype=BF16, workspace=Workspace(dev()))
+    out = torch.empty(sum(q_lens), 16, 128, dtype=BF16, device=dev())
+    lse = torch.empty(sum(q_lens), 16, dtype=torch.float32, device=dev())
+    graph = capture(lambda: plan.run(q, k, v, out=out, lse=lse), plans=[plan])
+    q.copy_(torch.randn(q.shape, generator=g, device=dev()).to(BF16))
+    want_out, want_lse = (t.clone() for t in plan.run(q, k, v))
+    out.zero_()
+    torch.cuda._sleep(SLEEP)
+    got_out, got_lse = graph.replay()
+    torch.cuda.synchronize()
+    assert got_out is out and torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("layout", ["identity", "split"])
+@pytest.mark.parametrize("fuse,budget", [(True, 100_000), (False, 256)])
+def test_prepared_layouts_vs_float64(ref, fuse, budget, layout):
+    dims = MLADims.deepseek_v2_lite()
+    batch = ref.make_mla_batch(dims, Q_LENS, C_LENS, BLOCK, dtype=BF16, seed=7, device=dev())
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
+                             block_size=BLOCK, dtype=BF16, fuse_context=fuse)
+    prepared = prepare_kv_b_proj(batch.w, dims, layout=layout)
+    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, prepared, batch.cache, batch.block_table, plan,
+                           return_lse=True)
+    raw_out, raw_lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                                   return_lse=True)
+    torch.cuda.synchronize()
+    e_out, e_lse = ref.mla_reference(batch)
+    ref.assert_out_close(out, e_out, atol=2e-2, rtol=2e-2)
+    ref.assert_lse_close(lse, e_lse, atol=1e-2)
+    if layout == "identity":  # the raw weight is prepared the same way inside the call: the same bits
+        assert torch.equal(out, raw_out) and torch.equal(lse, raw_lse)
+
+
+@pytest.mark.parametrize("fuse,budget", [(True, 100_000), (False, 256)])
+def test_replay_after_other_plans_on_the_same_workspace(ref, fuse, budget):
+    dims = MLADims.deepseek_v2_lite()
+    layers, table = _layers(ref, dims, "identity", seed=4)
+    ws = Workspace(dev(), chunk_tokens=budget)
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=ws, block_size=BLOCK, dtype=BF16, fuse_context=fuse)
+    want = _eager(layers, table, plan)
+    graph = capture_prefill(plan, layers, table, return_lse=True)
+    del plan  # the graph alone holds it now
+    gc.collect()
+    # other batches planned and run on the same workspace (they take other pooled wrappers)
+    for i, (q_lens, c_lens) in enumerate((([5, 9], [40, 0]), ([300], [700]), (Q_LENS[::-1], C_LENS[::-1]))):
+        other = ref.make_mla_batch(dims, q_lens, c_lens, BLOCK, dtype=BF16, seed=20 + i, device=dev())
+        p = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=BLOCK, dtype=BF16, fuse_context=fuse)
+        mla_prefill(other.q, other.kv_c, other.k_pe, other.w, other.cache, other.block_table, p)
+        del p
+        gc.collect()
+    torch.cuda._sleep(SLEEP)
+    got = graph.replay()
+    torch.cuda.synchronize()
+    _assert_bitwise(got, want)

@@ -1,0 +1,186 @@
+"""The graph API (mla_bridge.graphs) on the CPU: it runs eagerly with results identical to eager mla_prefill /
+RaggedPlan.run, reads its input buffers at each replay, and keeps the plans it was captured with (and their pooled
+wrappers and float workspace) for as long as it can be replayed -- checked with a stand-in FlashInfer wrapper."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from mla_bridge import BackendChoice, PrefillPlan, RaggedPlan, Workspace, mla_prefill, plan_ragged, prepare_kv_b_proj
+from mla_bridge.backends import flashinfer as fi_backend
+from mla_bridge.graphs import PrefillGraph, PrefillLayer, capture, capture_prefill
+from mla_bridge.ragged import RaggedSpec
+
+QUERY_LENS = [3, 4, 1, 0, 5]
+CONTEXT_LENS = [0, 37, 5, 9, 20]
+LAYERS = 3
+
+
+def _layers(ref, dims, seed):
+    """LAYERS layers sharing one block table, each with its own cache, weight and inputs."""
+    batch = ref.make_mla_batch(dims, QUERY_LENS, CONTEXT_LENS, 8, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for i in range(LAYERS):
+        cache = batch.cache.clone()
+        live = ~torch.isnan(cache)
+        cache[live] = torch.randn(int(live.sum()), generator=g)  # the poisoned (NaN) slots stay poisoned
+        w = torch.randn(dims.kv_b_proj_shape, generator=g) * dims.kv_lora_rank ** -0.5
+        layers.append(PrefillLayer(torch.randn(batch.q.shape, generator=g), torch.randn(batch.kv_c.shape, generator=g),
+                                   torch.randn(batch.k_pe.shape, generator=g), prepare_kv_b_proj(w, dims), cache))
+    return layers, batch.block_table
+
+
+def _eager(layers, block_table, plan):
+    return [mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, return_lse=True)
+            for x in layers]
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_cpu_graph_runs_eagerly_with_identical_results(ref, tiny_dims, fuse):
+    layers, table = _layers(ref, tiny_dims, seed=1)
+    ws = Workspace("cpu", chunk_tokens=1000 if fuse else 16)
+    plan = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=ws, block_size=8,
+                             dtype=torch.float32, fuse_context=fuse)
+    assert plan.fused == fuse and (fuse or len(plan.chunks) > 1)
+    graph = capture_prefill(plan, layers, table, return_lse=True)
+    assert isinstance(graph, PrefillGraph) and not graph.graphed and graph.outputs is None
+    assert graph.capture_ms == 0 and graph.memory_bytes == 0 and graph.plans == (plan,)
+    got = graph.replay()
+    want = _eager(layers, table, plan)
+    assert len(got) == LAYERS and graph.replays == 1
+    for (o, s), (eo, es) in zip(got, want):
+        assert torch.equal(o, eo) and torch.equal(s, es)
+    # a replay reads what the input buffers hold then
+    g = torch.Generator().manual_seed(9)
+    for x in layers:
+        x.q.copy_(torch.randn(x.q.shape, generator=g))
+        x.kv_c.copy_(torch.randn(x.kv_c.shape, generator=g))
+    got = graph.replay()
+    want2 = _eager(layers, table, plan)
+    for (o, s), (eo, es), (old, _) in zip(got, want2, want):
+        assert torch.equal(o, eo) and torch.equal(s, es) and not torch.equal(o, old)
+
+
+def test_cpu_graph_of_ragged_plan_run(ref):
+    q, k, v, qo, kv = ref.make_ragged([5, 3], [9, 3], 4, 24, 16, seed=2)
+    plan = plan_ragged(qo, kv, num_heads=4, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.2,
+                       dtype=torch.float32, workspace=Workspace("cpu"))
+    out = torch.empty(8, 4, 16)
+    lse = torch.empty(8, 4)
+    graph = capture(lambda: plan.run(q, k, v, out=out, lse=lse), plans=[plan])
+    got_out, got_lse = graph.replay()
+    want_out, want_lse = plan.run(q, k, v)
+    assert got_out is out and torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_bad_arguments(ref, tiny_dims):
+    layers, table = _layers(ref, tiny_dims, seed=3)
+    plan = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=Workspace("cpu"), block_size=8,
+                             dtype=torch.float32)
+    with pytest.raises(ValueError, match="^plans must name at least one"):
+        capture(lambda: None, plans=[])
+    with pytest.raises(TypeError, match=r"^plans\[0\] must be a PrefillPlan or a RaggedPlan"):
+        capture(lambda: None, plans=[object()])
+    with pytest.raises(TypeError, match="^fn must be callable"):
+        capture(None, plans=[plan])
+    with pytest.raises(ValueError, match="^warmup must be an int >= 0"):
+        capture(lambda: None, plans=[plan], warmup=-1)
+    with pytest.raises(TypeError, match=r"^layers\[1\] must be a PrefillLayer"):
+        capture_prefill(plan, [layers[0], "layer"], table)
+    with pytest.raises(ValueError, match="^layers must hold at least one"):
+        capture_prefill(plan, [], table)
+    with pytest.raises(TypeError, match="^plan must be a PrefillPlan"):
+        capture_prefill(plan.main, layers, table)
+    graph = capture_prefill(plan, layers, table)
+    graph.replay()
+    graph.release()
+    assert not graph.alive
+    with pytest.raises(RuntimeError, match="released"):
+        graph.replay()
+
+
+# ----------------------------------------------------------------------------------------------- plan lifetime
+class StandInWrapper:
+    """FlashInfer's ragged wrapper, as far as the workspace and the graph see it (no kernels)."""
+
+    def __init__(self, float_workspace, backend):
+        self._int_workspace_buffer = torch.empty(16, dtype=torch.uint8)
+        self.plans = 0
+
+    def plan(self, *args, **kwargs):
+        self.plans += 1
+
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer):
+        pass
+
+
+def _fa2_plan(ws):
+    spec = RaggedSpec(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 4, 24, 16,
+                      True, 0.1, torch.bfloat16, torch.device("cpu"))
+    return RaggedPlan(spec, BackendChoice("flashinfer-fa2", "stand-in"), ws)
+
+
+def test_graph_keeps_its_plan_wrapper_and_workspace(monkeypatch):
+    monkeypatch.setattr(fi_backend, "new_wrapper", StandInWrapper)
+    registered = []
+    real_retain = RaggedPlan.retain_for_graph
+
+    def spy(plan, graph, **kw):  # the ownership API of issue 11, recorded and then run
+        registered.append((id(plan), id(graph)))
+        return real_retain(plan, graph, **kw)
+
+    monkeypatch.setattr(RaggedPlan, "retain_for_graph", spy)
+    ws = Workspace("cpu", float_workspace_bytes=1024, max_float_workspace_bytes=1 << 20)
+    plan_a = _fa2_plan(ws)
+    wrapper_a = plan_a.flashinfer_wrapper
+    graph = capture(lambda: None, plans=[plan_a])
+    assert registered == [(id(plan_a), id(graph))]
+    alive = weakref.ref(plan_a)
+    float_ws = ws.float_workspace
+    del plan_a
+    gc.collect()
+    assert alive() is not None  # the graph holds it
+    # another plan on the same workspace never gets the graph's wrapper
+    plan_b = _fa2_plan(ws)
+    assert plan_b.flashinfer_wrapper is not wrapper_a and ws.wrappers_created == 2
+    # a growth of the float workspace keeps the tensor the graph's kernels were captured against allocated
+    held = weakref.ref(float_ws)
+    del float_ws
+    ws._grow(4096)
+    gc.collect()
+    assert held() is not None and held() is not ws.float_workspace
+    # release() hands everything back at once, even while the graph object itself is still referenced
+    graph.release()
+    gc.collect()
+    assert alive() is None and held() is None
+    plan_c = _fa2_plan(ws)
+    assert plan_c.flashinfer_wrapper is wrapper_a and ws.wrappers_created == 2
+
+
+def test_chunks_sharing_a_plan_register_it_once(ref, tiny_dims, monkeypatch):
+    registered = []
+    monkeypatch.setattr(RaggedPlan, "retain_for_graph", lambda plan, graph, **kw: registered.append(plan))
+    plan = PrefillPlan.build([2] * 6, [8] * 6, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=16),
+                             block_size=8, dtype=torch.float32)
+    assert len(plan.chunks) == 3 and plan.num_plans == 2
+    capture(lambda: None, plans=[plan])
+    assert registered == [plan.main, plan.chunks[0].plan]
+
+
+def test_dropping_the_graph_frees_its_plans(monkeypatch):
+    monkeypatch.setattr(fi_backend, "new_wrapper", StandInWrapper)
+    ws = Workspace("cpu")
+    plan = _fa2_plan(ws)
+    alive = weakref.ref(plan)
+    graph = capture(lambda: None, plans=[plan])
+    del plan
+    gc.collect()
+    assert alive() is not None
+    del graph
+    gc.collect()
+    assert alive() is None

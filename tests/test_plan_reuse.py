@@ -1,0 +1,145 @@
+"""Plan reuse (PlanCache) only on the full key, and the host work of PrefillPlan.build: FlashInfer plans only per
+distinct pass shape (a stand-in wrapper counts them on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_bridge.ragged as ragged_mod
+from mla_bridge import BackendChoice, MLADims, PlanCache, PrefillPlan, Workspace, mla_prefill
+from mla_bridge.backends import flashinfer as fi_backend
+
+Q, C = [3, 4, 1, 5], [10, 0, 7, 20]
+
+
+def _args(dims, ws, **over):
+    kw = dict(dims=dims, workspace=ws, block_size=8, dtype=torch.float32)
+    kw.update(over)
+    return kw
+
+
+def test_equal_key_reuses_the_plan(tiny_dims):
+    ws = Workspace("cpu", chunk_tokens=16)
+    cache = PlanCache()
+    a = cache.get(Q, C, **_args(tiny_dims, ws))
+    assert cache.get(list(Q), tuple(C), **_args(tiny_dims, ws)) is a  # any sequence of the same ints
+    assert cache.get(torch.tensor(Q), C, **_args(tiny_dims, ws)) is a
+    assert (cache.hits, cache.misses, len(cache)) == (2, 1, 1)
+    assert a.key == PrefillPlan.build(Q, C, **_args(tiny_dims, ws)).key
+
+
+def test_every_part_of_the_key_matters(tiny_dims, monkeypatch):
+    ws = Workspace("cpu", chunk_tokens=16)
+    cache = PlanCache(maxsize=64)
+    base = cache.get(Q, C, **_args(tiny_dims, ws))
+    other_scale = MLADims(**{**{k: getattr(tiny_dims, k) for k in ("num_heads", "kv_lora_rank", "qk_nope_head_dim",
+                                                                    "qk_rope_head_dim", "v_head_dim")},
+                             "softmax_scale": 0.5})
+    variants = {
+        "query_lens": (Q[:-1] + [6], C, _args(tiny_dims, ws)),
+        "context_lens": (Q, C[:-1] + [21], _args(tiny_dims, ws)),
+        "swapped requests": (Q[::-1], C[::-1], _args(tiny_dims, ws)),
+        "dims": (Q, C, _args(other_scale, ws)),
+        "dtype": (Q, C, _args(tiny_dims, ws, dtype=torch.float64)),
+        "block_size": (Q, C, _args(tiny_dims, ws, block_size=4)),
+        "fuse_context": (Q, C, _args(tiny_dims, ws, fuse_context=False)),
+        "backend": (Q, C, _args(tiny_dims, ws, backend="torch")),
+        "workspace": (Q, C, _args(tiny_dims, Workspace("cpu", chunk_tokens=16))),
+    }
+    seen = {id(base)}
+    for name, (q, c, kw) in variants.items():
+        plan = cache.get(q, c, **kw)
+        assert id(plan) not in seen, name
+        seen.add(id(plan))
+    ws.chunk_tokens = 32  # the chunk budget is read when the plan is asked for
+    assert cache.get(Q, C, **_args(tiny_dims, ws)) is not base
+    ws.chunk_tokens = 16
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")  # what select_backend would read: the same request as
+    assert cache.get(Q, C, **_args(tiny_dims, ws)) is cache.get(Q, C, **_args(tiny_dims, ws, backend="torch"))
+    assert cache.get(Q, C, **_args(tiny_dims, ws)) is not base  # backend="torch" above
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND")
+    assert cache.get(Q, C, **_args(tiny_dims, ws)) is base
+    assert cache.misses == len(variants) + 2 and cache.hits == 4
+
+
+def test_reused_plan_gives_the_same_result(ref, tiny_dims):
+    batch = ref.make_mla_batch(tiny_dims, Q, C, 8, seed=2)
+    ws = Workspace("cpu", chunk_tokens=16)
+    cache = PlanCache()
+    want = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table,
+                       PrefillPlan.build(Q, C, **_args(tiny_dims, ws)))
+    cache.get(Q, C, **_args(tiny_dims, ws))
+    got = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table,
+                      cache.get(Q, C, **_args(tiny_dims, ws)))
+    assert cache.hits == 1 and torch.equal(got, want)
+
+
+def test_lru_bound(tiny_dims):
+    ws = Workspace("cpu")
+    cache = PlanCache(maxsize=2)
+    a = cache.get([1], **_args(tiny_dims, ws))
+    cache.get([2], **_args(tiny_dims, ws))
+    cache.get([1], **_args(tiny_dims, ws))  # a is now the most recent
+    cache.get([3], **_args(tiny_dims, ws))  # drops [2]
+    assert len(cache) == 2 and cache.get([1], **_args(tiny_dims, ws)) is a
+    assert cache.get([2], **_args(tiny_dims, ws)) is not None and cache.misses == 4
+    with pytest.raises(ValueError, match="maxsize must be a positive int"):
+        PlanCache(0)
+    cache.clear()
+    assert len(cache) == 0
+
+
+class StandIn:
+    def __init__(self, buf, backend):
+        self._int_workspace_buffer = torch.empty(16, dtype=torch.uint8)
+        self.planned = []
+
+    def plan(self, qo, kv, *args, **kwargs):
+        self.planned.append((qo.tolist(), kv.tolist(), kwargs["causal"]))
+
+
+@pytest.fixture
+def stand_in_flashinfer(monkeypatch):
+    monkeypatch.setattr(fi_backend, "new_wrapper", StandIn)
+    monkeypatch.setattr(ragged_mod, "select_backend", lambda *a, **k: BackendChoice("flashinfer-fa3", "stand-in"))
+
+
+def test_chunks_of_equal_shape_share_one_flashinfer_plan(stand_in_flashinfer):
+    dims = MLADims.deepseek_v2_lite()
+    ws = Workspace("cpu", chunk_tokens=16384)
+    plan = PrefillPlan.build([512] * 128, [2048] * 128, dims=dims, workspace=ws, block_size=64,
+                             dtype=torch.bfloat16)
+    assert len(plan.chunks) == 16 and all(c.plan is plan.chunks[0].plan for c in plan.chunks)
+    assert plan.num_plans == 2 and ws.plans_made == 2  # the causal main pass + one for all 16 chunks
+    # the shared plan still sees each chunk's own tokens
+    assert [int(c.req_ids[0]) for c in plan.chunks] == list(range(0, 128, 8))
+    assert all(c.positions.tolist() == list(range(2048)) * 8 for c in plan.chunks[:2])
+    # chunks of different shapes get their own plans: 3 requests x 100 in chunks of 64 -> 5 chunks, 4 shapes
+    ws2 = Workspace("cpu", chunk_tokens=64)
+    p2 = PrefillPlan.build([4, 4, 4], [100, 100, 100], dims=dims, workspace=ws2, block_size=16, dtype=torch.bfloat16)
+    shapes = {(tuple(c.plan.qo_indptr.tolist()), tuple(c.plan.kv_indptr.tolist())) for c in p2.chunks}
+    assert len(p2.chunks) == 5 and len(shapes) == 4
+    assert p2.num_plans == 1 + len(shapes) == ws2.plans_made
+
+
+def test_bench_splits_build_time_into_flashinfer_and_our_own(stand_in_flashinfer, monkeypatch):
+    """The plan section's host-time split on the CPU, with a stand-in FlashInfer whose plan() takes 2 ms."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from mla_bridge.bench.common import Ctx
+    from mla_bridge.bench.sections import _build_time_job
+
+    monkeypatch.setattr(StandIn, "plan", lambda self, *a, **k: time.sleep(0.002))
+    ctx = Ctx(device=torch.device("cpu"), quick=True, repeats=3, warmup=0, seed=0, backend=None, skip=set(),
+              budget_s=None, console=Console(file=io.StringIO()))
+    build, fi, own = _build_time_job(ctx, 128, True, 0)
+    assert build.status == "ok" and build.extra["flashinfer_plans"] == 2  # main + one for the 4 equal chunks
+    assert fi.path == "PrefillPlan.build: FlashInfer plan() calls" and fi.ms >= 4.0
+    assert own.path == "PrefillPlan.build: our own host work" and 0 < own.ms < build.ms
+    assert build.extra["own_over_flashinfer"] == pytest.approx(own.ms / fi.ms)
+    (check,) = [c for c in ctx.checks if c.name.startswith("plan: own host work / FlashInfer plan() time")]
+    assert check.value == build.extra["own_over_flashinfer"] and check.target == 0.20
