@@ -199,7 +199,28 @@ class PrefillPlan:
             self.main_kv_indptr = self.qo_indptr.clone()
             self.chunks = self._plan_chunks(schedule_context_chunks(c_lens, workspace.chunk_tokens), common)
         self.main = plan_ragged(self.qo_indptr, self.main_kv_indptr, causal=True, **common)
+        self._device_indices = [t for t in (self.ctx_req_ids, self.ctx_positions, self.ctx_dst, self.new_dst,
+                                            *(x for c in self.chunks for x in (c.req_ids, c.positions)))
+                                if isinstance(t, torch.Tensor) and t.is_cuda]
+        self._streams_seen = ({torch.cuda.current_stream(dev).cuda_stream} if self._device_indices else set())
         return self
+
+    def order_on_current_stream(self) -> None:
+        """Call before a layer reads this plan's device data on the current stream (:func:`mla_bridge.mla_prefill`
+        does). It waits for the copies queued at plan time (:meth:`RaggedPlan.order_after_plan`). The first time a
+        stream other than the build stream reads the plan's device index tensors, it also marks them used there
+        (``Tensor.record_stream``), so that torch's caching allocator does not hand their memory to a new allocation
+        on the build stream while work queued on this stream still reads it after the plan is dropped. Costs one
+        ``current_stream`` look-up per call; nothing on the CPU or while a CUDA graph is being captured (a graph
+        holds its plans)."""
+        self.main.order_after_plan()
+        if not self._device_indices or torch.cuda.is_current_stream_capturing():
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream not in self._streams_seen:
+            for t in self._device_indices:
+                t.record_stream(stream)
+            self._streams_seen.add(stream.cuda_stream)
 
     def _expand(self, counts: np.ndarray, *values: np.ndarray) -> list[torch.Tensor]:
         """Per-token device indices from per-segment host data, with one small host-to-device copy.

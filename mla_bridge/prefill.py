@@ -152,7 +152,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         out = torch.empty(t, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
     lse = torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device)
 
-    plan.main.order_after_plan()  # the index tensors and schedules were queued at plan time, maybe on another stream
+    plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     hook("gather")
     latent = (fused_latent(plan, kv_c, k_pe, kv_cache, block_table, scale) if plan.fused
               else torch.cat([kv_c, k_pe], dim=-1))

@@ -328,3 +328,34 @@ def test_item9_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
     got = mla_prefill(*args, plan)
     torch.cuda.synchronize()
     assert (got.float() - expected.float()).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_item9_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse):
+    """A plan built on the default stream, run on a side stream kept busy, then dropped: torch's caching allocator
+    must not hand its index tensors' memory to a new allocation on the build stream while the side stream's queued
+    gather may still read it (PrefillPlan.order_on_current_stream marks them with record_stream). Without that, the
+    next same-size allocation on the default stream gets the freed block at once."""
+    dims = MLADims.deepseek_v2_lite()
+    batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 3, 250], 16, dtype=BF16, device=dev())
+    ws = Workspace(dev(), chunk_tokens=4096 if fuse else 128)
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table)
+    build = lambda: PrefillPlan.build(batch.query_lens, batch.context_lens, dims=dims, workspace=ws,  # noqa: E731
+                                      block_size=16, dtype=BF16, fuse_context=fuse)
+    mla_prefill(*args, build())
+    torch.cuda.synchronize()
+    plan = build()
+    index = plan.ctx_req_ids if fuse else plan.chunks[0].req_ids
+    index = index if index._base is None else index._base  # chunks may share one expansion
+    ptr, numel = index.data_ptr(), index.numel()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP)
+        mla_prefill(*args, plan)
+    del plan, index
+    gc.collect()
+    fresh = [torch.empty(numel, dtype=torch.int64, device=dev()) for _ in range(8)]
+    assert all(f.data_ptr() != ptr for f in fresh), "a freed index tensor was reused while the side stream ran"
+    assert not side.query()
+    torch.cuda.synchronize()
