@@ -19,7 +19,8 @@
 # scripts/test_vllm.sh when it exists. Exits non-zero when anything fails.
 #
 # Environment: PYTHON (interpreter for a new venv; default python3.11, else python3), MLA_BRIDGE_VENV (default
-# .venv), MLA_BRIDGE_TORCH (default torch==2.13.0), MLA_BRIDGE_EXTRAS (default test,jax),
+# .venv), MLA_BRIDGE_TORCH (default torch==2.13.0), MLA_BRIDGE_EXTRAS (default test,jax-ffi: jax and jax-tvm-ffi,
+# so the tvm_ffi shim tests build and run on the CPU too),
 # MLA_BRIDGE_SKIP_VLLM=1 (skip scripts/test_vllm.sh).
 set -euo pipefail
 
@@ -28,7 +29,7 @@ cd "$ROOT"
 VENV="${MLA_BRIDGE_VENV:-.venv}"
 PY="$VENV/bin/python"
 TORCH_SPEC="${MLA_BRIDGE_TORCH:-torch==2.13.0}"
-EXTRAS="${MLA_BRIDGE_EXTRAS:-test,jax}"
+EXTRAS="${MLA_BRIDGE_EXTRAS:-test,jax-ffi}"
 STAMP="$VENV/.mla-bridge-setup"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 

@@ -34,6 +34,7 @@ A plan serves the one device it was made for (the shim refuses another device wi
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import os
@@ -113,6 +114,20 @@ void drop_plan(int64_t id) {
   g_entries.erase(id);
 }
 
+void clear_all() {
+  // At interpreter exit (atexit): drop every entry and the Python miss handler while Python and torch are still
+  // alive. Left to the static destructors, they would run after the interpreter is gone and crash the process.
+  std::unordered_map<int64_t, std::shared_ptr<const Entry>> entries;
+  tvm::ffi::Function miss;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    entries.swap(g_entries);
+    miss = g_on_miss;
+    g_on_miss = tvm::ffi::Function();
+    g_has_miss = false;
+  }
+}
+
 int64_t num_plans() {
   std::lock_guard<std::mutex> lock(g_mu);
   return static_cast<int64_t>(g_entries.size());
@@ -177,9 +192,22 @@ def shim() -> Any:
 
             _shim_module = tvm_ffi.cpp.load_inline(name="mla_bridge_jax_shim", cpp_sources=_SHIM_SOURCE,
                                                    functions=["set_plan", "drop_plan", "num_plans", "run",
-                                                              "set_miss_handler"])
+                                                              "set_miss_handler", "clear_all"])
+            atexit.register(_clear_at_exit)
             _shim_module.set_miss_handler(_on_miss)
         return _shim_module
+
+
+def _clear_at_exit() -> None:
+    """Empty the shim and the registry before the interpreter shuts down: the shim's C++ statics hold FlashInfer's
+    function, recorded tensors and a Python miss handler, whose destructors crash the process (segmentation fault,
+    exit code 139, seen on the H200 after ``mla-bridge bench`` and the JAX GPU tests) when they run after Python."""
+    with _lock:
+        if _shim_module is not None:
+            _shim_module.clear_all()
+        _registered.clear()
+        _ids_of.clear()
+        _remake.clear()
 
 
 def target(platform: str = "gpu", name: str = TARGET) -> str:

@@ -179,3 +179,37 @@ def test_tvm_ffi_released_plan_fails_clearly(registry):
     assert route.release(plan) and not route.release(plan)
     with pytest.raises(Exception, match=rf"plan {pid} was released"):
         jax.block_until_ready(_call(route, pid))
+
+
+EXIT_SCRIPT = """
+import sys, types, torch, numpy as np, jax, jax.numpy as jnp
+sys.path[:0] = sys.argv[1:]
+import test_jax_plan_lifetime as t
+from mla_bridge_jax import tvm_ffi as route
+import tvm_ffi
+stand_in = tvm_ffi.cpp.load_inline(name="mla_bridge_jax_test_lifetime", cpp_sources=t.KERNEL, functions=["stand_in"])
+route.record = lambda plan: (stand_in.stand_in, [torch.full((1,), 7.0), None, None, None, None, None], [1, 2, 3, 4, 5])
+route._remaker = lambda plan, value=None: (lambda: t.FakePlan(7.0))
+plans = [t.FakePlan(7.0) for _ in range(3)]
+pids = [route.register(p) for p in plans]
+out, _ = t._call(route, pids[0])
+assert float(np.asarray(out)[0, 0, 0]) == 7.0
+print("registered", route.shim().num_plans(), flush=True)
+"""
+
+
+def test_process_with_registered_plans_exits_cleanly(stand_in, tmp_path):
+    """The shim's C++ statics hold FlashInfer's function, recorded tensors and the Python miss handler; left to the
+    static destructors after the interpreter is gone they crashed the process at exit (exit code 139 on the H200 after
+    `mla-bridge bench` and the JAX GPU tests). The registry empties them at exit."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "exit_check.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, str(script), here], capture_output=True, text=True, timeout=300, env=env)
+    assert "registered" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert res.returncode == 0, (res.returncode, res.stderr[-3000:])
