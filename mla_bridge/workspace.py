@@ -59,6 +59,8 @@ def _checked_device(device: "torch.device | str") -> torch.device:
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from err
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {dev}")
+    if dev.type == "cpu":
+        return torch.device("cpu")  # "cpu:0" is the CPU too: tensors made on it report plain "cpu"
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {dev}: CUDA is not available here (torch {torch.__version__}, "

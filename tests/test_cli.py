@@ -501,3 +501,59 @@ def test_cuda_run_that_cannot_fit_is_refused_against_the_gpus_free_memory(capsys
     assert main(["prefill", "--device", "cuda", "--prompt-len", "2000000", "--batch", "1"]) == 2
     err = capsys.readouterr().err
     assert "needs about" in err and "torch.cuda.mem_get_info" in err and "cuda:" in err
+
+
+# ----------------------------------------------------------------------------------- a new user's trial (2026-12-01)
+
+def test_device_cpu_with_an_index_is_the_cpu(tmp_path):
+    """--device cpu:0 crashed with 'kv_b_proj_weight is on cpu, but the plan is on cpu:0' (exit 1)."""
+    rc, res = run_json(tmp_path, "--prompt-lens", "4", "--layers", "1")
+    rc0 = main(["prefill", "--device", "cpu:0", "--prompt-lens", "4", "--layers", "1"])
+    assert rc == 0 and rc0 == 0
+    from mla_bridge import Workspace
+
+    assert Workspace("cpu:3").device == torch.device("cpu")
+
+
+def _exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("command", [["prefill", "--prompt-lens", "4"], ["bench", "--quick", "--sections", "merge"]])
+def test_seed_out_of_range_is_refused_by_name(command, capsys):
+    """A seed torch cannot take crashed inside torch.Generator.manual_seed (exit 1)."""
+    assert _exit_code([*command, "--seed", "99999999999999999999999"]) == 2
+    assert "--seed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lens", ["1,,2", ",5,", "5,"])
+def test_empty_items_in_a_length_list_are_refused(lens, capsys):
+    """'1,,2' silently ran two requests."""
+    assert _exit_code(["prefill", "--device", "cpu", "--prompt-lens", lens]) == 2
+    assert "--prompt-lens" in capsys.readouterr().err
+
+
+def test_float32_check_is_relative_for_large_outputs():
+    """The float32 check was absolute only: outputs of about 50 with a relative error of 2.6e-6 failed it."""
+    from mla_bridge.cli.prefill import TOLERANCE
+    from mla_bridge.reference import max_excess_error
+
+    (atol, rtol), _ = TOLERANCE["float32"]
+    ref = torch.full((4, 2), 51.7, dtype=torch.float64)
+    assert max_excess_error(ref * (1 + 2.6e-6), ref, rtol) <= atol
+    assert max_excess_error(ref * (1 + 1e-4), ref, rtol) > atol  # a real error still fails
+
+
+def test_corrupt_safetensors_is_a_clear_error(tmp_path, capsys):
+    """A model.safetensors that is not safetensors raised SafetensorError with a traceback (exit 1)."""
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "num_attention_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "num_hidden_layers": 1}))
+    (ckpt / "model.safetensors").write_text("garbage")
+    assert main(["prefill", "--device", "cpu", "--checkpoint", str(ckpt), "--layer", "0", "--prompt-lens", "4"]) == 2
+    assert "not a readable safetensors file" in capsys.readouterr().err

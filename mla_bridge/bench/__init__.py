@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 __all__ = ["add_arguments", "run", "main", "SECTIONS"]
 
 from ..cli.args import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
+from ..cli.args import seed as seed_type  # noqa: E402
 from .common import SECTIONS  # noqa: E402  (light: imports torch only)
 
 _ALIASES = {str(i + 1): name for i, name in enumerate(SECTIONS)}
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"any job still waiting {HARD_MARGIN_S:.0f} s later is skipped too (default "
                              f"{DEFAULT_BUDGET_S:.0f} on a GPU in full mode, none otherwise)")
     parser.add_argument("--layers", type=positive_int, default=61, help="layers in the planning loop (default 61)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    parser.add_argument("--seed", type=seed_type, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target that applies was missed")
 
 

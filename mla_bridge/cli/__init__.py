@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 from .batch import DEMO_BATCH, DEMO_CONTEXT_LENS, DEMO_PROMPT_LEN, _resolve_workload  # noqa: F401
 from .checkpoint import load_kv_b_proj_weight
 from .args import int_list, nonnegative_int, output_file, positive_int
+from .args import seed as seed_type
 from .errors import CLIError
 from .info import cmd_info
 from .prefill import cmd_prefill
@@ -122,7 +123,7 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
                    help="force a backend (default: the dispatch table, or $MLA_BRIDGE_BACKEND)")
     g.add_argument("--layers", type=_positive_int, default=1, metavar="N",
                    help="run the one plan N times, as a model does per layer (default 1)")
-    g.add_argument("--seed", type=int, default=0, help="random seed for inputs and block table (default 0)")
+    g.add_argument("--seed", type=seed_type, default=0, help="random seed for inputs and block table (default 0)")
     g.add_argument("--check-requests", type=_nonnegative_int, default=DEFAULT_CHECK_REQUESTS, metavar="K",
                    help=f"requests checked against the float64 reference, 0 for none (default {DEFAULT_CHECK_REQUESTS})")
     g.add_argument("--no-breakdown", action="store_true", help="skip the extra layer that times each pass")

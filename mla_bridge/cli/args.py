@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["int_list", "positive_int", "nonnegative_int", "nonnegative_float", "output_file", "write_output"]
+__all__ = ["int_list", "positive_int", "nonnegative_int", "seed", "nonnegative_float", "output_file", "write_output"]
 
 
 def int_list(text: str) -> list[int]:
     try:
-        values = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        items = text.replace(" ", "").split(",")
+        if len(items) > 1 and "" in items:  # "1,,2" or ",5,": a typo would silently change the batch
+            raise ValueError
+        values = [int(x) for x in items if x != ""]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 256,512, got {text!r}") from None
     if not values:
@@ -36,6 +39,14 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     return _int(text, 0, "an integer >= 0")
+
+
+def seed(text: str) -> int:
+    """A random seed torch accepts: an integer in [0, 2**63)."""
+    value = _int(text, 0, "an integer seed in [0, 2**63)")
+    if value >= 2 ** 63:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**63), got {value}")
+    return value
 
 
 def nonnegative_float(text: str) -> float:

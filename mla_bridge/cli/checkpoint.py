@@ -19,6 +19,16 @@ def _is_fp8(dtype) -> bool:
     return dtype.is_floating_point and torch.empty((), dtype=dtype).element_size() == 1
 
 
+def _safe_open(path):
+    """safetensors' ``safe_open``, with an unreadable file (corrupt header, not safetensors) as a CLIError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise CLIError(f"--checkpoint: {path} is not a readable safetensors file: {err}") from None
+
+
 def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None, config: Optional[dict] = None):
     """Load ``model.layers.{layer}.self_attn.kv_b_proj.weight`` alone from a local safetensors checkpoint.
 
@@ -39,10 +49,8 @@ def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None
 
     Raises:
         CLIError: no such folder, index entry, tensor or shard; an FP8 weight without ``weight_scale_inv``; a scale
-            or weight of the wrong shape.
+            or weight of the wrong shape; a file that is not readable safetensors.
     """
-    from safetensors import safe_open
-
     root = Path(checkpoint)
     if not root.is_dir():
         raise CLIError(f"--checkpoint: {root} is not a folder")
@@ -71,7 +79,7 @@ def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None
             raise CLIError(f"--checkpoint: no *.safetensors files and no model.safetensors.index.json in {root}")
         shard = scale_shard = None
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
+            with _safe_open(f) as handle:
                 keys = set(handle.keys())
             if name in keys and shard is None:
                 shard = f
@@ -80,7 +88,7 @@ def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None
         if shard is None:
             raise CLIError(f"--checkpoint: no tensor {name} in {', '.join(f.name for f in files)} (--layer {layer})")
 
-    with safe_open(str(shard), framework="pt", device="cpu") as handle:
+    with _safe_open(shard) as handle:
         weight = handle.get_tensor(name)
     where = f"{shard.name}: {name} [{weight.shape[0]}, {weight.shape[1]}] {str(weight.dtype).replace('torch.', '')}"
     if weight.dim() != 2:
@@ -90,7 +98,7 @@ def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None
             raise CLIError(f"--checkpoint: {name} is {weight.dtype} (FP8) but {scale_name} is missing, so it cannot "
                            f"be dequantized; a block-quantized FP8 checkpoint (DeepSeek-V3 style) stores it next to "
                            f"the weight")
-        with safe_open(str(scale_shard), framework="pt", device="cpu") as handle:
+        with _safe_open(scale_shard) as handle:
             scale = handle.get_tensor(scale_name)
         block = (config.get("quantization_config") or {}).get("weight_block_size") or FP8_DEFAULT_BLOCK
         bo, bi = int(block[0]), int(block[1])
