@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
@@ -44,11 +45,25 @@ def softmax_scale_from_rope_scaling(head_dim_qk: int, rope_scaling: Mapping[str,
         return scale
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     mscale_all_dim = rope_scaling.get("mscale_all_dim", 0) or 0
-    factor = float(rope_scaling.get("factor", 1.0) or 1.0)
+    factor = rope_scaling.get("factor", 1.0) or 1.0
+    for name, value in (("factor", factor), ("mscale_all_dim", mscale_all_dim)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"rope scaling {name} must be a finite number, got {value!r}")
+    factor = float(factor)
     if kind not in (None, "default") and mscale_all_dim and factor > 1:
         m = yarn_mscale(factor, float(mscale_all_dim))
         scale *= m * m
     return scale
+
+
+def _config_int(config: Mapping[str, Any], key: str) -> int:
+    """``config[key]`` as a positive int: an int (JSON ``16``; ``16.0`` too), never a bool or a fraction."""
+    value = config[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"config: {key} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def _rope_entry(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -93,12 +108,13 @@ class MLADims:
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"MLADims.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy integers become ints
         if self.softmax_scale is None:
             object.__setattr__(self, "softmax_scale", self.head_dim_qk ** -0.5)
         scale = self.softmax_scale
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"MLADims.softmax_scale must be a positive finite float, got {scale!r}")
         object.__setattr__(self, "softmax_scale", float(scale))
 
@@ -161,13 +177,15 @@ class MLADims:
                                "v_head_dim") if config.get(k) is None]
         if missing:
             raise ValueError(f"config: missing MLA field(s) {missing}; is this a DeepSeek-V2/V3 config.json?")
-        head_dim_qk = int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"])
+        ints = {k: _config_int(config, k) for k in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                                                      "qk_rope_head_dim", "v_head_dim")}
+        head_dim_qk = ints["qk_nope_head_dim"] + ints["qk_rope_head_dim"]
         return cls(
-            num_heads=int(config["num_attention_heads"]),
-            kv_lora_rank=int(config["kv_lora_rank"]),
-            qk_nope_head_dim=int(config["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-            v_head_dim=int(config["v_head_dim"]),
+            num_heads=ints["num_attention_heads"],
+            kv_lora_rank=ints["kv_lora_rank"],
+            qk_nope_head_dim=ints["qk_nope_head_dim"],
+            qk_rope_head_dim=ints["qk_rope_head_dim"],
+            v_head_dim=ints["v_head_dim"],
             softmax_scale=softmax_scale_from_rope_scaling(head_dim_qk, _rope_entry(config)),
         )
 

@@ -17,6 +17,7 @@ Two schedules, picked here from host lengths alone:
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -172,8 +173,9 @@ class PrefillPlan:
             raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        block_size = int(block_size)
         dev = workspace.device if device is None else _checked_device(device)
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")

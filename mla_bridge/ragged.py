@@ -13,6 +13,7 @@ All checks run on the host before any kernel; a failed check writes nothing.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -291,9 +292,9 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int, head_dim_qk: int, head_dim_vo: int,
@@ -321,9 +322,9 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
     kv = as_host_indptr("kv_indptr", kv_indptr)
     if qo.numel() != kv.numel():
         raise ValueError(f"qo_indptr has {qo.numel()} entries but kv_indptr has {kv.numel()}; both are [batch + 1]")
-    _positive_int("num_heads", num_heads)
-    _positive_int("head_dim_qk", head_dim_qk)
-    _positive_int("head_dim_vo", head_dim_vo)
+    num_heads = _positive_int("num_heads", num_heads)
+    head_dim_qk = _positive_int("head_dim_qk", head_dim_qk)
+    head_dim_vo = _positive_int("head_dim_vo", head_dim_vo)
     sm_scale = as_sm_scale(sm_scale)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")

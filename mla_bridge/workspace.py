@@ -8,6 +8,7 @@ latent cache in :func:`mla_bridge.mla_prefill`.
 
 from __future__ import annotations
 
+import numbers
 import re
 import threading
 import weakref
@@ -175,8 +176,10 @@ class Workspace:
                  max_idle_wrappers: int = DEFAULT_MAX_IDLE_WRAPPERS):
         for name, value in (("float_workspace_bytes", float_workspace_bytes), ("chunk_tokens", chunk_tokens),
                             ("max_float_workspace_bytes", max_float_workspace_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"Workspace: {name} must be a positive int, got {value!r}")
+        float_workspace_bytes, chunk_tokens = int(float_workspace_bytes), int(chunk_tokens)  # numpy ints too
+        max_float_workspace_bytes = int(max_float_workspace_bytes)
         if isinstance(max_idle_wrappers, bool) or not isinstance(max_idle_wrappers, int) or max_idle_wrappers < 0:
             raise ValueError(f"Workspace: max_idle_wrappers must be an int >= 0, got {max_idle_wrappers!r}")
         self.device = _checked_device(device)

@@ -271,3 +271,52 @@ def test_rope_entry_that_is_not_a_mapping_is_named(key):
     cfg[key] = "yarn"
     with pytest.raises(ValueError, match=key):
         MLADims.from_hf_config(cfg)
+
+
+# ------------------------------------------------------------------- values a new user's trial passed (2026-12-01)
+
+@pytest.mark.parametrize("key,value", [("num_attention_heads", 16.7), ("num_attention_heads", True),
+                                       ("kv_lora_rank", "x"), ("v_head_dim", 0)])
+def test_from_hf_config_refuses_non_integer_fields_by_name(key, value):
+    """16.7 heads became 16, True became 1 head, and "x" gave a bare int() error naming no field."""
+    cfg = {"num_attention_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, key: value}
+    with pytest.raises(ValueError, match=key):
+        MLADims.from_hf_config(cfg)
+
+
+def test_from_hf_config_integral_floats_and_numpy_ints_are_fine():
+    import numpy as np
+
+    cfg = {"num_attention_heads": 16.0, "kv_lora_rank": np.int64(512), "qk_nope_head_dim": 128,
+           "qk_rope_head_dim": 64, "v_head_dim": 128}
+    d = MLADims.from_hf_config(cfg)
+    assert d.num_heads == 16 and type(d.kv_lora_rank) is int
+    assert MLADims(np.int64(16)).num_heads == 16
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_yarn_factor_is_refused(bad):
+    """A NaN factor silently gave the unscaled 192**-0.5."""
+    cfg = {"num_attention_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+           "v_head_dim": 128, "rope_scaling": {"type": "yarn", "factor": bad, "mscale_all_dim": 0.707}}
+    with pytest.raises(ValueError, match="factor"):
+        MLADims.from_hf_config(cfg)
+
+
+def test_bool_softmax_scale_is_refused():
+    with pytest.raises(ValueError, match="softmax_scale"):
+        MLADims(16, softmax_scale=True)
+
+
+def test_numpy_ints_for_sizes():
+    """block_size=np.int64(16) and Workspace(chunk_tokens=np.int64(100)) were refused as 'not a positive int'."""
+    import numpy as np
+    import torch
+
+    from mla_bridge import PrefillPlan, Workspace
+
+    ws = Workspace("cpu", chunk_tokens=np.int64(100))
+    plan = PrefillPlan.build([4], [40], dims=MLADims.deepseek_v2_lite(), workspace=ws, block_size=np.int64(16),
+                             dtype=torch.float32)
+    assert ws.chunk_tokens == 100 and type(ws.chunk_tokens) is int and plan.block_size == 16
