@@ -357,3 +357,14 @@ def test_isolated_phases_are_mla_prefills_steps(budget_index):
     torch.testing.assert_close(ph.out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ph.lse, want_lse, atol=1e-5, rtol=1e-5)
     assert plan.fused == (budget_index == 0)
+
+
+def test_backend_auto_is_accepted_like_prefill(tmp_path):
+    """`mla-bridge prefill --backend auto` worked but `bench --backend auto` was an argparse error (a trial user)."""
+    import json
+
+    from mla_bridge.bench import main as bench_main
+
+    path = tmp_path / "b.json"
+    assert bench_main(["--quick", "--sections", "merge", "--backend", "auto", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["complete"] is True

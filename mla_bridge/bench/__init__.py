@@ -84,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=output_file, metavar="PATH", default=None, help="write a PNG: TFLOP/s vs sequence length per path")
     from ..dispatch import BACKEND_NAMES
 
-    parser.add_argument("--backend", default=None, choices=BACKEND_NAMES, metavar="NAME",
-                        help=f"force mla_bridge's backend ({', '.join(BACKEND_NAMES)}; default: the dispatch table); "
+    parser.add_argument("--backend", default=None, choices=BACKEND_NAMES + ("auto",), metavar="NAME",
+                        help=f"force mla_bridge's backend ({', '.join(BACKEND_NAMES)}; default and auto: the dispatch "
+                             "table, as for mla-bridge prefill); "
                              "the raw FlashInfer rows follow it")
     parser.add_argument("--skip", type=_skip, default=set(), metavar="PATHS",
                         help=f"comparison paths to leave out: {','.join(SKIPPABLE)}")
@@ -158,6 +159,8 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
         console.print("[red]mla-bridge bench: --device cuda, but CUDA is not available[/]")
         return 2
     use_cuda = has_cuda and device_arg != "cpu"
+    if getattr(args, "backend", None) == "auto":  # the dispatch table decides, as with no --backend
+        args.backend = None
     if getattr(args, "backend", None):  # refuse a forced backend this machine cannot run, before any work
         from ..dispatch import select_backend
 
