@@ -557,3 +557,15 @@ def test_corrupt_safetensors_is_a_clear_error(tmp_path, capsys):
     (ckpt / "model.safetensors").write_text("garbage")
     assert main(["prefill", "--device", "cpu", "--checkpoint", str(ckpt), "--layer", "0", "--prompt-lens", "4"]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_json_write_failure_is_one_line_and_a_link_is_followed(tmp_path, capsys):
+    """--json /dev/full raised OSError with a traceback after the run; a --json symlink was replaced by a file."""
+    assert _exit_code(["prefill", "--device", "cpu", "--prompt-lens", "4", "--json", "/dev/full"]) == 2
+    assert "could not write" in capsys.readouterr().err
+    target = tmp_path / "real.json"
+    target.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert _exit_code(["prefill", "--device", "cpu", "--prompt-lens", "4", "--json", str(link)]) == 0
+    assert link.is_symlink() and json.loads(target.read_text())["query_lens"] == [4]

@@ -92,11 +92,26 @@ def output_file(text: str) -> Path:
 def write_output(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: a sibling temporary file, then renamed over ``path`` (an
     interrupted or failed write leaves no partial file). A path that is not a regular file (``/dev/stdout``) is
-    written directly."""
+    written directly; a symbolic link is followed (the file it names is replaced, the link kept).
+
+    Raises:
+        CLIError: the write failed (a full disk, ``/dev/full``...): one line, exit 2, instead of a traceback.
+    """
+    from .errors import CLIError
+
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    try:
+        _write_whole(path, text)
+    except OSError as err:
+        raise CLIError(f"could not write {path}: {err.strerror or err}") from None
+
+
+def _write_whole(path: Path, text: str) -> None:
     import os
     import tempfile
 
-    path = Path(path)
     if path.exists() and not path.is_file():
         path.write_text(text, encoding="utf-8")
         return
