@@ -10,7 +10,8 @@ Public API:
     :func:`prepare_kv_b_proj` prepares each layer's weight once, at load time.
   * :func:`from_torch` / :func:`to_torch` -- DLPack conversion (one device copy for views DLPack cannot pass).
   * :mod:`mla_bridge_jax.reference` -- pure-JAX float32 references (``ragged_attention``, ``mla_attention``).
-  * :func:`sharded_ragged_prefill` -- heads sharded over a mesh axis with ``shard_map``.
+  * :func:`sharded_ragged_prefill`, :func:`build_sharded_plans` + :func:`sharded_mla_prefill` -- heads sharded over
+    a mesh axis with ``shard_map``.
   * :mod:`mla_bridge_jax.bench` -- ``compare()``, the GPU microbenchmark (imported on use).
 """
 
@@ -21,7 +22,7 @@ from ._interop import to_torch as _to_torch
 from .api import (ENV_JIT_ROUTE, JIT_ROUTES, InferenceOnlyError, build_plan, mla_prefill, plan_ragged,
                   prepare_kv_b_proj, ragged_prefill, run_ragged)
 from . import reference
-from .sharding import head_shardings, sharded_ragged_prefill, shard_map
+from .sharding import build_sharded_plans, head_shardings, sharded_mla_prefill, sharded_ragged_prefill, shard_map
 
 
 def to_torch(x):
@@ -32,6 +33,6 @@ def to_torch(x):
 __all__ = [
     "ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill", "from_torch",
     "to_torch",
-    "reference", "sharded_ragged_prefill", "head_shardings", "shard_map", "InferenceOnlyError", "JIT_ROUTES",
+    "reference", "sharded_ragged_prefill", "sharded_mla_prefill", "build_sharded_plans", "head_shardings", "shard_map", "InferenceOnlyError", "JIT_ROUTES",
     "ENV_JIT_ROUTE", "MLADims", "Workspace",
 ]

@@ -28,7 +28,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -420,19 +420,21 @@ def _shallow(err: BaseException, what: str) -> BaseException:
     return new
 
 
-def _mla_callback(plan: PrefillPlan, scale: Any = None, prepared: Optional[PreparedKVBProj] = None) -> Callable:
-    """The traced call's body; ``scale``: a Python float closed over, or None (no scale, or the scale is the last
-    buffer: read on the device); ``prepared``: the prepared weight, a constant of the compiled function (not one of
-    XLA's buffers)."""
+def _mla_callback(plans: dict, scale: Any = None, prepared: Optional[PreparedKVBProj] = None) -> Callable:
+    """The traced call's body; ``plans``: torch device -> its PrefillPlan (one entry, or one per device of a
+    ``shard_map``); ``scale``: a Python float closed over, or None (no scale, or the scale is the last buffer: read on
+    the device); ``prepared``: the prepared weight, a constant of the compiled function (not one of XLA's buffers)."""
     def get_plan(device: torch.device) -> PrefillPlan:
-        if device != plan.device:
-            raise ValueError(f"mla_bridge_jax.mla_prefill: the plan is for {plan.device}, but XLA ran the call on "
-                             f"{device}; build the plan for that device")
+        plan = plans.get(device)
+        if plan is None:
+            raise ValueError(f"mla_bridge_jax.mla_prefill: the plan is for {', '.join(map(str, plans))}, but XLA ran "
+                             f"the call on {device}; build the plan for that device (under shard_map: "
+                             f"mla_bridge_jax.build_sharded_plans)")
         return plan
 
     def callback(ctx, outs, *args):
         out, lse = outs
-        with xla_stream(ctx, buffer_device(args[0]), get_plan):
+        with xla_stream(ctx, buffer_device(args[0]), get_plan) as plan:
             t_out, t_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
             tensors = [torch.from_dlpack(a) for a in args]
             s = tensors.pop() if len(tensors) > len(_MLA_ARGS) - (prepared is not None) else scale
@@ -445,6 +447,25 @@ def _mla_callback(plan: PrefillPlan, scale: Any = None, prepared: Optional[Prepa
             t_lse.copy_(lse_full)
 
     return callback
+
+
+def _plans_by_device(plan: Any) -> dict:
+    """``{torch device: PrefillPlan}`` from one plan or a mapping of per-device plans (which must agree on every host
+    value but the device: lengths, dims, dtypes, block size, schedule)."""
+    if isinstance(plan, PrefillPlan):
+        return {plan.device: plan}
+    if isinstance(plan, Mapping) and plan and all(isinstance(p, PrefillPlan) for p in plan.values()):
+        plans = {p.device: p for p in plan.values()}
+        first = next(iter(plans.values()))
+        key = lambda p: (p.query_lens, p.context_lens, p.dims, p.dtype, p.kv_cache_dtype, p.block_size,  # noqa: E731
+                         p.fused, len(p.chunks))
+        for p in plans.values():
+            if key(p) != key(first):
+                raise ValueError("mla_bridge_jax.mla_prefill: per-device plans must agree on everything but the "
+                                 f"device, got {first!r} and {p!r}")
+        return plans
+    raise TypeError(f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan) or a mapping of "
+                    f"per-device plans (mla_bridge_jax.build_sharded_plans), got {type(plan).__name__}")
 
 
 def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: "jax.Array | PreparedKVBProj",
@@ -461,7 +482,9 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
         reinterpreted by the core).
         kv_b_proj_weight: the layer's weight from :func:`prepare_kv_b_proj` (made once at load time; the fast form),
             or the raw ``[H * 256, 512]`` jax.Array (rearranged again in every call: slower).
-        plan: from :func:`build_plan` (host lengths; built outside jit, closed over inside it).
+        plan: from :func:`build_plan` (host lengths; built outside jit, closed over inside it); or, for a call
+            inside ``shard_map``, a mapping torch device -> plan from :func:`mla_bridge_jax.build_sharded_plans`
+            (each device runs its own; see :func:`mla_bridge_jax.sharded_mla_prefill`).
         return_lse: also return the natural-log lse ``[T, H]`` float32.
         kv_cache_scale: the FP8 cache's per-tensor scale: a Python float (static under jit), or a 0-d/1-element
             float32 jax.Array on the plan's device (traced under jit: passed to the custom call as a buffer and read
@@ -471,16 +494,16 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
         ``out [T, H, 128]`` in the plan's dtype, or ``(out, lse)``.
 
     Raises:
-        TypeError: a non-JAX input (named), a plan that is not a PrefillPlan.
+        TypeError: a non-JAX input (named), a plan that is not a PrefillPlan (or a mapping of them).
+        ValueError: per-device plans that differ in anything but their device.
         ValueError / TypeError: the core's ``mla_bridge.prefill.validate_prefill_inputs`` (at trace time
             under jit; block ids on a CPU plan are range-checked when the call runs: under jit that error comes
             inside XLA's ``JaxRuntimeError``, as its last line ``ValueError: mla_bridge_jax.mla_prefill: ...``
             after a one-frame traceback).
         InferenceOnlyError: on differentiation.
     """
-    if not isinstance(plan, PrefillPlan):
-        raise TypeError(f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan), "
-                        f"got {type(plan).__name__}")
+    plans = _plans_by_device(plan)
+    plan = next(iter(plans.values()))  # the same lengths, dims and dtypes on every device: validation reads it
     prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None
     names = [n for n in _MLA_ARGS if prepared is None or n != "kv_b_proj_weight"]
     args = tuple(x for x in (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table) if x is not prepared)
@@ -494,7 +517,9 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
     scale_array = isinstance(kv_cache_scale, (jax.Array, jax.core.Tracer))
     if not any(is_tracer(x) for x in args + ((kv_cache_scale,) if scale_array else ())):
         scale = to_torch("kv_cache_scale", kv_cache_scale) if scale_array else kv_cache_scale
-        result = _core.mla_prefill(*core_args(to_torch), plan, return_lse=return_lse, kv_cache_scale=scale)
+        tensors = core_args(to_torch)
+        result = _core.mla_prefill(*tensors, plans.get(tensors[0].device, plan), return_lse=return_lse,
+                                   kv_cache_scale=scale)
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
 
     proxies = core_args(lambda n, x: _proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype,
@@ -504,7 +529,7 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
     d, t = plan.dims, plan.num_tokens
     out_types = (jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
                  jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32))
-    call = buffer_callback(_mla_callback(plan, None if scale_array else kv_cache_scale, prepared), out_types,
+    call = buffer_callback(_mla_callback(plans, None if scale_array else kv_cache_scale, prepared), out_types,
                            vmap_method="sequential")
     out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *((kv_cache_scale,) if scale_array else ()))
     return (out, lse) if return_lse else out
