@@ -87,10 +87,13 @@ def fake_cuda() -> None:
 
 
 def stub_device_expansion() -> None:
-    """Replace the device part of the index expansion by a one-element host tensor per output (what the build does
-    with the outputs -- slicing, a few tiny ops -- is then timed at the dispatcher's cost, not at per-token work)."""
+    """Replace the device part of the index expansion (page-locking, copy, kernels) by host allocations: the landed
+    code's outputs are one-element tensors (what its build does with them, a few tiny ops, then costs the
+    dispatcher's time, not per-token work), the reworked code's one buffer (a view of one allocated once) it splits
+    into views."""
     if hasattr(plan_mod, "_expand_on_device"):  # the reworked plan.py
-        plan_mod._expand_on_device = lambda table, total, counting: torch.zeros(1, dtype=torch.int64)
+        buf = torch.empty(4 * 128 * (512 + 2048), dtype=torch.int64)  # the largest case's output, allocated once
+        plan_mod._expand_on_device = lambda table, total, counting, device: (buf[:total], torch.from_numpy(table))
         return
     orig = plan_mod.PrefillPlan._expand  # the landed plan.py: host half kept, device half stubbed
 
@@ -116,6 +119,15 @@ def own_ms(ws, dims, batch, context, repeats):
         plan = build()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times), plan
+
+
+def _new_on_cpu(table, total, counting):
+    """The reworked _expand_on_device on CPU tensors, page-locking left out (CPU-only torch)."""
+    small = torch.from_numpy(table).to("cpu", non_blocking=True)
+    t = torch.arange(total, dtype=torch.int64)
+    out = small[1].index_select(0, torch.searchsorted(small[0], t, right=True, out_int32=True))
+    out[:counting] += t[:counting]
+    return out
 
 
 def op_sequences(repeats):
@@ -150,8 +162,8 @@ def op_sequences(repeats):
     if hasattr(plan_mod, "_expand_on_device"):
         def new(kind):
             segs = np.array([[3, 0, 1], [4, 0, 1]] * (3 if kind == "fused" else 2), dtype=np.int64)
-            table = plan_mod._segment_table(segs[:, 0], segs[:, 1], segs[:, 2])
-            return lambda: plan_mod._expand_on_device(table, int(segs[:, 0].sum()), dev)
+            table = np.stack([np.cumsum(segs[:, 0]), segs[:, 1]])
+            return lambda: _new_on_cpu(table, int(segs[:, 0].sum()), int(segs[:, 0].sum()))
         seqs.update({"new fused": new("fused"), "new chunked": new("chunked")})
     for name, fn in seqs.items():
         fn()
