@@ -266,11 +266,14 @@ def _parse_cuda_version(text: Optional[str]) -> Optional[tuple[int, int]]:
 
 
 def _int_list(values: Optional[Sequence[int]]) -> Optional[list[int]]:
-    """``values`` as a list of Python ints; an int32/int64 tensor (what the planners hand over) in one call."""
+    """``values`` as a list of Python ints; an int32/int64 tensor or a list of ints (what the planners hand over) in
+    one call."""
     if values is None:
         return None
     if isinstance(values, torch.Tensor) and values.dtype in (torch.int32, torch.int64):
         return values.tolist()
+    if type(values) is list and set(map(type, values)) <= {int}:
+        return values
     return [int(x) for x in values]
 
 

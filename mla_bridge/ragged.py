@@ -362,7 +362,7 @@ def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: 
     spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, causal, sm_scale, dtype, workspace.device)
     choice = select_backend(workspace.device, dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk,
                             head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-                            qo_indptr=qo, kv_indptr=kv, requested=backend)
+                            qo_indptr=qo.tolist(), kv_indptr=kv.tolist(), requested=backend)
     return RaggedPlan(spec, choice, workspace)
 
 
