@@ -299,15 +299,16 @@ class PrefillPlan:
         np.cumsum(c, out=cum[1:])
         lo = np.arange(0, total, step, dtype=np.int64)  # chunk k holds the stream's tokens lo[k]:hi[k]
         hi = np.minimum(lo + step, total)
-        bounds = hi[:-1].tolist()
         first = np.searchsorted(cum, lo, side="right") - 1  # the request holding each chunk's first token
         end = np.searchsorted(cum, hi - 1, side="right")  # 1 + the request holding its last token
         qo_all = self.qo_indptr.numpy()
+        rows = zip(first.tolist(), end.tolist(), lo.tolist(), hi.tolist(), (lo - cum[first]).tolist(),
+                   qo_all[first].tolist(), qo_all[end].tolist())
+        cuts = hi[:-1].tolist()
+        views = zip(positions.tensor_split(cuts), req_ids.tensor_split(cuts))
         plans: dict = {}
         chunks = []
-        for req_start, req_end, start, stop, first_start, q_start, q_end, chunk_pos, chunk_req in zip(
-                first.tolist(), end.tolist(), lo.tolist(), hi.tolist(), (lo - cum[first]).tolist(),
-                qo_all[first].tolist(), qo_all[end].tolist(), positions.tensor_split(bounds), req_ids.tensor_split(bounds)):
+        for (req_start, req_end, start, stop, first_start, q_start, q_end), (chunk_pos, chunk_req) in zip(rows, views):
             # The chunk's keys: the stream's [start, stop) cut at its requests' edges (only the first request begins
             # before the chunk, only the last ends after it).
             kv = cum[req_start:req_end + 1] - np.int32(start)
