@@ -279,9 +279,9 @@ class PrefillPlan:
         counts = np.concatenate([c, c, q, c])
         firsts = np.concatenate([np.zeros(b, dtype=np.int64), seq_start, seq_start + c, np.arange(b)])
         flat = self._expand(counts, firsts, counting_runs=3 * b)
-        n_ctx = int(c.sum())
-        self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.split(
-            [n_ctx, n_ctx, int(q.sum()), n_ctx])
+        n_ctx, n_new = int(c.sum()), int(q.sum())
+        self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.tensor_split(
+            [n_ctx, 2 * n_ctx, 2 * n_ctx + n_new])
 
     def _plan_chunks(self, c: np.ndarray) -> list[ContextChunk]:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
