@@ -35,6 +35,9 @@ __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
 CUTLASS_PLAN_QO_TILE_SIZE = 256  # FlashInfer: one work item per (q tile of 256, head, request)
+#: Capability majors the cutlass row serves (SM100/SM103, SM110): the only row that reads per-request lengths, so
+#: :func:`select_backend` remembers choices on every other device (see ``_CHOICES``).
+CUTLASS_MAJORS = (10, 11)
 # Largest q/k/v tensor (elements) each kernel indexes correctly. Measured on the H200 (2026-11-30, FlashInfer 0.7.4,
 # 128 heads, 192/128, bf16): fa2 correct at 2.15e9 elements, wrong beyond 2**32 (4.43e9: the last request's rows off
 # by 3.5, i.e. 32-bit unsigned offsets); fa3 correct at 4.43e9 and 6.44e9. cutlass takes `int` strides and could not
@@ -160,7 +163,7 @@ def _max_tensor_elements(req: Request) -> int:
 
 
 def _cutlass_why_not(req: Request) -> Optional[str]:
-    if req.capability is None or req.capability[0] not in (10, 11):
+    if req.capability is None or req.capability[0] not in CUTLASS_MAJORS:
         return f"needs SM100/SM103/SM110 (capability 10.x or 11.x), got {_cap(req.capability)}"
     need = (13, 0) if req.capability[0] == 11 else (12, 8)
     if req.cuda_version is None or req.cuda_version < need:
@@ -262,6 +265,18 @@ def _parse_cuda_version(text: Optional[str]) -> Optional[tuple[int, int]]:
     return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
 
 
+def _int_list(values: Optional[Sequence[int]]) -> Optional[list[int]]:
+    """``values`` as a list of Python ints; an int32/int64 tensor or a list of ints (what the planners hand over) in
+    one call."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor) and values.dtype in (torch.int32, torch.int64):
+        return values.tolist()
+    if type(values) is list and set(map(type, values)) <= {int}:
+        return values
+    return [int(x) for x in values]
+
+
 def select_backend(
     device: "torch.device | str | int | None" = None,
     *,
@@ -285,14 +300,18 @@ def select_backend(
             the request is taken to be on CUDA.
         dtype / out_dtype: q/k/v dtype and output dtype (``None``: unknown, not checked).
         head_dim_qk / head_dim_vo: 192 / 128 for DeepSeek MLA.
-        causal, num_heads, qo_indptr, kv_indptr: host lengths, known at plan time; they enable the cutlass checks
-            on q_len > kv_len and on plan work items.
+        causal, num_heads, qo_indptr, kv_indptr: host lengths, known at plan time (indptrs as sequences of ints or
+            integer tensors); they enable the cutlass checks on q_len > kv_len and on plan work items.
         requested: force a backend by name (one of :data:`BACKEND_NAMES`, or "auto"); when ``None`` the
             environment variable ``MLA_BRIDGE_BACKEND`` is read.
         cuda_version: ``(major, minor)`` of the CUDA toolkit (default: ``torch.version.cuda``).
 
     Returns:
-        a :class:`BackendChoice`.
+        a :class:`BackendChoice` (immutable). Answers are remembered: the capability, the CUDA and FlashInfer
+        versions and ``MLA_BRIDGE_BACKEND`` are read at every call and, with every argument, key the answer; of the
+        indptrs the key holds only the largest tensor's size when it reaches an offset limit, since no other row
+        reads them, except on SM100/SM110 (the cutlass row checks each request), where nothing is remembered.
+        Errors are never remembered.
 
     Raises:
         ValueError: the forced backend is unknown, or cannot serve this request (the message names the
@@ -310,18 +329,49 @@ def select_backend(
         capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     if cuda_version is None:
         cuda_version = _parse_cuda_version(torch.version.cuda)
-    req = Request(
-        device_type=device_type, capability=capability, cuda_version=cuda_version,
-        flashinfer=flashinfer_version() is not None, dtype=dtype, out_dtype=out_dtype, head_dim_qk=head_dim_qk,
-        head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-        qo_indptr=None if qo_indptr is None else [int(x) for x in qo_indptr],
-        kv_indptr=None if kv_indptr is None else [int(x) for x in kv_indptr],
-    )
-
+    flashinfer = flashinfer_version() is not None
     source = "requested"
     if requested is None:
         requested = os.environ.get(ENV_VAR) or None
         source = f"{ENV_VAR}"
+    key = None
+    if capability is None or capability[0] not in CUTLASS_MAJORS:
+        key = (device_type, capability, cuda_version, flashinfer, dtype, out_dtype, head_dim_qk, head_dim_vo, causal,
+               num_heads, requested, source, _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo))
+        choice = _CHOICES.get(key)
+        if choice is not None:
+            return choice
+    req = Request(
+        device_type=device_type, capability=capability, cuda_version=cuda_version, flashinfer=flashinfer, dtype=dtype,
+        out_dtype=out_dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
+        qo_indptr=_int_list(qo_indptr), kv_indptr=_int_list(kv_indptr),
+    )
+    choice = _walk_table(req, requested, source)
+    if key is not None:
+        if len(_CHOICES) >= _CHOICES_MAX:
+            _CHOICES.clear()
+        _CHOICES[key] = choice
+    return choice
+
+
+#: Choices made so far (:func:`select_backend`), by everything they depend on; at most ``_CHOICES_MAX``, then cleared.
+_CHOICES: dict = {}
+_CHOICES_MAX = 256
+
+
+def _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo) -> int:
+    """What the table reads of the lengths outside the cutlass row: the largest tensor's elements when they reach an
+    offset limit (the reason then names the number), else 0 (no row's verdict or words depend on them)."""
+    if qo_indptr is None or kv_indptr is None or num_heads is None or head_dim_qk is None:
+        return 0
+    elems = max(int(qo_indptr[-1]), int(kv_indptr[-1])) * num_heads * max(head_dim_qk, head_dim_vo or 0)
+    return elems if elems >= min(CUTLASS_ELEMENT_LIMIT, FA2_ELEMENT_LIMIT) else 0
+
+
+def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendChoice:
+    """The dispatch table's answer for ``req`` (``requested``: a forced backend name or None, named by ``source``
+    in errors)."""
+    capability = req.capability
     if requested is not None and requested != "auto":
         spec = _BY_NAME.get(requested)
         if spec is None:

@@ -29,7 +29,7 @@ import torch
 from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR
-from .ragged import INT32_MAX, RaggedPlan, indptr_from_lens, plan_ragged
+from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked, indptr_from_lens
 from .workspace import Workspace, _checked_device
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
@@ -38,27 +38,39 @@ __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"
 @dataclass(frozen=True)
 class ContextChunk:
     """One context chunk: requests ``req_start:req_end`` (contiguous, so their query rows ``q_start:q_end`` are
-    contiguous too), with ``spans[i] = (request, first context token, end)``; ``plan`` is its non-causal pass."""
+    contiguous too), ``kv_indptr`` (int32 CPU ``[req_end - req_start + 1]``) their context tokens in the chunk,
+    the first request's starting at position ``first_start`` of its context, the others' at 0; ``plan`` is its
+    non-causal pass (``None`` when the chunk's requests have no new tokens), ``spans[i] = (request, first context
+    token, end)`` its nonempty pieces."""
 
     req_start: int
     req_end: int
     q_start: int
     q_end: int
-    spans: tuple[tuple[int, int, int], ...]
+    kv_indptr: torch.Tensor
+    first_start: int
     plan: Optional[RaggedPlan]
     req_ids: Optional[torch.Tensor]  # int64 [chunk tokens] on the device: request of each gathered token
     positions: Optional[torch.Tensor]  # int64 [chunk tokens]: its position in that request's context
 
     @property
+    def spans(self) -> tuple[tuple[int, int, int], ...]:
+        kv = self.kv_indptr.tolist()
+        starts = [self.first_start] + [0] * (len(kv) - 2)
+        return tuple((r, s, s + b - a) for r, s, a, b in zip(range(self.req_start, self.req_end), starts, kv, kv[1:])
+                     if b > a)
+
+    @property
     def num_tokens(self) -> int:
-        return sum(end - start for _, start, end in self.spans)
+        return int(self.kv_indptr[-1])
 
 
 def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> list[list[tuple[int, int, int]]]:
     """Pack context tokens into chunks of at most ``chunk_tokens``, request by request in order.
 
     Returns a list of chunks, each a list of ``(request, start, end)`` spans with ``end > start`` (no empty
-    segment); a request's context may be split across consecutive chunks at any token.
+    segment); a request's context may be split across consecutive chunks at any token. (The reference loop:
+    :class:`PrefillPlan` computes the same chunks with O(1) numpy calls, see :meth:`PrefillPlan._plan_chunks`.)
     """
     chunks: list[list[tuple[int, int, int]]] = []
     current: list[tuple[int, int, int]] = []
@@ -89,8 +101,8 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
         values = list(values)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of ints (one per request), got {type(values).__name__}") from None
-    if all(type(v) is int for v in values) and (not values or min(values) >= 0):
-        return values  # plain non-negative ints (the common case): no per-item work
+    if set(map(type, values)) <= {int} and (not values or min(values) >= 0):
+        return values  # plain non-negative ints (the common case): no per-item work in Python
     out = []
     for r, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -179,31 +191,33 @@ class PrefillPlan:
         dev = workspace.device if device is None else _checked_device(device)
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
+        # Every pass shares these sizes: checked once here, before any index tensor or plan is made.
+        self._sizes = _checked_plan_sizes(num_heads=dims.num_heads, head_dim_qk=dims.head_dim_qk,
+                                          head_dim_vo=dims.head_dim_vo, sm_scale=dims.softmax_scale, dtype=dtype,
+                                          workspace=workspace)
+        self._backend = backend
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
         self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context)
-        self.qo_indptr = indptr_from_lens(q_lens, "query_lens")
+        q = np.asarray(q_lens, dtype=np.int64)
+        c = np.asarray(c_lens, dtype=np.int64)
+        self.qo_indptr = indptr_from_lens(q, "query_lens")
         total_context = sum(c_lens)
         fused_keys = total_context + sum(q_lens)
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
         # which backend serves the main pass.
         self.fused = (fuse_context and 0 < total_context <= workspace.chunk_tokens
                       and fused_keys * dims.num_heads * max(dims.head_dim_qk, dims.head_dim_vo) < 2 ** 31)
-        common = dict(num_heads=dims.num_heads, head_dim_qk=dims.head_dim_qk, head_dim_vo=dims.head_dim_vo,
-                      sm_scale=dims.softmax_scale, dtype=dtype, workspace=workspace, backend=backend)
         self.chunks = []
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
+        self._device_indices = []
         if self.fused:
-            seq = [c + q for c, q in zip(c_lens, q_lens)]
-            self.main_kv_indptr = indptr_from_lens(seq)
-            self._plan_fused_indices()
+            self.main_kv_indptr = indptr_from_lens(c + q)
+            self._plan_fused_indices(q, c)
         else:
             self.main_kv_indptr = self.qo_indptr.clone()
-            self.chunks = self._plan_chunks(schedule_context_chunks(c_lens, workspace.chunk_tokens), common)
-        self.main = plan_ragged(self.qo_indptr, self.main_kv_indptr, causal=True, **common)
-        self._device_indices = [t for t in (self.ctx_req_ids, self.ctx_positions, self.ctx_dst, self.new_dst,
-                                            *(x for c in self.chunks for x in (c.req_ids, c.positions)))
-                                if isinstance(t, torch.Tensor) and t.is_cuda]
+            self.chunks = self._plan_chunks(c)
+        self.main = self._plan_pass(self.qo_indptr, self.main_kv_indptr, causal=True)
         self._streams_seen = ({torch.cuda.current_stream(dev).cuda_stream} if self._device_indices else set())
         return self
 
@@ -224,69 +238,91 @@ class PrefillPlan:
                 t.record_stream(stream)
             self._streams_seen.add(stream.cuda_stream)
 
-    def _expand(self, counts: np.ndarray, *values: np.ndarray) -> list[torch.Tensor]:
-        """Per-token device indices from per-segment host data, with one small host-to-device copy.
+    def _plan_pass(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, causal: bool) -> RaggedPlan:
+        """One pass's :class:`RaggedPlan`: indptrs made here from checked lengths, sizes checked in :meth:`build`."""
+        return _plan_checked(qo_indptr, kv_indptr, causal=causal, backend=self._backend, **self._sizes)
 
-        For segments of ``counts[i]`` tokens returns ``[offset of each token in its segment] + [values[j][segment of
-        each token] for each j]`` (int64 device tensors of ``counts.sum()`` entries). On CUDA the expansion runs on the
-        device, so host work stays O(segments), not O(tokens). The copy never blocks the host: it leaves page-locked
-        memory with ``non_blocking=True`` on the current stream (ordered before the RaggedPlans made after it, whose
-        plan events therefore cover it); the page-locked tensor stays referenced by the plan (and torch's host
-        allocator records the copy's event before it reuses that memory).
+    def _expand(self, counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> torch.Tensor:
+        """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``
+        holding ``counts[i]`` values, ``firsts[i], firsts[i] + 1, ...`` for the first ``counting_runs`` runs
+        (counting runs) and ``firsts[i]`` repeated for the others (constant runs). Returns one int64 tensor of
+        ``counts.sum()`` values on the plan's device, which the callers split into views (one buffer per plan).
+
+        On CUDA the expansion runs on the device (:func:`_expand_on_device`), so host work stays O(runs), not O(tokens),
+        and a fixed few torch calls whatever the batch: one small host-to-device copy that never blocks the host (it
+        leaves page-locked memory with ``non_blocking=True`` on the current stream, ordered before the RaggedPlans
+        made after it, whose plan events therefore cover it; the page-locked tensor stays referenced by the plan, and
+        torch's host allocator records the copy's event before it reuses that memory), then four kernels. On the CPU
+        device host memory is device memory: numpy expands the runs.
         """
-        total = int(counts.sum())
-        starts = np.cumsum(counts) - counts
-        if self.device.type == "cpu":  # host memory is device memory: expand with numpy
-            offset = np.arange(total) - np.repeat(starts, counts)
-            return [torch.from_numpy(a) for a in [offset] + [np.repeat(v.astype(np.int64), counts) for v in values]]
-        host = torch.from_numpy(np.stack([counts, starts, *values]).astype(np.int64)).pin_memory()
-        self.__dict__.setdefault("_pinned_indices", []).append(host)
-        small = host.to(self.device, non_blocking=True)
-        seg = torch.repeat_interleave(torch.arange(counts.size, device=self.device), small[0], output_size=total)
-        offset = torch.arange(total, device=self.device) - small[1][seg]
-        return [offset] + [small[2 + j][seg] for j in range(len(values))]
+        table = np.empty((2, counts.size), dtype=np.int64)  # per run: where it ends in the output, its base value
+        ends, base = table
+        np.cumsum(counts, out=ends)
+        total = int(ends[-1]) if ends.size else 0
+        counting = int(ends[counting_runs - 1]) if counting_runs else 0  # tokens of the counting runs
+        base[:] = firsts  # the output's value at token t is base[run] (+ t in a counting run)
+        base[:counting_runs] -= ends[:counting_runs] - counts[:counting_runs]
+        if self.device.type == "cpu":
+            out = np.repeat(base, counts)
+            out[:counting] += np.arange(counting)
+            return torch.from_numpy(out)
+        out, self._pinned_runs = _expand_on_device(table, total, counting, self.device)
+        self._device_indices.append(out)
+        return out
 
-    def _plan_fused_indices(self) -> None:
-        c = np.asarray(self.context_lens, dtype=np.int64)
-        q = np.asarray(self.query_lens, dtype=np.int64)
-        seq_start = np.cumsum(c + q) - (c + q)
-        pos, req, ctx_base = self._expand(c, np.arange(c.size), seq_start)
-        new_pos, new_base = self._expand(q, seq_start + c)
-        self.ctx_req_ids, self.ctx_positions = req, pos
-        self.ctx_dst = ctx_base + pos
-        self.new_dst = new_base + new_pos
+    def _plan_fused_indices(self, q: np.ndarray, c: np.ndarray) -> None:
+        """The fused schedule's rows: context token ``i`` of request ``r`` is gathered from position ``i`` of ``r``'s
+        context (``ctx_req_ids``, ``ctx_positions``) into key row ``ctx_dst``; new token ``j`` goes to key row
+        ``new_dst``; each request's keys are its context followed by its new tokens."""
+        b = c.size
+        seq_start = np.cumsum(c + q) - (c + q)  # first key row of each request
+        counts = np.concatenate([c, c, q, c])
+        firsts = np.concatenate([np.zeros(b, dtype=np.int64), seq_start, seq_start + c, np.arange(b)])
+        flat = self._expand(counts, firsts, counting_runs=3 * b)
+        n_ctx, n_new = int(c.sum()), int(q.sum())
+        self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.tensor_split(
+            [n_ctx, 2 * n_ctx, 2 * n_ctx + n_new])
 
-    def _plan_chunks(self, schedule, common) -> list[ContextChunk]:
-        """The chunks of ``schedule``: one :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of
-        the same shape share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices
-        from ONE expansion over all spans (one host-to-device copy for the whole schedule), sliced per chunk."""
-        if not schedule:
+    def _plan_chunks(self, c: np.ndarray) -> list[ContextChunk]:
+        """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
+        tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
+        chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
+        share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices are a slice of
+        ONE expansion over the requests (the stream's request and position of each token)."""
+        total, step = self.num_context_tokens, self.workspace.chunk_tokens
+        if total == 0:
             return []
-        spans = np.asarray([span for chunk in schedule for span in chunk], dtype=np.int64)
-        positions, req_ids, first = self._expand(spans[:, 2] - spans[:, 1], spans[:, 0], spans[:, 1])
-        positions += first  # offset in the span + the span's first position (in place: one token-long buffer less)
-        del first
+        b = c.size
+        flat = self._expand(np.concatenate([c, c]), np.concatenate([np.zeros(b, dtype=np.int64), np.arange(b)]), b)
+        positions, req_ids = flat[:total], flat[total:]
+        cum = np.zeros(b + 1, dtype=np.int32)  # the stream offset where each request's context starts (< 2**31)
+        np.cumsum(c, out=cum[1:])
+        lo = np.arange(0, total, step, dtype=np.int64)  # chunk k holds the stream's tokens lo[k]:hi[k]
+        hi = np.minimum(lo + step, total)
+        first = np.searchsorted(cum, lo, side="right") - 1  # the request holding each chunk's first token
+        end = np.searchsorted(cum, hi - 1, side="right")  # 1 + the request holding its last token
         qo_all = self.qo_indptr.numpy()
+        rows = zip(first.tolist(), end.tolist(), lo.tolist(), hi.tolist(), (lo - cum[first]).tolist(),
+                   qo_all[first].tolist(), qo_all[end].tolist())
+        cuts = hi[:-1].tolist()
+        views = zip(positions.tensor_split(cuts), req_ids.tensor_split(cuts))
         plans: dict = {}
-        chunks, tok = [], 0
-        for chunk in schedule:
-            req_start, req_end = chunk[0][0], chunk[-1][0] + 1
-            kv_lens = [0] * (req_end - req_start)
-            for r, start, end in chunk:
-                kv_lens[r - req_start] = end - start
-            q_start, q_end = int(qo_all[req_start]), int(qo_all[req_end])
+        chunks = []
+        for (req_start, req_end, start, stop, first_start, q_start, q_end), (chunk_pos, chunk_req) in zip(rows, views):
+            # The chunk's keys: the stream's [start, stop) cut at its requests' edges (only the first request begins
+            # before the chunk, only the last ends after it).
+            kv = cum[req_start:req_end + 1] - np.int32(start)
+            kv[0], kv[-1] = 0, stop - start
+            kv_indptr = torch.from_numpy(kv)
             plan = None
             if q_end > q_start:
                 qo = qo_all[req_start:req_end + 1] - q_start
-                key = (tuple(qo.tolist()), tuple(kv_lens))
+                key = (qo.tobytes(), kv.tobytes())
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = plan_ragged(torch.from_numpy(qo), indptr_from_lens(kv_lens), causal=False,
-                                                    **common)
-            n = sum(kv_lens)
-            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, tuple(chunk), plan,
-                                       req_ids[tok:tok + n], positions[tok:tok + n]))
-            tok += n
+                    plan = plans[key] = self._plan_pass(torch.from_numpy(qo), kv_indptr, causal=False)
+            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan, chunk_req,
+                                       chunk_pos))
         return chunks
 
     @property
@@ -317,6 +353,21 @@ class PrefillPlan:
         return (f"PrefillPlan(batch={self.batch_size}, new_tokens={self.num_tokens}, "
                 f"context_tokens={self.num_context_tokens}, fused={self.fused}, chunks={len(self.chunks)}, "
                 f"backend={self.backend.name!r})")
+
+
+def _expand_on_device(table: np.ndarray, total: int, counting: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device half of :meth:`PrefillPlan._expand`: one copy and four kernels whatever the batch. From ``table``
+    (int64 ``[2, runs]``: where each run ends in the output, and its base value), the int64 ``[total]`` output
+    ``out[t] = base[run holding t] + (t if t < counting else 0)`` on ``device``, and the page-locked copy of ``table``
+    the caller keeps. The run of token ``t`` is the first whose end exceeds ``t`` (an empty run never is)."""
+    host = torch.from_numpy(table).pin_memory()
+    small = host.to(device, non_blocking=True)
+    t = torch.arange(total, dtype=torch.int64, device=device)
+    run = torch.searchsorted(small[0], t, right=True, out_int32=True)
+    out = small[1].index_select(0, run)
+    out[:counting] += t[:counting]
+    return out, host
 
 
 def _plan_key(q_lens: list, c_lens: list, dims: MLADims, workspace: Workspace, block_size: int, device: torch.device,

@@ -13,6 +13,7 @@ All checks run on the host before any kernel; a failed check writes nothing.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -99,11 +100,11 @@ class RaggedSpec:
     def batch_size(self) -> int:
         return self.qo_indptr.numel() - 1
 
-    @property
+    @functools.cached_property  # read per plan and per run: a tensor element read costs microseconds each time
     def num_qo_tokens(self) -> int:
         return int(self.qo_indptr[-1])
 
-    @property
+    @functools.cached_property
     def num_kv_tokens(self) -> int:
         return int(self.kv_indptr[-1])
 
@@ -322,6 +323,19 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
     kv = as_host_indptr("kv_indptr", kv_indptr)
     if qo.numel() != kv.numel():
         raise ValueError(f"qo_indptr has {qo.numel()} entries but kv_indptr has {kv.numel()}; both are [batch + 1]")
+    sizes = _checked_plan_sizes(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+                                sm_scale=sm_scale, dtype=dtype, workspace=workspace)
+    return _plan_checked(qo, kv, causal=bool(causal), backend=backend, **sizes)
+
+
+def _checked_plan_sizes(*, num_heads: int, head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype,
+                        workspace: Workspace) -> dict:
+    """:func:`plan_ragged`'s checks of everything but the indptrs, as the keyword arguments of :func:`_plan_checked`
+    (sizes as ints, ``sm_scale`` as a float). A caller that plans several passes of one batch checks once.
+
+    Raises:
+        TypeError / ValueError: as :func:`plan_ragged` (the message names the argument).
+    """
     num_heads = _positive_int("num_heads", num_heads)
     head_dim_qk = _positive_int("head_dim_qk", head_dim_qk)
     head_dim_vo = _positive_int("head_dim_vo", head_dim_vo)
@@ -330,10 +344,24 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-    spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, bool(causal), sm_scale, dtype,
-                      workspace.device)
+    return dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, sm_scale=sm_scale, dtype=dtype,
+                workspace=workspace)
+
+
+def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: Optional[str], num_heads: int,
+                  head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype,
+                  workspace: Workspace) -> RaggedPlan:
+    """:func:`plan_ragged` past its checks: the backend choice and the kernel's plan, nothing re-validated.
+
+    For indptrs that are valid by construction -- int32 CPU tensors of equal length, starting at 0, non-decreasing,
+    as :func:`as_host_indptr` returns them or :func:`indptr_from_lens` makes them from checked lengths (what
+    :class:`mla_bridge.PrefillPlan` plans every pass with) -- and sizes from :func:`_checked_plan_sizes`. The plan
+    holds ``qo`` and ``kv`` (do not write to them afterwards). Gives the same :class:`RaggedPlan` as
+    :func:`plan_ragged` on the same values.
+    """
+    spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, causal, sm_scale, dtype, workspace.device)
     choice = select_backend(workspace.device, dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk,
-                            head_dim_vo=head_dim_vo, causal=bool(causal), num_heads=num_heads,
+                            head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
                             qo_indptr=qo.tolist(), kv_indptr=kv.tolist(), requested=backend)
     return RaggedPlan(spec, choice, workspace)
 

@@ -257,6 +257,8 @@ class Workspace:
                 if slot.free():
                     if lease is None:
                         lease = slot
+                        if len(slots) <= self.max_idle_wrappers + 1:
+                            break  # the others cannot outnumber the bound: no need to query their events
                     else:
                         idle.append(slot)
             if len(idle) > self.max_idle_wrappers:

@@ -1,0 +1,300 @@
+"""PrefillPlan.build's host fast paths (issue 13, item 5): what they skip or remember must not change any answer.
+
+* The CUDA branch of the per-token index expansion (one page-locked table, one copy, four kernels) runs here on CPU
+  tensors with a fake CUDA device, and must give the index tensors of the CPU device's numpy expansion.
+* Chunk bounds computed with numpy equal the reference loop :func:`schedule_context_chunks`.
+* The passes planned through the internal (unvalidated) path equal :func:`plan_ragged`'s on the same indptrs.
+* :func:`select_backend` remembers answers only by everything they depend on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import mla_bridge.dispatch as dispatch
+import mla_bridge.plan as plan_mod
+import mla_bridge.workspace as workspace_module
+from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
+from mla_bridge.backends import flashinfer as fi_backend
+from mla_bridge.plan import schedule_context_chunks
+
+BF16 = torch.bfloat16
+
+
+class _Stream:
+    cuda_stream = 1
+
+    def wait_event(self, event):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Wrapper:
+    """FlashInfer's ragged wrapper as far as planning goes: records what each plan() was given."""
+
+    def __init__(self, buf, backend):
+        self._float_workspace_buffer = buf
+        self._int_workspace_buffer = torch.empty(8, dtype=torch.uint8)
+        self.planned = []
+
+    def plan(self, qo, kv, *args, **kwargs):
+        self.planned.append((qo.tolist(), kv.tolist(), kwargs["causal"]))
+
+
+class _TorchOnCPU:
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A fake SM90 device: planning takes every CUDA branch; the device expansion's torch ops run on the CPU
+    (page-locking is the identity: CPU-only torch cannot page-lock). Returns the list of tables expanded."""
+    stream = _Stream()
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(workspace_module, "torch", _TorchOnCPU())
+    monkeypatch.setattr(fi_backend, "new_wrapper", _Wrapper)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    tables = []
+    device_half = plan_mod._expand_on_device
+
+    def on_cpu(table, total, counting, device):
+        assert device.type == "cuda"
+        tables.append(table.copy())
+        return device_half(table, total, counting, torch.device("cpu"))
+
+    monkeypatch.setattr(plan_mod, "_expand_on_device", on_cpu)
+    return tables
+
+
+CASES = [  # (query_lens, context_lens, chunk_tokens): fused, chunked, requests without context or new tokens
+    ([3, 4, 1, 5], [10, 0, 7, 20], 64),
+    ([3, 4, 1, 5], [10, 0, 7, 20], 8),
+    ([2, 3, 0, 4], [4, 0, 6, 3], 5),
+    ([0, 2, 0], [5, 0, 9], 4),
+    ([1], [17], 1),
+    ([5, 5], [0, 0], 16),
+    ([2, 0, 3, 1], [0, 6, 0, 6], 6),
+]
+
+
+def _index_tensors(plan):
+    names = ("ctx_req_ids", "ctx_positions", "ctx_dst", "new_dst")
+    out = {n: getattr(plan, n) for n in names}
+    out.update({f"chunk{i}.{n}": getattr(c, n) for i, c in enumerate(plan.chunks) for n in ("req_ids", "positions")})
+    return out
+
+
+@pytest.mark.parametrize("q_lens,c_lens,chunk", CASES)
+def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens, c_lens, chunk):
+    """Every index tensor (fused placements, each chunk's requests and positions) from the device expansion equals
+    the CPU device's numpy one, with ONE host-to-device table per plan, and hand-checked values for one case."""
+    cuda = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cuda:0", chunk_tokens=chunk),
+                             block_size=4, dtype=BF16)
+    cpu = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk),
+                            block_size=4, dtype=BF16)
+    assert cuda.fused == cpu.fused and len(cuda.chunks) == len(cpu.chunks)
+    got, want = _index_tensors(cuda), _index_tensors(cpu)
+    assert got.keys() == want.keys()
+    for name in want:
+        if want[name] is None:
+            assert got[name] is None, name
+        else:
+            assert got[name].dtype == torch.int64 and got[name].is_contiguous(), name
+            assert torch.equal(got[name], want[name]), name
+    assert len(fake_cuda) == (1 if sum(c_lens) else 0)  # one table (one copy) for the whole plan, none without context
+    if cuda.fused:
+        assert cuda._device_indices and cuda._pinned_runs is not None  # the plan holds its page-locked table
+    if (q_lens, c_lens) == ([3, 4, 1, 5], [10, 0, 7, 20]) and cuda.fused:
+        # key rows, context then new: request 0 at 0..12, 1 at 13..16, 2 at 17..24, 3 at 25..49
+        assert cuda.ctx_dst.tolist() == list(range(10)) + list(range(17, 24)) + list(range(25, 45))
+        assert cuda.new_dst.tolist() == [10, 11, 12, 13, 14, 15, 16, 24, 45, 46, 47, 48, 49]
+        assert cuda.ctx_req_ids.tolist() == [0] * 10 + [2] * 7 + [3] * 20
+        assert cuda.ctx_positions.tolist() == list(range(10)) + list(range(7)) + list(range(20))
+
+
+def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
+    """_expand_on_device itself: runs of counting and constant values, empty runs skipped, on CPU tensors."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    counts = np.array([2, 0, 3, 1, 0, 2], dtype=np.int64)
+    firsts = np.array([5, 9, 0, 7, 1, 4], dtype=np.int64)
+    counting_runs = 3
+    ends = np.cumsum(counts)
+    base = firsts - np.where(np.arange(6) < counting_runs, ends - counts, 0)
+    out, host = plan_mod._expand_on_device(np.stack([ends, base]), int(ends[-1]), int(ends[counting_runs - 1]),
+                                           torch.device("cpu"))
+    assert out.tolist() == [5, 6, 0, 1, 2, 7, 4, 4]
+    assert host.tolist() == [ends.tolist(), base.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chunks_follow_the_reference_schedule(seed):
+    """Chunk bounds from numpy (PrefillPlan._plan_chunks) = the reference loop schedule_context_chunks, for random
+    batches with empty contexts, empty queries and budgets from 1 token to more than the whole context."""
+    rng = random.Random(seed)
+    batch = rng.randint(1, 12)
+    c_lens = [rng.choice([0, 0, 1, 2, 5, 16, 33]) for _ in range(batch)]
+    q_lens = [rng.choice([0, 1, 3]) for _ in range(batch)]
+    chunk = rng.choice([1, 2, 3, 7, 16, 64, 1000])
+    dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=4,
+                             dtype=torch.float32, fuse_context=False)
+    want = schedule_context_chunks(c_lens, chunk)
+    assert [list(c.spans) for c in plan.chunks] == want
+    qo = [0] + list(np.cumsum(q_lens))
+    for c, spans in zip(plan.chunks, want):
+        assert (c.req_start, c.req_end) == (spans[0][0], spans[-1][0] + 1)
+        assert (c.q_start, c.q_end) == (qo[c.req_start], qo[c.req_end])
+        kv_lens = [0] * (c.req_end - c.req_start)
+        for r, s, e in spans:
+            kv_lens[r - c.req_start] = e - s
+        assert c.kv_indptr.tolist() == [0] + list(np.cumsum(kv_lens)) and c.kv_indptr.dtype == torch.int32
+        assert c.num_tokens == sum(kv_lens) == c.req_ids.numel() == c.positions.numel()
+        assert c.req_ids.tolist() == [r for r, s, e in spans for _ in range(s, e)]
+        assert c.positions.tolist() == [p for r, s, e in spans for p in range(s, e)]
+        if c.q_end > c.q_start:
+            assert c.plan.kv_indptr.tolist() == c.kv_indptr.tolist()
+            assert c.plan.qo_indptr.tolist() == [x - c.q_start for x in qo[c.req_start:c.req_end + 1]]
+        else:
+            assert c.plan is None
+
+
+@pytest.mark.parametrize("q_lens,c_lens,chunk", CASES)
+def test_internal_plans_equal_plan_ragged(fake_cuda, tiny_dims, q_lens, c_lens, chunk):
+    """Every pass PrefillPlan plans without re-validating its own indptrs is the RaggedPlan plan_ragged makes from the
+    same indptrs: equal spec, equal backend choice, and the same FlashInfer plan() call."""
+    ws = Workspace("cuda:0", chunk_tokens=chunk)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=ws, block_size=4, dtype=BF16)
+    passes = [(plan.main, True)] + [(c.plan, False) for c in plan.chunks if c.plan is not None]
+    for mine, causal in passes:
+        public = plan_ragged(mine.qo_indptr.tolist(), mine.kv_indptr.tolist(), num_heads=tiny_dims.num_heads,
+                             head_dim_qk=tiny_dims.head_dim_qk, head_dim_vo=tiny_dims.head_dim_vo, causal=causal,
+                             sm_scale=tiny_dims.softmax_scale, dtype=BF16, workspace=ws)
+        for field in ("num_heads", "head_dim_qk", "head_dim_vo", "causal", "sm_scale", "dtype", "device",
+                      "num_qo_tokens", "num_kv_tokens"):
+            assert getattr(mine.spec, field) == getattr(public.spec, field), field
+        for name in ("qo_indptr", "kv_indptr"):
+            a, b = getattr(mine.spec, name), getattr(public.spec, name)
+            assert a.dtype == b.dtype == torch.int32 and a.device.type == "cpu" and torch.equal(a, b), name
+        assert mine.backend == public.backend
+        if mine.flashinfer_wrapper is not None:
+            assert mine.flashinfer_wrapper.planned[-1] == public.flashinfer_wrapper.planned[-1]
+
+
+def test_build_checks_sizes_and_dtype_before_any_index_tensor(fake_cuda, tiny_dims):
+    """A dtype or scale no pass can take is refused by name before the device expansion runs (it used to be found
+    by the first pass's plan_ragged, after the index tensors had been queued)."""
+    ws = Workspace("cuda:0", chunk_tokens=8)
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        PrefillPlan.build([3, 4], [10, 20], dims=tiny_dims, workspace=ws, block_size=4, dtype=torch.int32)
+    huge = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                   softmax_scale=1e300)
+    with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+        PrefillPlan.build([3, 4], [10, 20], dims=huge, workspace=ws, block_size=4, dtype=BF16)
+    assert fake_cuda == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# select_backend remembers answers by everything they depend on
+# ---------------------------------------------------------------------------------------------------------------
+
+MLA = dict(head_dim_qk=192, head_dim_vo=128, num_heads=16)
+
+
+def _ask(**over):
+    kw = dict(dtype=BF16, out_dtype=BF16, causal=True, qo_indptr=[0, 4, 9], kv_indptr=[0, 8, 20], **MLA)
+    kw.update(over)
+    return select_backend(over.pop("device", "cuda:0"), **{k: v for k, v in kw.items() if k != "device"})
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    caps = {"now": (9, 0)}
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: caps["now"])
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    return caps
+
+
+def test_remembered_choice_follows_env_dtype_capability_and_flashinfer(sm90, monkeypatch):
+    first = _ask()
+    assert first.name == "flashinfer-fa3" and _ask() is first  # remembered
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "flashinfer-fa2")  # read at every call
+    assert _ask().name == "flashinfer-fa2" and _ask().reason == "forced by MLA_BRIDGE_BACKEND"
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")
+    assert _ask().name == "torch"
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "nope")
+    for _ in range(2):  # errors are never remembered
+        with pytest.raises(ValueError, match="MLA_BRIDGE_BACKEND: unknown backend 'nope'"):
+            _ask()
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND")
+    assert _ask() is first
+    assert _ask(dtype=torch.float32, out_dtype=torch.float32).name == "torch"  # fp32: no FlashInfer row
+    assert _ask(head_dim_qk=96, head_dim_vo=96).name == "torch"
+    sm90["now"] = (8, 0)  # the capability is read at every call
+    assert _ask().name == "flashinfer-fa2"
+    sm90["now"] = (9, 0)
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: None)
+    assert _ask().name == "torch" and "not installed" in _ask().reason
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
+    assert _ask() is first and _ask(requested="flashinfer-fa2").name == "flashinfer-fa2"
+    assert _ask(device="cpu").name == "torch"
+
+
+def test_remembered_choice_keeps_exact_reasons_at_the_offset_limits(sm90):
+    """Tensor sizes below every offset limit share one answer; at a limit the reason names the exact size."""
+    sm90["now"] = (8, 0)  # fa2: 2**32 elements
+    small = _ask(qo_indptr=[0, 10], kv_indptr=[0, 10])
+    assert _ask(qo_indptr=[0, 1000], kv_indptr=[0, 5000]) is small
+    per_token = 16 * 192
+    for tokens in (2 ** 32 // per_token + 1, 2 ** 32 // per_token + 7):
+        choice = _ask(qo_indptr=[0, tokens], kv_indptr=[0, tokens])
+        assert choice.name == "torch"
+        assert f"a q/k/v tensor of {tokens * per_token} elements" in dict(choice.passed_over)["flashinfer-fa2"]
+
+
+def test_no_choice_is_remembered_where_cutlass_reads_each_request(sm90):
+    sm90["now"] = (10, 0)
+    assert _ask(qo_indptr=[0, 4], kv_indptr=[0, 8]).name == "flashinfer-cutlass"
+    late = _ask(qo_indptr=[0, 9], kv_indptr=[0, 8])  # causal q_len > kv_len: cutlass refuses this one
+    assert late.name == "flashinfer-fa2" and "causal request 0 has q_len 9 > kv_len 8" in late.passed_over[0][1]
+    assert not any(k[1] == (10, 0) for k in dispatch._CHOICES)
+
+
+@pytest.mark.parametrize("capability", [None, (8, 0), (8, 9), (9, 0), (10, 0), (11, 0), (12, 0)])
+def test_remembered_choices_equal_the_table(sm90, monkeypatch, capability):
+    """A grid of requests, each asked twice (the second may be remembered) and once with the memory cleared."""
+    for dtype in (BF16, torch.float16, torch.float32):
+        for causal in (True, False):
+            for dims in ((192, 128), (128, 128), (64, 64), (96, 96)):
+                for qo, kv in (([0, 4, 9], [0, 8, 20]), ([0, 300, 900], [0, 200, 900]), ([0, 2 ** 22], [0, 2 ** 22])):
+                    kw = dict(capability=capability, dtype=dtype, out_dtype=dtype, causal=causal, num_heads=16,
+                              head_dim_qk=dims[0], head_dim_vo=dims[1], qo_indptr=qo, kv_indptr=kv)
+                    dev = "cpu" if capability is None else None
+                    a, b = select_backend(dev, **kw), select_backend(dev, **kw)
+                    monkeypatch.setattr(dispatch, "_CHOICES", {})
+                    assert a == b == select_backend(dev, **kw), kw
