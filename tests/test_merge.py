@@ -535,13 +535,14 @@ def bitwise(got, expect) -> int:
 
 def merge_cases(d: int, dtype: torch.dtype, seed: int, t: int = 37, h: int = 4):
     """Partials with every kind of row: finite, -inf / +inf on either side or both, NaN lse on either side, NaN and
-    huge garbage in the empty partials' outs, lse spreads up to 60 (weights far below 1)."""
+    huge garbage in the empty partials' outs, lse spreads up to 60 (weights far below 1), one subnormal weight."""
     g = torch.Generator().manual_seed(seed)
     choices = torch.tensor([-INF, INF, float("nan"), -3.0, 0.0, 2.5, 40.0, -20.0, 1e4])
     la = choices[torch.randint(0, len(choices), (t, h), generator=g)]
     lb = choices[torch.randint(0, len(choices), (t, h), generator=g)]
     la[: t // 2] = torch.randn(t // 2, h, generator=g) * 6  # half the rows finite on both sides
     lb[: t // 3] = torch.randn(t // 3, h, generator=g) * 6
+    la[t // 2 - 1, 0], lb[t // 2 - 1, 0] = 0.0, -95.0  # exp(-95): a subnormal float32 weight
     oa = (torch.randn(t, h, d, generator=g) * 3).to(dtype)
     ob = (torch.randn(t, h, d, generator=g) * 3).to(dtype)
     oa[torch.isinf(la)] = float("nan")
