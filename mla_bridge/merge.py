@@ -139,8 +139,8 @@ def select_merge(shape: tuple[int, int, int], dtype: torch.dtype, device_type: s
     if triton is None:
         triton = (device_type == "cuda" or forced == "triton") and forced not in ("torch", "flashinfer") \
             and triton_available()
-    return _select(tuple(int(x) for x in shape), dtype, str(device_type), bool(contiguous), bool(flashinfer),
-                   bool(triton), forced)
+    return _select(tuple(map(int, shape)), dtype, device_type, bool(contiguous), bool(flashinfer), bool(triton),
+                   forced)
 
 
 @functools.lru_cache(maxsize=1024)
