@@ -226,23 +226,36 @@ def _as_base2(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(lse == float("inf"), float("-inf"), lse).mul_(_LOG2E).contiguous()
 
 
-def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
+                       lse_b_base: str = "ln") -> None:
     """In-place merge: ``(out, lse) <- merge((out, lse), (out_b, lse_b))``. Same conventions as
     :func:`merge_attn_states`; ``out`` and ``lse`` must be writable (``lse`` contiguous). On CUDA with Triton this is
     one kernel launch (:mod:`mla_bridge.kernels.merge`); ``out`` / ``out_b`` may have any strides.
 
+    Args:
+        lse_b_base: "ln" (natural log, default) or "log2": ``lse_b`` in base 2 as FlashInfer's kernels write it
+            (:meth:`mla_bridge.RaggedPlan.run` with ``lse_base="log2"``), converted as it is read (float32
+            ``lse_b * ln 2``, bitwise FlashInfer's own conversion), which saves the attention run its conversion
+            launch. ``lse`` (in and out) is natural log either way.
+
     Raises:
-        TypeError / ValueError: as :func:`merge_attn_states`; ValueError: ``lse`` not contiguous.
+        TypeError / ValueError: as :func:`merge_attn_states`; ValueError: ``lse`` not contiguous, an unknown
+            ``lse_b_base``.
     """
     _check(out, lse, out_b, lse_b)
     if not lse.is_contiguous():
         raise ValueError("lse must be contiguous to be merged in place")
+    if lse_b_base != "ln" and lse_b_base != "log2":
+        raise ValueError(f"lse_b_base must be 'ln' (natural log) or 'log2', got {lse_b_base!r}")
+    log2 = lse_b_base == "log2"
     choice = _choice(out, out_b)
     if choice.name == "triton":
         from .kernels.merge import merge_triton
 
-        merge_triton(out, lse, out, lse, out_b, lse_b)
+        merge_triton(out, lse, out, lse, out_b, lse_b, log2)
         return
+    if log2 and choice.name == "torch":
+        lse_b = lse_b * _LN2  # the float32 multiply FlashInfer's conversion does
     t, h, d = out.shape
     for a in range(0, t, choice.rows_per_piece):
         r = slice(a, min(t, a + choice.rows_per_piece))
@@ -251,8 +264,9 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
 
             g = choice.heads_per_row
             s = _as_base2(lse[r])
-            merge_state_in_place(out[r].view(-1, g, d), s.view(-1, g), out_b[r].view(-1, g, d),
-                                 _as_base2(lse_b[r]).view(-1, g))
+            s_b = torch.where(lse_b[r] == float("inf"), float("-inf"), lse_b[r]).contiguous() if log2 \
+                else _as_base2(lse_b[r])
+            merge_state_in_place(out[r].view(-1, g, d), s.view(-1, g), out_b[r].view(-1, g, d), s_b.view(-1, g))
             torch.mul(s, _LN2, out=lse[r])
         else:
             new_out, new_lse = _merge_torch(out[r], lse[r], out_b[r], lse_b[r])

@@ -13,6 +13,7 @@ All checks run on the host before any kernel; a failed check writes nothing.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -29,6 +30,7 @@ __all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host
 IndptrLike = Union[torch.Tensor, Sequence[int]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 INT32_MAX = 2 ** 31 - 1  # the largest token offset an int32 indptr holds
+_LOG2E = 1.0 / math.log(2.0)
 
 
 def indptr_from_lens(lens: "torch.Tensor | Sequence[int]", name: str = "lens") -> torch.Tensor:
@@ -271,7 +273,8 @@ class RaggedPlan:
                 raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH") -> tuple[torch.Tensor, torch.Tensor]:
+            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH", lse_base: str = "ln"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention for this plan's batch: ``(out [T, H, head_dim_vo], lse)``; no re-planning.
 
         Args:
@@ -282,10 +285,15 @@ class RaggedPlan:
                 contiguous temporary and copied into it, one extra device copy).
             lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``.
             lse_layout: "NH" (``[T, H]``, default) or "HN" (``[H, T]``, as vLLM's merge wants it).
+            lse_base: "ln" (natural log, default: every public LSE of mla_bridge) or "log2" (FlashInfer's own base
+                2, for a consumer that reads it directly, e.g. ``merge_attn_states_(..., lse_b_base="log2")``:
+                FlashInfer then skips its conversion launch; ``ln_lse = log2_lse * ln 2`` in float32, bitwise).
 
         Raises:
-            TypeError, ValueError: see :meth:`validate`; raised before any kernel runs.
+            TypeError, ValueError: see :meth:`validate` (and an unknown ``lse_base``); raised before any kernel runs.
         """
+        if lse_base != "ln" and lse_base != "log2":
+            raise ValueError(f"lse_base must be 'ln' (natural log) or 'log2', got {lse_base!r}")
         self.validate(q, k, v, out, lse, lse_layout)
         c = self._shapes()
         if out is None:
@@ -303,7 +311,11 @@ class RaggedPlan:
                 k = k.contiguous()
             if not _kernel_ready(v):
                 v = v.contiguous()
-        return self._kernel.run(q, k, v, out, lse, lse_layout)
+            return self._kernel.run(q, k, v, out, lse, lse_layout, lse_base)
+        out, lse = self._kernel.run(q, k, v, out, lse, lse_layout)
+        if lse_base == "log2":
+            lse.mul_(_LOG2E)
+        return out, lse
 
     def __repr__(self) -> str:
         s = self.spec

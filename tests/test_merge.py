@@ -425,9 +425,9 @@ def fake_triton_merge(monkeypatch):
 
     calls = []
 
-    def merge_triton(dst, dst_lse, out_a, lse_a, out_b, lse_b):
-        calls.append((dst, dst_lse, out_a, lse_a, out_b, lse_b))
-        o, s = merge_mod._merge_torch(out_a, lse_a, out_b, lse_b)
+    def merge_triton(dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2=False):
+        calls.append((dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2))
+        o, s = merge_mod._merge_torch(out_a, lse_a, out_b, lse_b * math.log(2.0) if lse_b_log2 else lse_b)
         dst.copy_(o)
         dst_lse.copy_(s)
 
@@ -449,7 +449,7 @@ def test_triton_route_is_one_kernel_call(fake_triton_merge):
     expect = merge_mod._merge_torch(oa, la, ob, lb)
     out, lse = merge_attn_states(oa, la, ob, lb)
     assert len(fake_triton_merge) == 1
-    dst, dst_lse, a, sa, b, sb = fake_triton_merge[0]
+    dst, dst_lse, a, sa, b, sb, log2 = fake_triton_merge[0]
     assert dst is out and dst_lse is lse and a is oa and sa is la and b is ob and sb is lb
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == BF16
     assert bitwise((out, lse), expect)
@@ -460,9 +460,50 @@ def test_triton_route_is_one_kernel_call(fake_triton_merge):
     view_l.copy_(la)
     merge_attn_states_(view, view_l, ob, lb)
     assert len(fake_triton_merge) == 2
-    dst, dst_lse, a, sa, b, sb = fake_triton_merge[1]
-    assert dst is view and a is view and dst_lse is view_l and sa is view_l and b is ob and sb is lb
+    dst, dst_lse, a, sa, b, sb, log2 = fake_triton_merge[1]
+    assert dst is view and a is view and dst_lse is view_l and sa is view_l and b is ob and sb is lb and not log2
     assert bitwise((view, view_l), expect)
+    o3, l3 = oa.clone(), la.clone()
+    merge_attn_states_(o3, l3, ob, lb * LOG2E, lse_b_base="log2")  # handed on to the kernel, still one call
+    assert len(fake_triton_merge) == 3 and fake_triton_merge[2][-1] is True
+
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def test_base2_lse_b_equals_natural(ref, fake_flashinfer_merge):
+    """lse_b in base 2 (as FlashInfer writes it), converted as it is read: the merge of its float32 natural-log
+    form ``b2 * ln 2`` (what FlashInfer's own conversion gives) bit for bit in the torch merge; within the merge's
+    tolerance in FlashInfer's (base 2 throughout there, one rounding fewer)."""
+    oa, la, ob, lb = merge_cases(128, BF16, seed=11)
+    b2 = lb * LOG2E
+    natural = b2 * math.log(2.0)
+    want = merge_mod._merge_torch(oa, la, ob, natural)
+    got_o, got_l = oa.clone(), la.clone()
+    merge_mod._choice, saved = (lambda a, b: MergeChoice("torch", "test", 10 ** 9)), merge_mod._choice
+    try:
+        merge_attn_states_(got_o, got_l, ob, b2, lse_b_base="log2")
+    finally:
+        merge_mod._choice = saved
+    assert bitwise((got_o, got_l), want)
+    # FlashInfer's merge (fake, float64 inside) on finite rows
+    g = torch.Generator().manual_seed(12)
+    oa, ob = torch.randn(6, 128, 128, generator=g).to(BF16), torch.randn(6, 128, 128, generator=g).to(BF16)
+    la, lb = torch.randn(6, 128, generator=g) * 3, torch.randn(6, 128, generator=g) * 3
+    lb[0, :4] = INF
+    o1, l1 = oa.clone(), la.clone()
+    merge_attn_states_(o1, l1, ob, lb * LOG2E, lse_b_base="log2")
+    assert fake_flashinfer_merge.calls
+    eo, el = merge64(oa.float(), la, ob.float(), lb)
+    ref.assert_out_close(o1.float(), eo, atol=1.6e-2)
+    ref.assert_lse_close(l1, el, atol=1e-5, rtol=1e-6)
+
+
+def test_bad_lse_b_base_is_refused_before_anything_is_written():
+    out, lse = torch.full((2, 3, 4), 7.0), torch.full((2, 3), 7.0)
+    with pytest.raises(ValueError, match="lse_b_base must be 'ln'.*'log2', got 'log10'"):
+        merge_attn_states_(out, lse, torch.zeros(2, 3, 4), torch.zeros(2, 3), lse_b_base="log10")
+    assert torch.equal(out, torch.full((2, 3, 4), 7.0)) and torch.equal(lse, torch.full((2, 3), 7.0))
 
 
 def test_triton_route_checks_before_the_kernel(fake_triton_merge):
@@ -553,7 +594,7 @@ def merge_cases(d: int, dtype: torch.dtype, seed: int, t: int = 37, h: int = 4):
 def interpreted_merge_cases() -> str:
     """Run under TRITON_INTERPRET=1 with MLA_BRIDGE_MERGE=triton: the public merges route to the Triton kernel on
     CPU tensors; each case is compared with :func:`_merge_torch` (:func:`assert_merge_matches`): head dims
-    64/128/96/48, bf16/fp16/float32, in place and out of place, contiguous and strided outs."""
+    64/128/96/48, bf16/fp16/float32, in place and out of place, contiguous and strided outs, a base-2 lse_b."""
     from mla_bridge.merge import _choice, _merge_torch
 
     def numpy_math_merge(*args):
@@ -602,7 +643,12 @@ def interpreted_merge_cases() -> str:
             got = merge_attn_states(oa, la, wide[..., ::2], lb_t)
             assert_merge_matches(got, expect, oa, la, ob, lb)
             exact += bitwise(got, same_math)
-            n += 3
+            # lse_b in base 2, converted in the kernel: bitwise the merge of its float32 natural-log form
+            o4, l4 = oa.clone(), la.clone()
+            b2 = lb * (1.0 / math.log(2.0))
+            merge_attn_states_(o4, l4, ob, b2, lse_b_base="log2")
+            exact += bitwise((o4, l4), numpy_math_merge(oa, la, ob, b2 * math.log(2.0)))
+            n += 4
     return f"ok {n} exact {exact}"
 
 
@@ -631,5 +677,5 @@ def test_triton_merge_equals_torch_merge_interpreted():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     words = res.stdout.split()
-    assert words[0] == "ok" and int(words[1]) == 36, res.stdout
-    assert words[2] == "exact" and int(words[3]) == 36, res.stdout  # bitwise equal to the same math in torch
+    assert words[0] == "ok" and int(words[1]) == 48, res.stdout
+    assert words[2] == "exact" and int(words[3]) == 48, res.stdout  # bitwise equal to the same math in torch

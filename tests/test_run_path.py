@@ -164,3 +164,20 @@ def test_direct_run_refuses_what_it_does_not_know():
     bad = ((8, 2, 8), (12, 2, 8), (12, 2, 4), (8, 2, 5), (8, 2))  # run raises on the stand-ins
     assert DirectRun.record(w, bad, torch.float32, cpu) is None
     assert w._cached_module is module  # restored
+
+
+def test_run_lse_base_log2():
+    """lse_base="log2": the natural-log LSE times log2(e) (the torch backend converts; FlashInfer skips its own
+    conversion, tests/gpu/test_gpu_run_path.py); empty rows stay -inf; out unchanged; unknown bases refused first."""
+    plan = plan_ragged([0, 4, 8, 9], [0, 6, 12, 12], num_heads=2, head_dim_qk=8, head_dim_vo=4, causal=False,
+                       sm_scale=0.3, dtype=torch.float32, workspace=Workspace("cpu"))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(9, 2, 8, generator=g), torch.randn(12, 2, 8, generator=g), torch.randn(12, 2, 4, generator=g)
+    out, lse = plan.run(q, k, v)
+    out2, lse2 = plan.run(q, k, v, lse_base="log2")
+    assert torch.equal(out2, out) and torch.equal(lse2, lse * (1.0 / math.log(2.0)))
+    assert torch.isneginf(lse2[8]).all()  # the request with no keys
+    dest = torch.full((9, 2), 7.0)
+    with pytest.raises(ValueError, match="lse_base must be 'ln'.*'log2', got 'e'"):
+        plan.run(q, k, v, lse=dest, lse_base="e")
+    assert torch.equal(dest, torch.full((9, 2), 7.0))

@@ -112,13 +112,14 @@ class DirectRun:
             args[i] = None  # the recording keeps no stand-in alive
         return cls(module.ragged_run, args, slots, tuple(live))
 
-    def __call__(self, wrapper: Any, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, wrapper: Any, q, k, v, out, lse, natural: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         args = self.args.copy()
         args[self.q], args[self.k], args[self.v], args[self.out], args[self.lse] = q, k, v, out, lse
         for i, name in self.live:
             args[i] = getattr(wrapper, name)
         self.fn(*args)
-        lse.mul_(_LN2)  # base 2 -> natural log, as FlashInfer's run(..., lse_base="ln") finishes it
+        if natural:
+            lse.mul_(_LN2)  # base 2 -> natural log, as FlashInfer's run(..., lse_base="ln") finishes it
         return out, lse
 
 
@@ -200,18 +201,19 @@ class FlashInferRaggedKernel:
             self._float_region(key)
         return self.wrapper
 
-    def run(self, q, k, v, out, lse, lse_layout):
+    def run(self, q, k, v, out, lse, lse_layout, lse_base="ln"):
+        """Fill ``out`` and ``lse`` (``lse_base``: "ln", natural log, or "log2", FlashInfer's own base 2)."""
         if not self._cuda:
-            return self._run(q, k, v, out, lse, lse_layout)
+            return self._run(q, k, v, out, lse, lse_layout, lse_base)
         if torch.cuda.is_current_stream_capturing():
             self._captured()
-            return self._run(q, k, v, out, lse, lse_layout)
+            return self._run(q, k, v, out, lse, lse_layout, lse_base)
         stream = torch.cuda.current_stream(self._device_index)
         ptr = stream.cuda_stream
         event = self._run_event(stream, ptr)
         if self._regions:
             self._float_region(ptr)
-        result = self._run(q, k, v, out, lse, lse_layout)
+        result = self._run(q, k, v, out, lse, lse_layout, lse_base)
         event.record(stream)
         return result
 
@@ -232,17 +234,17 @@ class FlashInferRaggedKernel:
             self._direct = direct
         return direct or None
 
-    def _run(self, q, k, v, out, lse, lse_layout):
+    def _run(self, q, k, v, out, lse, lse_layout, lse_base):
         if lse_layout == "NH":
             direct = self._direct_run()
             if direct is not None and (not self._contiguous_out or out.is_contiguous()):
-                return direct(self.wrapper, q, k, v, out, lse)
+                return direct(self.wrapper, q, k, v, out, lse, lse_base == "ln")
         if self._contiguous_out and not out.is_contiguous():
             tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=True, lse_base="ln", lse_layout=lse_layout)
+            self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=True, lse_base=lse_base, lse_layout=lse_layout)
             out.copy_(tmp)
             return out, lse
-        return self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="ln", lse_layout=lse_layout)
+        return self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base=lse_base, lse_layout=lse_layout)
 
 
 def make_kernel(choice: Any, workspace: Any, spec: Any) -> FlashInferRaggedKernel:

@@ -116,3 +116,26 @@ def test_chunked_prefill_same_with_and_without_the_direct_run(ref, monkeypatch):
     torch.cuda.synchronize()
     (o1, l1), (o2, l2) = results
     assert torch.equal(_bits(o1), _bits(o2)) and torch.equal(_bits(l1), _bits(l2))
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_base2_lse_and_the_merge_reading_it(direct, monkeypatch):
+    """run(lse_base="log2") is FlashInfer's base-2 LSE (times ln 2 in float32: bitwise the natural-log run), and
+    the Triton merge reading it (lse_b_base="log2") gives bitwise the merge of the natural-log partial."""
+    from mla_bridge.merge import merge_attn_states_
+
+    monkeypatch.setenv(DIRECT_ENV, direct)
+    qo, kv, q, k, v = _case(False, seed=2)
+    plan = _plan(qo, kv, False, None, Workspace(dev()))
+    torch.cuda._sleep(int(1e8))
+    out, lse = plan.run(q, k, v)
+    out2, lse2 = plan.run(q, k, v, lse_base="log2")
+    acc = torch.randn(out.shape, device=dev()).to(BF16)
+    acc_l = torch.randn(lse.shape, device=dev()) * 3
+    a1, l1 = acc.clone(), acc_l.clone()
+    merge_attn_states_(a1, l1, out, lse)
+    a2, l2 = acc.clone(), acc_l.clone()
+    merge_attn_states_(a2, l2, out2, lse2, lse_b_base="log2")
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(out2), _bits(out)) and torch.equal(_bits(lse2 * 0.6931471805599453), _bits(lse))
+    assert torch.equal(_bits(a1), _bits(a2)) and torch.equal(_bits(l1), _bits(l2))
