@@ -1,8 +1,9 @@
 """FlashInfer ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``): plan once per batch, run per layer.
 
 The only module that talks to FlashInfer's attention wrapper, and the one place where FlashInfer's base-2 LSE
-becomes mla_bridge's natural-log LSE: ``run(..., lse_base="ln")`` (FlashInfer 0.7.4 scales its base-2 LSE by ln 2
-in one small kernel, or fuses it into the ``[H, T]`` transpose for ``lse_layout="HN"``).
+becomes mla_bridge's natural-log LSE: one in-place float32 multiply by ln 2 (what FlashInfer 0.7.4's
+``run(..., lse_base="ln")`` does; for ``lse_layout="HN"`` FlashInfer fuses it into the ``[H, T]`` transpose). A
+caller that reads base 2 itself may ask for it unconverted (``lse_base="log2"``, see :meth:`RaggedPlan.run`).
 
 The wrapper is built exactly as FlashInfer documents for each backend: ``kv_layout="NHD"``, an explicit
 ``backend=`` ("cutlass" on SM100, as vLLM's B200 path does; "fa3" on SM90; "fa2"), planned with int32 host indptrs
