@@ -679,3 +679,43 @@ def test_triton_merge_equals_torch_merge_interpreted():
     words = res.stdout.split()
     assert words[0] == "ok" and int(words[1]) == 48, res.stdout
     assert words[2] == "exact" and int(words[3]) == 48, res.stdout  # bitwise equal to the same math in torch
+
+
+def test_triton_merge_compiles_for_sm90_with_exact_arithmetic():
+    """Where Triton is installed (no GPU needed): the kernel compiled for SM90 with the launch's own options rounds
+    every float32 product and sum on its own (``mul.rn`` / ``add.rn``, no ``fma.rn.f32`` of our operations: with
+    FMA contraction on there are some), divides with IEEE ``div.rn.f32`` (no approximate division) and takes its log
+    from libdevice's ``logf`` (no ``lg2.approx``, which ``tl.log`` lowers to)."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mla_bridge.kernels.merge import LAUNCH_OPTIONS, _merge_kernel
+
+    def ptx(dtype: str, options: dict) -> str:
+        sig = {"dst_ptr": dtype, "dst_lse_ptr": "*fp32", "a_ptr": dtype, "a_lse_ptr": "*fp32", "b_ptr": dtype,
+               "b_lse_ptr": "*fp32", "n_pairs": "i32", "num_heads": "i32"}
+        sig.update({n: "i64" for n in ("a_st", "a_sh", "a_sd", "b_st", "b_sh", "b_sd", "d_st", "d_sh", "d_sd")})
+        consts = {"HEAD_DIM": 96, "BLOCK_D": 128, "BLOCK_P": 32, "EXACT": True, "OUT_BF16": dtype == "*bf16",
+                  "LSE_B_LOG2": True}
+        sig.update({k: "constexpr" for k in consts})
+        from triton.compiler.errors import CompilationError
+
+        try:
+            src = ASTSource(fn=_merge_kernel, signature=sig,
+                            constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+            return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        except CompilationError:
+            raise  # the kernel itself does not compile: a failure
+        except Exception as err:  # noqa: BLE001 - another Triton's ASTSource API, no ptxas in this build
+            pytest.skip(f"cannot compile for sm_90 here: {type(err).__name__}: {str(err)[:200]}")
+
+    for dtype in ("*bf16", "*fp32"):
+        code = ptx(dtype, dict(LAUNCH_OPTIONS))
+        assert "mul.rn.f32" in code and "add.rn.f32" in code and "div.rn.f32" in code
+        assert not re.search(r"\bfma\.rn\.f32", code) and "div.approx" not in code and "div.full" not in code
+        assert "lg2.approx" not in code
+    fused = ptx("*fp32", dict(LAUNCH_OPTIONS, enable_fp_fusion=True))  # the check can fail: contraction shows
+    assert re.search(r"\bfma\.rn\.f32", fused)

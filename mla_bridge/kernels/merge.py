@@ -33,27 +33,30 @@ try:
 except ImportError:  # older layouts
     from triton.language.extra.cuda import libdevice
 
-__all__ = ["merge_triton"]
+__all__ = ["merge_triton", "LAUNCH_OPTIONS"]
 
 #: elements of out handled by one program (pairs per program = this / the padded head dim)
 _ELEMS_PER_PROGRAM = 4096
-_NUM_WARPS = 4
+#: compile options of every launch: no FMA contraction (the torch merge rounds every product and sum on its own)
+LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 
 
 @triton.jit
 def _exp(x, EXACT: tl.constexpr):
     if EXACT:
-        return libdevice.exp(x)
+        y = libdevice.exp(x)
     else:
-        return tl.exp(x)
+        y = tl.exp(x)
+    return y
 
 
 @triton.jit
 def _log(x, EXACT: tl.constexpr):
     if EXACT:
-        return libdevice.log(x)
+        y = libdevice.log(x)
     else:
-        return tl.log(x)
+        y = tl.log(x)
+    return y
 
 
 @triton.jit
@@ -127,5 +130,4 @@ def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, 
     _merge_kernel[grid](dst, dst_lse, out_a, lse_a, out_b, lse_b, n_pairs, h,
                         sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], sd[0], sd[1], sd[2],
                         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, EXACT=dst.is_cuda,
-                        OUT_BF16=dst.dtype == torch.bfloat16, LSE_B_LOG2=bool(lse_b_log2), num_warps=_NUM_WARPS,
-                        enable_fp_fusion=False)
+                        OUT_BF16=dst.dtype == torch.bfloat16, LSE_B_LOG2=bool(lse_b_log2), **LAUNCH_OPTIONS)
