@@ -14,7 +14,10 @@ rounded once to the output dtype (round to nearest even; bf16 on the bits, so th
 casts truncate, gives the same bits). An empty partial's out is never read (its load is masked off), so garbage,
 NaN included, cannot leak; two empties give (0, -inf). On CUDA ``exp``/``log`` are libdevice's ``expf``/``logf``
 (the functions torch's CUDA kernels call), the divisions are IEEE ``div_rn`` and FMA contraction is off, so the
-result is meant to equal the torch merge on the same GPU bit for bit (tests/gpu/test_gpu_merge.py checks it).
+result is meant to equal the torch merge on the same GPU bit for bit (tests/gpu/test_gpu_merge.py checks it). One
+known way it can differ: Triton links libdevice with flush-to-zero, so a weight below 2**-126 (LSEs more than about
+87 apart) is 0 here and a subnormal in torch; the merged out is the same after rounding unless the other partial's
+out is exactly 0 there.
 Under ``TRITON_INTERPRET=1`` (CPU tensors) ``exp``/``log`` are numpy's.
 
 Layout: out tensors ``[T, H, D]`` with any strides (passed per tensor; Triton specializes a unit last stride), any
