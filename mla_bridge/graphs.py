@@ -246,13 +246,15 @@ class PrefillLayer:
 
 
 def capture_prefill(plan: PrefillPlan, layers: Sequence[PrefillLayer], block_table: torch.Tensor, *,
-                    return_lse: bool = False, warmup: int = 2, pool: Any = None) -> PrefillGraph:
+                    return_lse: bool = False, warmup: int = 2, pool: Any = None, kv_impl: Optional[str] = None
+                    ) -> PrefillGraph:
     """One graph over the prefill attention of every layer of ``plan``'s batch (layer order; each layer its own
     cache, weight and input buffers; ``block_table`` ``[batch, max_blocks]`` shared by all, as in serving).
 
     Returns:
         A :class:`PrefillGraph` whose :attr:`~PrefillGraph.outputs` is a list with one ``out [T, H, v_head_dim]`` per
-        layer, or ``(out, lse)`` pairs with ``return_lse`` (lse float32 natural log ``[T, H]``).
+        layer, or ``(out, lse)`` pairs with ``return_lse`` (lse float32 natural log ``[T, H]``). ``kv_impl`` is
+        passed to every :func:`mla_bridge.mla_prefill` call (captured as chosen).
 
     Raises:
         TypeError / ValueError: ``plan`` not a PrefillPlan, no layers, a layer that is not a PrefillLayer; every
@@ -269,7 +271,7 @@ def capture_prefill(plan: PrefillPlan, layers: Sequence[PrefillLayer], block_tab
             raise TypeError(f"layers[{i}] must be a PrefillLayer, got {type(layer).__name__}")
 
     def forward() -> list:
-        return [mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, return_lse=return_lse)
-                for x in layers]
+        return [mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, return_lse=return_lse,
+                            kv_impl=kv_impl) for x in layers]
 
     return capture(forward, plans=[plan], warmup=warmup, pool=pool)

@@ -4,7 +4,8 @@ Steps per layer (all host decisions were made in :class:`mla_bridge.PrefillPlan`
   1. gather the context's latent rows through ``block_table`` (dequantizing an FP8 cache into the plan's dtype) and,
      for the fused schedule, place the new tokens after each request's context (:mod:`mla_bridge.cache`);
   2. up-project the 576-wide latent rows (kv_c ++ k_pe) of the keys with the layer's weight prepared once
-     (:func:`mla_bridge.prepare_kv_b_proj`), whose output holds k = concat(k_nope, k_pe) and v side by side;
+     (:func:`mla_bridge.prepare_kv_b_proj`), whose output holds k = concat(k_nope, k_pe) and v side by side
+     (steps 1 and 2 are one Triton launch per pass on CUDA: :mod:`mla_bridge.kv` chooses);
   3. attention: the fused schedule gathers context and new tokens into one key buffer and runs one causal pass;
      the chunked schedule runs the causal main pass over the new tokens, then for each context chunk gathers the
      latent cache by ``block_table``, up-projects it, runs a non-causal pass and merges by LSE.
@@ -17,7 +18,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .cache import check_kv_cache, fused_latent, gather_latent, gather_row_bytes
+from .cache import check_kv_cache, gather_row_bytes
+from . import kv as _kv
+from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_attn_states_
 from .plan import PrefillPlan
 from .weights import PreparedKVBProj, as_prepared, up_projection_weight  # up_projection_weight: moved to weights
@@ -110,7 +113,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                 kv_b_proj_weight: "torch.Tensor | PreparedKVBProj",
                 kv_cache: torch.Tensor, block_table: torch.Tensor, plan: PrefillPlan, *,
                 out: Optional[torch.Tensor] = None, return_lse: bool = False, phase_hook: Optional[PhaseHook] = None,
-                kv_cache_scale=None):
+                kv_cache_scale=None, kv_impl: Optional[str] = None):
     """MLA prefill attention for one layer: each request's new tokens over its whole sequence (context + new,
     causal among the new tokens).
 
@@ -133,19 +136,26 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         out: optional destination ``[T, H, v_head_dim]``.
         return_lse: also return the LSE ``[T, H]`` float32, natural log.
         phase_hook: for profiling: called with "gather", "up-projection", "main pass", "context chunk", "merge" as
-            each phase starts and "end" after the last (the CLI and the benchmark time phases with it).
+            each phase starts and "end" after the last (the CLI and the benchmark time phases with it). Where the
+            fused kernel builds k and v (:func:`mla_bridge.kv.kv_impl`), the gather runs inside "up-projection" and
+            no "gather" phase is reported.
         kv_cache_scale: the FP8 cache's per-tensor scale (required for FP8, refused otherwise): a Python float or a
             0-d/1-element float32 tensor on the cache's device (vLLM's ``layer._k_scale``; read on the device, no
             host sync). Context rows are dequantized into the plan's dtype in the gather (:mod:`mla_bridge.cache`).
+        kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM; the default) or
+            ``"fused"`` (one Triton launch per pass, CUDA only); ``None`` = :func:`mla_bridge.kv.kv_impl` (the
+            ``MLA_BRIDGE_KV`` environment variable, else the default).
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
 
     Raises:
-        TypeError / ValueError: see :func:`validate_prefill_inputs`; raised before any kernel runs.
+        TypeError / ValueError: see :func:`validate_prefill_inputs`, and an unknown ``kv_impl``; raised before any
+            kernel runs.
     """
     k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)
     kv_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
+    impl = _kv.kv_impl(plan.device, kv_impl)
     hook = phase_hook or (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:
@@ -153,23 +163,18 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     lse = torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device)
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
-    hook("gather")
-    latent = (fused_latent(plan, kv_c, k_pe, kv_cache, block_table, scale) if plan.fused
-              else torch.cat([kv_c, k_pe], dim=-1))
-    hook("up-projection")
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight is prepared here, per call
-    k, v = weight.up_project(latent)
+    if plan.fused:
+        k, v = fused_schedule_kv(plan, kv_c, k_pe, kv_cache, block_table, scale, weight, hook, impl)
+    else:
+        k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse)
     for chunk in plan.chunks:
         if chunk.plan is None:
             continue
-        del latent, k, v  # free the previous pass's buffers before this chunk allocates its own
-        hook("gather")
-        latent = gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, dtype=plan.dtype,
-                               kv_cache_scale=scale)
-        hook("up-projection")
-        k, v = weight.up_project(latent)
+        del k, v  # free the previous pass's buffers before this chunk allocates its own
+        k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl)
         hook("context chunk")
         rows = slice(chunk.q_start, chunk.q_end)
         chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ from ..merge import merge_attn_states_
 from ..plan import PrefillPlan, schedule_context_chunks
 from ..cache import fused_latent, gather_impl, gather_latent, quantize_latent_cache
 from ..graphs import PrefillLayer, capture_prefill
+from ..kernels import triton_available
 from ..prefill import mla_prefill, prefill_memory_bytes
 from ..ragged import plan_ragged
 from ..weights import PreparedKVBProj, prepare_kv_b_proj
@@ -63,6 +64,8 @@ PATHS = (
     "phase: gather by block_table, FP8 cache",
     "phase: gather by block_table, torch gather",
     "phase: gather by block_table, FP8 cache, torch gather",
+    "mla_prefill, fused gather+GEMM kernel (kv_impl='fused')",
+    "mla_prefill, fused gather+GEMM kernel, CUDA graph replay",
 )
 #: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
 IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
@@ -72,6 +75,8 @@ PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time wit
 FP8_TARGET = 1.02
 I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(PATHS.index("mla_prefill, FP8 cache"),
                                                                PATHS.index("mla_prefill, FP8 cache") + 4)
+#: The opt-in fused gather + up-projection kernel (mla_bridge.kv), eager and graphed.
+FUSED_KV_PATH, FUSED_KV_GRAPH = PATHS[-2], PATHS[-1]
 #: Targets of issue 13 on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
 #: cases against their eager figure before it (``ContextCase.eager_ms_before``).
 EAGER_TARGET, GRAPHED_TARGET, GRAPHED_SPEEDUP = 1.12, 1.05, 2.5
@@ -287,8 +292,19 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                     dict(flops=flops, note="no identity block: 256 x 512 GEMM per head, k_pe copied", **meta(0.4)))]
     skipped: list[Row] = []
     graphs = []
-    for path, weight, pi in ((PATHS[20], x.wp, 0.6), (PATHS[21], x.wp_split, 0.8)):
-        graph_item, graph = _graph_item(ctx, x, plan, weight, name, path, flops, meta(pi))
+    fused_kv = ctx.cuda and triton_available()
+    if fused_kv:
+        items.append((FUSED_KV_PATH, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan,
+                                                           kv_impl="fused"),
+                      dict(flops=flops, note="one Triton launch per pass: gather + GEMM + k layout", **meta(0.5))))
+    else:
+        skipped += [ctx.skipped(SECTION, name, p, "the fused kernel needs CUDA and Triton", **meta(0.5))
+                    for p in (FUSED_KV_PATH, FUSED_KV_GRAPH)]
+    for path, weight, pi, impl in ((PATHS[20], x.wp, 0.6, None), (PATHS[21], x.wp_split, 0.8, None),
+                                   (FUSED_KV_GRAPH, x.wp, 0.7, "fused")):
+        if impl and not fused_kv:
+            continue
+        graph_item, graph = _graph_item(ctx, x, plan, weight, name, path, flops, meta(pi), kv_impl=impl)
         (skipped if graph is None else items).append(graph_item)
         graphs.append(graph)
     if plan.fused:
@@ -408,12 +424,13 @@ def _fp8_summary(ctx: Ctx, name: str, by_path: dict, fp8: dict) -> None:
 
 
 def _graph_item(ctx: Ctx, x: Inputs, plan: PrefillPlan, weight: PreparedKVBProj, name: str, path: str, flops: float,
-                meta: dict):
+                meta: dict, kv_impl: Optional[str] = None):
     """``(item, graph)``: mla_prefill of this layer (``weight`` prepared once) captured in a CUDA graph
     (:func:`mla_bridge.graphs.capture_prefill`) as a ``measure_many`` item, with the capture time and the graph's
     memory in ``extra``; or ``(skipped row, None)``. On the CPU the same API runs eagerly."""
     try:
-        graph = capture_prefill(plan, [PrefillLayer(x.q, x.kv_c, x.k_pe, weight, x.kv_cache)], x.block_table)
+        graph = capture_prefill(plan, [PrefillLayer(x.q, x.kv_c, x.k_pe, weight, x.kv_cache)], x.block_table,
+                                kv_impl=kv_impl)
     except Exception as err:  # noqa: BLE001
         ctx.recover()
         return ctx.skipped(SECTION, name, path, "capture failed: " + fmt_err(err, 160), err, **meta), None
@@ -516,7 +533,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     long_case = not case.eager_ms_before
     # (path, target against attention + GEMM alone on the long cases)
     for path, target in ((PATHS[0], EAGER_TARGET), (PATHS[20], GRAPHED_TARGET), (PATHS[18], None), (PATHS[19], None),
-                         (PATHS[21], None)):
+                         (PATHS[21], None), (FUSED_KV_PATH, None), (FUSED_KV_GRAPH, None)):
         row = by_path.get(path)
         if not ok(path):
             if target and long_case and case.context:
@@ -539,7 +556,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     if not ok(PATHS[2]) and ctx.cuda:
         why = hand.note if hand is not None and hand.status != "ok" else (full.note if full is not None else "")
         ctx.check(f"context {name}: mla_prefill / hand-written pipeline", None, "<=", 1.0, "not measured: " + why)
-    for g, e in ((PATHS[20], PATHS[0]), (PATHS[21], PATHS[19])):  # each graph against its eager form
+    for g, e in ((PATHS[20], PATHS[0]), (PATHS[21], PATHS[19]), (FUSED_KV_GRAPH, FUSED_KV_PATH)):  # graph / eager
         if ok(g) and ok(e):
             by_path[g].extra["speedup_vs_eager"] = by_path[e].ms / by_path[g].ms
             by_path[g].note += f"; {by_path[e].ms / by_path[g].ms:.2f}x faster than eager"

@@ -28,6 +28,21 @@ _BLOCK_M = 4
 
 
 @triton.jit
+def _dequant(x, s, OUT_BF16: tl.constexpr):
+    """FP8 e4m3 bytes ``x`` (uint8) -> ``float32(x) * s``, for a bf16 output already rounded to bf16 (the one rounding
+    of vLLM's ``gather_and_maybe_dequant_cache``); other outputs are rounded by the caller's cast."""
+    x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+    if OUT_BF16:
+        # round the float32 product to nearest even on the bits (as cvt.rn.bf16.f32 and torch's .to();
+        # NaN -> 0x7FC0 as c10::BFloat16): the interpreter, whose float casts truncate, gives the same bits
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        x = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x
+
+
+@triton.jit
 def _gather_kernel(out_ptr, out_stride,
                    cache_ptr, cs_block, cs_slot, cs_elem,
                    table_ptr, ts_row, ts_col,
@@ -54,14 +69,7 @@ def _gather_kernel(out_ptr, out_stride,
                 s = tl.load(scale_ptr)
             else:
                 s = scale_val
-            x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
-            if OUT_BF16:
-                # round the float32 product to nearest even on the bits (as cvt.rn.bf16.f32 and torch's .to();
-                # NaN -> 0x7FC0 as c10::BFloat16): the interpreter, whose float casts truncate, gives the same bits
-                bits = x.to(tl.uint32, bitcast=True)
-                rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-                rounded = tl.where(x != x, 0x7FC0, rounded)
-                x = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            x = _dequant(x, s, OUT_BF16)
         x = x.to(out_ptr.dtype.element_ty)
         if HAS_CTX_DST:
             dst = tl.load(ctx_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)

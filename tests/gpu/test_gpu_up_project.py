@@ -1,0 +1,149 @@
+"""GPU tests of the fused gather + up-projection kernel (mla_bridge.kernels.up_project, chosen by mla_bridge.kv).
+
+Marked ``gpu``: skipped unless CUDA is available and FlashInfer imports (tests/conftest.py). Run on the H200:
+    python -m pytest tests/gpu/test_gpu_up_project.py -q -m gpu
+* fused == separate (gather + cuBLAS GEMM) for every pass of the fused and the chunked schedules, bf16 and FP8
+  caches (scale as a float and as a device tensor), identity and split weight layouts, block sizes 1/16, NaN in
+  every cache slot no request reads: k_pe columns exactly equal (as values: the identity layout's GEMM adds +0.0, so
+  it writes +0.0 where the kernel copies a -0.0), k_nope and v within one bf16 rounding step of the float32
+  sums (the two GEMMs add the same products in another order); the GPU kept busy so the host runs ahead.
+* mla_prefill with MLA_BRIDGE_KV=fused against the separate path and against float64 (the bf16 tolerances of
+  tests/gpu/test_gpu_core.py), at DeepSeek-V2-Lite dims, fused and chunked schedules, bf16 and FP8 caches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj  # noqa: E402
+from mla_bridge import cache as C  # noqa: E402
+from mla_bridge import kv as KV  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def dev() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _nothing(name: str) -> None:
+    pass
+
+
+def _case(block_size: int, fp8: bool, seed: int, q_lens=(300, 0, 129, 1), c_lens=(700, 1500, 3, 257),
+          chunk_tokens=1024):
+    """A shuffled paged cache with NaN in every slot no request reads, DeepSeek-V2-Lite dims."""
+    g = torch.Generator().manual_seed(seed)
+    d = MLADims.deepseek_v2_lite()
+    blocks = [-(-c // block_size) for c in c_lens]
+    nb = sum(blocks) + 3
+    full = torch.full((nb, block_size, d.latent_dim), float("nan"))
+    order = torch.randperm(nb, generator=g).tolist()
+    table = torch.full((len(c_lens), max(blocks) + 1), -1, dtype=torch.int32)
+    k = 0
+    for r, c in enumerate(c_lens):
+        for b in range(blocks[r]):
+            table[r, b] = order[k]
+            m = min(block_size, c - b * block_size)
+            full[order[k], :m] = torch.randn(m, d.latent_dim, generator=g)
+            k += 1
+    if fp8:
+        cache, scale = C.quantize_latent_cache(full.to(dev()))
+    else:
+        cache, scale = full.to(BF16).to(dev()), None
+    t = sum(q_lens)
+    kv_c = torch.randn(t, d.kv_lora_rank, generator=g).to(BF16).to(dev())
+    k_pe = torch.randn(t, d.qk_rope_head_dim, generator=g).to(BF16).to(dev())
+    q = torch.randn(t, d.num_heads, d.head_dim_qk, generator=g).to(BF16).to(dev())
+    w = (torch.randn(*d.kv_b_proj_shape, generator=g) * d.kv_lora_rank ** -0.5).to(BF16).to(dev())
+    ws = Workspace(dev(), chunk_tokens=chunk_tokens)
+    return d, ws, list(q_lens), list(c_lens), cache, scale, table.to(dev()), q, kv_c, k_pe, w
+
+
+def _passes(plan, kv_c, k_pe, cache, table, scale, weight, impl):
+    if plan.fused:
+        return [KV.fused_schedule_kv(plan, kv_c, k_pe, cache, table, scale, weight, _nothing, impl)]
+    out = [KV.new_tokens_kv(kv_c, k_pe, weight, _nothing, impl)]
+    return out + [KV.chunk_kv(c, cache, table, scale, weight, plan.dtype, _nothing, impl) for c in plan.chunks]
+
+
+def _within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
+    """|a - b| <= one bf16 step (2**-7 relative) of the larger, plus 2**-14 for sums that cancel to near zero."""
+    a, b = a.float(), b.float()
+    bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 2.0 ** -14
+    bad = (a - b).abs() > bound
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ by more than one bf16 rounding"
+
+
+@pytest.mark.parametrize("layout", ["identity", "split"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_fused_kernel_equals_gather_then_gemm(block_size, fp8, layout, fuse):
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(block_size, fp8, seed=block_size + 3 * fp8,
+                                                                         chunk_tokens=4096 if fuse else 1024)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=block_size, dtype=BF16,
+                             fuse_context=fuse, kv_cache_dtype="fp8" if fp8 else None)
+    assert plan.fused == fuse and (fuse or len(plan.chunks) >= 2)
+    cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
+    weight = prepare_kv_b_proj(w, d, layout=layout)
+    for scale_arg in ((s, float(s)) if fp8 else (None,)):
+        torch.cuda._sleep(int(1e8))  # the host runs ahead: the kernel must read only what was written before it
+        a = _passes(plan, kv_c, k_pe, cache, table, scale_arg, weight, "separate")
+        b = _passes(plan, kv_c, k_pe, cache, table, scale_arg, weight, "fused")
+        torch.cuda.synchronize()
+        assert len(a) == len(b) == (1 if fuse else 1 + len(plan.chunks))
+        nope = d.qk_nope_head_dim
+        for (ka, va), (kb, vb) in zip(a, b):
+            assert ka.shape == kb.shape and va.shape == vb.shape
+            assert not torch.isnan(ka).any() and not torch.isnan(kb).any()  # no unused slot was read
+            assert torch.equal(ka[..., nope:], kb[..., nope:])  # k_pe exact (the identity GEMM turns -0.0 into +0.0)
+            _within_one_rounding(ka[..., :nope], kb[..., :nope])
+            _within_one_rounding(va, vb)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_mla_prefill_with_fused_kernel_matches_separate_and_float64(monkeypatch, fp8, fuse):
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(16, fp8, seed=11 + fp8,
+                                                                         chunk_tokens=4096 if fuse else 1024)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse,
+                             kv_cache_dtype="fp8" if fp8 else None)
+    weight = prepare_kv_b_proj(w, d)
+    outs = {}
+    for impl in ("separate", "fused"):
+        monkeypatch.setenv("MLA_BRIDGE_KV", impl)
+        torch.cuda._sleep(int(1e8))
+        outs[impl] = mla_prefill(q, kv_c, k_pe, weight, cache, table, plan, return_lse=True, kv_cache_scale=scale)
+    torch.cuda.synchronize()
+    (oa, la), (ob, lb) = outs["separate"], outs["fused"]
+    torch.testing.assert_close(ob.float(), oa.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lb, la, atol=1e-2, rtol=0)
+    # float64 over the same (dequantized) latents
+    lat = (cache.float() * float(scale) if fp8 else cache.float()).double()
+    bs = 16
+    wv = w.double().view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+    q64 = q.double()
+    row = 0
+    for r, (ql, cl) in enumerate(zip(q_lens, c_lens)):
+        if ql == 0:
+            continue
+        ids = table[r, : -(-cl // bs)].long()
+        ctx = lat[ids].reshape(-1, d.latent_dim)[:cl]
+        if fp8:
+            ctx = ctx.to(BF16).double()  # the kernel rounds the dequantized product to bf16 once
+        new = torch.cat([kv_c[row:row + ql], k_pe[row:row + ql]], dim=-1).double()
+        keys = torch.cat([ctx, new])
+        kn = torch.einsum("nr,hdr->nhd", keys[:, : d.kv_lora_rank], wv[:, : d.qk_nope_head_dim])
+        vv = torch.einsum("nr,hdr->nhd", keys[:, : d.kv_lora_rank], wv[:, d.qk_nope_head_dim:])
+        kk = torch.cat([kn, keys[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], dim=-1)
+        s = torch.einsum("qhd,khd->hqk", q64[row:row + ql], kk) * d.softmax_scale
+        n = cl + ql
+        mask = torch.arange(n)[None, :] <= (torch.arange(ql)[:, None] + cl)
+        s = s.masked_fill(~mask.to(s.device), float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
+        torch.testing.assert_close(ob[row:row + ql].double(), ref, atol=2e-2, rtol=2e-2)
+        row += ql
