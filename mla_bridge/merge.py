@@ -4,11 +4,28 @@ For partials ``(out_a, lse_a)`` and ``(out_b, lse_b)`` (natural-log LSE):
 ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``
 (FlashInfer's "recursive attention" tutorial; vLLM's ``merge_attn_states``). An empty partial has lse -inf and
 contributes nothing, whatever its out holds; +inf (what the FlashAttention-2 library's varlen forward reports for
-empty rows) is read as empty too. Two empties merge to out 0, lse -inf, never NaN.
+empty rows) is read as empty too. Two empties merge to out 0, lse -inf, never NaN. A NaN LSE is never read as
+empty: it stays NaN in the merged row (out and lse).
 
-Which merge a shape gets is decided in one place, :func:`select_merge`, by the same rule as the attention dispatch:
-FlashInfer's ``merge_state`` only where it is known right, the float32 torch merge everywhere else. FlashInfer
-0.7.4's merge (``include/flashinfer/attention/cascade.cuh``, ``MergeState`` / ``MergeStateInPlace``):
+Which merge a shape gets is decided in one place, :func:`select_merge` (cached per shape), in this order:
+
+1. ``"triton"``, mla_bridge's own kernel (:mod:`mla_bridge.kernels.merge`): on CUDA when Triton imports, for
+   fp16/bf16/float32 and any head count, head dim, size (int64 offsets) and strides. ONE launch per merge: it
+   reads and writes the natural-log float32 LSE directly and computes exactly the float32 operations of the torch
+   merge below, in the same order, rounding once to the output dtype; so it keeps every rule above (empty
+   partials' outs are not even read, a NaN LSE stays NaN).
+2. ``"flashinfer"``, FlashInfer's ``merge_state`` / ``merge_state_in_place``: where Triton is missing, and only
+   where it is known right (below). Its base-2 LSE is converted at this edge (two conversions and a conversion
+   back: six launches in place). Its kernel takes ``max()`` of the two LSEs, which drops a NaN, so it merges a NaN
+   partial as if it were empty (the only merge here that does).
+3. ``"torch"``, float32 torch operations (:func:`_merge_torch`): everywhere else (the CPU, other dtypes or head
+   dims), in bounded row pieces on CUDA.
+
+``MLA_BRIDGE_MERGE=torch|flashinfer|triton`` forces one (for comparison and as an escape hatch, like
+``MLA_BRIDGE_GATHER`` for the gather): ``flashinfer`` still falls back to torch where FlashInfer's merge cannot
+serve; ``triton`` is taken on any device (on the CPU only meaningful with ``TRITON_INTERPRET=1``, for development).
+
+FlashInfer 0.7.4's merge (``include/flashinfer/attention/cascade.cuh``, ``MergeState`` / ``MergeStateInPlace``):
 
 * dispatches ``head_dim`` through ``DISPATCH_HEAD_DIM`` (``include/flashinfer/utils.cuh``): 64, 128, 256, 512
   only; anything else raises "Unsupported head_dim" (:data:`FLASHINFER_MERGE_HEAD_DIMS`);
@@ -18,27 +35,29 @@ FlashInfer's ``merge_state`` only where it is known right, the float32 torch mer
   elements), so rows are merged in pieces below :data:`FLASHINFER_MERGE_ELEMENT_LIMIT`;
 * launches ``head_dim / vec`` x ``num_heads`` threads per block (``vec = max(16 / sizeof(dtype), head_dim / 32)``):
   above 1024 the launch fails (64 heads at bf16, d 128), so heads are folded into rows.
-
-Its base-2 LSE is converted at this edge. A NaN LSE propagates to the merged row in the torch merge; FlashInfer's
-kernel takes ``max()`` of the two LSEs, which drops a NaN, so on CUDA a NaN partial is merged as if it were empty.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .dispatch import flashinfer_version
+from .kernels import triton_available
 
 __all__ = ["merge_attn_states", "merge_attn_states_", "select_merge", "MergeChoice", "FLASHINFER_MERGE_HEAD_DIMS",
-           "FLASHINFER_MERGE_ELEMENT_LIMIT", "TORCH_MERGE_PIECE_ELEMENTS"]
+           "FLASHINFER_MERGE_ELEMENT_LIMIT", "TORCH_MERGE_PIECE_ELEMENTS", "MERGE_ENV", "MERGE_IMPLS"]
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 _HALF = (torch.float16, torch.bfloat16)
+#: dtypes of ``out`` the Triton merge takes (it computes in float32 and rounds once to this dtype)
+TRITON_MERGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 #: Head dims FlashInfer 0.7.4's merge dispatches (``DISPATCH_HEAD_DIM`` in ``include/flashinfer/utils.cuh``).
 FLASHINFER_MERGE_HEAD_DIMS = (64, 128, 256, 512)
@@ -47,6 +66,9 @@ FLASHINFER_MERGE_ELEMENT_LIMIT = 2 ** 32
 #: The torch merge works in float32 temporaries (about 4 copies of the piece): on CUDA it runs in row pieces of at
 #: most this many elements, so that a merge of any size needs bounded extra memory (2 GiB of float32 per copy).
 TORCH_MERGE_PIECE_ELEMENTS = 2 ** 29
+#: The environment variable forcing a merge implementation (one of :data:`MERGE_IMPLS`, or "auto"/unset).
+MERGE_ENV = "MLA_BRIDGE_MERGE"
+MERGE_IMPLS = ("triton", "flashinfer", "torch")
 
 
 @dataclass(frozen=True)
@@ -54,10 +76,11 @@ class MergeChoice:
     """The merge :func:`select_merge` picked for a shape.
 
     Attributes:
-        name: ``"flashinfer"`` (``merge_state`` / ``merge_state_in_place``) or ``"torch"`` (float32 torch).
-        reason: why (for the torch merge: why FlashInfer's is not used).
-        rows_per_piece: rows handed to one kernel call (all rows when they fit in one piece).
-        heads_per_row: heads folded into one FlashInfer row (``num_heads`` when no folding is needed; 0 for torch).
+        name: ``"triton"`` (mla_bridge's kernel, one launch), ``"flashinfer"`` (``merge_state`` /
+            ``merge_state_in_place``) or ``"torch"`` (float32 torch).
+        reason: why (for the torch merge: why neither kernel is used).
+        rows_per_piece: rows handed to one kernel call (all rows when they fit in one piece; always all for triton).
+        heads_per_row: heads folded into one FlashInfer row (``num_heads`` when no folding is needed; 0 otherwise).
     """
 
     name: str
@@ -76,67 +99,121 @@ def _heads_per_row(num_heads: int, head_dim: int, elem_size: int) -> int:
     return g
 
 
+def _forced_merge() -> Optional[str]:
+    """``$MLA_BRIDGE_MERGE`` as one of :data:`MERGE_IMPLS`, or ``None`` (unset, empty or "auto")."""
+    value = os.environ.get(MERGE_ENV)
+    if value is None:
+        return None
+    forced = value.strip().lower()
+    if forced in ("", "auto"):
+        return None
+    if forced not in MERGE_IMPLS:
+        raise ValueError(f"{MERGE_ENV}={value!r}: expected one of {', '.join(MERGE_IMPLS)} or auto")
+    return forced
+
+
 def select_merge(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, *, contiguous: bool = True,
-                 flashinfer: Optional[bool] = None) -> MergeChoice:
+                 flashinfer: Optional[bool] = None, triton: Optional[bool] = None) -> MergeChoice:
     """Which merge serves partials of ``shape = (T, H, D)`` (the one routing rule; see the module docstring).
 
     Args:
         shape: ``(rows T, heads H, head_dim D)`` of ``out``.
         dtype: ``out``'s dtype; device_type: ``"cuda"`` or ``"cpu"``.
-        contiguous: whether both outs are contiguous (FlashInfer's merge reads them densely).
+        contiguous: whether both outs are contiguous (FlashInfer's merge reads them densely; Triton's takes strides).
         flashinfer: whether flashinfer-python is installed (default: :func:`~mla_bridge.dispatch.flashinfer_version`).
+        triton: whether Triton imports (default: :func:`mla_bridge.kernels.triton_available`, asked only on CUDA or
+            when ``$MLA_BRIDGE_MERGE`` forces triton).
 
     Returns:
-        a :class:`MergeChoice`; FlashInfer's only for CUDA, fp16/bf16, contiguous, D in
-        :data:`FLASHINFER_MERGE_HEAD_DIMS`, in pieces of fewer than :data:`FLASHINFER_MERGE_ELEMENT_LIMIT` elements.
+        a :class:`MergeChoice`: Triton's on CUDA for fp16/bf16/float32 (all rows in one launch); else FlashInfer's
+        only for CUDA, fp16/bf16, contiguous, D in :data:`FLASHINFER_MERGE_HEAD_DIMS`, in pieces of fewer than
+        :data:`FLASHINFER_MERGE_ELEMENT_LIMIT` elements; else torch. ``$MLA_BRIDGE_MERGE`` forces one.
+
+    Raises:
+        ValueError: ``$MLA_BRIDGE_MERGE`` is not torch/flashinfer/triton/auto, or forces triton for a dtype it does
+            not take. RuntimeError: it forces triton where Triton does not import.
     """
-    t, h, d = (int(x) for x in shape)
+    forced = _forced_merge()
+    if flashinfer is None:
+        flashinfer = flashinfer_version() is not None
+    if triton is None:
+        triton = (device_type == "cuda" or forced == "triton") and forced not in ("torch", "flashinfer") \
+            and triton_available()
+    return _select(tuple(map(int, shape)), dtype, device_type, bool(contiguous), bool(flashinfer), bool(triton),
+                   forced)
+
+
+@functools.lru_cache(maxsize=1024)
+def _select(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, contiguous: bool, flashinfer: bool,
+            triton: bool, forced: Optional[str]) -> MergeChoice:
+    t, h, d = shape
     row = max(1, h * d)
     torch_rows = max(1, TORCH_MERGE_PIECE_ELEMENTS // row) if device_type == "cuda" else max(1, t)
 
     def use_torch(reason: str) -> MergeChoice:
         return MergeChoice("torch", reason, min(max(1, t), torch_rows))
 
-    if flashinfer is None:
-        flashinfer = flashinfer_version() is not None
+    if forced == "torch":
+        return use_torch(f"forced by {MERGE_ENV}=torch")
+    if forced == "triton":
+        if not triton:
+            raise RuntimeError(f"{MERGE_ENV}=triton, but Triton does not import here")
+        if dtype not in TRITON_MERGE_DTYPES:
+            raise ValueError(f"{MERGE_ENV}=triton: the Triton merge takes float16/bfloat16/float32, got {dtype}")
+        return MergeChoice("triton", f"forced by {MERGE_ENV}=triton", max(1, t))
+    if t * h == 0:
+        return use_torch("nothing to merge")
+    if forced is None and device_type == "cuda" and triton and dtype in TRITON_MERGE_DTYPES:
+        return MergeChoice("triton", "mla_bridge's Triton merge (one launch, natural-log LSE, int64 offsets)",
+                           max(1, t))
+    why_not_triton = "" if forced is not None or device_type != "cuda" or dtype not in TRITON_MERGE_DTYPES \
+        else "Triton does not import; "
     if device_type != "cuda":
         return use_torch(f"FlashInfer's merge needs CUDA, got {device_type}")
     if not flashinfer:
-        return use_torch("flashinfer-python is not installed")
+        return use_torch(why_not_triton + "flashinfer-python is not installed")
     if dtype not in _HALF:
         return use_torch(f"FlashInfer's merge takes float16/bfloat16, got {dtype}")
     if d not in FLASHINFER_MERGE_HEAD_DIMS:
-        return use_torch(f"head_dim {d} not in FlashInfer's merge head dims {list(FLASHINFER_MERGE_HEAD_DIMS)}")
+        return use_torch(why_not_triton + f"head_dim {d} not in FlashInfer's merge head dims "
+                         f"{list(FLASHINFER_MERGE_HEAD_DIMS)}")
     if not contiguous:
-        return use_torch("out_a / out_b not contiguous")
-    if t * h == 0:
-        return use_torch("nothing to merge")
+        return use_torch(why_not_triton + "out_a / out_b not contiguous")
     rows = (FLASHINFER_MERGE_ELEMENT_LIMIT - 1) // row  # each piece: rows * h * d < 2**32
     g = _heads_per_row(h, d, dtype.itemsize)
     why = "head dim and dtype served by FlashInfer's merge_state"
+    if forced == "flashinfer":
+        why = f"forced by {MERGE_ENV}=flashinfer; " + why
+    elif why_not_triton:
+        why = why_not_triton + why
     if rows < t:
         why += f"; {-(-t // rows)} pieces of <= {rows} rows (32-bit element offsets)"
     return MergeChoice("flashinfer", why, min(t, rows), g)
 
 
 def _check(out_a, lse_a, out_b, lse_b) -> None:
+    """Cheap checks of user input (shape tuples, dtypes, devices), raising the named errors below on failure."""
     for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if out_a.dim() != 3:
-        raise ValueError(f"out_a must be [T, H, D], got shape {list(out_a.shape)}")
-    if out_b.shape != out_a.shape:
-        raise ValueError(f"out_b must have out_a's shape {list(out_a.shape)}, got {list(out_b.shape)}")
-    if out_b.dtype != out_a.dtype:
-        raise TypeError(f"out_b must have out_a's dtype {out_a.dtype}, got {out_b.dtype}")
+    shape = out_a.shape
+    if len(shape) != 3:
+        raise ValueError(f"out_a must be [T, H, D], got shape {list(shape)}")
+    if out_b.shape != shape:
+        raise ValueError(f"out_b must have out_a's shape {list(shape)}, got {list(out_b.shape)}")
+    dtype = out_a.dtype
+    if out_b.dtype != dtype:
+        raise TypeError(f"out_b must have out_a's dtype {dtype}, got {out_b.dtype}")
+    th = shape[:2]
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if lse.shape != out_a.shape[:2]:
-            raise ValueError(f"{name} must be [T, H] = {list(out_a.shape[:2])} (natural log), got {list(lse.shape)}")
+        if lse.shape != th:
+            raise ValueError(f"{name} must be [T, H] = {list(th)} (natural log), got {list(lse.shape)}")
         if lse.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {lse.dtype}")
+    device = out_a.device
     for name, x in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        if x.device != out_a.device:
-            raise ValueError(f"{name} is on {x.device}, but out_a is on {out_a.device}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, but out_a is on {device}")
 
 
 def _choice(out_a: torch.Tensor, out_b: torch.Tensor) -> MergeChoice:
@@ -149,17 +226,36 @@ def _as_base2(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(lse == float("inf"), float("-inf"), lse).mul_(_LOG2E).contiguous()
 
 
-def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
+                       lse_b_base: str = "ln") -> None:
     """In-place merge: ``(out, lse) <- merge((out, lse), (out_b, lse_b))``. Same conventions as
-    :func:`merge_attn_states`; ``out`` and ``lse`` must be writable (``lse`` contiguous).
+    :func:`merge_attn_states`; ``out`` and ``lse`` must be writable (``lse`` contiguous). On CUDA with Triton this is
+    one kernel launch (:mod:`mla_bridge.kernels.merge`); ``out`` / ``out_b`` may have any strides.
+
+    Args:
+        lse_b_base: "ln" (natural log, default) or "log2": ``lse_b`` in base 2 as FlashInfer's kernels write it
+            (:meth:`mla_bridge.RaggedPlan.run` with ``lse_base="log2"``), converted as it is read (float32
+            ``lse_b * ln 2``, bitwise FlashInfer's own conversion), which saves the attention run its conversion
+            launch. ``lse`` (in and out) is natural log either way.
 
     Raises:
-        TypeError / ValueError: as :func:`merge_attn_states`.
+        TypeError / ValueError: as :func:`merge_attn_states`; ValueError: ``lse`` not contiguous, an unknown
+            ``lse_b_base``.
     """
     _check(out, lse, out_b, lse_b)
     if not lse.is_contiguous():
         raise ValueError("lse must be contiguous to be merged in place")
+    if lse_b_base != "ln" and lse_b_base != "log2":
+        raise ValueError(f"lse_b_base must be 'ln' (natural log) or 'log2', got {lse_b_base!r}")
+    log2 = lse_b_base == "log2"
     choice = _choice(out, out_b)
+    if choice.name == "triton":
+        from .kernels.merge import merge_triton
+
+        merge_triton(out, lse, out, lse, out_b, lse_b, log2)
+        return
+    if log2 and choice.name == "torch":
+        lse_b = lse_b * _LN2  # the float32 multiply FlashInfer's conversion does
     t, h, d = out.shape
     for a in range(0, t, choice.rows_per_piece):
         r = slice(a, min(t, a + choice.rows_per_piece))
@@ -168,8 +264,9 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
 
             g = choice.heads_per_row
             s = _as_base2(lse[r])
-            merge_state_in_place(out[r].view(-1, g, d), s.view(-1, g), out_b[r].view(-1, g, d),
-                                 _as_base2(lse_b[r]).view(-1, g))
+            s_b = torch.where(lse_b[r] == float("inf"), float("-inf"), lse_b[r]).contiguous() if log2 \
+                else _as_base2(lse_b[r])
+            merge_state_in_place(out[r].view(-1, g, d), s.view(-1, g), out_b[r].view(-1, g, d), s_b.view(-1, g))
             torch.mul(s, _LN2, out=lse[r])
         else:
             new_out, new_lse = _merge_torch(out[r], lse[r], out_b[r], lse_b[r])
@@ -183,11 +280,12 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
 
     Args:
         out_a, out_b: ``[T, H, D]``, same dtype and device; any T, H and D.
-        lse_a, lse_b: ``[T, H]`` float32, natural log; -inf or +inf marks an empty partial.
+        lse_a, lse_b: ``[T, H]`` float32, natural log; -inf or +inf marks an empty partial; NaN stays NaN (except
+            in FlashInfer's merge, see the module docstring).
 
     Returns:
-        ``(out [T, H, D] in out_a's dtype, lse [T, H] float32 natural log)``; rows where both partials are
-        empty give ``(0, -inf)``.
+        ``(out [T, H, D] in out_a's dtype, contiguous; lse [T, H] float32 natural log)``; rows where both partials
+        are empty give ``(0, -inf)``.
 
     Raises:
         TypeError: a non-tensor, a dtype mismatch, an lse that is not float32.
@@ -196,6 +294,13 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     _check(out_a, lse_a, out_b, lse_b)
     choice = _choice(out_a, out_b)
     t, h, d = out_a.shape
+    if choice.name == "triton":
+        from .kernels.merge import merge_triton
+
+        out = torch.empty((t, h, d), dtype=out_a.dtype, device=out_a.device)
+        lse = torch.empty((t, h), dtype=torch.float32, device=out_a.device)
+        merge_triton(out, lse, out_a, lse_a, out_b, lse_b)
+        return out, lse
     if choice.rows_per_piece >= t:
         return _merge_piece(choice, out_a, lse_a, out_b, lse_b)
     out = torch.empty_like(out_a, memory_format=torch.contiguous_format)

@@ -14,6 +14,7 @@ All checks run on the host before any kernel; a failed check writes nothing.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -30,6 +31,7 @@ __all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host
 IndptrLike = Union[torch.Tensor, Sequence[int]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 INT32_MAX = 2 ** 31 - 1  # the largest token offset an int32 indptr holds
+_LOG2E = 1.0 / math.log(2.0)
 
 
 def indptr_from_lens(lens: "torch.Tensor | Sequence[int]", name: str = "lens") -> torch.Tensor:
@@ -123,11 +125,25 @@ def _check_tensor(name: str, x: Any, shape: tuple, dtype: torch.dtype, device: t
 
 def _kernel_ready(x: torch.Tensor) -> bool:
     """FlashInfer reads [N, H, D] through (stride_n, stride_h) with a unit last stride and 16-byte alignment."""
-    if x.numel() == 0:
-        return True
+    st = x.stride()
     align = 16 // x.element_size()
-    return (x.stride(-1) == 1 and x.stride(0) % align == 0 and x.stride(1) % align == 0
-            and x.data_ptr() % 16 == 0)
+    if st[-1] == 1 and st[0] % align == 0 and st[1] % align == 0 and x.data_ptr() % 16 == 0:
+        return True
+    return x.numel() == 0
+
+
+class _RunShapes:
+    """What :meth:`RaggedPlan.validate` compares per call, computed once per plan from its spec (host data that never
+    changes: the indptrs' last entries are read once, not per call)."""
+
+    __slots__ = ("q", "k", "v", "out", "lse", "dtype", "device", "flashinfer")
+
+    def __init__(self, spec: "RaggedSpec", flashinfer: bool):
+        t, n, h = spec.num_qo_tokens, spec.num_kv_tokens, spec.num_heads
+        self.q, self.k, self.v = (t, h, spec.head_dim_qk), (n, h, spec.head_dim_qk), (n, h, spec.head_dim_vo)
+        self.out = (t, h, spec.head_dim_vo)
+        self.lse = {"NH": (t, h), "HN": (h, t)}
+        self.dtype, self.device, self.flashinfer = spec.dtype, spec.device, flashinfer
 
 
 class RaggedPlan:
@@ -200,6 +216,14 @@ class RaggedPlan:
     def kv_indptr(self) -> torch.Tensor:
         return self.spec.kv_indptr
 
+    _run_shapes: Optional[_RunShapes] = None
+
+    def _shapes(self) -> _RunShapes:
+        shapes = self._run_shapes
+        if shapes is None:
+            shapes = self._run_shapes = _RunShapes(self.spec, self.backend.is_flashinfer)
+        return shapes
+
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None,
                  lse: Optional[torch.Tensor] = None, lse_layout: str = "NH") -> None:
         """Check q/k/v/out/lse against the plan (see the module docstring for shapes).
@@ -210,6 +234,24 @@ class RaggedPlan:
                 what was expected), another device, an unknown ``lse_layout``, or an ``out``/``lse`` the kernel
                 cannot write in place.
         """
+        # One pass of cheap comparisons (shape tuples, dtype, device) for the common case; anything off goes to the
+        # checks below, which name what is wrong. Both test the same conditions.
+        c = self._shapes()
+        lse_shape = c.lse.get(lse_layout) if isinstance(lse_layout, str) else None
+        T = torch.Tensor
+        dt, dev = c.dtype, c.device
+        if (lse_shape is not None and isinstance(q, T) and isinstance(k, T) and isinstance(v, T)
+                and q.shape == c.q and k.shape == c.k and v.shape == c.v
+                and q.dtype == dt and k.dtype == dt and v.dtype == dt
+                and q.device == dev and k.device == dev and v.device == dev
+                and (out is None or (isinstance(out, T) and out.shape == c.out and out.dtype == dt
+                                     and out.device == dev and (not c.flashinfer or _kernel_ready(out))))
+                and (lse is None or (isinstance(lse, T) and lse.shape == lse_shape and lse.dtype == torch.float32
+                                     and lse.device == dev and lse.is_contiguous()))):
+            return
+        self._validate_named(q, k, v, out, lse, lse_layout)
+
+    def _validate_named(self, q, k, v, out, lse, lse_layout) -> None:
         s = self.spec
         t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
         if lse_layout not in ("NH", "HN"):
@@ -232,7 +274,8 @@ class RaggedPlan:
                 raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH") -> tuple[torch.Tensor, torch.Tensor]:
+            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH", lse_base: str = "ln"
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention for this plan's batch: ``(out [T, H, head_dim_vo], lse)``; no re-planning.
 
         Args:
@@ -243,24 +286,37 @@ class RaggedPlan:
                 contiguous temporary and copied into it, one extra device copy).
             lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``.
             lse_layout: "NH" (``[T, H]``, default) or "HN" (``[H, T]``, as vLLM's merge wants it).
+            lse_base: "ln" (natural log, default: every public LSE of mla_bridge) or "log2" (FlashInfer's own base
+                2, for a consumer that reads it directly, e.g. ``merge_attn_states_(..., lse_b_base="log2")``:
+                FlashInfer then skips its conversion launch; ``ln_lse = log2_lse * ln 2`` in float32, bitwise).
 
         Raises:
-            TypeError, ValueError: see :meth:`validate`; raised before any kernel runs.
+            TypeError, ValueError: see :meth:`validate` (and an unknown ``lse_base``); raised before any kernel runs.
         """
+        if lse_base != "ln" and lse_base != "log2":
+            raise ValueError(f"lse_base must be 'ln' (natural log) or 'log2', got {lse_base!r}")
         self.validate(q, k, v, out, lse, lse_layout)
-        s = self.spec
-        t, h = s.num_qo_tokens, s.num_heads
+        c = self._shapes()
         if out is None:
-            out = torch.empty(t, h, s.head_dim_vo, dtype=s.dtype, device=s.device)
+            out = torch.empty(c.out, dtype=c.dtype, device=c.device)
         if lse is None:
-            lse = torch.empty((t, h) if lse_layout == "NH" else (h, t), dtype=torch.float32, device=s.device)
+            lse = torch.empty(c.lse[lse_layout], dtype=torch.float32, device=c.device)
         if self._kernel is None:
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
-        if self.backend.is_flashinfer:
-            q, k, v = (x if _kernel_ready(x) else x.contiguous() for x in (q, k, v))
-        return self._kernel.run(q, k, v, out, lse, lse_layout)
+        if c.flashinfer:
+            if not _kernel_ready(q):
+                q = q.contiguous()
+            if not _kernel_ready(k):
+                k = k.contiguous()
+            if not _kernel_ready(v):
+                v = v.contiguous()
+            return self._kernel.run(q, k, v, out, lse, lse_layout, lse_base)
+        out, lse = self._kernel.run(q, k, v, out, lse, lse_layout)
+        if lse_base == "log2":
+            lse.mul_(_LOG2E)
+        return out, lse
 
     def __repr__(self) -> str:
         s = self.spec

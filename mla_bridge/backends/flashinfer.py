@@ -1,8 +1,9 @@
 """FlashInfer ragged prefill (``BatchPrefillWithRaggedKVCacheWrapper``): plan once per batch, run per layer.
 
 The only module that talks to FlashInfer's attention wrapper, and the one place where FlashInfer's base-2 LSE
-becomes mla_bridge's natural-log LSE: ``run(..., lse_base="ln")`` (FlashInfer 0.7.4 scales its base-2 LSE by ln 2
-in one small kernel, or fuses it into the ``[H, T]`` transpose for ``lse_layout="HN"``).
+becomes mla_bridge's natural-log LSE: one in-place float32 multiply by ln 2 (what FlashInfer 0.7.4's
+``run(..., lse_base="ln")`` does; for ``lse_layout="HN"`` FlashInfer fuses it into the ``[H, T]`` transpose). A
+caller that reads base 2 itself may ask for it unconverted (``lse_base="log2"``, see :meth:`RaggedPlan.run`).
 
 The wrapper is built exactly as FlashInfer documents for each backend: ``kv_layout="NHD"``, an explicit
 ``backend=`` ("cutlass" on SM100, as vLLM's B200 path does; "fa3" on SM90; "fa2"), planned with int32 host indptrs
@@ -18,15 +19,33 @@ have completed. A run on a stream other than the plan's first makes that stream 
 use the float-workspace region of their stream (:meth:`mla_bridge.Workspace.float_region`). fa2 and cutlass write
 ``out`` as if it were contiguous (they ignore its strides): a non-contiguous ``out`` is written through a
 contiguous temporary and copied (one extra device copy, only then).
+
+Host time per run (issue 13): a planned fa2/fa3 run with ``lse_layout="NH"`` calls FlashInfer's own
+``module.ragged_run`` (the function ``wrapper.run`` ends in) with the argument list ``wrapper.run`` builds, recorded
+once per plan (:class:`DirectRun`), then converts the LSE to natural log with one in-place multiply by ln 2 (what
+``run(..., lse_base="ln")`` does, bitwise): the same launch on the same arguments, without ``wrapper.run``'s
+per-call Python. The wrapper's buffers (float workspace, which moves with the stream for fa2, int workspace, plan
+info, indptr buffers) are read from the wrapper at every call, never taken from the recording. Where the recording
+cannot be made (a FlashInfer whose run does not end in exactly one ``_cached_module.ragged_run`` call, another
+backend), ``wrapper.run`` is called as before. ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` turns the direct call off.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import os
+import types
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper"]
+__all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper", "DirectRun", "DIRECT_ENV"]
+
+_LN2 = math.log(2.0)
+#: ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` makes every run go through ``wrapper.run`` (for comparison).
+DIRECT_ENV = "MLA_BRIDGE_FLASHINFER_DIRECT"
+#: wrapper attributes whose current value is put into the recorded call at every run
+_LIVE_ATTRS = ("_float_workspace_buffer", "_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_kv_indptr_buf")
 
 #: FlashInfer backends that build out's strides from its shape (they would write a strided ``out`` wrongly).
 CONTIGUOUS_OUT_BACKENDS = ("fa2", "cutlass")
@@ -41,6 +60,70 @@ def new_wrapper(float_workspace: torch.Tensor, backend: str) -> Any:
     return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(float_workspace, kv_layout="NHD", backend=backend)
 
 
+class DirectRun:
+    """FlashInfer's ``module.ragged_run`` with the argument list ``wrapper.run`` builds for a planned batch, recorded
+    once (nothing is launched while recording) and replayed with each call's q/k/v/out/lse (see the module docstring).
+
+    :meth:`record` returns ``None`` when the wrapper does not look like FlashInfer 0.7's (then use ``wrapper.run``).
+    """
+
+    __slots__ = ("fn", "args", "q", "k", "v", "out", "lse", "live")
+
+    def __init__(self, fn, args, slots, live):
+        self.fn, self.args, self.live = fn, args, live
+        self.q, self.k, self.v, self.out, self.lse = slots
+
+    @classmethod
+    def record(cls, wrapper: Any, shapes: tuple, dtype: torch.dtype, device: torch.device) -> "Optional[DirectRun]":
+        """Record ``wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="log2", lse_layout="NH")`` on
+        stand-ins of ``shapes = (q, k, v, out, lse)`` (one element each, expanded: no memory)."""
+        module = getattr(wrapper, "_cached_module", None)
+        if not isinstance(module, types.SimpleNamespace) or not callable(getattr(module, "ragged_run", None)):
+            return None
+        dtypes = (dtype, dtype, dtype, dtype, torch.float32)
+        stand_ins = [torch.empty((), dtype=dt, device=device).expand(*shape) for shape, dt in zip(shapes, dtypes)]
+        calls: list = []
+        proxy = types.SimpleNamespace(**vars(module))
+        proxy.ragged_run = lambda *a: calls.append(list(a))
+        wrapper._cached_module = proxy
+        try:
+            q, k, v, out, lse = stand_ins
+            res = wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="log2", lse_layout="NH")
+        except Exception:  # noqa: BLE001 - FlashInfer refused the stand-ins or changed: use wrapper.run
+            return None
+        finally:
+            wrapper._cached_module = module
+        if len(calls) != 1 or not isinstance(res, tuple) or res[0] is not out or res[1] is not lse:
+            return None
+        args = calls[0]
+        slots = []
+        for x in stand_ins:
+            hits = [i for i, a in enumerate(args) if a is x]
+            if len(hits) != 1:
+                return None
+            slots.append(hits[0])
+        live = []
+        for name in _LIVE_ATTRS:
+            value = getattr(wrapper, name, None)
+            hits = [i for i, a in enumerate(args) if value is not None and a is value]
+            if len(hits) > 1:
+                return None
+            live.extend((i, name) for i in hits)
+        for i in slots:
+            args[i] = None  # the recording keeps no stand-in alive
+        return cls(module.ragged_run, args, slots, tuple(live))
+
+    def __call__(self, wrapper: Any, q, k, v, out, lse, natural: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        args = self.args.copy()
+        args[self.q], args[self.k], args[self.v], args[self.out], args[self.lse] = q, k, v, out, lse
+        for i, name in self.live:
+            args[i] = getattr(wrapper, name)
+        self.fn(*args)
+        if natural:
+            lse.mul_(_LN2)  # base 2 -> natural log, as FlashInfer's run(..., lse_base="ln") finishes it
+        return out, lse
+
+
 class FlashInferRaggedKernel:
     """A planned FlashInfer wrapper, leased from the workspace pool for as long as this object lives and the GPU
     still has work of it queued (see the module docstring)."""
@@ -50,6 +133,7 @@ class FlashInferRaggedKernel:
         self.backend = choice.flashinfer_backend
         self.workspace = workspace
         self._cuda = workspace.device.type == "cuda"
+        self._device_index = workspace.device.index if workspace.device.index is not None else workspace.device
         self._contiguous_out = self.backend in CONTIGUOUS_OUT_BACKENDS
         self._regions = self._cuda and self.backend in FLOAT_WORKSPACE_BACKENDS
         self.lease = workspace.acquire(self.backend, self, new_wrapper)
@@ -118,28 +202,50 @@ class FlashInferRaggedKernel:
             self._float_region(key)
         return self.wrapper
 
-    def run(self, q, k, v, out, lse, lse_layout):
+    def run(self, q, k, v, out, lse, lse_layout, lse_base="ln"):
+        """Fill ``out`` and ``lse`` (``lse_base``: "ln", natural log, or "log2", FlashInfer's own base 2)."""
         if not self._cuda:
-            return self._run(q, k, v, out, lse, lse_layout)
+            return self._run(q, k, v, out, lse, lse_layout, lse_base)
         if torch.cuda.is_current_stream_capturing():
             self._captured()
-            return self._run(q, k, v, out, lse, lse_layout)
-        stream = torch.cuda.current_stream(self.workspace.device)
+            return self._run(q, k, v, out, lse, lse_layout, lse_base)
+        stream = torch.cuda.current_stream(self._device_index)
         ptr = stream.cuda_stream
         event = self._run_event(stream, ptr)
         if self._regions:
             self._float_region(ptr)
-        result = self._run(q, k, v, out, lse, lse_layout)
+        result = self._run(q, k, v, out, lse, lse_layout, lse_base)
         event.record(stream)
         return result
 
-    def _run(self, q, k, v, out, lse, lse_layout):
+    _direct: Any = None  # DirectRun once recorded, False where it cannot be (then wrapper.run)
+
+    def _direct_run(self) -> Optional[DirectRun]:
+        direct = self._direct
+        if direct is None:
+            if self._cuda and torch.cuda.is_current_stream_capturing():
+                return None  # recorded on an eager run, never while a graph captures
+            direct = False
+            if os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.backend in ("fa2", "fa3"):
+                s = self.spec
+                t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
+                shapes = ((t, h, s.head_dim_qk), (n, h, s.head_dim_qk), (n, h, s.head_dim_vo), (t, h, s.head_dim_vo),
+                          (t, h))
+                direct = DirectRun.record(self.wrapper, shapes, s.dtype, s.device) or False
+            self._direct = direct
+        return direct or None
+
+    def _run(self, q, k, v, out, lse, lse_layout, lse_base):
+        if lse_layout == "NH":
+            direct = self._direct_run()
+            if direct is not None and (not self._contiguous_out or out.is_contiguous()):
+                return direct(self.wrapper, q, k, v, out, lse, lse_base == "ln")
         if self._contiguous_out and not out.is_contiguous():
             tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=True, lse_base="ln", lse_layout=lse_layout)
+            self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=True, lse_base=lse_base, lse_layout=lse_layout)
             out.copy_(tmp)
             return out, lse
-        return self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="ln", lse_layout=lse_layout)
+        return self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base=lse_base, lse_layout=lse_layout)
 
 
 def make_kernel(choice: Any, workspace: Any, spec: Any) -> FlashInferRaggedKernel:

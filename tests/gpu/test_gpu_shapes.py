@@ -135,10 +135,13 @@ def _partials(t, h, d, dtype, seed):
 @pytest.mark.parametrize("d", [32, 48, 96, 64, 128])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("heads", [8, 128])
-def test_merge_any_head_dim(d, dtype, heads):
-    """32/48/96 raised "MergeState ... Unsupported head_dim" in FlashInfer 0.7.4 (432 cases of vLLM's grid);
-    64/128 stay on FlashInfer's kernel. Both in place and out of place, against float64."""
-    expect = "flashinfer" if d in (64, 128) else "torch"
+@pytest.mark.parametrize("impl", ["auto", "flashinfer"])
+def test_merge_any_head_dim(d, dtype, heads, impl, monkeypatch):
+    """32/48/96 raised "MergeState ... Unsupported head_dim" in FlashInfer 0.7.4 (432 cases of vLLM's grid). The
+    Triton merge (the default on CUDA) takes every head dim; with MLA_BRIDGE_MERGE=flashinfer, 64/128 stay on
+    FlashInfer's kernel and the others on the torch merge. Both in place and out of place, against float64."""
+    monkeypatch.setenv("MLA_BRIDGE_MERGE", impl)
+    expect = "triton" if impl == "auto" else "flashinfer" if d in (64, 128) else "torch"
     assert select_merge((100, heads, d), dtype, "cuda").name == expect
     oa, la, ob, lb = _partials(100, heads, d, dtype, seed=d + heads)
     eo, el = merge64(oa, la, ob, lb)
@@ -152,25 +155,31 @@ def test_merge_any_head_dim(d, dtype, heads):
         torch.testing.assert_close(s.double(), el, atol=1e-4, rtol=1e-5)
 
 
-def test_merge_over_32_bit_elements():
+def test_merge_over_32_bit_elements(monkeypatch):
     """2**32 + 2**20 elements (bf16, 128 heads x 128, 262,208 rows): FlashInfer's merge indexes in 32 bits and
-    returned max error 3.25 out of place, 5.11 in place in the last rows. Now merged in pieces below 2**32. Needs
-    about 40 GB (two inputs of 8.6 GB, the output, the in-place copy)."""
+    returned max error 3.25 out of place, 5.11 in place in the last rows; it is now handed pieces below 2**32. The
+    Triton merge (the default on CUDA) indexes in int64 and merges all rows in one launch. Both, on the same inputs,
+    out of place and in place. Needs about 35 GB (two inputs of 8.6 GB, an output, an in-place copy)."""
     t, h, d = 262_208, 128, 128  # the issue's rows: 2**32 + 64 * 16384 elements
     assert t * h * d > 2 ** 32
-    choice = select_merge((t, h, d), BF16, "cuda")
-    assert choice.name == "flashinfer" and choice.rows_per_piece * h * d < 2 ** 32
     oa, la, ob, lb = _partials(t, h, d, BF16, seed=1)
     check = torch.cat([torch.arange(0, 64), torch.arange(262_080, 262_208), torch.arange(t - 256, t)]).to(dev())
     eo, el = merge64(oa[check], la[check], ob[check], lb[check])
-    out, lse = merge_attn_states(oa, la, ob, lb)
-    torch.testing.assert_close(out[check].double(), eo, atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(lse[check].double(), el, atol=1e-4, rtol=1e-5)
-    del out, lse
-    merge_attn_states_(oa, la, ob, lb)  # in place: oa, la become the merge
-    torch.cuda.synchronize()
-    torch.testing.assert_close(oa[check].double(), eo, atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(la[check].double(), el, atol=1e-4, rtol=1e-5)
+    for impl in ("triton", "flashinfer"):
+        monkeypatch.setenv("MLA_BRIDGE_MERGE", impl)
+        choice = select_merge((t, h, d), BF16, "cuda")
+        assert choice.name == impl
+        assert choice.rows_per_piece == t if impl == "triton" else choice.rows_per_piece * h * d < 2 ** 32
+        out, lse = merge_attn_states(oa, la, ob, lb)
+        torch.testing.assert_close(out[check].double(), eo, atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[check].double(), el, atol=1e-4, rtol=1e-5)
+        del out, lse
+        o2, l2 = oa.clone(), la.clone()
+        merge_attn_states_(o2, l2, ob, lb)  # in place: o2, l2 become the merge
+        torch.cuda.synchronize()
+        torch.testing.assert_close(o2[check].double(), eo, atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(l2[check].double(), el, atol=1e-4, rtol=1e-5)
+        del o2, l2
 
 
 # ---------------------------------------------------------------------------------------------------- 4. head dims
