@@ -177,9 +177,9 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl)
         hook("context chunk")
         rows = slice(chunk.q_start, chunk.q_end)
-        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v)
+        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, lse_base="log2")  # FlashInfer's base 2, unconverted
         hook("merge")
-        merge_attn_states_(out[rows], lse[rows], chunk_out, chunk_lse)
+        merge_attn_states_(out[rows], lse[rows], chunk_out, chunk_lse, lse_b_base="log2")  # converted as it is read
     hook("end")
     return (out, lse) if return_lse else out
 
@@ -192,13 +192,14 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the rearranged
     weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
     pass over context + new tokens; the chunked one frees each pass before the next, whose peak adds the chunk's
-    partial out/lse and the merge's float32 LSE copies for its query rows. The gather's temporaries per context row
-    are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the rows in the
-    cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices; the Triton
-    gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x
-    block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
-    benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
-    :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left out.
+    partial out/lse and the merge's float32 LSE copies for its query rows (FlashInfer's merge makes them; the Triton
+    merge makes none). The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for
+    the plan's cache dtype (the torch path's: the rows in the cache's dtype, for FP8 also their float32
+    dequantization and rounded copy, and 24 bytes of indices; the Triton gather allocates none of them, so the
+    formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for
+    FP8) is the caller's, not counted. This is the "workspace budget" the benchmark checks peak memory against. With
+    ``prepared_weight=True`` (the call is handed a :class:`mla_bridge.PreparedKVBProj`) the weight is held by the
+    caller, not allocated by the call, and is left out.
     """
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
