@@ -2,6 +2,8 @@
 
 * The ``gpu`` marker: tests marked ``@pytest.mark.gpu`` are skipped unless CUDA is available and FlashInfer imports.
 * ``MLA_BRIDGE_BACKEND`` is cleared for every test so that a developer's shell cannot change what is tested.
+* ``triton_interpreted``: runs a test module's function under ``TRITON_INTERPRET=1`` in a subprocess (Triton kernels
+  on CPU tensors), skipped where Triton is missing (CI) or CUDA is present (the GPU tests cover compiled kernels).
 * ``ref``: independent float64 references (dense attention with an explicit mask, MLA prefill over the whole
   sequence rebuilt from the paged cache) and builders of random inputs. Nothing here calls mla_bridge's kernels.
 """
@@ -9,6 +11,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import types
 from typing import Optional, Sequence
 
@@ -231,3 +236,36 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+_INTERPRETED = r"""
+import importlib, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.update(dict(a.split("=", 1) for a in sys.argv[4:]))
+sys.path[:0] = sys.argv[1:3]
+module, func = sys.argv[3].split(":")
+print(getattr(importlib.import_module(module), func)())
+"""
+
+
+@pytest.fixture
+def triton_interpreted():
+    """``run("tests.test_x:func", gpu_tests="tests/gpu/...", **env) -> stdout``: ``func()`` run under
+    ``TRITON_INTERPRET=1`` in a subprocess (so the variable is set before Triton is imported and nothing leaks into
+    this process), with ``env`` added to its environment; the test is skipped where Triton is not installed (CI)
+    and on a CUDA machine (where ``gpu_tests`` cover the compiled kernel). Fails with the subprocess's stderr."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001
+        pytest.skip("Triton is not installed (the GPU tests cover the compiled kernel)")
+
+    def run(target: str, gpu_tests: str, **env: str) -> str:
+        if torch.cuda.is_available():
+            pytest.skip(f"on a GPU machine the compiled kernel is tested in {gpu_tests}")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        res = subprocess.run([sys.executable, "-c", _INTERPRETED, root, os.path.join(root, "adapters"), target,
+                              *(f"{k}={v}" for k, v in env.items())], capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout
+
+    return run

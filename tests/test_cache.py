@@ -7,9 +7,6 @@ The rounding oracle here is independent of torch's float8 cast: the nearest of t
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -177,15 +174,6 @@ def test_gather_impl_is_chosen_in_one_place(monkeypatch):
     assert C.gather_impl(torch.device("cuda")) == "torch"
 
 
-_INTERP = r"""
-import os, sys, torch
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path[:0] = sys.argv[1:3]
-from tests.test_cache import interpreted_gather_cases
-print(interpreted_gather_cases())
-"""
-
-
 def interpreted_gather_cases() -> str:
     """Triton (interpreted on CPU tensors) == torch gather, bitwise: bf16/fp16/float32 outputs, FP8 and unquantized
     caches, gather-only and fused, block sizes 1/16/64, strided caches, float and tensor scales."""
@@ -218,17 +206,7 @@ def interpreted_gather_cases() -> str:
     return f"ok {n}"
 
 
-def test_triton_gather_equals_torch_gather_interpreted():
-    """Runs only where Triton is installed (a dev venv; CI has none): in a subprocess, so TRITON_INTERPRET is set
-    before Triton is imported and nothing leaks into this process."""
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        pytest.skip("Triton is not installed (the GPU tests cover the compiled kernel)")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU machine the compiled kernel is tested in tests/gpu/test_gpu_gather.py")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", _INTERP, root, os.path.join(root, "adapters")], capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().startswith("ok ") and int(res.stdout.split()[-1]) > 20
+def test_triton_gather_equals_torch_gather_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_gather_cases` under the interpreter."""
+    out = triton_interpreted("tests.test_cache:interpreted_gather_cases", "tests/gpu/test_gpu_gather.py")
+    assert out.strip().startswith("ok ") and int(out.split()[-1]) > 20, out

@@ -4,9 +4,6 @@ compiled kernel: tests/gpu/test_gpu_up_project.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -49,15 +46,6 @@ def test_mla_prefill_refuses_a_bad_kv_impl_before_writing(tiny_dims, ref):
     # the explicit default gives what no argument gives
     a = mla_prefill(b.q, b.kv_c, b.k_pe, b.w, b.cache, b.block_table, plan)
     assert torch.equal(a, mla_prefill(b.q, b.kv_c, b.k_pe, b.w, b.cache, b.block_table, plan, kv_impl="separate"))
-
-
-_INTERP = r"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path[:0] = sys.argv[1:3]
-from tests.test_kv import interpreted_cases
-print(interpreted_cases())
-"""
 
 
 def interpreted_cases() -> str:
@@ -122,17 +110,7 @@ def interpreted_cases() -> str:
     return f"ok {n}"
 
 
-def test_fused_kernel_equals_separate_path_interpreted():
-    """Runs only where Triton is installed (a dev venv; CI has none): in a subprocess, so TRITON_INTERPRET is set
-    before Triton is imported and nothing leaks into this process."""
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        pytest.skip("Triton is not installed (the GPU tests cover the compiled kernel)")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU machine the compiled kernel is tested in tests/gpu/test_gpu_up_project.py")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", _INTERP, root, os.path.join(root, "adapters")], capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().startswith("ok ") and int(res.stdout.split()[-1]) == 16
+def test_fused_kernel_equals_separate_path_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_cases` under the interpreter."""
+    out = triton_interpreted("tests.test_kv:interpreted_cases", "tests/gpu/test_gpu_up_project.py")
+    assert out.strip().startswith("ok ") and int(out.split()[-1]) == 16, out

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
 
 import pytest
@@ -652,33 +650,13 @@ def interpreted_merge_cases() -> str:
     return f"ok {n} exact {exact}"
 
 
-_MERGE_INTERP = r"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-os.environ["MLA_BRIDGE_MERGE"] = "triton"
-sys.path[:0] = sys.argv[1:3]
-from tests.test_merge import interpreted_merge_cases
-print(interpreted_merge_cases())
-"""
-
-
-def test_triton_merge_equals_torch_merge_interpreted():
-    """Runs only where Triton is installed (a dev venv; CI has none): in a subprocess, so TRITON_INTERPRET is set
-    before Triton is imported and nothing leaks into this process. tests/gpu/test_gpu_merge.py covers the compiled
-    kernel."""
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        pytest.skip("Triton is not installed (the GPU tests cover the compiled kernel)")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU machine the compiled kernel is tested in tests/gpu/test_gpu_merge.py")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", _MERGE_INTERP, root, os.path.join(root, "adapters")],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    words = res.stdout.split()
-    assert words[0] == "ok" and int(words[1]) == 48, res.stdout
-    assert words[2] == "exact" and int(words[3]) == 48, res.stdout  # bitwise equal to the same math in torch
+def test_triton_merge_equals_torch_merge_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_merge_cases` under the interpreter
+    with ``MLA_BRIDGE_MERGE=triton``. tests/gpu/test_gpu_merge.py covers the compiled kernel."""
+    words = triton_interpreted("tests.test_merge:interpreted_merge_cases", "tests/gpu/test_gpu_merge.py",
+                               MLA_BRIDGE_MERGE="triton").split()
+    assert words[0] == "ok" and int(words[1]) == 48, words
+    assert words[2] == "exact" and int(words[3]) == 48, words  # bitwise equal to the same math in torch
 
 
 def test_triton_merge_compiles_for_sm90_with_exact_arithmetic():
