@@ -238,17 +238,27 @@ def gather_impl(device: torch.device) -> str:
     """The ONE place choosing the gather implementation: ``"triton"`` on CUDA when Triton imports, else ``"torch"``.
 
     ``MLA_BRIDGE_GATHER=torch`` forces the torch path (for comparison and as an escape hatch); ``=triton`` forces
-    Triton even on the CPU (only meaningful with ``TRITON_INTERPRET=1``, for development).
+    Triton even on the CPU (only with ``TRITON_INTERPRET=1``, for development); ``auto`` or unset: the default.
+
+    Raises:
+        ValueError: another ``MLA_BRIDGE_GATHER`` value; ``=triton`` where Triton does not import, or off CUDA
+            without ``TRITON_INTERPRET=1``.
     """
+    from .kernels import triton_available
+
     forced = os.environ.get("MLA_BRIDGE_GATHER", "auto").strip().lower()
+    if forced in ("", "auto"):
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
     if forced == "torch":
         return "torch"
-    if forced == "triton":
-        return "triton"
-    if torch.device(device).type != "cuda":
-        return "torch"
-    from .kernels import triton_available
-    return "triton" if triton_available() else "torch"
+    if forced != "triton":
+        raise ValueError(f"MLA_BRIDGE_GATHER={forced!r}: expected torch, triton or auto")
+    if not triton_available():
+        raise ValueError("MLA_BRIDGE_GATHER=triton, but Triton does not import here")
+    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"MLA_BRIDGE_GATHER=triton runs a Triton kernel: it needs a CUDA device, got {device} "
+                         f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
+    return "triton"
 
 
 def _torch_rows(cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,

@@ -37,34 +37,47 @@ KV_IMPLS = ("fused", "separate")
 Hook = Callable[[str], None]
 
 
-def kv_impl(device: torch.device, requested: Optional[str] = None) -> str:
+def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> str:
     """The ONE place choosing how a pass's k and v are built.
 
-    ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default: ``"separate"``. The fused
-    kernel is opt-in because it is not faster where it matters, measured on the H200 (2026-12-01, bf16,
-    DeepSeek-V2-Lite dims): its Triton GEMM reaches about 400 TFLOP/s where cuBLAS reaches about 580, which costs
-    more than the gather round trip it saves on long passes (40000 keys, 80% of them gathered: 0.44 against 0.43 ms;
-    8192 new tokens: 0.16 against 0.10 ms; an FP8 cache dequantized in every program: a 10% slower layer); it wins
-    only on short gathered passes (4096 keys: 0.117 against 0.136 ms). ``"fused"`` on a device without Triton (the
-    CPU) runs only under ``TRITON_INTERPRET=1``, for development.
+    ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default: ``"separate"`` (``"auto"``
+    names the default too; both are read case-insensitively). The fused kernel is opt-in because it is not faster
+    where it matters, measured on the H200 (2026-12-01, bf16, DeepSeek-V2-Lite dims): its Triton GEMM reaches about
+    400 TFLOP/s where cuBLAS reaches about 580, which costs more than the gather round trip it saves on long passes
+    (40000 keys, 80% of them gathered: 0.44 against 0.43 ms; 8192 new tokens: 0.16 against 0.10 ms; an FP8 cache
+    dequantized in every program: a 10% slower layer); it wins only on short gathered passes (4096 keys: 0.117
+    against 0.136 ms). ``"fused"`` off CUDA runs only under ``TRITON_INTERPRET=1``, for development, and not in
+    bfloat16 (``dtype``): the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there.
 
     Raises:
-        ValueError: ``requested`` or ``MLA_BRIDGE_KV`` other than :data:`KV_IMPLS` (the message lists them); "fused"
-            where Triton does not import, or on a non-CUDA device without ``TRITON_INTERPRET=1``.
+        ValueError: ``requested`` or ``MLA_BRIDGE_KV`` other than :data:`KV_IMPLS` or "auto" (the message lists
+            them); "fused" where Triton does not import, off CUDA without ``TRITON_INTERPRET=1``, or interpreted in
+            bfloat16.
+        TypeError: ``requested`` not a string.
     """
-    choice = requested if requested is not None else os.environ.get("MLA_BRIDGE_KV", "").strip().lower()
-    if not choice:
+    if requested is not None and not isinstance(requested, str):
+        raise TypeError(f"kv_impl must be a string ({', '.join(KV_IMPLS)} or 'auto') or None, got "
+                        f"{type(requested).__name__}")
+    where = "kv_impl" if requested is not None else "MLA_BRIDGE_KV"
+    raw = requested if requested is not None else os.environ.get("MLA_BRIDGE_KV", "")
+    choice = raw.strip().lower()
+    if requested is None and choice in ("", "auto"):
+        return "separate"
+    if choice == "auto":
         return "separate"
     if choice not in KV_IMPLS:
-        where = "kv_impl" if requested is not None else "MLA_BRIDGE_KV"
-        raise ValueError(f"{where} must be one of {KV_IMPLS}, got {choice!r}")
+        raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {raw!r}")
     if choice == "fused":
         from .kernels import triton_available
-        if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"kv_impl 'fused' runs a Triton kernel: it needs a CUDA device, got {device} "
+        on_cpu = torch.device(device).type != "cuda"
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"{where} 'fused' runs a Triton kernel: it needs a CUDA device, got {device} "
                              f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
         if not triton_available():
-            raise ValueError("kv_impl 'fused' needs Triton, which does not import here; use 'separate'")
+            raise ValueError(f"{where} 'fused' needs Triton, which does not import here; use 'separate'")
+        if on_cpu and dtype == torch.bfloat16:
+            raise ValueError(f"{where} 'fused' under TRITON_INTERPRET=1 cannot run bfloat16 (the interpreter's "
+                             f"bfloat16 tl.dot is wrong); use float16 or float32 on the CPU")
     return choice
 
 

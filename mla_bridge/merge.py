@@ -131,9 +131,13 @@ def select_merge(shape: tuple[int, int, int], dtype: torch.dtype, device_type: s
 
     Raises:
         ValueError: ``$MLA_BRIDGE_MERGE`` is not torch/flashinfer/triton/auto, or forces triton for a dtype it does
-            not take. RuntimeError: it forces triton where Triton does not import.
+            not take or off CUDA without ``TRITON_INTERPRET=1``. RuntimeError: it forces triton where Triton does not
+            import.
     """
     forced = _forced_merge()
+    if forced == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{MERGE_ENV}=triton runs a Triton kernel: it needs a CUDA device, got {device_type} "
+                         f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
     if flashinfer is None:
         flashinfer = flashinfer_version() is not None
     if triton is None:
@@ -155,14 +159,14 @@ def _select(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, c
 
     if forced == "torch":
         return use_torch(f"forced by {MERGE_ENV}=torch")
+    if t * h * d == 0:
+        return use_torch("nothing to merge")
     if forced == "triton":
         if not triton:
             raise RuntimeError(f"{MERGE_ENV}=triton, but Triton does not import here")
         if dtype not in TRITON_MERGE_DTYPES:
             raise ValueError(f"{MERGE_ENV}=triton: the Triton merge takes float16/bfloat16/float32, got {dtype}")
         return MergeChoice("triton", f"forced by {MERGE_ENV}=triton", max(1, t))
-    if t * h == 0:
-        return use_torch("nothing to merge")
     if forced is None and device_type == "cuda" and triton and dtype in TRITON_MERGE_DTYPES:
         return MergeChoice("triton", "mla_bridge's Triton merge (one launch, natural-log LSE, int64 offsets)",
                            max(1, t))
@@ -239,12 +243,16 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
             launch. ``lse`` (in and out) is natural log either way.
 
     Raises:
-        TypeError / ValueError: as :func:`merge_attn_states`; ValueError: ``lse`` not contiguous, an unknown
+        TypeError / ValueError: as :func:`merge_attn_states`; ValueError: ``lse`` not contiguous, ``out`` an
+            expanded view (a stride 0 over several elements: its rows would overwrite each other), an unknown
             ``lse_b_base``.
     """
     _check(out, lse, out_b, lse_b)
     if not lse.is_contiguous():
         raise ValueError("lse must be contiguous to be merged in place")
+    if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        raise ValueError(f"out must not overlap itself to be merged in place (an expanded view: shape "
+                         f"{list(out.shape)}, strides {list(out.stride())}); pass a tensor of its own")
     if lse_b_base != "ln" and lse_b_base != "log2":
         raise ValueError(f"lse_b_base must be 'ln' (natural log) or 'log2', got {lse_b_base!r}")
     log2 = lse_b_base == "log2"

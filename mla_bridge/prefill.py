@@ -18,10 +18,10 @@ from typing import Callable, Optional
 
 import torch
 
-from .cache import check_kv_cache, gather_row_bytes
+from .cache import check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
-from .merge import merge_attn_states_
+from .merge import merge_attn_states_, select_merge
 from .plan import PrefillPlan
 from .weights import PreparedKVBProj, as_prepared, up_projection_weight  # up_projection_weight: moved to weights
 
@@ -150,12 +150,19 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
 
     Raises:
-        TypeError / ValueError: see :func:`validate_prefill_inputs`, and an unknown ``kv_impl``; raised before any
-            kernel runs.
+        TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment
+            switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE``) that cannot serve here; raised
+            before any kernel runs.
     """
     k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)
     kv_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
-    impl = _kv.kv_impl(plan.device, kv_impl)
+    impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
+    # the other kernels this call will choose, chosen now: an environment switch that cannot serve is refused here,
+    # before anything is allocated or written (not after the main pass has written out)
+    if plan.num_context_tokens and impl == "separate":
+        gather_impl(plan.device)
+    if plan.chunks:
+        select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type)
     hook = phase_hook or (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:

@@ -167,11 +167,28 @@ def test_torch_gather_reads_through_block_table(block_size, strided):
 
 
 def test_gather_impl_is_chosen_in_one_place(monkeypatch):
+    import mla_bridge.kernels as K
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert C.gather_impl(torch.device("cpu")) == "torch"
-    monkeypatch.setenv("MLA_BRIDGE_GATHER", "triton")
-    assert C.gather_impl(torch.device("cpu")) == "triton"
     monkeypatch.setenv("MLA_BRIDGE_GATHER", "torch")
     assert C.gather_impl(torch.device("cuda")) == "torch"
+    monkeypatch.setenv("MLA_BRIDGE_GATHER", "Auto")
+    assert C.gather_impl(torch.device("cpu")) == "torch"
+    # forcing Triton: refused with a reason where it cannot run, taken where it can
+    monkeypatch.setenv("MLA_BRIDGE_GATHER", "triton")
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="Triton does not import"):
+        C.gather_impl(torch.device("cuda"))
+    monkeypatch.setattr(K, "triton_available", lambda: True)
+    assert C.gather_impl(torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        C.gather_impl(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert C.gather_impl(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("MLA_BRIDGE_GATHER", "cuda")
+    with pytest.raises(ValueError, match="expected torch, triton or auto"):
+        C.gather_impl(torch.device("cpu"))
 
 
 def interpreted_gather_cases() -> str:

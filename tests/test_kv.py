@@ -32,6 +32,49 @@ def test_env_and_argument_choose_and_bad_values_are_named(monkeypatch):
         KV.kv_impl(torch.device("cpu"), "fused")
 
 
+def test_auto_case_and_type_rules(monkeypatch):
+    import mla_bridge.kernels as K
+
+    monkeypatch.delenv("MLA_BRIDGE_KV", raising=False)
+    assert KV.kv_impl(torch.device("cuda"), "auto") == KV.kv_impl(torch.device("cuda"), " Separate ") == "separate"
+    monkeypatch.setenv("MLA_BRIDGE_KV", "AUTO")
+    assert KV.kv_impl(torch.device("cuda")) == "separate"
+    for bad in ("", "0"):
+        with pytest.raises(ValueError, match="kv_impl must be one of"):
+            KV.kv_impl(torch.device("cpu"), bad)
+    with pytest.raises(TypeError, match="kv_impl must be a string"):
+        KV.kv_impl(torch.device("cpu"), 0)
+    # the interpreter's bfloat16 tl.dot is wrong: "fused" on the CPU refuses bfloat16, takes float16/float32
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(K, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="cannot run bfloat16"):
+        KV.kv_impl(torch.device("cpu"), "fused", torch.bfloat16)
+    assert KV.kv_impl(torch.device("cpu"), "FUSED", torch.float16) == "fused"
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="needs Triton"):
+        KV.kv_impl(torch.device("cuda"), "fused")
+
+
+@pytest.mark.parametrize("env,value,match", [("MLA_BRIDGE_GATHER", "cuda", "MLA_BRIDGE_GATHER"),
+                                             ("MLA_BRIDGE_MERGE", "bogus", "MLA_BRIDGE_MERGE"),
+                                             ("MLA_BRIDGE_MERGE", "triton", "needs a CUDA device"),
+                                             ("MLA_BRIDGE_KV", "cublas", "MLA_BRIDGE_KV")])
+def test_mla_prefill_refuses_a_switch_that_cannot_serve_before_writing(monkeypatch, tiny_dims, ref, env, value,
+                                                                       match):
+    """The chunked schedule writes out in its main pass before the first chunk gathers and merges: a bad gather or
+    merge switch must be refused before that, not after (the output would be half-written)."""
+    b = ref.make_mla_batch(tiny_dims, [3, 2], [9, 7], 4)
+    plan = PrefillPlan.build(b.query_lens, b.context_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4),
+                             block_size=4, dtype=torch.float32)
+    assert plan.chunks and not plan.fused
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(env, value)
+    out = torch.full((plan.num_tokens, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
+    with pytest.raises(ValueError, match=match):
+        mla_prefill(b.q, b.kv_c, b.k_pe, b.w, b.cache, b.block_table, plan, out=out)
+    assert bool((out == 7.0).all())
+
+
 def test_mla_prefill_refuses_a_bad_kv_impl_before_writing(tiny_dims, ref):
     b = ref.make_mla_batch(tiny_dims, [3, 2], [5, 0], 4)
     plan = PrefillPlan.build(b.query_lens, b.context_lens, dims=tiny_dims, workspace=Workspace("cpu"), block_size=4,

@@ -381,6 +381,7 @@ def test_triton_default_follows_triton_available(monkeypatch):
 ])
 def test_merge_env_forces_one(monkeypatch, env, device, triton, name):
     monkeypatch.setenv(merge_mod.MERGE_ENV, env)
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
     c = select_merge((10, 16, 128), BF16, device, flashinfer=True, triton=triton)
     assert c.name == name, c
     if env.strip() in MERGE_IMPLS:
@@ -403,8 +404,33 @@ def test_merge_env_errors(monkeypatch):
     with pytest.raises(ValueError, match="float16/bfloat16/float32.*float64"):
         select_merge((10, 16, 128), torch.float64, "cuda", flashinfer=True, triton=True)
     monkeypatch.setattr(merge_mod, "triton_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device.*TRITON_INTERPRET=1"):  # not Triton's "0 active drivers"
+        merge_attn_states(torch.zeros(2, 1, 4), torch.zeros(2, 1), torch.zeros(2, 1, 4), torch.zeros(2, 1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(RuntimeError, match="Triton does not import"):  # the default asks, even for the CPU
         merge_attn_states(torch.zeros(2, 1, 4), torch.zeros(2, 1), torch.zeros(2, 1, 4), torch.zeros(2, 1))
+
+
+def test_empty_head_dim_goes_to_torch_even_when_triton_is_forced(monkeypatch):
+    """head_dim 0 (or no rows, no heads) has nothing to merge: the torch path, never a kernel launch (the Triton
+    merge's block size would be next_power_of_2(0) = 0)."""
+    monkeypatch.setenv(merge_mod.MERGE_ENV, "triton")
+    for shape in ((10, 16, 0), (0, 16, 128), (10, 0, 128)):
+        c = select_merge(shape, BF16, "cuda", flashinfer=True, triton=True)
+        assert c.name == "torch" and "nothing to merge" in c.reason
+    monkeypatch.delenv(merge_mod.MERGE_ENV)
+    out, lse = merge_attn_states(torch.zeros(3, 2, 0), torch.zeros(3, 2), torch.zeros(3, 2, 0), torch.zeros(3, 2))
+    assert out.shape == (3, 2, 0) and torch.allclose(lse, torch.full((3, 2), math.log(2.0)))
+
+
+def test_in_place_merge_refuses_an_expanded_out_before_writing():
+    x = torch.zeros(1, 2, 8)
+    out = x.expand(3, 2, 8)
+    lse = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        merge_attn_states_(out, lse, torch.ones(3, 2, 8), torch.zeros(3, 2))
+    assert torch.equal(x, torch.zeros(1, 2, 8)) and torch.equal(lse, torch.zeros(3, 2))
 
 
 def test_select_merge_is_decided_once_per_shape():
