@@ -198,7 +198,8 @@ class PrefillPlan:
         self._backend = backend
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
-        self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context)
+        self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context,
+                             self.kv_cache_dtype)
         q = np.asarray(q_lens, dtype=np.int64)
         c = np.asarray(c_lens, dtype=np.int64)
         self.qo_indptr = indptr_from_lens(q, "query_lens")
@@ -371,20 +372,21 @@ def _expand_on_device(table: np.ndarray, total: int, counting: int,
 
 
 def _plan_key(q_lens: list, c_lens: list, dims: MLADims, workspace: Workspace, block_size: int, device: torch.device,
-              dtype: torch.dtype, backend: Optional[str], fuse_context: bool) -> tuple:
+              dtype: torch.dtype, backend: Optional[str], fuse_context: bool, kv_cache_dtype: torch.dtype) -> tuple:
     """Everything a :class:`PrefillPlan` depends on, hashable: per-request query and context lengths, dims (sizes and
-    softmax scale), dtype, block size, the chunk budget (``workspace.chunk_tokens`` now), the backend asked for (with
-    ``MLA_BRIDGE_BACKEND`` when none is named, as :func:`mla_bridge.select_backend` reads it), the schedule switch,
-    the workspace (by identity: a plan holds its wrappers) and the device."""
+    softmax scale), dtype, the cache dtype (resolved: ``"fp8"`` and ``torch.uint8`` are one key), block size, the chunk
+    budget (``workspace.chunk_tokens`` now), the backend asked for (with ``MLA_BRIDGE_BACKEND`` when none is named, as
+    :func:`mla_bridge.select_backend` reads it), the schedule switch, the workspace (by identity: a plan holds its
+    wrappers) and the device."""
     requested = backend if backend is not None else (os.environ.get(ENV_VAR) or None)
-    return (tuple(q_lens), tuple(c_lens), dims, dtype, block_size, workspace.chunk_tokens, requested,
+    return (tuple(q_lens), tuple(c_lens), dims, dtype, kv_cache_dtype, block_size, workspace.chunk_tokens, requested,
             bool(fuse_context), id(workspace), device)
 
 
 class PlanCache:
     """Reuse of :class:`PrefillPlan` across batches: a plan is handed out again only when EVERYTHING it depends on is
-    equal (:attr:`PrefillPlan.key`: the per-request query and context lengths, dims, dtype, block size, chunk budget,
-    backend, workspace and device), never on a partial key.
+    equal (:attr:`PrefillPlan.key`: the per-request query and context lengths, dims, dtype, cache dtype, block size,
+    chunk budget, backend, workspace and device), never on a partial key.
 
     Args:
         maxsize: plans kept (least recently used dropped first; default 8). Each kept plan holds its pooled FlashInfer
@@ -406,21 +408,23 @@ class PlanCache:
     def get(self, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
             workspace: Workspace, block_size: int, device: "torch.device | str | None" = None,
             dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None,
-            fuse_context: bool = True) -> PrefillPlan:
+            fuse_context: bool = True, kv_cache_dtype=None) -> PrefillPlan:
         """The plan of :meth:`PrefillPlan.build` for these arguments: a kept one whose key is equal, else a new one
         (kept). Same arguments and errors as :meth:`PrefillPlan.build`."""
         q_lens = _lengths("query_lens", query_lens)
         c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
         if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
             dev = workspace.device if device is None else _checked_device(device)
-            key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context)
+            key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context,
+                            resolve_kv_cache_dtype(kv_cache_dtype, dtype))
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
                 self.hits += 1
                 return plan
         plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size, device=device,
-                                 dtype=dtype, backend=backend, fuse_context=fuse_context)
+                                 dtype=dtype, backend=backend, fuse_context=fuse_context,
+                                 kv_cache_dtype=kv_cache_dtype)
         self.misses += 1
         self._plans[plan.key] = plan
         while len(self._plans) > self.maxsize:

@@ -25,7 +25,12 @@ from .merge import merge_attn_states_, select_merge
 from .plan import PrefillPlan
 from .weights import PreparedKVBProj, as_prepared, up_projection_weight  # up_projection_weight: moved to weights
 
-__all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes"]
+__all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
+           "ENV_SWITCHES"]
+
+#: The environment switches of mla_bridge's kernel choices (each read by its own chooser, per call).
+ENV_SWITCHES = ("MLA_BRIDGE_BACKEND", "MLA_BRIDGE_KV", "MLA_BRIDGE_GATHER", "MLA_BRIDGE_MERGE",
+                "MLA_BRIDGE_FLASHINFER_DIRECT")
 
 
 def _need(cond: bool, exc: type, msg: str) -> None:
@@ -104,6 +109,23 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     return k_pe
 
 
+
+
+def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Optional[str] = None) -> dict:
+    """What :func:`mla_prefill` will run on ``device`` for ``dtype`` and ``dims`` besides the attention backend
+    (:func:`mla_bridge.select_backend`), as the choosers decide now: ``{"kv": "separate" | "fused", "gather":
+    "triton" | "torch", "merge": "triton" | "flashinfer" | "torch"}`` (the gather is that of the separate path; the
+    merge that of ``[rows, H, v_head_dim]`` partials). For reports (``mla-bridge prefill`` prints it) and to refuse
+    a bad environment switch before any work.
+
+    Raises:
+        ValueError / TypeError / RuntimeError: what :func:`mla_bridge.kv.kv_impl`,
+            :func:`mla_bridge.cache.gather_impl` and :func:`mla_bridge.select_merge` raise for a switch that cannot
+            serve (the message names it).
+    """
+    device = torch.device(device)
+    return {"kv": _kv.kv_impl(device, kv_impl, dtype), "gather": gather_impl(device),
+            "merge": select_merge((1, dims.num_heads, dims.v_head_dim), dtype, device.type).name}
 
 
 PhaseHook = Callable[[str], None]

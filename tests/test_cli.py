@@ -20,7 +20,7 @@ from mla_bridge.reference import reference_request
 PREFILL_FIELDS = {
     "model", "dims", "weight", "device", "device_name", "dtype", "backend", "backend_reason", "passed_over",
     "query_lens", "context_lens", "block_size", "chunk_tokens", "schedule", "num_chunks", "num_plans", "layers",
-    "timing_method", "timings_ms", "flops", "tflops", "peak_extra_memory_bytes", "check", "seed",
+    "timing_method", "timings_ms", "flops", "tflops", "peak_extra_memory_bytes", "check", "seed", "kernels",
 }
 
 
@@ -160,12 +160,50 @@ def test_env_backend_that_cannot_serve(monkeypatch, capsys):
     assert "MLA_BRIDGE_BACKEND" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("env,value", [("MLA_BRIDGE_KV", "bogus"), ("MLA_BRIDGE_KV", "fused"),
+                                       ("MLA_BRIDGE_MERGE", "bogus"), ("MLA_BRIDGE_MERGE", "triton"),
+                                       ("MLA_BRIDGE_GATHER", "bogus")])
+def test_env_kernel_switch_that_cannot_serve_exits_2_before_work(monkeypatch, capsys, env, value):
+    """Exit 2 naming the switch, before planning (was a traceback and exit 1, the exit code of a failed check)."""
+    import mla_bridge.plan as plan_mod
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(env, value)
+    monkeypatch.setattr(plan_mod.PrefillPlan, "build", classmethod(lambda cls, *a, **k: pytest.fail("planned")))
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "3,4", "--context-lens", "5,100",
+                 "--chunk-tokens", "32"]) == 2
+    err = capsys.readouterr().err
+    assert env in err and "Traceback" not in err
+
+
+def test_prefill_reports_its_kernels_and_times_plans_without_gc(tmp_path, monkeypatch):
+    import gc
+
+    import mla_bridge.plan as plan_mod
+
+    real = plan_mod.PrefillPlan.build.__func__
+    seen = []
+
+    def build(cls, *a, **k):
+        seen.append(gc.isenabled())
+        return real(cls, *a, **k)
+
+    monkeypatch.setattr(plan_mod.PrefillPlan, "build", classmethod(build))
+    rc, data = run_json(tmp_path, "--prompt-lens", "3,4", "--context-lens", "5,100", "--chunk-tokens", "32")
+    assert rc == 0 and data["kernels"] == {"kv": "separate", "gather": "torch", "merge": "torch"}
+    assert seen == [False, False] and gc.isenabled()  # a collection inside a timed build read as planning time
+
+
 # ----------------------------------------------------------------------------------------------------- info, bench
 
-def test_info(tmp_path, capsys):
+def test_info(tmp_path, capsys, monkeypatch):
+    from mla_bridge.prefill import ENV_SWITCHES
+
+    monkeypatch.setenv("MLA_BRIDGE_MERGE", "torch")
     path = tmp_path / "info.json"
     assert main(["info", "--json", str(path)]) == 0
     info = json.loads(path.read_text())
+    assert info["MLA_BRIDGE_MERGE"] == "torch" and all(name in info for name in ENV_SWITCHES)
     assert info["torch"] == torch.__version__
     assert info["flashinfer_jit_cache"].endswith(".cache/flashinfer")
     if not torch.cuda.is_available():

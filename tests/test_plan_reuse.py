@@ -46,6 +46,7 @@ def test_every_part_of_the_key_matters(tiny_dims, monkeypatch):
         "fuse_context": (Q, C, _args(tiny_dims, ws, fuse_context=False)),
         "backend": (Q, C, _args(tiny_dims, ws, backend="torch")),
         "workspace": (Q, C, _args(tiny_dims, Workspace("cpu", chunk_tokens=16))),
+        "kv_cache_dtype": (Q, C, _args(tiny_dims, ws, kv_cache_dtype="fp8")),
     }
     seen = {id(base)}
     for name, (q, c, kw) in variants.items():
@@ -61,6 +62,11 @@ def test_every_part_of_the_key_matters(tiny_dims, monkeypatch):
     monkeypatch.delenv("MLA_BRIDGE_BACKEND")
     assert cache.get(Q, C, **_args(tiny_dims, ws)) is base
     assert cache.misses == len(variants) + 2 and cache.hits == 4
+    # the cache dtype is keyed resolved: "fp8", float8_e4m3fn and its uint8 view are one plan; "auto" is the dtype's
+    fp8 = cache.get(Q, C, **_args(tiny_dims, ws, kv_cache_dtype="fp8"))
+    assert fp8.kv_cache_dtype == torch.float8_e4m3fn
+    assert cache.get(Q, C, **_args(tiny_dims, ws, kv_cache_dtype=torch.uint8)) is fp8
+    assert cache.get(Q, C, **_args(tiny_dims, ws, kv_cache_dtype="auto")) is base
 
 
 def test_reused_plan_gives_the_same_result(ref, tiny_dims):

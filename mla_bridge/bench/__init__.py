@@ -170,6 +170,15 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
         except ValueError as err:
             console.print(f"mla-bridge bench: --backend {args.backend}: {err}", style="red", markup=False)
             return 2
+    from ..dims import MLADims
+    from ..prefill import kernel_choices
+
+    try:  # an MLA_BRIDGE_KV / _GATHER / _MERGE that cannot serve here: refused before any work, as --backend
+        kernels = kernel_choices(torch.device("cuda") if use_cuda else torch.device("cpu"),
+                                 torch.bfloat16 if use_cuda else torch.float32, MLADims.deepseek_v2_lite())
+    except (ValueError, TypeError, RuntimeError) as err:
+        console.print(f"mla-bridge bench: {err}", style="red", markup=False)
+        return 2
     quick = bool(getattr(args, "quick", False)) or not use_cuda
     if not use_cuda and not getattr(args, "quick", False):
         console.print("No CUDA device: running the quick CPU version (torch backend, tiny shapes, CPU timers).")
@@ -183,6 +192,7 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
               backend=getattr(args, "backend", None), skip=set(getattr(args, "skip", set()) or ()), budget_s=budget,
               console=console, layers=max(1, getattr(args, "layers", 61)))
     env = environment(ctx)
+    env["kernels"] = kernels  # what the rows without a named path ran (the environment switches included)
     rows: list[Row] = []
     job_times: list[dict] = []
     threads = torch.get_num_threads()

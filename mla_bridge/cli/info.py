@@ -36,6 +36,7 @@ def cmd_info(args, console) -> int:
 
     from .. import __version__
     from ..dispatch import ENV_VAR, flashinfer_version, select_backend
+    from ..prefill import ENV_SWITCHES
 
     info: dict[str, Any] = {
         "mla_bridge": __version__, "python": platform.python_version(), "torch": torch.__version__,
@@ -65,6 +66,9 @@ def cmd_info(args, console) -> int:
                   + ("" if os.environ.get("FLASHINFER_WORKSPACE_BASE") else " (set FLASHINFER_WORKSPACE_BASE to move it)"))
     _row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
     _row(table, ENV_VAR, info[ENV_VAR] or "unset (the dispatch table decides)")
+    for name in ENV_SWITCHES[1:]:
+        info[name] = os.environ.get(name)
+        _row(table, name, info[name] or "unset (the default)")
     table.add_section()
     try:
         choice = select_backend(dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128, causal=True)
