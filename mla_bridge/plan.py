@@ -157,7 +157,9 @@ class PrefillPlan:
             workspace: the device's :class:`Workspace`; ``workspace.chunk_tokens`` bounds one chunk (tokens).
             block_size: tokens per block of the paged latent cache.
             device: must be the workspace's device (default: it).
-            dtype: q / cache / weight dtype (bf16 or fp16 for FlashInfer; float32 runs the torch backend).
+            dtype: q / cache / weight dtype (bf16 or fp16 for FlashInfer; float32 runs the torch backend; float64 is
+                taken too, but the torch backend computes attention in float32: out comes back in float64 with
+                float32 accuracy, LSE is float32; for a float64 reference use :mod:`mla_bridge.reference`).
             backend: force a backend for every pass (see :func:`mla_bridge.select_backend`).
             fuse_context: allow the fused single-pass schedule when the context fits one chunk (default True).
             kv_cache_dtype: the paged cache's dtype (``plan.kv_cache_dtype``): None / ``"auto"`` = ``dtype``;

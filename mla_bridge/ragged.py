@@ -371,10 +371,14 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
         backend: force a backend (see :func:`mla_bridge.select_backend`); default: the dispatch table decides.
 
     Raises:
-        TypeError / ValueError: bad indptrs (named), sizes, ``sm_scale``; lengths that disagree between the two
-            indptrs; a forced backend that cannot serve.
+        TypeError / ValueError: bad indptrs (named), sizes, ``sm_scale``, a ``causal`` that is not a bool (None or
+            0/1 would be read as a mask choice silently); lengths that disagree between the two indptrs; a forced
+            backend that cannot serve.
         WorkspaceTooSmallError: FlashInfer's plan needs more float workspace than the workspace may grow to.
     """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool (True: the main pass's bottom-right causal mask; False: none), got "
+                        f"{causal!r}")
     qo = as_host_indptr("qo_indptr", qo_indptr)
     kv = as_host_indptr("kv_indptr", kv_indptr)
     if qo.numel() != kv.numel():

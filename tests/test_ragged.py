@@ -193,3 +193,13 @@ def test_reference_is_not_trivial(ref):
     b, _ = ref.ragged_reference(q, k, v, qo, kv, causal=False, sm_scale=0.2)
     assert not torch.allclose(a[:3], b[:3]) and torch.allclose(a[3], b[3])
     torch.testing.assert_close(a[0], v[0].double())  # the first query sees only the first key
+
+
+@pytest.mark.parametrize("causal", [None, 0, 1, "yes"])
+def test_causal_must_be_a_bool(causal):
+    """None or 0/1 were read for truthiness: causal=None silently planned a non-causal pass."""
+    from mla_bridge import Workspace, plan_ragged
+
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        plan_ragged([0, 4], [0, 4], num_heads=2, head_dim_qk=8, head_dim_vo=4, causal=causal, sm_scale=0.3,
+                    dtype=torch.float32, workspace=Workspace("cpu"))
