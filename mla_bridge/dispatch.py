@@ -303,7 +303,7 @@ def select_backend(
         causal, num_heads, qo_indptr, kv_indptr: host lengths, known at plan time (indptrs as sequences of ints or
             integer tensors); they enable the cutlass checks on q_len > kv_len and on plan work items.
         requested: force a backend by name (one of :data:`BACKEND_NAMES`, or "auto"); when ``None`` the
-            environment variable ``MLA_BRIDGE_BACKEND`` is read.
+            environment variable ``MLA_BRIDGE_BACKEND`` is read (case-insensitively, spaces stripped).
         cuda_version: ``(major, minor)`` of the CUDA toolkit (default: ``torch.version.cuda``).
 
     Returns:
@@ -332,7 +332,7 @@ def select_backend(
     flashinfer = flashinfer_version() is not None
     source = "requested"
     if requested is None:
-        requested = os.environ.get(ENV_VAR) or None
+        requested = (os.environ.get(ENV_VAR) or "").strip().lower() or None  # read as the other switches are
         source = f"{ENV_VAR}"
     key = None
     if capability is None or capability[0] not in CUTLASS_MAJORS:

@@ -487,3 +487,12 @@ def test_empty_problem_never_reaches_flashinfer(fake_sm100):
     plan = plan_mla(Workspace("cuda:0"), [0, 0, 0], [0, 4, 6], causal=False)
     assert FakeWrapper.instances == []
     assert plan.backend.name == "flashinfer-cutlass"
+
+
+def test_env_backend_is_read_case_insensitively(monkeypatch):
+    """MLA_BRIDGE_BACKEND=TORCH was refused as an unknown backend; the other environment switches ignore case."""
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", " TORCH ")
+    assert select_backend(torch.device("cpu"), dtype=torch.float32, head_dim_qk=192, head_dim_vo=128).name == "torch"
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "Torch-ish")
+    with pytest.raises(ValueError, match="MLA_BRIDGE_BACKEND: unknown backend 'torch-ish'"):
+        select_backend(torch.device("cpu"), dtype=torch.float32, head_dim_qk=192, head_dim_vo=128)
