@@ -7,20 +7,24 @@ the latents already up-projected (``expand_kv``): D_qk 192, D_v 128, H_kv == H; 
 Conversion (no attention math here):
 
 * The mask is transformers' ``sdpa_mask`` (registered with the function): boolean, True = may attend, or ``None``.
-  It is served when it is exactly "key padding + causal, bottom-right aligned": key ``j`` visible to query ``i`` iff
-  key ``j`` is not padding and ``j <= i + K - Q`` (the new tokens are the last Q of transformers' cache; a
-  continuation over its KV cache has Q < K). ``None`` means no padding and causal (transformers passes it only when
-  Q == K or Q == 1). Each batch row becomes one ragged request holding its non-padding keys and the queries at
-  non-padding positions, so the causal mask among them is bottom-right aligned on the packed request; padding may be
-  left, right or anywhere. Rows of padding tokens get output 0 (eager gives them an arbitrary average).
+  ``None`` means what it means to sdpa (``sdpa_attention_forward``: ``is_causal`` when Q > 1): causal aligned top-left,
+  so with Q < K (a static cache, whose last K - Q slots are not written yet) the queries see the first Q keys only;
+  a single query sees all K keys. A mask is served when it is exactly "causal over each batch row's valid keys,
+  bottom-right aligned": every query row sees a prefix of that row's valid keys (the keys any query sees), the
+  rows that see none are padding (output 0; eager gives them an arbitrary average), and the others see one key
+  more each, the last one all of them. That is transformers' mask for no padding, left padding, a continuation over
+  its KV cache (Q < K) and a static cache (decode steps whose query is not the last slot). Each batch row becomes one
+  ragged request holding its valid keys and its non-padding queries. Right padding or padding inside a row is not of
+  that form (a padding query there sees keys, as in eager): it is handed to sdpa.
 * Plans (:func:`mla_bridge.plan_ragged`) are reused while the lengths stay the same: every layer of one forward shares
   one plan. The mask is checked (one device-to-host copy) once per mask object, not per layer; no mask costs no
   device work.
 
 Handed back to transformers (the reason is logged once per kind), never silently wrong:
 ``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``), ``output_attentions`` (to ``eager``, the
-only implementation returning weights), fewer key/value heads than query heads (GQA), a non-causal module, a float
-(additive) mask, or any boolean mask of another structure (packed sequences, custom patterns): ``sdpa``.
+only implementation returning weights, with ``None`` turned into sdpa's causal mask), fewer key/value heads than query
+heads (GQA), a non-causal module, a float (additive) mask, or any boolean mask of another structure (right or inner
+padding, packed sequences, custom patterns): ``sdpa``.
 """
 
 from __future__ import annotations
@@ -46,24 +50,32 @@ _mask_cache: list = [None, None, None]  # [weakref to the mask, its _version, (k
 
 
 def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int,
-                     device: torch.device) -> Optional[torch.Tensor]:
-    """The non-padding keys ``[B, K]`` (bool) of a "key padding + bottom-right causal" mask, or ``None`` when
-    ``attention_mask`` has another structure.
+                     device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(q_valid [B, Q], key_valid [B, K])`` (bool) of a mask that is "causal over each row's valid keys, bottom-right
+    aligned" (module docstring), or ``None`` when ``attention_mask`` has another structure.
 
     Args:
-        attention_mask: boolean ``[B, 1, Q, K]`` (True = may attend) or ``None`` (no padding, causal).
+        attention_mask: boolean ``[B or 1, 1, Q, K]`` (True = may attend) or ``None`` (sdpa's ``is_causal``: top-left
+            causal for Q > 1, so only the first Q keys are seen; one query sees all K).
     """
     if attention_mask is None:
-        return torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+        used = kv_len if q_len == 1 else min(q_len, kv_len)
+        key_valid = torch.zeros(batch, kv_len, dtype=torch.bool, device=device)
+        key_valid[:, :used] = True
+        return torch.ones(batch, q_len, dtype=torch.bool, device=device), key_valid
     m = attention_mask
     if m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or tuple(m.shape[2:]) != (q_len, kv_len):
         return None
     m = m.expand(batch, 1, q_len, kv_len)[:, 0]
-    key_valid = m[:, -1, :]
-    i = torch.arange(q_len, device=m.device).view(-1, 1)
-    j = torch.arange(kv_len, device=m.device).view(1, -1)
-    expected = key_valid[:, None, :] & (j <= i + (kv_len - q_len))[None]
-    return key_valid if torch.equal(m, expected) else None
+    key_valid = m.any(dim=1)  # the keys some query sees
+    seen = m.sum(dim=2)  # keys each query sees
+    rank = key_valid.cumsum(dim=1)  # 1-based rank of a valid key among its row's valid keys
+    prefixes = key_valid[:, None, :] & (rank[:, None, :] <= seen[:, :, None])
+    q_valid = seen > 0
+    # the non-padding queries see one key more each, the last all of the row's valid keys (bottom-right causal)
+    want = q_valid.cumsum(dim=1) + (key_valid.sum(dim=1) - q_valid.sum(dim=1))[:, None]
+    causal = torch.where(q_valid, seen == want, True)
+    return (q_valid, key_valid) if torch.equal(m, prefixes) and bool(causal.all()) else None
 
 
 def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
@@ -103,6 +115,9 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
             raise NotImplementedError(f"mla_bridge attention: {reason} needs eager attention, and "
                                       f"{type(module).__module__} has no eager_attention_forward; load the model with "
                                       f"attn_implementation='eager'")
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is None and q_len > 1:  # sdpa's is_causal (top-left), which eager needs spelled out
+            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()[None, None]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
                 ~attention_mask, torch.finfo(query.dtype).min)
@@ -113,22 +128,27 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
 
 
 def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
-    """``(key_valid [B, K] bool or None when nothing is padding, q_lens, kv_lens)`` of a servable mask, else None.
+    """``(q_valid, key_valid, q_lens, kv_lens, keys)`` of a servable mask, else None: ``q_valid`` / ``key_valid``
+    bool ``[B, Q]`` / ``[B, K]``, or both None when every query is real and the first ``keys`` keys of every row are
+    the valid ones (then q, k[:keys], v[:keys] are reshaped, not gathered).
 
     ``None`` (no mask) costs no device work. A mask costs one check and one device-to-host copy; the layers of one
     forward get the same mask object, so the result is kept while that object lives unmodified (``_version``)."""
     if attention_mask is None:
-        return None, (q_len,) * b, (kv_len,) * b
+        keys = kv_len if q_len == 1 else min(q_len, kv_len)  # sdpa's is_causal: top-left aligned
+        return None, None, (q_len,) * b, (keys,) * b, keys
     ref, version, cached = _mask_cache
     if ref is not None and ref() is attention_mask and version == attention_mask._version:
         return cached
-    key_valid = ragged_from_mask(attention_mask, b, q_len, kv_len, device)
-    if key_valid is None:
+    valid = ragged_from_mask(attention_mask, b, q_len, kv_len, device)
+    if valid is None:
         result = None
     else:
-        lens = torch.stack([key_valid[:, kv_len - q_len:].sum(1), key_valid.sum(1)]).cpu()
+        q_valid, key_valid = valid
+        lens = torch.stack([q_valid.sum(1), key_valid.sum(1)]).cpu()
         q_lens, kv_lens = tuple(lens[0].tolist()), tuple(lens[1].tolist())
-        result = (None if sum(kv_lens) == b * kv_len else key_valid), q_lens, kv_lens
+        dense = sum(q_lens) == b * q_len and sum(kv_lens) == b * kv_len
+        result = (None, None, q_lens, kv_lens, kv_len) if dense else (q_valid, key_valid, q_lens, kv_lens, kv_len)
     _mask_cache[:] = [weakref.ref(attention_mask), attention_mask._version, result]
     return result
 
@@ -165,22 +185,22 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     kv_len, d_vo = key.shape[2], value.shape[-1]
     layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device)
     if reason is None and layout is None:
-        reason = "an attention mask other than key padding + causal (custom or packed)"
+        reason = ("an attention mask other than causal over each row's valid keys (right or inner padding, a custom "
+                  "or packed mask)")
     if reason is not None:
         return _hand_back(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
-    key_valid, q_lens, kv_lens = layout
+    q_valid, key_valid, q_lens, kv_lens, keys = layout
     sm_scale = float(scaling) if scaling is not None else d_qk ** -0.5
-    q_valid = None if key_valid is None else key_valid[:, kv_len - q_len:]
-    all_valid = key_valid is None
-    qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, len, H, D]
-    if all_valid:
-        q, k, v = qt.reshape(b * q_len, h, d_qk), kt.reshape(b * kv_len, h, d_qk), vt.reshape(b * kv_len, h, d_vo)
+    dense = key_valid is None
+    qt, kt, vt = query.transpose(1, 2), key[:, :, :keys].transpose(1, 2), value[:, :, :keys].transpose(1, 2)
+    if dense:  # [B, len, H, D] -> [B * len, H, D]: views where transformers' layout allows, else one copy
+        q, k, v = qt.reshape(b * q_len, h, d_qk), kt.reshape(b * keys, h, d_qk), vt.reshape(b * keys, h, d_vo)
     else:
         q, k, v = qt[q_valid], kt[key_valid], vt[key_valid]
     plan = _plan(q_lens, kv_lens, h, d_qk, d_vo, sm_scale, query.dtype, query.device)
     out, _ = plan.run(q, k, v)
-    if all_valid:
+    if dense:
         return out.view(b, q_len, h, d_vo), None
     full = out.new_zeros(b, q_len, h, d_vo)
     full[q_valid] = out

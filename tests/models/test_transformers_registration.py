@@ -42,11 +42,11 @@ def no_hand_back(monkeypatch):
     monkeypatch.setattr(mbt_attention, "_hand_back", refuse)
 
 
-def _generate(model, input_ids, attention_mask=None):
+def _generate(model, input_ids, attention_mask=None, steps=STEPS, **kwargs):
     with torch.no_grad():
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=STEPS,
-                              min_new_tokens=STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                              pad_token_id=0)
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps,
+                              min_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=0, **kwargs)
 
 
 def test_registered_name_is_the_model_attention(pair):
@@ -92,15 +92,52 @@ def test_left_padded_batch_equals_eager(pair, no_hand_back, two_torch_threads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
 
 
-def test_right_padded_batch_equals_eager(pair, no_hand_back, two_torch_threads):
+def test_right_padded_batch_equals_eager_at_every_position(pair, caplog, two_torch_threads):
+    """A right-padded row's padding queries see its real keys (eager gives them defined values): not the served mask
+    structure, so the call goes to sdpa, and every position equals eager (mla_bridge gave 0 at padding rows)."""
     eager, ours = pair
     ids = torch.randint(3, eager.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
-    with torch.no_grad():
+    mbt_attention._warned.clear()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="mla_bridge_transformers"):
         want, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
-    valid = mask.bool()
-    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert "right or inner padding" in caplog.text
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_cache_generate_equals_eager(pair, no_hand_back, two_torch_threads, padded):
+    """A static cache hands every layer all max_cache_len key slots, the unwritten ones masked (decode steps: the query
+    is not the last slot) or, with no mask, excluded by sdpa's top-left causal (the prefill): mla_bridge gave zero
+    attention on decode steps and read unwritten slots in the prefill."""
+    eager, ours = pair
+    g = torch.Generator().manual_seed(6)
+    lens = [8, 5] if padded else [8]
+    ids = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lens):
+        ids[r, -n:] = torch.randint(3, eager.config.vocab_size, (n,), generator=g)
+        mask[r, -n:] = 1
+    kw = dict(steps=6, cache_implementation="static")
+    g_want, g_got = _generate(eager, ids, mask, **kw), _generate(ours, ids, mask, **kw)
+    assert torch.equal(g_got.sequences, g_want.sequences)
+    for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"static cache, step {step}: {m}")
+
+
+def test_output_attentions_without_a_mask_is_causal(pair, two_torch_threads):
+    """transformers' sdpa mask is None for a plain causal batch; handed to eager, None must become the causal mask
+    (eager attended to every key: logits 0.49 off, attention mass above the diagonal)."""
+    eager, ours = pair
+    ids = torch.randint(3, eager.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = eager(ids, output_attentions=True)
+        got = ours(ids, output_attentions=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=0)
+    for a, b in zip(got.attentions, want.attentions):
+        assert float(a.triu(1).abs().max()) == 0.0
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 def test_one_plan_and_one_mask_check_per_forward(pair, no_hand_back, monkeypatch, two_torch_threads):
@@ -142,14 +179,35 @@ def _sdpa_mask(padding, q_len, kv_len):
 
 
 @pytest.mark.parametrize("q_len,kv_len", [(6, 6), (2, 6), (1, 6)])
-def test_padding_masks_become_key_lengths(q_len, kv_len):
-    padding = torch.ones(3, kv_len, dtype=torch.bool)
-    padding[0, :2] = False  # left
-    padding[1, -1] = False  # right
-    padding[2, 3] = False  # inside
-    key_valid = mbt.ragged_from_mask(_sdpa_mask(padding, q_len, kv_len), 3, q_len, kv_len, torch.device("cpu"))
-    assert torch.equal(key_valid, padding)
-    assert torch.equal(mbt.ragged_from_mask(None, 2, 4, 4, torch.device("cpu")), torch.ones(2, 4, dtype=torch.bool))
+def test_padding_masks_become_ragged_lengths(q_len, kv_len):
+    cpu = torch.device("cpu")
+    left = torch.ones(2, kv_len, dtype=torch.bool)
+    left[0, :2] = False
+    q_valid, key_valid = mbt.ragged_from_mask(_sdpa_mask(left, q_len, kv_len), 2, q_len, kv_len, cpu)
+    assert torch.equal(key_valid, left) and torch.equal(q_valid, left[:, kv_len - q_len:])
+    for slot in (kv_len - 1, 3):  # right padding, padding inside
+        padding = torch.ones(2, kv_len, dtype=torch.bool)
+        padding[1, slot] = False
+        got = mbt.ragged_from_mask(_sdpa_mask(padding, q_len, kv_len), 2, q_len, kv_len, cpu)
+        if q_len > 1 and slot >= kv_len - q_len:  # a padding query that sees keys (eager: a defined value)
+            assert got is None
+        else:  # the padding is among the cached keys only, or the one query sees every valid key: served as is
+            assert torch.equal(got[1], padding) and bool(got[0].all())
+    q_valid, key_valid = mbt.ragged_from_mask(None, 2, 4, 4, cpu)
+    assert bool(q_valid.all()) and bool(key_valid.all())
+
+
+def test_masks_of_a_static_cache_are_served_with_their_written_slots():
+    cpu = torch.device("cpu")
+    decode = torch.zeros(1, 1, 1, 10, dtype=torch.bool)
+    decode[..., :8] = True  # the query is slot 7 of 10; slots 8 and 9 are not written yet
+    q_valid, key_valid = mbt.ragged_from_mask(decode, 1, 1, 10, cpu)
+    assert bool(q_valid.all()) and torch.equal(key_valid[0], decode[0, 0, 0])
+    top_left = torch.ones(2, 1, 2, 6, dtype=torch.bool).tril()  # a prefill of 2 into a cache of 6
+    q_valid, key_valid = mbt.ragged_from_mask(top_left, 2, 2, 6, cpu)
+    assert bool(q_valid.all()) and key_valid.sum(1).tolist() == [2, 2] and bool(key_valid[:, :2].all())
+    q_valid, key_valid = mbt.ragged_from_mask(None, 1, 8, 10, cpu)  # no mask, Q < K: sdpa's top-left causal
+    assert key_valid.sum().item() == 8 and bool(key_valid[0, :8].all())
 
 
 def test_custom_masks_are_not_taken_for_padding():
@@ -158,8 +216,9 @@ def test_custom_masks_are_not_taken_for_padding():
     sliding = m.clone()
     sliding[:, :, 5, 0] = False  # one key hidden from one query only
     assert mbt.ragged_from_mask(sliding, 2, 6, 6, cpu) is None
-    top_left = torch.ones(2, 1, 2, 6, dtype=torch.bool).tril()  # causal aligned top-left for a continuation
-    assert mbt.ragged_from_mask(top_left, 2, 2, 6, cpu) is None
+    skip = m.clone()
+    skip[:, :, 3] = skip[:, :, 2]  # two queries that see the same keys
+    assert mbt.ragged_from_mask(skip, 2, 6, 6, cpu) is None
     assert mbt.ragged_from_mask(m.float(), 2, 6, 6, cpu) is None
     assert mbt.ragged_from_mask(m.expand(2, 4, 6, 6), 2, 6, 6, cpu) is None  # per-head mask
 
@@ -182,7 +241,7 @@ def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2
     (dict(kv_heads=1), "GQA"),
     (dict(is_causal=False), "non-causal"),
     (dict(mask=torch.zeros(1, 1, 4, 4)), "mask"),
-    (dict(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool)), "other than key padding"),
+    (dict(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool)), "other than causal over each row"),
 ])
 def test_unservable_calls_go_to_sdpa(monkeypatch, caplog, change, reason):
     seen = {}
