@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -66,16 +67,37 @@ def ttft(model, ids: torch.Tensor, warmup: int, repeats: int) -> tuple[list[floa
     return times, first
 
 
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and prompts (CPU smoke run)")
-    parser.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (default 10000; quick 64)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="batch sizes (default 1 4)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2; quick 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs (default 5; quick 2)")
+    parser.add_argument("--prompt-len", type=_count(1), default=None, help="tokens per prompt (default 10000; quick 64)")
+    parser.add_argument("--batch", type=_count(1), nargs="+", default=[1, 4], help="batch sizes (default 1 4)")
+    parser.add_argument("--layers", type=_count(1), default=4)
+    parser.add_argument("--warmup", type=_count(0), default=None, help="untimed runs first (default 2; quick 1)")
+    parser.add_argument("--repeats", type=_count(1), default=None, help="timed runs (default 5; quick 2)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.json is not None:  # refused now, not after minutes of timing (and no file left by the check)
+        existed = os.path.exists(args.json)
+        try:
+            with open(args.json, "a", encoding="utf-8"):
+                pass
+        except OSError as err:
+            parser.error(f"--json {args.json}: {err.strerror}")
+        if not existed:
+            os.remove(args.json)
     prompt = args.prompt_len or (64 if args.quick else 10000)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)

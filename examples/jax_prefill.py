@@ -6,6 +6,8 @@ cutlass on B200, fa2 elsewhere), on a CPU the core's torch backend. Install: pip
     python examples/jax_prefill.py
 """
 
+import argparse
+
 import numpy as np
 
 import jax
@@ -13,6 +15,8 @@ import jax.numpy as jnp
 
 import mla_bridge_jax as mj
 from mla_bridge import MLADims
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 dims = MLADims.deepseek_v2_lite()  # 16 heads, q/k 192 (128 nope + 64 rope), v 128, YaRN softmax scale
 H = dims.num_heads

@@ -5,9 +5,13 @@
 Runs FlashInfer on an NVIDIA GPU (bf16) and the torch reference backend on the CPU (float32).
 """
 
+import argparse
+
 import torch
 
 from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

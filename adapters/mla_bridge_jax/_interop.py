@@ -40,8 +40,14 @@ def check_array(name: str, x: Any) -> None:
 
     Raises:
         TypeError: naming ``name``; a torch tensor or numpy array gets a hint on how to convert it.
+        ValueError: a deleted (or donated) array, naming ``name``.
     """
-    if isinstance(x, (jax.Array, jax.core.Tracer)):
+    if isinstance(x, jax.core.Tracer):
+        return
+    if isinstance(x, jax.Array):
+        if x.is_deleted():  # donated or deleted: its buffer is gone (was a TypeError about NoneType)
+            raise ValueError(f"{name} has been deleted (donated to another computation or deleted); pass a live "
+                             f"jax.Array")
         return
     hint = ""
     if isinstance(x, torch.Tensor):
@@ -140,8 +146,8 @@ def to_torch(name: str, x: Any) -> torch.Tensor:
     check_array(name, x)
     devices = x.sharding.device_set
     if len(devices) != 1:
-        raise ValueError(f"{name} is spread over {len(devices)} devices; call mla_bridge_jax per device "
-                         f"(mla_bridge_jax.shard_heads) or under jax.jit")
+        raise ValueError(f"{name} is spread over {len(devices)} devices; split the heads over them with "
+                         f"mla_bridge_jax.sharded_ragged_prefill / sharded_mla_prefill (or call under jax.jit)")
     return torch.from_dlpack(x)
 
 

@@ -153,11 +153,17 @@ def _spread_over_devices() -> Optional[str]:
     return None
 
 
-def _route(requested: Optional[str], plan: Any) -> str:
-    """The traced route for ``plan``: "auto" takes tvm_ffi when it can serve and the call is single-device."""
+def _check_route(requested: Optional[str]) -> str:
+    """``requested`` (or ``$MLA_BRIDGE_JAX_JIT_ROUTE``, or "auto") checked against :data:`JIT_ROUTES`."""
     route = requested or os.environ.get(ENV_JIT_ROUTE) or "auto"
     if route not in JIT_ROUTES:
         raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {route!r}")
+    return route
+
+
+def _route(requested: Optional[str], plan: Any) -> str:
+    """The traced route for ``plan``: "auto" takes tvm_ffi when it can serve and the call is single-device."""
+    route = _check_route(requested)
     if route == "buffer_callback":
         return route
     from . import tvm_ffi
@@ -249,6 +255,7 @@ def ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_
         InferenceOnlyError: on differentiation.
     """
     _check_qkv(q, k, v)
+    _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike
     qo = host_values("qo_indptr", qo_indptr, where="ragged_prefill")
     kv = host_values("kv_indptr", kv_indptr, where="ragged_prefill")
     if not any(is_tracer(x) for x in (q, k, v)):

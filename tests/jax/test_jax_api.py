@@ -362,3 +362,15 @@ def test_out_of_range_block_table_under_jit_surfaces_the_real_message():
     assert lines[-1] == "ValueError: mla_bridge_jax.mla_prefill: block_table row 0 holds block ids outside [0, 3)"
     with pytest.raises(ValueError, match=r"^block_table row 0 holds block ids outside \[0, 3\)"):
         mj.mla_prefill(*args, table, plan)  # eagerly: the core's own error, unchanged
+
+
+def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
+    """A bad jit_route was accepted by eager calls (only traced calls checked it); a deleted array gave
+    "TypeError: object of type 'NoneType' has no len()"."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="jit_route must be one of"):
+        mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM, jit_route="bogus")
+    gone = jnp.array(q)
+    gone.delete()
+    with pytest.raises(ValueError, match="q has been deleted"):
+        mj.ragged_prefill(gone, k, v, QO, KV, causal=True, sm_scale=SM)
