@@ -4,6 +4,9 @@
 * ``MLA_BRIDGE_BACKEND`` is cleared for every test so that a developer's shell cannot change what is tested.
 * ``triton_interpreted``: runs a test module's function under ``TRITON_INTERPRET=1`` in a subprocess (Triton kernels
   on CPU tensors), skipped where Triton is missing (CI) or CUDA is present (the GPU tests cover compiled kernels).
+* ``fake_cuda_runtime``: makes torch report one CUDA device with stand-in streams and events, and
+  ``mla_bridge.workspace`` allocate its "device" buffers on the CPU, so that the CUDA branches of planning and running
+  can be exercised on a CPU-only machine.
 * ``ref``: independent float64 references (dense attention with an explicit mask, MLA prefill over the whole
   sequence rebuilt from the paged cache) and builders of random inputs. Nothing here calls mla_bridge's kernels.
 """
@@ -269,3 +272,35 @@ def triton_interpreted():
         return res.stdout
 
     return run
+
+
+class _TorchOnCPU:
+    """``torch`` for mla_bridge.workspace with its device allocations made on the CPU (no CUDA here)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+
+@pytest.fixture
+def fake_cuda_runtime(monkeypatch):
+    """``install(capability, current_stream, event_class, capturing)``: torch reports one CUDA device of
+    ``capability()`` (CUDA 12.8), ``torch.cuda.current_stream`` returns ``current_stream()``, ``torch.cuda.Event`` is
+    ``event_class``, ``is_current_stream_capturing`` returns ``capturing()``, and mla_bridge.workspace allocates on the
+    CPU. The callers add their own FlashInfer wrapper stand-in."""
+    import mla_bridge.workspace as workspace_module
+
+    def install(capability, current_stream, event_class, capturing=lambda: False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: capability())
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current_stream())
+        monkeypatch.setattr(torch.cuda, "Event", event_class)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+        monkeypatch.setattr(workspace_module, "torch", _TorchOnCPU())
+
+    return install

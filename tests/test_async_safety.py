@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import mla_bridge.dispatch as dispatch
-import mla_bridge.workspace as workspace_module
 from mla_bridge import Workspace, plan_ragged
 from mla_bridge.backends import flashinfer as fi_backend
 
@@ -118,31 +117,13 @@ class StandInWrapper:
         self._float_workspace_buffer = float_workspace_buffer
 
 
-class _TorchOnCPU:
-    """``torch`` for mla_bridge.workspace with its device allocations made on the CPU (no CUDA here)."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, device=None, **kwargs):
-        return torch.empty(*args, **kwargs)
-
-
 @pytest.fixture
-def gpu(monkeypatch):
+def gpu(monkeypatch, fake_cuda_runtime):
     """A fake SM90 device (fa3 by default; fa2/cutlass when forced) with stand-in streams, events and wrapper."""
     g = FakeGPU()
     StandInWrapper.instances = []
     monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: g.capability)
-    monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: g.current)
-    monkeypatch.setattr(torch.cuda, "Event", make_event_class(g))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: g.capturing)
-    monkeypatch.setattr(workspace_module, "torch", _TorchOnCPU())
+    fake_cuda_runtime(lambda: g.capability, lambda: g.current, make_event_class(g), lambda: g.capturing)
     monkeypatch.setattr(fi_backend, "new_wrapper", lambda buf, backend: StandInWrapper(g, buf, backend))
     g.capability = (9, 0)
     return g

@@ -17,7 +17,6 @@ import torch
 
 import mla_bridge.dispatch as dispatch
 import mla_bridge.plan as plan_mod
-import mla_bridge.workspace as workspace_module
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
 from mla_bridge.backends import flashinfer as fi_backend
 from mla_bridge.plan import schedule_context_chunks
@@ -52,29 +51,13 @@ class _Wrapper:
         self.planned.append((qo.tolist(), kv.tolist(), kwargs["causal"]))
 
 
-class _TorchOnCPU:
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, device=None, **kwargs):
-        return torch.empty(*args, **kwargs)
-
-
 @pytest.fixture
-def fake_cuda(monkeypatch):
+def fake_cuda(monkeypatch, fake_cuda_runtime):
     """A fake SM90 device: planning takes every CUDA branch; the device expansion's torch ops run on the CPU
     (page-locking is the identity: CPU-only torch cannot page-lock). Returns the list of tables expanded."""
     stream = _Stream()
     monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
-    monkeypatch.setattr(torch.version, "cuda", "12.8")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(workspace_module, "torch", _TorchOnCPU())
+    fake_cuda_runtime(lambda: (9, 0), lambda: stream, _Event)
     monkeypatch.setattr(fi_backend, "new_wrapper", _Wrapper)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     tables = []
