@@ -67,26 +67,17 @@ def ttft(model, ids: torch.Tensor, warmup: int, repeats: int) -> tuple[list[floa
     return times, first
 
 
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
-
-
 def main(argv=None) -> list[dict]:
+    from mla_bridge.cli.args import nonnegative_int, positive_int
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and prompts (CPU smoke run)")
-    parser.add_argument("--prompt-len", type=_count(1), default=None, help="tokens per prompt (default 10000; quick 64)")
-    parser.add_argument("--batch", type=_count(1), nargs="+", default=[1, 4], help="batch sizes (default 1 4)")
-    parser.add_argument("--layers", type=_count(1), default=4)
-    parser.add_argument("--warmup", type=_count(0), default=None, help="untimed runs first (default 2; quick 1)")
-    parser.add_argument("--repeats", type=_count(1), default=None, help="timed runs (default 5; quick 2)")
+    parser.add_argument("--prompt-len", type=positive_int, default=None,
+                        help="tokens per prompt (default 10000; quick 64)")
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[1, 4], help="batch sizes (default 1 4)")
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--warmup", type=nonnegative_int, default=None, help="untimed runs first (default 2; quick 1)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed runs (default 5; quick 2)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     if args.json is not None:  # refused now, not after minutes of timing (and no file left by the check)
