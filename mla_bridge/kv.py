@@ -88,11 +88,13 @@ def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torc
 
 
 def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                      kv_cache_scale, weight: PreparedKVBProj, hook: Hook, impl: Optional[str] = None):
+                      kv_cache_scale, weight: PreparedKVBProj, hook: Hook, impl: Optional[str] = None,
+                      gather: Optional[str] = None):
     """k, v of the fused schedule's one pass: ``main_kv_indptr[-1]`` keys, each request's context rows (placed by
     ``plan.ctx_dst``) followed by its new tokens (``plan.new_dst``). ``kv_cache`` / ``kv_cache_scale`` as checked by
     :func:`mla_bridge.cache.check_kv_cache`; ``k_pe`` ``[T, rope]``. Calls ``hook("gather")`` before a separate gather
-    and ``hook("up-projection")`` before the GEMM (the fused kernel is one "up-projection" phase)."""
+    and ``hook("up-projection")`` before the GEMM (the fused kernel is one "up-projection" phase). ``impl`` /
+    ``gather``: the choices of :func:`kv_impl` / :func:`mla_bridge.cache.gather_impl`, when the caller made them."""
     if (impl or kv_impl(plan.device)) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
@@ -102,7 +104,7 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
                           new_dst=plan.new_dst, kv_cache_scale=kv_cache_scale)
         return k, v
     hook("gather")
-    latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale)
+    latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather)
     hook("up-projection")
     return weight.up_project(latent)
 
@@ -124,7 +126,7 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
 
 
 def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_scale, weight: PreparedKVBProj,
-             dtype: torch.dtype, hook: Hook, impl: Optional[str] = None):
+             dtype: torch.dtype, hook: Hook, impl: Optional[str] = None, gather: Optional[str] = None):
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows
     ``(chunk.req_ids[i], chunk.positions[i])`` in order. Hooks as :func:`fused_schedule_kv`."""
     if (impl or kv_impl(kv_cache.device)) == "fused":
@@ -136,6 +138,6 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
         return k, v
     hook("gather")
     latent = gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, dtype=dtype,
-                           kv_cache_scale=kv_cache_scale)
+                           kv_cache_scale=kv_cache_scale, impl=gather)
     hook("up-projection")
     return weight.up_project(latent)

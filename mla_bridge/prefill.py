@@ -179,10 +179,10 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)
     kv_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
-    # the other kernels this call will choose, chosen now: an environment switch that cannot serve is refused here,
-    # before anything is allocated or written (not after the main pass has written out)
-    if plan.num_context_tokens and impl == "separate":
-        gather_impl(plan.device)
+    # the other kernels of this call, chosen once, now: an environment switch that cannot serve is refused here,
+    # before anything is allocated or written (not after the main pass has written out); the gather choice is
+    # handed to every pass
+    gather = gather_impl(plan.device) if plan.num_context_tokens and impl == "separate" else None
     if plan.chunks:
         select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type)
     hook = phase_hook or (lambda name: None)
@@ -194,7 +194,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight is prepared here, per call
     if plan.fused:
-        k, v = fused_schedule_kv(plan, kv_c, k_pe, kv_cache, block_table, scale, weight, hook, impl)
+        k, v = fused_schedule_kv(plan, kv_c, k_pe, kv_cache, block_table, scale, weight, hook, impl, gather)
     else:
         k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
     hook("main pass")
@@ -203,7 +203,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         if chunk.plan is None:
             continue
         del k, v  # free the previous pass's buffers before this chunk allocates its own
-        k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl)
+        k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl, gather)
         hook("context chunk")
         rows = slice(chunk.q_start, chunk.q_end)
         chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, lse_base="log2")  # FlashInfer's base 2, unconverted
