@@ -63,7 +63,7 @@ def head_dims_why_not(backend: str, head_dim_qk: Optional[int], head_dim_vo: Opt
     """Why FlashInfer ``backend`` ("fa2", "fa3", "cutlass") cannot take these head dims, or ``None`` if it can.
 
     ``None`` dims are unknown and pass. Sources: see the module docstring (fa2: flashinfer#4299 / PR #4312;
-    fa3: ``is_fa3_prefill_head_dim_supported``; cutlass: ``DISPATCH_head_dim``), measured on the H200 by
+    fa3: ``is_fa3_prefill_head_dim_supported``; cutlass: ``DISPATCH_head_dim``), measured on the H200 on 2026-12-01 by
     ``scripts/gpu/head_dim_grid.sh``.
     """
     qk, vo = head_dim_qk, head_dim_vo

@@ -31,8 +31,8 @@ FlashInfer 0.7.4's merge (``include/flashinfer/attention/cascade.cuh``, ``MergeS
   only; anything else raises "Unsupported head_dim" (:data:`FLASHINFER_MERGE_HEAD_DIMS`);
 * takes fp16/bf16 only (``DISPATCH_DLPACK_DTYPE_TO_CTYPE_FP16`` in ``csrc/cascade.cu``);
 * indexes ``(pos * num_heads + head) * head_dim`` in ``uint32_t``: a tensor of ``2**32`` elements or more wraps
-  and its last rows come back wrong (seen on the H200: max error 3.25 out of place, 5.11 in place at 2**32 + 16384
-  elements), so rows are merged in pieces below :data:`FLASHINFER_MERGE_ELEMENT_LIMIT`;
+  and its last rows come back wrong (seen on the H200 on 2026-12-01: max error 3.25 out of place, 5.11 in place at
+  2**32 + 16384 elements), so rows are merged in pieces below :data:`FLASHINFER_MERGE_ELEMENT_LIMIT`;
 * launches ``head_dim / vec`` x ``num_heads`` threads per block (``vec = max(16 / sizeof(dtype), head_dim / 32)``):
   above 1024 the launch fails (64 heads at bf16, d 128), so heads are folded into rows.
 """

@@ -147,7 +147,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         kv_b_proj_weight: the layer's weight prepared once at load time (:func:`mla_bridge.prepare_kv_b_proj`, the
             fast form), or the raw ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` as stored in DeepSeek
             checkpoints (slower: rearranged again on every call, 0.075-0.085 ms per DeepSeek-V2-Lite layer on the
-            H200).
+            H200, 2026-12-01).
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` paged latent cache holding each
             request's first ``context_lens[r]`` tokens in the blocks its ``block_table`` row lists; dtype
             ``plan.kv_cache_dtype``: the plan's dtype, or FP8 e4m3 (``float8_e4m3fn`` or its uint8 view). Read
