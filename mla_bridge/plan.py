@@ -220,7 +220,9 @@ class PrefillPlan:
         else:
             self.main_kv_indptr = self.qo_indptr.clone()
             self.chunks = self._plan_chunks(c)
-        self.main = self._plan_pass(self.qo_indptr, self.main_kv_indptr, causal=True)
+        num_new = sum(q_lens)
+        self.main = self._plan_pass(self.qo_indptr, self.main_kv_indptr, True, num_new,
+                                    fused_keys if self.fused else num_new)
         self._streams_seen = ({torch.cuda.current_stream(dev).cuda_stream} if self._device_indices else set())
         return self
 
@@ -241,9 +243,12 @@ class PrefillPlan:
                 t.record_stream(stream)
             self._streams_seen.add(stream.cuda_stream)
 
-    def _plan_pass(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, causal: bool) -> RaggedPlan:
-        """One pass's :class:`RaggedPlan`: indptrs made here from checked lengths, sizes checked in :meth:`build`."""
-        return _plan_checked(qo_indptr, kv_indptr, causal=causal, backend=self._backend, **self._sizes)
+    def _plan_pass(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, causal: bool, num_qo_tokens: int,
+                   num_kv_tokens: int) -> RaggedPlan:
+        """One pass's :class:`RaggedPlan`: indptrs made here from checked lengths (their last entries, the token
+        counts, known here), sizes checked in :meth:`build`."""
+        return _plan_checked(qo_indptr, kv_indptr, causal=causal, backend=self._backend, num_qo_tokens=num_qo_tokens,
+                             num_kv_tokens=num_kv_tokens, **self._sizes)
 
     def _expand(self, counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> torch.Tensor:
         """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``
@@ -323,7 +328,8 @@ class PrefillPlan:
                 key = (qo.tobytes(), kv.tobytes())
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = self._plan_pass(torch.from_numpy(qo), kv_indptr, causal=False)
+                    plan = plans[key] = self._plan_pass(torch.from_numpy(qo), kv_indptr, False, q_end - q_start,
+                                                        stop - start)
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan, chunk_req,
                                        chunk_pos))
         return chunks
