@@ -29,7 +29,7 @@ import torch
 from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR
-from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked, indptr_from_lens
+from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked
 from .workspace import Workspace, _checked_device
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
@@ -119,14 +119,25 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
     return out
 
 
-def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> None:
+def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> tuple[int, int]:
     """New and context tokens each index int32 offsets (qo_indptr, block positions, vLLM's seq_lens): refuse sums
-    beyond ``2**31 - 1`` in O(requests), before any per-token or per-chunk work."""
+    beyond ``2**31 - 1`` in O(requests), before any per-token or per-chunk work. Returns the two sums."""
+    totals = []
     for name, lens in (("query_lens", q_lens), ("context_lens", c_lens)):
         total = sum(lens)
         if total > INT32_MAX:
             raise ValueError(f"{name} sum to {total} tokens, beyond what an int32 indptr holds "
                              f"(2**31 - 1 = {INT32_MAX} tokens)")
+        totals.append(total)
+    return totals[0], totals[1]
+
+
+def _indptr(lens: np.ndarray) -> torch.Tensor:
+    """int32 CPU ``[0, l0, l0 + l1, ...]`` of non-negative int64 lengths whose sum :func:`_check_length_sums` has
+    checked (so every prefix fits int32: accumulated straight into an int32 buffer)."""
+    out = np.zeros(lens.size + 1, dtype=np.int32)
+    np.cumsum(lens, out=out[1:])
+    return torch.from_numpy(out)
 
 
 class PrefillPlan:
@@ -182,12 +193,13 @@ class PrefillPlan:
         c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
         if len(c_lens) != len(q_lens):
             raise ValueError(f"context_lens has {len(c_lens)} entries but query_lens has {len(q_lens)}")
-        _check_length_sums(q_lens, c_lens)
+        num_new, total_context = _check_length_sums(q_lens, c_lens)
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0:
+        if type(block_size) is not int and (isinstance(block_size, bool)  # an int (the common case) in one test
+                                            or not isinstance(block_size, numbers.Integral)) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         block_size = int(block_size)
         dev = workspace.device if device is None else _checked_device(device)
@@ -202,11 +214,11 @@ class PrefillPlan:
         self.query_lens, self.context_lens = q_lens, c_lens
         self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context,
                              self.kv_cache_dtype)
+        self._num_tokens, self._num_context_tokens = num_new, total_context
         q = np.asarray(q_lens, dtype=np.int64)
         c = np.asarray(c_lens, dtype=np.int64)
-        self.qo_indptr = indptr_from_lens(q, "query_lens")
-        total_context = sum(c_lens)
-        fused_keys = total_context + sum(q_lens)
+        self.qo_indptr = _indptr(q)
+        fused_keys = total_context + num_new
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
         # which backend serves the main pass.
         self.fused = (fuse_context and 0 < total_context <= workspace.chunk_tokens
@@ -215,12 +227,11 @@ class PrefillPlan:
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         self._device_indices = []
         if self.fused:
-            self.main_kv_indptr = indptr_from_lens(c + q)
+            self.main_kv_indptr = _indptr(c + q)
             self._plan_fused_indices(q, c)
         else:
-            self.main_kv_indptr = self.qo_indptr.clone()
+            self.main_kv_indptr = self.qo_indptr  # keys = queries; neither is ever written (RaggedPlan holds both)
             self.chunks = self._plan_chunks(c)
-        num_new = sum(q_lens)
         self.main = self._plan_pass(self.qo_indptr, self.main_kv_indptr, True, num_new,
                                     fused_keys if self.fused else num_new)
         self._streams_seen = ({torch.cuda.current_stream(dev).cuda_stream} if self._device_indices else set())
@@ -340,12 +351,13 @@ class PrefillPlan:
 
     @property
     def num_tokens(self) -> int:
-        """New tokens in the batch (rows of q and out)."""
-        return int(self.qo_indptr[-1])
+        """New tokens in the batch (rows of q and out): ``sum(query_lens)`` (= ``qo_indptr[-1]``)."""
+        return self._num_tokens
 
     @property
     def num_context_tokens(self) -> int:
-        return sum(self.context_lens)
+        """Cached context tokens in the batch: ``sum(context_lens)``."""
+        return self._num_context_tokens
 
     @property
     def backend(self):

@@ -349,6 +349,8 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _positive_int(name: str, value: Any) -> int:
+    if type(value) is int and value > 0:
+        return value  # the common case, without the abstract-class check of numbers.Integral
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)

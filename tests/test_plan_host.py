@@ -281,3 +281,58 @@ def test_remembered_choices_equal_the_table(sm90, monkeypatch, capability):
                     a, b = select_backend(dev, **kw), select_backend(dev, **kw)
                     monkeypatch.setattr(dispatch, "_CHOICES", {})
                     assert a == b == select_backend(dev, **kw), kw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# build's host values: made once from the checked lengths, equal to what the public helpers give
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_build_host_values_equal_the_public_helpers(fake_cuda, tiny_dims, seed, device):
+    """qo_indptr, main_kv_indptr, num_tokens, num_context_tokens and every pass's token counts, made once at build
+    from the checked lengths, equal indptr_from_lens / sums / the indptrs' last entries on random batches (fused and
+    chunked, empty contexts and empty queries)."""
+    from mla_bridge.ragged import indptr_from_lens
+
+    rng = random.Random(seed)
+    batch = rng.randint(1, 9)
+    q_lens = [rng.choice([0, 1, rng.randint(1, 40)]) for _ in range(batch)]
+    c_lens = [rng.choice([0, rng.randint(1, 90)]) for _ in range(batch)]
+    chunk = rng.choice([1, 7, 64, 1000])
+    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace(device, chunk_tokens=chunk),
+                             block_size=4, dtype=BF16 if device != "cpu" else torch.float32)
+    assert plan.qo_indptr.dtype == plan.main_kv_indptr.dtype == torch.int32
+    assert torch.equal(plan.qo_indptr, indptr_from_lens(q_lens))
+    keys = [q + c for q, c in zip(q_lens, c_lens)] if plan.fused else q_lens
+    assert torch.equal(plan.main_kv_indptr, indptr_from_lens(keys))
+    assert plan.num_tokens == sum(q_lens) == int(plan.qo_indptr[-1])
+    assert plan.num_context_tokens == sum(c_lens)
+    passes = [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]
+    for p in passes:  # counts given at build = what the spec's properties read from the tensors
+        assert p.spec.num_qo_tokens == int(p.spec.qo_indptr[-1])
+        assert p.spec.num_kv_tokens == int(p.spec.kv_indptr[-1])
+        assert p.spec.batch_size == p.spec.qo_indptr.numel() - 1
+
+
+def test_build_indptr_at_the_int32_edge(fake_cuda, tiny_dims):
+    """Lengths summing to exactly 2**31 - 1 give the exact int32 indptr (accumulated in int32 after the sum check)."""
+    top = 2 ** 31 - 1
+    plan = PrefillPlan.build([top - 3, 0, 3], dims=tiny_dims, workspace=Workspace("cuda:0"), block_size=4, dtype=BF16)
+    assert plan.qo_indptr.tolist() == [0, top - 3, top - 3, top] and plan.num_tokens == top
+
+
+@pytest.mark.parametrize("bad", [True, 0, -4, 2.0, "4"])
+def test_build_still_refuses_bad_block_sizes_and_head_counts(fake_cuda, tiny_dims, bad):
+    """The int fast paths of the argument checks refuse what the full checks refused (bools, non-positive, floats,
+    strings), and numpy ints still pass."""
+    ws = Workspace("cuda:0")
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        PrefillPlan.build([3], [5], dims=tiny_dims, workspace=ws, block_size=bad, dtype=BF16)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        plan_ragged([0, 3], [0, 3], num_heads=bad, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.5,
+                    dtype=BF16, workspace=ws)
+    plan = PrefillPlan.build([3], [5], dims=tiny_dims, workspace=ws, block_size=np.int64(4), dtype=BF16)
+    assert plan.block_size == 4 and type(plan.block_size) is int
+    assert plan_ragged([0, 3], [0, 3], num_heads=np.int32(4), head_dim_qk=24, head_dim_vo=16, causal=True,
+                       sm_scale=0.5, dtype=BF16, workspace=ws).spec.num_heads == 4
