@@ -298,22 +298,21 @@ class PrefillPlan:
         counts = np.concatenate([c, c, q, c])
         firsts = np.concatenate([np.zeros(b, dtype=np.int64), seq_start, seq_start + c, np.arange(b)])
         flat = self._expand(counts, firsts, counting_runs=3 * b)
-        n_ctx, n_new = int(c.sum()), int(q.sum())
-        self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.tensor_split(
-            [n_ctx, 2 * n_ctx, 2 * n_ctx + n_new])
+        n_ctx, n_new = self._num_context_tokens, self._num_tokens
+        self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.split_with_sizes(
+            [n_ctx, n_ctx, n_new, n_ctx])
 
     def _plan_chunks(self, c: np.ndarray) -> list[ContextChunk]:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
         tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
         chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
         share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices are a slice of
-        ONE expansion over the requests (the stream's request and position of each token)."""
-        total, step = self.num_context_tokens, self.workspace.chunk_tokens
+        ONE expansion over the requests (the stream's request and position of each token), all cut by one call."""
+        total, step = self._num_context_tokens, self.workspace.chunk_tokens
         if total == 0:
             return []
         b = c.size
         flat = self._expand(np.concatenate([c, c]), np.concatenate([np.zeros(b, dtype=np.int64), np.arange(b)]), b)
-        positions, req_ids = flat[:total], flat[total:]
         cum = np.zeros(b + 1, dtype=np.int32)  # the stream offset where each request's context starts (< 2**31)
         np.cumsum(c, out=cum[1:])
         lo = np.arange(0, total, step, dtype=np.int64)  # chunk k holds the stream's tokens lo[k]:hi[k]
@@ -323,11 +322,12 @@ class PrefillPlan:
         qo_all = self.qo_indptr.numpy()
         rows = zip(first.tolist(), end.tolist(), lo.tolist(), hi.tolist(), (lo - cum[first]).tolist(),
                    qo_all[first].tolist(), qo_all[end].tolist())
-        cuts = hi[:-1].tolist()
-        views = zip(positions.tensor_split(cuts), req_ids.tensor_split(cuts))
+        sizes = (hi - lo).tolist()
+        k = len(sizes)
+        views = flat.split_with_sizes(sizes + sizes)  # every chunk's positions, then its req_ids (one call)
         plans: dict = {}
         chunks = []
-        for (req_start, req_end, start, stop, first_start, q_start, q_end), (chunk_pos, chunk_req) in zip(rows, views):
+        for i, (req_start, req_end, start, stop, first_start, q_start, q_end) in enumerate(rows):
             # The chunk's keys: the stream's [start, stop) cut at its requests' edges (only the first request begins
             # before the chunk, only the last ends after it).
             kv = cum[req_start:req_end + 1] - np.int32(start)
@@ -341,8 +341,8 @@ class PrefillPlan:
                 if plan is None:
                     plan = plans[key] = self._plan_pass(torch.from_numpy(qo), kv_indptr, False, q_end - q_start,
                                                         stop - start)
-            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan, chunk_req,
-                                       chunk_pos))
+            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan,
+                                       views[k + i], views[i]))
         return chunks
 
     @property
