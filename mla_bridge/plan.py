@@ -387,7 +387,7 @@ def _expand_on_device(table: np.ndarray, total: int, counting: int,
     t = torch.arange(total, dtype=torch.int64, device=device)
     run = torch.searchsorted(small[0], t, right=True, out_int32=True)
     out = small[1].index_select(0, run)
-    out[:counting] += t[:counting]
+    out[:counting].add_(t[:counting])  # in place on the view (``+=`` on a slice also runs a __setitem__ copy call)
     return out, host
 
 
