@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
@@ -266,11 +267,13 @@ def _parse_cuda_version(text: Optional[str]) -> Optional[tuple[int, int]]:
 
 
 def _int_list(values: Optional[Sequence[int]]) -> Optional[list[int]]:
-    """``values`` as a list of Python ints; an int32/int64 tensor or a list of ints (what the planners hand over) in
-    one call."""
+    """``values`` as a list of Python ints; an int32/int64 tensor or numpy array, or a list of ints (what the planners
+    hand over) in one call."""
     if values is None:
         return None
     if isinstance(values, torch.Tensor) and values.dtype in (torch.int32, torch.int64):
+        return values.tolist()
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
         return values.tolist()
     if type(values) is list and set(map(type, values)) <= {int}:
         return values
@@ -300,8 +303,8 @@ def select_backend(
             the request is taken to be on CUDA.
         dtype / out_dtype: q/k/v dtype and output dtype (``None``: unknown, not checked).
         head_dim_qk / head_dim_vo: 192 / 128 for DeepSeek MLA.
-        causal, num_heads, qo_indptr, kv_indptr: host lengths, known at plan time (indptrs as sequences of ints or
-            integer tensors); they enable the cutlass checks on q_len > kv_len and on plan work items.
+        causal, num_heads, qo_indptr, kv_indptr: host lengths, known at plan time (indptrs as sequences of ints,
+            integer tensors or numpy arrays); they enable the cutlass checks on q_len > kv_len and on plan work items.
         requested: force a backend by name (one of :data:`BACKEND_NAMES`, or "auto"); when ``None`` the
             environment variable ``MLA_BRIDGE_BACKEND`` is read (case-insensitively, spaces stripped).
         cuda_version: ``(major, minor)`` of the CUDA toolkit (default: ``torch.version.cuda``).

@@ -429,7 +429,7 @@ def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: 
         spec.__dict__["num_kv_tokens"] = num_kv_tokens
     choice = select_backend(workspace.device, dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk,
                             head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-                            qo_indptr=qo.tolist(), kv_indptr=kv.tolist(), requested=backend)
+                            qo_indptr=qo.numpy(), kv_indptr=kv.numpy(), requested=backend)  # lists only if read
     return RaggedPlan(spec, choice, workspace)
 
 

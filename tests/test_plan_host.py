@@ -336,3 +336,22 @@ def test_build_still_refuses_bad_block_sizes_and_head_counts(fake_cuda, tiny_dim
     assert plan.block_size == 4 and type(plan.block_size) is int
     assert plan_ragged([0, 3], [0, 3], num_heads=np.int32(4), head_dim_qk=24, head_dim_vo=16, causal=True,
                        sm_scale=0.5, dtype=BF16, workspace=ws).spec.num_heads == 4
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
+def test_select_backend_reads_numpy_indptrs_as_lists(sm90, monkeypatch, capability):
+    """Planning hands select_backend numpy views of its host indptrs (an element read there is cheaper than a tensor's):
+    every answer equals the one for the same indptrs as lists, including SM100's cutlass row, which reads each
+    request (a causal q_len > kv_len and the plan's work items), and answers computed afresh."""
+    sm90["now"] = capability
+    cases = [([0, 4, 9], [0, 8, 20], True), ([0, 9], [0, 8], True), ([0, 9], [0, 8], False),
+             ([0] + [256 * (i + 1) for i in range(600)], [0] + [256 * (i + 1) for i in range(600)], True),
+             ([0, 2 ** 22], [0, 2 ** 22], True)]
+    for qo, kv, causal in cases:
+        for dtype in (np.int32, np.int64):
+            monkeypatch.setattr(dispatch, "_CHOICES", {})
+            want = _ask(qo_indptr=qo, kv_indptr=kv, causal=causal)
+            monkeypatch.setattr(dispatch, "_CHOICES", {})
+            got = _ask(qo_indptr=np.asarray(qo, dtype=dtype), kv_indptr=np.asarray(kv, dtype=dtype), causal=causal)
+            assert got == want and got == _ask(qo_indptr=np.asarray(qo, dtype=dtype),
+                                               kv_indptr=np.asarray(kv, dtype=dtype), causal=causal), (qo, kv, causal)
