@@ -277,12 +277,18 @@ class PrefillPlan:
         table = np.empty((2, counts.size), dtype=np.int64)  # per run: where it ends in the output, its base value
         ends, base = table
         np.cumsum(counts, out=ends)
-        total = int(ends[-1]) if ends.size else 0
         counting = int(ends[counting_runs - 1]) if counting_runs else 0  # tokens of the counting runs
         base[:] = firsts  # the output's value at token t is base[run] (+ t in a counting run)
         base[:counting_runs] -= ends[:counting_runs] - counts[:counting_runs]
+        return self._expand_table(table, counting)
+
+    def _expand_table(self, table: np.ndarray, counting: int) -> torch.Tensor:
+        """:meth:`_expand` from its table (int64 ``[2, runs]``: where each run ends in the output, and its base value:
+        the output's value at token ``t`` is ``base[run]``, plus ``t`` for the first ``counting`` tokens)."""
+        ends, base = table
+        total = int(ends[-1]) if ends.size else 0
         if self.device.type == "cpu":
-            out = np.repeat(base, counts)
+            out = np.repeat(base, np.diff(ends, prepend=0))
             out[:counting] += np.arange(counting)
             return torch.from_numpy(out)
         out, self._pinned_runs = _expand_on_device(table, total, counting, self.device)
@@ -312,9 +318,16 @@ class PrefillPlan:
         if total == 0:
             return []
         b = c.size
-        flat = self._expand(np.concatenate([c, c]), np.concatenate([np.zeros(b, dtype=np.int64), np.arange(b)]), b)
         cum = np.zeros(b + 1, dtype=np.int32)  # the stream offset where each request's context starts (< 2**31)
         np.cumsum(c, out=cum[1:])
+        # The stream's position of each token, then its request: _expand's runs c (counting from 0) then c (constant
+        # r), whose table is made here from cum directly.
+        table = np.empty((2, 2 * b), dtype=np.int64)
+        table[0, :b] = cum[1:]
+        np.add(cum[1:], total, out=table[0, b:])
+        np.negative(cum[:-1], out=table[1, :b])
+        table[1, b:] = np.arange(b)
+        flat = self._expand_table(table, total)
         lo = np.arange(0, total, step, dtype=np.int64)  # chunk k holds the stream's tokens lo[k]:hi[k]
         hi = np.minimum(lo + step, total)
         first = np.searchsorted(cum, lo, side="right") - 1  # the request holding each chunk's first token
