@@ -30,7 +30,7 @@ from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR
 from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked
-from .workspace import Workspace, _checked_device
+from .workspace import Workspace, _checked_device, current_stream
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
 
@@ -234,7 +234,7 @@ class PrefillPlan:
             self.chunks = self._plan_chunks(c)
         self.main = self._plan_pass(self.qo_indptr, self.main_kv_indptr, True, num_new,
                                     fused_keys if self.fused else num_new)
-        self._streams_seen = ({torch.cuda.current_stream(dev).cuda_stream} if self._device_indices else set())
+        self._streams_seen = {current_stream(dev)[0]} if self._device_indices else set()
         return self
 
     def order_on_current_stream(self) -> None:
@@ -248,11 +248,11 @@ class PrefillPlan:
         self.main.order_after_plan()
         if not self._device_indices or torch.cuda.is_current_stream_capturing():
             return
-        stream = torch.cuda.current_stream(self.device)
-        if stream.cuda_stream not in self._streams_seen:
+        ptr, stream = current_stream(self.device)
+        if ptr not in self._streams_seen:
             for t in self._device_indices:
                 t.record_stream(stream)
-            self._streams_seen.add(stream.cuda_stream)
+            self._streams_seen.add(ptr)
 
     def _plan_pass(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, causal: bool, num_qo_tokens: int,
                    num_kv_tokens: int) -> RaggedPlan:

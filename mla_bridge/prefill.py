@@ -20,8 +20,9 @@ import torch
 
 from .cache import check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
+from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
-from .merge import merge_attn_states_, select_merge
+from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
 from .weights import PreparedKVBProj, as_prepared, up_projection_weight  # up_projection_weight: moved to weights
 
@@ -30,7 +31,7 @@ __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "pr
 
 #: The environment switches of mla_bridge's kernel choices (each read by its own chooser, per call).
 ENV_SWITCHES = ("MLA_BRIDGE_BACKEND", "MLA_BRIDGE_KV", "MLA_BRIDGE_GATHER", "MLA_BRIDGE_MERGE",
-                "MLA_BRIDGE_FLASHINFER_DIRECT")
+                "MLA_BRIDGE_FLASHINFER_DIRECT", "MLA_BRIDGE_TRITON_LAUNCH")
 
 
 def _need(cond: bool, exc: type, msg: str) -> None:
@@ -114,18 +115,20 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
 def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Optional[str] = None) -> dict:
     """What :func:`mla_prefill` will run on ``device`` for ``dtype`` and ``dims`` besides the attention backend
     (:func:`mla_bridge.select_backend`), as the choosers decide now: ``{"kv": "separate" | "fused", "gather":
-    "triton" | "torch", "merge": "triton" | "flashinfer" | "torch"}`` (the gather is that of the separate path; the
-    merge that of ``[rows, H, v_head_dim]`` partials). For reports (``mla-bridge prefill`` prints it) and to refuse
-    a bad environment switch before any work.
+    "triton" | "torch", "merge": "triton" | "flashinfer" | "torch", "triton_launch": "direct" | "jit"}`` (the gather
+    is that of the separate path; the merge that of ``[rows, H, v_head_dim]`` partials; the launch mode that of the
+    Triton kernels among them, :mod:`mla_bridge.kernels.launch`). For reports (``mla-bridge prefill`` prints it) and
+    to refuse a bad environment switch before any work.
 
     Raises:
         ValueError / TypeError / RuntimeError: what :func:`mla_bridge.kv.kv_impl`,
-            :func:`mla_bridge.cache.gather_impl` and :func:`mla_bridge.select_merge` raise for a switch that cannot
-            serve (the message names it).
+            :func:`mla_bridge.cache.gather_impl`, :func:`mla_bridge.select_merge` and
+            :func:`mla_bridge.kernels.launch.mode` raise for a switch that cannot serve (the message names it).
     """
     device = torch.device(device)
     return {"kv": _kv.kv_impl(device, kv_impl, dtype), "gather": gather_impl(device),
-            "merge": select_merge((1, dims.num_heads, dims.v_head_dim), dtype, device.type).name}
+            "merge": select_merge((1, dims.num_heads, dims.v_head_dim), dtype, device.type).name,
+            "triton_launch": launch_mode()}
 
 
 PhaseHook = Callable[[str], None]
@@ -173,8 +176,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
 
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment
-            switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE``) that cannot serve here; raised
-            before any kernel runs.
+            switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE`` / ``MLA_BRIDGE_TRITON_LAUNCH``)
+            that cannot serve here; raised before any kernel runs.
     """
     k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)
     kv_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
@@ -183,8 +186,9 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     # before anything is allocated or written (not after the main pass has written out); the gather choice is
     # handed to every pass
     gather = gather_impl(plan.device) if plan.num_context_tokens and impl == "separate" else None
-    if plan.chunks:
-        select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type)
+    merge = select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type) \
+        if plan.chunks else None
+    launch_mode()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
     hook = phase_hook or (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:
@@ -208,7 +212,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         rows = slice(chunk.q_start, chunk.q_end)
         chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, lse_base="log2")  # FlashInfer's base 2, unconverted
         hook("merge")
-        merge_attn_states_(out[rows], lse[rows], chunk_out, chunk_lse, lse_b_base="log2")  # converted as it is read
+        merge_planned_(merge, out[rows], lse[rows], chunk_out, chunk_lse, lse_b_base="log2")  # converted as read
     hook("end")
     return (out, lse) if return_lse else out
 

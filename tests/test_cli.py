@@ -190,7 +190,8 @@ def test_prefill_reports_its_kernels_and_times_plans_without_gc(tmp_path, monkey
 
     monkeypatch.setattr(plan_mod.PrefillPlan, "build", classmethod(build))
     rc, data = run_json(tmp_path, "--prompt-lens", "3,4", "--context-lens", "5,100", "--chunk-tokens", "32")
-    assert rc == 0 and data["kernels"] == {"kv": "separate", "gather": "torch", "merge": "torch"}
+    assert rc == 0 and data["kernels"] == {"kv": "separate", "gather": "torch", "merge": "torch",
+                                              "triton_launch": "direct"}
     assert seen == [False, False] and gc.isenabled()  # a collection inside a timed build read as planning time
 
 

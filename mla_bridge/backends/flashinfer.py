@@ -39,6 +39,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..workspace import current_stream
+
 __all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper", "DirectRun", "DIRECT_ENV"]
 
 _LN2 = math.log(2.0)
@@ -133,7 +135,6 @@ class FlashInferRaggedKernel:
         self.backend = choice.flashinfer_backend
         self.workspace = workspace
         self._cuda = workspace.device.type == "cuda"
-        self._device_index = workspace.device.index if workspace.device.index is not None else workspace.device
         self._contiguous_out = self.backend in CONTIGUOUS_OUT_BACKENDS
         self._regions = self._cuda and self.backend in FLOAT_WORKSPACE_BACKENDS
         self.lease = workspace.acquire(self.backend, self, new_wrapper)
@@ -152,18 +153,18 @@ class FlashInferRaggedKernel:
             o_data_type=spec.dtype,
         ), lease=self.lease)
         if self._cuda and not torch.cuda.is_current_stream_capturing():
-            stream = torch.cuda.current_stream(workspace.device)
+            ptr, stream = current_stream(workspace.device)
             event = torch.cuda.Event()
             event.record(stream)
-            self.lease.plan_stream = stream.cuda_stream
+            self.lease.plan_stream = ptr
             self.lease.plan_event = event
 
     def order_after_plan(self) -> None:
         """Make the current stream wait for this plan's host-to-device copies (nothing on the plan's own stream,
         nothing once a run on this stream already waited)."""
         if self._cuda and not torch.cuda.is_current_stream_capturing():
-            stream = torch.cuda.current_stream(self.workspace.device)
-            self._run_event(stream, stream.cuda_stream)
+            ptr, stream = current_stream(self.workspace.device)
+            self._run_event(stream, ptr)
 
     def _run_event(self, stream: Any, ptr: int) -> Any:
         """The event of this stream's runs; made (and the stream ordered after the plan's copies) on first use."""
@@ -209,8 +210,7 @@ class FlashInferRaggedKernel:
         if torch.cuda.is_current_stream_capturing():
             self._captured()
             return self._run(q, k, v, out, lse, lse_layout, lse_base)
-        stream = torch.cuda.current_stream(self._device_index)
-        ptr = stream.cuda_stream
+        ptr, stream = current_stream(self.workspace.device)
         event = self._run_event(stream, ptr)
         if self._regions:
             self._float_region(ptr)

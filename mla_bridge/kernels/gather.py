@@ -22,9 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 __all__ = ["gather_latent_triton", "fused_latent_triton"]
 
 _BLOCK_M = 4
+_OPTIONS = dict(num_warps=4)
 
 
 @triton.jit
@@ -106,16 +109,16 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
         kv_c = k_pe = out
         new_dst = req_ids
     scale_is_ptr = isinstance(scale, torch.Tensor)
-    _gather_kernel[grid](
+    launch(_gather_kernel, grid, (
         out, out.stride(0),
         cache_arg, cache.stride(0), cache.stride(1), cache.stride(2),
         block_table, block_table.stride(0), block_table.stride(1),
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_programs,
         kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1), new_dst, n_new,
-        scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0,
-        BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=triton.next_power_of_2(lat), BLOCK_M=_BLOCK_M,
-        HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
-        OUT_BF16=out.dtype == torch.bfloat16, num_warps=4)
+        scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0),
+        dict(BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=triton.next_power_of_2(lat), BLOCK_M=_BLOCK_M,
+             HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
+             OUT_BF16=out.dtype == torch.bfloat16), _OPTIONS)
 
 
 def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 try:
     from triton.language.extra import libdevice
 except ImportError:  # older layouts
@@ -130,7 +132,7 @@ def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, 
     block_p = max(1, _ELEMS_PER_PROGRAM // block_d)
     grid = (triton.cdiv(n_pairs, block_p),)
     sa, sb, sd = out_a.stride(), out_b.stride(), dst.stride()
-    _merge_kernel[grid](dst, dst_lse, out_a, lse_a, out_b, lse_b, n_pairs, h,
-                        sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], sd[0], sd[1], sd[2],
-                        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, EXACT=dst.is_cuda,
-                        OUT_BF16=dst.dtype == torch.bfloat16, LSE_B_LOG2=bool(lse_b_log2), **LAUNCH_OPTIONS)
+    launch(_merge_kernel, grid, (dst, dst_lse, out_a, lse_a, out_b, lse_b, n_pairs, h,
+                                 sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], sd[0], sd[1], sd[2]),
+           dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, EXACT=dst.is_cuda,
+                OUT_BF16=dst.dtype == torch.bfloat16, LSE_B_LOG2=bool(lse_b_log2)), LAUNCH_OPTIONS)

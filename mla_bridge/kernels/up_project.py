@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 from .gather import _dequant
 
 __all__ = ["up_project_triton", "CONFIG"]
@@ -169,7 +171,7 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         kv_c = k_pe = out[:, 0]
     cache = kv_cache.view(torch.uint8) if dequant else kv_cache
     scale_is_ptr = isinstance(kv_cache_scale, torch.Tensor)
-    _up_project_kernel[grid](
+    launch(_up_project_kernel, grid, (
         out, out.stride(0), out.stride(1),
         w, w_row, w_head, w_nope, w_v,
         cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -177,9 +179,10 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_tiles,
         kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1),
         new_dst if new_dst is not None else kv_c, n_new,
-        kv_cache_scale if scale_is_ptr else out, float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0,
-        H=h, BLOCK_SIZE=kv_cache.shape[1], RANK=rank, NOPE=nope, ROPE=rope, VD=vd,
-        BLOCK_M=bm, BLOCK_N=max(16, triton.next_power_of_2(max(nope, vd))), BLOCK_K=bk,
-        BLOCK_R=max(16, triton.next_power_of_2(rope)),
-        HAS_CTX_DST=ctx_dst is not None, HAS_NEW_DST=new_dst is not None, DEQUANT=dequant,
-        SCALE_IS_PTR=scale_is_ptr, OUT_BF16=out.dtype == torch.bfloat16, IEEE=out.dtype == torch.float32, **cfg)
+        kv_cache_scale if scale_is_ptr else out, float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0),
+        dict(H=h, BLOCK_SIZE=kv_cache.shape[1], RANK=rank, NOPE=nope, ROPE=rope, VD=vd,
+             BLOCK_M=bm, BLOCK_N=max(16, triton.next_power_of_2(max(nope, vd))), BLOCK_K=bk,
+             BLOCK_R=max(16, triton.next_power_of_2(rope)),
+             HAS_CTX_DST=ctx_dst is not None, HAS_NEW_DST=new_dst is not None, DEQUANT=dequant,
+             SCALE_IS_PTR=scale_is_ptr, OUT_BF16=out.dtype == torch.bfloat16, IEEE=out.dtype == torch.float32),
+        cfg)  # cfg: the compile options left (num_warps, num_stages)
