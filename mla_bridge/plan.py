@@ -17,6 +17,7 @@ Two schedules, picked here from host lengths alone:
 
 from __future__ import annotations
 
+import bisect
 import numbers
 import os
 from collections import OrderedDict
@@ -328,19 +329,21 @@ class PrefillPlan:
         np.negative(cum[:-1], out=table[1, :b])
         table[1, b:] = np.arange(b)
         flat = self._expand_table(table, total)
-        lo = np.arange(0, total, step, dtype=np.int64)  # chunk k holds the stream's tokens lo[k]:hi[k]
-        hi = np.minimum(lo + step, total)
-        first = np.searchsorted(cum, lo, side="right") - 1  # the request holding each chunk's first token
-        end = np.searchsorted(cum, hi - 1, side="right")  # 1 + the request holding its last token
-        qo_all = self.qo_indptr.numpy()
-        rows = zip(first.tolist(), end.tolist(), lo.tolist(), hi.tolist(), (lo - cum[first]).tolist(),
-                   qo_all[first].tolist(), qo_all[end].tolist())
-        sizes = (hi - lo).tolist()
+        # Chunk bounds from Python ints (bisect on the offsets = np.searchsorted(side="right")): a few chunks per
+        # batch, where a numpy call per quantity costs more than the loop.
+        offsets, qo_all = cum.tolist(), self.qo_indptr.numpy()
+        qo_list = qo_all.tolist()
+        starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
+        sizes = [min(step, total - start) for start in starts]
         k = len(sizes)
         views = flat.split_with_sizes(sizes + sizes)  # every chunk's positions, then its req_ids (one call)
         plans: dict = {}
         chunks = []
-        for i, (req_start, req_end, start, stop, first_start, q_start, q_end) in enumerate(rows):
+        for i, (start, size) in enumerate(zip(starts, sizes)):
+            stop = start + size
+            req_start = bisect.bisect_right(offsets, start) - 1  # the request holding the chunk's first token
+            req_end = bisect.bisect_right(offsets, stop - 1)  # 1 + the request holding its last token
+            first_start, q_start, q_end = start - offsets[req_start], qo_list[req_start], qo_list[req_end]
             # The chunk's keys: the stream's [start, stop) cut at its requests' edges (only the first request begins
             # before the chunk, only the last ends after it).
             kv = cum[req_start:req_end + 1] - np.int32(start)
