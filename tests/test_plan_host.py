@@ -355,3 +355,36 @@ def test_select_backend_reads_numpy_indptrs_as_lists(sm90, monkeypatch, capabili
             got = _ask(qo_indptr=np.asarray(qo, dtype=dtype), kv_indptr=np.asarray(kv, dtype=dtype), causal=causal)
             assert got == want and got == _ask(qo_indptr=np.asarray(qo, dtype=dtype),
                                                kv_indptr=np.asarray(kv, dtype=dtype), causal=causal), (qo, kv, causal)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_cuda_plans_equal_cpu_plans_on_random_batches(fake_cuda, seed):
+    """On random batches (fused and chunked, empty contexts and queries, budgets of 1 token to all of it), the fake
+    CUDA device's plan equals the CPU device's: chunk bounds, first_start, indptrs, every index tensor, and one
+    FlashInfer plan per distinct (qo_indptr, kv_indptr) pair of the chunks (no more, none shared wrongly)."""
+    rng = random.Random(1000 + seed)
+    batch = rng.randint(1, 10)
+    c_lens = [rng.choice([0, 0, 1, 2, 5, 16, 33, 100]) for _ in range(batch)]
+    q_lens = [rng.choice([0, 1, 3, 8]) for _ in range(batch)]
+    chunk = rng.choice([1, 2, 3, 7, 16, 64, 1000])
+    fuse = rng.random() < 0.5
+    dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
+    made = [PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev, chunk_tokens=chunk), block_size=4,
+                              dtype=BF16, fuse_context=fuse) for dev in ("cuda:0", "cpu")]
+    cuda, cpu = made
+    assert cuda.fused == cpu.fused and len(cuda.chunks) == len(cpu.chunks)
+    got, want = _index_tensors(cuda), _index_tensors(cpu)
+    for name in want:
+        assert (got[name] is None) == (want[name] is None) and (want[name] is None or torch.equal(got[name],
+                                                                                                  want[name])), name
+    for a, b in zip(cuda.chunks, cpu.chunks):
+        assert (a.req_start, a.req_end, a.q_start, a.q_end, a.first_start) == \
+            (b.req_start, b.req_end, b.q_start, b.q_end, b.first_start)
+        assert torch.equal(a.kv_indptr, b.kv_indptr) and a.spans == b.spans
+        assert (a.plan is None) == (b.plan is None) == (a.q_end == a.q_start)
+    shapes = {(tuple(c.plan.qo_indptr.tolist()), tuple(c.kv_indptr.tolist())) for c in cuda.chunks if c.plan}
+    assert cuda.num_plans == 1 + len(shapes)
+    for c in cuda.chunks:
+        if c.plan is not None:
+            assert c.plan.qo_indptr.tolist() == [x - c.q_start for x in cuda.qo_indptr[c.req_start:c.req_end + 1]]
+            assert c.plan.flashinfer_wrapper.planned[-1][:2] == (c.plan.qo_indptr.tolist(), c.kv_indptr.tolist())
