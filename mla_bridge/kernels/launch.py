@@ -26,7 +26,8 @@ constexprs itself: read in the sources of Triton 3.6 and 3.9, and checked bitwis
 current stream (``torch._C._cuda_getCurrentRawStream``, the call Triton's own driver makes).
 
 Everything else goes through ``kernel[grid](...)`` as before: Triton without ``triton.knobs`` (older than 3.4, where
-the launch convention differs), launch hooks set (profilers such as Proton read them), ``TRITON_INTERPRET=1`` (no
+the launch convention differs), launch hooks set (profilers such as Proton add them to ``knobs.runtime``'s hook
+chains; the direct launch passes no hook and no launch metadata), ``TRITON_INTERPRET=1`` (no
 compiled kernel), an argument of another kind, and ``MLA_BRIDGE_TRITON_LAUNCH=jit`` (the escape hatch; ``direct``
 or unset is the default). Imported only by the kernel modules, on first use.
 """
@@ -98,6 +99,15 @@ def _runtime_hooks():
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
+def _hook_active(hook: Any) -> bool:
+    """A launch hook that would do something: not None, and for Triton's ``HookChain`` (the default of 3.6 and
+    later, empty until a profiler adds to it) one with calls."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
 def _on_cuda(args: Sequence[Any]) -> bool:
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     return first is not None and first.is_cuda
@@ -165,7 +175,8 @@ def launch(fn: Any, grid: tuple, args: Sequence[Any], constexprs: dict, options:
     """
     options = options or {}
     hooks = _runtime_hooks() if mode() == "direct" else None
-    key = spec_key(args) if hooks is not None and hooks == (None, None) else None
+    quiet = hooks is not None and not _hook_active(hooks[0]) and not _hook_active(hooks[1])
+    key = spec_key(args) if quiet else None
     if key is None or not _on_cuda(args):
         fn[grid](*args, **constexprs, **options)
         return
