@@ -201,14 +201,20 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse)
-    for chunk in plan.chunks:
+    part_out = part_lse = None  # one partial out / lse for every chunk: a chunk's merge reads it before the next
+    for chunk in plan.chunks:   # chunk's pass writes it (one stream)
         if chunk.plan is None:
             continue
         del k, v  # free the previous pass's buffers before this chunk allocates its own
         k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl, gather)
         hook("context chunk")
-        rows = slice(chunk.q_start, chunk.q_end)
-        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, lse_base="log2")  # FlashInfer's base 2, unconverted
+        if part_out is None:
+            n = plan.max_chunk_rows
+            part_out = torch.empty(n, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
+            part_lse = torch.empty(n, dims.num_heads, dtype=torch.float32, device=plan.device)
+        rows, n = slice(chunk.q_start, chunk.q_end), chunk.q_end - chunk.q_start
+        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, out=part_out[:n], lse=part_lse[:n],
+                                              lse_base="log2")  # FlashInfer's base 2, unconverted
         hook("merge")
         merge_planned_(merge, out[rows], lse[rows], chunk_out, chunk_lse, lse_b_base="log2")  # converted as read
     hook("end")
@@ -222,9 +228,9 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     (320) and ``H`` heads, a pass over ``N`` key tokens holds the latent rows (``N x L x e``, plus the gathered copy
     of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the rearranged
     weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
-    pass over context + new tokens; the chunked one frees each pass before the next, whose peak adds the chunk's
-    partial out/lse and the merge's float32 LSE copies for its query rows (FlashInfer's merge makes them; the Triton
-    merge makes none). The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for
+    pass over context + new tokens; the chunked one frees each pass before the next, and from its first chunk on
+    holds one partial out/lse for the most query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk)
+    plus the merge's float32 LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for
     the plan's cache dtype (the torch path's: the rows in the cache's dtype, for FP8 also their float32
     dequantization and rounded copy, and 24 bytes of indices; the Triton gather allocates none of them, so the
     formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for
@@ -245,8 +251,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     if plan.fused:
         return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_context_tokens)
     peak = one_pass(t, 0)
+    partials = plan.max_chunk_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
     for c in plan.chunks:
         if c.plan is not None:
-            rows = c.q_end - c.q_start
-            peak = max(peak, one_pass(c.num_tokens, c.num_tokens) + rows * h * (d.v_head_dim * e + 4 + 8))
+            peak = max(peak, one_pass(c.num_tokens, c.num_tokens) + partials)
     return fixed + peak
