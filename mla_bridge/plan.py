@@ -381,6 +381,16 @@ class PrefillPlan:
         return self.main.backend
 
     @property
+    def max_chunk_rows(self) -> int:
+        """Query rows of the context chunk with the most (0 without planned chunks): the rows of the one partial
+        out / lse that :func:`mla_bridge.mla_prefill` allocates per call and reuses for every chunk."""
+        rows = self.__dict__.get("_max_chunk_rows")
+        if rows is None:
+            rows = self._max_chunk_rows = max((c.q_end - c.q_start for c in self.chunks if c.plan is not None),
+                                              default=0)
+        return rows
+
+    @property
     def num_plans(self) -> int:
         """Ragged plans made for this batch: the main pass plus one per distinct chunk shape (chunks with equal
         query and key lengths share one; never one per layer)."""

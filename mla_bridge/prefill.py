@@ -34,11 +34,6 @@ ENV_SWITCHES = ("MLA_BRIDGE_BACKEND", "MLA_BRIDGE_KV", "MLA_BRIDGE_GATHER", "MLA
                 "MLA_BRIDGE_FLASHINFER_DIRECT", "MLA_BRIDGE_TRITON_LAUNCH")
 
 
-def _need(cond: bool, exc: type, msg: str) -> None:
-    if not cond:
-        raise exc(msg)
-
-
 def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan: PrefillPlan,
                             out: Optional[torch.Tensor] = None, kv_cache_scale=None) -> torch.Tensor:
     """Check every :func:`mla_prefill` input against ``plan`` on the host; returns ``k_pe`` as ``[T, rope]``.
@@ -53,7 +48,8 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
             and the cache-scale rules of :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``,
             a scale with an unquantized cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
     """
-    _need(isinstance(plan, PrefillPlan), TypeError, f"plan must be a PrefillPlan, got {type(plan).__name__}")
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
     d, t = plan.dims, plan.num_tokens
     prepared = isinstance(kv_b_proj_weight, PreparedKVBProj)
     if prepared:
@@ -61,52 +57,54 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     named = (("q", q), ("kv_c", kv_c), ("k_pe", k_pe)) + (() if prepared else (("kv_b_proj_weight", kv_b_proj_weight),))
     named += (("kv_cache", kv_cache), ("block_table", block_table)) + ((("out", out),) if out is not None else ())
     for name, x in named:
-        _need(isinstance(x, torch.Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        _need(x.device == plan.device, ValueError, f"{name} is on {x.device}, but the plan is on {plan.device}")
-        if name not in ("block_table", "kv_cache"):
-            _need(x.dtype == plan.dtype, TypeError, f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != plan.device:
+            raise ValueError(f"{name} is on {x.device}, but the plan is on {plan.device}")
+        if x.dtype != plan.dtype and name not in ("block_table", "kv_cache"):
+            raise TypeError(f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
     check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
-    _need(q.dim() == 3 and q.shape[0] == t, ValueError,
-          f"q must be [T={t} (qo_indptr[-1]), H, head_dim_qk], got {list(q.shape)}")
-    _need(tuple(q.shape[1:]) == (d.num_heads, d.head_dim_qk), ValueError,
-          f"q must be [T, H={d.num_heads}, head_dim_qk={d.head_dim_qk}] "
-          f"(qk_nope_head_dim {d.qk_nope_head_dim} + qk_rope_head_dim {d.qk_rope_head_dim}), got {list(q.shape)}")
-    _need(tuple(kv_c.shape) == (t, d.kv_lora_rank), ValueError,
-          f"kv_c must be [T={t}, kv_lora_rank={d.kv_lora_rank}], got {list(kv_c.shape)}")
+    if q.dim() != 3 or q.shape[0] != t:
+        raise ValueError(f"q must be [T={t} (qo_indptr[-1]), H, head_dim_qk], got {list(q.shape)}")
+    if q.shape[1:] != (d.num_heads, d.head_dim_qk):
+        raise ValueError(f"q must be [T, H={d.num_heads}, head_dim_qk={d.head_dim_qk}] (qk_nope_head_dim "
+                         f"{d.qk_nope_head_dim} + qk_rope_head_dim {d.qk_rope_head_dim}), got {list(q.shape)}")
+    if kv_c.shape != (t, d.kv_lora_rank):
+        raise ValueError(f"kv_c must be [T={t}, kv_lora_rank={d.kv_lora_rank}], got {list(kv_c.shape)}")
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
         k_pe = k_pe.squeeze(1)
-    _need(tuple(k_pe.shape) == (t, d.qk_rope_head_dim), ValueError,
-          f"k_pe must be [T={t}, qk_rope_head_dim={d.qk_rope_head_dim}] or [T, 1, {d.qk_rope_head_dim}], "
-          f"got {list(k_pe.shape)}")
-    if not prepared:
-        _need(tuple(kv_b_proj_weight.shape) == d.kv_b_proj_shape, ValueError,
-              f"kv_b_proj_weight must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = {list(d.kv_b_proj_shape)}, "
-              f"got {list(kv_b_proj_weight.shape)}")
-    _need(kv_cache.dim() == 3 and tuple(kv_cache.shape[1:]) == (plan.block_size, d.latent_dim), ValueError,
-          f"kv_cache must be [num_blocks, block_size={plan.block_size}, kv_lora_rank+qk_rope_head_dim={d.latent_dim}], "
-          f"got {list(kv_cache.shape)}")
-    _need(not block_table.dtype.is_floating_point and block_table.dtype != torch.bool, TypeError,
-          f"block_table must hold integer block ids, got {block_table.dtype}")
-    _need(block_table.dim() == 2 and block_table.shape[0] == plan.batch_size, ValueError,
-          f"block_table must be [num_requests={plan.batch_size}, max_blocks], got {list(block_table.shape)}")
+    if k_pe.shape != (t, d.qk_rope_head_dim):
+        raise ValueError(f"k_pe must be [T={t}, qk_rope_head_dim={d.qk_rope_head_dim}] or "
+                         f"[T, 1, {d.qk_rope_head_dim}], got {list(k_pe.shape)}")
+    if not prepared and kv_b_proj_weight.shape != d.kv_b_proj_shape:
+        raise ValueError(f"kv_b_proj_weight must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = "
+                         f"{list(d.kv_b_proj_shape)}, got {list(kv_b_proj_weight.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[1:] != (plan.block_size, d.latent_dim):
+        raise ValueError(f"kv_cache must be [num_blocks, block_size={plan.block_size}, "
+                         f"kv_lora_rank+qk_rope_head_dim={d.latent_dim}], got {list(kv_cache.shape)}")
+    if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
+        raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != plan.batch_size:
+        raise ValueError(f"block_table must be [num_requests={plan.batch_size}, max_blocks], "
+                         f"got {list(block_table.shape)}")
     capacity = kv_cache.shape[0] * plan.block_size
     longest = max(plan.context_lens, default=0)  # per layer: the per-request loop (and its messages) only on failure
     ok = longest <= capacity and -(-longest // plan.block_size) <= block_table.shape[1]
     for r, c in enumerate(() if ok else plan.context_lens):
-        _need(c <= capacity, ValueError,
-              f"context_lens[{r}] = {c} tokens is longer than the cache ({kv_cache.shape[0]} blocks x {plan.block_size})")
+        if c > capacity:
+            raise ValueError(f"context_lens[{r}] = {c} tokens is longer than the cache ({kv_cache.shape[0]} blocks "
+                             f"x {plan.block_size})")
         blocks = -(-c // plan.block_size)
-        _need(blocks <= block_table.shape[1], ValueError,
-              f"block_table row {r} has {block_table.shape[1]} blocks, too short for context_lens[{r}] = {c} "
-              f"({blocks} blocks of {plan.block_size})")
+        if blocks > block_table.shape[1]:
+            raise ValueError(f"block_table row {r} has {block_table.shape[1]} blocks, too short for "
+                             f"context_lens[{r}] = {c} ({blocks} blocks of {plan.block_size})")
     if block_table.device.type == "cpu" and plan.num_context_tokens:
         for r, c in enumerate(plan.context_lens):
             ids = block_table[r, : -(-c // plan.block_size)]
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
                 raise ValueError(f"block_table row {r} holds block ids outside [0, {kv_cache.shape[0]})")
-    if out is not None:
-        _need(tuple(out.shape) == (t, d.num_heads, d.v_head_dim), ValueError,
-              f"out must be [T={t}, H={d.num_heads}, v_head_dim={d.v_head_dim}], got {list(out.shape)}")
+    if out is not None and out.shape != (t, d.num_heads, d.v_head_dim):
+        raise ValueError(f"out must be [T={t}, H={d.num_heads}, v_head_dim={d.v_head_dim}], got {list(out.shape)}")
     return k_pe
 
 
@@ -203,14 +201,20 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse)
-    for chunk in plan.chunks:
+    part_out = part_lse = None  # one partial out / lse for every chunk: a chunk's merge reads it before the next
+    for chunk in plan.chunks:   # chunk's pass writes it (one stream)
         if chunk.plan is None:
             continue
         del k, v  # free the previous pass's buffers before this chunk allocates its own
         k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl, gather)
         hook("context chunk")
-        rows = slice(chunk.q_start, chunk.q_end)
-        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, lse_base="log2")  # FlashInfer's base 2, unconverted
+        if part_out is None:
+            n = plan.max_chunk_rows
+            part_out = torch.empty(n, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
+            part_lse = torch.empty(n, dims.num_heads, dtype=torch.float32, device=plan.device)
+        rows, n = slice(chunk.q_start, chunk.q_end), chunk.q_end - chunk.q_start
+        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, out=part_out[:n], lse=part_lse[:n],
+                                              lse_base="log2")  # FlashInfer's base 2, unconverted
         hook("merge")
         merge_planned_(merge, out[rows], lse[rows], chunk_out, chunk_lse, lse_b_base="log2")  # converted as read
     hook("end")
@@ -224,9 +228,9 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     (320) and ``H`` heads, a pass over ``N`` key tokens holds the latent rows (``N x L x e``, plus the gathered copy
     of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the rearranged
     weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
-    pass over context + new tokens; the chunked one frees each pass before the next, whose peak adds the chunk's
-    partial out/lse and the merge's float32 LSE copies for its query rows (FlashInfer's merge makes them; the Triton
-    merge makes none). The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for
+    pass over context + new tokens; the chunked one frees each pass before the next, and from its first chunk on
+    holds one partial out/lse for the most query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk)
+    plus the merge's float32 LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for
     the plan's cache dtype (the torch path's: the rows in the cache's dtype, for FP8 also their float32
     dequantization and rounded copy, and 24 bytes of indices; the Triton gather allocates none of them, so the
     formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for
@@ -247,8 +251,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     if plan.fused:
         return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_context_tokens)
     peak = one_pass(t, 0)
+    partials = plan.max_chunk_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
     for c in plan.chunks:
         if c.plan is not None:
-            rows = c.q_end - c.q_start
-            peak = max(peak, one_pass(c.num_tokens, c.num_tokens) + rows * h * (d.v_head_dim * e + 4 + 8))
+            peak = max(peak, one_pass(c.num_tokens, c.num_tokens) + partials)
     return fixed + peak

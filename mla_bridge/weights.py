@@ -101,6 +101,10 @@ class PreparedKVBProj:
     layout: str
     weight: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path)
+        object.__setattr__(self, "_weight_t", self.weight.t() if self.layout == "identity" else None)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
@@ -122,7 +126,7 @@ class PreparedKVBProj:
         h, qk, vd, r = d.num_heads, d.head_dim_qk, d.v_head_dim, d.kv_lora_rank
         n = latent.shape[0]
         if self.layout == "identity":
-            out = torch.matmul(latent, self.weight.t()).view(n, h, qk + vd)
+            out = torch.mm(latent, self._weight_t).view(n, h, qk + vd)
             return out[..., :qk], out[..., qk:]
         buf = torch.empty(n, h, vd + qk, dtype=latent.dtype, device=latent.device)
         gemm_cols = vd + d.qk_nope_head_dim

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import types
 
 import pytest
 import torch
@@ -48,10 +49,15 @@ class _JitFn:
         return run
 
 
-@pytest.fixture
-def direct(monkeypatch):
-    """Launches take the direct path: Triton's hooks unset, the arguments "on CUDA", device 0, stream 1234."""
-    monkeypatch.setattr(launch_mod, "_runtime_hooks", lambda: (None, None))
+_EMPTY_CHAIN = types.SimpleNamespace(calls=[])  # Triton 3.6+'s default hooks: HookChain objects with no calls
+
+
+@pytest.fixture(params=["None hooks", "empty hook chains"])
+def direct(monkeypatch, request):
+    """Launches take the direct path: Triton's hooks unset (None, or Triton 3.6+'s empty HookChains), the arguments
+    "on CUDA", device 0, stream 1234."""
+    hooks = (None, None) if request.param == "None hooks" else (_EMPTY_CHAIN, _EMPTY_CHAIN)
+    monkeypatch.setattr(launch_mod, "_runtime_hooks", lambda: hooks)
     monkeypatch.setattr(launch_mod, "_on_cuda", lambda args: True)
     monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
     monkeypatch.setattr(launch_mod, "_current_stream", lambda device: 1234)
@@ -111,13 +117,16 @@ def test_hooks_env_and_cpu_tensors_keep_triton_path(direct, monkeypatch):
     monkeypatch.setattr(launch_mod, "_runtime_hooks", lambda: (print, None))  # a profiler's enter hook
     for _ in range(2):
         launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
+    busy_chain = types.SimpleNamespace(calls=[print])  # Triton 3.6+: a HookChain a profiler added to
+    monkeypatch.setattr(launch_mod, "_runtime_hooks", lambda: (_EMPTY_CHAIN, busy_chain))
+    launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
     monkeypatch.setattr(launch_mod, "_runtime_hooks", lambda: None)  # Triton older than 3.4
     launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
     monkeypatch.setattr(launch_mod, "_runtime_hooks", lambda: (None, None))
     monkeypatch.setattr(launch_mod, "_on_cuda", lambda args: False)  # TRITON_INTERPRET=1 on CPU tensors
     launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
     launch(fn, (1,), (x, object(), 5), dict(BLOCK=16))  # an argument of a kind the key does not cover
-    assert len(fn.jit) == 7 and not fn.direct
+    assert len(fn.jit) == 8 and not fn.direct
 
 
 def test_missing_constexpr_or_unusable_kernel_keeps_triton_path(direct):
