@@ -296,6 +296,21 @@ class PrefillPlan:
         self._device_indices.append(out)
         return out
 
+    def _context_stream(self, cum: np.ndarray, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunked schedule's per-token indices of the context stream (all context tokens, request after request):
+        each token's position in its request's context and that request, int64 ``[total]`` each on the plan's device,
+        from ``cum`` (int32 ``[batch + 1]``: where each request's context starts in the stream, ``cum[-1] = total``).
+        On CUDA: one page-locked copy of ``cum`` and four kernels (:func:`_context_stream_on_device`, with the
+        ordering and lifetime of :meth:`_expand`'s copy); on the CPU device numpy repeats the requests."""
+        if self.device.type == "cpu":
+            counts = np.diff(cum)
+            req_ids = np.repeat(np.arange(cum.size - 1), counts)
+            return torch.from_numpy(np.arange(total) - np.repeat(cum[:-1].astype(np.int64), counts)), \
+                torch.from_numpy(req_ids)
+        positions, req_ids, self._pinned_runs = _context_stream_on_device(cum.astype(np.int64), total, self.device)
+        self._device_indices += (positions, req_ids)
+        return positions, req_ids
+
     def _plan_fused_indices(self, q: np.ndarray, c: np.ndarray) -> None:
         """The fused schedule's rows: context token ``i`` of request ``r`` is gathered from position ``i`` of ``r``'s
         context (``ctx_req_ids``, ``ctx_positions``) into key row ``ctx_dst``; new token ``j`` goes to key row
@@ -321,22 +336,14 @@ class PrefillPlan:
         b = c.size
         cum = np.zeros(b + 1, dtype=np.int32)  # the stream offset where each request's context starts (< 2**31)
         np.cumsum(c, out=cum[1:])
-        # The stream's position of each token, then its request: _expand's runs c (counting from 0) then c (constant
-        # r), whose table is made here from cum directly.
-        table = np.empty((2, 2 * b), dtype=np.int64)
-        table[0, :b] = cum[1:]
-        np.add(cum[1:], total, out=table[0, b:])
-        np.negative(cum[:-1], out=table[1, :b])
-        table[1, b:] = np.arange(b)
-        flat = self._expand_table(table, total)
+        positions, req_ids = self._context_stream(cum, total)
         # Chunk bounds from Python ints (bisect on the offsets = np.searchsorted(side="right")): a few chunks per
         # batch, where a numpy call per quantity costs more than the loop.
         offsets, qo_all = cum.tolist(), self.qo_indptr.numpy()
         qo_list = qo_all.tolist()
         starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
         sizes = [min(step, total - start) for start in starts]
-        k = len(sizes)
-        views = flat.split_with_sizes(sizes + sizes)  # every chunk's positions, then its req_ids (one call)
+        pos_views, req_views = positions.split_with_sizes(sizes), req_ids.split_with_sizes(sizes)
         plans: dict = {}
         chunks = []
         for i, (start, size) in enumerate(zip(starts, sizes)):
@@ -358,7 +365,7 @@ class PrefillPlan:
                     plan = plans[key] = self._plan_pass(torch.from_numpy(qo), kv_indptr, False, q_end - q_start,
                                                         stop - start)
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan,
-                                       views[k + i], views[i]))
+                                       req_views[i], pos_views[i]))
         return chunks
 
     @property
@@ -415,6 +422,19 @@ def _expand_on_device(table: np.ndarray, total: int, counting: int,
     out = small[1].index_select(0, run)
     out[:counting].add_(t[:counting])  # in place on the view (``+=`` on a slice also runs a __setitem__ copy call)
     return out, host
+
+
+def _context_stream_on_device(cum: np.ndarray, total: int,
+                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device half of :meth:`PrefillPlan._context_stream`: from ``cum`` (int64 ``[batch + 1]``, non-decreasing,
+    ``cum[-1] = total``), ``positions[t] = t - cum[r]`` and ``req_ids[t] = r`` for the request ``r`` whose context
+    holds stream token ``t`` (the first whose end ``cum[r + 1]`` exceeds ``t``: an empty context never does), both
+    int64 ``[total]`` on ``device``, and the page-locked copy of ``cum`` the caller keeps. One copy, four kernels."""
+    host = torch.from_numpy(cum).pin_memory()
+    starts = host.to(device, non_blocking=True)
+    t = torch.arange(total, dtype=torch.int64, device=device)
+    req_ids = torch.searchsorted(starts[1:], t, right=True)
+    return t.sub_(starts.index_select(0, req_ids)), req_ids, host
 
 
 def _plan_key(q_lens: list, c_lens: list, dims: MLADims, workspace: Workspace, block_size: int, device: torch.device,

@@ -61,14 +61,16 @@ def fake_cuda(monkeypatch, fake_cuda_runtime):
     monkeypatch.setattr(fi_backend, "new_wrapper", _Wrapper)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     tables = []
-    device_half = plan_mod._expand_on_device
+    for name in ("_expand_on_device", "_context_stream_on_device"):
+        device_half = getattr(plan_mod, name)
 
-    def on_cpu(table, total, counting, device):
-        assert device.type == "cuda"
-        tables.append(table.copy())
-        return device_half(table, total, counting, torch.device("cpu"))
+        def on_cpu(table, *args, device_half=device_half):
+            *args, device = args
+            assert device.type == "cuda"
+            tables.append(table.copy())
+            return device_half(table, *args, torch.device("cpu"))
 
-    monkeypatch.setattr(plan_mod, "_expand_on_device", on_cpu)
+        monkeypatch.setattr(plan_mod, name, on_cpu)
     return tables
 
 
@@ -130,6 +132,19 @@ def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
                                            torch.device("cpu"))
     assert out.tolist() == [5, 6, 0, 1, 2, 7, 4, 4]
     assert host.tolist() == [ends.tolist(), base.tolist()]
+
+
+def test_context_stream_op_sequence_on_cpu_tensors(monkeypatch):
+    """_context_stream_on_device itself: each stream token's position in its request's context and that request,
+    requests with an empty context skipped (the first with a later end holds the token)."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    c = [3, 0, 2, 0, 0, 4, 1]
+    cum = np.concatenate([[0], np.cumsum(c)]).astype(np.int64)
+    positions, req_ids, host = plan_mod._context_stream_on_device(cum, int(cum[-1]), torch.device("cpu"))
+    assert req_ids.dtype == positions.dtype == torch.int64
+    assert req_ids.tolist() == [r for r, n in enumerate(c) for _ in range(n)]
+    assert positions.tolist() == [p for n in c for p in range(n)]
+    assert host.tolist() == cum.tolist()
 
 
 @pytest.mark.parametrize("seed", range(40))
