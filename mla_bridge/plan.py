@@ -18,6 +18,7 @@ Two schedules, picked here from host lengths alone:
 from __future__ import annotations
 
 import bisect
+import itertools
 import numbers
 import os
 from collections import OrderedDict
@@ -216,9 +217,8 @@ class PrefillPlan:
         self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context,
                              self.kv_cache_dtype)
         self._num_tokens, self._num_context_tokens = num_new, total_context
-        q = np.asarray(q_lens, dtype=np.int64)
-        c = np.asarray(c_lens, dtype=np.int64)
-        self.qo_indptr = _indptr(q)
+        qo = list(itertools.accumulate(q_lens, initial=0))  # exact Python ints, each <= the checked sum
+        self.qo_indptr = torch.from_numpy(np.array(qo, dtype=np.int32))
         fused_keys = total_context + num_new
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
         # which backend serves the main pass.
@@ -228,11 +228,13 @@ class PrefillPlan:
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         self._device_indices = []
         if self.fused:
+            q = np.asarray(q_lens, dtype=np.int64)
+            c = np.asarray(c_lens, dtype=np.int64)
             self.main_kv_indptr = _indptr(c + q)
             self._plan_fused_indices(q, c)
         else:
             self.main_kv_indptr = self.qo_indptr  # keys = queries; neither is ever written (RaggedPlan holds both)
-            self.chunks = self._plan_chunks(c)
+            self.chunks = self._plan_chunks(qo)
         self.main = self._plan_pass(self.qo_indptr, self.main_kv_indptr, True, num_new,
                                     fused_keys if self.fused else num_new)
         self._streams_seen = {current_stream(dev)[0]} if self._device_indices else set()
@@ -299,15 +301,15 @@ class PrefillPlan:
     def _context_stream(self, cum: np.ndarray, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunked schedule's per-token indices of the context stream (all context tokens, request after request):
         each token's position in its request's context and that request, int64 ``[total]`` each on the plan's device,
-        from ``cum`` (int32 ``[batch + 1]``: where each request's context starts in the stream, ``cum[-1] = total``).
+        from ``cum`` (int64 ``[batch + 1]``: where each request's context starts in the stream, ``cum[-1] = total``).
         On CUDA: one page-locked copy of ``cum`` and four kernels (:func:`_context_stream_on_device`, with the
         ordering and lifetime of :meth:`_expand`'s copy); on the CPU device numpy repeats the requests."""
         if self.device.type == "cpu":
             counts = np.diff(cum)
             req_ids = np.repeat(np.arange(cum.size - 1), counts)
-            return torch.from_numpy(np.arange(total) - np.repeat(cum[:-1].astype(np.int64), counts)), \
+            return torch.from_numpy(np.arange(total) - np.repeat(cum[:-1], counts)), \
                 torch.from_numpy(req_ids)
-        positions, req_ids, self._pinned_runs = _context_stream_on_device(cum.astype(np.int64), total, self.device)
+        positions, req_ids, self._pinned_runs = _context_stream_on_device(cum, total, self.device)
         self._device_indices += (positions, req_ids)
         return positions, req_ids
 
@@ -324,7 +326,7 @@ class PrefillPlan:
         self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.split_with_sizes(
             [n_ctx, n_ctx, n_new, n_ctx])
 
-    def _plan_chunks(self, c: np.ndarray) -> list[ContextChunk]:
+    def _plan_chunks(self, qo_list: list[int]) -> list[ContextChunk]:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
         tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
         chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
@@ -333,14 +335,13 @@ class PrefillPlan:
         total, step = self._num_context_tokens, self.workspace.chunk_tokens
         if total == 0:
             return []
-        b = c.size
-        cum = np.zeros(b + 1, dtype=np.int32)  # the stream offset where each request's context starts (< 2**31)
-        np.cumsum(c, out=cum[1:])
-        positions, req_ids = self._context_stream(cum, total)
-        # Chunk bounds from Python ints (bisect on the offsets = np.searchsorted(side="right")): a few chunks per
-        # batch, where a numpy call per quantity costs more than the loop.
-        offsets, qo_all = cum.tolist(), self.qo_indptr.numpy()
-        qo_list = qo_all.tolist()
+        # The stream offset where each request's context starts (qo_list: the same for its new tokens), as Python ints
+        # for the chunk bounds (bisect = np.searchsorted(side="right"): a few chunks per batch, where a numpy call per
+        # quantity costs more than the loop) and as int64 for the expansion; int32 slices of it are the chunks' keys.
+        offsets = list(itertools.accumulate(self.context_lens, initial=0))
+        cum64 = np.array(offsets, dtype=np.int64)
+        cum, qo_all = cum64.astype(np.int32), self.qo_indptr.numpy()
+        positions, req_ids = self._context_stream(cum64, total)
         starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
         sizes = [min(step, total - start) for start in starts]
         pos_views, req_views = positions.split_with_sizes(sizes), req_ids.split_with_sizes(sizes)
