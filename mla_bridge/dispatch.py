@@ -259,6 +259,7 @@ def _ver(version: Optional[tuple[int, int]]) -> str:
     return "no CUDA toolkit" if version is None else f"CUDA {version[0]}.{version[1]}"
 
 
+@functools.lru_cache(maxsize=8)  # a pure function of the version string, read at every select_backend call
 def _parse_cuda_version(text: Optional[str]) -> Optional[tuple[int, int]]:
     if not text:
         return None
@@ -326,6 +327,8 @@ def select_backend(
     else:
         if device is None:
             dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        elif isinstance(device, torch.device):
+            dev = device
         else:
             dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         device_type = dev.type
@@ -336,7 +339,7 @@ def select_backend(
     source = "requested"
     if requested is None:
         requested = (os.environ.get(ENV_VAR) or "").strip().lower() or None  # read as the other switches are
-        source = f"{ENV_VAR}"
+        source = ENV_VAR
     key = None
     if capability is None or capability[0] not in CUTLASS_MAJORS:
         key = (device_type, capability, cuda_version, flashinfer, dtype, out_dtype, head_dim_qk, head_dim_vo, causal,

@@ -134,12 +134,12 @@ def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> tuple[int, int]:
     return totals[0], totals[1]
 
 
-def _indptr(lens: np.ndarray) -> torch.Tensor:
-    """int32 CPU ``[0, l0, l0 + l1, ...]`` of non-negative int64 lengths whose sum :func:`_check_length_sums` has
+def _indptr(lens: np.ndarray) -> np.ndarray:
+    """int32 ``[0, l0, l0 + l1, ...]`` (numpy) of non-negative int64 lengths whose sum :func:`_check_length_sums` has
     checked (so every prefix fits int32: accumulated straight into an int32 buffer)."""
     out = np.zeros(lens.size + 1, dtype=np.int32)
     np.cumsum(lens, out=out[1:])
-    return torch.from_numpy(out)
+    return out
 
 
 class PrefillPlan:
@@ -218,7 +218,10 @@ class PrefillPlan:
                              self.kv_cache_dtype)
         self._num_tokens, self._num_context_tokens = num_new, total_context
         qo = list(itertools.accumulate(q_lens, initial=0))  # exact Python ints, each <= the checked sum
-        self.qo_indptr = torch.from_numpy(np.array(qo, dtype=np.int32))
+        qo_host = np.array(qo, dtype=np.int32)
+        self.qo_indptr = torch.from_numpy(qo_host)
+        # One dispatch-table read of the device for every pass (they run on it together).
+        self._capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
         fused_keys = total_context + num_new
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
         # which backend serves the main pass.
@@ -230,13 +233,14 @@ class PrefillPlan:
         if self.fused:
             q = np.asarray(q_lens, dtype=np.int64)
             c = np.asarray(c_lens, dtype=np.int64)
-            self.main_kv_indptr = _indptr(c + q)
+            kv_host = _indptr(c + q)
+            self.main_kv_indptr = torch.from_numpy(kv_host)
             self._plan_fused_indices(q, c)
         else:
-            self.main_kv_indptr = self.qo_indptr  # keys = queries; neither is ever written (RaggedPlan holds both)
+            kv_host, self.main_kv_indptr = qo_host, self.qo_indptr  # keys = queries; neither is ever written
             self.chunks = self._plan_chunks(qo)
-        self.main = self._plan_pass(self.qo_indptr, self.main_kv_indptr, True, num_new,
-                                    fused_keys if self.fused else num_new)
+        self.main = self._plan_pass(qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new,
+                                    self.qo_indptr, self.main_kv_indptr)
         self._streams_seen = {current_stream(dev)[0]} if self._device_indices else set()
         return self
 
@@ -257,12 +261,15 @@ class PrefillPlan:
                 t.record_stream(stream)
             self._streams_seen.add(ptr)
 
-    def _plan_pass(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, causal: bool, num_qo_tokens: int,
-                   num_kv_tokens: int) -> RaggedPlan:
-        """One pass's :class:`RaggedPlan`: indptrs made here from checked lengths (their last entries, the token
-        counts, known here), sizes checked in :meth:`build`."""
-        return _plan_checked(qo_indptr, kv_indptr, causal=causal, backend=self._backend, num_qo_tokens=num_qo_tokens,
-                             num_kv_tokens=num_kv_tokens, **self._sizes)
+    def _plan_pass(self, qo: np.ndarray, kv: np.ndarray, causal: bool, num_qo_tokens: int, num_kv_tokens: int,
+                   qo_indptr: Optional[torch.Tensor] = None, kv_indptr: Optional[torch.Tensor] = None) -> RaggedPlan:
+        """One pass's :class:`RaggedPlan`: int32 indptrs ``qo``, ``kv`` made here from checked lengths (their last
+        entries, the token counts, known here; ``qo_indptr`` / ``kv_indptr``: the tensors viewing them where made
+        already), sizes checked and the device's capability read once in :meth:`build`."""
+        return _plan_checked(torch.from_numpy(qo) if qo_indptr is None else qo_indptr,
+                             torch.from_numpy(kv) if kv_indptr is None else kv_indptr, causal=causal,
+                             backend=self._backend, num_qo_tokens=num_qo_tokens, num_kv_tokens=num_kv_tokens,
+                             host=(qo, kv), capability=self._capability, **self._sizes)
 
     def _expand(self, counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> torch.Tensor:
         """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``
@@ -363,8 +370,8 @@ class PrefillPlan:
                 key = (qo.tobytes(), kv.tobytes())
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = self._plan_pass(torch.from_numpy(qo), kv_indptr, False, q_end - q_start,
-                                                        stop - start)
+                    plan = plans[key] = self._plan_pass(qo, kv, False, q_end - q_start, stop - start,
+                                                        kv_indptr=kv_indptr)
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan,
                                        req_views[i], pos_views[i]))
         return chunks

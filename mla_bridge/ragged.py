@@ -412,7 +412,8 @@ def _checked_plan_sizes(*, num_heads: int, head_dim_qk: int, head_dim_vo: int, s
 
 def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: Optional[str], num_heads: int,
                   head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype, workspace: Workspace,
-                  num_qo_tokens: Optional[int] = None, num_kv_tokens: Optional[int] = None) -> RaggedPlan:
+                  num_qo_tokens: Optional[int] = None, num_kv_tokens: Optional[int] = None,
+                  host: Optional[tuple] = None, capability: Optional[tuple[int, int]] = None) -> RaggedPlan:
     """:func:`plan_ragged` past its checks: the backend choice and the kernel's plan, nothing re-validated.
 
     For indptrs that are valid by construction -- int32 CPU tensors of equal length, starting at 0, non-decreasing,
@@ -421,15 +422,19 @@ def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: 
     holds ``qo`` and ``kv`` (do not write to them afterwards). Gives the same :class:`RaggedPlan` as
     :func:`plan_ragged` on the same values. ``num_qo_tokens`` / ``num_kv_tokens``: ``qo[-1]`` / ``kv[-1]`` where the
     caller knows them (the spec's token counts are then not read from the tensors: a lock and an element read each).
+    ``host``: ``(qo, kv)`` as the numpy arrays they view, where the caller has them. ``capability``: the CUDA
+    workspace device's, read once by a caller that plans several passes of one batch (default: read here by
+    :func:`select_backend`).
     """
     spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, causal, sm_scale, dtype, workspace.device)
     if num_qo_tokens is not None:
         spec.__dict__["num_qo_tokens"] = num_qo_tokens  # what the cached property would store on first read
     if num_kv_tokens is not None:
         spec.__dict__["num_kv_tokens"] = num_kv_tokens
-    choice = select_backend(workspace.device, dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk,
-                            head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-                            qo_indptr=qo.numpy(), kv_indptr=kv.numpy(), requested=backend)  # lists only if read
+    qo_host, kv_host = host if host is not None else (qo.numpy(), kv.numpy())  # lists made only if read
+    choice = select_backend(workspace.device, capability=capability, dtype=dtype, out_dtype=dtype,
+                            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
+                            qo_indptr=qo_host, kv_indptr=kv_host, requested=backend)
     return RaggedPlan(spec, choice, workspace)
 
 

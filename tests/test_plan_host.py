@@ -403,3 +403,24 @@ def test_cuda_plans_equal_cpu_plans_on_random_batches(fake_cuda, seed):
         if c.plan is not None:
             assert c.plan.qo_indptr.tolist() == [x - c.q_start for x in cuda.qo_indptr[c.req_start:c.req_end + 1]]
             assert c.plan.flashinfer_wrapper.planned[-1][:2] == (c.plan.qo_indptr.tolist(), c.kv_indptr.tolist())
+
+
+def test_build_reads_the_device_capability_once_for_all_its_passes(fake_cuda, monkeypatch):
+    """A plan's passes share one read of the device's capability (each select_backend call read it before: a CUDA
+    property query per pass on the GPU); their choices equal select_backend's own reading, and a later build reads
+    it again (a remembered choice never outlives a capability change)."""
+    dims = MLADims.deepseek_v2_lite()  # 192/128: FlashInfer rows serve it
+    reads = []
+    cap = {"now": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: reads.append(dev) or cap["now"])
+    ws = Workspace("cuda:0", chunk_tokens=8)
+    plan = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
+    assert plan.num_plans >= 3 and len(reads) == 1
+    for p in [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]:
+        assert p.backend == select_backend("cuda:0", dtype=BF16, out_dtype=BF16, head_dim_qk=dims.head_dim_qk,
+                                           head_dim_vo=dims.head_dim_vo, causal=p.spec.causal,
+                                           num_heads=dims.num_heads, qo_indptr=p.qo_indptr.tolist(),
+                                           kv_indptr=p.kv_indptr.tolist())
+    cap["now"] = (8, 0)
+    again = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
+    assert plan.backend.name != again.backend.name == "flashinfer-fa2"
