@@ -3,15 +3,16 @@
 A pass reads ``k = [k_nope | k_pe]`` ``[N, H, qk_nope_head_dim + qk_rope_head_dim]`` and ``v`` ``[N, H, v_head_dim]``
 for its N key tokens: context rows read from the paged cache through ``block_table`` (dequantized when the cache is
 FP8), and, in the fused schedule or the chunked schedule's main pass, the new tokens' own ``kv_c`` / ``k_pe``. Two
-implementations, chosen in ONE place (:func:`kv_impl`):
+implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl` per pass):
 
-* ``"separate"`` (the default): the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch,
-  chosen by :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
-  (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA).
-* ``"fused"`` (opt-in, CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows
-  are gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
-  place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. Why it is not the
-  default: :func:`kv_impl`.
+* ``"separate"``: the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch, chosen by
+  :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
+  (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the passes of new
+  tokens alone and of FP8 caches.
+* ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
+  gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
+  place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
+  for the passes that gather from a bf16/fp16 cache; why: :func:`kv_impl`.
 
 Both give k and v as strided views of one ``[N, H, 320]`` buffer. The k_pe columns are equal between them (the
 identity layout's GEMM writes +0.0 where the kernel copies a -0.0);
@@ -29,25 +30,33 @@ import torch
 from .cache import fused_latent, gather_latent
 from .weights import PreparedKVBProj
 
-__all__ = ["kv_impl", "KV_IMPLS", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
 
-#: The implementations :func:`kv_impl` chooses from (module docstring).
+#: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
+#: What :func:`kv_impl` may answer: one of :data:`KV_IMPLS` for every pass, or "auto" (chosen per pass by
+#: :func:`pass_impl`).
+KV_MODES = ("auto",) + KV_IMPLS
 
 Hook = Callable[[str], None]
 
 
 def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> str:
-    """The ONE place choosing how a pass's k and v are built.
+    """The ONE place choosing how a call's passes build their k and v: "fused", "separate", or "auto" (each pass by
+    :func:`pass_impl`).
 
-    ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default: ``"separate"`` (``"auto"``
-    names the default too; both are read case-insensitively). The fused kernel is opt-in because it is not faster
-    where it matters, measured on the H200 (2026-12-01, bf16, DeepSeek-V2-Lite dims): its Triton GEMM reaches about
-    400 TFLOP/s where cuBLAS reaches about 580, which costs more than the gather round trip it saves on long passes
-    (40000 keys, 80% of them gathered: 0.44 against 0.43 ms; 8192 new tokens: 0.16 against 0.10 ms; an FP8 cache
-    dequantized in every program: a 10% slower layer); it wins only on short gathered passes (4096 keys: 0.117
-    against 0.136 ms). ``"fused"`` off CUDA runs only under ``TRITON_INTERPRET=1``, for development, and not in
-    bfloat16 (``dtype``): the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there.
+    ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default (read case-insensitively).
+    The default ("auto", or unset) is ``"auto"`` on CUDA where Triton imports, else ``"separate"``: there the fused
+    kernel builds the passes that gather from a bf16/fp16 cache, and the separate path the others. Measured on the
+    H200 (2026-12-01, bf16, DeepSeek-V2-Lite dims, ``mla-bridge bench``, with the compiled launcher of
+    :mod:`mla_bridge.kernels.launch`): on gathered passes the fused kernel is as fast or faster (4 x (8000+2000) with
+    4 chunks: 1.56 against 1.59 ms per layer; 1 x (64000+4000) with 4 chunks: 5.02 against 5.15; 16 x (2048+512)
+    with 8 chunks: 1.40 against 1.68, one launch less per chunk on a host-bound batch), though its GEMM reaches
+    about 400 TFLOP/s where cuBLAS reaches about 580: the gather round trip it saves pays for that. On new tokens
+    alone nothing is gathered and cuBLAS is faster (64 x 128: 0.143 against 0.248 ms). An FP8 cache stays on the
+    separate path: the fused kernel dequantizes each row once per head part (2H times), the separate gather once.
+    ``"fused"`` off CUDA runs only under ``TRITON_INTERPRET=1``, for development, and not in bfloat16 (``dtype``):
+    the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there.
 
     Raises:
         ValueError: ``requested`` or ``MLA_BRIDGE_KV`` other than :data:`KV_IMPLS` or "auto" (the message lists
@@ -61,10 +70,9 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     where = "kv_impl" if requested is not None else "MLA_BRIDGE_KV"
     raw = requested if requested is not None else os.environ.get("MLA_BRIDGE_KV", "")
     choice = raw.strip().lower()
-    if requested is None and choice in ("", "auto"):
-        return "separate"
-    if choice == "auto":
-        return "separate"
+    if (requested is None and choice == "") or choice == "auto":
+        from .kernels import triton_available
+        return "auto" if torch.device(device).type == "cuda" and triton_available() else "separate"
     if choice not in KV_IMPLS:
         raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {raw!r}")
     if choice == "fused":
@@ -81,6 +89,15 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     return choice
 
 
+def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool) -> str:
+    """The implementation of one pass for the call's ``mode`` (:func:`kv_impl`): "fused" or "separate" as they are;
+    "auto": "fused" for a pass that gathers context rows from an unquantized cache, else "separate" (the reasons
+    are :func:`kv_impl`'s)."""
+    if mode != "auto":
+        return mode
+    return "fused" if gathered and not kv_cache_fp8 else "separate"
+
+
 def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torch.device):
     d = weight.dims
     out = torch.empty(n, d.num_heads, d.head_dim_qk + d.v_head_dim, dtype=dtype, device=device)
@@ -94,8 +111,10 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     ``plan.ctx_dst``) followed by its new tokens (``plan.new_dst``). ``kv_cache`` / ``kv_cache_scale`` as checked by
     :func:`mla_bridge.cache.check_kv_cache`; ``k_pe`` ``[T, rope]``. Calls ``hook("gather")`` before a separate gather
     and ``hook("up-projection")`` before the GEMM (the fused kernel is one "up-projection" phase). ``impl`` /
-    ``gather``: the choices of :func:`kv_impl` / :func:`mla_bridge.cache.gather_impl`, when the caller made them."""
-    if (impl or kv_impl(plan.device)) == "fused":
+    ``gather``: the choices of :func:`kv_impl` / :func:`mla_bridge.cache.gather_impl`, when the caller made them (the
+    pass's own implementation is :func:`pass_impl` of ``impl``: this pass gathers, from an FP8 cache when
+    ``kv_cache_scale`` is given)."""
+    if pass_impl(impl or kv_impl(plan.device), True, kv_cache_scale is not None) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(int(plan.main_kv_indptr[-1]), weight, plan.dtype, plan.device)
@@ -113,7 +132,7 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
                   impl: Optional[str] = None):
     """k, v of the new tokens alone (the chunked schedule's main pass): ``kv_c`` ``[T, rank]``, ``k_pe`` ``[T, rope]``.
     Hooks as :func:`fused_schedule_kv` (the separate path's "gather" is the concatenation of kv_c and k_pe)."""
-    if (impl or kv_impl(kv_c.device)) == "fused":
+    if pass_impl(impl or kv_impl(kv_c.device), False, False) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
@@ -129,7 +148,7 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
              dtype: torch.dtype, hook: Hook, impl: Optional[str] = None, gather: Optional[str] = None):
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows
     ``(chunk.req_ids[i], chunk.positions[i])`` in order. Hooks as :func:`fused_schedule_kv`."""
-    if (impl or kv_impl(kv_cache.device)) == "fused":
+    if pass_impl(impl or kv_impl(kv_cache.device), True, kv_cache_scale is not None) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(chunk.req_ids.shape[0], weight, dtype, kv_cache.device)

@@ -112,7 +112,7 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
 
 def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Optional[str] = None) -> dict:
     """What :func:`mla_prefill` will run on ``device`` for ``dtype`` and ``dims`` besides the attention backend
-    (:func:`mla_bridge.select_backend`), as the choosers decide now: ``{"kv": "separate" | "fused", "gather":
+    (:func:`mla_bridge.select_backend`), as the choosers decide now: ``{"kv": "separate" | "fused" | "auto", "gather":
     "triton" | "torch", "merge": "triton" | "flashinfer" | "torch", "triton_launch": "direct" | "jit"}`` (the gather
     is that of the separate path; the merge that of ``[rows, H, v_head_dim]`` partials; the launch mode that of the
     Triton kernels among them, :mod:`mla_bridge.kernels.launch`). For reports (``mla-bridge prefill`` prints it) and
@@ -165,9 +165,11 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         kv_cache_scale: the FP8 cache's per-tensor scale (required for FP8, refused otherwise): a Python float or a
             0-d/1-element float32 tensor on the cache's device (vLLM's ``layer._k_scale``; read on the device, no
             host sync). Context rows are dequantized into the plan's dtype in the gather (:mod:`mla_bridge.cache`).
-        kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM; the default) or
-            ``"fused"`` (one Triton launch per pass, CUDA only); ``None`` = :func:`mla_bridge.kv.kv_impl` (the
-            ``MLA_BRIDGE_KV`` environment variable, else the default).
+        kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM), ``"fused"`` (one
+            Triton launch per pass, CUDA only) or ``"auto"`` (per pass: the fused kernel where a pass gathers from a
+            bf16/fp16 cache, the separate path elsewhere; the default on CUDA with Triton, "separate" elsewhere);
+            ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment variable, else the
+            default).
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -183,7 +185,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     # the other kernels of this call, chosen once, now: an environment switch that cannot serve is refused here,
     # before anything is allocated or written (not after the main pass has written out); the gather choice is
     # handed to every pass
-    gather = gather_impl(plan.device) if plan.num_context_tokens and impl == "separate" else None
+    gather = gather_impl(plan.device) if plan.num_context_tokens and impl != "fused" else None
     merge = select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type) \
         if plan.chunks else None
     launch_mode()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve

@@ -12,10 +12,25 @@ from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
 from mla_bridge import kv as KV
 
 
-def test_default_is_separate_on_every_device(monkeypatch):
+def test_default_is_auto_on_cuda_with_triton_else_separate(monkeypatch):
+    import mla_bridge.kernels as K
+
     monkeypatch.delenv("MLA_BRIDGE_KV", raising=False)
+    monkeypatch.setattr(K, "triton_available", lambda: True)
     assert KV.kv_impl(torch.device("cpu")) == "separate"
-    assert KV.kv_impl(torch.device("cuda")) == "separate"  # opt-in (measured slower where it matters; see kv_impl)
+    assert KV.kv_impl(torch.device("cuda")) == KV.kv_impl(torch.device("cuda"), " AUTO ") == "auto"
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    assert KV.kv_impl(torch.device("cuda")) == KV.kv_impl(torch.device("cuda"), "auto") == "separate"
+
+
+def test_auto_takes_the_fused_kernel_only_for_gathered_unquantized_passes():
+    assert KV.pass_impl("auto", gathered=True, kv_cache_fp8=False) == "fused"
+    assert KV.pass_impl("auto", gathered=True, kv_cache_fp8=True) == "separate"
+    assert KV.pass_impl("auto", gathered=False, kv_cache_fp8=False) == "separate"
+    for mode in KV.KV_IMPLS:
+        for gathered in (False, True):
+            for fp8 in (False, True):
+                assert KV.pass_impl(mode, gathered, fp8) == mode
 
 
 def test_env_and_argument_choose_and_bad_values_are_named(monkeypatch):
@@ -36,6 +51,7 @@ def test_auto_case_and_type_rules(monkeypatch):
     import mla_bridge.kernels as K
 
     monkeypatch.delenv("MLA_BRIDGE_KV", raising=False)
+    monkeypatch.setattr(K, "triton_available", lambda: False)
     assert KV.kv_impl(torch.device("cuda"), "auto") == KV.kv_impl(torch.device("cuda"), " Separate ") == "separate"
     monkeypatch.setenv("MLA_BRIDGE_KV", "AUTO")
     assert KV.kv_impl(torch.device("cuda")) == "separate"

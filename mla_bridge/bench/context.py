@@ -27,6 +27,7 @@ from ..plan import PrefillPlan, schedule_context_chunks
 from ..cache import fused_latent, gather_impl, gather_latent, quantize_latent_cache
 from ..graphs import PrefillLayer, capture_prefill
 from ..kernels import triton_available
+from ..kv import kv_impl
 from ..prefill import mla_prefill, prefill_memory_bytes
 from ..ragged import plan_ragged
 from ..weights import PreparedKVBProj, prepare_kv_b_proj
@@ -66,6 +67,7 @@ PATHS = (
     "phase: gather by block_table, FP8 cache, torch gather",
     "mla_prefill, fused gather+GEMM kernel (kv_impl='fused')",
     "mla_prefill, fused gather+GEMM kernel, CUDA graph replay",
+    "mla_prefill, gather + cuBLAS GEMM on every pass (kv_impl='separate')",
 )
 #: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
 IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
@@ -75,8 +77,9 @@ PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time wit
 FP8_TARGET = 1.02
 I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(PATHS.index("mla_prefill, FP8 cache"),
                                                                PATHS.index("mla_prefill, FP8 cache") + 4)
-#: The opt-in fused gather + up-projection kernel (mla_bridge.kv), eager and graphed.
-FUSED_KV_PATH, FUSED_KV_GRAPH = PATHS[-2], PATHS[-1]
+#: The fused gather + up-projection kernel on every pass (mla_bridge.kv), eager and graphed; the separate path on
+#: every pass (the default before issue 13's per-pass choice, kv_impl="auto").
+FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH = PATHS[-3], PATHS[-2], PATHS[-1]
 #: Targets of issue 13 on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
 #: cases against their eager figure before it (``ContextCase.eager_ms_before``).
 EAGER_TARGET, GRAPHED_TARGET, GRAPHED_SPEEDUP = 1.12, 1.05, 2.5
@@ -284,8 +287,8 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     flops = attn_flops + up_flops
     # Every path of this case is timed interleaved, so that the ratios below hold on a noisy machine.
     items: list = [(PATHS[0], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan),
-                    dict(flops=flops, note=f"{sched}, {plan.backend.name}, weight prepared once", extra=dict(extra),
-                         **meta(0))),
+                    dict(flops=flops, note=f"{sched}, {plan.backend.name}, k/v {kv_impl(ctx.device)}, weight "
+                                          f"prepared once", extra=dict(extra), **meta(0))),
                    (PATHS[18], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan),
                     dict(flops=flops, note="kv_b_proj rearranged inside every call", **meta(0.2))),
                    (PATHS[19], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp_split, x.kv_cache, x.block_table, plan),
@@ -297,9 +300,12 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
         items.append((FUSED_KV_PATH, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan,
                                                            kv_impl="fused"),
                       dict(flops=flops, note="one Triton launch per pass: gather + GEMM + k layout", **meta(0.5))))
+        items.append((SEPARATE_KV_PATH, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table,
+                                                              plan, kv_impl="separate"),
+                      dict(flops=flops, note="every pass: gather, then cuBLAS", **meta(0.55))))
     else:
         skipped += [ctx.skipped(SECTION, name, p, "the fused kernel needs CUDA and Triton", **meta(0.5))
-                    for p in (FUSED_KV_PATH, FUSED_KV_GRAPH)]
+                    for p in (FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH)]
     for path, weight, pi, impl in ((PATHS[20], x.wp, 0.6, None), (PATHS[21], x.wp_split, 0.8, None),
                                    (FUSED_KV_GRAPH, x.wp, 0.7, "fused")):
         if impl and not fused_kv:
@@ -533,7 +539,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     long_case = not case.eager_ms_before
     # (path, target against attention + GEMM alone on the long cases)
     for path, target in ((PATHS[0], EAGER_TARGET), (PATHS[20], GRAPHED_TARGET), (PATHS[18], None), (PATHS[19], None),
-                         (PATHS[21], None), (FUSED_KV_PATH, None), (FUSED_KV_GRAPH, None)):
+                         (PATHS[21], None), (FUSED_KV_PATH, None), (FUSED_KV_GRAPH, None), (SEPARATE_KV_PATH, None)):
         row = by_path.get(path)
         if not ok(path):
             if target and long_case and case.context:

@@ -274,9 +274,10 @@ def cmd_prefill(args, console) -> int:
     _row(table, "paged cache", f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
                   f"shuffled block_table; {cache_text}; {cache_bytes / 2**20:.2f} MiB")
     _row(table, "schedule", schedule)
-    _row(table, "kernels", f"k/v: {kernels['kv']}" + (f" ({kernels['gather']} gather + GEMM)"
-                                                        if kernels["kv"] == "separate" else " (one Triton launch)")
-         + f"; merge: {kernels['merge']}")
+    kv_text = {"separate": f" ({kernels['gather']} gather + GEMM)", "fused": " (one Triton launch per pass)",
+               "auto": f" (one Triton launch per gathered pass; {kernels['gather']} gather + GEMM for new tokens and "
+                       f"FP8 caches)"}[kernels["kv"]]
+    _row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {kernels['merge']}")
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
     _row(table, "plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
          f"{_ms(plan_ms)} (first build{loads}), {_ms(plan_again_ms)} (built again)")
