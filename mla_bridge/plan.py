@@ -287,18 +287,12 @@ class PrefillPlan:
         table = np.empty((2, counts.size), dtype=np.int64)  # per run: where it ends in the output, its base value
         ends, base = table
         np.cumsum(counts, out=ends)
+        total = int(ends[-1]) if ends.size else 0
         counting = int(ends[counting_runs - 1]) if counting_runs else 0  # tokens of the counting runs
         base[:] = firsts  # the output's value at token t is base[run] (+ t in a counting run)
         base[:counting_runs] -= ends[:counting_runs] - counts[:counting_runs]
-        return self._expand_table(table, counting)
-
-    def _expand_table(self, table: np.ndarray, counting: int) -> torch.Tensor:
-        """:meth:`_expand` from its table (int64 ``[2, runs]``: where each run ends in the output, and its base value:
-        the output's value at token ``t`` is ``base[run]``, plus ``t`` for the first ``counting`` tokens)."""
-        ends, base = table
-        total = int(ends[-1]) if ends.size else 0
         if self.device.type == "cpu":
-            out = np.repeat(base, np.diff(ends, prepend=0))
+            out = np.repeat(base, counts)
             out[:counting] += np.arange(counting)
             return torch.from_numpy(out)
         out, self._pinned_runs = _expand_on_device(table, total, counting, self.device)
@@ -313,9 +307,8 @@ class PrefillPlan:
         ordering and lifetime of :meth:`_expand`'s copy); on the CPU device numpy repeats the requests."""
         if self.device.type == "cpu":
             counts = np.diff(cum)
-            req_ids = np.repeat(np.arange(cum.size - 1), counts)
-            return torch.from_numpy(np.arange(total) - np.repeat(cum[:-1], counts)), \
-                torch.from_numpy(req_ids)
+            positions = np.arange(total) - np.repeat(cum[:-1], counts)
+            return torch.from_numpy(positions), torch.from_numpy(np.repeat(np.arange(cum.size - 1), counts))
         positions, req_ids, self._pinned_runs = _context_stream_on_device(cum, total, self.device)
         self._device_indices += (positions, req_ids)
         return positions, req_ids
@@ -337,8 +330,9 @@ class PrefillPlan:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
         tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
         chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
-        share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices are a slice of
-        ONE expansion over the requests (the stream's request and position of each token), all cut by one call."""
+        share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices are views of the
+        context stream's two index tensors (:meth:`_context_stream`: each token's position and request), cut by one
+        call each."""
         total, step = self._num_context_tokens, self.workspace.chunk_tokens
         if total == 0:
             return []
