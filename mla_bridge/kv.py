@@ -30,10 +30,14 @@ import torch
 from .cache import fused_latent, gather_latent
 from .weights import PreparedKVBProj
 
-__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
+#: Output dtypes the fused kernel computes (float32 accumulation, one rounding); float64 is not among them.
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: The dtypes "auto" gives the fused kernel: those measured (on the H200: bf16; fp16 takes the same code).
+AUTO_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 #: What :func:`kv_impl` may answer: one of :data:`KV_IMPLS` for every pass, or "auto" (chosen per pass by
 #: :func:`pass_impl`).
 KV_MODES = ("auto",) + KV_IMPLS
@@ -46,8 +50,9 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     :func:`pass_impl`).
 
     ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default (read case-insensitively).
-    The default ("auto", or unset) is ``"auto"`` on CUDA where Triton imports, else ``"separate"``: there the fused
-    kernel builds the passes that gather from a bf16/fp16 cache, and the separate path the others. Measured on the
+    The default ("auto", or unset) is ``"auto"`` on CUDA where Triton imports and ``dtype`` is bf16/fp16 (or not
+    given), else ``"separate"``: there the fused kernel builds the passes that gather from a bf16/fp16 cache, and
+    the separate path the others. Measured on the
     H200 (2026-12-01, bf16, DeepSeek-V2-Lite dims, ``mla-bridge bench``, with the compiled launcher of
     :mod:`mla_bridge.kernels.launch`): on gathered passes the fused kernel is as fast or faster (4 x (8000+2000) with
     4 chunks: 1.56 against 1.59 ms per layer; 1 x (64000+4000) with 4 chunks: 5.02 against 5.15; 16 x (2048+512)
@@ -56,12 +61,13 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     alone nothing is gathered and cuBLAS is faster (64 x 128: 0.143 against 0.248 ms). An FP8 cache stays on the
     separate path: the fused kernel dequantizes each row once per head part (2H times), the separate gather once.
     ``"fused"`` off CUDA runs only under ``TRITON_INTERPRET=1``, for development, and not in bfloat16 (``dtype``):
-    the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there.
+    the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there. It computes bf16, fp16 and
+    float32 (:data:`FUSED_DTYPES`); float64 is refused (the kernel's float32 accumulation is no float64 result).
 
     Raises:
         ValueError: ``requested`` or ``MLA_BRIDGE_KV`` other than :data:`KV_IMPLS` or "auto" (the message lists
-            them); "fused" where Triton does not import, off CUDA without ``TRITON_INTERPRET=1``, or interpreted in
-            bfloat16.
+            them); "fused" where Triton does not import, off CUDA without ``TRITON_INTERPRET=1``, interpreted in
+            bfloat16, or for a dtype outside :data:`FUSED_DTYPES`.
         TypeError: ``requested`` not a string.
     """
     if requested is not None and not isinstance(requested, str):
@@ -72,11 +78,14 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     choice = raw.strip().lower()
     if (requested is None and choice == "") or choice == "auto":
         from .kernels import triton_available
-        return "auto" if torch.device(device).type == "cuda" and triton_available() else "separate"
+        usable = dtype is None or dtype in AUTO_FUSED_DTYPES
+        return "auto" if usable and torch.device(device).type == "cuda" and triton_available() else "separate"
     if choice not in KV_IMPLS:
         raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {raw!r}")
     if choice == "fused":
         from .kernels import triton_available
+        if dtype is not None and dtype not in FUSED_DTYPES:
+            raise ValueError(f"{where} 'fused' computes bfloat16, float16 or float32, got {dtype}; use 'separate'")
         on_cpu = torch.device(device).type != "cuda"
         if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"{where} 'fused' runs a Triton kernel: it needs a CUDA device, got {device} "
@@ -114,7 +123,7 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     ``gather``: the choices of :func:`kv_impl` / :func:`mla_bridge.cache.gather_impl`, when the caller made them (the
     pass's own implementation is :func:`pass_impl` of ``impl``: this pass gathers, from an FP8 cache when
     ``kv_cache_scale`` is given)."""
-    if pass_impl(impl or kv_impl(plan.device), True, kv_cache_scale is not None) == "fused":
+    if pass_impl(impl or kv_impl(plan.device, None, plan.dtype), True, kv_cache_scale is not None) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(int(plan.main_kv_indptr[-1]), weight, plan.dtype, plan.device)
@@ -132,7 +141,7 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
                   impl: Optional[str] = None):
     """k, v of the new tokens alone (the chunked schedule's main pass): ``kv_c`` ``[T, rank]``, ``k_pe`` ``[T, rope]``.
     Hooks as :func:`fused_schedule_kv` (the separate path's "gather" is the concatenation of kv_c and k_pe)."""
-    if pass_impl(impl or kv_impl(kv_c.device), False, False) == "fused":
+    if pass_impl(impl or kv_impl(kv_c.device, None, kv_c.dtype), False, False) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
@@ -148,7 +157,7 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
              dtype: torch.dtype, hook: Hook, impl: Optional[str] = None, gather: Optional[str] = None):
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows
     ``(chunk.req_ids[i], chunk.positions[i])`` in order. Hooks as :func:`fused_schedule_kv`."""
-    if pass_impl(impl or kv_impl(kv_cache.device), True, kv_cache_scale is not None) == "fused":
+    if pass_impl(impl or kv_impl(kv_cache.device, None, dtype), True, kv_cache_scale is not None) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(chunk.req_ids.shape[0], weight, dtype, kv_cache.device)

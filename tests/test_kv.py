@@ -19,8 +19,25 @@ def test_default_is_auto_on_cuda_with_triton_else_separate(monkeypatch):
     monkeypatch.setattr(K, "triton_available", lambda: True)
     assert KV.kv_impl(torch.device("cpu")) == "separate"
     assert KV.kv_impl(torch.device("cuda")) == KV.kv_impl(torch.device("cuda"), " AUTO ") == "auto"
+    # float32 / float64 batches keep the separate path (float64 is beyond the fused kernel: it accumulates in float32)
+    for dtype in (torch.float32, torch.float64):
+        assert KV.kv_impl(torch.device("cuda"), None, dtype) == KV.kv_impl(torch.device("cuda"), "auto", dtype) \
+            == "separate"
+    assert KV.kv_impl(torch.device("cuda"), None, torch.float16) == "auto"
     monkeypatch.setattr(K, "triton_available", lambda: False)
     assert KV.kv_impl(torch.device("cuda")) == KV.kv_impl(torch.device("cuda"), "auto") == "separate"
+
+
+def test_fused_refuses_float64(monkeypatch):
+    import mla_bridge.kernels as K
+
+    monkeypatch.setattr(K, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="'fused' computes bfloat16, float16 or float32, got torch.float64"):
+        KV.kv_impl(torch.device("cuda"), "fused", torch.float64)
+    monkeypatch.setenv("MLA_BRIDGE_KV", "fused")
+    with pytest.raises(ValueError, match="MLA_BRIDGE_KV 'fused' computes"):
+        KV.kv_impl(torch.device("cuda"), None, torch.float64)
+    assert KV.kv_impl(torch.device("cuda"), None, torch.float32) == "fused"
 
 
 def test_auto_takes_the_fused_kernel_only_for_gathered_unquantized_passes():
@@ -74,7 +91,9 @@ def test_auto_case_and_type_rules(monkeypatch):
 @pytest.mark.parametrize("env,value,match", [("MLA_BRIDGE_GATHER", "cuda", "MLA_BRIDGE_GATHER"),
                                              ("MLA_BRIDGE_MERGE", "bogus", "MLA_BRIDGE_MERGE"),
                                              ("MLA_BRIDGE_MERGE", "triton", "needs a CUDA device"),
-                                             ("MLA_BRIDGE_KV", "cublas", "MLA_BRIDGE_KV")])
+                                             ("MLA_BRIDGE_KV", "cublas", "MLA_BRIDGE_KV"),
+                                             ("MLA_BRIDGE_TRITON_LAUNCH", "fast", "MLA_BRIDGE_TRITON_LAUNCH"),
+                                             ("MLA_BRIDGE_FLASHINFER_DIRECT", "off", "MLA_BRIDGE_FLASHINFER_DIRECT")])
 def test_mla_prefill_refuses_a_switch_that_cannot_serve_before_writing(monkeypatch, tiny_dims, ref, env, value,
                                                                        match):
     """The chunked schedule writes out in its main pass before the first chunk gathers and merges: a bad gather or
