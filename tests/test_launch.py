@@ -78,12 +78,13 @@ def test_second_launch_of_a_specialization_calls_the_compiled_kernel_directly(di
 
 
 @pytest.mark.parametrize("change", ["misaligned pointer", "other dtype", "int becomes 1", "int divisible by 16",
-                                    "int beyond int32", "other constexpr", "constexpr True for 1",
-                                    "other option"])
-def test_another_specialization_goes_through_triton(direct, change):
+                                    "int beyond int32", "int beyond int64", "other constexpr", "constexpr True for 1",
+                                    "other option", "option 0 for False", "other device", "TRITON_DEBUG set"])
+def test_another_specialization_goes_through_triton(direct, change, monkeypatch):
     fn = _JitFn()
     base = torch.zeros(64, dtype=torch.float32)
-    args, cx, opt = (base, 100, 17), dict(BLOCK=1 if change == "constexpr True for 1" else 64), dict(num_warps=4)
+    args, cx = (base, 100, 17), dict(BLOCK=1 if change == "constexpr True for 1" else 64)
+    opt = dict(num_warps=4, enable_fp_fusion=False)
     launch(fn, (1,), args, cx, opt)
     new_args, new_cx, new_opt = list(args), dict(cx), dict(opt)
     if change == "misaligned pointer":
@@ -96,11 +97,19 @@ def test_another_specialization_goes_through_triton(direct, change):
         new_args[2] = 32
     elif change == "int beyond int32":
         new_args[1] = 2 ** 31 + 5
+    elif change == "int beyond int64":
+        new_args[1] = 2 ** 63 + 5  # uint64 for Triton
+    elif change == "option 0 for False":
+        new_opt["enable_fp_fusion"] = 0
+    elif change == "other device":
+        monkeypatch.setattr(launch_mod, "_current_device", lambda: 1)
+    elif change == "TRITON_DEBUG set":
+        monkeypatch.setattr(launch_mod, "_triton_state", lambda: (True, "", None))
     elif change == "other constexpr":
         new_cx["BLOCK"] = 128
     elif change == "constexpr True for 1":
         new_cx["BLOCK"] = True
-    else:
+    elif change == "other option":
         new_opt["num_warps"] = 8
     launch(fn, (1,), tuple(new_args), new_cx, new_opt)
     assert len(fn.jit) == 2 and not fn.direct
@@ -126,7 +135,12 @@ def test_hooks_env_and_cpu_tensors_keep_triton_path(direct, monkeypatch):
     monkeypatch.setattr(launch_mod, "_on_cuda", lambda args: False)  # TRITON_INTERPRET=1 on CPU tensors
     launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
     launch(fn, (1,), (x, object(), 5), dict(BLOCK=16))  # an argument of a kind the key does not cover
-    assert len(fn.jit) == 8 and not fn.direct
+    monkeypatch.setattr(launch_mod, "_on_cuda", lambda args: True)
+    launch(fn, (1,), (x, 2 ** 64, 5), dict(BLOCK=16))  # beyond uint64: Triton's own OverflowError, not ours
+    fn.pre_run_hooks = [print]  # a kernel with pre-run hooks: Triton runs them on every launch
+    for _ in range(2):
+        launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
+    assert len(fn.jit) == 11 and not fn.direct
 
 
 def test_missing_constexpr_or_unusable_kernel_keeps_triton_path(direct):
@@ -166,6 +180,10 @@ def test_key_is_at_least_as_fine_as_tritons():
     values = [buf, buf[1:], buf[8:], torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.float32),
               0, 1, 2, 15, 16, 17, 32, -1, -16, 2 ** 31 - 1, 2 ** 31, 2 ** 32, -2 ** 31, -2 ** 31 - 1, 2 ** 63,
               2 ** 64 - 16, 0.5, 1.0, True, False, None]
+    for refused in (2 ** 64, 2 ** 70, -2 ** 63 - 16):
+        with pytest.raises(OverflowError):
+            native_specialize_impl(BaseBackend, refused, False, True, True)
+        assert spec_key([refused]) is None  # launched through kernel[grid], which raises Triton's own error
     for a, b in itertools.combinations(values, 2):
         ta = native_specialize_impl(BaseBackend, a, False, True, True)
         tb = native_specialize_impl(BaseBackend, b, False, True, True)

@@ -16,7 +16,8 @@ against Triton 3.6 and 3.9):
 * an int: whether it is 1 (Triton makes it a constexpr), whether it is divisible by 16, and whether it fits int32,
   int64 or only uint64 (the parameter's type);
 * a float (fp32), a bool (u1), ``None`` (a constexpr): their kind;
-* the constexpr and compile-option values (``num_warps``, ...), and the current device.
+* the constexpr and compile-option values (``num_warps``, ...) with their types, the current device, and the Triton
+  settings that enter Triton's own key (``TRITON_DEBUG``, the instrumentation mode, a stages-inspection hook).
 
 The key is at least as fine as Triton's own, so a kernel is only reused for arguments it was compiled for. A key
 seen for the first time goes through ``kernel[grid](...)`` (which compiles, or loads from Triton's cache, and
@@ -25,11 +26,13 @@ launches); later launches of that key call the compiled kernel's launcher direct
 constexprs itself: read in the sources of Triton 3.6 and 3.9, and checked bitwise on the H200 with 3.6), on the
 current stream (``torch._C._cuda_getCurrentRawStream``, the call Triton's own driver makes).
 
-Everything else goes through ``kernel[grid](...)`` as before: Triton without ``triton.knobs`` (older than 3.4, where
-the launch convention differs), launch hooks set (profilers such as Proton add them to ``knobs.runtime``'s hook
-chains; the direct launch passes no hook and no launch metadata), ``TRITON_INTERPRET=1`` (no
-compiled kernel), an argument of another kind, and ``MLA_BRIDGE_TRITON_LAUNCH=jit`` (the escape hatch; ``direct``
-or unset is the default). Imported only by the kernel modules, on first use.
+Everything else goes through ``kernel[grid](...)`` as before: a kernel with pre-run hooks, Triton without
+``triton.knobs`` (older than 3.4, where the launch convention differs), launch hooks set (profilers such as Proton
+add them to ``knobs.runtime``'s hook chains; the direct launch passes no hook and no launch metadata),
+``TRITON_INTERPRET=1`` (no compiled kernel), an argument of another kind (an int beyond uint64 included), and
+``MLA_BRIDGE_TRITON_LAUNCH=jit`` (the escape hatch; ``direct`` or unset is the default). Not re-checked on a direct
+launch: Triton's test that the globals a kernel reads are unchanged (mla_bridge's kernels read none). Imported only
+by the kernel modules, on first use.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def spec_key(args: Sequence[Any]) -> Optional[tuple]:
     """The specialization of runtime arguments as Triton sees it (module docstring), or None for an argument of a
     kind not covered (the caller then launches through ``kernel[grid]``). Written for speed (it runs on every
     launch: about 5 us for 24 arguments on this project's CPU machine): an int32-range int is 1, 16 (divisible by
-    16) or 0; a wider one ``(divisible by 16, fits int64)``; a tensor ``(dtype, 16-byte aligned)``."""
+    16) or 0; a wider one ``(divisible by 16, fits int64)`` (else uint64; None beyond); a tensor ``(dtype, 16-byte
+    aligned)``."""
     key = []
     push = key.append
     for a in args:
@@ -58,8 +62,10 @@ def spec_key(args: Sequence[Any]) -> Optional[tuple]:
         if t is int:
             if -2147483648 <= a <= 2147483647:
                 push(1 if a == 1 else (16 if a & 15 == 0 else 0))
+            elif -2 ** 63 <= a < 2 ** 64:
+                push((a & 15 == 0, a < 2 ** 63))
             else:
-                push((a & 15 == 0, -2 ** 63 <= a < 2 ** 63))
+                return None  # beyond uint64: Triton refuses it itself (OverflowError)
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
             push((a.dtype, a.data_ptr() & 15 == 0))
         elif t is float:
@@ -101,6 +107,18 @@ def _runtime_hooks():
         _KNOBS.append(knobs)
     knobs = _KNOBS[0]
     return (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook) if knobs else None
+
+
+def _triton_state() -> tuple:
+    """The Triton settings outside the arguments that enter its own cache key (Triton 3.6-3.9: ``TRITON_DEBUG``,
+    ``TRITON_INSTRUMENTATION_MODE``, a stages-inspection hook): part of the key, so a change is launched (and
+    compiled) through ``kernel[grid]``."""
+    knobs = _KNOBS[0] if _KNOBS else None
+    if not knobs:
+        return ()
+    runtime, compilation = getattr(knobs, "runtime", None), getattr(knobs, "compilation", None)
+    return (getattr(runtime, "debug", None), getattr(compilation, "instrumentation_mode", None),
+            getattr(runtime, "add_stages_inspection_hook", None))
 
 
 def _hook_active(hook: Any) -> bool:
@@ -180,14 +198,16 @@ def launch(fn: Any, grid: tuple, args: Sequence[Any], constexprs: dict, options:
     options = options or {}
     hooks = _runtime_hooks() if mode() == "direct" else None
     quiet = hooks is not None and not _hook_active(hooks[0]) and not _hook_active(hooks[1])
-    key = spec_key(args) if quiet and _on_cuda(args) else None
+    key = spec_key(args) if quiet and _on_cuda(args) and not getattr(fn, "pre_run_hooks", None) else None
     if key is None:
         fn[grid](*args, **constexprs, **options)
         return
     device = _current_device()
     values = tuple(constexprs.values())
     # the constexprs' types too: True == 1 as a dict key, not to Triton
-    full = (device, key, tuple(constexprs), values, tuple(map(type, values)), tuple(options.items()))
+    opts = tuple(options.values())
+    full = (device, key, tuple(constexprs), values, tuple(map(type, values)), tuple(options), opts,
+            tuple(map(type, opts)), _triton_state())
     cache = _CACHES.get(id(fn))
     if cache is None:
         cache = _CACHES[id(fn)] = {}
