@@ -93,6 +93,8 @@ def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> l
 
 
 def _lengths(name: str, values: Sequence[int]) -> list[int]:
+    if isinstance(values, (dict, set, frozenset, str, bytes)):  # keys, no order, or characters: not lengths
+        raise TypeError(f"{name} must be a sequence of ints (one per request), got {type(values).__name__}")
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise ValueError(f"{name} must be 1-D [batch], got shape {list(values.shape)}")
@@ -189,6 +191,8 @@ class PrefillPlan:
         device those index tensors are host memory, made here: 16 bytes per context token in the chunked schedule,
         24 per context token and 8 per new token in the fused one.
         """
+        if not isinstance(fuse_context, bool):
+            raise TypeError(f"fuse_context must be a bool, got {type(fuse_context).__name__}")
         self = object.__new__(cls)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         q_lens = _lengths("query_lens", query_lens)

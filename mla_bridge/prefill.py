@@ -20,6 +20,7 @@ import torch
 
 from .cache import check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
+from .backends.flashinfer import direct_enabled
 from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
@@ -41,10 +42,10 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     device by :func:`mla_bridge.weights.as_prepared`).
 
     Raises:
-        TypeError: a non-tensor, or a dtype other than the plan's (block_table: an integer dtype; kv_cache: the
-            plan's ``kv_cache_dtype``).
+        TypeError: a non-tensor or a sparse one, or a dtype other than the plan's (block_table: an integer dtype;
+            kv_cache: the plan's ``kv_cache_dtype``).
         ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
-            expected), another device, a block_table row too short for its context, a context longer than the cache,
+            expected), an ``out`` that overlaps itself (expanded), another device, a block_table row too short for its context, a context longer than the cache,
             and the cache-scale rules of :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``,
             a scale with an unquantized cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
     """
@@ -59,6 +60,8 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
         if x.device != plan.device:
             raise ValueError(f"{name} is on {x.device}, but the plan is on {plan.device}")
         if x.dtype != plan.dtype and name not in ("block_table", "kv_cache"):
@@ -82,7 +85,7 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     if kv_cache.dim() != 3 or kv_cache.shape[1:] != (plan.block_size, d.latent_dim):
         raise ValueError(f"kv_cache must be [num_blocks, block_size={plan.block_size}, "
                          f"kv_lora_rank+qk_rope_head_dim={d.latent_dim}], got {list(kv_cache.shape)}")
-    if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
+    if block_table.dtype.is_floating_point or block_table.dtype.is_complex or block_table.dtype == torch.bool:
         raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != plan.batch_size:
         raise ValueError(f"block_table must be [num_requests={plan.batch_size}, max_blocks], "
@@ -105,6 +108,9 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
                 raise ValueError(f"block_table row {r} holds block ids outside [0, {kv_cache.shape[0]})")
     if out is not None and out.shape != (t, d.num_heads, d.v_head_dim):
         raise ValueError(f"out must be [T={t}, H={d.num_heads}, v_head_dim={d.v_head_dim}], got {list(out.shape)}")
+    if out is not None and any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        raise ValueError(f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a "
+                         f"tensor of its own")
     return k_pe
 
 
@@ -113,20 +119,26 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
 def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Optional[str] = None) -> dict:
     """What :func:`mla_prefill` will run on ``device`` for ``dtype`` and ``dims`` besides the attention backend
     (:func:`mla_bridge.select_backend`), as the choosers decide now: ``{"kv": "separate" | "fused" | "auto", "gather":
-    "triton" | "torch", "merge": "triton" | "flashinfer" | "torch", "triton_launch": "direct" | "jit"}`` (the gather
-    is that of the separate path; the merge that of ``[rows, H, v_head_dim]`` partials; the launch mode that of the
-    Triton kernels among them, :mod:`mla_bridge.kernels.launch`). For reports (``mla-bridge prefill`` prints it) and
-    to refuse a bad environment switch before any work.
+    "triton" | "torch", "merge": "triton" | "flashinfer" | "torch", "triton_launch": "direct" | "jit" | None,
+    "flashinfer_direct": bool}`` (the gather is that of the separate path; the merge that of ``[rows, H, v_head_dim]``
+    partials; the launch mode that of the Triton kernels, :mod:`mla_bridge.kernels.launch`, None where none can run:
+    off CUDA or without Triton; whether fa2/fa3 runs call FlashInfer's ``ragged_run`` directly). For reports
+    (``mla-bridge prefill`` prints it) and to refuse a bad environment switch before any work.
 
     Raises:
         ValueError / TypeError / RuntimeError: what :func:`mla_bridge.kv.kv_impl`,
-            :func:`mla_bridge.cache.gather_impl`, :func:`mla_bridge.select_merge` and
-            :func:`mla_bridge.kernels.launch.mode` raise for a switch that cannot serve (the message names it).
+            :func:`mla_bridge.cache.gather_impl`, :func:`mla_bridge.select_merge`,
+            :func:`mla_bridge.kernels.launch.mode` and :func:`mla_bridge.backends.flashinfer.direct_enabled` raise for
+            a switch that cannot serve (the message names it).
     """
+    from .kernels import triton_available
+
     device = torch.device(device)
+    launch = launch_mode()
     return {"kv": _kv.kv_impl(device, kv_impl, dtype), "gather": gather_impl(device),
             "merge": select_merge((1, dims.num_heads, dims.v_head_dim), dtype, device.type).name,
-            "triton_launch": launch_mode()}
+            "triton_launch": launch if device.type == "cuda" and triton_available() else None,
+            "flashinfer_direct": direct_enabled()}
 
 
 PhaseHook = Callable[[str], None]
@@ -176,9 +188,12 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
 
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment
-            switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE`` / ``MLA_BRIDGE_TRITON_LAUNCH``)
-            that cannot serve here; raised before any kernel runs.
+            switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE`` / ``MLA_BRIDGE_TRITON_LAUNCH`` /
+            ``MLA_BRIDGE_FLASHINFER_DIRECT``) that cannot serve here; a ``return_lse`` that is not a bool; raised
+            before any kernel runs.
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)
     kv_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
@@ -189,6 +204,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     merge = select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type) \
         if plan.chunks else None
     launch_mode()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
+    direct_enabled()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
     hook = phase_hook or (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:

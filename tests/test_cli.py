@@ -162,7 +162,8 @@ def test_env_backend_that_cannot_serve(monkeypatch, capsys):
 
 @pytest.mark.parametrize("env,value", [("MLA_BRIDGE_KV", "bogus"), ("MLA_BRIDGE_KV", "fused"),
                                        ("MLA_BRIDGE_MERGE", "bogus"), ("MLA_BRIDGE_MERGE", "triton"),
-                                       ("MLA_BRIDGE_GATHER", "bogus")])
+                                       ("MLA_BRIDGE_GATHER", "bogus"), ("MLA_BRIDGE_TRITON_LAUNCH", "bogus"),
+                                       ("MLA_BRIDGE_FLASHINFER_DIRECT", "false")])
 def test_env_kernel_switch_that_cannot_serve_exits_2_before_work(monkeypatch, capsys, env, value):
     """Exit 2 naming the switch, before planning (was a traceback and exit 1, the exit code of a failed check)."""
     import mla_bridge.plan as plan_mod
@@ -191,7 +192,7 @@ def test_prefill_reports_its_kernels_and_times_plans_without_gc(tmp_path, monkey
     monkeypatch.setattr(plan_mod.PrefillPlan, "build", classmethod(build))
     rc, data = run_json(tmp_path, "--prompt-lens", "3,4", "--context-lens", "5,100", "--chunk-tokens", "32")
     assert rc == 0 and data["kernels"] == {"kv": "separate", "gather": "torch", "merge": "torch",
-                                              "triton_launch": "direct"}
+                                              "triton_launch": None, "flashinfer_direct": True}
     assert seen == [False, False] and gc.isenabled()  # a collection inside a timed build read as planning time
 
 

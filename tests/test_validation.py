@@ -259,6 +259,8 @@ def _prefill_case(name, args, d, batch):
         "cache_device": dict(kv_cache=torch.empty(args["kv_cache"].shape, device="meta")),
         "table_device": dict(block_table=torch.empty(bt.shape, dtype=bt.dtype, device="meta")),
         "kv_c_not_tensor": dict(kv_c=None),
+        "table_complex": dict(block_table=bt.to(torch.complex64)),
+        "q_sparse": dict(q=args["q"].to_sparse()),
     }
     new = dict(args)
     new.update(cases[name])
@@ -292,6 +294,8 @@ def _prefill_case(name, args, d, batch):
     ("cache_device", ValueError, r"^kv_cache is on meta"),
     ("table_device", ValueError, r"^block_table is on meta"),
     ("kv_c_not_tensor", TypeError, r"^kv_c must be a torch.Tensor"),
+    ("table_complex", TypeError, r"^block_table must hold integer block ids, got torch.complex64"),
+    ("q_sparse", TypeError, r"^q must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
 ])
 def test_prefill_bad_inputs(prefill, tiny_dims, case, exc, match):
     plan, args, batch = prefill
@@ -307,6 +311,7 @@ def test_prefill_bad_inputs(prefill, tiny_dims, case, exc, match):
     (torch.full((6, 4, 16), SENTINEL), ValueError, r"^out must be \[T=5"),
     (torch.full((5, 4, 16), SENTINEL, dtype=torch.float64), TypeError, r"^out must have dtype"),
     (torch.empty(5, 4, 16, device="meta"), ValueError, r"^out is on meta"),
+    (torch.full((1, 4, 16), SENTINEL).expand(5, 4, 16), ValueError, r"^out must not overlap itself"),
 ])
 def test_prefill_bad_out(prefill, out, exc, match):
     plan, args, _ = prefill
@@ -314,6 +319,13 @@ def test_prefill_bad_out(prefill, out, exc, match):
         mla_prefill(**args, plan=plan, out=out)
     if out.device.type == "cpu":
         assert_untouched(out)
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_prefill_return_lse_must_be_a_bool(prefill, value):
+    plan, args, _ = prefill
+    with pytest.raises(TypeError, match="^return_lse must be a bool"):
+        mla_prefill(**args, plan=plan, return_lse=value)
 
 
 def test_prefill_plan_must_be_a_plan(prefill):
@@ -337,6 +349,8 @@ def test_prefill_good_inputs_pass(prefill, ref):
     (torch.tensor([2.0, 1.0]), None, TypeError, r"query_lens must hold integers"),
     (torch.tensor([[2, 1]]), None, ValueError, r"query_lens must be 1-D"),
     ([2, 1], [0], ValueError, r"context_lens has 1 entries but query_lens has 2"),
+    ({0: 2, 1: 1}, None, TypeError, r"query_lens must be a sequence of ints \(one per request\), got dict"),
+    ([2, 1], {5, 3}, TypeError, r"context_lens must be a sequence of ints \(one per request\), got set"),
 ])
 def test_bad_lengths(tiny_dims, query_lens, context_lens, exc, match):
     with pytest.raises(exc, match=match):
@@ -351,6 +365,7 @@ def test_bad_lengths(tiny_dims, query_lens, context_lens, exc, match):
     (dict(workspace=None), TypeError, "workspace"),
     (dict(device="meta"), ValueError, r"device must be 'cpu' or 'cuda"),
     (dict(backend="nope"), ValueError, "unknown backend"),
+    (dict(fuse_context="no"), TypeError, "^fuse_context must be a bool, got str"),
 ])
 def test_bad_plan_build(tiny_dims, kwargs, exc, match):
     args = dict(dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32)

@@ -41,11 +41,29 @@ import torch
 
 from ..workspace import current_stream
 
-__all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper", "DirectRun", "DIRECT_ENV"]
+__all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper", "DirectRun", "DIRECT_ENV", "direct_enabled"]
 
 _LN2 = math.log(2.0)
 #: ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` makes every run go through ``wrapper.run`` (for comparison).
 DIRECT_ENV = "MLA_BRIDGE_FLASHINFER_DIRECT"
+
+
+def direct_enabled() -> bool:
+    """Whether fa2/fa3 runs call ``module.ragged_run`` directly (:class:`DirectRun`): ``MLA_BRIDGE_FLASHINFER_DIRECT``
+    unset, empty, "1" or "auto" (the default, on), or "0" (off: every run goes through ``wrapper.run``).
+
+    Raises:
+        ValueError: any other value (the message names the variable).
+    """
+    raw = os.environ.get(DIRECT_ENV, "")
+    value = raw.strip().lower()
+    if value in ("", "1", "auto"):
+        return True
+    if value == "0":
+        return False
+    raise ValueError(f"{DIRECT_ENV}={raw!r}: expected 1 (direct runs, the default), 0 (wrapper.run) or auto")
+
+
 #: wrapper attributes whose current value is put into the recorded call at every run
 _LIVE_ATTRS = ("_float_workspace_buffer", "_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_kv_indptr_buf")
 
@@ -226,7 +244,7 @@ class FlashInferRaggedKernel:
             if self._cuda and torch.cuda.is_current_stream_capturing():
                 return None  # recorded on an eager run, never while a graph captures
             direct = False
-            if os.environ.get(DIRECT_ENV, "1").strip() != "0" and self.backend in ("fa2", "fa3"):
+            if direct_enabled() and self.backend in ("fa2", "fa3"):
                 s = self.spec
                 t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
                 shapes = ((t, h, s.head_dim_qk), (n, h, s.head_dim_qk), (n, h, s.head_dim_vo), (t, h, s.head_dim_vo),
