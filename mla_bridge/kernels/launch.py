@@ -49,6 +49,7 @@ __all__ = ["launch", "spec_key", "LAUNCH_ENV", "LAUNCH_MODES"]
 LAUNCH_ENV = "MLA_BRIDGE_TRITON_LAUNCH"
 LAUNCH_MODES = ("direct", "jit")
 
+
 def spec_key(args: Sequence[Any]) -> Optional[tuple]:
     """The specialization of runtime arguments as Triton sees it (module docstring), or None for an argument of a
     kind not covered (the caller then launches through ``kernel[grid]``). Written for speed (it runs on every
@@ -203,9 +204,8 @@ def launch(fn: Any, grid: tuple, args: Sequence[Any], constexprs: dict, options:
         fn[grid](*args, **constexprs, **options)
         return
     device = _current_device()
-    values = tuple(constexprs.values())
-    # the constexprs' types too: True == 1 as a dict key, not to Triton
-    opts = tuple(options.values())
+    values, opts = tuple(constexprs.values()), tuple(options.values())
+    # the values' types too (True == 1 and False == 0 as dict keys, not to Triton)
     full = (device, key, tuple(constexprs), values, tuple(map(type, values)), tuple(options), opts,
             tuple(map(type, opts)), _triton_state())
     cache = _CACHES.get(id(fn))
