@@ -212,6 +212,17 @@ def test_info(tmp_path, capsys, monkeypatch):
         assert info["backend"]["name"] == "torch" and info["backend"]["passed_over"]
     text = capsys.readouterr().out
     assert "FlashInfer" in text and "backend" in text and "torch" in text
+    assert info["kernels"]["merge"] == "torch" and info["kernels"]["flashinfer_direct"] is True
+
+
+def test_info_names_a_switch_that_cannot_serve(tmp_path, capsys, monkeypatch):
+    """info reports, it does not refuse (exit 0); the switch's error is shown where the kernels would be."""
+    monkeypatch.setenv("MLA_BRIDGE_TRITON_LAUNCH", "bogus")
+    path = tmp_path / "info.json"
+    assert main(["info", "--json", str(path)]) == 0
+    info = json.loads(path.read_text())
+    assert "MLA_BRIDGE_TRITON_LAUNCH='bogus'" in info["kernels"]["error"]
+    assert "MLA_BRIDGE_TRITON_LAUNCH" in capsys.readouterr().out
 
 
 def test_info_jit_cache_follows_env(tmp_path, monkeypatch):

@@ -36,7 +36,8 @@ def cmd_info(args, console) -> int:
 
     from .. import __version__
     from ..dispatch import ENV_VAR, flashinfer_version, select_backend
-    from ..prefill import ENV_SWITCHES
+    from ..dims import MLADims
+    from ..prefill import ENV_SWITCHES, kernel_choices
 
     info: dict[str, Any] = {
         "mla_bridge": __version__, "python": platform.python_version(), "torch": torch.__version__,
@@ -79,6 +80,14 @@ def cmd_info(args, console) -> int:
     except ValueError as err:
         info["backend"] = {"error": str(err)}
         _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
+    try:  # what mla_prefill would run besides the backend; a switch that cannot serve is named here
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        kernels = kernel_choices(device, torch.bfloat16, MLADims.deepseek_v2_lite())
+        info["kernels"] = kernels
+        _row(table, "kernels", ", ".join(f"{k}: {v}" for k, v in kernels.items()) + f" (bf16 on {device.type})")
+    except (ValueError, TypeError, RuntimeError) as err:
+        info["kernels"] = {"error": str(err)}
+        _row(table, "kernels", Text.assemble(("error", "bold red"), f": {err}"))
     console.print(table)
     if getattr(args, "json", None) is not None:
         write_output(args.json, json.dumps(info, indent=2) + "\n")

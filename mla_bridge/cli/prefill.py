@@ -277,7 +277,8 @@ def cmd_prefill(args, console) -> int:
     kv_text = {"separate": f" ({kernels['gather']} gather + GEMM)", "fused": " (one Triton launch per pass)",
                "auto": f" (one Triton launch per gathered pass; {kernels['gather']} gather + GEMM for new tokens and "
                        f"FP8 caches)"}[kernels["kv"]]
-    _row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {kernels['merge']}")
+    merge_text = kernels["merge"] if any(c.plan is not None for c in plan.chunks) else "none (no chunk to merge)"
+    _row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
     _row(table, "plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
          f"{_ms(plan_ms)} (first build{loads}), {_ms(plan_again_ms)} (built again)")
