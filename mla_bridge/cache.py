@@ -244,7 +244,7 @@ def gather_impl(device: torch.device) -> str:
         ValueError: another ``MLA_BRIDGE_GATHER`` value; ``=triton`` where Triton does not import, or off CUDA
             without ``TRITON_INTERPRET=1``.
     """
-    from .kernels import triton_available
+    from .kernels import triton_available, triton_interpreting
 
     forced = os.environ.get("MLA_BRIDGE_GATHER", "auto").strip().lower()
     if forced in ("", "auto"):
@@ -255,7 +255,7 @@ def gather_impl(device: torch.device) -> str:
         raise ValueError(f"MLA_BRIDGE_GATHER={forced!r}: expected torch, triton or auto")
     if not triton_available():
         raise ValueError("MLA_BRIDGE_GATHER=triton, but Triton does not import here")
-    if torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if torch.device(device).type != "cuda" and not triton_interpreting():
         raise ValueError(f"MLA_BRIDGE_GATHER=triton runs a Triton kernel: it needs a CUDA device, got {device} "
                          f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
     return "triton"

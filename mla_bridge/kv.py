@@ -83,11 +83,11 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     if choice not in KV_IMPLS:
         raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {raw!r}")
     if choice == "fused":
-        from .kernels import triton_available
+        from .kernels import triton_available, triton_interpreting
         if dtype is not None and dtype not in FUSED_DTYPES:
             raise ValueError(f"{where} 'fused' computes bfloat16, float16 or float32, got {dtype}; use 'separate'")
         on_cpu = torch.device(device).type != "cuda"
-        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        if on_cpu and not triton_interpreting():
             raise ValueError(f"{where} 'fused' runs a Triton kernel: it needs a CUDA device, got {device} "
                              f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
         if not triton_available():

@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 
 from .dispatch import flashinfer_version
-from .kernels import triton_available
+from .kernels import triton_available, triton_interpreting
 
 __all__ = ["merge_attn_states", "merge_attn_states_", "select_merge", "MergeChoice", "FLASHINFER_MERGE_HEAD_DIMS",
            "FLASHINFER_MERGE_ELEMENT_LIMIT", "TORCH_MERGE_PIECE_ELEMENTS", "MERGE_ENV", "MERGE_IMPLS"]
@@ -135,7 +135,7 @@ def select_merge(shape: tuple[int, int, int], dtype: torch.dtype, device_type: s
             import.
     """
     forced = _forced_merge()
-    if forced == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if forced == "triton" and device_type != "cuda" and not triton_interpreting():
         raise ValueError(f"{MERGE_ENV}=triton runs a Triton kernel: it needs a CUDA device, got {device_type} "
                          f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
     if flashinfer is None:

@@ -192,3 +192,19 @@ def test_fused_kernel_equals_separate_path_interpreted(triton_interpreted):
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_cases` under the interpreter."""
     out = triton_interpreted("tests.test_kv:interpreted_cases", "tests/gpu/test_gpu_up_project.py")
     assert out.strip().startswith("ok ") and int(out.split()[-1]) == 16, out
+
+
+@pytest.mark.parametrize("value,interpreting", [("1", True), ("true", True), ("Yes", True), ("on", True),
+                                                ("0", False), ("", False), ("false", False)])
+def test_triton_interpret_read_as_triton_reads_it(monkeypatch, value, interpreting):
+    """TRITON_INTERPRET=true interprets in Triton (getenv_bool); the choosers used to accept only "1"."""
+    import mla_bridge.kernels as K
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    monkeypatch.setattr(K, "triton_available", lambda: True)
+    assert K.triton_interpreting() is interpreting
+    if interpreting:
+        assert KV.kv_impl(torch.device("cpu"), "fused", torch.float32) == "fused"
+    else:
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            KV.kv_impl(torch.device("cpu"), "fused", torch.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["triton_available"]
+__all__ = ["triton_available", "triton_interpreting"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -17,3 +17,11 @@ def triton_available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return False
     return True
+
+
+def triton_interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks Triton to interpret kernels on CPU tensors: the values Triton's own
+    ``getenv_bool`` reads as true (1, true, yes, y, on; any case)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "y", "on")
