@@ -274,33 +274,16 @@ def triton_interpreted():
     return run
 
 
-class _TorchOnCPU:
-    """``torch`` for mla_bridge.workspace with its device allocations made on the CPU (no CUDA here)."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, device=None, **kwargs):
-        return torch.empty(*args, **kwargs)
-
-
 @pytest.fixture
 def fake_cuda_runtime(monkeypatch):
     """``install(capability, current_stream, event_class, capturing)``: torch reports one CUDA device of
     ``capability()`` (CUDA 12.8), ``torch.cuda.current_stream`` returns ``current_stream()``, ``torch.cuda.Event`` is
     ``event_class``, ``is_current_stream_capturing`` returns ``capturing()``, and mla_bridge.workspace allocates on the
-    CPU. The callers add their own FlashInfer wrapper stand-in."""
-    import mla_bridge.workspace as workspace_module
+    CPU (:func:`tests.fake_device.install_runtime`, undone after the test). The callers add their own FlashInfer
+    wrapper stand-in."""
+    from tests.fake_device import install_runtime
 
     def install(capability, current_stream, event_class, capturing=lambda: False):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: capability())
-        monkeypatch.setattr(torch.version, "cuda", "12.8")
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current_stream())
-        monkeypatch.setattr(torch.cuda, "Event", event_class)
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
-        monkeypatch.setattr(workspace_module, "torch", _TorchOnCPU())
+        install_runtime(monkeypatch.setattr, capability, current_stream, event_class, capturing)
 
     return install

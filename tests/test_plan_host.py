@@ -18,25 +18,10 @@ import torch
 import mla_bridge.dispatch as dispatch
 import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
-from mla_bridge.backends import flashinfer as fi_backend
 from mla_bridge.plan import schedule_context_chunks
+from tests.fake_device import install_planning
 
 BF16 = torch.bfloat16
-
-
-class _Stream:
-    cuda_stream = 1
-
-    def wait_event(self, event):
-        pass
-
-
-class _Event:
-    def record(self, stream=None):
-        pass
-
-    def query(self):
-        return True
 
 
 class _Wrapper:
@@ -52,25 +37,11 @@ class _Wrapper:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch, fake_cuda_runtime):
+def fake_cuda(monkeypatch):
     """A fake SM90 device: planning takes every CUDA branch; the device expansion's torch ops run on the CPU
-    (page-locking is the identity: CPU-only torch cannot page-lock). Returns the list of tables expanded."""
-    stream = _Stream()
-    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
-    fake_cuda_runtime(lambda: (9, 0), lambda: stream, _Event)
-    monkeypatch.setattr(fi_backend, "new_wrapper", _Wrapper)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    (:func:`tests.fake_device.install_planning`). Returns the list of tables expanded."""
     tables = []
-    for name in ("_expand_on_device", "_context_stream_on_device"):
-        device_half = getattr(plan_mod, name)
-
-        def on_cpu(table, *args, device_half=device_half):
-            *args, device = args
-            assert device.type == "cuda"
-            tables.append(table.copy())
-            return device_half(table, *args, torch.device("cpu"))
-
-        monkeypatch.setattr(plan_mod, name, on_cpu)
+    install_planning(monkeypatch.setattr, _Wrapper, tables)
     return tables
 
 
@@ -424,3 +395,18 @@ def test_build_reads_the_device_capability_once_for_all_its_passes(fake_cuda, mo
     cap["now"] = (8, 0)
     again = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
     assert plan.backend.name != again.backend.name == "flashinfer-fa2"
+
+
+def test_plan_host_time_script_runs():
+    """scripts/plan_host_time.py (the CPU measurement of this item) runs on the fake device of these tests: it broke
+    silently once when planning gained a device half it did not stub."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2"], cwd=root,
+                         env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert len(lines) == 6 and "B=128 C=2048" in lines[-1] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[-1]

@@ -1,0 +1,91 @@
+"""A fake SM90 CUDA device for machines without a GPU: planning and running take their CUDA branches on CPU tensors.
+
+One place for the stand-ins that ``tests/conftest.py`` (``fake_cuda_runtime``), ``tests/test_plan_host.py``
+(``fake_cuda``) and ``scripts/plan_host_time.py`` install. Every function takes ``setattr``: pytest's
+``monkeypatch.setattr`` in tests (undone after each test), the builtin in a script (not undone). No pytest here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["Stream", "Event", "TorchOnCPU", "install_runtime", "install_planning"]
+
+
+class Stream:
+    """A CUDA stream as far as the workspace's bookkeeping goes."""
+
+    cuda_stream = 1
+
+    def wait_event(self, event):
+        pass
+
+
+class Event:
+    """A CUDA event that has always completed."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+class TorchOnCPU:
+    """``torch`` for mla_bridge.workspace with its device allocations made on the CPU (no CUDA here)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, **kwargs)
+
+
+def install_runtime(setattr: Callable, capability: Callable, current_stream: Callable, event_class: type,
+                    capturing: Callable = lambda: False) -> None:
+    """torch reports one CUDA device of ``capability()`` (CUDA 12.8), ``torch.cuda.current_stream`` returns
+    ``current_stream()``, ``torch.cuda.Event`` is ``event_class``, ``is_current_stream_capturing`` returns
+    ``capturing()``, and mla_bridge.workspace allocates on the CPU. The caller adds its FlashInfer wrapper stand-in."""
+    import mla_bridge.workspace as workspace_module
+
+    setattr(torch.cuda, "is_available", lambda: True)
+    setattr(torch.cuda, "device_count", lambda: 1)
+    setattr(torch.cuda, "get_device_capability", lambda dev=None: capability())
+    setattr(torch.version, "cuda", "12.8")
+    setattr(torch.cuda, "current_stream", lambda device=None: current_stream())
+    setattr(torch.cuda, "Event", event_class)
+    setattr(torch.cuda, "is_current_stream_capturing", capturing)
+    setattr(workspace_module, "torch", TorchOnCPU())
+
+
+def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[list] = None) -> None:
+    """A fake SM90 device with FlashInfer 0.7.4 for planning: every CUDA branch of ``PrefillPlan.build`` runs, the
+    FlashInfer wrapper is ``wrapper_class(float_buffer, backend)``, and the device halves of the index expansion run
+    their torch ops on the CPU (page-locking is the identity: CPU-only torch cannot page-lock). Each table they are
+    handed is appended to ``tables`` when given."""
+    import mla_bridge.dispatch as dispatch
+    import mla_bridge.plan as plan_mod
+    from mla_bridge.backends import flashinfer as fi_backend
+
+    stream = Stream()
+    setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
+    install_runtime(setattr, lambda: (9, 0), lambda: stream, Event)
+    setattr(fi_backend, "new_wrapper", wrapper_class)
+    setattr(torch.Tensor, "pin_memory", lambda self: self)
+    for name in ("_expand_on_device", "_context_stream_on_device"):
+        device_half = getattr(plan_mod, name)
+
+        def on_cpu(table, *args, device_half=device_half) -> Any:
+            *args, device = args
+            assert device.type == "cuda"
+            if tables is not None:
+                tables.append(table.copy())
+            return device_half(table, *args, torch.device("cpu"))
+
+        setattr(plan_mod, name, on_cpu)
