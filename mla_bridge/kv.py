@@ -30,7 +30,8 @@ import torch
 from .cache import fused_latent, gather_latent
 from .weights import PreparedKVBProj
 
-__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES", "fused_schedule_kv",
+           "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")

@@ -45,10 +45,17 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
         TypeError: a non-tensor or a sparse one, or a dtype other than the plan's (block_table: an integer dtype;
             kv_cache: the plan's ``kv_cache_dtype``).
         ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
-            expected), an ``out`` that overlaps itself (expanded), another device, a block_table row too short for its context, a context longer than the cache,
-            and the cache-scale rules of :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``,
-            a scale with an unquantized cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
+            expected), an ``out`` that overlaps itself (expanded), another device, a block_table row too short for
+            its context, a context longer than the cache, and the cache-scale rules of
+            :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``, a scale with an unquantized
+            cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
     """
+    return _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)[0]
+
+
+def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale):
+    """:func:`validate_prefill_inputs`, returning ``(k_pe [T, rope], kv_cache, kv_cache_scale)`` with the cache and
+    scale as :func:`mla_bridge.cache.check_kv_cache` gives them (the view and the value the kernels read)."""
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
     d, t = plan.dims, plan.num_tokens
@@ -66,7 +73,7 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
             raise ValueError(f"{name} is on {x.device}, but the plan is on {plan.device}")
         if x.dtype != plan.dtype and name not in ("block_table", "kv_cache"):
             raise TypeError(f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
-    check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
+    checked_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     if q.dim() != 3 or q.shape[0] != t:
         raise ValueError(f"q must be [T={t} (qo_indptr[-1]), H, head_dim_qk], got {list(q.shape)}")
     if q.shape[1:] != (d.num_heads, d.head_dim_qk):
@@ -111,7 +118,7 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     if out is not None and any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
         raise ValueError(f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a "
                          f"tensor of its own")
-    return k_pe
+    return k_pe, checked_cache, scale
 
 
 
@@ -194,8 +201,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    k_pe = validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)
-    kv_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
+    k_pe, kv_cache, scale = _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out,
+                                            kv_cache_scale)
     impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
     # the other kernels of this call, chosen once, now: an environment switch that cannot serve is refused here,
     # before anything is allocated or written (not after the main pass has written out); the gather choice is
@@ -248,10 +255,10 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
     pass over context + new tokens; the chunked one frees each pass before the next, and from its first chunk on
     holds one partial out/lse for the most query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk)
-    plus the merge's float32 LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for
-    the plan's cache dtype (the torch path's: the rows in the cache's dtype, for FP8 also their float32
-    dequantization and rounded copy, and 24 bytes of indices; the Triton gather allocates none of them, so the
-    formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for
+    plus the merge's float32 LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none).
+    The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype
+    (the torch path's: the rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy,
+    and 24 bytes of indices; the Triton gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for
     FP8) is the caller's, not counted. This is the "workspace budget" the benchmark checks peak memory against. With
     ``prepared_weight=True`` (the call is handed a :class:`mla_bridge.PreparedKVBProj`) the weight is held by the
     caller, not allocated by the call, and is left out.
