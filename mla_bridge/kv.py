@@ -8,8 +8,7 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 * ``"separate"``: the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch, chosen by
   :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
   (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the passes of new
-  tokens alone and of the large gathered passes with a split-layout weight (and of FP8 caches with an identity-layout
-  weight).
+  tokens alone, of FP8 caches and of the large gathered passes with a split-layout weight.
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
@@ -101,27 +100,25 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
     weight's ``layout``: "fused" or "separate" as they are; "auto":
 
-    * a pass that gathers nothing (new tokens alone): "separate";
-    * a gathered pass with a split-layout weight: "separate" from :data:`SEPARATE_FROM_ROWS` rows on, "fused" below
-      (bf16/fp16 or FP8 cache);
-    * a gathered pass with an identity-layout weight: "fused" from a bf16/fp16 cache, "separate" from an FP8 one.
+    * a pass that gathers nothing (new tokens alone), or from an FP8 cache: "separate";
+    * a pass that gathers from a bf16/fp16 cache: with a split-layout weight "separate" from
+      :data:`SEPARATE_FROM_ROWS` rows on and "fused" below; with an identity-layout weight "fused".
 
     Why (H200, 2026-12-01, bf16, DeepSeek-V2-Lite dims, GPU time of one gathered pass, gather included): the split
     layout's separate path (Triton gather, cuBLAS batched GEMM, Triton k_pe broadcast) takes 0.072 / 0.134 / 0.313 /
     0.537 ms at 8192 / 16384 / 40000 / 68000 rows where the fused kernel takes 0.083 / 0.155 / 0.360 / 0.605 (its GEMM
     reaches about 460 TFLOP/s, cuBLAS's about 610); at 2048 / 4096 rows they are even (0.024 / 0.042 against 0.022
-    / 0.044), and the fused kernel is one launch instead of three: small passes are where the host is the bound, and
-    there it also serves FP8 caches, though it dequantizes each row once per head part (2H times; on the long cases
-    fused FP8 was 1.12-1.17x the bf16 row, so large FP8 passes stay separate). Against the identity layout's one
-    GEMM, which does 40% more FLOPs, the fused kernel is faster at every size on a bf16 cache. New tokens alone
-    gather nothing: cuBLAS is faster (64 x 128: 0.143 against 0.248 ms)."""
+    / 0.044), and the fused kernel is one launch instead of three: small passes are where the host is the bound.
+    Against the identity layout's one GEMM, which does 40% more FLOPs, the fused kernel is faster at every size.
+    New tokens alone gather nothing: cuBLAS is faster (64 x 128: 0.143 against 0.248 ms). An FP8 cache stays on
+    the separate path: the fused kernel dequantizes each row once per head part (2H times), the gather once; with
+    the fused kernel on its passes below 8192 rows, the FP8 row of 4 x (8000+2000) in 4 chunks was 1.18x the bf16
+    row in the bench, against 0.98x all separate."""
     if mode != "auto":
         return mode
-    if not gathered:
+    if not gathered or kv_cache_fp8:
         return "separate"
-    if layout == "split":
-        return "separate" if rows >= SEPARATE_FROM_ROWS else "fused"
-    return "separate" if kv_cache_fp8 else "fused"
+    return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"
 
 
 def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torch.device):

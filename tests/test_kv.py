@@ -49,8 +49,7 @@ def test_auto_takes_the_fused_kernel_only_for_gathered_unquantized_passes():
     assert KV.pass_impl("auto", True, False, big, "split") == "separate"
     assert KV.pass_impl("auto", True, False, small, "split") == "fused"
     assert KV.pass_impl("auto", True, False, big, "identity") == "fused"
-    assert KV.pass_impl("auto", True, True, small, "split") == "fused"  # a small FP8 pass: one launch
-    assert KV.pass_impl("auto", True, True, big, "split") == "separate"
+    assert KV.pass_impl("auto", True, True, small, "split") == "separate"  # FP8: dequantized once, in the gather
     assert KV.pass_impl("auto", True, True, small, "identity") == "separate"
     assert KV.pass_impl("auto", False, False, small, "split") == "separate"
     for mode in KV.KV_IMPLS:
