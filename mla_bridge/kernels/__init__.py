@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["triton_available", "triton_interpreting"]
+__all__ = ["triton_available", "triton_interpreting", "cdiv", "next_power_of_2"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,3 +25,16 @@ def triton_interpreting() -> bool:
     import os
 
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints ``a >= 0``, ``b > 0``: ``triton.cdiv``'s value. The launchers compute grids and block
+    sizes with these on every call: Triton 3.6+ makes ``triton.cdiv`` / ``triton.next_power_of_2`` constexpr functions
+    whose host call costs about 2.5 us (measured on this project's CPU machine, Triton 3.9), 100x this."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` for ``n >= 1`` (0 for 0): ``triton.next_power_of_2``'s value (see
+    :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv, next_power_of_2
 from .launch import launch
 
 __all__ = ["broadcast_heads_triton"]
@@ -47,7 +48,7 @@ def broadcast_heads_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
     n, heads, rope = dst.shape
     if n == 0 or heads == 0:
         return
-    grid = (triton.cdiv(n, _BLOCK_M), triton.cdiv(heads, _HEADS))
+    grid = (cdiv(n, _BLOCK_M), cdiv(heads, _HEADS))
     launch(_broadcast_kernel, grid,
            (dst, dst.stride(0), dst.stride(1), src, src.stride(0), n, heads),
-           dict(ROPE=rope, BLOCK_R=triton.next_power_of_2(rope), BLOCK_M=_BLOCK_M, HEADS=_HEADS), _OPTIONS)
+           dict(ROPE=rope, BLOCK_R=next_power_of_2(rope), BLOCK_M=_BLOCK_M, HEADS=_HEADS), _OPTIONS)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv, next_power_of_2
 from .launch import launch
 
 __all__ = ["gather_latent_triton", "fused_latent_triton"]
@@ -101,8 +102,8 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
     cache_arg = cache.view(torch.uint8) if dequant else cache  # FP8 bytes, reinterpreted in the kernel
     n_ctx = req_ids.shape[0]
     n_new = 0 if new_dst is None else new_dst.shape[0]
-    ctx_programs = triton.cdiv(n_ctx, _BLOCK_M)
-    grid = (ctx_programs + triton.cdiv(n_new, _BLOCK_M),)
+    ctx_programs = cdiv(n_ctx, _BLOCK_M)
+    grid = (ctx_programs + cdiv(n_new, _BLOCK_M),)
     if grid[0] == 0:
         return
     if kv_c is None:  # unused pointers of the gather-only launch: any tensor of the right kind
@@ -116,7 +117,7 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_programs,
         kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1), new_dst, n_new,
         scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0),
-        dict(BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=triton.next_power_of_2(lat), BLOCK_M=_BLOCK_M,
+        dict(BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=next_power_of_2(lat), BLOCK_M=_BLOCK_M,
              HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
              OUT_BF16=out.dtype == torch.bfloat16), _OPTIONS)
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv, next_power_of_2
 from .launch import launch
 
 try:
@@ -128,9 +129,9 @@ def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, 
         return
     lse_a = lse_a.contiguous()
     lse_b = lse_b.contiguous()
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_p = max(1, _ELEMS_PER_PROGRAM // block_d)
-    grid = (triton.cdiv(n_pairs, block_p),)
+    grid = (cdiv(n_pairs, block_p),)
     sa, sb, sd = out_a.stride(), out_b.stride(), dst.stride()
     launch(_merge_kernel, grid, (dst, dst_lse, out_a, lse_a, out_b, lse_b, n_pairs, h,
                                  sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], sd[0], sd[1], sd[2]),

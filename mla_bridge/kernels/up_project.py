@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv, next_power_of_2
 from .launch import launch
 
 from .gather import _dequant
@@ -152,7 +153,7 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
     d = weight.dims
     h, rank, nope, rope, vd = d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
     cfg = dict(CONFIG, **config)
-    bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, triton.next_power_of_2(rank)))
+    bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, next_power_of_2(rank)))
     w = weight.weight
     if weight.layout == "identity":  # [H * (nope + rope + vd), rank + rope]: per head k_nope rows, I, v rows
         w_row, w_head, w_nope, w_v = w.stride(0), nope + rope + vd, 0, nope + rope
@@ -160,8 +161,8 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         w_row, w_head, w_nope, w_v = w.stride(1), w.stride(0) // w.stride(1), vd, 0
     n_ctx = 0 if req_ids is None else req_ids.shape[0]
     n_new = 0 if kv_c is None else kv_c.shape[0]
-    ctx_tiles = triton.cdiv(n_ctx, bm)
-    grid = ((ctx_tiles + triton.cdiv(n_new, bm)) * 2 * h,)
+    ctx_tiles = cdiv(n_ctx, bm)
+    grid = ((ctx_tiles + cdiv(n_new, bm)) * 2 * h,)
     if grid[0] == 0:
         return
     dequant = kv_cache_scale is not None
@@ -181,8 +182,8 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         new_dst if new_dst is not None else kv_c, n_new,
         kv_cache_scale if scale_is_ptr else out, float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0),
         dict(H=h, BLOCK_SIZE=kv_cache.shape[1], RANK=rank, NOPE=nope, ROPE=rope, VD=vd,
-             BLOCK_M=bm, BLOCK_N=max(16, triton.next_power_of_2(max(nope, vd))), BLOCK_K=bk,
-             BLOCK_R=max(16, triton.next_power_of_2(rope)),
+             BLOCK_M=bm, BLOCK_N=max(16, next_power_of_2(max(nope, vd))), BLOCK_K=bk,
+             BLOCK_R=max(16, next_power_of_2(rope)),
              HAS_CTX_DST=ctx_dst is not None, HAS_NEW_DST=new_dst is not None, DEQUANT=dequant,
              SCALE_IS_PTR=scale_is_ptr, OUT_BF16=out.dtype == torch.bfloat16, IEEE=out.dtype == torch.float32),
         cfg)  # cfg: the compile options left (num_warps, num_stages)
