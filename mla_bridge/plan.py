@@ -30,7 +30,7 @@ import torch
 
 from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
-from .dispatch import ENV_VAR
+from .dispatch import ENV_VAR, device_capability
 from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked
 from .workspace import Workspace, _checked_device, current_stream
 
@@ -224,8 +224,8 @@ class PrefillPlan:
         qo = list(itertools.accumulate(q_lens, initial=0))  # exact Python ints, each <= the checked sum
         qo_host = np.array(qo, dtype=np.int32)
         self.qo_indptr = torch.from_numpy(qo_host)
-        # One dispatch-table read of the device for every pass (they run on it together).
-        self._capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+        # One dispatch-table read of the device for every pass (they run on it together), remembered per device.
+        self._capability = device_capability(dev) if dev.type == "cuda" else None
         fused_keys = total_context + num_new
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
         # which backend serves the main pass.

@@ -376,25 +376,30 @@ def test_cuda_plans_equal_cpu_plans_on_random_batches(fake_cuda, seed):
             assert c.plan.flashinfer_wrapper.planned[-1][:2] == (c.plan.qo_indptr.tolist(), c.kv_indptr.tolist())
 
 
-def test_build_reads_the_device_capability_once_for_all_its_passes(fake_cuda, monkeypatch):
+def test_build_reads_the_device_capability_once_per_device(fake_cuda, monkeypatch):
     """A plan's passes share one read of the device's capability (each select_backend call read it before: a CUDA
-    property query per pass on the GPU); their choices equal select_backend's own reading, and a later build reads
-    it again (a remembered choice never outlives a capability change)."""
+    property query per pass on the GPU), and later builds on that device read it no more (a device's capability is
+    fixed for the process: dispatch.device_capability remembers it); their choices equal select_backend's own
+    reading. A stand-in monkeypatched over torch.cuda.get_device_capability is asked afresh."""
     dims = MLADims.deepseek_v2_lite()  # 192/128: FlashInfer rows serve it
     reads = []
-    cap = {"now": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: reads.append(dev) or cap["now"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: reads.append(dev) or (9, 0))
     ws = Workspace("cuda:0", chunk_tokens=8)
     plan = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
-    assert plan.num_plans >= 3 and len(reads) == 1
+    assert plan.num_plans >= 3 and reads == [torch.device("cuda", 0)]
     for p in [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]:
         assert p.backend == select_backend("cuda:0", dtype=BF16, out_dtype=BF16, head_dim_qk=dims.head_dim_qk,
                                            head_dim_vo=dims.head_dim_vo, causal=p.spec.causal,
                                            num_heads=dims.num_heads, qo_indptr=p.qo_indptr.tolist(),
                                            kv_indptr=p.kv_indptr.tolist())
-    cap["now"] = (8, 0)
-    again = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
-    assert plan.backend.name != again.backend.name == "flashinfer-fa2"
+    del reads[:]
+    for _ in range(3):
+        again = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
+        assert again.backend == plan.backend
+    assert reads == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: reads.append(dev) or (8, 0))
+    other = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
+    assert other.backend.name == "flashinfer-fa2" and len(reads) == 1
 
 
 def test_plan_host_time_script_runs():
