@@ -410,8 +410,12 @@ def test_plan_host_time_script_runs():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2"], cwd=root,
+    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count"], cwd=root,
                          env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
-    assert len(lines) == 6 and "B=128 C=2048" in lines[-1] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[-1]
+    assert len(lines) == 12 and "B=128 C=2048" in lines[5] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[5]
+    # --count: the chunked case makes one device expansion (one searchsorted) and records one event per plan
+    assert "B=128 C=2048 CUDA-side calls per build" in lines[-1]
+    assert "aten.searchsorted 1," in lines[-1] and "Event.record 2," in lines[-1], lines[-1]
+    assert "aten.searchsorted" not in lines[6] and "Event.record 1," in lines[6], lines[6]  # B=1, no context
