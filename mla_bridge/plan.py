@@ -242,7 +242,7 @@ class PrefillPlan:
             self._plan_fused_indices(q, c)
         else:
             kv_host, self.main_kv_indptr = qo_host, self.qo_indptr  # keys = queries; neither is ever written
-            self.chunks = self._plan_chunks(qo)
+            self.chunks = self._plan_chunks(qo, qo_host)
         self.main = self._plan_pass(qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new,
                                     self.qo_indptr, self.main_kv_indptr)
         self._streams_seen = {current_stream(dev)[0]} if self._device_indices else set()
@@ -330,13 +330,13 @@ class PrefillPlan:
         self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.split_with_sizes(
             [n_ctx, n_ctx, n_new, n_ctx])
 
-    def _plan_chunks(self, qo_list: list[int]) -> list[ContextChunk]:
+    def _plan_chunks(self, qo_list: list[int], qo_all: np.ndarray) -> list[ContextChunk]:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
         tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
         chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
-        share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices are views of the
-        context stream's two index tensors (:meth:`_context_stream`: each token's position and request), cut by one
-        call each."""
+        share it, and its host indptrs: nothing else of a chunk enters FlashInfer's plan), and every chunk's token
+        indices are views of the context stream's two index tensors (:meth:`_context_stream`: each token's position
+        and request), cut by one call each. ``qo_list`` / ``qo_all``: ``qo_indptr`` as Python ints and as int32."""
         total, step = self._num_context_tokens, self.workspace.chunk_tokens
         if total == 0:
             return []
@@ -345,10 +345,10 @@ class PrefillPlan:
         # quantity costs more than the loop) and as int64 for the expansion; int32 slices of it are the chunks' keys.
         offsets = list(itertools.accumulate(self.context_lens, initial=0))
         cum64 = np.array(offsets, dtype=np.int64)
-        cum, qo_all = cum64.astype(np.int32), self.qo_indptr.numpy()
+        cum, q_lens = cum64.astype(np.int32), self.query_lens
         positions, req_ids = self._context_stream(cum64, total)
         starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
-        sizes = [min(step, total - start) for start in starts]
+        sizes = [step] * (total // step) + ([total % step] if total % step else [])
         pos_views, req_views = positions.split_with_sizes(sizes), req_ids.split_with_sizes(sizes)
         plans: dict = {}
         chunks = []
@@ -359,17 +359,19 @@ class PrefillPlan:
             first_start, q_start, q_end = start - offsets[req_start], qo_list[req_start], qo_list[req_end]
             # The chunk's keys: the stream's [start, stop) cut at its requests' edges (only the first request begins
             # before the chunk, only the last ends after it).
-            kv = cum[req_start:req_end + 1] - np.int32(start)
-            kv[0], kv[-1] = 0, stop - start
-            kv_indptr = torch.from_numpy(kv)
+            kv = cum[req_start:req_end + 1] - start
+            kv[0], kv[-1] = 0, size
             plan = None
             if q_end > q_start:
-                qo = qo_all[req_start:req_end + 1] - q_start
-                key = (qo.tobytes(), kv.tobytes())
+                # Its shape: these keys and its requests' query lengths (which fix qo_indptr from 0).
+                key = (kv.tobytes(), tuple(q_lens[req_start:req_end]))
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = self._plan_pass(qo, kv, False, q_end - q_start, stop - start,
-                                                        kv_indptr=kv_indptr)
+                    plan = plans[key] = self._plan_pass(qo_all[req_start:req_end + 1] - q_start, kv, False,
+                                                        q_end - q_start, size, kv_indptr=torch.from_numpy(kv))
+                kv_indptr = plan.kv_indptr  # equal values: the first chunk of this shape's tensor
+            else:
+                kv_indptr = torch.from_numpy(kv)
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan,
                                        req_views[i], pos_views[i]))
         return chunks
