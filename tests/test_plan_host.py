@@ -376,6 +376,20 @@ def test_cuda_plans_equal_cpu_plans_on_random_batches(fake_cuda, seed):
             assert c.plan.flashinfer_wrapper.planned[-1][:2] == (c.plan.qo_indptr.tolist(), c.kv_indptr.tolist())
 
 
+def test_chunks_share_a_plan_only_with_equal_keys_and_query_lengths(fake_cuda):
+    """Chunks are matched to a plan by their keys and their requests' query lengths: equal keys with other query
+    lengths get their own plan, equal both share one (and its host indptrs); no query rows, no plan."""
+    dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
+    ws = Workspace("cuda:0", chunk_tokens=4)
+    plan = PrefillPlan.build([1, 2, 1, 3, 0], [4, 4, 4, 4, 4], dims=dims, workspace=ws, block_size=4, dtype=BF16,
+                             fuse_context=False)
+    c = plan.chunks
+    assert [x.kv_indptr.tolist() for x in c] == [[0, 4]] * 5
+    assert c[0].plan is c[2].plan and len({id(c[0].plan), id(c[1].plan), id(c[3].plan)}) == 3 and c[4].plan is None
+    assert [x.plan.qo_indptr.tolist() for x in c[:4]] == [[0, 1], [0, 2], [0, 1], [0, 3]]
+    assert all(x.plan.kv_indptr.tolist() == [0, 4] for x in c[:4]) and plan.num_plans == 4
+
+
 def test_build_reads_the_device_capability_once_per_device(fake_cuda, monkeypatch):
     """A plan's passes share one read of the device's capability (each select_backend call read it before: a CUDA
     property query per pass on the GPU), and later builds on that device read it no more (a device's capability is
