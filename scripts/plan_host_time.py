@@ -9,7 +9,7 @@ time: their launches); here they return views of one buffer, so that no per-toke
 
 ``--count`` adds, per case, the CUDA-side calls one build makes (after a warm-up build; the device halves of the
 index expansion then run as on a GPU, with their torch ops on CPU tensors): kernels and copies (aten ops that are
-not views, ``pin_memory``, ``Tensor.to``) and CUDA runtime calls (events made, recorded, queried, waited on; the
+not views, the page-locked table, ``Tensor.to``) and CUDA runtime calls (events made, recorded, queried, waited on; the
 capability, capture-state and current-stream reads). Each costs 10-20 us of host time on the H200's host
 (2026-12-01), a Python statement 0.05-0.2 us, so the count predicts what the GPU host saves.
 
@@ -94,7 +94,8 @@ class _CountOps(TorchDispatchMode):
 
 
 def _counting(counts: collections.Counter) -> None:
-    """Count every CUDA runtime stand-in of the fake device, ``pin_memory`` and ``Tensor.to`` (a script: not undone)."""
+    """Count every CUDA runtime stand-in of the fake device, the page-locked tables and ``Tensor.to`` (a script: not
+    undone)."""
     def counted(owner, name, label):
         fn = getattr(owner, name)
 
@@ -105,7 +106,7 @@ def _counting(counts: collections.Counter) -> None:
 
     for name in ("get_device_capability", "is_current_stream_capturing", "current_stream"):
         counted(torch.cuda, name, f"torch.cuda.{name}")
-    counted(torch.Tensor, "pin_memory", "Tensor.pin_memory")
+    counted(plan_mod, "_page_locked", "page-locked table")
     counted(torch.Tensor, "to", "Tensor.to")
     event = torch.cuda.Event
     for name in ("record", "query"):

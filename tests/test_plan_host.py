@@ -19,7 +19,7 @@ import mla_bridge.dispatch as dispatch
 import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
 from mla_bridge.plan import schedule_context_chunks
-from tests.fake_device import install_planning
+from tests.fake_device import install_planning, page_locked_on_cpu
 
 BF16 = torch.bfloat16
 
@@ -93,7 +93,7 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
 
 def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
     """_expand_on_device itself: runs of counting and constant values, empty runs skipped, on CPU tensors."""
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(plan_mod, "_page_locked", page_locked_on_cpu)
     counts = np.array([2, 0, 3, 1, 0, 2], dtype=np.int64)
     firsts = np.array([5, 9, 0, 7, 1, 4], dtype=np.int64)
     counting_runs = 3
@@ -108,7 +108,7 @@ def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
 def test_context_stream_op_sequence_on_cpu_tensors(monkeypatch):
     """_context_stream_on_device itself: each stream token's position in its request's context and that request,
     requests with an empty context skipped (the first with a later end holds the token)."""
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(plan_mod, "_page_locked", page_locked_on_cpu)
     c = [3, 0, 2, 0, 0, 4, 1]
     cum = np.concatenate([[0], np.cumsum(c)]).astype(np.int64)
     positions, req_ids, host = plan_mod._context_stream_on_device(cum, int(cum[-1]), torch.device("cpu"))
