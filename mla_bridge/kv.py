@@ -8,11 +8,12 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 * ``"separate"``: the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch, chosen by
   :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
   (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the passes of new
-  tokens alone and of FP8 caches.
+  tokens alone and of the large gathered passes with a split-layout weight (and of FP8 caches with an identity-layout
+  weight).
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
-  for the passes that gather from a bf16/fp16 cache; why: :func:`kv_impl`.
+  for the smaller gathered passes (one launch where the host is the bound); why: :func:`pass_impl`.
 
 Both give k and v as strided views of one ``[N, H, 320]`` buffer. The k_pe columns are equal between them (the
 identity layout's GEMM writes +0.0 where the kernel copies a -0.0);
@@ -30,8 +31,8 @@ import torch
 from .cache import fused_latent, gather_latent
 from .weights import PreparedKVBProj
 
-__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES", "fused_schedule_kv",
-           "new_tokens_kv", "chunk_kv"]
+__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
+           "SEPARATE_FROM_ROWS", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
@@ -39,6 +40,9 @@ KV_IMPLS = ("fused", "separate")
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The dtypes "auto" gives the fused kernel: those measured (on the H200: bf16; fp16 takes the same code).
 AUTO_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+#: "auto" builds a gathered pass of at least this many key rows by the separate path when the weight's layout is
+#: "split" (:func:`pass_impl`).
+SEPARATE_FROM_ROWS = 8192
 #: What :func:`kv_impl` may answer: one of :data:`KV_IMPLS` for every pass, or "auto" (chosen per pass by
 #: :func:`pass_impl`).
 KV_MODES = ("auto",) + KV_IMPLS
@@ -52,15 +56,9 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
 
     ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default (read case-insensitively).
     The default ("auto", or unset) is ``"auto"`` on CUDA where Triton imports and ``dtype`` is bf16/fp16 (or not
-    given), else ``"separate"``: there the fused kernel builds the passes that gather from a bf16/fp16 cache, and
-    the separate path the others. Measured on the
-    H200 (2026-12-01, bf16, DeepSeek-V2-Lite dims, ``mla-bridge bench``, with the compiled launcher of
-    :mod:`mla_bridge.kernels.launch`): on gathered passes the fused kernel is as fast or faster (4 x (8000+2000) with
-    4 chunks: 1.56 against 1.59 ms per layer; 1 x (64000+4000) with 4 chunks: 5.02 against 5.15; 16 x (2048+512)
-    with 8 chunks: 1.40 against 1.68, one launch less per chunk on a host-bound batch), though its GEMM reaches
-    about 400 TFLOP/s where cuBLAS reaches about 580: the gather round trip it saves pays for that. On new tokens
-    alone nothing is gathered and cuBLAS is faster (64 x 128: 0.143 against 0.248 ms). An FP8 cache stays on the
-    separate path: the fused kernel dequantizes each row once per head part (2H times), the separate gather once.
+    given), else ``"separate"``: there :func:`pass_impl` picks per pass, the fused kernel for the smaller passes
+    that gather from a bf16/fp16 cache and the separate path for the others (the measurements are
+    :func:`pass_impl`'s).
     ``"fused"`` off CUDA runs only under ``TRITON_INTERPRET=1``, for development, and not in bfloat16 (``dtype``):
     the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there. It computes bf16, fp16 and
     float32 (:data:`FUSED_DTYPES`); float64 is refused (the kernel's float32 accumulation is no float64 result).
@@ -99,13 +97,31 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     return choice
 
 
-def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool) -> str:
-    """The implementation of one pass for the call's ``mode`` (:func:`kv_impl`): "fused" or "separate" as they are;
-    "auto": "fused" for a pass that gathers context rows from an unquantized cache, else "separate" (the reasons
-    are :func:`kv_impl`'s)."""
+def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = "identity") -> str:
+    """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
+    weight's ``layout``: "fused" or "separate" as they are; "auto":
+
+    * a pass that gathers nothing (new tokens alone): "separate";
+    * a gathered pass with a split-layout weight: "separate" from :data:`SEPARATE_FROM_ROWS` rows on, "fused" below
+      (bf16/fp16 or FP8 cache);
+    * a gathered pass with an identity-layout weight: "fused" from a bf16/fp16 cache, "separate" from an FP8 one.
+
+    Why (H200, 2026-12-01, bf16, DeepSeek-V2-Lite dims, GPU time of one gathered pass, gather included): the split
+    layout's separate path (Triton gather, cuBLAS batched GEMM, Triton k_pe broadcast) takes 0.072 / 0.134 / 0.313 /
+    0.537 ms at 8192 / 16384 / 40000 / 68000 rows where the fused kernel takes 0.083 / 0.155 / 0.360 / 0.605 (its GEMM
+    reaches about 460 TFLOP/s, cuBLAS's about 610); at 2048 / 4096 rows they are even (0.024 / 0.042 against 0.022
+    / 0.044), and the fused kernel is one launch instead of three: small passes are where the host is the bound, and
+    there it also serves FP8 caches, though it dequantizes each row once per head part (2H times; on the long cases
+    fused FP8 was 1.12-1.17x the bf16 row, so large FP8 passes stay separate). Against the identity layout's one
+    GEMM, which does 40% more FLOPs, the fused kernel is faster at every size on a bf16 cache. New tokens alone
+    gather nothing: cuBLAS is faster (64 x 128: 0.143 against 0.248 ms)."""
     if mode != "auto":
         return mode
-    return "fused" if gathered and not kv_cache_fp8 else "separate"
+    if not gathered:
+        return "separate"
+    if layout == "split":
+        return "separate" if rows >= SEPARATE_FROM_ROWS else "fused"
+    return "separate" if kv_cache_fp8 else "fused"
 
 
 def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torch.device):
@@ -124,10 +140,12 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     ``gather``: the choices of :func:`kv_impl` / :func:`mla_bridge.cache.gather_impl`, when the caller made them (the
     pass's own implementation is :func:`pass_impl` of ``impl``: this pass gathers, from an FP8 cache when
     ``kv_cache_scale`` is given)."""
-    if pass_impl(impl or kv_impl(plan.device, None, plan.dtype), True, kv_cache_scale is not None) == "fused":
+    keys = int(plan.main_kv_indptr[-1])
+    if pass_impl(impl or kv_impl(plan.device, None, plan.dtype), True, kv_cache_scale is not None, keys,
+                 weight.layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
-        out, k, v = _kv_buffer(int(plan.main_kv_indptr[-1]), weight, plan.dtype, plan.device)
+        out, k, v = _kv_buffer(keys, weight, plan.dtype, plan.device)
         up_project_triton(out, weight, kv_cache=kv_cache, block_table=block_table, req_ids=plan.ctx_req_ids,
                           positions=plan.ctx_positions, ctx_dst=plan.ctx_dst, kv_c=kv_c, k_pe=k_pe,
                           new_dst=plan.new_dst, kv_cache_scale=kv_cache_scale)
@@ -141,27 +159,29 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
 def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBProj, hook: Hook,
                   impl: Optional[str] = None):
     """k, v of the new tokens alone (the chunked schedule's main pass): ``kv_c`` ``[T, rank]``, ``k_pe`` ``[T, rope]``.
-    Hooks as :func:`fused_schedule_kv` (the separate path's "gather" is the concatenation of kv_c and k_pe)."""
-    if pass_impl(impl or kv_impl(kv_c.device, None, kv_c.dtype), False, False) == "fused":
+    Hooks as :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they
+    are, the identity layout after concatenating them)."""
+    if pass_impl(impl or kv_impl(kv_c.device, None, kv_c.dtype), False, False, kv_c.shape[0],
+                 weight.layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
         up_project_triton(out, weight, kv_c=kv_c, k_pe=k_pe)
         return k, v
-    hook("gather")
-    latent = torch.cat([kv_c, k_pe], dim=-1)
     hook("up-projection")
-    return weight.up_project(latent)
+    return weight.up_project(kv_c, k_pe)
 
 
 def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_scale, weight: PreparedKVBProj,
              dtype: torch.dtype, hook: Hook, impl: Optional[str] = None, gather: Optional[str] = None):
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows
     ``(chunk.req_ids[i], chunk.positions[i])`` in order. Hooks as :func:`fused_schedule_kv`."""
-    if pass_impl(impl or kv_impl(kv_cache.device, None, dtype), True, kv_cache_scale is not None) == "fused":
+    rows = chunk.req_ids.shape[0]
+    if pass_impl(impl or kv_impl(kv_cache.device, None, dtype), True, kv_cache_scale is not None, rows,
+                 weight.layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
-        out, k, v = _kv_buffer(chunk.req_ids.shape[0], weight, dtype, kv_cache.device)
+        out, k, v = _kv_buffer(rows, weight, dtype, kv_cache.device)
         up_project_triton(out, weight, kv_cache=kv_cache, block_table=block_table, req_ids=chunk.req_ids,
                           positions=chunk.positions, kv_cache_scale=kv_cache_scale)
         return k, v

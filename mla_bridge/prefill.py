@@ -25,7 +25,7 @@ from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .weights import PreparedKVBProj, as_prepared, up_projection_weight  # up_projection_weight: moved to weights
+from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
            "ENV_SWITCHES"]
@@ -251,8 +251,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
 
     With ``e`` the dtype's size, ``L = kv_lora_rank + qk_rope_head_dim`` (576), ``P = head_dim_qk + head_dim_vo``
     (320) and ``H`` heads, a pass over ``N`` key tokens holds the latent rows (``N x L x e``, plus the gathered copy
-    of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the rearranged
-    weight (``H x P x L x e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
+    of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the prepared
+    weight (:func:`mla_bridge.weights.prepared_weight_elements` of the default layout, times ``e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
     pass over context + new tokens; the chunked one frees each pass before the next, and from its first chunk on
     holds one partial out/lse for the most query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk)
     plus the merge's float32 LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none).
@@ -266,7 +266,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens
-    fixed = (0 if prepared_weight else h * p * lat * e) + t * h * (d.v_head_dim * e + 4)
+    fixed = (0 if prepared_weight else prepared_weight_elements(d) * e) + t * h * (d.v_head_dim * e + 4)
 
     row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat)
 

@@ -3,9 +3,9 @@
 A DeepSeek checkpoint stores ``kv_b_proj.weight`` as ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` (per
 head: the k_nope rows, then the v rows). The prefill up-projection wants, for each key token's 576-wide latent row
 (``kv_c ++ k_pe``), ``k = [k_nope | k_pe]`` (192 per head, contiguous, what the attention kernel reads) and ``v``
-(128 per head). Rearranging the weight for that costs a copy of the weight with zero padding (0.075-0.085 ms per
-DeepSeek-V2-Lite layer on the H200 on 2026-12-01, about 5% of a 1.6 ms layer): :func:`prepare_kv_b_proj` does it
-once and the returned :class:`PreparedKVBProj` is reused by every batch. ``mla_prefill`` still accepts the raw
+(128 per head). Rearranging the weight for that costs a copy of the weight (the identity layout's, with zero padding:
+0.075-0.085 ms per DeepSeek-V2-Lite layer on the H200 on 2026-12-01, about 5% of a 1.6 ms layer):
+:func:`prepare_kv_b_proj` does it once and the returned :class:`PreparedKVBProj` is reused by every batch. ``mla_prefill`` still accepts the raw
 weight (it then prepares it on every call: the slower form).
 
 Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per call of :func:`prepare_kv_b_proj`):
@@ -14,15 +14,18 @@ Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per cal
   ``[W_nope | 0]``, an identity block ``[0 | I]`` that copies k_pe exactly (one non-zero product per output,
   accumulated in float32) and the v rows ``[W_v | 0]``; the output viewed ``[N, H, 320]`` is ``[k (192) | v (128)]``
   per head. One launch, 40% more GEMM FLOPs than the bare up-projection (320 x 576 against 256 x 512 per head).
-* ``"split"``: a buffer ``[N, H, 320]`` laid out per head as ``[v (128) | k_nope (128) | k_pe (64)]``; ONE batched
-  GEMM (``torch.bmm`` over heads, the latent's first ``kv_lora_rank`` columns broadcast with batch stride 0, writing
-  through an ``out=`` view of batch stride 320) fills the v and k_nope columns, and one broadcast ``copy_`` writes
-  k_pe into every head. No extra FLOPs, two launches. k_nope and v equal the identity layout's within float32
+* ``"split"`` (the default): a buffer ``[N, H, 320]`` laid out per head as ``[v (128) | k_nope (128) | k_pe (64)]``;
+  batched GEMMs (``torch.bmm`` over heads, the latent's first ``kv_lora_rank`` columns broadcast with batch stride 0,
+  writing through an ``out=`` view of batch stride 320), one per :data:`SPLIT_GEMM_ROWS` rows, fill the v and k_nope
+  columns, and the k_pe broadcast (:func:`broadcast_heads`: a Triton kernel on CUDA, torch's ``copy_`` elsewhere)
+  writes k_pe into every head. No extra FLOPs. k_nope and v equal the identity layout's within float32
   accumulation-order rounding (the GEMM sums 512 products instead of 512 plus 64 exact zeros); k_pe is copied
   exactly in both.
 
-Which is faster is a property of the GPU's GEMM library, measured by the bench (section 2, rows
-"mla_prefill, prepared weights (split k_pe)"), not assumed here.
+Which is faster is a property of the GPU's GEMM library. Measured on the H200 (2026-12-01, bf16, DeepSeek-V2-Lite
+dims, gather included): 40000 key rows 0.313 ms split against 0.39 identity (and 0.360 for the fused Triton kernel
+of :mod:`mla_bridge.kernels.up_project`, which reads either layout); 8192 rows 0.072 split against 0.083 fused.
+Hence the default. The bench times both (section 2, rows "mla_prefill, identity layout ...").
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ import torch
 
 from .dims import MLADims
 
-__all__ = ["PreparedKVBProj", "prepare_kv_b_proj", "up_projection_weight", "as_prepared", "LAYOUTS",
-           "DEFAULT_LAYOUT"]
+__all__ = ["PreparedKVBProj", "prepare_kv_b_proj", "up_projection_weight", "as_prepared", "broadcast_heads",
+           "prepared_weight_elements", "LAYOUTS", "DEFAULT_LAYOUT", "SPLIT_GEMM_ROWS"]
 
 #: The up-projection layouts (see the module docstring).
 LAYOUTS = ("identity", "split")
 #: The layout :func:`prepare_kv_b_proj` (and ``mla_prefill`` given a raw weight) uses when none is named: the one
-#: place that picks the variant.
-DEFAULT_LAYOUT = "identity"
+#: place that picks the variant (why split: the module docstring).
+DEFAULT_LAYOUT = "split"
+#: Key rows per batched GEMM of the split layout. Every head's GEMM reads the same latent rows: split into row blocks
+#: of this size (18.9 MB of 576-wide bf16 rows), they stay in L2 while the heads read them. Measured on the H200
+#: (2026-12-01, bf16): at 40000 rows 0.275 ms in blocks of 16384 against 0.299 in one GEMM (8192: 0.293, 24576:
+#: 0.275); at 68000 rows 0.506 against 0.528.
+SPLIT_GEMM_ROWS = 16384
 
 
 def _shape_key(dims: MLADims) -> tuple[int, int, int, int, int]:
@@ -103,7 +111,8 @@ class PreparedKVBProj:
 
     def __post_init__(self) -> None:
         # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path)
-        object.__setattr__(self, "_weight_t", self.weight.t() if self.layout == "identity" else None)
+        object.__setattr__(self, "_weight_t", self.weight.t() if self.layout == "identity" else
+                           self.weight.transpose(1, 2))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -118,26 +127,61 @@ class PreparedKVBProj:
         """Device bytes the prepared weight holds."""
         return self.weight.numel() * self.weight.element_size()
 
-    def up_project(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent rows ``[N, kv_lora_rank + qk_rope_head_dim]`` (rows may be strided, unit last stride) ->
-        ``(k [N, H, qk_nope_head_dim + qk_rope_head_dim], v [N, H, v_head_dim])``: two strided views of one
-        ``[N, H, 320]`` buffer, read by the attention kernels through their strides (no copy)."""
+    def up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows -> ``(k [N, H, qk_nope_head_dim + qk_rope_head_dim], v [N, H, v_head_dim])``: two strided views
+        of one ``[N, H, 320]`` buffer, read by the attention kernels through their strides (no copy).
+
+        ``latent``: ``[N, kv_lora_rank + qk_rope_head_dim]`` rows (kv_c ++ k_pe; rows may be strided, unit last
+        stride); or, with ``k_pe`` ``[N, qk_rope_head_dim]`` given, ``kv_c`` ``[N, kv_lora_rank]`` alone (the new
+        tokens' own tensors: the split layout reads them where they are, the identity layout concatenates them)."""
         d = self.dims
         h, qk, vd, r = d.num_heads, d.head_dim_qk, d.v_head_dim, d.kv_lora_rank
         n = latent.shape[0]
         if self.layout == "identity":
+            if k_pe is not None:
+                latent = torch.cat([latent, k_pe], dim=-1)
             out = torch.mm(latent, self._weight_t).view(n, h, qk + vd)
             return out[..., :qk], out[..., qk:]
+        kv_c, pe = (latent[:, :r], latent[:, r:]) if k_pe is None else (latent, k_pe)
         buf = torch.empty(n, h, vd + qk, dtype=latent.dtype, device=latent.device)
         gemm_cols = vd + d.qk_nope_head_dim
-        torch.bmm(latent[:, :r].unsqueeze(0).expand(h, n, r), self.weight.transpose(1, 2),
-                  out=buf.permute(1, 0, 2)[:, :, :gemm_cols])
-        buf[:, :, gemm_cols:].copy_(latent[:, r:].unsqueeze(1).expand(n, h, d.qk_rope_head_dim))
+        heads_first = buf.permute(1, 0, 2)
+        for start in range(0, n, SPLIT_GEMM_ROWS):
+            stop = min(n, start + SPLIT_GEMM_ROWS)
+            torch.bmm(kv_c[start:stop].unsqueeze(0).expand(h, stop - start, r), self._weight_t,
+                      out=heads_first[:, start:stop, :gemm_cols])
+        broadcast_heads(buf[:, :, gemm_cols:], pe)
         return buf[..., vd:], buf[..., :vd]
 
     def __repr__(self) -> str:
         return (f"PreparedKVBProj(layout={self.layout!r}, heads={self.dims.num_heads}, "
                 f"weight={list(self.weight.shape)}, dtype={self.dtype}, device={self.device})")
+
+
+def prepared_weight_elements(dims: MLADims, layout: Optional[str] = None) -> int:
+    """Elements of the weight :func:`prepare_kv_b_proj` makes for ``layout`` (default :data:`DEFAULT_LAYOUT`):
+    identity ``H * (head_dim_qk + v_head_dim) * (kv_lora_rank + qk_rope_head_dim)``, split ``H * (v_head_dim +
+    qk_nope_head_dim) * kv_lora_rank`` (for :func:`mla_bridge.prefill.prefill_memory_bytes`)."""
+    layout = DEFAULT_LAYOUT if layout is None else layout
+    d = dims
+    if layout == "identity":
+        return d.num_heads * (d.head_dim_qk + d.v_head_dim) * d.latent_dim
+    return d.num_heads * (d.v_head_dim + d.qk_nope_head_dim) * d.kv_lora_rank
+
+
+def broadcast_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The k_pe broadcast: ``dst[i, h, :] = src[i, :]`` for ``dst`` ``[N, H, qk_rope_head_dim]`` (a view into a key
+    buffer, unit last stride) and ``src`` ``[N, qk_rope_head_dim]`` of the same dtype and device. An exact copy. The
+    one place choosing how: the Triton kernel of :mod:`mla_bridge.kernels.broadcast` on CUDA where Triton imports
+    (torch's ``copy_`` of the expanded view was 3x slower there), torch's ``copy_`` elsewhere."""
+    from .kernels import triton_available
+
+    if dst.is_cuda and triton_available():
+        from .kernels.broadcast import broadcast_heads_triton
+        broadcast_heads_triton(dst, src)
+    else:
+        dst.copy_(src.unsqueeze(1).expand_as(dst))
 
 
 def prepare_kv_b_proj(kv_b_proj_weight: torch.Tensor, dims: MLADims, *, layout: Optional[str] = None

@@ -145,8 +145,8 @@ def test_context_section_splits_phases(cpu_run):
 def test_context_section_prepared_split_and_graphed_paths(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "context"]
     for path in ("mla_prefill, raw weight (re-prepared per call)",
-                 "mla_prefill, split k_pe layout (bmm + broadcast copy)", "mla_prefill, CUDA graph replay",
-                 "mla_prefill, split k_pe layout, CUDA graph replay"):
+                 "mla_prefill, identity layout (one GEMM with an identity block)", "mla_prefill, CUDA graph replay",
+                 "mla_prefill, identity layout, CUDA graph replay"):
         got = [r for r in rows if r["path"] == path]
         assert len(got) == 6 and all(r["status"] == "ok" and r["ms"] > 0 and r["tflops"] for r in got), path
     graphed = [r for r in rows if r["path"] == "mla_prefill, CUDA graph replay"]

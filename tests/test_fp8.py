@@ -169,7 +169,7 @@ def test_prefill_memory_bytes_counts_the_fp8_gather():
     rounded rows (e) plus 24 bytes of indices, instead of the bf16 path's e + 24 (V2-Lite dims, hand-computed)."""
     d = MLADims.deepseek_v2_lite()
     e, lat, p, h = 2, 576, 320, 16
-    fixed = h * p * lat * e + 150 * h * (128 * e + 4)
+    fixed = h * 256 * 512 * e + 150 * h * (128 * e + 4)  # the split-layout weight (prepared per call), out, lse
     ws = Workspace("cpu", chunk_tokens=1000)
     kw = dict(dims=d, workspace=ws, block_size=16, dtype=torch.bfloat16)
     bf16 = PrefillPlan.build([100, 50], [300, 0], **kw)

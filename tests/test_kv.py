@@ -44,6 +44,15 @@ def test_auto_takes_the_fused_kernel_only_for_gathered_unquantized_passes():
     assert KV.pass_impl("auto", gathered=True, kv_cache_fp8=False) == "fused"
     assert KV.pass_impl("auto", gathered=True, kv_cache_fp8=True) == "separate"
     assert KV.pass_impl("auto", gathered=False, kv_cache_fp8=False) == "separate"
+    # with a split-layout weight, the large gathered passes go to cuBLAS; the identity layout's GEMM never wins
+    big, small = KV.SEPARATE_FROM_ROWS, KV.SEPARATE_FROM_ROWS - 1
+    assert KV.pass_impl("auto", True, False, big, "split") == "separate"
+    assert KV.pass_impl("auto", True, False, small, "split") == "fused"
+    assert KV.pass_impl("auto", True, False, big, "identity") == "fused"
+    assert KV.pass_impl("auto", True, True, small, "split") == "fused"  # a small FP8 pass: one launch
+    assert KV.pass_impl("auto", True, True, big, "split") == "separate"
+    assert KV.pass_impl("auto", True, True, small, "identity") == "separate"
+    assert KV.pass_impl("auto", False, False, small, "split") == "separate"
     for mode in KV.KV_IMPLS:
         for gathered in (False, True):
             for fp8 in (False, True):

@@ -229,7 +229,7 @@ def test_prefill_memory_bytes_follows_the_schedule():
     d = MLADims.deepseek_v2_lite()
     e, lat, p, h = 2, 576, 320, 16
     q_lens, c_lens = [100, 50], [300, 0]
-    fixed = h * p * lat * e + 150 * h * (128 * e + 4)
+    fixed = h * 256 * 512 * e + 150 * h * (128 * e + 4)  # the split-layout weight (prepared per call), out, lse
     fused = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=1000), block_size=16,
                               dtype=torch.bfloat16)
     assert prefill_memory_bytes(fused) == fixed + 450 * lat * e + 300 * (lat * e + 24) + 450 * h * p * e

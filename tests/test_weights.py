@@ -27,9 +27,20 @@ def _run(batch, plan, weight):
     return mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, batch.cache, batch.block_table, plan, return_lse=True)
 
 
-def test_identity_layout_is_the_rearranged_weight(tiny_dims):
+def test_default_layout_is_split(tiny_dims):
     w = torch.randn(tiny_dims.kv_b_proj_shape)
     p = prepare_kv_b_proj(w, tiny_dims)
+    d = tiny_dims
+    assert weights_mod.DEFAULT_LAYOUT == "split" and p.layout == "split"
+    assert list(p.weight.shape) == [d.num_heads, d.v_head_dim + d.qk_nope_head_dim, d.kv_lora_rank]
+    per_head = w.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+    assert torch.equal(p.weight[:, :d.v_head_dim], per_head[:, d.qk_nope_head_dim:])  # v rows, then k_nope rows
+    assert torch.equal(p.weight[:, d.v_head_dim:], per_head[:, :d.qk_nope_head_dim])
+
+
+def test_identity_layout_is_the_rearranged_weight(tiny_dims):
+    w = torch.randn(tiny_dims.kv_b_proj_shape)
+    p = prepare_kv_b_proj(w, tiny_dims, layout="identity")
     assert isinstance(p, PreparedKVBProj) and p.layout == "identity"
     assert torch.equal(p.weight, up_projection_weight(w, tiny_dims))
     d = tiny_dims
@@ -73,7 +84,7 @@ def test_split_layout_k_and_v(tiny_dims, dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(d.kv_b_proj_shape, generator=g).to(dtype)
     latent = torch.randn(11, d.latent_dim + 8, generator=g).to(dtype)[:, 3:3 + d.latent_dim]  # strided rows
-    k_id, v_id = prepare_kv_b_proj(w, d).up_project(latent)
+    k_id, v_id = prepare_kv_b_proj(w, d, layout="identity").up_project(latent)
     k, v = prepare_kv_b_proj(w, d, layout="split").up_project(latent)
     assert k.shape == k_id.shape == (11, d.num_heads, d.head_dim_qk) and v.shape == v_id.shape
     # k_pe is copied exactly into every head, in both layouts
@@ -87,6 +98,42 @@ def test_split_layout_k_and_v(tiny_dims, dtype):
     # one buffer, strided views the kernels read in place
     assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     assert _kernel_ready(k) and _kernel_ready(v)
+
+
+@pytest.mark.parametrize("layout", ["split", "identity"])
+def test_kv_c_and_k_pe_apart_equal_the_latent_rows(tiny_dims, layout):
+    """up_project(kv_c, k_pe), the new tokens' form, is up_project(kv_c ++ k_pe)."""
+    d = tiny_dims
+    g = torch.Generator().manual_seed(1)
+    p = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape, generator=g), d, layout=layout)
+    kv_c, k_pe = torch.randn(9, d.kv_lora_rank, generator=g), torch.randn(9, d.qk_rope_head_dim, generator=g)
+    k, v = p.up_project(kv_c, k_pe)
+    k_cat, v_cat = p.up_project(torch.cat([kv_c, k_pe], dim=-1))
+    assert torch.equal(k[..., d.qk_nope_head_dim:], k_cat[..., d.qk_nope_head_dim:])  # k_pe copied exactly
+    torch.testing.assert_close(k, k_cat, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v, v_cat, atol=1e-6, rtol=1e-6)
+
+
+def test_split_gemm_runs_per_row_block(tiny_dims, monkeypatch):
+    """The split layout's GEMM runs over blocks of SPLIT_GEMM_ROWS rows (each block stays in L2 for every head):
+    ceil(N / rows) batched GEMMs, every row computed, the same k and v as one GEMM."""
+    d = tiny_dims
+    g = torch.Generator().manual_seed(2)
+    p = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape, generator=g, dtype=torch.float64), d)
+    latent = torch.randn(11, d.latent_dim, generator=g, dtype=torch.float64)
+    k_one, v_one = p.up_project(latent)
+    calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b, *, out: calls.append(a.shape[1]) or real_bmm(a, b, out=out))
+    monkeypatch.setattr(weights_mod, "SPLIT_GEMM_ROWS", 4)
+    k, v = p.up_project(latent)
+    assert calls == [4, 4, 3]
+    kv = (latent[:, :d.kv_lora_rank] @ p.weight.transpose(1, 2)).transpose(0, 1)  # [N, H, v + nope], float64
+    torch.testing.assert_close(v, kv[..., :d.v_head_dim], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(k[..., :d.qk_nope_head_dim], kv[..., d.v_head_dim:], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(k, k_one, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(v, v_one, atol=1e-12, rtol=1e-12)
+    assert torch.equal(k[..., d.qk_nope_head_dim:], latent[:, d.kv_lora_rank:].unsqueeze(1).expand(-1, d.num_heads, -1))
 
 
 def test_prepared_weight_is_not_prepared_again(ref, tiny_dims, monkeypatch):
@@ -127,5 +174,32 @@ def test_bad_inputs_are_named(ref, tiny_dims):
 def test_memory_budget_leaves_out_a_prepared_weight(tiny_dims):
     plan = _plan(tiny_dims, True)
     d = tiny_dims
-    weight_bytes = d.num_heads * (d.head_dim_qk + d.v_head_dim) * d.latent_dim * 4
+    weight_bytes = d.num_heads * (d.v_head_dim + d.qk_nope_head_dim) * d.kv_lora_rank * 4  # the split layout's
     assert prefill_memory_bytes(plan) - prefill_memory_bytes(plan, prepared_weight=True) == weight_bytes
+    assert weight_bytes == prepare_kv_b_proj(torch.zeros(d.kv_b_proj_shape), d).nbytes
+    assert weights_mod.prepared_weight_elements(d, "identity") * 4 == prepare_kv_b_proj(
+        torch.zeros(d.kv_b_proj_shape), d, layout="identity").nbytes
+
+
+def interpreted_broadcast_cases():
+    """The Triton k_pe broadcast against torch's copy_ of the expanded view (run under TRITON_INTERPRET=1)."""
+    from mla_bridge.kernels.broadcast import broadcast_heads_triton
+
+    n_ok = 0
+    for n, heads, rope, dtype in ((37, 16, 64, torch.float16), (5, 20, 64, torch.bfloat16), (3, 3, 8, torch.float32),
+                                  (0, 4, 8, torch.float32)):
+        g = torch.Generator().manual_seed(n)
+        latent = torch.randn(n, 40 + rope, generator=g).to(dtype)
+        buf = torch.randn(n, heads, 2 * rope + 16, generator=g).to(dtype)
+        want = buf.clone()
+        broadcast_heads_triton(buf[:, :, -rope:], latent[:, 40:])
+        want[:, :, -rope:].copy_(latent[:, 40:].unsqueeze(1).expand(n, heads, rope))
+        assert torch.equal(buf, want), (n, heads, rope, dtype)
+        n_ok += 1
+    return f"ok {n_ok}"
+
+
+def test_broadcast_kernel_equals_torch_copy_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_broadcast_cases`."""
+    assert "ok 4" in triton_interpreted("tests.test_weights:interpreted_broadcast_cases",
+                                        "tests/gpu/test_gpu_up_project.py")

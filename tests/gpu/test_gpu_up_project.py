@@ -147,3 +147,62 @@ def test_mla_prefill_with_fused_kernel_matches_separate_and_float64(monkeypatch,
         ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
         torch.testing.assert_close(ob[row:row + ql].double(), ref, atol=2e-2, rtol=2e-2)
         row += ql
+
+
+@pytest.mark.parametrize("heads", [16, 20, 128])
+def test_broadcast_kernel_equals_torch_copy(heads):
+    """The split layout's k_pe broadcast (Triton) writes exactly what torch's copy_ of the expanded view writes, and
+    nothing outside the k_pe columns; the GPU kept busy so the host runs ahead."""
+    from mla_bridge.kernels.broadcast import broadcast_heads_triton
+
+    g = torch.Generator(device=dev()).manual_seed(heads)
+    n = 4099
+    latent = torch.randn(n, 576, device=dev(), generator=g).to(BF16)
+    buf = torch.randn(n, heads, 320, device=dev(), generator=g).to(BF16)
+    want = buf.clone()
+    torch.cuda._sleep(int(1e8))
+    broadcast_heads_triton(buf[:, :, 256:], latent[:, 512:])
+    want[:, :, 256:].copy_(latent[:, 512:].unsqueeze(1).expand(n, heads, 64))
+    torch.cuda.synchronize()
+    assert torch.equal(buf, want)
+
+
+def test_split_layout_row_blocks_equal_the_identity_layout(monkeypatch):
+    """The split layout's GEMM over row blocks (SPLIT_GEMM_ROWS made small here: 3500 rows in 4 blocks) gives every
+    row: k_pe exactly, k_nope and v within one bf16 rounding of the identity layout's one GEMM."""
+    import mla_bridge.weights as W
+
+    d = MLADims.deepseek_v2_lite()
+    g = torch.Generator(device=dev()).manual_seed(5)
+    w = (torch.randn(*d.kv_b_proj_shape, device=dev(), generator=g) * d.kv_lora_rank ** -0.5).to(BF16)
+    latent = torch.randn(3500, 600, device=dev(), generator=g).to(BF16)[:, 7:7 + d.latent_dim]  # strided rows
+    monkeypatch.setattr(W, "SPLIT_GEMM_ROWS", 1000)
+    torch.cuda._sleep(int(1e8))
+    k, v = prepare_kv_b_proj(w, d, layout="split").up_project(latent)
+    ki, vi = prepare_kv_b_proj(w, d, layout="identity").up_project(latent)
+    torch.cuda.synchronize()
+    nope = d.qk_nope_head_dim
+    assert torch.equal(k[..., nope:], latent[:, d.kv_lora_rank:].unsqueeze(1).expand(-1, d.num_heads, -1))
+    _within_one_rounding(k[..., :nope], ki[..., :nope])
+    _within_one_rounding(v, vi)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_auto_sends_large_gathered_passes_to_cublas(monkeypatch, fuse):
+    """kv_impl="auto" with the default (split) weight: a gathered pass of at least SEPARATE_FROM_ROWS rows takes the
+    separate path, a smaller one the fused kernel; mla_prefill's result matches the fused kernel everywhere."""
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
+        16, False, seed=21, q_lens=(200, 57), c_lens=(9000, 300), chunk_tokens=16384 if fuse else 8192)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse)
+    weight = prepare_kv_b_proj(w, d)
+    assert weight.layout == "split"
+    rows = [int(plan.main_kv_indptr[-1])] if plan.fused else [c.num_tokens for c in plan.chunks]
+    chosen = [KV.pass_impl("auto", True, False, r, weight.layout) for r in rows]
+    assert "separate" in chosen and (fuse or "fused" in chosen), (rows, chosen)
+    outs = {}
+    for impl in ("auto", "fused"):
+        torch.cuda._sleep(int(1e8))
+        outs[impl] = mla_prefill(q, kv_c, k_pe, weight, cache, table, plan, return_lse=True, kv_impl=impl)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(outs["auto"][0].float(), outs["fused"][0].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["auto"][1], outs["fused"][1], atol=1e-2, rtol=0)
