@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
            "cutlass_work_items", "flashinfer_version", "head_dims_why_not", "FA3_HEAD_DIMS", "CUTLASS_HEAD_DIMS",
-           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO"]
+           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO", "device_capability"]
 
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
@@ -100,6 +100,23 @@ def _flashinfer_version_cached() -> Optional[str]:
 def flashinfer_version() -> Optional[str]:
     """The installed flashinfer-python version, or ``None`` when it is not installed (no import needed)."""
     return _flashinfer_version_cached()
+
+
+#: ``(reader, device index) -> (major, minor)``: what :func:`device_capability` has read. The reader is
+#: ``torch.cuda.get_device_capability`` as found at the call, so a stand-in monkeypatched over it is asked afresh.
+_CAPABILITIES: dict = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of the CUDA ``device`` (a ``torch.device`` with an index), read from torch once per device
+    per process: a device's compute capability never changes, and ``torch.cuda.get_device_capability`` costs 11-14 us
+    of host time per call on the H200's host (2026-12-01), where a plan build's own work is a few hundred."""
+    read = torch.cuda.get_device_capability
+    key = (read, device.index)
+    capability = _CAPABILITIES.get(key)
+    if capability is None:
+        capability = _CAPABILITIES[key] = read(device)
+    return capability
 
 
 def cutlass_work_items(qo_indptr: Sequence[int], num_heads: int) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
-from .dispatch import ENV_VAR
+from .dispatch import ENV_VAR, device_capability
 from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked
 from .workspace import Workspace, _checked_device, current_stream
 
@@ -224,8 +224,8 @@ class PrefillPlan:
         qo = list(itertools.accumulate(q_lens, initial=0))  # exact Python ints, each <= the checked sum
         qo_host = np.array(qo, dtype=np.int32)
         self.qo_indptr = torch.from_numpy(qo_host)
-        # One dispatch-table read of the device for every pass (they run on it together).
-        self._capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+        # One dispatch-table read of the device for every pass (they run on it together), remembered per device.
+        self._capability = device_capability(dev) if dev.type == "cuda" else None
         fused_keys = total_context + num_new
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
         # which backend serves the main pass.
@@ -242,7 +242,7 @@ class PrefillPlan:
             self._plan_fused_indices(q, c)
         else:
             kv_host, self.main_kv_indptr = qo_host, self.qo_indptr  # keys = queries; neither is ever written
-            self.chunks = self._plan_chunks(qo)
+            self.chunks = self._plan_chunks(qo, qo_host)
         self.main = self._plan_pass(qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new,
                                     self.qo_indptr, self.main_kv_indptr)
         self._streams_seen = {current_stream(dev)[0]} if self._device_indices else set()
@@ -330,13 +330,13 @@ class PrefillPlan:
         self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.split_with_sizes(
             [n_ctx, n_ctx, n_new, n_ctx])
 
-    def _plan_chunks(self, qo_list: list[int]) -> list[ContextChunk]:
+    def _plan_chunks(self, qo_list: list[int], qo_all: np.ndarray) -> list[ContextChunk]:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
         tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
         chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
-        share it: nothing else of a chunk enters FlashInfer's plan), and every chunk's token indices are views of the
-        context stream's two index tensors (:meth:`_context_stream`: each token's position and request), cut by one
-        call each."""
+        share it, and its host indptrs: nothing else of a chunk enters FlashInfer's plan), and every chunk's token
+        indices are views of the context stream's two index tensors (:meth:`_context_stream`: each token's position
+        and request), cut by one call each. ``qo_list`` / ``qo_all``: ``qo_indptr`` as Python ints and as int32."""
         total, step = self._num_context_tokens, self.workspace.chunk_tokens
         if total == 0:
             return []
@@ -345,10 +345,10 @@ class PrefillPlan:
         # quantity costs more than the loop) and as int64 for the expansion; int32 slices of it are the chunks' keys.
         offsets = list(itertools.accumulate(self.context_lens, initial=0))
         cum64 = np.array(offsets, dtype=np.int64)
-        cum, qo_all = cum64.astype(np.int32), self.qo_indptr.numpy()
+        cum, q_lens = cum64.astype(np.int32), self.query_lens
         positions, req_ids = self._context_stream(cum64, total)
         starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
-        sizes = [min(step, total - start) for start in starts]
+        sizes = [step] * (total // step) + ([total % step] if total % step else [])
         pos_views, req_views = positions.split_with_sizes(sizes), req_ids.split_with_sizes(sizes)
         plans: dict = {}
         chunks = []
@@ -359,17 +359,19 @@ class PrefillPlan:
             first_start, q_start, q_end = start - offsets[req_start], qo_list[req_start], qo_list[req_end]
             # The chunk's keys: the stream's [start, stop) cut at its requests' edges (only the first request begins
             # before the chunk, only the last ends after it).
-            kv = cum[req_start:req_end + 1] - np.int32(start)
-            kv[0], kv[-1] = 0, stop - start
-            kv_indptr = torch.from_numpy(kv)
+            kv = cum[req_start:req_end + 1] - start
+            kv[0], kv[-1] = 0, size
             plan = None
             if q_end > q_start:
-                qo = qo_all[req_start:req_end + 1] - q_start
-                key = (qo.tobytes(), kv.tobytes())
+                # Its shape: these keys and its requests' query lengths (which fix qo_indptr from 0).
+                key = (kv.tobytes(), tuple(q_lens[req_start:req_end]))
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = self._plan_pass(qo, kv, False, q_end - q_start, stop - start,
-                                                        kv_indptr=kv_indptr)
+                    plan = plans[key] = self._plan_pass(qo_all[req_start:req_end + 1] - q_start, kv, False,
+                                                        q_end - q_start, size, kv_indptr=torch.from_numpy(kv))
+                kv_indptr = plan.kv_indptr  # equal values: the first chunk of this shape's tensor
+            else:
+                kv_indptr = torch.from_numpy(kv)
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan,
                                        req_views[i], pos_views[i]))
         return chunks
@@ -415,13 +417,23 @@ class PrefillPlan:
                 f"backend={self.backend.name!r})")
 
 
+def _page_locked(table: np.ndarray) -> torch.Tensor:
+    """A page-locked int64 copy of ``table``, for a host-to-device copy that never blocks the host: allocated
+    page-locked (torch's caching host allocator) and filled through numpy. ``Tensor.pin_memory()`` would first ask
+    the driver whether the numpy memory is page-locked already (``cudaPointerGetAttributes`` under a device guard)
+    and then copy through a torch op: host time per plan build on the GPU host, for the same bytes."""
+    host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
+    host.numpy()[...] = table
+    return host
+
+
 def _expand_on_device(table: np.ndarray, total: int, counting: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The device half of :meth:`PrefillPlan._expand`: one copy and four kernels whatever the batch. From ``table``
     (int64 ``[2, runs]``: where each run ends in the output, and its base value), the int64 ``[total]`` output
     ``out[t] = base[run holding t] + (t if t < counting else 0)`` on ``device``, and the page-locked copy of ``table``
     the caller keeps. The run of token ``t`` is the first whose end exceeds ``t`` (an empty run never is)."""
-    host = torch.from_numpy(table).pin_memory()
+    host = _page_locked(table)
     small = host.to(device, non_blocking=True)
     t = torch.arange(total, dtype=torch.int64, device=device)
     run = torch.searchsorted(small[0], t, right=True, out_int32=True)
@@ -436,7 +448,7 @@ def _context_stream_on_device(cum: np.ndarray, total: int,
     ``cum[-1] = total``), ``positions[t] = t - cum[r]`` and ``req_ids[t] = r`` for the request ``r`` whose context
     holds stream token ``t`` (the first whose end ``cum[r + 1]`` exceeds ``t``: an empty context never does), both
     int64 ``[total]`` on ``device``, and the page-locked copy of ``cum`` the caller keeps. One copy, four kernels."""
-    host = torch.from_numpy(cum).pin_memory()
+    host = _page_locked(cum)
     starts = host.to(device, non_blocking=True)
     t = torch.arange(total, dtype=torch.int64, device=device)
     req_ids = torch.searchsorted(starts[1:], t, right=True)

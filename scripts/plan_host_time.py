@@ -5,7 +5,13 @@ fake SM90 device of the CPU tests (:func:`tests.fake_device.install_planning`: e
 the wrapper's ``plan()`` does nothing). The device halves of the index expansion are queued kernels on a GPU (host
 time: their launches); here they return views of one buffer, so that no per-token CPU work is timed.
 
-    PYTHONPATH=$PWD python3 scripts/plan_host_time.py [--repeats 200] [--profile B,C]
+    PYTHONPATH=$PWD python3 scripts/plan_host_time.py [--repeats 200] [--profile B,C] [--count]
+
+``--count`` adds, per case, the CUDA-side calls one build makes (after a warm-up build; the device halves of the
+index expansion then run as on a GPU, with their torch ops on CPU tensors): kernels and copies (aten ops that are
+not views, the page-locked table, ``Tensor.to``) and CUDA runtime calls (events made, recorded, queried, waited on; the
+capability, capture-state and current-stream reads). Each costs 10-20 us of host time on the H200's host
+(2026-12-01), a Python statement 0.05-0.2 us, so the count predicts what the GPU host saves.
 
 Numbers are medians in milliseconds. This machine's Python is not the H200 host's, and CUDA launches are not in them,
 so compare before/after here and take the absolute figures from ``mla-bridge bench --sections plan`` on the GPU.
@@ -15,16 +21,18 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import collections
 import gc
 import pstats
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace
-from tests.fake_device import install_planning
+from tests.fake_device import Stream, install_planning
 
 CASES = [(b, c) for c in (0, 2048) for b in (1, 16, 128)]
 
@@ -72,17 +80,66 @@ def own_ms(ws: Workspace, dims: MLADims, batch: int, context: int, repeats: int)
     return statistics.median(builds), statistics.median(plans), plan
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops that are not views (each a kernel launch or copy on a GPU)."""
+
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.counts[f"aten.{func.overloadpacket.__name__}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counting(counts: collections.Counter) -> None:
+    """Count every CUDA runtime stand-in of the fake device, the page-locked tables and ``Tensor.to`` (a script: not
+    undone)."""
+    def counted(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            counts[label] += 1
+            return fn(*args, **kwargs)
+        setattr(owner, name, wrapper)
+
+    for name in ("get_device_capability", "is_current_stream_capturing", "current_stream"):
+        counted(torch.cuda, name, f"torch.cuda.{name}")
+    counted(plan_mod, "_page_locked", "page-locked table")
+    counted(torch.Tensor, "to", "Tensor.to")
+    event = torch.cuda.Event
+    for name in ("record", "query"):
+        counted(event, name, f"Event.{name}")
+    counted(event, "__init__", "Event() made")
+    counted(Stream, "wait_event", "Stream.wait_event")
+
+
+def count_calls(ws: Workspace, dims: MLADims, batch: int, context: int, counts: collections.Counter) -> dict:
+    """The CUDA-side calls of one build of the case (after a warm-up build whose plan is dropped first)."""
+    q, c = [512] * batch, [context] * batch
+    build = lambda: PrefillPlan.build(q, c, dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)  # noqa
+    plan = build()
+    plan = None  # noqa: F841 - the warm-up plan hands its wrappers back, as in a serving loop
+    counts.clear()
+    with _CountOps(counts):
+        plan = build()  # noqa: F841
+    return dict(counts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--profile", default=None, help="B,C: cProfile 200 builds of that case")
+    p.add_argument("--count", action="store_true", help="count the CUDA-side calls of one build per case")
     args = p.parse_args()
     torch.set_num_threads(1)
     install_planning(setattr, _Wrapper)  # a script: nothing is undone
+    dims = MLADims.deepseek_v2_lite()
+    device_halves = plan_mod._expand_on_device, plan_mod._context_stream_on_device
     buf = torch.empty(4 * 128 * (512 + 2048), dtype=torch.int64)  # more than any case expands, allocated once
     plan_mod._expand_on_device = lambda table, total, counting, device: (buf[:total], torch.from_numpy(table))
     plan_mod._context_stream_on_device = lambda cum, total, device: (buf[:total], buf[:total], torch.from_numpy(cum))
-    dims = MLADims.deepseek_v2_lite()
     ws = Workspace("cuda:0")
     for b, c in CASES:
         build, in_plan, plan = own_ms(ws, dims, b, c, args.repeats)
@@ -97,6 +154,15 @@ def main() -> None:
             PrefillPlan.build([512] * b, [c] * b, dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    if args.count:  # last: the counting wrappers cost time too
+        plan_mod._expand_on_device, plan_mod._context_stream_on_device = device_halves
+        counts: collections.Counter = collections.Counter()
+        _counting(counts)
+        ws = Workspace("cuda:0")
+        for b, c in CASES:
+            got = count_calls(ws, dims, b, c, counts)
+            print(f"B={b:<3} C={c:<4} CUDA-side calls per build: {sum(got.values())}  "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(got.items())))
 
 
 if __name__ == "__main__":

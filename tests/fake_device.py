@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Stream", "Event", "TorchOnCPU", "install_runtime", "install_planning"]
+__all__ = ["Stream", "Event", "TorchOnCPU", "install_runtime", "install_planning", "page_locked_on_cpu"]
 
 
 class Stream:
@@ -64,11 +64,16 @@ def install_runtime(setattr: Callable, capability: Callable, current_stream: Cal
     setattr(workspace_module, "torch", TorchOnCPU())
 
 
+def page_locked_on_cpu(table) -> torch.Tensor:
+    """``mla_bridge.plan._page_locked`` without page-locking (CPU-only torch cannot): an int64 copy of ``table``."""
+    return torch.from_numpy(table.astype("int64", copy=True))
+
+
 def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[list] = None) -> None:
     """A fake SM90 device with FlashInfer 0.7.4 for planning: every CUDA branch of ``PrefillPlan.build`` runs, the
     FlashInfer wrapper is ``wrapper_class(float_buffer, backend)``, and the device halves of the index expansion run
-    their torch ops on the CPU (page-locking is the identity: CPU-only torch cannot page-lock). Each table they are
-    handed is appended to ``tables`` when given."""
+    their torch ops on the CPU (:func:`page_locked_on_cpu` stands in for page-locking: CPU-only torch cannot
+    page-lock). Each table they are handed is appended to ``tables`` when given."""
     import mla_bridge.dispatch as dispatch
     import mla_bridge.plan as plan_mod
     from mla_bridge.backends import flashinfer as fi_backend
@@ -77,7 +82,7 @@ def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[li
     setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
     install_runtime(setattr, lambda: (9, 0), lambda: stream, Event)
     setattr(fi_backend, "new_wrapper", wrapper_class)
-    setattr(torch.Tensor, "pin_memory", lambda self: self)
+    setattr(plan_mod, "_page_locked", page_locked_on_cpu)
     for name in ("_expand_on_device", "_context_stream_on_device"):
         device_half = getattr(plan_mod, name)
 

@@ -19,7 +19,7 @@ import mla_bridge.dispatch as dispatch
 import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
 from mla_bridge.plan import schedule_context_chunks
-from tests.fake_device import install_planning
+from tests.fake_device import install_planning, page_locked_on_cpu
 
 BF16 = torch.bfloat16
 
@@ -93,7 +93,7 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
 
 def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
     """_expand_on_device itself: runs of counting and constant values, empty runs skipped, on CPU tensors."""
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(plan_mod, "_page_locked", page_locked_on_cpu)
     counts = np.array([2, 0, 3, 1, 0, 2], dtype=np.int64)
     firsts = np.array([5, 9, 0, 7, 1, 4], dtype=np.int64)
     counting_runs = 3
@@ -108,7 +108,7 @@ def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
 def test_context_stream_op_sequence_on_cpu_tensors(monkeypatch):
     """_context_stream_on_device itself: each stream token's position in its request's context and that request,
     requests with an empty context skipped (the first with a later end holds the token)."""
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(plan_mod, "_page_locked", page_locked_on_cpu)
     c = [3, 0, 2, 0, 0, 4, 1]
     cum = np.concatenate([[0], np.cumsum(c)]).astype(np.int64)
     positions, req_ids, host = plan_mod._context_stream_on_device(cum, int(cum[-1]), torch.device("cpu"))
@@ -376,25 +376,44 @@ def test_cuda_plans_equal_cpu_plans_on_random_batches(fake_cuda, seed):
             assert c.plan.flashinfer_wrapper.planned[-1][:2] == (c.plan.qo_indptr.tolist(), c.kv_indptr.tolist())
 
 
-def test_build_reads_the_device_capability_once_for_all_its_passes(fake_cuda, monkeypatch):
+def test_chunks_share_a_plan_only_with_equal_keys_and_query_lengths(fake_cuda):
+    """Chunks are matched to a plan by their keys and their requests' query lengths: equal keys with other query
+    lengths get their own plan, equal both share one (and its host indptrs); no query rows, no plan."""
+    dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
+    ws = Workspace("cuda:0", chunk_tokens=4)
+    plan = PrefillPlan.build([1, 2, 1, 3, 0], [4, 4, 4, 4, 4], dims=dims, workspace=ws, block_size=4, dtype=BF16,
+                             fuse_context=False)
+    c = plan.chunks
+    assert [x.kv_indptr.tolist() for x in c] == [[0, 4]] * 5
+    assert c[0].plan is c[2].plan and len({id(c[0].plan), id(c[1].plan), id(c[3].plan)}) == 3 and c[4].plan is None
+    assert [x.plan.qo_indptr.tolist() for x in c[:4]] == [[0, 1], [0, 2], [0, 1], [0, 3]]
+    assert all(x.plan.kv_indptr.tolist() == [0, 4] for x in c[:4]) and plan.num_plans == 4
+
+
+def test_build_reads_the_device_capability_once_per_device(fake_cuda, monkeypatch):
     """A plan's passes share one read of the device's capability (each select_backend call read it before: a CUDA
-    property query per pass on the GPU); their choices equal select_backend's own reading, and a later build reads
-    it again (a remembered choice never outlives a capability change)."""
+    property query per pass on the GPU), and later builds on that device read it no more (a device's capability is
+    fixed for the process: dispatch.device_capability remembers it); their choices equal select_backend's own
+    reading. A stand-in monkeypatched over torch.cuda.get_device_capability is asked afresh."""
     dims = MLADims.deepseek_v2_lite()  # 192/128: FlashInfer rows serve it
     reads = []
-    cap = {"now": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: reads.append(dev) or cap["now"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: reads.append(dev) or (9, 0))
     ws = Workspace("cuda:0", chunk_tokens=8)
     plan = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
-    assert plan.num_plans >= 3 and len(reads) == 1
+    assert plan.num_plans >= 3 and reads == [torch.device("cuda", 0)]
     for p in [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]:
         assert p.backend == select_backend("cuda:0", dtype=BF16, out_dtype=BF16, head_dim_qk=dims.head_dim_qk,
                                            head_dim_vo=dims.head_dim_vo, causal=p.spec.causal,
                                            num_heads=dims.num_heads, qo_indptr=p.qo_indptr.tolist(),
                                            kv_indptr=p.kv_indptr.tolist())
-    cap["now"] = (8, 0)
-    again = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
-    assert plan.backend.name != again.backend.name == "flashinfer-fa2"
+    del reads[:]
+    for _ in range(3):
+        again = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
+        assert again.backend == plan.backend
+    assert reads == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: reads.append(dev) or (8, 0))
+    other = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
+    assert other.backend.name == "flashinfer-fa2" and len(reads) == 1
 
 
 def test_plan_host_time_script_runs():
@@ -405,8 +424,12 @@ def test_plan_host_time_script_runs():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2"], cwd=root,
+    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count"], cwd=root,
                          env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
-    assert len(lines) == 6 and "B=128 C=2048" in lines[-1] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[-1]
+    assert len(lines) == 12 and "B=128 C=2048" in lines[5] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[5]
+    # --count: the chunked case makes one device expansion (one searchsorted) and records one event per plan
+    assert "B=128 C=2048 CUDA-side calls per build" in lines[-1]
+    assert "aten.searchsorted 1," in lines[-1] and "Event.record 2," in lines[-1], lines[-1]
+    assert "aten.searchsorted" not in lines[6] and "Event.record 1," in lines[6], lines[6]  # B=1, no context

@@ -172,10 +172,7 @@ class FlashInferRaggedKernel:
         ), lease=self.lease)
         if self._cuda and not torch.cuda.is_current_stream_capturing():
             ptr, stream = current_stream(workspace.device)
-            event = torch.cuda.Event()
-            event.record(stream)
-            self.lease.plan_stream = ptr
-            self.lease.plan_event = event
+            self.lease.record_plan(stream, ptr)
 
     def order_after_plan(self) -> None:
         """Make the current stream wait for this plan's host-to-device copies (nothing on the plan's own stream,
@@ -192,7 +189,7 @@ class FlashInferRaggedKernel:
             plan_event = lease.plan_event
             if plan_event is not None and ptr != lease.plan_stream:
                 stream.wait_event(plan_event)
-            event = lease.run_events[ptr] = torch.cuda.Event()
+            event = lease.run_events[ptr] = lease.event()
         return event
 
     def _float_region(self, key: Any) -> None:
