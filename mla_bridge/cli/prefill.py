@@ -72,6 +72,7 @@ def cmd_prefill(args, console) -> int:
 
     from .. import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj
     from ..cache import cache_dtype_name, quantize_latent_cache
+    from ..kv import SEPARATE_FROM_ROWS
     from ..dims import PRESETS
     from ..prefill import kernel_choices
     from ..reference import max_abs_error, max_excess_error, reference_request
@@ -275,8 +276,8 @@ def cmd_prefill(args, console) -> int:
                   f"shuffled block_table; {cache_text}; {cache_bytes / 2**20:.2f} MiB")
     _row(table, "schedule", schedule)
     kv_text = {"separate": f" ({kernels['gather']} gather + GEMM)", "fused": " (one Triton launch per pass)",
-               "auto": f" (one Triton launch per gathered pass; {kernels['gather']} gather + GEMM for new tokens and "
-                       f"FP8 caches)"}[kernels["kv"]]
+               "auto": f" (one Triton launch per gathered pass under {SEPARATE_FROM_ROWS} rows; {kernels['gather']} "
+                       f"gather + GEMM for larger ones, new tokens and FP8 caches)"}[kernels["kv"]]
     merge_text = kernels["merge"] if any(c.plan is not None for c in plan.chunks) else "none (no chunk to merge)"
     _row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
