@@ -252,16 +252,18 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     With ``e`` the dtype's size, ``L = kv_lora_rank + qk_rope_head_dim`` (576), ``P = head_dim_qk + head_dim_vo``
     (320) and ``H`` heads, a pass over ``N`` key tokens holds the latent rows (``N x L x e``, plus the gathered copy
     of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the prepared
-    weight (:func:`mla_bridge.weights.prepared_weight_elements` of the default layout, times ``e``), out (``T x H x v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one
-    pass over context + new tokens; the chunked one frees each pass before the next, and from its first chunk on
-    holds one partial out/lse for the most query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk)
-    plus the merge's float32 LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none).
-    The gather's temporaries per context row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype
-    (the torch path's: the rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24
-    bytes of indices; the Triton gather allocates none of them, so the formula is an upper bound there). The cache
-    itself (``num_blocks x block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the
-    "workspace budget" the benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
-    :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left out.
+    weight (:func:`mla_bridge.weights.prepared_weight_elements` of the default layout, times ``e``), out (``T x H x
+    v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one pass over context + new tokens; the
+    chunked one frees each pass before the next, and from its first chunk on holds one partial out/lse for the most
+    query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk) plus the merge's float32 LSE copies for
+    those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context
+    row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the rows in the
+    cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices; the Triton
+    gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x
+    block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
+    benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
+    :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left
+    out.
     """
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()

@@ -5,8 +5,8 @@ head: the k_nope rows, then the v rows). The prefill up-projection wants, for ea
 (``kv_c ++ k_pe``), ``k = [k_nope | k_pe]`` (192 per head, contiguous, what the attention kernel reads) and ``v``
 (128 per head). Rearranging the weight for that costs a copy of the weight (the identity layout's, with zero padding:
 0.075-0.085 ms per DeepSeek-V2-Lite layer on the H200 on 2026-12-01, about 5% of a 1.6 ms layer):
-:func:`prepare_kv_b_proj` does it once and the returned :class:`PreparedKVBProj` is reused by every batch. ``mla_prefill`` still accepts the raw
-weight (it then prepares it on every call: the slower form).
+:func:`prepare_kv_b_proj` does it once and the returned :class:`PreparedKVBProj` is reused by every batch.
+``mla_prefill`` still accepts the raw weight (it then prepares it on every call: the slower form).
 
 Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per call of :func:`prepare_kv_b_proj`):
 

@@ -292,8 +292,8 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                    (PATHS[18], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan),
                     dict(flops=flops, note="kv_b_proj rearranged inside every call", **meta(0.2))),
                    (PATHS[19], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp_identity, x.kv_cache, x.block_table, plan),
-                    dict(flops=flops, note="one GEMM of 320 x 576 per head (40% more FLOPs), k_pe by the identity block",
-                         **meta(0.4)))]
+                    dict(flops=flops, note="one GEMM of 320 x 576 per head (40% more FLOPs), k_pe by the identity "
+                                           "block", **meta(0.4)))]
     skipped: list[Row] = []
     graphs = []
     fused_kv = ctx.cuda and triton_available()
