@@ -172,7 +172,7 @@ def prepared_weight_elements(dims: MLADims, layout: Optional[str] = None) -> int
 
 def broadcast_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
     """The k_pe broadcast: ``dst[i, h, :] = src[i, :]`` for ``dst`` ``[N, H, qk_rope_head_dim]`` (a view into a key
-    buffer, unit last stride) and ``src`` ``[N, qk_rope_head_dim]`` of the same dtype and device. An exact copy. The
+    buffer) and ``src`` ``[N, qk_rope_head_dim]`` (any strides) of the same dtype and device. An exact copy. The
     one place choosing how: the Triton kernel of :mod:`mla_bridge.kernels.broadcast` on CUDA where Triton imports
     (torch's ``copy_`` of the expanded view was 3x slower there), torch's ``copy_`` elsewhere."""
     from .kernels import triton_available

@@ -196,10 +196,19 @@ def interpreted_broadcast_cases():
         want[:, :, -rope:].copy_(latent[:, 40:].unsqueeze(1).expand(n, heads, rope))
         assert torch.equal(buf, want), (n, heads, rope, dtype)
         n_ok += 1
+    # strided rows of both: a k_pe with last stride 2 (a caller's view), a destination with last stride 2
+    g = torch.Generator().manual_seed(9)
+    src = torch.randn(7, 16, generator=g)[:, ::2]
+    buf = torch.randn(7, 5, 32, generator=g)
+    want = buf.clone()
+    broadcast_heads_triton(buf[:, :, 8::2][:, :, :8], src)
+    want[:, :, 8::2][:, :, :8].copy_(src.unsqueeze(1).expand(7, 5, 8))
+    assert torch.equal(buf, want), "strided source / destination"
+    n_ok += 1
     return f"ok {n_ok}"
 
 
 def test_broadcast_kernel_equals_torch_copy_interpreted(triton_interpreted):
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_broadcast_cases`."""
-    assert "ok 4" in triton_interpreted("tests.test_weights:interpreted_broadcast_cases",
+    assert "ok 5" in triton_interpreted("tests.test_weights:interpreted_broadcast_cases",
                                         "tests/gpu/test_gpu_up_project.py")

@@ -206,3 +206,21 @@ def test_auto_sends_large_gathered_passes_to_cublas(monkeypatch, fuse):
     torch.cuda.synchronize()
     torch.testing.assert_close(outs["auto"][0].float(), outs["fused"][0].float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs["auto"][1], outs["fused"][1], atol=1e-2, rtol=0)
+
+
+def test_strided_k_pe_equals_contiguous_on_the_split_path():
+    """A caller's k_pe with a last stride other than 1 (a view), on the chunked schedule's main pass (split layout:
+    the broadcast kernel reads the new tokens' k_pe in place): bitwise the result of a contiguous k_pe. The k_pe
+    broadcast once assumed a unit last stride and read the wrong columns (found by a fresh-user trial)."""
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(16, False, seed=31, chunk_tokens=1024)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=False)
+    weight = prepare_kv_b_proj(w, d)
+    wide = torch.zeros(k_pe.shape[0], 2 * d.qk_rope_head_dim, dtype=BF16, device=dev())
+    wide[:, ::2] = k_pe
+    strided = wide[:, ::2]
+    assert strided.stride(-1) == 2 and torch.equal(strided, k_pe)
+    torch.cuda._sleep(int(1e8))
+    a = mla_prefill(q, kv_c, strided, weight, cache, table, plan, return_lse=True)
+    b = mla_prefill(q, kv_c, k_pe, weight, cache, table, plan, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
