@@ -115,10 +115,30 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
                 raise ValueError(f"block_table row {r} holds block ids outside [0, {kv_cache.shape[0]})")
     if out is not None and out.shape != (t, d.num_heads, d.v_head_dim):
         raise ValueError(f"out must be [T={t}, H={d.num_heads}, v_head_dim={d.v_head_dim}], got {list(out.shape)}")
-    if out is not None and any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
-        raise ValueError(f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a "
-                         f"tensor of its own")
+    if out is not None:
+        if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+            raise ValueError(f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a "
+                             f"tensor of its own")
+        for name, x in (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
+                        ("block_table", block_table)):
+            if _share_memory(out, x):
+                raise ValueError(f"out shares memory with {name}: mla_prefill reads {name} after it starts writing "
+                                 f"out (every context chunk reads q again); pass an out of its own")
     return k_pe, checked_cache, scale
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes ``a`` can address intersect those of ``b`` (one storage, intersecting ``[first, last]``
+    byte ranges; a conservative test for interleaved views, exact for the others). Strides are non-negative."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    spans = []
+    for x in (a, b):
+        start = x.data_ptr()
+        last = start + sum((n - 1) * st for n, st in zip(x.shape, x.stride())) * x.element_size()
+        spans.append((start, last + x.element_size()))
+    (a0, a1), (b0, b1) = spans
+    return a0 < b1 and b0 < a1
 
 
 

@@ -418,3 +418,34 @@ def test_lengths_must_be_a_sequence():
     with pytest.raises(TypeError, match="query_lens must be a sequence of ints"):
         PrefillPlan.build(5, dims=MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
                                           v_head_dim=8), workspace=Workspace("cpu"), block_size=4)
+
+
+@pytest.mark.parametrize("source", ["q", "kv_cache", "kv_c"])
+def test_prefill_refuses_an_out_sharing_memory_with_an_input(prefill, tiny_dims, source):
+    """An ``out`` that shares memory with an input mla_prefill reads (q is read again by every context chunk after
+    the main pass wrote out) is refused before any work; it once gave silently wrong values (a fresh-user trial:
+    out=q, max error 1.64 on the chunked schedule)."""
+    plan, args, batch = prefill
+    d = tiny_dims
+    t, h, vd = sum(Q_LENS), d.num_heads, d.v_head_dim
+    value = {"q": batch.q, "kv_cache": batch.cache, "kv_c": batch.kv_c}[source]
+    big = torch.full((value.numel() + t * h * vd,), SENTINEL)
+    args = dict(args, **{source: big[: value.numel()].view_as(value).copy_(value)})
+    before = big.clone()
+    out = big[: t * h * vd].view(t, h, vd)  # starts where the input starts
+    with pytest.raises(ValueError, match=rf"^out shares memory with {source}"):
+        mla_prefill(**args, plan=plan, out=out)
+    torch.testing.assert_close(big, before, rtol=0, atol=0, equal_nan=True)  # nothing written
+
+
+def test_prefill_accepts_an_out_next_to_its_inputs_in_one_buffer(prefill, tiny_dims, ref):
+    """Disjoint parts of one buffer are no overlap: q and out side by side."""
+    plan, args, batch = prefill
+    d = tiny_dims
+    t, h, vd = sum(Q_LENS), d.num_heads, d.v_head_dim
+    big = torch.empty(t * h * (d.head_dim_qk + vd))
+    q = big[: t * h * d.head_dim_qk].view(t, h, d.head_dim_qk).copy_(batch.q)
+    out = big[t * h * d.head_dim_qk:].view(t, h, vd)
+    got = mla_prefill(**dict(args, q=q), plan=plan, out=out)
+    want = mla_prefill(**args, plan=plan)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
