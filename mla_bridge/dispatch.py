@@ -110,7 +110,15 @@ _CAPABILITIES: dict = {}
 def device_capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` of the CUDA ``device`` (a ``torch.device`` with an index), read from torch once per device
     per process: a device's compute capability never changes, and ``torch.cuda.get_device_capability`` costs 11-14 us
-    of host time per call on the H200's host (2026-12-01), where a plan build's own work is a few hundred."""
+    of host time per call on the H200's host (2026-12-01), where a plan build's own work is a few hundred.
+
+    Raises:
+        TypeError / ValueError: ``device`` not a ``torch.device`` of type cuda with an index (the cache is keyed by it).
+    """
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device('cuda', index), got {type(device).__name__}")
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"device must be a torch.device('cuda', index), got {device}")
     read = torch.cuda.get_device_capability
     key = (read, device.index)
     capability = _CAPABILITIES.get(key)

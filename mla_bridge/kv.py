@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from .cache import fused_latent, gather_latent
-from .weights import PreparedKVBProj
+from .weights import DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
            "SEPARATE_FROM_ROWS", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
@@ -96,7 +96,7 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     return choice
 
 
-def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = "identity") -> str:
+def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT) -> str:
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
     weight's ``layout``: "fused" or "separate" as they are; "auto":
 
@@ -113,7 +113,15 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     New tokens alone gather nothing: cuBLAS is faster (64 x 128: 0.143 against 0.248 ms). An FP8 cache stays on
     the separate path: the fused kernel dequantizes each row once per head part (2H times), the gather once; with
     the fused kernel on its passes below 8192 rows, the FP8 row of 4 x (8000+2000) in 4 chunks was 1.18x the bf16
-    row in the bench, against 0.98x all separate."""
+    row in the bench, against 0.98x all separate.
+
+    Raises:
+        ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`.
+    """
+    if mode not in KV_MODES:
+        raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if mode != "auto":
         return mode
     if not gathered or kv_cache_fp8:
@@ -150,7 +158,7 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     hook("gather")
     latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather)
     hook("up-projection")
-    return weight.up_project(latent)
+    return weight._up_project(latent)
 
 
 def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBProj, hook: Hook,
@@ -166,7 +174,7 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
         up_project_triton(out, weight, kv_c=kv_c, k_pe=k_pe)
         return k, v
     hook("up-projection")
-    return weight.up_project(kv_c, k_pe)
+    return weight._up_project(kv_c, k_pe)
 
 
 def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_scale, weight: PreparedKVBProj,
@@ -186,4 +194,4 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
     latent = gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, dtype=dtype,
                            kv_cache_scale=kv_cache_scale, impl=gather)
     hook("up-projection")
-    return weight.up_project(latent)
+    return weight._up_project(latent)

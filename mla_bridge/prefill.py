@@ -145,12 +145,13 @@ def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Optional[str] = None) -> dict:
     """What :func:`mla_prefill` will run on ``device`` for ``dtype`` and ``dims`` besides the attention backend
-    (:func:`mla_bridge.select_backend`), as the choosers decide now: ``{"kv": "separate" | "fused" | "auto", "gather":
-    "triton" | "torch", "merge": "triton" | "flashinfer" | "torch", "triton_launch": "direct" | "jit" | None,
-    "flashinfer_direct": bool}`` (the gather is that of the separate path; the merge that of ``[rows, H, v_head_dim]``
-    partials; the launch mode that of the Triton kernels, :mod:`mla_bridge.kernels.launch`, None where none can run:
-    off CUDA or without Triton; whether fa2/fa3 runs call FlashInfer's ``ragged_run`` directly). For reports
-    (``mla-bridge prefill`` prints it) and to refuse a bad environment switch before any work.
+    (:func:`mla_bridge.select_backend`), as the choosers decide now: ``{"kv": "separate" | "fused" | "auto",
+    "gather": "triton" | "torch", "merge": "triton" | "flashinfer" | "torch", "triton_launch": "direct" | "jit" |
+    None, "flashinfer_direct": bool | None}`` (the gather is that of the separate path; the merge that of ``[rows,
+    H, v_head_dim]`` partials; the launch mode that of the Triton kernels, :mod:`mla_bridge.kernels.launch`, None
+    where none can run: off CUDA or without Triton; whether fa2/fa3 runs call FlashInfer's ``ragged_run`` directly,
+    None where FlashInfer is not installed). For reports (``mla-bridge prefill`` prints it) and to refuse a bad
+    environment switch before any work.
 
     Raises:
         ValueError / TypeError / RuntimeError: what :func:`mla_bridge.kv.kv_impl`,
@@ -160,12 +161,15 @@ def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Opti
     """
     from .kernels import triton_available
 
+    from .dispatch import flashinfer_version
+
     device = torch.device(device)
     launch = launch_mode()
+    direct = direct_enabled()  # read (and a bad value refused) even where FlashInfer is missing
     return {"kv": _kv.kv_impl(device, kv_impl, dtype), "gather": gather_impl(device),
             "merge": select_merge((1, dims.num_heads, dims.v_head_dim), dtype, device.type).name,
             "triton_launch": launch if device.type == "cuda" and triton_available() else None,
-            "flashinfer_direct": direct_enabled()}
+            "flashinfer_direct": direct if flashinfer_version() else None}
 
 
 PhaseHook = Callable[[str], None]
@@ -184,10 +188,10 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             ``qk_rope_head_dim``), ``T = plan.num_tokens``, requests packed in order.
         kv_c: ``[T, kv_lora_rank]`` latent of the new tokens (after the KV RMSNorm).
         k_pe: ``[T, qk_rope_head_dim]`` or ``[T, 1, qk_rope_head_dim]``, the new tokens' RoPE key (shared by heads).
+            Any strides (a view of a larger tensor is read in place).
         kv_b_proj_weight: the layer's weight prepared once at load time (:func:`mla_bridge.prepare_kv_b_proj`, the
             fast form), or the raw ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` as stored in DeepSeek
-            checkpoints (slower: rearranged again on every call, 0.075-0.085 ms per DeepSeek-V2-Lite layer on the
-            H200, 2026-12-01).
+            checkpoints (slower: rearranged again on every call, a copy of the weight per layer).
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` paged latent cache holding each
             request's first ``context_lens[r]`` tokens in the blocks its ``block_table`` row lists; dtype
             ``plan.kv_cache_dtype``: the plan's dtype, or FP8 e4m3 (``float8_e4m3fn`` or its uint8 view). Read
@@ -271,7 +275,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
 
     With ``e`` the dtype's size, ``L = kv_lora_rank + qk_rope_head_dim`` (576), ``P = head_dim_qk + head_dim_vo``
     (320) and ``H`` heads, a pass over ``N`` key tokens holds the latent rows (``N x L x e``, plus the gathered copy
-    of its context rows) and the one GEMM output holding k and v (``N x H x P x e``). Always held: the prepared
+    of its context rows; the new tokens' pass of the chunked schedule stages none, so this over-counts it) and the
+    buffer holding k and v (``N x H x P x e``). Always held: the prepared
     weight (:func:`mla_bridge.weights.prepared_weight_elements` of the default layout, times ``e``), out (``T x H x
     v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one pass over context + new tokens; the
     chunked one frees each pass before the next, and from its first chunk on holds one partial out/lse for the most
@@ -285,6 +290,10 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left
     out.
     """
+    if not isinstance(plan, PrefillPlan):
+        raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
+    if not isinstance(prepared_weight, bool):
+        raise TypeError(f"prepared_weight must be a bool, got {type(prepared_weight).__name__}")
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens

@@ -110,6 +110,14 @@ class PreparedKVBProj:
     weight: torch.Tensor
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        d = self.dims
+        want = ((d.num_heads * (d.head_dim_qk + d.v_head_dim), d.latent_dim) if self.layout == "identity" else
+                (d.num_heads, d.v_head_dim + d.qk_nope_head_dim, d.kv_lora_rank))
+        if not isinstance(self.weight, torch.Tensor) or tuple(self.weight.shape) != want:
+            got = list(self.weight.shape) if isinstance(self.weight, torch.Tensor) else type(self.weight).__name__
+            raise ValueError(f"a {self.layout!r} weight must be {list(want)} (prepare_kv_b_proj makes it), got {got}")
         # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path)
         object.__setattr__(self, "_weight_t", self.weight.t() if self.layout == "identity" else
                            self.weight.transpose(1, 2))
@@ -132,9 +140,37 @@ class PreparedKVBProj:
         """Latent rows -> ``(k [N, H, qk_nope_head_dim + qk_rope_head_dim], v [N, H, v_head_dim])``: two strided views
         of one ``[N, H, 320]`` buffer, read by the attention kernels through their strides (no copy).
 
-        ``latent``: ``[N, kv_lora_rank + qk_rope_head_dim]`` rows (kv_c ++ k_pe; rows may be strided, unit last
-        stride); or, with ``k_pe`` ``[N, qk_rope_head_dim]`` given, ``kv_c`` ``[N, kv_lora_rank]`` alone (the new
-        tokens' own tensors: the split layout reads them where they are, the identity layout concatenates them)."""
+        ``latent``: ``[N, kv_lora_rank + qk_rope_head_dim]`` rows (kv_c ++ k_pe; any strides); or, with ``k_pe``
+        ``[N, qk_rope_head_dim]`` given, ``kv_c`` ``[N, kv_lora_rank]`` alone (the new tokens' own tensors: the split
+        layout reads them where they are, the identity layout concatenates them). Both in the weight's dtype, on its
+        device.
+
+        Raises:
+            TypeError: a non-tensor, or a dtype other than the weight's.
+            ValueError: a shape other than the above, another device (before any GEMM runs).
+        """
+        d = self.dims
+        width = d.latent_dim if k_pe is None else d.kv_lora_rank
+        named = (("latent", latent),) + (() if k_pe is None else (("k_pe", k_pe),))
+        for name, x in named:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dtype != self.dtype:
+                raise TypeError(f"{name} must have dtype {self.dtype} (the weight's), got {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"{name} is on {x.device}, but the weight is on {self.device}")
+        if latent.dim() != 2 or latent.shape[1] != width:
+            what = (f"kv_lora_rank + qk_rope_head_dim={width}]" if k_pe is None else
+                    f"kv_lora_rank={width}] when k_pe is given")
+            raise ValueError(f"latent must be [N, {what}, got {list(latent.shape)}")
+        if k_pe is not None and tuple(k_pe.shape) != (latent.shape[0], d.qk_rope_head_dim):
+            raise ValueError(f"k_pe must be [N={latent.shape[0]}, qk_rope_head_dim={d.qk_rope_head_dim}], got "
+                             f"{list(k_pe.shape)}")
+        return self._up_project(latent, k_pe)
+
+    def _up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`up_project` past its checks (``mla_prefill`` validated its inputs once per layer)."""
         d = self.dims
         h, qk, vd, r = d.num_heads, d.head_dim_qk, d.v_head_dim, d.kv_lora_rank
         n = latent.shape[0]
@@ -162,8 +198,11 @@ class PreparedKVBProj:
 def prepared_weight_elements(dims: MLADims, layout: Optional[str] = None) -> int:
     """Elements of the weight :func:`prepare_kv_b_proj` makes for ``layout`` (default :data:`DEFAULT_LAYOUT`):
     identity ``H * (head_dim_qk + v_head_dim) * (kv_lora_rank + qk_rope_head_dim)``, split ``H * (v_head_dim +
-    qk_nope_head_dim) * kv_lora_rank`` (for :func:`mla_bridge.prefill.prefill_memory_bytes`)."""
+    qk_nope_head_dim) * kv_lora_rank`` (for :func:`mla_bridge.prefill.prefill_memory_bytes`). Raises ValueError for
+    another layout."""
     layout = DEFAULT_LAYOUT if layout is None else layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     d = dims
     if layout == "identity":
         return d.num_heads * (d.head_dim_qk + d.v_head_dim) * d.latent_dim

@@ -496,3 +496,13 @@ def test_env_backend_is_read_case_insensitively(monkeypatch):
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", "Torch-ish")
     with pytest.raises(ValueError, match="MLA_BRIDGE_BACKEND: unknown backend 'torch-ish'"):
         select_backend(torch.device("cpu"), dtype=torch.float32, head_dim_qk=192, head_dim_vo=128)
+
+
+@pytest.mark.parametrize("device", ["cuda:0", torch.device("cuda"), torch.device("cpu", 0), 0])
+def test_device_capability_wants_an_indexed_cuda_device(device):
+    """The per-process cache is keyed by the device index: a string, an index-less or a non-CUDA device would be
+    keyed wrongly (a fresh-user trial), so they are refused."""
+    from mla_bridge.dispatch import device_capability
+
+    with pytest.raises((TypeError, ValueError), match="^device must be a torch.device"):
+        device_capability(device)

@@ -216,3 +216,12 @@ def test_triton_interpret_read_as_triton_reads_it(monkeypatch, value, interpreti
     else:
         with pytest.raises(ValueError, match="needs a CUDA device"):
             KV.kv_impl(torch.device("cpu"), "fused", torch.float32)
+
+
+def test_pass_impl_names_a_bad_mode_or_layout():
+    with pytest.raises(ValueError, match=r"^mode must be one of \('auto', 'fused', 'separate'\), got 'bogus'"):
+        KV.pass_impl("bogus", True, False)
+    with pytest.raises(ValueError, match=r"^layout must be one of \('identity', 'split'\), got 'splt'"):
+        KV.pass_impl("auto", True, False, 10, "splt")
+    # the layout left out is the default one (split): a large gathered pass goes to cuBLAS
+    assert KV.pass_impl("auto", True, False, KV.SEPARATE_FROM_ROWS) == "separate"

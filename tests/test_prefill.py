@@ -256,3 +256,15 @@ def test_nan_in_q_is_not_hidden_by_either_schedule():
         out, lse = mla_prefill(q, kv_c, k_pe, w, cache, block_table, plan, return_lse=True)
         assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]), (plan, out[0, 0], lse[0, 0])
         assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()
+
+
+def test_prefill_memory_bytes_checks_its_arguments():
+    from mla_bridge import MLADims, PrefillPlan, Workspace
+    from mla_bridge.prefill import prefill_memory_bytes
+
+    with pytest.raises(TypeError, match="^plan must be a PrefillPlan, got NoneType"):
+        prefill_memory_bytes(None)
+    plan = PrefillPlan.build([4], [0], dims=MLADims.deepseek_v2_lite(), workspace=Workspace("cpu"), block_size=16,
+                             dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="^prepared_weight must be a bool, got str"):
+        prefill_memory_bytes(plan, prepared_weight="no")

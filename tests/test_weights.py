@@ -212,3 +212,32 @@ def test_broadcast_kernel_equals_torch_copy_interpreted(triton_interpreted):
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_broadcast_cases`."""
     assert "ok 5" in triton_interpreted("tests.test_weights:interpreted_broadcast_cases",
                                         "tests/gpu/test_gpu_up_project.py")
+
+
+def test_up_project_names_a_bad_argument_before_any_work(tiny_dims):
+    """PreparedKVBProj.up_project is public: a bad latent / k_pe is refused by name before any GEMM runs."""
+    d = tiny_dims
+    p = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape), d)
+    with pytest.raises(ValueError, match=rf"^latent must be \[N, kv_lora_rank \+ qk_rope_head_dim={d.latent_dim}\]"):
+        p.up_project(torch.randn(3, d.kv_lora_rank))
+    with pytest.raises(ValueError, match=rf"^latent must be \[N, kv_lora_rank={d.kv_lora_rank}\] when k_pe is given"):
+        p.up_project(torch.randn(3, d.latent_dim), torch.randn(3, d.qk_rope_head_dim))
+    with pytest.raises(ValueError, match=rf"^k_pe must be \[N=3, qk_rope_head_dim={d.qk_rope_head_dim}\]"):
+        p.up_project(torch.randn(3, d.kv_lora_rank), torch.randn(2, d.qk_rope_head_dim))
+    with pytest.raises(TypeError, match=r"^latent must have dtype torch.float32 \(the weight's\), got torch.float64"):
+        p.up_project(torch.randn(3, d.latent_dim, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"^k_pe must be a torch.Tensor"):
+        p.up_project(torch.randn(3, d.kv_lora_rank), [1.0])
+    with pytest.raises(ValueError, match=r"^latent is on meta, but the weight is on cpu"):
+        p.up_project(torch.empty(3, d.latent_dim, device="meta"))
+
+
+def test_prepared_weight_checks_its_layout_and_shape(tiny_dims):
+    d = tiny_dims
+    split = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape), d).weight
+    with pytest.raises(ValueError, match=r"^layout must be one of \('identity', 'split'\), got 'bogus'"):
+        PreparedKVBProj(d, "bogus", split)
+    with pytest.raises(ValueError, match=r"^a 'identity' weight must be \["):
+        PreparedKVBProj(d, "identity", split)
+    with pytest.raises(ValueError, match=r"^layout must be one of"):
+        weights_mod.prepared_weight_elements(d, "bogus")
