@@ -30,6 +30,7 @@ Hence the default. The bench times both (section 2, rows "mla_prefill, identity 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,7 +39,7 @@ import torch
 from .dims import MLADims
 
 __all__ = ["PreparedKVBProj", "prepare_kv_b_proj", "up_projection_weight", "as_prepared", "broadcast_heads",
-           "prepared_weight_elements", "LAYOUTS", "DEFAULT_LAYOUT", "SPLIT_GEMM_ROWS"]
+           "prepared_weight_elements", "prepared_weight_shape", "LAYOUTS", "DEFAULT_LAYOUT", "SPLIT_GEMM_ROWS"]
 
 #: The up-projection layouts (see the module docstring).
 LAYOUTS = ("identity", "split")
@@ -110,11 +111,7 @@ class PreparedKVBProj:
     weight: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        d = self.dims
-        want = ((d.num_heads * (d.head_dim_qk + d.v_head_dim), d.latent_dim) if self.layout == "identity" else
-                (d.num_heads, d.v_head_dim + d.qk_nope_head_dim, d.kv_lora_rank))
+        want = prepared_weight_shape(self.dims, self.layout)  # raises for an unknown layout
         if not isinstance(self.weight, torch.Tensor) or tuple(self.weight.shape) != want:
             got = list(self.weight.shape) if isinstance(self.weight, torch.Tensor) else type(self.weight).__name__
             raise ValueError(f"a {self.layout!r} weight must be {list(want)} (prepare_kv_b_proj makes it), got {got}")
@@ -195,18 +192,22 @@ class PreparedKVBProj:
                 f"weight={list(self.weight.shape)}, dtype={self.dtype}, device={self.device})")
 
 
-def prepared_weight_elements(dims: MLADims, layout: Optional[str] = None) -> int:
-    """Elements of the weight :func:`prepare_kv_b_proj` makes for ``layout`` (default :data:`DEFAULT_LAYOUT`):
-    identity ``H * (head_dim_qk + v_head_dim) * (kv_lora_rank + qk_rope_head_dim)``, split ``H * (v_head_dim +
-    qk_nope_head_dim) * kv_lora_rank`` (for :func:`mla_bridge.prefill.prefill_memory_bytes`). Raises ValueError for
-    another layout."""
+def prepared_weight_shape(dims: MLADims, layout: Optional[str] = None) -> tuple[int, ...]:
+    """The shape of the weight :func:`prepare_kv_b_proj` makes for ``layout`` (default :data:`DEFAULT_LAYOUT`):
+    identity ``[H * (head_dim_qk + v_head_dim), kv_lora_rank + qk_rope_head_dim]``, split ``[H, v_head_dim +
+    qk_nope_head_dim, kv_lora_rank]``. Raises ValueError for another layout."""
     layout = DEFAULT_LAYOUT if layout is None else layout
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     d = dims
     if layout == "identity":
-        return d.num_heads * (d.head_dim_qk + d.v_head_dim) * d.latent_dim
-    return d.num_heads * (d.v_head_dim + d.qk_nope_head_dim) * d.kv_lora_rank
+        return (d.num_heads * (d.head_dim_qk + d.v_head_dim), d.latent_dim)
+    return (d.num_heads, d.v_head_dim + d.qk_nope_head_dim, d.kv_lora_rank)
+
+
+def prepared_weight_elements(dims: MLADims, layout: Optional[str] = None) -> int:
+    """Elements of :func:`prepared_weight_shape` (for :func:`mla_bridge.prefill.prefill_memory_bytes`)."""
+    return math.prod(prepared_weight_shape(dims, layout))
 
 
 def broadcast_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
