@@ -8,7 +8,7 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 * ``"separate"``: the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch, chosen by
   :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
   (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the passes of new
-  tokens alone, of FP8 caches and of the large gathered passes with a split-layout weight.
+  tokens alone and of the large gathered passes (with a split-layout weight, or from an FP8 cache).
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
@@ -31,7 +31,7 @@ from .cache import fused_latent, gather_latent
 from .weights import DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
-           "SEPARATE_FROM_ROWS", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_FP8", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
@@ -42,6 +42,9 @@ AUTO_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 #: "auto" builds a gathered pass of at least this many key rows by the separate path when the weight's layout is
 #: "split" (:func:`pass_impl`).
 SEPARATE_FROM_ROWS = 8192
+#: "auto" builds a pass gathering from an FP8 cache by the separate path from this many key rows on, with either
+#: weight layout (:func:`pass_impl`).
+SEPARATE_FROM_ROWS_FP8 = 6144
 #: What :func:`kv_impl` may answer: one of :data:`KV_IMPLS` for every pass, or "auto" (chosen per pass by
 #: :func:`pass_impl`).
 KV_MODES = ("auto",) + KV_IMPLS
@@ -56,8 +59,7 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default (read case-insensitively).
     The default ("auto", or unset) is ``"auto"`` on CUDA where Triton imports and ``dtype`` is bf16/fp16 (or not
     given), else ``"separate"``: there :func:`pass_impl` picks per pass, the fused kernel for the smaller passes
-    that gather from a bf16/fp16 cache and the separate path for the others (the measurements are
-    :func:`pass_impl`'s).
+    that gather from the cache and the separate path for the others (the measurements are :func:`pass_impl`'s).
     ``"fused"`` off CUDA runs only under ``TRITON_INTERPRET=1``, for development, and not in bfloat16 (``dtype``):
     the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there. It computes bf16, fp16 and
     float32 (:data:`FUSED_DTYPES`); float64 is refused (the kernel's float32 accumulation is no float64 result).
@@ -100,20 +102,24 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
     weight's ``layout``: "fused" or "separate" as they are; "auto":
 
-    * a pass that gathers nothing (new tokens alone), or from an FP8 cache: "separate";
+    * a pass that gathers nothing (new tokens alone): "separate";
     * a pass that gathers from a bf16/fp16 cache: with a split-layout weight "separate" from
-      :data:`SEPARATE_FROM_ROWS` rows on and "fused" below; with an identity-layout weight "fused".
+      :data:`SEPARATE_FROM_ROWS` rows on and "fused" below; with an identity-layout weight "fused";
+    * a pass that gathers from an FP8 cache: "separate" from :data:`SEPARATE_FROM_ROWS_FP8` rows on, "fused" below.
 
-    Why (H200, 2026-12-01, bf16, DeepSeek-V2-Lite dims, GPU time of one gathered pass, gather included): the split
+    Why (H200, 2026-12-01, bf16 out, DeepSeek-V2-Lite dims, GPU time of one gathered pass, gather included): the split
     layout's separate path (Triton gather, cuBLAS batched GEMM, Triton k_pe broadcast) takes 0.072 / 0.134 / 0.313 /
     0.537 ms at 8192 / 16384 / 40000 / 68000 rows where the fused kernel takes 0.083 / 0.155 / 0.360 / 0.605 (its GEMM
     reaches about 460 TFLOP/s, cuBLAS's about 610); at 2048 / 4096 rows they are even (0.024 / 0.042 against 0.022
-    / 0.044), and the fused kernel is one launch instead of three: small passes are where the host is the bound.
-    Against the identity layout's one GEMM, which does 40% more FLOPs, the fused kernel is faster at every size.
-    New tokens alone gather nothing: cuBLAS is faster (64 x 128: 0.143 against 0.248 ms). An FP8 cache stays on
-    the separate path: the fused kernel dequantizes each row once per head part (2H times), the gather once; with
-    the fused kernel on its passes below 8192 rows, the FP8 row of 4 x (8000+2000) in 4 chunks was 1.18x the bf16
-    row in the bench, against 0.98x all separate.
+    / 0.044), and the fused kernel is one launch instead of three: small passes are where the host is the bound
+    (host time per pass: 35-60 us fused, 110-190 us separate). From an FP8 cache the fused kernel dequantizes each
+    row once per head part (2H times), the gather once: 0.038 / 0.072 / 0.126 ms at 2048 / 4096 / 7424 rows against
+    0.023 / 0.041 / 0.069 separate. Its extra GPU time is 0.4x the host time it saves at 4096 rows and 0.76x at 7424,
+    hence the lower bound: on a host-bound batch (the bench's 16 x (2048+512) in 8 chunks of 4096 rows) the FP8 cache
+    then costs what the bf16 one does, where three launches per pass made it 1.48x; on the long cases (chunks of
+    7424-8192 rows) the passes stay on cuBLAS. Against the identity layout's one GEMM, which does 40% more FLOPs,
+    the fused kernel is faster at every size. New tokens alone gather nothing: cuBLAS is faster (64 x 128: 0.143
+    against 0.248 ms).
 
     Raises:
         ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`.
@@ -124,8 +130,10 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if mode != "auto":
         return mode
-    if not gathered or kv_cache_fp8:
+    if not gathered:
         return "separate"
+    if kv_cache_fp8:
+        return "separate" if rows >= SEPARATE_FROM_ROWS_FP8 else "fused"
     return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"
 
 

@@ -209,8 +209,9 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             0-d/1-element float32 tensor on the cache's device (vLLM's ``layer._k_scale``; read on the device, no
             host sync). Context rows are dequantized into the plan's dtype in the gather (:mod:`mla_bridge.cache`).
         kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM), ``"fused"`` (one
-            Triton launch per pass, CUDA only) or ``"auto"`` (per pass: the fused kernel where a pass gathers from a
-            bf16/fp16 cache, the separate path elsewhere; the default on CUDA with Triton, "separate" elsewhere);
+            Triton launch per pass, CUDA only) or ``"auto"`` (per pass, :func:`mla_bridge.kv.pass_impl`: the fused
+            kernel where a smaller pass gathers from the cache, the separate path elsewhere; the default on CUDA with
+            Triton, "separate" elsewhere);
             ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment variable, else the
             default).
 

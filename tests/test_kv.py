@@ -40,17 +40,21 @@ def test_fused_refuses_float64(monkeypatch):
     assert KV.kv_impl(torch.device("cuda"), None, torch.float32) == "fused"
 
 
-def test_auto_takes_the_fused_kernel_only_for_gathered_unquantized_passes():
+def test_auto_takes_the_fused_kernel_only_for_smaller_gathered_passes():
     assert KV.pass_impl("auto", gathered=True, kv_cache_fp8=False) == "fused"
-    assert KV.pass_impl("auto", gathered=True, kv_cache_fp8=True) == "separate"
     assert KV.pass_impl("auto", gathered=False, kv_cache_fp8=False) == "separate"
     # with a split-layout weight, the large gathered passes go to cuBLAS; the identity layout's GEMM never wins
     big, small = KV.SEPARATE_FROM_ROWS, KV.SEPARATE_FROM_ROWS - 1
     assert KV.pass_impl("auto", True, False, big, "split") == "separate"
     assert KV.pass_impl("auto", True, False, small, "split") == "fused"
     assert KV.pass_impl("auto", True, False, big, "identity") == "fused"
-    assert KV.pass_impl("auto", True, True, small, "split") == "separate"  # FP8: dequantized once, in the gather
-    assert KV.pass_impl("auto", True, True, small, "identity") == "separate"
+    # FP8: the fused kernel dequantizes each row 2H times, the gather once: the separate path from a lower bound on
+    big8, small8 = KV.SEPARATE_FROM_ROWS_FP8, KV.SEPARATE_FROM_ROWS_FP8 - 1
+    assert small8 < small
+    for layout in ("split", "identity"):
+        assert KV.pass_impl("auto", True, True, big8, layout) == "separate"
+        assert KV.pass_impl("auto", True, True, small8, layout) == "fused"
+    assert KV.pass_impl("auto", False, True, small8, "split") == "separate"
     assert KV.pass_impl("auto", False, False, small, "split") == "separate"
     for mode in KV.KV_IMPLS:
         for gathered in (False, True):
