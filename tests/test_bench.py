@@ -368,3 +368,22 @@ def test_backend_auto_is_accepted_like_prefill(tmp_path):
     path = tmp_path / "b.json"
     assert bench_main(["--quick", "--sections", "merge", "--backend", "auto", "--json", str(path)]) == 0
     assert json.loads(path.read_text())["complete"] is True
+
+
+def test_a_gpu_sample_is_never_less_than_the_host_time_of_its_call():
+    """On a GPU a call's events can fire late when the GPU still runs work queued before it, covering only part of the
+    call's host time (a host-bound path then looks faster than any loop of it runs): each sample is the larger of the
+    events' time and the host time, the events' own kept apart."""
+    from mla_bridge.bench.common import _event_samples
+
+    class Start:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def elapsed_time(self, end):
+            return self.ms
+
+    events = [(Start(1.45), None), (Start(0.8), None), (Start(2.0), None)]
+    samples, gpu = _event_samples(events, [2.78, 0.05, 1.0])
+    assert gpu == [1.45, 0.8, 2.0]
+    assert samples == [2.78, 0.8, 2.0]

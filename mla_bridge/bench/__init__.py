@@ -10,7 +10,8 @@ Sections (``--sections``, default all):
   5 ``memory``  peak extra device memory of ``mla_prefill`` against the workspace budget plus the output.
   6 ``jax``     ``mla_bridge_jax.bench.compare`` when importable.
 
-Each row: ms (median over ``--repeats`` after ``--warmup``; CUDA events on a GPU), TFLOP/s or GB/s, and the
+Each row: ms (median over ``--repeats`` after ``--warmup``; on a GPU each sample the larger of a call's CUDA-event
+time and its host time, :mod:`mla_bridge.bench.common`), TFLOP/s or GB/s, and the
 fraction of the bf16 matmul peak or copy bandwidth measured in the same run. FLOPs: 2 x q·k pairs x heads x
 (192 + 128), causal pairs counted exactly per request, plus the up-projection GEMM where it runs.
 
