@@ -1,13 +1,14 @@
 """What every bench section shares: rows, checks, the run context, timers and FLOP/byte counts.
 
-Timing (GPU): a CUDA event pair around each call, ``warmup`` calls first (they absorb FlashInfer's JIT compile
-and the caching allocator's first allocations), then ``repeats`` calls enqueued back to back; the host time of each
-call (``perf_counter`` around the enqueue, no sync) is taken too. A sample is the larger of the two, the figure
-their median: a call costs at least the host time it takes to issue, which its events alone can hide (where the GPU
-still runs the work queued before the call, the call's start event fires late and its events cover only part of
-its host time: measured on the H200, a hand-written pipeline's events showed 1.45 ms for 2.78 ms of host time per
-call, faster than any loop of it can run). The events' own median is kept as ``gpu_ms``. On the CPU both are
-wall-clock times.
+Timing (GPU): ``warmup`` calls first (they absorb FlashInfer's JIT compile and the caching allocator's first
+allocations), then ``repeats`` timed calls. Each timed call starts on an idle GPU (synchronized), which then spins
+(:func:`mla_bridge.profiling.keep_gpu_busy`, about 3x the call's warm host time) while the host issues the call
+between two CUDA events: the events time the call's GPU work alone, ``perf_counter`` its host time alone (never a
+wait for earlier work), and a sample is the larger of the two: a loop of the call, host and GPU overlapped, takes at
+least each. Timing calls back to back instead mixes them up: on the H200 a host-bound hand-written pipeline issued
+after GPU-heavy paths showed 1.45 ms of events for 2.78 ms of host time per call (its start event fired late),
+and host times grew with waits on a full launch queue (15 ms for a 4.7 ms path). The events' median is kept as
+``gpu_ms``. On the CPU both are wall-clock times.
 """
 
 from __future__ import annotations
@@ -146,6 +147,12 @@ class Timing:
     gpu_ms: Optional[float] = None  # the CUDA events' median alone (module docstring)
 
 
+def _spin_ms(host_ms: float) -> float:
+    """The GPU spin before a timed call whose host time is about ``host_ms``: 3x that, within [1, 50] ms (the host
+    must finish issuing the call before the GPU reaches it)."""
+    return min(50.0, max(1.0, 3.0 * host_ms))
+
+
 def _event_samples(events: Sequence[tuple], host: Sequence[float]) -> tuple[list[float], list[float]]:
     """``(samples, gpu)`` in ms from CUDA event pairs and the host times of the same calls: ``gpu`` the events'
     elapsed times, each sample the larger of a call's two (the module docstring says why)."""
@@ -196,6 +203,32 @@ class Ctx:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def _warm_up(self, fn: Callable[[], Any], calls: int) -> float:
+        """Run ``fn`` ``calls`` times, synchronize; the GPU spin in ms for its first timed call (:func:`_spin_ms` of
+        the last call's host time)."""
+        host = 0.0
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn()
+            host = (time.perf_counter() - t) * 1e3
+        self.sync()
+        return _spin_ms(host)
+
+    def _issue(self, fn: Callable[[], Any], busy_ms: float, host: list) -> tuple:
+        """One timed call on CUDA (module docstring): idle GPU, spin, events around ``fn()``; appends its host ms to
+        ``host``, returns the event pair."""
+        from ..profiling import keep_gpu_busy
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        keep_gpu_busy(self.device, busy_ms)
+        t = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host.append((time.perf_counter() - t) * 1e3)
+        return start, end
+
     def time(self, fn: Callable[[], Any], *, repeats: Optional[int] = None, warmup: Optional[int] = None) -> Timing:
         """Median time of ``fn()`` (see the module docstring); exceptions propagate. On CUDA at least one warm-up
         call is always made, so that a JIT compile is never timed."""
@@ -203,21 +236,15 @@ class Ctx:
         w = self.warmup if warmup is None else warmup
         if self.cuda:
             w = max(1, w)
-        for _ in range(w):
-            fn()
-        self.sync()
+        busy = self._warm_up(fn, w)
         host: list[float] = []
         if self.cuda:
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(r)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(r)]
-            for i in range(r):
-                t = time.perf_counter()
-                starts[i].record()
-                fn()
-                ends[i].record()
-                host.append((time.perf_counter() - t) * 1e3)
+            events = []
+            for _ in range(r):
+                events.append(self._issue(fn, busy, host))
+                busy = _spin_ms(host[-1])
             torch.cuda.synchronize(self.device)
-            samples, gpu = _event_samples(list(zip(starts, ends)), host)
+            samples, gpu = _event_samples(events, host)
         else:
             samples, gpu = [], None
             for _ in range(r):
@@ -279,11 +306,10 @@ class Ctx:
             w = max(1, w)  # FlashInfer's JIT compile and first allocations are never timed
         rows: list[Optional[Row]] = [None] * len(items)
         live: list[int] = []
+        busy: dict[int, float] = {}
         for i, (path, fn, kw) in enumerate(items):
             try:
-                for _ in range(w):
-                    fn()
-                self.sync()
+                busy[i] = self._warm_up(fn, w)
                 live.append(i)
             except Exception as err:  # noqa: BLE001 - reported in the row
                 self.recover()
@@ -293,16 +319,11 @@ class Ctx:
         gpu: dict[int, list[float]] = {}
         try:
             if self.cuda:
-                events = {i: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                              for _ in range(r)] for i in live}
+                events: dict[int, list] = {i: [] for i in live}
                 for rep in range(r):
                     for i in live:
-                        start, end = events[i][rep]
-                        t = time.perf_counter()
-                        start.record()
-                        items[i][1]()
-                        end.record()
-                        host[i].append((time.perf_counter() - t) * 1e3)
+                        events[i].append(self._issue(items[i][1], busy[i], host[i]))
+                        busy[i] = _spin_ms(host[i][-1])
                 torch.cuda.synchronize(self.device)
                 for i in live:
                     samples[i], gpu[i] = _event_samples(events[i], host[i])
