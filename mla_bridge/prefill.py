@@ -241,7 +241,9 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     dims, t = plan.dims, plan.num_tokens
     if out is None:
         out = torch.empty(t, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
-    lse = torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device)
+    # the LSE only where it is returned or merged into (no buffer, no kernel writing it, no base conversion)
+    lse = torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device) \
+        if return_lse or plan.max_chunk_rows else None
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight is prepared here, per call
@@ -250,7 +252,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     else:
         k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
     hook("main pass")
-    plan.main.run(q, k, v, out=out, lse=lse)
+    plan.main.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
     part_out = part_lse = None  # one partial out / lse for every chunk: a chunk's merge reads it before the next
     for chunk in plan.chunks:   # chunk's pass writes it (one stream)
         if chunk.plan is None:
@@ -279,7 +281,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     of its context rows; the new tokens' pass of the chunked schedule stages none, so this over-counts it) and the
     buffer holding k and v (``N x H x P x e``). Always held: the prepared
     weight (:func:`mla_bridge.weights.prepared_weight_elements` of the default layout, times ``e``), out (``T x H x
-    v_head_dim x e``) and lse (``T x H x 4``). The fused schedule has one pass over context + new tokens; the
+    v_head_dim x e``) and lse (``T x H x 4``; allocated only with ``return_lse`` or context chunks, counted always: an
+    upper bound). The fused schedule has one pass over context + new tokens; the
     chunked one frees each pass before the next, and from its first chunk on holds one partial out/lse for the most
     query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk) plus the merge's float32 LSE copies for
     those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context

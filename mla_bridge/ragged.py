@@ -274,9 +274,10 @@ class RaggedPlan:
                 raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH", lse_base: str = "ln"
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention for this plan's batch: ``(out [T, H, head_dim_vo], lse)``; no re-planning.
+            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH", lse_base: str = "ln",
+            return_lse: bool = True):
+        """Attention for this plan's batch: ``(out [T, H, head_dim_vo], lse)``, or ``out`` alone with
+        ``return_lse=False``; no re-planning.
 
         Args:
             q, k, v: see the module docstring; dtype and device must match the plan. Inputs FlashInfer cannot
@@ -289,34 +290,43 @@ class RaggedPlan:
             lse_base: "ln" (natural log, default: every public LSE of mla_bridge) or "log2" (FlashInfer's own base
                 2, for a consumer that reads it directly, e.g. ``merge_attn_states_(..., lse_b_base="log2")``:
                 FlashInfer then skips its conversion launch; ``ln_lse = log2_lse * ln 2`` in float32, bitwise).
+            return_lse: False: no LSE is written (FlashInfer's ``return_lse=False``: neither the LSE buffer nor its
+                base conversion); ``lse`` must then be None.
 
         Raises:
-            TypeError, ValueError: see :meth:`validate` (and an unknown ``lse_base``); raised before any kernel runs.
+            TypeError, ValueError: see :meth:`validate` (and an unknown ``lse_base``, a non-bool ``return_lse``, an
+                ``lse`` with ``return_lse=False``); raised before any kernel runs.
         """
         if lse_base != "ln" and lse_base != "log2":
             raise ValueError(f"lse_base must be 'ln' (natural log) or 'log2', got {lse_base!r}")
+        if return_lse is not True:
+            if not isinstance(return_lse, bool):
+                raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+            if lse is not None:
+                raise ValueError("lse is given but return_lse=False: pass one or the other")
         self.validate(q, k, v, out, lse, lse_layout)
         c = self._shapes()
         if out is None:
             out = torch.empty(c.out, dtype=c.dtype, device=c.device)
-        if lse is None:
+        if lse is None and return_lse:
             lse = torch.empty(c.lse[lse_layout], dtype=torch.float32, device=c.device)
         if self._kernel is None:
             out.zero_()
-            lse.fill_(float("-inf"))
-            return out, lse
-        if c.flashinfer:
+            if lse is not None:
+                lse.fill_(float("-inf"))
+        elif c.flashinfer:
             if not _kernel_ready(q):
                 q = q.contiguous()
             if not _kernel_ready(k):
                 k = k.contiguous()
             if not _kernel_ready(v):
                 v = v.contiguous()
-            return self._kernel.run(q, k, v, out, lse, lse_layout, lse_base)
-        out, lse = self._kernel.run(q, k, v, out, lse, lse_layout)
-        if lse_base == "log2":
-            lse.mul_(_LOG2E)
-        return out, lse
+            self._kernel.run(q, k, v, out, lse, lse_layout, lse_base)
+        else:
+            self._kernel.run(q, k, v, out, lse, lse_layout)  # the torch backend writes an LSE of its own if None
+            if lse is not None and lse_base == "log2":
+                lse.mul_(_LOG2E)
+        return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
         s = self.spec

@@ -203,3 +203,23 @@ def test_causal_must_be_a_bool(causal):
     with pytest.raises(TypeError, match="causal must be a bool"):
         plan_ragged([0, 4], [0, 4], num_heads=2, head_dim_qk=8, head_dim_vo=4, causal=causal, sm_scale=0.3,
                     dtype=torch.float32, workspace=Workspace("cpu"))
+
+
+def test_run_without_lse_returns_out_alone(ref):
+    """``return_lse=False`` (FlashInfer's convention): ``out`` alone, equal to the out of a run with the LSE; an
+    empty plan too; a non-bool flag or an ``lse`` with it is refused before any work."""
+    q, k, v, qo, kv = ref.make_ragged([3, 2], [4, 2], 2, D_QK, D_VO, seed=10)
+    p = plan(qo, kv, 2, True, 0.2)
+    with_lse, _ = p.run(q, k, v)
+    out = torch.full((5, 2, D_VO), 9.0)
+    got = p.run(q, k, v, out=out, return_lse=False)
+    assert got is out and torch.equal(out, with_lse)
+    assert torch.equal(p.run(q, k, v, return_lse=False), with_lse)
+    empty = plan([0, 3], [0, 0], 2, False, 0.2)
+    assert torch.equal(empty.run(q[:3], k[:0], v[:0], return_lse=False), torch.zeros(3, 2, D_VO))
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        p.run(q, k, v, return_lse=0)
+    lse = torch.full((5, 2), 9.0)
+    with pytest.raises(ValueError, match="return_lse=False"):
+        p.run(q, k, v, lse=lse, return_lse=False)
+    assert bool((lse == 9.0).all())

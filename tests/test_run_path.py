@@ -102,7 +102,8 @@ class FakeWrapper:
         def ragged_run(fw, iw, info, q, k, v, qo, kv, out, lse, mask_mode, layout, window_left, pdl, *rest):
             self.launches.append(dict(fw=fw, iw=iw, info=info, q=q, k=k, v=v, qo=qo, kv=kv, out=out, lse=lse))
             out.copy_(q[..., :4] * 2 + fw[0])
-            lse.copy_(q[..., 0] * 3 + 0.1)  # "base 2"
+            if lse is not None:  # maybe_lse
+                lse.copy_(q[..., 0] * 3 + 0.1)  # "base 2"
 
         self._cached_module = types.SimpleNamespace(ragged_run=ragged_run, plan=None)
 
@@ -136,6 +137,18 @@ def test_direct_run_equals_wrapper_run_bitwise():
     want_out, want_lse = w.run(q, k, v, out=torch.empty(8, 2, 4), lse=torch.empty(8, 2), return_lse=True,
                                lse_base="ln")
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_direct_run_without_lse_passes_none_and_converts_nothing():
+    """``RaggedPlan.run(..., return_lse=False)`` hands the kernel lse=None: FlashInfer's ragged_run gets
+    ``maybe_lse=None`` and no base conversion runs."""
+    w = FakeWrapper()
+    direct = DirectRun.record(w, SHAPES, torch.float32, torch.device("cpu"))
+    q, k, v = _qkv()
+    out = torch.empty(8, 2, 4)
+    got, lse = direct(w, q, k, v, out, None)
+    assert got is out and lse is None and w.launches[-1]["lse"] is None
+    assert torch.equal(out, q[..., :4] * 2 + w._float_workspace_buffer[0])
 
 
 def test_direct_run_reads_the_wrappers_buffers_at_each_call():

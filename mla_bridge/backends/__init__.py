@@ -2,7 +2,8 @@
 
 Each module exposes ``make_kernel(choice, workspace, spec) -> kernel`` where ``spec`` is a
 :class:`mla_bridge.ragged.RaggedSpec` and ``kernel.run(q, k, v, out, lse, lse_layout)`` fills ``out``
-``[T, H, head_dim_vo]`` and ``lse`` (natural log, float32, ``[T, H]`` or ``[H, T]``).
+``[T, H, head_dim_vo]`` and ``lse`` (natural log, float32, ``[T, H]`` or ``[H, T]``; None: FlashInfer writes no
+LSE, the torch backend one of its own that is dropped).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class DirectRun:
         for i, name in self.live:
             args[i] = getattr(wrapper, name)
         self.fn(*args)
-        if natural:
+        if natural and lse is not None:
             lse.mul_(_LN2)  # base 2 -> natural log, as FlashInfer's run(..., lse_base="ln") finishes it
         return out, lse
 
@@ -219,7 +219,8 @@ class FlashInferRaggedKernel:
         return self.wrapper
 
     def run(self, q, k, v, out, lse, lse_layout, lse_base="ln"):
-        """Fill ``out`` and ``lse`` (``lse_base``: "ln", natural log, or "log2", FlashInfer's own base 2)."""
+        """Fill ``out`` and ``lse`` (``lse_base``: "ln", natural log, or "log2", FlashInfer's own base 2); an ``lse``
+        of None: FlashInfer writes none (``maybe_lse``)."""
         if not self._cuda:
             return self._run(q, k, v, out, lse, lse_layout, lse_base)
         if torch.cuda.is_current_stream_capturing():
@@ -257,10 +258,13 @@ class FlashInferRaggedKernel:
                 return direct(self.wrapper, q, k, v, out, lse, lse_base == "ln")
         if self._contiguous_out and not out.is_contiguous():
             tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=True, lse_base=lse_base, lse_layout=lse_layout)
+            self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=lse is not None, lse_base=lse_base,
+                             lse_layout=lse_layout)
             out.copy_(tmp)
             return out, lse
-        return self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base=lse_base, lse_layout=lse_layout)
+        self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=lse is not None, lse_base=lse_base,
+                         lse_layout=lse_layout)
+        return out, lse
 
 
 def make_kernel(choice: Any, workspace: Any, spec: Any) -> FlashInferRaggedKernel:

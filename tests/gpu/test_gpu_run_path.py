@@ -139,3 +139,30 @@ def test_base2_lse_and_the_merge_reading_it(direct, monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(_bits(out2), _bits(out)) and torch.equal(_bits(lse2 * 0.6931471805599453), _bits(lse))
     assert torch.equal(_bits(a1), _bits(a2)) and torch.equal(_bits(l1), _bits(l2))
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+@pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2"])
+def test_run_without_lse_gives_the_same_out(backend, direct, ref, monkeypatch):
+    """return_lse=False (no LSE buffer, maybe_lse=None, no base conversion) gives bitwise the out of a run with the
+    LSE, on the direct route and through wrapper.run; so does mla_prefill without context (which then allocates
+    no LSE), GPU kept busy."""
+    if not _usable(backend, True):
+        pytest.skip(f"{backend} cannot serve here")
+    monkeypatch.setenv(DIRECT_ENV, direct)
+    qo, kv, q, k, v = _case(True, seed=3)
+    plan = _plan(qo, kv, True, backend, Workspace(dev()))
+    want, _ = plan.run(q, k, v)
+    torch.cuda._sleep(int(1e8))
+    got = plan.run(q, k, v, return_lse=False)
+    dims = MLADims.deepseek_v2_lite()
+    q_lens = [64, 1, 200]
+    batch = ref.make_mla_batch(dims, q_lens, [0, 0, 0], 16, seed=5, dtype=BF16, device=dev())
+    pp = PrefillPlan.build(q_lens, dims=dims, workspace=Workspace(dev()), block_size=16, dtype=BF16, backend=backend)
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, pp)
+    with_lse, _ = mla_prefill(*args, return_lse=True)
+    torch.cuda._sleep(int(1e8))
+    without = mla_prefill(*args)
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(without), _bits(with_lse))
