@@ -152,8 +152,8 @@ class PrefillPlan:
     ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
     fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks``
     (list of :class:`ContextChunk`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything
-    the plan depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index tensors that place
-    gathered context and new tokens into one key buffer.
+    the plan depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index
+    tensors that place gathered context and new tokens into one key buffer.
     """
 
     def __init__(self) -> None:  # use PrefillPlan.build

@@ -1,4 +1,4 @@
-"""Our own host time in PrefillPlan.build, on a machine without a GPU (issue 13, item 5).
+"""Our own host time in PrefillPlan.build, on a machine without a GPU or on one (issue 13, item 5).
 
 What the H200 bench section ``plan`` measures: build time minus the time inside FlashInfer's ``plan()``, here on the
 fake SM90 device of the CPU tests (:func:`tests.fake_device.install_planning`: every CUDA branch of planning runs and
@@ -6,6 +6,10 @@ the wrapper's ``plan()`` does nothing). The device half of the index expansion i
 time: its copy and launches); here it returns a view of one buffer, so that no per-token CPU work is timed.
 
     PYTHONPATH=$PWD python3 scripts/plan_host_time.py [--repeats 200] [--profile B,C] [--count] [--expand triton]
+    PYTHONPATH=$PWD python3 scripts/plan_host_time.py --device cuda    # on a GPU: the real figures
+
+``--device cuda`` times the same cases on the real GPU (FlashInfer's ``plan()`` timed apart as the bench does),
+once with the Triton expansion and once with the torch ops, and prints own / FlashInfer ``plan()`` time.
 
 ``--count`` adds, per case, the CUDA-side calls one build makes (after a warm-up build; the device half of the
 index expansion then runs as on a GPU on CPU tensors: ``--expand triton``, the default and what a GPU with Triton
@@ -123,12 +127,27 @@ def count_calls(ws: Workspace, dims: MLADims, batch: int, context: int, counts: 
     """The CUDA-side calls of one build of the case (after a warm-up build whose plan is dropped first)."""
     q, c = [512] * batch, [context] * batch
     build = lambda: PrefillPlan.build(q, c, dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)  # noqa
+    gc.collect()  # earlier workspaces collected now, their wrappers swept (events queried) by the warm-up build
     plan = build()
     plan = None  # noqa: F841 - the warm-up plan hands its wrappers back, as in a serving loop
-    counts.clear()
-    with _CountOps(counts):
-        plan = build()  # noqa: F841
+    gc.disable()  # no finalizer of an earlier plan or workspace inside the counted build
+    try:
+        counts.clear()
+        with _CountOps(counts):
+            plan = build()  # noqa: F841
+    finally:
+        gc.enable()
     return dict(counts)
+
+
+def _print_times(ws: Workspace, dims: MLADims, repeats: int, label: str = "") -> None:
+    """One line per case; on a real GPU (``label``: the expansion) also own / FlashInfer ``plan()`` time."""
+    for b, c in CASES:
+        build, in_plan, plan = own_ms(ws, dims, b, c, repeats)
+        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunks" if plan.chunks else "no context"
+        ratio = f", own / FlashInfer plan() {(build - in_plan) / in_plan:.3f}" if label and in_plan > 0 else ""
+        print(f"B={b:<3} C={c:<4} {label}build {build:.3f} ms, own {build - in_plan:.3f} ms{ratio}  ({sched}, "
+              f"{plan.num_plans} plan(s), {plan.backend.name})")
 
 
 def main() -> None:
@@ -137,22 +156,30 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="B,C: cProfile 200 builds of that case")
     p.add_argument("--count", action="store_true", help="count the CUDA-side calls of one build per case")
     p.add_argument("--expand", choices=("triton", "torch"), default="triton",
-                   help="the device half of the index expansion (default triton: what a GPU with Triton runs)")
+                   help="the device half of the index expansion on the fake device (default triton: what a GPU "
+                        "with Triton runs)")
+    p.add_argument("--device", choices=("fake", "cuda"), default="fake",
+                   help="fake: the CPU tests' fake SM90 device (default); cuda: the real GPU (FlashInfer's plan() "
+                        "runs and is timed apart; both device halves of the expansion, triton then torch)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    install_planning(setattr, _Wrapper, expand=args.expand)  # a script: nothing is undone
     dims = MLADims.deepseek_v2_lite()
+    if args.device == "cuda":
+        if args.count or args.profile:
+            p.error("--count and --profile run on the fake device only")
+        ws = Workspace("cuda:0")
+        for impl in ("triton", "torch"):
+            plan_mod._expand_impl = lambda device, impl=impl: impl  # a script: nothing is undone
+            _print_times(ws, dims, args.repeats, f"[{impl}] ")
+        return
+    install_planning(setattr, _Wrapper, expand=args.expand)  # a script: nothing is undone
     names = ("_expand_on_device", "_expand_on_device_triton")
     device_halves = [getattr(plan_mod, name) for name in names]
     buf = torch.empty(4 * 128 * (512 + 2048), dtype=torch.int64)  # more than any case expands, allocated once
     for name in names:
         setattr(plan_mod, name, lambda table, total, counting, device: (buf[:total], torch.from_numpy(table)))
     ws = Workspace("cuda:0")
-    for b, c in CASES:
-        build, in_plan, plan = own_ms(ws, dims, b, c, args.repeats)
-        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunks" if plan.chunks else "no context"
-        print(f"B={b:<3} C={c:<4} build {build:.3f} ms, own {build - in_plan:.3f} ms  ({sched}, {plan.num_plans} "
-              f"plan(s), {plan.backend.name})")
+    _print_times(ws, dims, args.repeats)
     if args.profile:
         b, c = map(int, args.profile.split(","))
         pr = cProfile.Profile()

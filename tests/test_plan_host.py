@@ -539,8 +539,8 @@ def test_plan_host_time_script_runs():
         assert "aten.searchsorted" not in line and "aten.index_select" not in line, line
     assert "Event.record 2," in lines[-1], lines[-1]
     assert "Triton launch" not in lines[6] and "Event.record 1," in lines[6], lines[6]  # B=1, no context
-    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count", "--expand", "torch"],
-                         cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count", "--expand",
+                          "torch"], cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     last = res.stdout.splitlines()[-1]  # the torch fallback: four kernels (the chunked schedule's add_ included)
     assert "aten.searchsorted 1," in last and "aten.add_ 1," in last and "Triton launch" not in last, last
