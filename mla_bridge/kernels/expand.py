@@ -31,7 +31,9 @@ BLOCK = 1024
 _OPTIONS = dict(num_warps=4)
 
 
-@triton.jit
+# The ints are not specialized (on being 1 or divisible by 16): every batch shape runs the one compiled kernel, where
+# specializing them would compile a new one (hundreds of ms, in the middle of serving) for each new combination.
+@triton.jit(do_not_specialize=["runs", "total", "counting", "steps"])
 def _expand_kernel(out_ptr, table_ptr, runs, total, counting, steps, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = t < total
