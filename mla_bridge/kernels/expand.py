@@ -8,8 +8,8 @@ exceeds ``t`` (an empty run never is), and::
 
 (``counting``: the tokens of the leading *counting* runs, whose values count up; the others repeat their base).
 Each program takes ``BLOCK`` tokens and finds their runs by a vectorized binary search over ``ends``: a runtime loop
-of ``runs.bit_length()`` (= ``ceil(log2(runs + 1))``) halvings of ``[lo, hi)``, whose gathered loads of the small
-table hit L1/L2. The values equal the torch ops of :func:`mla_bridge.plan._expand_on_device` (searchsorted with
+of ``runs.bit_length()`` (= ``ceil(log2(runs + 1))``) halvings of the candidate runs ``[lo, hi]``, whose gathered
+loads of the small table hit L1/L2. The values equal the torch ops of :func:`mla_bridge.plan._expand_on_device` (searchsorted with
 ``right=True``, index_select, add) exactly: integer arithmetic only.
 
 Imported only by :mod:`mla_bridge.plan`, and only on first use: Triton is not needed on the CPU.
@@ -31,8 +31,9 @@ BLOCK = 1024
 _OPTIONS = dict(num_warps=4)
 
 
-# The ints are not specialized (on being 1 or divisible by 16): every batch shape runs the one compiled kernel, where
-# specializing them would compile a new one (hundreds of ms, in the middle of serving) for each new combination.
+# The ints are not specialized (on being 1 or divisible by 16): every batch shape runs one compiled kernel (one per
+# int32 / int64 width of the ints), where specializing them would compile a new one (hundreds of ms, in the middle
+# of serving) for each new combination.
 @triton.jit(do_not_specialize=["runs", "total", "counting", "steps"])
 def _expand_kernel(out_ptr, table_ptr, runs, total, counting, steps, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
