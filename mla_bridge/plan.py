@@ -31,6 +31,7 @@ import torch
 from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, device_capability
+from .kernels import triton_available
 from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked
 from .workspace import Workspace, _checked_device, current_stream
 
@@ -151,8 +152,8 @@ class PrefillPlan:
     ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
     fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks``
     (list of :class:`ContextChunk`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything
-    the plan depends on, see :class:`PlanCache`), and for the fused schedule the device index tensors that place
-    gathered context and new tokens into one key buffer.
+    the plan depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index
+    tensors that place gathered context and new tokens into one key buffer.
     """
 
     def __init__(self) -> None:  # use PrefillPlan.build
@@ -187,9 +188,14 @@ class PrefillPlan:
                 size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
                 is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``).
 
-        Host work is O(requests + chunks) on CUDA (per-token index tensors are expanded on the device). On the CPU
-        device those index tensors are host memory, made here: 16 bytes per context token in the chunked schedule,
-        24 per context token and 8 per new token in the fused one.
+        Host work is O(requests + chunks) on CUDA: the per-token index tensors (the fused schedule's placements, or
+        the chunked schedule's context stream) are ONE expansion of a small run table on the device
+        (:meth:`_expand`): one page-locked host-to-device copy and one Triton kernel where Triton imports (four
+        torch kernels otherwise), never a synchronizing call; then one FlashInfer ``plan()`` per distinct pass
+        shape. :attr:`key` is not made here (on first use). The first build in a process compiles the Triton
+        kernel (or loads it from Triton's cache). On the CPU device those index tensors are host memory, made here:
+        16 bytes per context token in the chunked schedule, 24 per context token and 8 per new token in the fused
+        one.
         """
         if not isinstance(fuse_context, bool):
             raise TypeError(f"fuse_context must be a bool, got {type(fuse_context).__name__}")
@@ -218,8 +224,11 @@ class PrefillPlan:
         self._backend = backend
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
-        self.key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context,
-                             self.kv_cache_dtype)
+        # What the key reads that may change after the build (the budget, the environment), as the plan was made;
+        # the key itself is made on first use (:attr:`key`: build does not need it).
+        self._fuse_context, self._chunk_tokens = fuse_context, workspace.chunk_tokens
+        self._requested = _requested_backend(backend)
+        self._key = None
         self._num_tokens, self._num_context_tokens = num_new, total_context
         qo = list(itertools.accumulate(q_lens, initial=0))  # exact Python ints, each <= the checked sum
         qo_host = np.array(qo, dtype=np.int32)
@@ -279,13 +288,20 @@ class PrefillPlan:
         """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``
         holding ``counts[i]`` values, ``firsts[i], firsts[i] + 1, ...`` for the first ``counting_runs`` runs
         (counting runs) and ``firsts[i]`` repeated for the others (constant runs). Returns one int64 tensor of
-        ``counts.sum()`` values on the plan's device, which the callers split into views (one buffer per plan).
+        ``counts.sum()`` values on the plan's device, which the callers split into views: ONE buffer per plan, the
+        fused schedule's placements (:meth:`_plan_fused_indices`) or the chunked schedule's context stream
+        (:meth:`_plan_chunks`).
 
-        On CUDA the expansion runs on the device (:func:`_expand_on_device`), so host work stays O(runs), not O(tokens),
-        and a fixed few torch calls whatever the batch: one small host-to-device copy that never blocks the host (it
-        leaves page-locked memory with ``non_blocking=True`` on the current stream, ordered before the RaggedPlans
-        made after it, whose plan events therefore cover it; the page-locked tensor stays referenced by the plan, and
-        torch's host allocator records the copy's event before it reuses that memory), then four kernels. On the CPU
+        The host makes a table of ``2 x runs`` int64 (each run's end in the output and its base value, the value at
+        token ``t`` being ``base[run] (+ t in a counting run)``), O(runs) numpy work. On CUDA the expansion runs on
+        the device, so host work stays O(runs), not O(tokens), with a fixed few torch calls whatever the batch: the
+        table goes to the device in one small host-to-device copy that never blocks the host (it leaves page-locked
+        memory with ``non_blocking=True`` on the current stream, ordered before the RaggedPlans made after it, whose
+        plan events therefore cover it; the page-locked tensor stays referenced by the plan as ``_pinned_runs``, and
+        torch's host allocator records the copy's event before it reuses that memory), then ONE Triton kernel
+        (:mod:`mla_bridge.kernels.expand`: an output allocation and a launch) where Triton imports, else four torch
+        kernels (:func:`_expand_on_device`); :func:`_expand_impl` chooses. The device buffer goes to
+        ``_device_indices`` (:meth:`order_on_current_stream` marks it used on each stream that reads it). On the CPU
         device host memory is device memory: numpy expands the runs.
         """
         table = np.empty((2, counts.size), dtype=np.int64)  # per run: where it ends in the output, its base value
@@ -299,23 +315,10 @@ class PrefillPlan:
             out = np.repeat(base, counts)
             out[:counting] += np.arange(counting)
             return torch.from_numpy(out)
-        out, self._pinned_runs = _expand_on_device(table, total, counting, self.device)
+        expand = _expand_on_device_triton if _expand_impl(self.device) == "triton" else _expand_on_device
+        out, self._pinned_runs = expand(table, total, counting, self.device)
         self._device_indices.append(out)
         return out
-
-    def _context_stream(self, cum: np.ndarray, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunked schedule's per-token indices of the context stream (all context tokens, request after request):
-        each token's position in its request's context and that request, int64 ``[total]`` each on the plan's device,
-        from ``cum`` (int64 ``[batch + 1]``: where each request's context starts in the stream, ``cum[-1] = total``).
-        On CUDA: one page-locked copy of ``cum`` and four kernels (:func:`_context_stream_on_device`, with the
-        ordering and lifetime of :meth:`_expand`'s copy); on the CPU device numpy repeats the requests."""
-        if self.device.type == "cpu":
-            counts = np.diff(cum)
-            positions = np.arange(total) - np.repeat(cum[:-1], counts)
-            return torch.from_numpy(positions), torch.from_numpy(np.repeat(np.arange(cum.size - 1), counts))
-        positions, req_ids, self._pinned_runs = _context_stream_on_device(cum, total, self.device)
-        self._device_indices += (positions, req_ids)
-        return positions, req_ids
 
     def _plan_fused_indices(self, q: np.ndarray, c: np.ndarray) -> None:
         """The fused schedule's rows: context token ``i`` of request ``r`` is gathered from position ``i`` of ``r``'s
@@ -335,21 +338,25 @@ class PrefillPlan:
         tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
         chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
         share it, and its host indptrs: nothing else of a chunk enters FlashInfer's plan), and every chunk's token
-        indices are views of the context stream's two index tensors (:meth:`_context_stream`: each token's position
-        and request), cut by one call each. ``qo_list`` / ``qo_all``: ``qo_indptr`` as Python ints and as int32."""
+        indices are views of the context stream's indices, cut by one call: one :meth:`_expand` of the runs
+        ``counts = [c, c]`` (``c`` the context lengths), ``firsts = [0, ..., 0, 0, 1, ..., batch - 1]``, the first
+        ``batch`` counting -- each stream token's position in its request's context, then that request.
+        ``qo_list`` / ``qo_all``: ``qo_indptr`` as Python ints and as int32."""
         total, step = self._num_context_tokens, self.workspace.chunk_tokens
         if total == 0:
             return []
         # The stream offset where each request's context starts (qo_list: the same for its new tokens), as Python ints
         # for the chunk bounds (bisect = np.searchsorted(side="right"): a few chunks per batch, where a numpy call per
-        # quantity costs more than the loop) and as int64 for the expansion; int32 slices of it are the chunks' keys.
+        # quantity costs more than the loop) and as int32, whose slices are the chunks' keys.
         offsets = list(itertools.accumulate(self.context_lens, initial=0))
-        cum64 = np.array(offsets, dtype=np.int64)
-        cum, q_lens = cum64.astype(np.int32), self.query_lens
-        positions, req_ids = self._context_stream(cum64, total)
+        cum, q_lens = np.array(offsets, dtype=np.int32), self.query_lens
+        b, c = len(q_lens), np.diff(cum)  # the context lengths
+        stream = self._expand(np.concatenate([c, c]), np.concatenate([np.zeros(b, dtype=np.int64), np.arange(b)]),
+                              counting_runs=b)  # positions [total], then req_ids [total]
         starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
         sizes = [step] * (total // step) + ([total % step] if total % step else [])
-        pos_views, req_views = positions.split_with_sizes(sizes), req_ids.split_with_sizes(sizes)
+        views = stream.split_with_sizes(sizes + sizes)
+        pos_views, req_views = views[:len(sizes)], views[len(sizes):]
         plans: dict = {}
         chunks = []
         for i, (start, size) in enumerate(zip(starts, sizes)):
@@ -375,6 +382,17 @@ class PrefillPlan:
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan,
                                        req_views[i], pos_views[i]))
         return chunks
+
+    @property
+    def key(self) -> tuple:
+        """Everything this plan depends on, hashable (:func:`_plan_key`, with the chunk budget and the backend asked
+        for as they were at :meth:`build`): what :class:`PlanCache` keys it by. Made on first use and kept."""
+        key = self._key
+        if key is None:
+            key = self._key = _plan_key(self.query_lens, self.context_lens, self.dims, self.workspace,
+                                        self.block_size, self.device, self.dtype, self._requested, self._fuse_context,
+                                        self.kv_cache_dtype, self._chunk_tokens)
+        return key
 
     @property
     def batch_size(self) -> int:
@@ -427,12 +445,20 @@ def _page_locked(table: np.ndarray) -> torch.Tensor:
     return host
 
 
+def _expand_impl(device: torch.device) -> str:
+    """The ONE place choosing the device half of :meth:`PrefillPlan._expand`: ``"triton"`` (one kernel,
+    :func:`_expand_on_device_triton`) on CUDA where Triton imports, else ``"torch"`` (four torch kernels,
+    :func:`_expand_on_device`). Both give the same values (integer arithmetic)."""
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
 def _expand_on_device(table: np.ndarray, total: int, counting: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device half of :meth:`PrefillPlan._expand`: one copy and four kernels whatever the batch. From ``table``
-    (int64 ``[2, runs]``: where each run ends in the output, and its base value), the int64 ``[total]`` output
-    ``out[t] = base[run holding t] + (t if t < counting else 0)`` on ``device``, and the page-locked copy of ``table``
-    the caller keeps. The run of token ``t`` is the first whose end exceeds ``t`` (an empty run never is)."""
+    """The device half of :meth:`PrefillPlan._expand` in torch ops (the fallback where Triton does not import): one
+    copy and four kernels whatever the batch. From ``table`` (int64 ``[2, runs]``: where each run ends in the output,
+    and its base value), the int64 ``[total]`` output ``out[t] = base[run holding t] + (t if t < counting else 0)`` on
+    ``device``, and the page-locked copy of ``table`` the caller keeps. The run of token ``t`` is the first whose end
+    exceeds ``t`` (an empty run never is)."""
     host = _page_locked(table)
     small = host.to(device, non_blocking=True)
     t = torch.arange(total, dtype=torch.int64, device=device)
@@ -442,28 +468,37 @@ def _expand_on_device(table: np.ndarray, total: int, counting: int,
     return out, host
 
 
-def _context_stream_on_device(cum: np.ndarray, total: int,
-                              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The device half of :meth:`PrefillPlan._context_stream`: from ``cum`` (int64 ``[batch + 1]``, non-decreasing,
-    ``cum[-1] = total``), ``positions[t] = t - cum[r]`` and ``req_ids[t] = r`` for the request ``r`` whose context
-    holds stream token ``t`` (the first whose end ``cum[r + 1]`` exceeds ``t``: an empty context never does), both
-    int64 ``[total]`` on ``device``, and the page-locked copy of ``cum`` the caller keeps. One copy, four kernels."""
-    host = _page_locked(cum)
-    starts = host.to(device, non_blocking=True)
-    t = torch.arange(total, dtype=torch.int64, device=device)
-    req_ids = torch.searchsorted(starts[1:], t, right=True)
-    return t.sub_(starts.index_select(0, req_ids)), req_ids, host
+def _expand_on_device_triton(table: np.ndarray, total: int, counting: int,
+                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_expand_on_device` with ONE Triton kernel for the four torch ones (:func:`_launch_expand`): the same
+    copy of the page-locked table, then an output allocation and a launch on the current stream."""
+    host = _page_locked(table)
+    return _launch_expand(host.to(device, non_blocking=True), total, counting), host
+
+
+def _launch_expand(table: torch.Tensor, total: int, counting: int) -> torch.Tensor:
+    """The expansion kernel (:func:`mla_bridge.kernels.expand.expand_runs_triton`) on the device ``table``, imported
+    on first use (Triton is not needed on the CPU)."""
+    from .kernels.expand import expand_runs_triton
+
+    return expand_runs_triton(table, total, counting)
+
+
+def _requested_backend(backend: Optional[str]) -> Optional[str]:
+    """The backend asked for: ``backend``, else ``MLA_BRIDGE_BACKEND`` (as :func:`mla_bridge.select_backend` reads
+    it), else None."""
+    return backend if backend is not None else (os.environ.get(ENV_VAR) or None)
 
 
 def _plan_key(q_lens: list, c_lens: list, dims: MLADims, workspace: Workspace, block_size: int, device: torch.device,
-              dtype: torch.dtype, backend: Optional[str], fuse_context: bool, kv_cache_dtype: torch.dtype) -> tuple:
+              dtype: torch.dtype, requested: Optional[str], fuse_context: bool, kv_cache_dtype: torch.dtype,
+              chunk_tokens: int) -> tuple:
     """Everything a :class:`PrefillPlan` depends on, hashable: per-request query and context lengths, dims (sizes and
     softmax scale), dtype, the cache dtype (resolved: ``"fp8"`` and ``torch.uint8`` are one key), block size, the chunk
-    budget (``workspace.chunk_tokens`` now), the backend asked for (with ``MLA_BRIDGE_BACKEND`` when none is named, as
-    :func:`mla_bridge.select_backend` reads it), the schedule switch, the workspace (by identity: a plan holds its
+    budget (``chunk_tokens``: ``workspace.chunk_tokens`` when the plan is made or asked for), the backend asked for
+    (``requested``: :func:`_requested_backend`), the schedule switch, the workspace (by identity: a plan holds its
     wrappers) and the device."""
-    requested = backend if backend is not None else (os.environ.get(ENV_VAR) or None)
-    return (tuple(q_lens), tuple(c_lens), dims, dtype, kv_cache_dtype, block_size, workspace.chunk_tokens, requested,
+    return (tuple(q_lens), tuple(c_lens), dims, dtype, kv_cache_dtype, block_size, chunk_tokens, requested,
             bool(fuse_context), id(workspace), device)
 
 
@@ -497,10 +532,11 @@ class PlanCache:
         (kept). Same arguments and errors as :meth:`PrefillPlan.build`."""
         q_lens = _lengths("query_lens", query_lens)
         c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
+        key = None  # (without a Workspace and MLADims, build raises)
         if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
             dev = workspace.device if device is None else _checked_device(device)
-            key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, backend, fuse_context,
-                            resolve_kv_cache_dtype(kv_cache_dtype, dtype))
+            key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, _requested_backend(backend),
+                            fuse_context, resolve_kv_cache_dtype(kv_cache_dtype, dtype), workspace.chunk_tokens)
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
@@ -509,6 +545,8 @@ class PlanCache:
         plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size, device=device,
                                  dtype=dtype, backend=backend, fuse_context=fuse_context,
                                  kv_cache_dtype=kv_cache_dtype)
+        if key is not None:  # the plan's key: the same arguments, read at the same moment (not made twice)
+            plan._key = key
         self.misses += 1
         self._plans[plan.key] = plan
         while len(self._plans) > self.maxsize:

@@ -1,17 +1,24 @@
-"""Our own host time in PrefillPlan.build, on a machine without a GPU (issue 13, item 5).
+"""Our own host time in PrefillPlan.build, on a machine without a GPU or on one (issue 13, item 5).
 
 What the H200 bench section ``plan`` measures: build time minus the time inside FlashInfer's ``plan()``, here on the
 fake SM90 device of the CPU tests (:func:`tests.fake_device.install_planning`: every CUDA branch of planning runs and
-the wrapper's ``plan()`` does nothing). The device halves of the index expansion are queued kernels on a GPU (host
-time: their launches); here they return views of one buffer, so that no per-token CPU work is timed.
+the wrapper's ``plan()`` does nothing). The device half of the index expansion is queued work on a GPU (host
+time: its copy and launches); here it returns a view of one buffer, so that no per-token CPU work is timed.
 
-    PYTHONPATH=$PWD python3 scripts/plan_host_time.py [--repeats 200] [--profile B,C] [--count]
+    PYTHONPATH=$PWD python3 scripts/plan_host_time.py [--repeats 200] [--profile B,C] [--count] [--expand triton]
+    PYTHONPATH=$PWD python3 scripts/plan_host_time.py --device cuda    # on a GPU: the real figures
 
-``--count`` adds, per case, the CUDA-side calls one build makes (after a warm-up build; the device halves of the
-index expansion then run as on a GPU, with their torch ops on CPU tensors): kernels and copies (aten ops that are
-not views, the page-locked table, ``Tensor.to``) and CUDA runtime calls (events made, recorded, queried, waited on; the
-capability, capture-state and current-stream reads). Each costs 10-20 us of host time on the H200's host
-(2026-12-01), a Python statement 0.05-0.2 us, so the count predicts what the GPU host saves.
+``--device cuda`` times the same cases on the real GPU (FlashInfer's ``plan()`` timed apart as the bench does),
+once with the Triton expansion and once with the torch ops, and prints own / FlashInfer ``plan()`` time.
+
+``--count`` adds, per case, the CUDA-side calls one build makes (after a warm-up build; the device half of the
+index expansion then runs as on a GPU on CPU tensors: ``--expand triton``, the default and what a GPU with Triton
+runs, its one kernel counted as one "Triton launch" (:func:`tests.fake_device.expand_kernel_on_cpu` computes its
+values outside torch); ``--expand torch``, the fallback's torch ops): kernels and copies (aten ops that are not
+views, the page-locked table, ``Tensor.to``, the Triton launch) and CUDA runtime calls (events made, recorded,
+queried, waited on; the capability, capture-state and current-stream reads). Each costs 10-20 us of host time on the
+H200's host (2026-12-01; a Triton launch through :func:`mla_bridge.kernels.launch.launch` about 10 us), a Python
+statement 0.05-0.2 us, so the count predicts what the GPU host saves.
 
 Numbers are medians in milliseconds. This machine's Python is not the H200 host's, and CUDA launches are not in them,
 so compare before/after here and take the absolute figures from ``mla-bridge bench --sections plan`` on the GPU.
@@ -107,6 +114,7 @@ def _counting(counts: collections.Counter) -> None:
     for name in ("get_device_capability", "is_current_stream_capturing", "current_stream"):
         counted(torch.cuda, name, f"torch.cuda.{name}")
     counted(plan_mod, "_page_locked", "page-locked table")
+    counted(plan_mod, "_launch_expand", "Triton launch")
     counted(torch.Tensor, "to", "Tensor.to")
     event = torch.cuda.Event
     for name in ("record", "query"):
@@ -119,12 +127,27 @@ def count_calls(ws: Workspace, dims: MLADims, batch: int, context: int, counts: 
     """The CUDA-side calls of one build of the case (after a warm-up build whose plan is dropped first)."""
     q, c = [512] * batch, [context] * batch
     build = lambda: PrefillPlan.build(q, c, dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)  # noqa
+    gc.collect()  # earlier workspaces collected now, their wrappers swept (events queried) by the warm-up build
     plan = build()
     plan = None  # noqa: F841 - the warm-up plan hands its wrappers back, as in a serving loop
-    counts.clear()
-    with _CountOps(counts):
-        plan = build()  # noqa: F841
+    gc.disable()  # no finalizer of an earlier plan or workspace inside the counted build
+    try:
+        counts.clear()
+        with _CountOps(counts):
+            plan = build()  # noqa: F841
+    finally:
+        gc.enable()
     return dict(counts)
+
+
+def _print_times(ws: Workspace, dims: MLADims, repeats: int, label: str = "") -> None:
+    """One line per case; on a real GPU (``label``: the expansion) also own / FlashInfer ``plan()`` time."""
+    for b, c in CASES:
+        build, in_plan, plan = own_ms(ws, dims, b, c, repeats)
+        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunks" if plan.chunks else "no context"
+        ratio = f", own / FlashInfer plan() {(build - in_plan) / in_plan:.3f}" if label and in_plan > 0 else ""
+        print(f"B={b:<3} C={c:<4} {label}build {build:.3f} ms, own {build - in_plan:.3f} ms{ratio}  ({sched}, "
+              f"{plan.num_plans} plan(s), {plan.backend.name})")
 
 
 def main() -> None:
@@ -132,20 +155,31 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--profile", default=None, help="B,C: cProfile 200 builds of that case")
     p.add_argument("--count", action="store_true", help="count the CUDA-side calls of one build per case")
+    p.add_argument("--expand", choices=("triton", "torch"), default="triton",
+                   help="the device half of the index expansion on the fake device (default triton: what a GPU "
+                        "with Triton runs)")
+    p.add_argument("--device", choices=("fake", "cuda"), default="fake",
+                   help="fake: the CPU tests' fake SM90 device (default); cuda: the real GPU (FlashInfer's plan() "
+                        "runs and is timed apart; both device halves of the expansion, triton then torch)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    install_planning(setattr, _Wrapper)  # a script: nothing is undone
     dims = MLADims.deepseek_v2_lite()
-    device_halves = plan_mod._expand_on_device, plan_mod._context_stream_on_device
+    if args.device == "cuda":
+        if args.count or args.profile:
+            p.error("--count and --profile run on the fake device only")
+        ws = Workspace("cuda:0")
+        for impl in ("triton", "torch"):
+            plan_mod._expand_impl = lambda device, impl=impl: impl  # a script: nothing is undone
+            _print_times(ws, dims, args.repeats, f"[{impl}] ")
+        return
+    install_planning(setattr, _Wrapper, expand=args.expand)  # a script: nothing is undone
+    names = ("_expand_on_device", "_expand_on_device_triton")
+    device_halves = [getattr(plan_mod, name) for name in names]
     buf = torch.empty(4 * 128 * (512 + 2048), dtype=torch.int64)  # more than any case expands, allocated once
-    plan_mod._expand_on_device = lambda table, total, counting, device: (buf[:total], torch.from_numpy(table))
-    plan_mod._context_stream_on_device = lambda cum, total, device: (buf[:total], buf[:total], torch.from_numpy(cum))
+    for name in names:
+        setattr(plan_mod, name, lambda table, total, counting, device: (buf[:total], torch.from_numpy(table)))
     ws = Workspace("cuda:0")
-    for b, c in CASES:
-        build, in_plan, plan = own_ms(ws, dims, b, c, args.repeats)
-        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunks" if plan.chunks else "no context"
-        print(f"B={b:<3} C={c:<4} build {build:.3f} ms, own {build - in_plan:.3f} ms  ({sched}, {plan.num_plans} "
-              f"plan(s), {plan.backend.name})")
+    _print_times(ws, dims, args.repeats)
     if args.profile:
         b, c = map(int, args.profile.split(","))
         pr = cProfile.Profile()
@@ -155,7 +189,8 @@ def main() -> None:
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     if args.count:  # last: the counting wrappers cost time too
-        plan_mod._expand_on_device, plan_mod._context_stream_on_device = device_halves
+        for name, device_half in zip(names, device_halves):
+            setattr(plan_mod, name, device_half)
         counts: collections.Counter = collections.Counter()
         _counting(counts)
         ws = Workspace("cuda:0")

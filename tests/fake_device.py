@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Stream", "Event", "TorchOnCPU", "install_runtime", "install_planning", "page_locked_on_cpu"]
+__all__ = ["Stream", "Event", "TorchOnCPU", "install_runtime", "install_planning", "page_locked_on_cpu",
+           "expand_kernel_on_cpu"]
 
 
 class Stream:
@@ -69,28 +70,46 @@ def page_locked_on_cpu(table) -> torch.Tensor:
     return torch.from_numpy(table.astype("int64", copy=True))
 
 
-def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[list] = None) -> None:
+def expand_kernel_on_cpu(table: torch.Tensor, total: int, counting: int) -> torch.Tensor:
+    """``mla_bridge.plan._launch_expand`` (the Triton expansion kernel) on CPU tensors: the output allocated with
+    torch as the real one is, the kernel's values (``base[r(t)] + (t if t < counting else 0)``, ``r(t)`` the first run
+    whose end exceeds ``t``) written through numpy, so that no torch op stands for the one launch."""
+    import numpy as np
+
+    out = torch.empty(total, dtype=torch.int64)
+    ends, base = table.numpy()
+    t = np.arange(total)
+    out.numpy()[:] = base[np.searchsorted(ends, t, side="right")] + np.where(t < counting, t, 0)
+    return out
+
+
+def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[list] = None,
+                     expand: str = "torch") -> None:
     """A fake SM90 device with FlashInfer 0.7.4 for planning: every CUDA branch of ``PrefillPlan.build`` runs, the
-    FlashInfer wrapper is ``wrapper_class(float_buffer, backend)``, and the device halves of the index expansion run
-    their torch ops on the CPU (:func:`page_locked_on_cpu` stands in for page-locking: CPU-only torch cannot
-    page-lock). Each table they are handed is appended to ``tables`` when given."""
+    FlashInfer wrapper is ``wrapper_class(float_buffer, backend)``, and the device half of the index expansion that
+    ``expand`` names (``"torch"``: its torch ops; ``"triton"``: its one kernel, as :func:`expand_kernel_on_cpu`) runs
+    on the CPU (:func:`page_locked_on_cpu` stands in for page-locking: CPU-only torch cannot page-lock). Each table
+    it is handed is appended to ``tables`` when given."""
     import mla_bridge.dispatch as dispatch
     import mla_bridge.plan as plan_mod
     from mla_bridge.backends import flashinfer as fi_backend
 
+    if expand not in ("torch", "triton"):
+        raise ValueError(f"expand must be 'torch' or 'triton', got {expand!r}")
     stream = Stream()
     setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
     install_runtime(setattr, lambda: (9, 0), lambda: stream, Event)
     setattr(fi_backend, "new_wrapper", wrapper_class)
     setattr(plan_mod, "_page_locked", page_locked_on_cpu)
-    for name in ("_expand_on_device", "_context_stream_on_device"):
+    setattr(plan_mod, "_expand_impl", lambda device: expand)
+    setattr(plan_mod, "_launch_expand", expand_kernel_on_cpu)
+    for name in ("_expand_on_device", "_expand_on_device_triton"):
         device_half = getattr(plan_mod, name)
 
-        def on_cpu(table, *args, device_half=device_half) -> Any:
-            *args, device = args
+        def on_cpu(table, total, counting, device, device_half=device_half) -> Any:
             assert device.type == "cuda"
             if tables is not None:
                 tables.append(table.copy())
-            return device_half(table, *args, torch.device("cpu"))
+            return device_half(table, total, counting, torch.device("cpu"))
 
         setattr(plan_mod, name, on_cpu)

@@ -1,7 +1,8 @@
 """PrefillPlan.build's host fast paths (issue 13, item 5): what they skip or remember must not change any answer.
 
-* The CUDA branch of the per-token index expansion (one page-locked table, one copy, four kernels) runs here on CPU
-  tensors with a fake CUDA device, and must give the index tensors of the CPU device's numpy expansion.
+* The CUDA branch of the per-token index expansion (one page-locked table, one copy, then one Triton kernel or four
+  torch kernels) runs here on CPU tensors with a fake CUDA device, and must give the index tensors of the CPU
+  device's numpy expansion; the Triton kernel itself runs interpreted where Triton is installed.
 * Chunk bounds computed with numpy equal the reference loop :func:`schedule_context_chunks`.
 * The passes planned through the internal (unvalidated) path equal :func:`plan_ragged`'s on the same indptrs.
 * :func:`select_backend` remembers answers only by everything they depend on.
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -36,12 +38,13 @@ class _Wrapper:
         self.planned.append((qo.tolist(), kv.tolist(), kwargs["causal"]))
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    """A fake SM90 device: planning takes every CUDA branch; the device expansion's torch ops run on the CPU
-    (:func:`tests.fake_device.install_planning`). Returns the list of tables expanded."""
+@pytest.fixture(params=["triton", "torch"])
+def fake_cuda(monkeypatch, request):
+    """A fake SM90 device: planning takes every CUDA branch; the device half of the expansion, each of the two
+    (the Triton kernel's stand-in and the torch ops), runs on the CPU (:func:`tests.fake_device.install_planning`).
+    Returns the list of tables expanded."""
     tables = []
-    install_planning(monkeypatch.setattr, _Wrapper, tables)
+    install_planning(monkeypatch.setattr, _Wrapper, tables, expand=request.param)
     return tables
 
 
@@ -81,8 +84,12 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
             assert got[name].dtype == torch.int64 and got[name].is_contiguous(), name
             assert torch.equal(got[name], want[name]), name
     assert len(fake_cuda) == (1 if sum(c_lens) else 0)  # one table (one copy) for the whole plan, none without context
-    if cuda.fused:
-        assert cuda._device_indices and cuda._pinned_runs is not None  # the plan holds its page-locked table
+    if sum(c_lens):  # fused or chunked: ONE device buffer, which every index tensor views, and its page-locked table
+        assert len(cuda._device_indices) == 1 and cuda._pinned_runs is not None
+        buffer = cuda._device_indices[0].untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == buffer for t in got.values() if t is not None)
+    else:
+        assert cuda._device_indices == []
     if (q_lens, c_lens) == ([3, 4, 1, 5], [10, 0, 7, 20]) and cuda.fused:
         # key rows, context then new: request 0 at 0..12, 1 at 13..16, 2 at 17..24, 3 at 25..49
         assert cuda.ctx_dst.tolist() == list(range(10)) + list(range(17, 24)) + list(range(25, 45))
@@ -105,17 +112,112 @@ def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
     assert host.tolist() == [ends.tolist(), base.tolist()]
 
 
-def test_context_stream_op_sequence_on_cpu_tensors(monkeypatch):
-    """_context_stream_on_device itself: each stream token's position in its request's context and that request,
+def test_context_stream_is_one_expansion_on_cpu_tensors(monkeypatch):
+    """The chunked schedule's context stream as _expand_on_device's runs ``counts = [c, c]``, ``firsts = [0..0,
+    0..B-1]``, the first B counting: each stream token's position in its request's context, then that request,
     requests with an empty context skipped (the first with a later end holds the token)."""
     monkeypatch.setattr(plan_mod, "_page_locked", page_locked_on_cpu)
     c = [3, 0, 2, 0, 0, 4, 1]
-    cum = np.concatenate([[0], np.cumsum(c)]).astype(np.int64)
-    positions, req_ids, host = plan_mod._context_stream_on_device(cum, int(cum[-1]), torch.device("cpu"))
-    assert req_ids.dtype == positions.dtype == torch.int64
-    assert req_ids.tolist() == [r for r, n in enumerate(c) for _ in range(n)]
-    assert positions.tolist() == [p for n in c for p in range(n)]
-    assert host.tolist() == cum.tolist()
+    counts, firsts = np.array(c + c), np.array([0] * len(c) + list(range(len(c))))
+    ends, base = _table(counts, firsts, len(c))
+    out, host = plan_mod._expand_on_device(np.stack([ends, base]), int(ends[-1]), sum(c), torch.device("cpu"))
+    assert out.dtype == torch.int64
+    assert out.tolist() == [p for n in c for p in range(n)] + [r for r, n in enumerate(c) for _ in range(n)]
+    assert host.tolist() == [ends.tolist(), base.tolist()]
+
+
+def _table(counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> tuple[np.ndarray, np.ndarray]:
+    """The run table (ends, bases) of PrefillPlan._expand, written out: a counting run's base is its first value
+    minus where it starts."""
+    ends = np.cumsum(counts).astype(np.int64)
+    starts = ends - counts
+    base = np.array([f - (s if i < counting_runs else 0) for i, (f, s) in enumerate(zip(firsts, starts))],
+                    dtype=np.int64)
+    return ends, base
+
+
+def _expanded(counts, firsts, counting_runs) -> list:
+    """The values _expand stands for, by a loop over the runs."""
+    return [int(f) + (k if i < counting_runs else 0) for i, (n, f) in enumerate(zip(counts, firsts))
+            for k in range(int(n))]
+
+
+def run_tables(seed: int = 0, block: int = 1024) -> list:
+    """Run tables ``(counts, firsts, counting_runs)`` for the expansions: random ones with empty runs, and the edges
+    (no runs, only empty runs (total 0), a single run, runs longer than ``block`` tokens, counting 0, counting =
+    total, many runs (a deep binary search), the fused and context-stream tables of a batch)."""
+    rng = np.random.default_rng(seed)
+    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    cases = [(i64([]), i64([]), 0), (i64([0, 0, 0]), i64([4, 5, 6]), 2), (i64([7]), i64([3]), 1),
+             (i64([7]), i64([3]), 0), (i64([3 * block + 5]), i64([-2]), 1), (i64([block + 1, 0, 2 * block]),
+                                                                              i64([9, 1, 2 ** 40]), 0),
+             (i64([block, block + 3]), i64([0, 11]), 2), (i64([0, 5, 0, 0, 3, 0]), i64([1, 2, 3, 4, 5, 6]), 6)]
+    c, q = i64([2048, 0, 5, 2048]), i64([512, 3, 0, 1])
+    b = c.size
+    seq_start = np.cumsum(c + q) - (c + q)
+    cases.append((np.concatenate([c, c, q, c]), np.concatenate([np.zeros(b, np.int64), seq_start, seq_start + c,
+                                                               np.arange(b)]), 3 * b))  # the fused schedule's
+    cases.append((np.concatenate([c, c]), np.concatenate([np.zeros(b, np.int64), np.arange(b)]), b))  # the stream
+    for _ in range(8):
+        runs = int(rng.integers(1, 300))
+        counts = rng.choice([0, 0, 1, 2, 7, block - 1, block + 1], size=runs).astype(np.int64)
+        firsts = rng.integers(-2 ** 33, 2 ** 33, size=runs)
+        cases.append((counts, firsts, int(rng.integers(0, runs + 1))))
+    return cases
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_expand_equals_the_runs_written_out(fake_cuda, device):
+    """PrefillPlan._expand (its table, then numpy on the CPU device; on the fake CUDA device the Triton kernel's
+    stand-in or the torch ops) gives the values of the runs written out, for every run table of run_tables."""
+    for counts, firsts, counting_runs in run_tables():
+        owner = types.SimpleNamespace(device=torch.device(device), _device_indices=[])
+        out = PrefillPlan._expand(owner, counts, firsts, counting_runs)
+        assert out.dtype == torch.int64 and out.is_contiguous()
+        assert out.tolist() == _expanded(counts, firsts, counting_runs), (counts.size, counting_runs)
+        assert len(owner._device_indices) == (device != "cpu")
+
+
+def test_expand_impl_is_chosen_in_one_place(monkeypatch):
+    """The Triton kernel on CUDA where Triton imports, the torch ops on CUDA without it; the CPU device never asks
+    (numpy)."""
+    monkeypatch.setattr(plan_mod, "triton_available", lambda: True)
+    assert plan_mod._expand_impl(torch.device("cuda", 0)) == "triton"
+    assert plan_mod._expand_impl(torch.device("cpu")) == "torch"
+    monkeypatch.setattr(plan_mod, "triton_available", lambda: False)
+    assert plan_mod._expand_impl(torch.device("cuda", 1)) == "torch"
+
+
+def interpreted_expand_cases() -> str:
+    """The Triton expansion kernel (interpreted on CPU tensors) == the torch ops of _expand_on_device == the runs
+    written out, on every table of run_tables (a block of 1024 tokens and one of 16, so that long runs span many)."""
+    import mla_bridge.kernels.expand as expand_mod
+    from mla_bridge.kernels.expand import expand_runs_triton
+
+    plan_mod._page_locked = page_locked_on_cpu  # a subprocess of its own: not undone
+    n = 0
+    assert expand_mod.BLOCK == 1024
+    for block in (1024, 16):
+        expand_mod.BLOCK = block
+        for counts, firsts, counting_runs in run_tables(seed=block, block=block):
+            ends, base = _table(counts, firsts, counting_runs)
+            table = np.stack([ends, base]).reshape(2, counts.size)
+            total = int(ends[-1]) if ends.size else 0
+            counting = int(ends[counting_runs - 1]) if counting_runs else 0
+            got = expand_runs_triton(torch.from_numpy(table), total, counting)
+            torch_ops, _ = plan_mod._expand_on_device(table, total, counting, torch.device("cpu"))
+            assert got.dtype == torch.int64 and got.shape == (total,)
+            assert torch.equal(got, torch_ops), (block, counts.size, counting_runs)
+            assert got.tolist() == _expanded(counts, firsts, counting_runs)
+            n += 1
+    expand_mod.BLOCK = 1024
+    return f"ok {n}"
+
+
+def test_triton_expansion_equals_torch_ops_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_expand_cases` under the interpreter."""
+    out = triton_interpreted("tests.test_plan_host:interpreted_expand_cases", "tests/gpu/test_gpu_expand.py")
+    assert out.strip().startswith("ok ") and int(out.split()[-1]) >= 36, out
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -429,7 +531,16 @@ def test_plan_host_time_script_runs():
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
     assert len(lines) == 12 and "B=128 C=2048" in lines[5] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[5]
-    # --count: the chunked case makes one device expansion (one searchsorted) and records one event per plan
-    assert "B=128 C=2048 CUDA-side calls per build" in lines[-1]
-    assert "aten.searchsorted 1," in lines[-1] and "Event.record 2," in lines[-1], lines[-1]
-    assert "aten.searchsorted" not in lines[6] and "Event.record 1," in lines[6], lines[6]  # B=1, no context
+    # --count: the chunked case makes one device expansion (one copy, one allocation, ONE Triton launch, no torch
+    # kernel) and records one event per plan; the fused one the same expansion
+    assert "B=128 C=2048 CUDA-side calls per build: 13 " in lines[-1]
+    for line in lines[-3:]:
+        assert "Triton launch 1," in line and "Tensor.to 1," in line and "aten.empty 1," in line, line
+        assert "aten.searchsorted" not in line and "aten.index_select" not in line, line
+    assert "Event.record 2," in lines[-1], lines[-1]
+    assert "Triton launch" not in lines[6] and "Event.record 1," in lines[6], lines[6]  # B=1, no context
+    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count", "--expand",
+                          "torch"], cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    last = res.stdout.splitlines()[-1]  # the torch fallback: four kernels (the chunked schedule's add_ included)
+    assert "aten.searchsorted 1," in last and "aten.add_ 1," in last and "Triton launch" not in last, last

@@ -69,6 +69,44 @@ def test_every_part_of_the_key_matters(tiny_dims, monkeypatch):
     assert cache.get(Q, C, **_args(tiny_dims, ws, kv_cache_dtype="auto")) is base
 
 
+def test_key_is_made_on_first_use_from_the_build_time_budget_and_backend(tiny_dims, monkeypatch):
+    """build does not make the key (its host time); made later, it still describes the plan as built: the chunk budget
+    and MLA_BRIDGE_BACKEND as they were at build, not as they are when the key is first asked for."""
+    from mla_bridge.plan import _plan_key
+
+    ws = Workspace("cpu", chunk_tokens=16)
+    plan = PrefillPlan.build(Q, C, **_args(tiny_dims, ws))
+    assert plan._key is None
+    want = _plan_key(Q, C, tiny_dims, ws, 8, torch.device("cpu"), torch.float32, None, True, torch.float32, 16)
+    ws.chunk_tokens = 32
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")
+    assert plan.key == want and plan.key is plan.key  # made once, kept
+    forced = PrefillPlan.build(Q, C, **_args(tiny_dims, ws))  # built under the variable and the new budget
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND")
+    ws.chunk_tokens = 16
+    assert forced.key == _plan_key(Q, C, tiny_dims, ws, 8, torch.device("cpu"), torch.float32, "torch", True,
+                                   torch.float32, 32) != want
+
+
+def test_cache_hands_its_key_to_the_plan(tiny_dims, monkeypatch):
+    """PlanCache.get keys a new plan by the key it looked up with (made once per get), which equals the key the plan
+    makes itself; a plan it cannot key (build refuses the arguments) is never stored."""
+    import mla_bridge.plan as plan_mod
+
+    made = []
+    real = plan_mod._plan_key
+    monkeypatch.setattr(plan_mod, "_plan_key", lambda *a: made.append(a) or real(*a))
+    ws = Workspace("cpu", chunk_tokens=16)
+    cache = PlanCache()
+    plan = cache.get(Q, C, **_args(tiny_dims, ws))
+    assert len(made) == 1 and plan._key is not None and list(cache._plans) == [plan.key]
+    assert plan.key == real(*made[0]) == PrefillPlan.build(Q, C, **_args(tiny_dims, ws)).key
+    assert len(made) == 2  # the fresh build's key, made when asked for
+    with pytest.raises(TypeError, match="dims must be an MLADims"):
+        cache.get(Q, C, **_args(None, ws))
+    assert len(cache) == 1 and cache.get(Q, C, **_args(tiny_dims, ws)) is plan
+
+
 def test_reused_plan_gives_the_same_result(ref, tiny_dims):
     batch = ref.make_mla_batch(tiny_dims, Q, C, 8, seed=2)
     ws = Workspace("cpu", chunk_tokens=16)
