@@ -7,12 +7,12 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 
 * ``"separate"``: the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch, chosen by
   :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
-  (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the passes of new
-  tokens alone and of the large gathered passes (with a split-layout weight, or from an FP8 cache).
+  (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the large passes
+  (new tokens alone, gathered with a split-layout weight, or from an FP8 cache).
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
-  for the smaller gathered passes (one launch where the host is the bound); why: :func:`pass_impl`.
+  for the smaller passes (one launch where the host is the bound); why: :func:`pass_impl`.
 
 Both give k and v as strided views of one ``[N, H, 320]`` buffer. The k_pe columns are equal between them (the
 identity layout's GEMM writes +0.0 where the kernel copies a -0.0);
@@ -31,7 +31,8 @@ from .cache import fused_latent, gather_latent
 from .weights import DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
-           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_FP8", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_FP8", "SEPARATE_FROM_ROWS_NEW",
+           "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
@@ -42,6 +43,8 @@ AUTO_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 #: "auto" builds a gathered pass of at least this many key rows by the separate path when the weight's layout is
 #: "split" (:func:`pass_impl`).
 SEPARATE_FROM_ROWS = 8192
+#: "auto" builds a pass of new tokens alone (nothing gathered) by the separate path from this many rows on.
+SEPARATE_FROM_ROWS_NEW = 16384
 #: "auto" builds a pass gathering from an FP8 cache by the separate path from this many key rows on, with either
 #: weight layout (:func:`pass_impl`).
 SEPARATE_FROM_ROWS_FP8 = 6144
@@ -102,7 +105,8 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
     weight's ``layout``: "fused" or "separate" as they are; "auto":
 
-    * a pass that gathers nothing (new tokens alone): "separate";
+    * a pass that gathers nothing (new tokens alone): "separate" from :data:`SEPARATE_FROM_ROWS_NEW` rows on,
+      "fused" below;
     * a pass that gathers from a bf16/fp16 cache: with a split-layout weight "separate" from
       :data:`SEPARATE_FROM_ROWS` rows on and "fused" below; with an identity-layout weight "fused";
     * a pass that gathers from an FP8 cache: "separate" from :data:`SEPARATE_FROM_ROWS_FP8` rows on, "fused" below.
@@ -118,8 +122,11 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     hence the lower bound: on a host-bound batch (the bench's 16 x (2048+512) in 8 chunks of 4096 rows) the FP8 cache
     then costs what the bf16 one does, where three launches per pass made it 1.48x; on the long cases (chunks of
     7424-8192 rows) the passes stay on cuBLAS. Against the identity layout's one GEMM, which does 40% more FLOPs,
-    the fused kernel is faster at every size. New tokens alone gather nothing: cuBLAS is faster (64 x 128: 0.143
-    against 0.248 ms).
+    the fused kernel is faster at every size. New tokens alone gather nothing, and the two are even on the GPU up to
+    4096 rows (0.012 / 0.020 / 0.039 ms fused against 0.013 / 0.019 / 0.036 at 1024 / 2048 / 4096), cuBLAS ahead
+    from there (0.073 / 0.138 against 0.063 / 0.118 at 8192 / 16384); the fused kernel's one launch saves 30-70 us
+    of host time per pass on the H200's host, more than its GPU cost below 16384 rows: a batch of 64 x 128 new
+    tokens without context was host-bound, 1.11x the hand-written pipeline's time with cuBLAS (2026-12-01).
 
     Raises:
         ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`.
@@ -131,7 +138,7 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     if mode != "auto":
         return mode
     if not gathered:
-        return "separate"
+        return "separate" if rows >= SEPARATE_FROM_ROWS_NEW else "fused"
     if kv_cache_fp8:
         return "separate" if rows >= SEPARATE_FROM_ROWS_FP8 else "fused"
     return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"

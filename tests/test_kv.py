@@ -42,7 +42,7 @@ def test_fused_refuses_float64(monkeypatch):
 
 def test_auto_takes_the_fused_kernel_only_for_smaller_gathered_passes():
     assert KV.pass_impl("auto", gathered=True, kv_cache_fp8=False) == "fused"
-    assert KV.pass_impl("auto", gathered=False, kv_cache_fp8=False) == "separate"
+    assert KV.pass_impl("auto", gathered=False, kv_cache_fp8=False) == "fused"  # a pass of 0 rows
     # with a split-layout weight, the large gathered passes go to cuBLAS; the identity layout's GEMM never wins
     big, small = KV.SEPARATE_FROM_ROWS, KV.SEPARATE_FROM_ROWS - 1
     assert KV.pass_impl("auto", True, False, big, "split") == "separate"
@@ -54,8 +54,13 @@ def test_auto_takes_the_fused_kernel_only_for_smaller_gathered_passes():
     for layout in ("split", "identity"):
         assert KV.pass_impl("auto", True, True, big8, layout) == "separate"
         assert KV.pass_impl("auto", True, True, small8, layout) == "fused"
-    assert KV.pass_impl("auto", False, True, small8, "split") == "separate"
-    assert KV.pass_impl("auto", False, False, small, "split") == "separate"
+    # new tokens alone (nothing gathered, the cache's dtype does not matter): cuBLAS from a higher bound on
+    big_new, small_new = KV.SEPARATE_FROM_ROWS_NEW, KV.SEPARATE_FROM_ROWS_NEW - 1
+    assert small_new >= big
+    for fp8 in (False, True):
+        for layout in ("split", "identity"):
+            assert KV.pass_impl("auto", False, fp8, big_new, layout) == "separate"
+            assert KV.pass_impl("auto", False, fp8, small_new, layout) == "fused"
     for mode in KV.KV_IMPLS:
         for gathered in (False, True):
             for fp8 in (False, True):
