@@ -210,8 +210,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             host sync). Context rows are dequantized into the plan's dtype in the gather (:mod:`mla_bridge.cache`).
         kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM), ``"fused"`` (one
             Triton launch per pass, CUDA only) or ``"auto"`` (per pass, :func:`mla_bridge.kv.pass_impl`: the fused
-            kernel where a smaller pass gathers from the cache, the separate path elsewhere; the default on CUDA with
-            Triton, "separate" elsewhere);
+            kernel for the smaller passes, the separate path for the others; the default on CUDA with Triton,
+            "separate" elsewhere). Passes that gather from an FP8 cache take the separate path in every mode;
             ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment variable, else the
             default).
 

@@ -25,6 +25,10 @@ one program per head with two accumulators (0.58 against 0.44 ms at 40000 rows),
 256-wide tile of v and k_nope (0.46 ms, no faster, and it failed the FP8-cache equality test on 5% of elements: not
 root-caused).
 
+The FP8 path (``kv_cache_scale``) is not used by :mod:`mla_bridge.kv`: in a stress run on the H200 (2026-12-01) it gave
+wrong k / v in one run of 40 (976 elements), the separate path in none, cause not found; kept for that work, which
+``scripts/gpu/fp8_fused_stress.py`` repeats (:func:`mla_bridge.kv.pass_impl`).
+
 Imported only by :mod:`mla_bridge.kv`, on first use: Triton is not needed on the CPU.
 """
 

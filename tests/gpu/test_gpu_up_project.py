@@ -2,13 +2,14 @@
 
 Marked ``gpu``: skipped unless CUDA is available and FlashInfer imports (tests/conftest.py). Run on the H200:
     python -m pytest tests/gpu/test_gpu_up_project.py -q -m gpu
-* fused == separate (gather + cuBLAS GEMM) for every pass of the fused and the chunked schedules, bf16 and FP8
-  caches (scale as a float and as a device tensor), identity and split weight layouts, block sizes 1/16, NaN in
+* fused == separate (gather + cuBLAS GEMM) for every pass of the fused and the chunked schedules, bf16 caches
+  (FP8 caches never reach the fused kernel, :func:`mla_bridge.kv.pass_impl`: its FP8 path gave wrong values once in
+  a stress run; scripts/gpu/fp8_fused_stress.py), identity and split weight layouts, block sizes 1/16, NaN in
   every cache slot no request reads: k_pe columns exactly equal (as values: the identity layout's GEMM adds +0.0, so
   it writes +0.0 where the kernel copies a -0.0), k_nope and v within one bf16 rounding step of the float32
   sums (the two GEMMs add the same products in another order); the GPU kept busy so the host runs ahead.
 * mla_prefill with MLA_BRIDGE_KV=fused against the separate path and against float64 (the bf16 tolerances of
-  tests/gpu/test_gpu_core.py), at DeepSeek-V2-Lite dims, fused and chunked schedules, bf16 and FP8 caches.
+  tests/gpu/test_gpu_core.py), at DeepSeek-V2-Lite dims, fused and chunked schedules, bf16 caches.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("layout", ["identity", "split"])
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False])  # FP8 caches never reach the fused kernel (module docstring)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fused_kernel_equals_gather_then_gemm(block_size, fp8, layout, fuse):
@@ -105,7 +106,7 @@ def test_fused_kernel_equals_gather_then_gemm(block_size, fp8, layout, fuse):
             _within_one_rounding(va, vb)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False])  # FP8 caches never reach the fused kernel (module docstring)
 @pytest.mark.parametrize("fuse", [True, False])
 def test_mla_prefill_with_fused_kernel_matches_separate_and_float64(monkeypatch, fp8, fuse):
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(16, fp8, seed=11 + fp8,
