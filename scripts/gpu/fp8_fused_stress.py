@@ -2,7 +2,7 @@
 """The fused kernel's FP8 path against a float64 reference, many runs with the caching allocator polluted between
 them: the intermittent fault that keeps FP8 caches off that kernel (:func:`mla_bridge.kv.pass_impl`).
 
-    python3 scripts/gpu/fp8_fused_stress.py [--runs 20]
+    python3 scripts/gpu/fp8_fused_stress.py [--runs 20] [--bf16]
 
 For the four cases of tests/gpu/test_gpu_up_project.py with an FP8 cache (block size 16 and 1, fused and chunked
 schedules; DeepSeek-V2-Lite dims, NaN in every cache slot no request reads), each run fills and frees about 120 MB
@@ -12,7 +12,7 @@ separate path (:func:`mla_bridge.kv.chunk_kv` / :func:`mla_bridge.kv.fused_sched
 and counts the elements of k_nope and v farther than one bf16 step (2**-7 relative, plus 2**-12) from float64 sums
 over the same dequantized rows. On the H200 (2026-12-01, Triton 3.6) 20 runs per case gave one wrong fused run
 (976 elements; block size 1, fused schedule, tensor scale) and no wrong separate run. Prints one line per wrong pass
-and a count per case; exit code 1 when any pass was wrong.
+and a count per case; exit code 1 when any pass was wrong. ``--bf16`` adds the same cases with a bf16 cache.
 """
 
 from __future__ import annotations
@@ -55,13 +55,16 @@ def _fused(plan, kv_c, k_pe, cache, table, scale, weight):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="runs per case (default 20)")
+    parser.add_argument("--bf16", action="store_true", help="also the same cases with a bf16 cache")
     args = parser.parse_args()
     wrong_total = 0
-    for bs, fuse in ((16, True), (1, False), (16, False), (1, True)):
+    cases = [(fp8, bs, fuse) for fp8 in ((True, False) if args.bf16 else (True,))
+             for bs, fuse in ((16, True), (1, False), (16, False), (1, True))]
+    for fp8, bs, fuse in cases:
         d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = T._case(
-            bs, True, seed=bs + 3, chunk_tokens=4096 if fuse else 1024)
+            bs, fp8, seed=bs + 3 * fp8, chunk_tokens=4096 if fuse else 1024)
         plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=bs, dtype=BF16,
-                                 fuse_context=fuse, kv_cache_dtype="fp8")
+                                 fuse_context=fuse, kv_cache_dtype="fp8" if fp8 else None)
         cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
         weight = prepare_kv_b_proj(w, d, layout="split")
         raw = w.double().view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)  # k_nope rows, v rows
@@ -75,7 +78,7 @@ def main() -> int:
         for run in range(args.runs):
             junk = torch.randn(int(3e7) + run * 4099, device=cache.device) * 1e20
             del junk
-            for sc in (s, float(s)):
+            for sc in ((s, float(s)) if fp8 else (None,)):
                 torch.cuda._sleep(int(1e8))
                 results = {"separate": T._passes(plan, kv_c, k_pe, cache, table, sc, weight, "separate"),
                            "fused": _fused(plan, kv_c, k_pe, cache, table, sc, weight)}
@@ -86,11 +89,12 @@ def main() -> int:
                                 for x, r in ((k[..., :d.qk_nope_head_dim], rn), (v, rv)))
                         if n:
                             wrong[name] += 1
-                            print(f"block {bs}, {'fused' if fuse else 'chunked'} schedule, run {run}, scale "
+                            print(f"{'FP8' if fp8 else 'bf16'} cache, block {bs}, {'fused' if fuse else 'chunked'} "
+                                  f"schedule, run {run}, scale "
                                   f"{type(sc).__name__}: {name} pass {pi} ({k.shape[0]} rows) has {n} wrong",
                                   flush=True)
-        print(f"block {bs}, {'fused' if fuse else 'chunked'} schedule: wrong runs of {2 * args.runs}: {wrong}",
-              flush=True)
+        print(f"{'FP8' if fp8 else 'bf16'} cache, block {bs}, {'fused' if fuse else 'chunked'} schedule: wrong "
+              f"passes in {(2 if fp8 else 1) * args.runs} runs: {wrong}", flush=True)
         wrong_total += sum(wrong.values())
     return 1 if wrong_total else 0
 
