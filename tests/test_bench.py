@@ -387,3 +387,13 @@ def test_a_gpu_sample_is_never_less_than_the_host_time_of_its_call():
     samples, gpu = _event_samples(events, [2.78, 0.05, 1.0])
     assert gpu == [1.45, 0.8, 2.0]
     assert samples == [2.78, 0.8, 2.0]
+
+
+def test_interleaved_rounds_rotate_so_every_path_takes_every_place():
+    from mla_bridge.bench.common import _rotated
+
+    rounds = [_rotated([4, 7, 9], rep) for rep in range(6)]
+    assert rounds[:3] == [[4, 7, 9], [7, 9, 4], [9, 4, 7]] and rounds[3:] == rounds[:3]
+    for place in range(3):
+        assert sorted(r[place] for r in rounds[:3]) == [4, 7, 9]
+    assert _rotated([], 3) == []

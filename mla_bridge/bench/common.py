@@ -147,6 +147,16 @@ class Timing:
     gpu_ms: Optional[float] = None  # the CUDA events' median alone (module docstring)
 
 
+def _rotated(order: Sequence[int], rep: int) -> list[int]:
+    """``order`` started at position ``rep`` (mod its length): round ``rep`` of the interleaved timing, so that every
+    path takes every place in a round equally often (A B C, B C A, C A B, ...). Why: on the H200 (2026-12-01, fixed
+    order) the first path of each round, the host-bound 64 x 128 ``mla_prefill`` default, took 0.21-0.24 ms per call
+    in three runs where the fourth, running the same kernels, took 0.16-0.17: a cost of the place, not the path
+    (not measured again with the rotation)."""
+    k = rep % len(order) if order else 0
+    return list(order[k:]) + list(order[:k])
+
+
 def _spin_ms(host_ms: float) -> float:
     """The GPU spin before a timed call whose host time is about ``host_ms``: 3x that, within [1, 50] ms (the host
     must finish issuing the call before the GPU reaches it)."""
@@ -296,8 +306,8 @@ class Ctx:
 
     def measure_many(self, section: str, case: str, items: Sequence[tuple[str, Callable[[], Any], dict]], *,
                      repeats: Optional[int] = None, warmup: Optional[int] = None) -> list[Row]:
-        """Time several paths of one case interleaved (A B C A B C ...: clock and thermal drift hit each alike, so
-        their ratios hold on a noisy machine). ``items`` are ``(path, fn, row keywords)``; the keywords may hold
+        """Time several paths of one case interleaved (A B C, B C A, C A B, ...: clock and thermal drift hit each
+        alike and each takes every place in a round, so their ratios hold on a noisy machine). ``items`` are ``(path, fn, row keywords)``; the keywords may hold
         ``flops`` / ``nbytes`` and any :class:`Row` field. Rows come back in ``items`` order; a path that fails
         becomes a skipped row with the error text, the others are still timed."""
         r = max(1, self.repeats if repeats is None else repeats)
@@ -321,15 +331,15 @@ class Ctx:
             if self.cuda:
                 events: dict[int, list] = {i: [] for i in live}
                 for rep in range(r):
-                    for i in live:
+                    for i in _rotated(live, rep):
                         events[i].append(self._issue(items[i][1], busy[i], host[i]))
                         busy[i] = _spin_ms(host[i][-1])
                 torch.cuda.synchronize(self.device)
                 for i in live:
                     samples[i], gpu[i] = _event_samples(events[i], host[i])
             else:
-                for _ in range(r):
-                    for i in live:
+                for rep in range(r):
+                    for i in _rotated(live, rep):
                         t = time.perf_counter()
                         items[i][1]()
                         samples[i].append((time.perf_counter() - t) * 1e3)
