@@ -131,8 +131,9 @@ def _payload(env: dict, ctx: Any, sections: Sequence[str], rows: list, job_times
     config = {"sections": list(sections), "quick": ctx.quick, "device": str(ctx.device), "repeats": ctx.repeats,
               "warmup": ctx.warmup, "seed": ctx.seed, "backend": ctx.backend, "skip": sorted(ctx.skip),
               "budget_s": ctx.budget_s, "layers": ctx.layers,
-              "timer": "cuda events" if ctx.cuda else "time.perf_counter", "statistic": "median",
-              "interleaved": True, "l2_flush": False}
+              "timer": ("max(cuda events with the gpu spinning first, host time) per call" if ctx.cuda
+                        else "time.perf_counter"), "statistic": "median",
+              "interleaved": "rotating rounds", "l2_flush": False}
     return _clean({
         "complete": complete, "environment": env, "config": config, "peaks": ctx.peaks, "sections": list(sections),
         "elapsed_s": round(ctx.elapsed(), 3), "rows": [r.to_dict() for r in sort_rows(rows)],
