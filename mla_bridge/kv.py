@@ -122,7 +122,7 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     The fused kernel's FP8 path is not used: in a stress run on the H200 (2026-12-01; four cases of
     tests/gpu/test_gpu_up_project.py, 40 runs each against a float64 reference, the caching allocator polluted between
     runs) it gave wrong k / v once (976 of 5.9M elements off; block size 1, fused schedule, scale as a tensor), the
-    separate path never; the cause is not found (``scripts/fp8_fused_stress.py`` repeats the run). It was also
+    separate path never; the cause is not found (``scripts/gpu/fp8_fused_stress.py`` repeats the run). It was also
     1.6-1.8x slower than the separate path on the GPU (0.038 / 0.072 / 0.126 ms at 2048 / 4096 / 7424 rows against
     0.023 / 0.041 / 0.069).
 

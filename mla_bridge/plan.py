@@ -32,7 +32,7 @@ from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, device_capability
 from .kernels import triton_available
-from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _plan_checked
+from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _not_a_bool, _plan_checked
 from .workspace import Workspace, _checked_device, current_stream
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
@@ -137,6 +137,19 @@ def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> tuple[int, int]:
     return totals[0], totals[1]
 
 
+def _check_fuse_context(fuse_context) -> None:
+    if not isinstance(fuse_context, bool):
+        raise _not_a_bool("fuse_context", fuse_context)
+
+
+def _checked_block_size(block_size) -> int:
+    """``block_size`` as an int, or ValueError: a positive int (a numpy integer too), never a bool or a float."""
+    if type(block_size) is not int and (isinstance(block_size, bool)  # an int (the common case) in one test
+                                        or not isinstance(block_size, numbers.Integral)) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    return int(block_size)
+
+
 def _indptr(lens: np.ndarray) -> np.ndarray:
     """int32 ``[0, l0, l0 + l1, ...]`` (numpy) of non-negative int64 lengths whose sum :func:`_check_length_sums` has
     checked (so every prefix fits int32: accumulated straight into an int32 buffer)."""
@@ -197,8 +210,7 @@ class PrefillPlan:
         16 bytes per context token in the chunked schedule, 24 per context token and 8 per new token in the fused
         one.
         """
-        if not isinstance(fuse_context, bool):
-            raise TypeError(f"fuse_context must be a bool, got {type(fuse_context).__name__}")
+        _check_fuse_context(fuse_context)
         self = object.__new__(cls)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         q_lens = _lengths("query_lens", query_lens)
@@ -210,10 +222,7 @@ class PrefillPlan:
             raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-        if type(block_size) is not int and (isinstance(block_size, bool)  # an int (the common case) in one test
-                                            or not isinstance(block_size, numbers.Integral)) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        block_size = int(block_size)
+        block_size = _checked_block_size(block_size)
         dev = workspace.device if device is None else _checked_device(device)
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
@@ -533,6 +542,9 @@ class PlanCache:
         q_lens = _lengths("query_lens", query_lens)
         c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
         key = None  # (without a Workspace and MLADims, build raises)
+        # what build refuses is refused here too, before the look-up (4.0 == 4 and 1 == True as key parts)
+        _check_fuse_context(fuse_context)
+        block_size = _checked_block_size(block_size)
         if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
             dev = workspace.device if device is None else _checked_device(device)
             key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, _requested_backend(backend),

@@ -25,6 +25,7 @@ from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
+from .ragged import _not_a_bool
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
@@ -225,7 +226,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             before any kernel runs.
     """
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise _not_a_bool("return_lse", return_lse)
     k_pe, kv_cache, scale = _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out,
                                             kv_cache_scale)
     impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
@@ -297,7 +298,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
     if not isinstance(prepared_weight, bool):
-        raise TypeError(f"prepared_weight must be a bool, got {type(prepared_weight).__name__}")
+        raise _not_a_bool("prepared_weight", prepared_weight)
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens

@@ -301,7 +301,7 @@ class RaggedPlan:
             raise ValueError(f"lse_base must be 'ln' (natural log) or 'log2', got {lse_base!r}")
         if return_lse is not True:
             if not isinstance(return_lse, bool):
-                raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+                raise _not_a_bool("return_lse", return_lse)
             if lse is not None:
                 raise ValueError("lse is given but return_lse=False: pass one or the other")
         self.validate(q, k, v, out, lse, lse_layout)
@@ -333,6 +333,14 @@ class RaggedPlan:
         return (f"RaggedPlan(backend={self.backend.name!r}, batch={s.batch_size}, q_tokens={s.num_qo_tokens}, "
                 f"kv_tokens={s.num_kv_tokens}, heads={s.num_heads}, dims={s.head_dim_qk}/{s.head_dim_vo}, "
                 f"causal={s.causal}, dtype={s.dtype})")
+
+
+def _not_a_bool(name: str, value: Any) -> TypeError:
+    """The error for a flag that is not a Python bool, naming the value's type with its module (numpy 2's bool is
+    named ``bool`` too)."""
+    kind = type(value)
+    where = "" if kind.__module__ == "builtins" else kind.__module__ + "."
+    return TypeError(f"{name} must be a bool (True or False), got {value!r} of type {where}{kind.__qualname__}")
 
 
 def as_sm_scale(sm_scale: Any) -> float:

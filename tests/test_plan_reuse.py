@@ -187,3 +187,22 @@ def test_bench_splits_build_time_into_flashinfer_and_our_own(stand_in_flashinfer
     assert build.extra["own_over_flashinfer"] == pytest.approx(own.ms / fi.ms)
     (check,) = [c for c in ctx.checks if c.name.startswith("plan: own host work / FlashInfer plan() time")]
     assert check.value == build.extra["own_over_flashinfer"] and check.target == 0.20
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (dict(block_size=4.0), ValueError, "block_size must be a positive int"),
+    (dict(block_size=True), ValueError, "block_size must be a positive int"),
+    (dict(fuse_context=1), TypeError, "fuse_context must be a bool"),
+])
+def test_a_hit_refuses_what_build_refuses(tiny_dims, bad, exc, match):
+    """``4.0 == 4`` and ``1 == True`` as key parts: a cached plan must not let an argument through that
+    :meth:`PrefillPlan.build` refuses (the same error whatever the cache holds)."""
+    ws = Workspace("cpu")
+    cache = PlanCache()
+    good = dict(block_size=int(bad.get("block_size", 4)), fuse_context=True)
+    cache.get([3, 2], [5, 1], dims=tiny_dims, workspace=ws, dtype=torch.float32, **good)
+    with pytest.raises(exc, match=match):
+        PrefillPlan.build([3, 2], [5, 1], dims=tiny_dims, workspace=ws, dtype=torch.float32, **dict(good, **bad))
+    with pytest.raises(exc, match=match):
+        cache.get([3, 2], [5, 1], dims=tiny_dims, workspace=ws, dtype=torch.float32, **dict(good, **bad))
+    assert cache.hits == 0 and cache.misses == 1

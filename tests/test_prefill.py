@@ -266,5 +266,5 @@ def test_prefill_memory_bytes_checks_its_arguments():
         prefill_memory_bytes(None)
     plan = PrefillPlan.build([4], [0], dims=MLADims.deepseek_v2_lite(), workspace=Workspace("cpu"), block_size=16,
                              dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="^prepared_weight must be a bool, got str"):
+    with pytest.raises(TypeError, match="^prepared_weight must be a bool \\(True or False\\), got .* of type str"):
         prefill_memory_bytes(plan, prepared_weight="no")

@@ -219,6 +219,9 @@ def test_run_without_lse_returns_out_alone(ref):
     assert torch.equal(empty.run(q[:3], k[:0], v[:0], return_lse=False), torch.zeros(3, 2, D_VO))
     with pytest.raises(TypeError, match="return_lse must be a bool"):
         p.run(q, k, v, return_lse=0)
+    import numpy as np
+    with pytest.raises(TypeError, match=r"of type numpy\.bool"):  # numpy 2 names its bool type "bool" too
+        p.run(q, k, v, return_lse=np.bool_(False))
     lse = torch.full((5, 2), 9.0)
     with pytest.raises(ValueError, match="return_lse=False"):
         p.run(q, k, v, lse=lse, return_lse=False)

@@ -365,7 +365,7 @@ def test_bad_lengths(tiny_dims, query_lens, context_lens, exc, match):
     (dict(workspace=None), TypeError, "workspace"),
     (dict(device="meta"), ValueError, r"device must be 'cpu' or 'cuda"),
     (dict(backend="nope"), ValueError, "unknown backend"),
-    (dict(fuse_context="no"), TypeError, "^fuse_context must be a bool, got str"),
+    (dict(fuse_context="no"), TypeError, "^fuse_context must be a bool \\(True or False\\), got .* of type str"),
 ])
 def test_bad_plan_build(tiny_dims, kwargs, exc, match):
     args = dict(dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32)

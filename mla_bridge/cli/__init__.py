@@ -60,8 +60,8 @@ torch backend runs; it computes in float32 anyway, so bf16 inputs there only add
 
 timing: the per-layer time is mla_prefill itself (CUDA events on a GPU, time.perf_counter on the CPU),
 after one untimed warm-up layer (on the CPU only while a layer is under 50 GFLOP). The split into
-gather/up-projection, main pass, context chunks and merge comes from one extra layer that runs the
-plan's pieces one by one (--no-breakdown skips it).
+gather/up-projection, main pass, context chunks and merge comes from one extra layer timed at
+mla_prefill's phase boundaries (its phase_hook; --no-breakdown skips it).
 
 check: --check-requests requests (spread over the batch) are recomputed by mla_bridge.reference: float64,
 unchunked, straight from the paged cache; cache slots that hold no context are NaN, so reading one shows.
