@@ -5,10 +5,10 @@ allocations), then ``repeats`` timed calls. Each timed call starts on an idle GP
 (:func:`mla_bridge.profiling.keep_gpu_busy`, about 3x the call's warm host time) while the host issues the call
 between two CUDA events: the events time the call's GPU work alone, ``perf_counter`` its host time alone (never a
 wait for earlier work), and a sample is the larger of the two: a loop of the call, host and GPU overlapped, takes at
-least each. Timing calls back to back instead mixes them up: on the H200 a host-bound hand-written pipeline issued
-after GPU-heavy paths showed 1.45 ms of events for 2.78 ms of host time per call (its start event fired late),
-and host times grew with waits on a full launch queue (15 ms for a 4.7 ms path). The events' median is kept as
-``gpu_ms``. On the CPU both are wall-clock times.
+least each. Timing calls back to back instead mixes them up: on the H200 (2026-12-01) a host-bound hand-written
+pipeline issued after GPU-heavy paths showed 1.45 ms of events for 2.78 ms of host time per call (its start event
+fired late), and host times grew with waits on a full launch queue (15 ms for a 4.7 ms path). The events' median
+is kept as ``gpu_ms``. On the CPU both are wall-clock times.
 """
 
 from __future__ import annotations

@@ -66,21 +66,20 @@ def test_busy_leases_are_not_reused_while_the_gpu_is_behind(backend):
     ws = Workspace(dev())
     side = torch.cuda.Stream()
     outs = []
-    torch.cuda._sleep(SLEEP)
-    for case in batches:
-        p = case.plan(ws)
-        with torch.cuda.stream(side):
-            outs.append((case, p.run(case.q, case.k, case.v)[0]))
-        del p
+
+    def plan_and_drop_each_batch_while_the_gpu_sleeps():
+        torch.cuda._sleep(SLEEP)
+        for case in batches:
+            p = case.plan(ws)
+            with torch.cuda.stream(side):
+                outs.append((case, p.run(case.q, case.k, case.v)[0]))
+            del p
+
+    plan_and_drop_each_batch_while_the_gpu_sleeps()
     assert ws.wrappers_created == len(batches)
     torch.cuda.synchronize()
     gc.collect()
-    torch.cuda._sleep(SLEEP)
-    for case in batches:
-        p = case.plan(ws)
-        with torch.cuda.stream(side):
-            outs.append((case, p.run(case.q, case.k, case.v)[0]))
-        del p
+    plan_and_drop_each_batch_while_the_gpu_sleeps()
     torch.cuda.synchronize()
     assert ws.wrappers_created == len(batches)  # the second round reused the first round's wrappers
     errors = [case.error(out) for case, out in outs]
