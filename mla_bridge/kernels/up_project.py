@@ -22,12 +22,23 @@ zeros). Program ``p`` computes rows tile ``p // (2H)`` and, for ``r = p % (2H)``
 even, with the k_pe copy) or v part (``r`` odd): the ``2H`` programs that read one A tile run next to each other, so
 it is read from HBM once and from L2 after. Two alternatives were measured on the H200 (2026-12-01) and dropped:
 one program per head with two accumulators (0.58 against 0.44 ms at 40000 rows), and one program per head with one
-256-wide tile of v and k_nope (0.46 ms, no faster, and it failed the FP8-cache equality test on 5% of elements: not
-root-caused).
+256-wide tile of v and k_nope (0.46 ms, no faster, and it failed the FP8-cache equality test on 5% of elements, with
+3 stages: see below).
 
-The FP8 path (``kv_cache_scale``) is not used by :mod:`mla_bridge.kv`: in a stress run on the H200 (2026-12-01) it gave
-wrong k / v in one run of 40 (976 elements), the separate path in none, cause not found; kept for that work, which
-``scripts/gpu/fp8_fused_stress.py`` repeats (:func:`mla_bridge.kv.pass_impl`).
+**The FP8 path runs a software pipeline of at most** :data:`DEQUANT_MAX_STAGES` **(2) stages.** With an FP8 cache the
+A tile is loaded as bytes, dequantized in registers and fed to Hopper's asynchronous ``wgmma`` from registers (the
+bf16 path feeds it from shared memory). Compiled by Triton 3.6 with 3 stages (:data:`CONFIG`'s), this loop gave wrong
+k_nope / v on the H200 (2026-12-01). With the dequantization rounded on the bits, about 1 launch in 200 was wrong (16
+of 3000 on one fixed input), each time in the 128 columns of 8 consecutive rows of one program's tile (the rows one
+warp's A-fragment register pair feeds), off by up to 30%, with every output written. With the native rounding (used
+here: 25-30% faster), every launch was wrong. With 2 stages or 1: no wrong launch in 3000 to 20000 per case. The
+3-stage IR keeps 2 shared-memory buffers of the byte tile with up to 3 ``wgmma`` groups in flight; the 2-stage IR waits
+for every copy at the start of each iteration. The fault is in the compiled pipeline, not in this kernel's indexing or
+arithmetic (the same source with 2 stages is exact); the compiler step is not identified (the pipeliner's
+buffer-lifetime bugs of triton-lang/triton#8139 and #10977 are of that kind). 2 stages cost 0-7% on this path against
+3. ``tests/gpu/test_gpu_up_project.py`` launches it 1000 times against the first result (with the cap lifted it
+caught 8 and 6 of 1000); ``scripts/gpu/fp8_fused_stress.py`` compares many runs with float64. The 256-wide variant
+above probably failed for the same reason.
 
 Imported only by :mod:`mla_bridge.kv`, on first use: Triton is not needed on the CPU.
 """
@@ -45,18 +56,24 @@ from .launch import launch
 
 from .gather import _dequant
 
-__all__ = ["up_project_triton", "CONFIG"]
+__all__ = ["up_project_triton", "CONFIG", "DEQUANT_MAX_STAGES"]
 
 #: Tile sizes and launch shape: rows per tile, k (and v) columns per program, K step, warps, pipeline stages.
 CONFIG = dict(BLOCK_M=128, BLOCK_K=64, num_warps=8, num_stages=3)
+#: Pipeline stages of the FP8 (dequantizing) specialization at most: 3 gave wrong results with Triton 3.6 on the
+#: H200 (module docstring). A caller's explicit ``num_stages`` is capped too.
+DEQUANT_MAX_STAGES = 2
 
 
 @triton.jit
 def _gemm(a_rows, a_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
           RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          DEQUANT: tl.constexpr, OUT_BF16: tl.constexpr, IEEE: tl.constexpr):
+          DEQUANT: tl.constexpr, IEEE: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` float32: rows ``a_rows`` (pointers to element 0 of each row, stride ``a_elem``) times
-    weight rows ``w_first + n`` (row stride ``w_row``), over the first ``RANK`` columns."""
+    weight rows ``w_first + n`` (row stride ``w_row``), over the first ``RANK`` columns. FP8 rows (``DEQUANT``) are
+    dequantized as ``float32(stored) * s`` rounded to the weight's dtype by the native conversion (round to nearest
+    even: the gather's bits for every finite value, and 25-30% faster in this loop than the gather's bit arithmetic,
+    which exists for the interpreter and for NaN's bit pattern, neither of which a GEMM operand needs)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kk = tl.arange(0, BLOCK_K)
     w_rows = (w_first + n).to(tl.int64) * w_row
@@ -65,7 +82,7 @@ def _gemm(a_rows, a_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
         kmask = k < RANK
         a = tl.load(a_rows[:, None] + k[None, :] * a_elem, mask=rmask[:, None] & kmask[None, :], other=0)
         if DEQUANT:
-            a = _dequant(a, s, OUT_BF16)
+            a = a.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
         a = a.to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptr + w_rows[None, :] + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0)
         if IEEE:
@@ -115,7 +132,7 @@ def _up_project_kernel(out_ptr, o_row, o_head,
         blk = tl.load(table_ptr + req * ts_row + (pos // BLOCK_SIZE) * ts_col, mask=rmask, other=0).to(tl.int64)
         src = cache_ptr + blk * cs_block + (pos % BLOCK_SIZE) * cs_slot
         acc = _gemm(src, cs_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
-                    RANK, BLOCK_M, BLOCK_N, BLOCK_K, DEQUANT, OUT_BF16, IEEE)
+                    RANK, BLOCK_M, BLOCK_N, BLOCK_K, DEQUANT, IEEE)
         if HAS_CTX_DST:
             dst = tl.load(ctx_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
@@ -130,7 +147,7 @@ def _up_project_kernel(out_ptr, o_row, o_head,
         rows = (tile - ctx_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < n_new
         acc = _gemm(kvc_ptr + rows * kvc_row, kvc_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
-                    RANK, BLOCK_M, BLOCK_N, BLOCK_K, False, OUT_BF16, IEEE)
+                    RANK, BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE)
         if HAS_NEW_DST:
             dst = tl.load(new_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
@@ -157,6 +174,9 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
     d = weight.dims
     h, rank, nope, rope, vd = d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
     cfg = dict(CONFIG, **config)
+    dequant = kv_cache_scale is not None
+    if dequant:
+        cfg["num_stages"] = min(cfg["num_stages"], DEQUANT_MAX_STAGES)
     bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, next_power_of_2(rank)))
     w = weight.weight
     if weight.layout == "identity":  # [H * (nope + rope + vd), rank + rope]: per head k_nope rows, I, v rows
@@ -169,7 +189,6 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
     grid = ((ctx_tiles + cdiv(n_new, bm)) * 2 * h,)
     if grid[0] == 0:
         return
-    dequant = kv_cache_scale is not None
     if kv_cache is None:  # unused pointers of an absent part: any tensor of the right kind
         kv_cache, block_table, req_ids, positions = out.view(-1, 1, out.shape[-1]), out, out, out
     if kv_c is None:

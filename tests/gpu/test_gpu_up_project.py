@@ -2,14 +2,15 @@
 
 Marked ``gpu``: skipped unless CUDA is available and FlashInfer imports (tests/conftest.py). Run on the H200:
     python -m pytest tests/gpu/test_gpu_up_project.py -q -m gpu
-* fused == separate (gather + cuBLAS GEMM) for every pass of the fused and the chunked schedules, bf16 caches
-  (FP8 caches never reach the fused kernel, :func:`mla_bridge.kv.pass_impl`: its FP8 path gave wrong values once in
-  a stress run; scripts/gpu/fp8_fused_stress.py), identity and split weight layouts, block sizes 1/16, NaN in
+* fused == separate (gather + cuBLAS GEMM) for every pass of the fused and the chunked schedules, bf16 and FP8
+  caches (the FP8 cache's scale as a tensor and as a float), identity and split weight layouts, block sizes 1/16, NaN in
   every cache slot no request reads: k_pe columns exactly equal (as values: the identity layout's GEMM adds +0.0, so
   it writes +0.0 where the kernel copies a -0.0), k_nope and v within one bf16 rounding step of the float32
   sums (the two GEMMs add the same products in another order); the GPU kept busy so the host runs ahead.
 * mla_prefill with MLA_BRIDGE_KV=fused against the separate path and against float64 (the bf16 tolerances of
-  tests/gpu/test_gpu_core.py), at DeepSeek-V2-Lite dims, fused and chunked schedules, bf16 caches.
+  tests/gpu/test_gpu_core.py), at DeepSeek-V2-Lite dims, fused and chunked schedules, bf16 and FP8 caches.
+* the FP8 specialization gives the same bits in 1000 launches (the pipeline race of
+  :mod:`mla_bridge.kernels.up_project`: with 3 stages about 1 launch in 200 was wrong).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def _within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("layout", ["identity", "split"])
-@pytest.mark.parametrize("fp8", [False])  # FP8 caches never reach the fused kernel (module docstring)
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fused_kernel_equals_gather_then_gemm(block_size, fp8, layout, fuse):
@@ -106,7 +107,7 @@ def test_fused_kernel_equals_gather_then_gemm(block_size, fp8, layout, fuse):
             _within_one_rounding(va, vb)
 
 
-@pytest.mark.parametrize("fp8", [False])  # FP8 caches never reach the fused kernel (module docstring)
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_mla_prefill_with_fused_kernel_matches_separate_and_float64(monkeypatch, fp8, fuse):
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(16, fp8, seed=11 + fp8,
@@ -148,6 +149,50 @@ def test_mla_prefill_with_fused_kernel_matches_separate_and_float64(monkeypatch,
         ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
         torch.testing.assert_close(ob[row:row + ql].double(), ref, atol=2e-2, rtol=2e-2)
         row += ql
+
+
+def _launch_repeatedly(plan, kv_c, k_pe, cache, table, scale, weight, launches: int) -> tuple[torch.Tensor, int]:
+    """The fused schedule's one pass by the fused kernel ``launches`` times, each into a fresh buffer (allocated over
+    freed polluted memory every 50 launches), the GPU kept busy at times: (first result, launches whose result
+    differs from the first in any bit), compared on the device with one synchronization at the end."""
+    from mla_bridge.kernels.up_project import up_project_triton
+
+    d = weight.dims
+    shape = (int(plan.main_kv_indptr[-1]), d.num_heads, d.head_dim_qk + d.v_head_dim)
+    args = dict(kv_cache=cache, block_table=table, req_ids=plan.ctx_req_ids, positions=plan.ctx_positions,
+                ctx_dst=plan.ctx_dst, kv_c=kv_c, k_pe=k_pe, new_dst=plan.new_dst, kv_cache_scale=scale)
+    first = torch.empty(shape, dtype=BF16, device=dev())
+    up_project_triton(first, weight, **args)
+    differing = torch.zeros((), dtype=torch.int64, device=dev())
+    for i in range(launches):
+        if i % 50 == 0:
+            junk = torch.randn(int(3e7) + i * 4099, device=dev()) * 1e20
+            del junk
+            torch.cuda._sleep(int(2e7))
+        out = torch.empty(shape, dtype=BF16, device=dev())
+        up_project_triton(out, weight, **args)
+        differing += (out != first).any()
+    torch.cuda.synchronize()
+    return first, int(differing)
+
+
+def test_fp8_fused_kernel_gives_the_same_bits_in_every_launch():
+    """The regression test of the FP8 pipeline race (:mod:`mla_bridge.kernels.up_project`): compiled with 3 stages,
+    about 1 launch in 200 of this case (block size 1, fused schedule) was wrong on the H200, so 1000 launches catch
+    it with probability above 99%. Every launch equals the first bitwise, and the first is within one bf16 rounding
+    of the separate path."""
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(1, True, seed=4, chunk_tokens=4096)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=1, dtype=BF16, fuse_context=True,
+                             kv_cache_dtype="fp8")
+    cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
+    weight = prepare_kv_b_proj(w, d, layout="split")
+    first, differing = _launch_repeatedly(plan, kv_c, k_pe, cache, table, s, weight, 1000)
+    assert differing == 0, f"{differing} of 1000 launches differ from the first"
+    (k, v), = _passes(plan, kv_c, k_pe, cache, table, s, weight, "separate")
+    nope, qk = d.qk_nope_head_dim, d.head_dim_qk
+    assert torch.equal(first[..., nope:qk], k[..., nope:])
+    _within_one_rounding(first[..., :nope], k[..., :nope])
+    _within_one_rounding(first[..., qk:], v)
 
 
 @pytest.mark.parametrize("heads", [16, 20, 128])
