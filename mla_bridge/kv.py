@@ -8,9 +8,9 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 * ``"separate"``: the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch, chosen by
   :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
   (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the large passes
-  (new tokens alone, or gathered with a split-layout weight) and of every pass gathering from an FP8 cache.
+  (new tokens alone, or gathered with a split-layout weight or from an FP8 cache).
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
-  gathered as they are loaded (never from an FP8 cache: :func:`pass_impl`) and whose epilogue writes k (with the k_pe broadcast) and v in
+  gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
   for the smaller passes (one launch where the host is the bound); why: :func:`pass_impl`.
 
@@ -31,7 +31,8 @@ from .cache import fused_latent, gather_latent
 from .weights import DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
-           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_NEW", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_NEW", "SEPARATE_FROM_ROWS_FP8", "fused_schedule_kv",
+           "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
@@ -44,6 +45,9 @@ AUTO_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 SEPARATE_FROM_ROWS = 8192
 #: "auto" builds a pass of new tokens alone (nothing gathered) by the separate path from this many rows on.
 SEPARATE_FROM_ROWS_NEW = 16384
+#: "auto" builds a pass gathering from an FP8 cache by the separate path from this many rows on, with either weight
+#: layout (:func:`pass_impl`).
+SEPARATE_FROM_ROWS_FP8 = 6144
 #: What :func:`kv_impl` may answer: one of :data:`KV_IMPLS` for every pass, or "auto" (chosen per pass by
 #: :func:`pass_impl`).
 KV_MODES = ("auto",) + KV_IMPLS
@@ -99,13 +103,14 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
 
 def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT) -> str:
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
-    weight's ``layout``. A pass that gathers from an FP8 cache: "separate", in every mode. Otherwise "fused" or
-    "separate" as ``mode`` says; "auto":
+    weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto":
 
     * a pass that gathers nothing (new tokens alone): "separate" from :data:`SEPARATE_FROM_ROWS_NEW` rows on,
       "fused" below;
     * a pass that gathers from a bf16/fp16 cache: with a split-layout weight "separate" from
-      :data:`SEPARATE_FROM_ROWS` rows on and "fused" below; with an identity-layout weight "fused".
+      :data:`SEPARATE_FROM_ROWS` rows on and "fused" below; with an identity-layout weight "fused";
+    * a pass that gathers from an FP8 cache: "separate" from :data:`SEPARATE_FROM_ROWS_FP8` rows on, "fused" below,
+      with either layout.
 
     Why (H200, 2026-12-01, bf16 out, DeepSeek-V2-Lite dims, GPU time of one gathered pass, gather included): the split
     layout's separate path (Triton gather, cuBLAS batched GEMM, Triton k_pe broadcast) takes 0.072 / 0.134 / 0.313 /
@@ -119,12 +124,12 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     us of host time per pass on the H200's host, more than its GPU cost below 16384 rows: a batch of 64 x 128 new
     tokens without context was host-bound, 1.11x the hand-written pipeline's time with cuBLAS (2026-12-01).
 
-    The fused kernel's FP8 path is not used: in a stress run on the H200 (2026-12-01; four cases of
-    tests/gpu/test_gpu_up_project.py, 40 runs each against a float64 reference, the caching allocator polluted between
-    runs) it gave wrong k / v once (976 of 5.9M elements off; block size 1, fused schedule, scale as a tensor), the
-    separate path never; the cause is not found (``scripts/gpu/fp8_fused_stress.py`` repeats the run). It was also
-    1.6-1.8x slower than the separate path on the GPU (0.038 / 0.072 / 0.126 ms at 2048 / 4096 / 7424 rows against
-    0.023 / 0.041 / 0.069).
+    From an FP8 cache the fused kernel dequantizes each row once per head part (2H times), the gather once: 0.015 /
+    0.028 / 0.058 / 0.084 / 0.110 ms at 1024 / 2048 / 4096 / 6144 / 8192 rows against 0.016 / 0.023 / 0.042 / 0.057 /
+    0.073 separate (H200, 2026-12-01), for 40-55 us of host time per pass against 110-130. Below 6144 rows the host
+    time saved is at least 3x the GPU time added; on the host-bound bench row (16 x (2048+512) in 8 chunks of 4096
+    rows) the FP8 cache then took 0.99x the bf16 cache's time, against 1.47x with every FP8 pass separate. (Its FP8
+    path runs a pipeline of at most 2 stages: with 3 it gave wrong results, :mod:`mla_bridge.kernels.up_project`.)
 
     Raises:
         ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`.
@@ -133,12 +138,12 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
         raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if gathered and kv_cache_fp8:
-        return "separate"  # the fused kernel's FP8 path is not used (above), whatever the mode
     if mode != "auto":
         return mode
     if not gathered:
         return "separate" if rows >= SEPARATE_FROM_ROWS_NEW else "fused"
+    if kv_cache_fp8:
+        return "separate" if rows >= SEPARATE_FROM_ROWS_FP8 else "fused"
     return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"
 
 

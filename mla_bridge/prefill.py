@@ -208,12 +208,12 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             no "gather" phase is reported.
         kv_cache_scale: the FP8 cache's per-tensor scale (required for FP8, refused otherwise): a Python float or a
             0-d/1-element float32 tensor on the cache's device (vLLM's ``layer._k_scale``; read on the device, no
-            host sync). Context rows are dequantized into the plan's dtype in the gather (:mod:`mla_bridge.cache`).
+            host sync). Context rows are dequantized into the plan's dtype where they are read (the gather of
+            :mod:`mla_bridge.cache`, or the fused kernel's A tiles).
         kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM), ``"fused"`` (one
             Triton launch per pass, CUDA only) or ``"auto"`` (per pass, :func:`mla_bridge.kv.pass_impl`: the fused
             kernel for the smaller passes, the separate path for the others; the default on CUDA with Triton,
-            "separate" elsewhere). Passes that gather from an FP8 cache take the separate path in every mode;
-            ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment variable, else the
+            "separate" elsewhere); ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment variable, else the
             default).
 
     Returns:

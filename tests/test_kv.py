@@ -48,11 +48,12 @@ def test_auto_takes_the_fused_kernel_only_for_smaller_gathered_passes():
     assert KV.pass_impl("auto", True, False, big, "split") == "separate"
     assert KV.pass_impl("auto", True, False, small, "split") == "fused"
     assert KV.pass_impl("auto", True, False, big, "identity") == "fused"
-    # a pass gathering from an FP8 cache never takes the fused kernel, whatever the mode (its FP8 path is not used)
-    for mode in KV.KV_MODES:
-        for rows in (0, 1, small, big):
-            for layout in ("split", "identity"):
-                assert KV.pass_impl(mode, True, True, rows, layout) == "separate"
+    # a pass gathering from an FP8 cache: cuBLAS from its own bound on, with either layout
+    big8, small8 = KV.SEPARATE_FROM_ROWS_FP8, KV.SEPARATE_FROM_ROWS_FP8 - 1
+    for layout in ("split", "identity"):
+        assert KV.pass_impl("auto", True, True, big8, layout) == "separate"
+        assert KV.pass_impl("auto", True, True, small8, layout) == "fused"
+        assert KV.pass_impl("auto", True, True, 0, layout) == "fused"
     # new tokens alone (nothing gathered, the cache's dtype does not matter): cuBLAS from a higher bound on
     big_new, small_new = KV.SEPARATE_FROM_ROWS_NEW, KV.SEPARATE_FROM_ROWS_NEW - 1
     assert small_new >= big
@@ -61,8 +62,9 @@ def test_auto_takes_the_fused_kernel_only_for_smaller_gathered_passes():
             assert KV.pass_impl("auto", False, fp8, big_new, layout) == "separate"
             assert KV.pass_impl("auto", False, fp8, small_new, layout) == "fused"
     for mode in KV.KV_IMPLS:
-        for gathered, fp8 in ((False, False), (False, True), (True, False)):
-            assert KV.pass_impl(mode, gathered, fp8) == mode
+        for gathered, fp8 in ((False, False), (False, True), (True, False), (True, True)):
+            for rows in (0, small8, big8, big, big_new):
+                assert KV.pass_impl(mode, gathered, fp8, rows) == mode
 
 
 def test_env_and_argument_choose_and_bad_values_are_named(monkeypatch):
@@ -144,9 +146,8 @@ def test_mla_prefill_refuses_a_bad_kv_impl_before_writing(tiny_dims, ref):
 def interpreted_cases() -> str:
     """fused == separate for every pass (fused schedule; chunked: new tokens + each chunk), both weight layouts,
     float32 and float16, shuffled block tables with NaN in every unused slot; and mla_prefill(kv_impl="fused")
-    against "separate". With an FP8 cache (float scale and tensor scale) every pass that gathers takes the separate
-    path even when "fused" is asked for (:func:`mla_bridge.kv.pass_impl`): bitwise the separate result. The
-    interpreter's bfloat16 tl.dot is wrong (triton 3.9), so bfloat16 is left to the GPU tests."""
+    against "separate"; float32 also with an FP8 cache (float scale and tensor scale). The interpreter's bfloat16
+    tl.dot is wrong (triton 3.9), so bfloat16 is left to the GPU tests."""
     from mla_bridge import prepare_kv_b_proj
     from mla_bridge.cache import check_kv_cache, quantize_latent_cache
 
@@ -191,9 +192,6 @@ def interpreted_cases() -> str:
                         assert len(got["fused"]) == (1 if fuse else 1 + len(plan.chunks)) >= (1 if fuse else 3)
                         for i, ((ka, va), (kb, vb)) in enumerate(zip(got["separate"], got["fused"])):
                             assert not torch.isnan(kb).any() and not torch.isnan(vb).any(), "an unused slot was read"
-                            if fp8 and (plan.fused or i > 0):  # a pass gathering from the FP8 cache: separate
-                                assert torch.equal(ka, kb) and torch.equal(va, vb)
-                                continue
                             nope = d.qk_nope_head_dim
                             assert torch.equal(ka[..., nope:], kb[..., nope:]), "k_pe must be copied exactly"
                             for a, b in ((ka[..., :nope], kb[..., :nope]), (va, vb)):
