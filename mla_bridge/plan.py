@@ -44,7 +44,11 @@ class ContextChunk:
     contiguous too), ``kv_indptr`` (int32 CPU ``[req_end - req_start + 1]``) their context tokens in the chunk,
     the first request's starting at position ``first_start`` of its context, the others' at 0; ``plan`` is its
     non-causal pass (``None`` when the chunk's requests have no new tokens), ``spans[i] = (request, first context
-    token, end)`` its nonempty pieces."""
+    token, end)`` its nonempty pieces.
+
+    Merge rounds (:meth:`PrefillPlan._plan_chunks`): ``part_row`` is the first row of this chunk's partial out / lse
+    in the call's partial buffer, and ``merge_rows`` the query rows ``(start, stop)`` merged into the output after
+    this chunk's pass (None: a later chunk of its round merges them)."""
 
     req_start: int
     req_end: int
@@ -55,6 +59,8 @@ class ContextChunk:
     plan: Optional[RaggedPlan]
     req_ids: Optional[torch.Tensor]  # int64 [chunk tokens] on the device: request of each gathered token
     positions: Optional[torch.Tensor]  # int64 [chunk tokens]: its position in that request's context
+    part_row: int = 0
+    merge_rows: Optional[tuple[int, int]] = None
 
     @property
     def spans(self) -> tuple[tuple[int, int, int], ...]:
@@ -164,7 +170,7 @@ class PrefillPlan:
     Build it with :meth:`build`. Attributes: ``dims``, ``block_size``, ``query_lens``, ``context_lens`` (lists of
     ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
     fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks``
-    (list of :class:`ContextChunk`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything
+    (list of :class:`ContextChunk`, with their merge rounds: :attr:`num_merges`, :attr:`partial_rows`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything
     the plan depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index
     tensors that place gathered context and new tokens into one key buffer.
     """
@@ -366,15 +372,19 @@ class PrefillPlan:
         sizes = [step] * (total // step) + ([total % step] if total % step else [])
         views = stream.split_with_sizes(sizes + sizes)
         pos_views, req_views = views[:len(sizes)], views[len(sizes):]
+        # The chunks' requests; then merge rounds (below), which need the next chunk's rows.
+        bounds = []
+        for start, size in zip(starts, sizes):
+            req_start = bisect.bisect_right(offsets, start) - 1  # the request holding the chunk's first token
+            req_end = bisect.bisect_right(offsets, start + size - 1)  # 1 + the request holding its last token
+            bounds.append((req_start, req_end, qo_list[req_start], qo_list[req_end]))
+        rounds = _merge_rounds([(q_start, q_end) for _, _, q_start, q_end in bounds])
         plans: dict = {}
         chunks = []
-        for i, (start, size) in enumerate(zip(starts, sizes)):
-            stop = start + size
-            req_start = bisect.bisect_right(offsets, start) - 1  # the request holding the chunk's first token
-            req_end = bisect.bisect_right(offsets, stop - 1)  # 1 + the request holding its last token
-            first_start, q_start, q_end = start - offsets[req_start], qo_list[req_start], qo_list[req_end]
-            # The chunk's keys: the stream's [start, stop) cut at its requests' edges (only the first request begins
-            # before the chunk, only the last ends after it).
+        for i, ((start, size), (req_start, req_end, q_start, q_end), (part_row, merge_rows)) in enumerate(
+                zip(zip(starts, sizes), bounds, rounds)):
+            # The chunk's keys: the stream's [start, start + size) cut at its requests' edges (only the first
+            # request begins before the chunk, only the last ends after it).
             kv = cum[req_start:req_end + 1] - start
             kv[0], kv[-1] = 0, size
             plan = None
@@ -388,8 +398,8 @@ class PrefillPlan:
                 kv_indptr = plan.kv_indptr  # equal values: the first chunk of this shape's tensor
             else:
                 kv_indptr = torch.from_numpy(kv)
-            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first_start, plan,
-                                       req_views[i], pos_views[i]))
+            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, start - offsets[req_start],
+                                       plan, req_views[i], pos_views[i], part_row, merge_rows))
         return chunks
 
     @property
@@ -423,14 +433,20 @@ class PrefillPlan:
         return self.main.backend
 
     @property
-    def max_chunk_rows(self) -> int:
-        """Query rows of the context chunk with the most (0 without planned chunks): the rows of the one partial
-        out / lse that :func:`mla_bridge.mla_prefill` allocates per call and reuses for every chunk."""
-        rows = self.__dict__.get("_max_chunk_rows")
+    def partial_rows(self) -> int:
+        """Query rows of the merge round with the most (0 without planned chunks): the rows of the one partial out /
+        lse that :func:`mla_bridge.mla_prefill` allocates per call and reuses for every round (at most
+        :attr:`num_tokens`)."""
+        rows = self.__dict__.get("_partial_rows")
         if rows is None:
-            rows = self._max_chunk_rows = max((c.q_end - c.q_start for c in self.chunks if c.plan is not None),
-                                              default=0)
+            rows = self._partial_rows = max((c.merge_rows[1] - c.merge_rows[0] for c in self.chunks
+                                             if c.merge_rows is not None), default=0)
         return rows
+
+    @property
+    def num_merges(self) -> int:
+        """Merges one :func:`mla_bridge.mla_prefill` call runs: one per merge round."""
+        return sum(c.merge_rows is not None for c in self.chunks)
 
     @property
     def num_plans(self) -> int:
@@ -442,6 +458,37 @@ class PrefillPlan:
         return (f"PrefillPlan(batch={self.batch_size}, new_tokens={self.num_tokens}, "
                 f"context_tokens={self.num_context_tokens}, fused={self.fused}, chunks={len(self.chunks)}, "
                 f"backend={self.backend.name!r})")
+
+
+def _merge_rounds(rows: Sequence[tuple[int, int]]) -> list[tuple[int, Optional[tuple[int, int]]]]:
+    """Per chunk (its query rows ``(q_start, q_end)``, in order), ``(part_row, merge_rows)``: where its partial out /
+    lse starts in the call's partial buffer, and the rows merged into the output after its pass (None: not yet).
+
+    A merge round is a run of consecutive chunks with query rows (chunks without any are skipped: no pass, no
+    partial), each beginning at the row where the one before it ended: their partials tile the round's rows, each row
+    written by exactly one pass, so ONE merge of those rows after the round's last pass does what one merge per chunk
+    did, on every row the same operation on the same values (bitwise the same). A chunk that shares a request's rows
+    with the one before it (a request's context split between them) or leaves a gap of rows (requests without
+    context between them, rows no pass of the round writes) starts a new round. Requests whose context fits one
+    chunk, the common case, so cost one merge per round of chunks instead of one per chunk (a batch of 16 x (2048 +
+    512) in 8 chunks: 1 instead of 8); one long request split over chunks keeps one merge per chunk."""
+    out: list = []
+    open_start = None  # the first row of the open round
+    prev_end = None
+    for i, (q_start, q_end) in enumerate(rows):
+        if q_end == q_start:
+            out.append((0, None))
+            continue
+        if q_start != prev_end:
+            if open_start is not None:
+                j = last
+                out[j] = (out[j][0], (open_start, prev_end))
+            open_start = q_start
+        out.append((q_start - open_start, None))
+        prev_end, last = q_end, i
+    if open_start is not None:
+        out[last] = (out[last][0], (open_start, prev_end))
+    return out
 
 
 def _page_locked(table: np.ndarray) -> torch.Tensor:

@@ -244,7 +244,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         out = torch.empty(t, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
     # the LSE only where it is returned or merged into (no buffer, no kernel writing it, no base conversion)
     lse = torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device) \
-        if return_lse or plan.max_chunk_rows else None
+        if return_lse or plan.partial_rows else None
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight is prepared here, per call
@@ -254,22 +254,27 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
-    part_out = part_lse = None  # one partial out / lse for every chunk: a chunk's merge reads it before the next
-    for chunk in plan.chunks:   # chunk's pass writes it (one stream)
+    # One partial out / lse for every merge round (plan.chunks' part_row / merge_rows): the chunks of a round write
+    # their rows of it, then one merge reads it, before the next round's first pass writes it again (one stream).
+    part_out = part_lse = None
+    for chunk in plan.chunks:
         if chunk.plan is None:
             continue
         del k, v  # free the previous pass's buffers before this chunk allocates its own
         k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl, gather)
         hook("context chunk")
         if part_out is None:
-            n = plan.max_chunk_rows
+            n = plan.partial_rows
             part_out = torch.empty(n, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
             part_lse = torch.empty(n, dims.num_heads, dtype=torch.float32, device=plan.device)
-        rows, n = slice(chunk.q_start, chunk.q_end), chunk.q_end - chunk.q_start
-        chunk_out, chunk_lse = chunk.plan.run(q[rows], k, v, out=part_out[:n], lse=part_lse[:n],
-                                              lse_base="log2")  # FlashInfer's base 2, unconverted
-        hook("merge")
-        merge_planned_(merge, out[rows], lse[rows], chunk_out, chunk_lse, lse_b_base="log2")  # converted as read
+        part = slice(chunk.part_row, chunk.part_row + chunk.q_end - chunk.q_start)
+        chunk.plan.run(q[chunk.q_start:chunk.q_end], k, v, out=part_out[part], lse=part_lse[part],
+                       lse_base="log2")  # FlashInfer's base 2, unconverted
+        if chunk.merge_rows is not None:
+            hook("merge")
+            start, stop = chunk.merge_rows
+            merge_planned_(merge, out[start:stop], lse[start:stop], part_out[:stop - start], part_lse[:stop - start],
+                           lse_b_base="log2")  # converted as read
     hook("end")
     return (out, lse) if return_lse else out
 
@@ -285,8 +290,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     v_head_dim x e``) and lse (``T x H x 4``; allocated only with ``return_lse`` or context chunks, counted always: an
     upper bound). The fused schedule has one pass over context + new tokens; the
     chunked one frees each pass before the next, and from its first chunk on holds one partial out/lse for the most
-    query rows of any chunk (``plan.max_chunk_rows``, reused by every chunk) plus the merge's float32 LSE copies for
-    those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context
+    query rows of any merge round (``plan.partial_rows``, at most T, reused by every round) plus the merge's float32
+    LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context
     row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the rows in the
     cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices; the Triton
     gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x
@@ -312,7 +317,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     if plan.fused:
         return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_context_tokens)
     peak = one_pass(t, 0)
-    partials = plan.max_chunk_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
+    partials = plan.partial_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
     for c in plan.chunks:
         if c.plan is not None:
             peak = max(peak, one_pass(c.num_tokens, c.num_tokens) + partials)

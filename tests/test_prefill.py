@@ -220,6 +220,96 @@ def test_chunk_rows_and_plans(tiny_dims):
     assert plan.num_plans == 3 and plan.main.spec.causal
 
 
+@pytest.mark.parametrize("rows,expected", [
+    ([(0, 5), (5, 5), (5, 9)], [(0, None), (0, None), (5, (0, 9))]),  # tiling rows, an empty chunk between: 1 round
+    ([(0, 4), (2, 6)], [(0, (0, 4)), (0, (2, 6))]),  # a request's rows in both: a new round
+    ([(0, 4), (0, 4), (0, 4)], [(0, (0, 4))] * 3),  # one request's context over three chunks: a merge each
+    ([(0, 3), (5, 8), (8, 9)], [(0, (0, 3)), (0, None), (3, (5, 9))]),  # a gap of rows no chunk writes: a new round
+    ([(3, 3)], [(0, None)]),
+    ([], []),
+])
+def test_merge_rounds(rows, expected):
+    from mla_bridge.plan import _merge_rounds
+
+    assert _merge_rounds(rows) == expected
+
+
+def test_chunk_merge_rounds_in_a_plan(tiny_dims):
+    """The chunks of test_chunk_rows_and_plans tile rows 0..9 (request 2, split between chunks 0 and 1, has no new
+    tokens): one merge round, one merge; a request with new tokens split between chunks starts a new round."""
+    plan = PrefillPlan.build([2, 3, 0, 4], [4, 0, 6, 3], dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=5),
+                             block_size=2, dtype=torch.float32)
+    assert [(c.part_row, c.merge_rows) for c in plan.chunks] == [(0, None), (0, None), (5, (0, 9))]
+    assert plan.num_merges == 1 and plan.partial_rows == 9
+    plan = PrefillPlan.build([2, 3, 1], [4, 7, 0], dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=5),
+                             block_size=2, dtype=torch.float32)  # chunks: [(0,0,4),(1,0,1)], [(1,1,6)], [(1,6,7)]
+    assert [(c.q_start, c.q_end, c.part_row, c.merge_rows) for c in plan.chunks] == [
+        (0, 5, 0, (0, 5)), (2, 5, 0, (2, 5)), (2, 5, 0, (2, 5))]
+    assert plan.num_merges == 3 and plan.partial_rows == 5
+
+
+def test_merge_rounds_cover_every_chunk_row_once_random(tiny_dims):
+    """Random batches and budgets: within a round the chunks' partial rows tile the round's rows exactly, and every
+    query row is merged as many times as chunks cover it (what one merge per chunk did)."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        b = rng.randint(1, 8)
+        q_lens = [rng.choice([0, 0, 1, 3, 7]) for _ in range(b)]
+        c_lens = [rng.choice([0, 0, 1, 5, 13]) for _ in range(b)]
+        if not sum(c_lens):
+            continue
+        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, block_size=2, dtype=torch.float32,
+                                 workspace=Workspace("cpu", chunk_tokens=rng.randint(1, 20)), fuse_context=False)
+        covered, merged = [0] * plan.num_tokens, [0] * plan.num_tokens
+        round_parts = []
+        for c in plan.chunks:
+            if c.plan is None:
+                assert c.merge_rows is None
+                continue
+            round_parts.append((c.part_row, c.q_end - c.q_start, c.q_start))
+            for r in range(c.q_start, c.q_end):
+                covered[r] += 1
+            if c.merge_rows is not None:
+                start, stop = c.merge_rows
+                assert stop - start <= plan.partial_rows
+                # the round's partials tile [0, stop - start), each at its rows' offset from the round's start
+                assert sorted((p, p + n) for p, n, _ in round_parts) == [
+                    (q - start, q - start + n) for p, n, q in sorted(round_parts, key=lambda x: x[2])]
+                assert sum(n for _, n, _ in round_parts) == stop - start
+                for r in range(start, stop):
+                    merged[r] += 1
+                round_parts = []
+        assert round_parts == [] and covered == merged, (q_lens, c_lens)
+
+
+@pytest.mark.parametrize("block_size,budget", [(1, "one_block"), (16, "one_block"), (16, "splits_a_request"),
+                                               (64, "one_token"), (1, "splits_a_request")])
+def test_merge_rounds_equal_one_merge_per_chunk_bitwise(ref, tiny_dims, block_size, budget):
+    """mla_prefill with merge rounds gives the bits of the same kernels with one merge per chunk (the pipeline before
+    rounds, written out here): every row is merged once per chunk that covers it either way."""
+    from mla_bridge import kv as KV
+    from mla_bridge.merge import merge_planned_, select_merge
+
+    chunk_tokens = budgets(block_size)[budget]
+    plan, batch, out, lse, _, _ = run_case(ref, tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, chunk_tokens, False,
+                                           seed=block_size)
+    planned = [c for c in plan.chunks if c.plan is not None]
+    weight = __import__("mla_bridge").prepare_kv_b_proj(batch.w, tiny_dims)
+    nothing = lambda name: None  # noqa: E731
+    k, v = KV.new_tokens_kv(batch.kv_c, batch.k_pe.reshape(batch.kv_c.shape[0], -1), weight, nothing, "separate")
+    want_out, want_lse = plan.main.run(batch.q, k, v)
+    merge = select_merge((1, tiny_dims.num_heads, tiny_dims.v_head_dim), plan.dtype, "cpu")
+    for c in planned:
+        k, v = KV.chunk_kv(c, batch.cache, batch.block_table, None, weight, plan.dtype, nothing, "separate")
+        part_out, part_lse = c.plan.run(batch.q[c.q_start:c.q_end], k, v, lse_base="log2")
+        merge_planned_(merge, want_out[c.q_start:c.q_end], want_lse[c.q_start:c.q_end], part_out, part_lse,
+                       lse_b_base="log2")
+    assert plan.num_merges < len(planned) or budget == "splits_a_request"
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
 def test_prefill_memory_bytes_follows_the_schedule():
     """The documented peak-memory formula: one pass over context + new keys when fused; the largest of the main
     pass and each chunk pass otherwise (hand-computed here for V2-Lite dims, bf16)."""
