@@ -273,41 +273,63 @@ def _torch_rows(cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.T
     return rows.float().mul_(scale).to(dtype)
 
 
+def _split_off_k_pe(latent: torch.Tensor, k_pe_out: Optional[torch.Tensor]) -> torch.Tensor:
+    """The torch path's k_pe broadcast: ``k_pe_out[i, h] = latent[i, rank:]`` (``rank`` = latent width minus
+    ``k_pe_out``'s), and the kv_c columns ``latent[:, :rank]`` (a view) returned; ``latent`` itself without
+    ``k_pe_out``."""
+    if k_pe_out is None:
+        return latent
+    rank = latent.shape[1] - k_pe_out.shape[2]
+    k_pe_out.copy_(latent[:, rank:].unsqueeze(1).expand_as(k_pe_out))
+    return latent[:, :rank]
+
+
 def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,
-                  *, dtype: torch.dtype, kv_cache_scale=None, impl: Optional[str] = None) -> torch.Tensor:
+                  *, dtype: torch.dtype, kv_cache_scale=None, impl: Optional[str] = None,
+                  k_pe_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Latent rows ``[N, L]`` in ``dtype`` of the context tokens ``(req_ids[i], positions[i])`` (int64 device
     tensors), read through ``block_table`` and dequantized (FP8 caches) in the same pass.
 
     ``kv_cache`` and ``kv_cache_scale`` must have been checked by :func:`check_kv_cache` (the cache as
     float8_e4m3fn, the scale as a float or 0-d tensor). ``impl`` overrides :func:`gather_impl` (tests).
+    ``k_pe_out`` (``[N, H, qk_rope_head_dim]`` in ``dtype``, unit last stride: the k_pe columns of the split
+    up-projection layout's key buffer): each row's k_pe is written into every head there (in the gather's one
+    launch on the Triton path, by a copy on the torch path), and the rows returned are ``[N, kv_lora_rank]``
+    (kv_c only).
     """
     impl = impl or gather_impl(kv_cache.device)
     if impl == "triton":
         from .kernels.gather import gather_latent_triton
-        out = torch.empty(req_ids.shape[0], kv_cache.shape[-1], dtype=dtype, device=kv_cache.device)
-        gather_latent_triton(out, kv_cache, block_table, req_ids, positions, kv_cache_scale)
+        lat = kv_cache.shape[-1]
+        width = lat if k_pe_out is None else lat - k_pe_out.shape[2]
+        out = torch.empty(req_ids.shape[0], width, dtype=dtype, device=kv_cache.device)
+        gather_latent_triton(out, kv_cache, block_table, req_ids, positions, kv_cache_scale, k_pe_out, width)
         return out
-    return _torch_rows(kv_cache, block_table, req_ids, positions, kv_cache_scale, dtype)
+    return _split_off_k_pe(_torch_rows(kv_cache, block_table, req_ids, positions, kv_cache_scale, dtype), k_pe_out)
 
 
 def fused_latent(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 kv_cache_scale=None, *, impl: Optional[str] = None) -> torch.Tensor:
+                 kv_cache_scale=None, *, impl: Optional[str] = None,
+                 k_pe_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fused schedule's key latents ``[main_kv_indptr[-1], L]`` in the plan's dtype: each request's context
     rows (gathered, dequantized) followed by its new tokens' ``kv_c ++ k_pe`` (``k_pe`` as ``[T, rope]``).
-    The new tokens come from the caller's full-precision ``kv_c`` / ``k_pe``, never re-read from the cache."""
+    The new tokens come from the caller's full-precision ``kv_c`` / ``k_pe``, never re-read from the cache.
+    ``k_pe_out``: as :func:`gather_latent` (then ``[main_kv_indptr[-1], kv_lora_rank]`` is returned)."""
     dims = plan.dims
-    latent = torch.empty(int(plan.main_kv_indptr[-1]), dims.latent_dim, dtype=plan.dtype, device=plan.device)
     impl = impl or gather_impl(plan.device)
     if impl == "triton":
         from .kernels.gather import fused_latent_triton
+        width = dims.latent_dim if k_pe_out is None else dims.kv_lora_rank
+        latent = torch.empty(int(plan.main_kv_indptr[-1]), width, dtype=plan.dtype, device=plan.device)
         fused_latent_triton(latent, kv_cache, block_table, plan.ctx_req_ids, plan.ctx_positions, plan.ctx_dst,
-                            kv_c, k_pe, plan.new_dst, kv_cache_scale)
+                            kv_c, k_pe, plan.new_dst, kv_cache_scale, k_pe_out)
         return latent
+    latent = torch.empty(int(plan.main_kv_indptr[-1]), dims.latent_dim, dtype=plan.dtype, device=plan.device)
     latent.index_copy_(0, plan.ctx_dst, _torch_rows(kv_cache, block_table, plan.ctx_req_ids, plan.ctx_positions,
                                                     kv_cache_scale, plan.dtype))
     latent[:, : dims.kv_lora_rank].index_copy_(0, plan.new_dst, kv_c)
     latent[:, dims.kv_lora_rank:].index_copy_(0, plan.new_dst, k_pe)
-    return latent
+    return _split_off_k_pe(latent, k_pe_out)
 
 
 def gather_row_bytes(cache_dtype: torch.dtype, dtype: torch.dtype, latent_dim: int) -> int:

@@ -7,7 +7,9 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 
 * ``"separate"``: the latent rows are gathered into a buffer (:mod:`mla_bridge.cache`; Triton or torch, chosen by
   :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
-  (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA). The CPU's, and on CUDA that of the large passes
+  (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA); with a split-layout weight the gather also
+  writes each row's k_pe into every head of the key buffer (no k_pe broadcast launch of its own: two launches per
+  pass that gathers). The CPU's, and on CUDA that of the large passes
   (new tokens alone, or gathered with a split-layout weight or from an FP8 cache).
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
@@ -166,6 +168,13 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"
 
 
+def _split_buffer(n: int, weight: PreparedKVBProj, device: torch.device):
+    """For a separate pass that gathers: the split layout's key/value buffer and its k_pe columns, which the gather
+    fills (the k_pe broadcast in the gather's launch); ``(None, None)`` for the identity layout, whose GEMM copies
+    k_pe through its identity block."""
+    return weight._split_buffer(n, device) if weight.layout == "split" else (None, None)
+
+
 def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torch.device):
     d = weight.dims
     out = torch.empty(n, d.num_heads, d.head_dim_qk + d.v_head_dim, dtype=dtype, device=device)
@@ -193,9 +202,10 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
                           new_dst=plan.new_dst, kv_cache_scale=kv_cache_scale)
         return k, v
     hook("gather")
-    latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather)
+    buf, k_pe_out = _split_buffer(keys, weight, plan.device)
+    latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather, k_pe_out=k_pe_out)
     hook("up-projection")
-    return weight._up_project(latent)
+    return weight._up_project(latent, buf=buf)
 
 
 def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBProj, hook: Hook,
@@ -229,7 +239,8 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
                           positions=chunk.positions, kv_cache_scale=kv_cache_scale)
         return k, v
     hook("gather")
+    buf, k_pe_out = _split_buffer(rows, weight, kv_cache.device)
     latent = gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, dtype=dtype,
-                           kv_cache_scale=kv_cache_scale, impl=gather)
+                           kv_cache_scale=kv_cache_scale, impl=gather, k_pe_out=k_pe_out)
     hook("up-projection")
-    return weight._up_project(latent)
+    return weight._up_project(latent, buf=buf)

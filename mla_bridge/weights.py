@@ -18,7 +18,8 @@ Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per cal
   batched GEMMs (``torch.bmm`` over heads, the latent's first ``kv_lora_rank`` columns broadcast with batch stride 0,
   writing through an ``out=`` view of batch stride 320), one per :data:`SPLIT_GEMM_ROWS` rows, fill the v and k_nope
   columns, and the k_pe broadcast (:func:`broadcast_heads`: a Triton kernel on CUDA, torch's ``copy_`` elsewhere)
-  writes k_pe into every head. No extra FLOPs. k_nope and v equal the identity layout's within float32
+  writes k_pe into every head; for rows gathered from the cache the gather writes it there itself
+  (:meth:`PreparedKVBProj._split_buffer`, :func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``). No extra FLOPs. k_nope and v equal the identity layout's within float32
   accumulation-order rounding (the GEMM sums 512 products instead of 512 plus 64 exact zeros); k_pe is copied
   exactly in both.
 
@@ -165,9 +166,19 @@ class PreparedKVBProj:
                              f"{list(k_pe.shape)}")
         return self._up_project(latent, k_pe)
 
-    def _up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`up_project` past its checks (``mla_prefill`` validated its inputs once per layer)."""
+    def _split_buffer(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split layout's key/value buffer ``[n, H, v_head_dim + head_dim_qk]`` (per head ``[v | k_nope | k_pe]``)
+        and the view of its k_pe columns ``[n, H, qk_rope_head_dim]``, for a gather that writes k_pe there itself
+        (:func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``) before :meth:`_up_project` with ``buf``."""
+        d = self.dims
+        buf = torch.empty(n, d.num_heads, d.v_head_dim + d.head_dim_qk, dtype=self.dtype, device=device)
+        return buf, buf[:, :, d.v_head_dim + d.qk_nope_head_dim:]
+
+    def _up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None,
+                    buf: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`up_project` past its checks (``mla_prefill`` validated its inputs once per layer). ``buf`` (split
+        layout): a :meth:`_split_buffer` whose k_pe columns are written already; then ``latent`` needs only its
+        first ``kv_lora_rank`` columns and no k_pe broadcast runs here."""
         d = self.dims
         h, qk, vd, r = d.num_heads, d.head_dim_qk, d.v_head_dim, d.kv_lora_rank
         n = latent.shape[0]
@@ -176,15 +187,18 @@ class PreparedKVBProj:
                 latent = torch.cat([latent, k_pe], dim=-1)
             out = torch.mm(latent, self._weight_t).view(n, h, qk + vd)
             return out[..., :qk], out[..., qk:]
-        kv_c, pe = (latent[:, :r], latent[:, r:]) if k_pe is None else (latent, k_pe)
-        buf = torch.empty(n, h, vd + qk, dtype=latent.dtype, device=latent.device)
+        kv_c = latent[:, :r] if k_pe is None else latent
+        broadcast = buf is None
+        if broadcast:
+            buf = torch.empty(n, h, vd + qk, dtype=latent.dtype, device=latent.device)
         gemm_cols = vd + d.qk_nope_head_dim
         heads_first = buf.permute(1, 0, 2)
         for start in range(0, n, SPLIT_GEMM_ROWS):
             stop = min(n, start + SPLIT_GEMM_ROWS)
             torch.bmm(kv_c[start:stop].unsqueeze(0).expand(h, stop - start, r), self._weight_t,
                       out=heads_first[:, start:stop, :gemm_cols])
-        broadcast_heads(buf[:, :, gemm_cols:], pe)
+        if broadcast:
+            broadcast_heads(buf[:, :, gemm_cols:], latent[:, r:] if k_pe is None else k_pe)
         return buf[..., vd:], buf[..., :vd]
 
     def __repr__(self) -> str:

@@ -219,6 +219,25 @@ def interpreted_gather_cases() -> str:
                         a = C.fused_latent(plan, kv_c, k_pe, c, table, scale, impl="torch")
                         b = C.fused_latent(plan, kv_c, k_pe, c, table, scale, impl="triton")
                         assert torch.equal(a, b), ("fused", block_size, fp8, strided, dtype)
+                        # with k_pe_out: the kv_c columns returned, k_pe in every head of a strided buffer
+                        for fused in (False, True):
+                            rows = n_ctx + t if fused else n_ctx
+                            got = {}
+                            for impl in ("torch", "triton"):
+                                buf = torch.full((rows, 3, 2 * (lat - rank) + 5), 7.0, dtype=dtype)
+                                k_pe_out = buf[:, :, 3:3 + lat - rank]
+                                got[impl] = (C.fused_latent(plan, kv_c, k_pe, c, table, scale, impl=impl,
+                                                            k_pe_out=k_pe_out) if fused else
+                                             C.gather_latent(c, table, req, pos, dtype=dtype, kv_cache_scale=scale,
+                                                             impl=impl, k_pe_out=k_pe_out), buf)
+                            (la, ba), (lb, bb) = got["torch"], got["triton"]
+                            full = a if fused else C.gather_latent(c, table, req, pos, dtype=dtype,
+                                                                   kv_cache_scale=scale, impl="torch")
+                            assert la.shape == lb.shape == (rows, rank) and torch.equal(la, lb), ("kv_c", fused)
+                            assert torch.equal(lb, full[:, :rank]) and torch.equal(ba, bb), ("k_pe_out", fused)
+                            assert torch.equal(bb[:, :, 3:3 + lat - rank],
+                                               full[:, None, rank:].expand(rows, 3, lat - rank))
+                            assert (bb[:, :, :3] == 7).all() and (bb[:, :, 3 + lat - rank:] == 7).all()
                         n += 1
     return f"ok {n}"
 

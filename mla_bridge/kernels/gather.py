@@ -6,7 +6,10 @@ One launch writes the latent buffer the up-projection GEMM reads, in the plan's 
   ``kv_cache[block_table[req, pos // block_size], pos % block_size, :]`` (read through the cache's strides), for an
   FP8 cache ``float32(stored) * scale`` rounded once to the output dtype (as vLLM's ``gather_and_maybe_dequant_cache``),
   written to row ``ctx_dst[i]`` (or row ``i`` for a chunk's gather);
-* new rows (fused schedule): ``kv_c[j] ++ k_pe[j]`` written to row ``new_dst[j]``.
+* new rows (fused schedule): ``kv_c[j] ++ k_pe[j]`` written to row ``new_dst[j]``;
+* with ``k_pe_out`` (``[N, H, qk_rope_head_dim]``, the k_pe columns of the split up-projection layout's key buffer):
+  each row's k_pe written into every head there (the k_pe broadcast, otherwise a launch of its own) and only its
+  ``kv_lora_rank`` kv_c columns into ``out``.
 
 The result is bitwise equal to the torch path of :mod:`mla_bridge.cache` (same float32 product, same round to
 nearest even). Imported only by :mod:`mla_bridge.cache`, and only on first use: Triton is not needed on the CPU.
@@ -52,13 +55,18 @@ def _gather_kernel(out_ptr, out_stride,
                    table_ptr, ts_row, ts_col,
                    req_ptr, pos_ptr, ctx_dst_ptr, n_ctx, ctx_programs,
                    kvc_ptr, kvc_row, kvc_elem, kpe_ptr, kpe_row, kpe_elem, new_dst_ptr, n_new,
-                   scale_ptr, scale_val,
+                   scale_ptr, scale_val, kpe_out_ptr, ko_row, ko_head, n_heads,
                    BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, HAS_CTX_DST: tl.constexpr, DEQUANT: tl.constexpr,
-                   SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr):
+                   SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr, HAS_KPE_OUT: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < LAT
+    # with k_pe_out: out holds the kv_c columns only, and the k_pe columns go to every head of k_pe_out
+    omask = (d < RANK) if HAS_KPE_OUT else dmask
+    r = tl.arange(0, BLOCK_R)
+    ko_ty = kpe_out_ptr.dtype.element_ty
     if pid < ctx_programs:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < n_ctx
@@ -68,6 +76,7 @@ def _gather_kernel(out_ptr, out_stride,
         src = cache_ptr + blk[:, None] * cs_block + (pos % BLOCK_SIZE)[:, None] * cs_slot + d[None, :] * cs_elem
         m = rmask[:, None] & dmask[None, :]
         x = tl.load(src, mask=m, other=0)
+        s = 1.0
         if DEQUANT:
             if SCALE_IS_PTR:
                 s = tl.load(scale_ptr)
@@ -79,7 +88,16 @@ def _gather_kernel(out_ptr, out_stride,
             dst = tl.load(ctx_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
             dst = rows
-        tl.store(out_ptr + dst[:, None] * out_stride + d[None, :], x, mask=m)
+        tl.store(out_ptr + dst[:, None] * out_stride + d[None, :], x, mask=rmask[:, None] & omask[None, :])
+        if HAS_KPE_OUT:
+            pm = rmask[:, None] & (r < LAT - RANK)[None, :]
+            row0 = cache_ptr + blk * cs_block + (pos % BLOCK_SIZE) * cs_slot
+            pe = tl.load(row0[:, None] + (RANK + r)[None, :] * cs_elem, mask=pm, other=0)
+            if DEQUANT:
+                pe = _dequant(pe, s, OUT_BF16)
+            pe = pe.to(ko_ty)
+            for h in range(0, n_heads):
+                tl.store(kpe_out_ptr + dst[:, None] * ko_row + h * ko_head + r[None, :], pe, mask=pm)
     else:
         rows = (pid - ctx_programs).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < n_new
@@ -90,13 +108,18 @@ def _gather_kernel(out_ptr, out_stride,
         b = tl.load(kpe_ptr + rows[:, None] * kpe_row + (d - RANK)[None, :] * kpe_elem,
                     mask=rmask[:, None] & (~is_c & dmask)[None, :], other=0)
         x = tl.where(is_c[None, :], a, b).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + dst[:, None] * out_stride + d[None, :], x, mask=rmask[:, None] & dmask[None, :])
+        tl.store(out_ptr + dst[:, None] * out_stride + d[None, :], x, mask=rmask[:, None] & omask[None, :])
+        if HAS_KPE_OUT:
+            pm = rmask[:, None] & (r < LAT - RANK)[None, :]
+            pe = tl.load(kpe_ptr + rows[:, None] * kpe_row + r[None, :] * kpe_elem, mask=pm, other=0).to(ko_ty)
+            for h in range(0, n_heads):
+                tl.store(kpe_out_ptr + dst[:, None] * ko_row + h * ko_head + r[None, :], pe, mask=pm)
 
 
 def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
             positions: torch.Tensor, ctx_dst: Optional[torch.Tensor], kv_c: Optional[torch.Tensor],
             k_pe: Optional[torch.Tensor], new_dst: Optional[torch.Tensor],
-            scale: Union[None, float, torch.Tensor], rank: int) -> None:
+            scale: Union[None, float, torch.Tensor], rank: int, k_pe_out: Optional[torch.Tensor] = None) -> None:
     lat = cache.shape[-1]
     dequant = scale is not None
     cache_arg = cache.view(torch.uint8) if dequant else cache  # FP8 bytes, reinterpreted in the kernel
@@ -110,31 +133,39 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
         kv_c = k_pe = out
         new_dst = req_ids
     scale_is_ptr = isinstance(scale, torch.Tensor)
+    ko = k_pe_out if k_pe_out is not None else out.view(out.shape[0], 1, out.shape[-1])  # unused stand-in
     launch(_gather_kernel, grid, (
         out, out.stride(0),
         cache_arg, cache.stride(0), cache.stride(1), cache.stride(2),
         block_table, block_table.stride(0), block_table.stride(1),
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_programs,
         kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1), new_dst, n_new,
-        scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0),
+        scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0,
+        ko, ko.stride(0), ko.stride(1), ko.shape[1]),
         dict(BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=next_power_of_2(lat), BLOCK_M=_BLOCK_M,
              HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
-             OUT_BF16=out.dtype == torch.bfloat16), _OPTIONS)
+             OUT_BF16=out.dtype == torch.bfloat16, HAS_KPE_OUT=k_pe_out is not None,
+             BLOCK_R=next_power_of_2(max(lat - rank, 1))), _OPTIONS)
 
 
 def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
-                         positions: torch.Tensor, kv_cache_scale=None) -> None:
+                         positions: torch.Tensor, kv_cache_scale=None, k_pe_out: Optional[torch.Tensor] = None,
+                         rank: Optional[int] = None) -> None:
     """``out[i] = dequant(kv_cache[block_table[req_ids[i], positions[i] // bs], positions[i] % bs])``.
 
-    ``out`` ``[N, L]`` contiguous rows in the output dtype; ``kv_cache`` ``[num_blocks, bs, L]`` (any strides) in
-    ``out``'s dtype, or float8_e4m3fn with ``kv_cache_scale`` (a float or a 0-d float32 device tensor)."""
-    _launch(out, kv_cache, block_table, req_ids, positions, None, None, None, None, kv_cache_scale, kv_cache.shape[-1])
+    ``out`` ``[N, L]`` rows (unit last stride) in the output dtype; ``kv_cache`` ``[num_blocks, bs, L]`` (any
+    strides) in ``out``'s dtype, or float8_e4m3fn with ``kv_cache_scale`` (a float or a 0-d float32 device tensor).
+    With ``k_pe_out`` ``[N, H, L - rank]`` (unit last stride): ``out`` ``[N, rank]`` gets the first ``rank`` columns
+    and every head of ``k_pe_out`` the rest."""
+    _launch(out, kv_cache, block_table, req_ids, positions, None, None, None, None, kv_cache_scale,
+            kv_cache.shape[-1] if rank is None else rank, k_pe_out)
 
 
 def fused_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
                         positions: torch.Tensor, ctx_dst: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                        new_dst: torch.Tensor, kv_cache_scale=None) -> None:
+                        new_dst: torch.Tensor, kv_cache_scale=None, k_pe_out: Optional[torch.Tensor] = None) -> None:
     """The fused schedule's key latents in one launch: context rows (as :func:`gather_latent_triton`) to rows
-    ``ctx_dst``, ``kv_c[j] ++ k_pe[j]`` (``[T, rank]``, ``[T, rope]``) to rows ``new_dst[j]``."""
+    ``ctx_dst``, ``kv_c[j] ++ k_pe[j]`` (``[T, rank]``, ``[T, rope]``) to rows ``new_dst[j]``; with ``k_pe_out``
+    as :func:`gather_latent_triton`."""
     _launch(out, kv_cache, block_table, req_ids, positions, ctx_dst, kv_c, k_pe, new_dst, kv_cache_scale,
-            kv_c.shape[-1])
+            kv_c.shape[-1], k_pe_out)

@@ -5,6 +5,8 @@ Marked ``gpu``: skipped unless CUDA is available and FlashInfer imports (tests/c
 * Triton gather == torch gather, bitwise (int16 views of bf16), for bf16 and FP8 caches, gather-only (chunked) and
   fused, block sizes 1/16/64, shuffled block tables, NaN in every unused cache slot, strided caches, scale as a
   float and as a device tensor; the GPU is kept busy (``torch.cuda._sleep``) so the host runs ahead of it.
+* the gather that also writes k_pe into every head of the split layout's key buffer (``k_pe_out``) == gather then
+  broadcast, bitwise.
 * mla_prefill with an FP8 cache at DeepSeek-V2-Lite and V3 dims against float64 over the dequantized cache, within
   the bf16 tolerances of tests/gpu/test_gpu_core.py, fused and chunked; equal to the same call with the torch gather.
 """
@@ -103,6 +105,43 @@ def test_triton_fused_latent_equals_torch_bitwise(block_size, fp8):
     torch.cuda.synchronize()
     assert not torch.isnan(a).any()
     assert _bits_equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_gather_with_k_pe_out_equals_gather_then_broadcast_bitwise(block_size, fp8, fused):
+    """The gather that also writes k_pe into every head of the split layout's key buffer (``k_pe_out``) == the
+    torch gather followed by the broadcast: the kv_c columns and the k_pe heads bitwise, nothing else of the buffer
+    written (16 heads, a [N, 16, 320] buffer's columns 256:320, as kv.chunk_kv hands it)."""
+    d = MLADims.deepseek_v2_lite()
+    cache, scale, table, req, pos = _case(block_size, fp8, False, seed=block_size + 5)
+    s = C._scale_value(scale, cache.device) if fp8 else None
+    if fused:
+        c_lens, q_lens = [3 * block_size + 1, 5, 2 * block_size], [4, 0, 9]
+        plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace(dev()), block_size=block_size,
+                                 dtype=BF16, kv_cache_dtype="fp8" if fp8 else None)
+        g = torch.Generator().manual_seed(4)
+        kv_c = torch.randn(sum(q_lens), 512, generator=g).to(BF16).to(dev())
+        k_pe = torch.randn(sum(q_lens), 64, generator=g).to(BF16).to(dev())
+        rows = int(plan.main_kv_indptr[-1])
+        run = lambda impl, out: C.fused_latent(plan, kv_c, k_pe, cache, table, s, impl=impl, k_pe_out=out)  # noqa
+        full = C.fused_latent(plan, kv_c, k_pe, cache, table, s, impl="torch")
+    else:
+        rows = req.shape[0]
+        run = lambda impl, out: C.gather_latent(cache, table, req, pos, dtype=BF16, kv_cache_scale=s,  # noqa
+                                                impl=impl, k_pe_out=out)
+        full = C.gather_latent(cache, table, req, pos, dtype=BF16, kv_cache_scale=s, impl="torch")
+    got = {}
+    for impl in ("torch", "triton"):
+        buf = torch.full((rows, 16, 320), 3.0, dtype=BF16, device=dev())
+        torch.cuda._sleep(int(1e8))
+        got[impl] = (run(impl, buf[:, :, 256:]), buf)
+    torch.cuda.synchronize()
+    (la, ba), (lb, bb) = got["torch"], got["triton"]
+    assert lb.shape == (rows, 512) and _bits_equal(la.contiguous(), lb) and _bits_equal(lb, full[:, :512])
+    assert _bits_equal(ba, bb) and _bits_equal(bb[:, :, 256:], full[:, None, 512:].expand(rows, 16, 64).contiguous())
+    assert (bb[:, :, :256] == 3).all()
 
 
 def test_gather_impl_on_cuda_is_triton():
