@@ -33,8 +33,8 @@ from .cache import fused_latent, gather_latent
 from .weights import DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
-           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_NEW", "SEPARATE_FROM_ROWS_FP8", "SEPARATE_FROM_ROWS_GPU_BOUND",
-           "GPU_BOUND_FLOPS", "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_NEW", "SEPARATE_FROM_ROWS_FP8", "fused_schedule_kv",
+           "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
@@ -50,11 +50,6 @@ SEPARATE_FROM_ROWS_NEW = 16384
 #: "auto" builds a pass gathering from an FP8 cache by the separate path from this many rows on, with either weight
 #: layout (:func:`pass_impl`).
 SEPARATE_FROM_ROWS_FP8 = 6144
-#: A pass whose attention does at least this many FLOPs keeps the GPU busy longer than the host takes to issue the
-#: separate path (:func:`pass_impl`): about 0.1 ms of fa3 on the H200 (650 TFLOP/s).
-GPU_BOUND_FLOPS = 6.5e10
-#: With a split-layout weight, "auto" builds such a pass by the separate path from this many rows on.
-SEPARATE_FROM_ROWS_GPU_BOUND = 4096
 #: What :func:`kv_impl` may answer: one of :data:`KV_IMPLS` for every pass, or "auto" (chosen per pass by
 #: :func:`pass_impl`).
 KV_MODES = ("auto",) + KV_IMPLS
@@ -108,14 +103,10 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     return choice
 
 
-def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT,
-              attention_flops: float = 0.0) -> str:
-    """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`), the prepared
-    weight's ``layout`` and the pass's ``attention_flops`` (:attr:`mla_bridge.ragged.RaggedSpec.attention_flops`; 0
-    when unknown): "fused" or "separate" as ``mode`` says; "auto":
+def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT) -> str:
+    """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
+    weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto":
 
-    * a pass whose attention does at least :data:`GPU_BOUND_FLOPS`, with a split-layout weight: "separate" from
-      :data:`SEPARATE_FROM_ROWS_GPU_BOUND` rows on (the GPU's faster path: below, as follows);
     * a pass that gathers nothing (new tokens alone): "separate" from :data:`SEPARATE_FROM_ROWS_NEW` rows on,
       "fused" below;
     * a pass that gathers from a bf16/fp16 cache: with a split-layout weight "separate" from
@@ -135,14 +126,6 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     us of host time per pass on the H200's host, more than its GPU cost below 16384 rows: a batch of 64 x 128 new
     tokens without context was host-bound, 1.11x the hand-written pipeline's time with cuBLAS (2026-12-01).
 
-    The fused kernel's one launch pays only where the host is the bound. A pass whose attention runs for longer than
-    the host takes to issue the separate path (GPU_BOUND_FLOPS: 0.1 ms of fa3; the separate path's host time per pass
-    is 110-190 us, the fused kernel's 35-60) hides that host time, and there the GPU's faster path wins: from 4096
-    rows, cuBLAS in every case above. Measured (H200, 2026-12-01): 4 x (8000+2000) in 4 chunks (passes of 8000 new
-    tokens and 7424-8192 gathered rows, 0.16-0.23 ms of attention each) took 1.452 ms eager with every pass separate
-    against 1.494 with the row bounds alone; the host-bound rows (16 x (2048+512): 0.03 ms of attention per pass; 64 x
-    128) are below the bound and keep the fused kernel.
-
     From an FP8 cache the fused kernel dequantizes each row once per head part (2H times), the gather once: 0.015 /
     0.028 / 0.058 / 0.084 / 0.110 ms at 1024 / 2048 / 4096 / 6144 / 8192 rows against 0.016 / 0.023 / 0.042 / 0.057 /
     0.073 separate (H200, 2026-12-01), for 40-55 us of host time per pass against 110-130. Below 6144 rows the host
@@ -159,8 +142,6 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if mode != "auto":
         return mode
-    if attention_flops >= GPU_BOUND_FLOPS and layout == "split" and rows >= SEPARATE_FROM_ROWS_GPU_BOUND:
-        return "separate"
     if not gathered:
         return "separate" if rows >= SEPARATE_FROM_ROWS_NEW else "fused"
     if kv_cache_fp8:
@@ -193,7 +174,7 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     ``kv_cache_scale`` is given)."""
     keys = int(plan.main_kv_indptr[-1])
     if pass_impl(impl or kv_impl(plan.device, None, plan.dtype), True, kv_cache_scale is not None, keys,
-                 weight.layout, plan.main.spec.attention_flops) == "fused":
+                 weight.layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(keys, weight, plan.dtype, plan.device)
@@ -209,12 +190,12 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
 
 
 def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBProj, hook: Hook,
-                  impl: Optional[str] = None, attention_flops: float = 0.0):
+                  impl: Optional[str] = None):
     """k, v of the new tokens alone (the chunked schedule's main pass): ``kv_c`` ``[T, rank]``, ``k_pe`` ``[T, rope]``.
     Hooks as :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they
-    are, the identity layout after concatenating them). ``attention_flops``: the main pass's, for :func:`pass_impl`."""
+    are, the identity layout after concatenating them)."""
     if pass_impl(impl or kv_impl(kv_c.device, None, kv_c.dtype), False, False, kv_c.shape[0],
-                 weight.layout, attention_flops) == "fused":
+                 weight.layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
@@ -229,9 +210,8 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows
     ``(chunk.req_ids[i], chunk.positions[i])`` in order. Hooks as :func:`fused_schedule_kv`."""
     rows = chunk.req_ids.shape[0]
-    flops = chunk.plan.spec.attention_flops if chunk.plan is not None else 0.0
     if pass_impl(impl or kv_impl(kv_cache.device, None, dtype), True, kv_cache_scale is not None, rows,
-                 weight.layout, flops) == "fused":
+                 weight.layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(rows, weight, dtype, kv_cache.device)

@@ -251,7 +251,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     if plan.fused:
         k, v = fused_schedule_kv(plan, kv_c, k_pe, kv_cache, block_table, scale, weight, hook, impl, gather)
     else:
-        k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl, plan.main.spec.attention_flops)
+        k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
     # One partial out / lse for every merge round (plan.chunks' part_row / merge_rows): the chunks of a round write

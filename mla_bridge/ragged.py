@@ -110,19 +110,6 @@ class RaggedSpec:
     def num_kv_tokens(self) -> int:
         return int(self.kv_indptr[-1])
 
-    @functools.cached_property
-    def attention_flops(self) -> float:
-        """FLOPs of this pass's attention: ``2 x (visible q.k pairs) x num_heads x (head_dim_qk + head_dim_vo)``, the
-        pairs counted exactly per request (non-causal ``q * kv``; causal with bottom-right alignment ``q * kv -
-        q * (q - 1) / 2`` where ``q <= kv``, else ``kv * (kv + 1) / 2``). O(requests), once per plan."""
-        q = np.diff(self.qo_indptr.numpy()).astype(np.float64)
-        kv = np.diff(self.kv_indptr.numpy()).astype(np.float64)
-        if self.causal:
-            pairs = np.where(q <= kv, q * kv - q * (q - 1) / 2, kv * (kv + 1) / 2)
-        else:
-            pairs = q * kv
-        return 2.0 * float(pairs.sum()) * self.num_heads * (self.head_dim_qk + self.head_dim_vo)
-
 
 def _check_tensor(name: str, x: Any, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(x, torch.Tensor):

@@ -5,8 +5,6 @@ compiled kernel: tests/gpu/test_gpu_up_project.py)."""
 from __future__ import annotations
 
 
-import itertools
-
 import pytest
 import torch
 
@@ -67,43 +65,6 @@ def test_auto_takes_the_fused_kernel_only_for_smaller_gathered_passes():
         for gathered, fp8 in ((False, False), (False, True), (True, False), (True, True)):
             for rows in (0, small8, big8, big, big_new):
                 assert KV.pass_impl(mode, gathered, fp8, rows) == mode
-
-
-def test_auto_takes_the_gpu_faster_path_for_passes_of_long_attention():
-    """A pass whose attention does at least GPU_BOUND_FLOPS hides the separate path's host time: with a split-layout
-    weight "auto" takes it from SEPARATE_FROM_ROWS_GPU_BOUND rows on, whatever the pass; below the FLOPs, the row
-    bounds alone; the identity layout and the forced modes are unchanged."""
-    long, short = KV.GPU_BOUND_FLOPS, KV.GPU_BOUND_FLOPS / 2
-    rows, fewer = KV.SEPARATE_FROM_ROWS_GPU_BOUND, KV.SEPARATE_FROM_ROWS_GPU_BOUND - 1
-    assert rows < min(KV.SEPARATE_FROM_ROWS, KV.SEPARATE_FROM_ROWS_NEW, KV.SEPARATE_FROM_ROWS_FP8)
-    for gathered, fp8 in ((False, False), (True, False), (True, True)):
-        assert KV.pass_impl("auto", gathered, fp8, rows, "split", long) == "separate"
-        assert KV.pass_impl("auto", gathered, fp8, fewer, "split", long) == "fused"
-        assert KV.pass_impl("auto", gathered, fp8, rows, "split", short) == "fused"
-        assert KV.pass_impl("auto", gathered, fp8, rows, "split") == "fused"  # FLOPs unknown: the row bounds
-        for mode in KV.KV_IMPLS:
-            assert KV.pass_impl(mode, gathered, fp8, rows, "split", long) == mode
-    assert KV.pass_impl("auto", True, False, rows, "identity", long) == "fused"
-
-
-def test_attention_flops_of_a_pass_count_visible_pairs():
-    """RaggedSpec.attention_flops against the bench's per-request count (mla_bridge.bench.common.attention_flops):
-    causal with bottom-right alignment, more queries than keys, empty requests; and non-causal."""
-    import random
-
-    from mla_bridge.bench.common import attention_flops
-    from mla_bridge.ragged import RaggedSpec
-
-    rng = random.Random(3)
-    for _ in range(100):
-        b = rng.randint(1, 6)
-        q = [rng.choice([0, 1, 5, 64, 300]) for _ in range(b)]
-        kv = [rng.choice([0, 1, 5, 64, 300, 4000]) for _ in range(b)]
-        qo_indptr = torch.tensor([0] + list(itertools.accumulate(q)), dtype=torch.int32)
-        kv_indptr = torch.tensor([0] + list(itertools.accumulate(kv)), dtype=torch.int32)
-        for causal in (True, False):
-            spec = RaggedSpec(qo_indptr, kv_indptr, 16, 192, 128, causal, 0.1, torch.bfloat16, torch.device("cpu"))
-            assert spec.attention_flops == attention_flops(q, kv, causal=causal, heads=16, head_dim_sum=320)
 
 
 def test_env_and_argument_choose_and_bad_values_are_named(monkeypatch):

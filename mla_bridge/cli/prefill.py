@@ -72,8 +72,7 @@ def cmd_prefill(args, console) -> int:
 
     from .. import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj
     from ..cache import cache_dtype_name, quantize_latent_cache
-    from ..kv import (GPU_BOUND_FLOPS, SEPARATE_FROM_ROWS, SEPARATE_FROM_ROWS_FP8, SEPARATE_FROM_ROWS_GPU_BOUND,
-                      SEPARATE_FROM_ROWS_NEW)
+    from ..kv import SEPARATE_FROM_ROWS, SEPARATE_FROM_ROWS_FP8, SEPARATE_FROM_ROWS_NEW
     from ..dims import PRESETS
     from ..prefill import kernel_choices
     from ..reference import max_abs_error, max_excess_error, reference_request
@@ -279,9 +278,7 @@ def cmd_prefill(args, console) -> int:
     gathered = SEPARATE_FROM_ROWS_FP8 if kv_scale is not None else SEPARATE_FROM_ROWS
     kv_text = {"separate": f" ({kernels['gather']} gather + GEMM)", "fused": " (one Triton launch per pass)",
                "auto": f" (one Triton launch per pass under {gathered} gathered or {SEPARATE_FROM_ROWS_NEW} "
-                       f"new-token rows, {kernels['gather']} gather + GEMM for larger ones and from "
-                       f"{SEPARATE_FROM_ROWS_GPU_BOUND} rows for passes of {GPU_BOUND_FLOPS:.3g} attention FLOPs "
-                       f"or more)"}[kernels["kv"]]
+                       f"new-token rows, {kernels['gather']} gather + GEMM for larger ones)"}[kernels["kv"]]
     merge_text = kernels["merge"] if any(c.plan is not None for c in plan.chunks) else "none (no chunk to merge)"
     _row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
