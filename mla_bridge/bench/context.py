@@ -534,9 +534,10 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
                             note="gather + up-projection + attention + merge"))
     base = None
     if ok(PATHS[5]) and ok(PATHS[6]):
-        base = by_path[PATHS[5]].ms + by_path[PATHS[6]].ms
+        # the kernels' GPU time (their CUDA events): a sample's host time, when the host lags, is no kernel work
+        base = sum(by_path[p].extra.get("gpu_ms", by_path[p].ms) for p in (PATHS[5], PATHS[6]))
         rows.append(ctx.row(SECTION, name, PATHS[9], ms=base, flops=attn_flops + up_flops, **meta(9),
-                            note="the targets' denominator"))
+                            note="the targets' denominator: the two kernels' GPU time (CUDA events)"))
     long_case = not case.eager_ms_before
     # (path, target against attention + GEMM alone on the long cases)
     for path, target in ((PATHS[0], EAGER_TARGET), (PATHS[20], GRAPHED_TARGET), (PATHS[18], None), (PATHS[19], None),
