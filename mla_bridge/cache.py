@@ -200,10 +200,11 @@ def quantize_latent_cache(latent: torch.Tensor, scale: Optional[Scale] = None
     saturates too, NaN stays NaN).
 
     Args:
-        latent: floating tensor (bf16 / fp16 / float32).
+        latent: floating tensor (bf16 / fp16 / float32 / float64; read as float32).
         scale: the per-tensor scale (float or 0-d/1-element float32 tensor on ``latent``'s device); default
-            ``amax / 448`` over the finite values of ``latent`` (1.0 when there are none or all are 0),
-            computed on ``latent``'s device without a host sync.
+            ``amax / 448`` over the finite values of ``latent`` (1.0 when there are none or all are 0; at least
+            float32's smallest normal, 1.18e-38, when the quotient underflows), computed on ``latent``'s device
+            without a host sync.
 
     Returns:
         ``(cache float8_e4m3fn of latent's shape, scale)``: ``scale`` as given, or the computed one as a 0-d float32
@@ -213,13 +214,16 @@ def quantize_latent_cache(latent: torch.Tensor, scale: Optional[Scale] = None
         TypeError: ``latent`` not a floating tensor; ValueError / TypeError: a bad scale (see :func:`check_kv_cache`).
     """
     if not isinstance(latent, torch.Tensor) or not latent.dtype.is_floating_point or latent.dtype.itemsize == 1:
-        raise TypeError(f"latent must be a bf16/fp16/float32 tensor, got "
+        raise TypeError(f"latent must be a floating tensor (bf16/fp16/float32/float64), got "
                         f"{latent.dtype if isinstance(latent, torch.Tensor) else type(latent).__name__}")
     x = latent.float()
     if scale is None:
         a = x.abs()
         amax = torch.where(torch.isfinite(a), a, 0.0).amax() if a.numel() else a.new_zeros(())
-        scale_out = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # amax / 448 underflows float32 below about 6e-43: at least the smallest normal float32 then (a scale of 0
+        # is refused everywhere), which quantizes those values to 0
+        scale_out = torch.where(amax > 0, (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny),
+                                torch.ones_like(amax))
         s = scale_out
     else:
         s = _scale_value(scale, latent.device)

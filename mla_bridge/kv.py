@@ -134,12 +134,19 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     path runs a pipeline of at most 2 stages: with 3 it gave wrong results, :mod:`mla_bridge.kernels.up_project`.)
 
     Raises:
-        ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`.
+        ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`, ``rows``
+            not an int >= 0.
+        TypeError: ``gathered`` or ``kv_cache_fp8`` not a bool.
     """
     if mode not in KV_MODES:
-        raise ValueError(f"mode must be one of {KV_MODES}, got {mode!r}")
+        raise ValueError(f"mode must be one of {KV_MODES} (what kv_impl answers), got {mode!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    for name, flag in (("gathered", gathered), ("kv_cache_fp8", kv_cache_fp8)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows must be an int >= 0 (key rows of the pass), got {rows!r}")
     if mode != "auto":
         return mode
     if not gathered:

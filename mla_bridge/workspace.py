@@ -235,7 +235,7 @@ class Workspace:
         self.device = _checked_device(device)
         self.float_workspace_bytes = float_workspace_bytes
         self.max_float_workspace_bytes = max(max_float_workspace_bytes, float_workspace_bytes)
-        self.chunk_tokens = chunk_tokens
+        self._chunk_tokens = chunk_tokens
         self.max_idle_wrappers = max_idle_wrappers
         self._float_workspace: Optional[torch.Tensor] = None
         self._float_stream: Any = None  # the stream the float workspace was allocated on
@@ -250,6 +250,19 @@ class Workspace:
         weakref.finalize(self, _bury, self._slots)
         self.wrappers_created = 0
         self.plans_made = 0  # FlashInfer plan() calls through this workspace (a benchmark counts them)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of gathered context per chunk (see the constructor). May be set between plans (a plan reads it
+        when built, :class:`mla_bridge.PlanCache` keys on it); a value other than a positive int raises ValueError
+        where it is set."""
+        return self._chunk_tokens
+
+    @chunk_tokens.setter
+    def chunk_tokens(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(f"Workspace: chunk_tokens must be a positive int, got {value!r}")
+        self._chunk_tokens = int(value)
 
     def _new_float_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)

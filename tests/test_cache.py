@@ -246,3 +246,15 @@ def test_triton_gather_equals_torch_gather_interpreted(triton_interpreted):
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_gather_cases` under the interpreter."""
     out = triton_interpreted("tests.test_cache:interpreted_gather_cases", "tests/gpu/test_gpu_gather.py")
     assert out.strip().startswith("ok ") and int(out.split()[-1]) > 20, out
+
+
+def test_quantize_scale_of_tiny_values_is_positive():
+    """amax / 448 underflows float32 for amax below about 6e-43: the computed scale was 0, which every kernel and
+    check_kv_cache refuse. It is now at least float32's smallest normal (values that small quantize to 0)."""
+    for amax in (1e-45, 1e-42, 5e-39):
+        cache, scale = C.quantize_latent_cache(torch.full((2, 3), amax))
+        assert float(scale) >= torch.finfo(torch.float32).tiny
+        C.check_kv_cache(cache, scale, C.FP8_DTYPE)  # accepted
+        assert torch.isfinite(cache.float()).all()
+    assert float(C.quantize_latent_cache(torch.zeros(4))[1]) == 1.0
+    assert float(C.quantize_latent_cache(torch.full((4,), 448.0))[1]) == 1.0

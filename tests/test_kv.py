@@ -228,9 +228,24 @@ def test_triton_interpret_read_as_triton_reads_it(monkeypatch, value, interpreti
 
 
 def test_pass_impl_names_a_bad_mode_or_layout():
-    with pytest.raises(ValueError, match=r"^mode must be one of \('auto', 'fused', 'separate'\), got 'bogus'"):
+    bad_mode = r"^mode must be one of \('auto', 'fused', 'separate'\) \(what kv_impl answers\), got 'bogus'"
+    with pytest.raises(ValueError, match=bad_mode):
         KV.pass_impl("bogus", True, False)
     with pytest.raises(ValueError, match=r"^layout must be one of \('identity', 'split'\), got 'splt'"):
         KV.pass_impl("auto", True, False, 10, "splt")
     # the layout left out is the default one (split): a large gathered pass goes to cuBLAS
     assert KV.pass_impl("auto", True, False, KV.SEPARATE_FROM_ROWS) == "separate"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(gathered="no"), "gathered must be a bool"),
+    (dict(kv_cache_fp8=1), "kv_cache_fp8 must be a bool"),
+    (dict(rows=-5), "rows must be an int >= 0"),
+    (dict(rows="100"), "rows must be an int >= 0"),
+    (dict(rows=2.0), "rows must be an int >= 0"),
+])
+def test_pass_impl_names_a_bad_argument(kwargs, match):
+    args = dict(mode="auto", gathered=True, kv_cache_fp8=False, rows=10)
+    args.update(kwargs)
+    with pytest.raises((TypeError, ValueError), match=match):
+        KV.pass_impl(**args)

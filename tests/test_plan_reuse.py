@@ -3,6 +3,7 @@ distinct pass shape (a stand-in wrapper counts them on the CPU)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,3 +207,15 @@ def test_a_hit_refuses_what_build_refuses(tiny_dims, bad, exc, match):
     with pytest.raises(exc, match=match):
         cache.get([3, 2], [5, 1], dims=tiny_dims, workspace=ws, dtype=torch.float32, **dict(good, **bad))
     assert cache.hits == 0 and cache.misses == 1
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "64", None])
+def test_chunk_tokens_set_after_construction_is_checked(bad):
+    """Workspace.chunk_tokens may change between plans (the tests above); a value no plan can use is refused where
+    it is set, naming it (before: PrefillPlan.build failed later with range() / split_with_sizes errors)."""
+    ws = Workspace("cpu", chunk_tokens=64)
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+        ws.chunk_tokens = bad
+    assert ws.chunk_tokens == 64
+    ws.chunk_tokens = np.int64(16)
+    assert ws.chunk_tokens == 16 and type(ws.chunk_tokens) is int
