@@ -19,8 +19,8 @@ from mla_bridge.reference import reference_request
 
 PREFILL_FIELDS = {
     "model", "dims", "weight", "device", "device_name", "dtype", "backend", "backend_reason", "passed_over",
-    "query_lens", "context_lens", "block_size", "chunk_tokens", "schedule", "num_chunks", "num_plans", "layers",
-    "timing_method", "timings_ms", "flops", "tflops", "peak_extra_memory_bytes", "check", "seed", "kernels",
+    "query_lens", "context_lens", "block_size", "chunk_tokens", "schedule", "num_chunks", "num_merges", "num_plans",
+    "layers", "timing_method", "timings_ms", "flops", "tflops", "peak_extra_memory_bytes", "check", "seed", "kernels",
 }
 
 
@@ -65,6 +65,7 @@ def test_prefill_chunked_schedule_merges(tmp_path):
                        "--chunk-tokens", "32", "--check-requests", "2")
     assert rc == 0
     assert res["schedule"] == "chunked" and res["num_chunks"] == 3  # 73 context tokens in chunks of <= 32
+    assert res["num_merges"] == 3  # every chunk shares a request's rows with the one before: a round each
     assert res["num_plans"] == 4
     assert {"main pass", "context chunks", "merge"} <= set(res["timings_ms"]["phases"])
     assert res["check"]["passed"] and res["check"]["max_abs_err_out"] < 1e-4 and res["check"]["max_abs_err_lse"] < 1e-4

@@ -162,7 +162,8 @@ def cmd_prefill(args, console) -> int:
     if plan.fused:
         schedule = "fused: context + new tokens in one causal pass"
     elif plan.chunks:
-        schedule = f"chunked: main pass + {len(plan.chunks)} context chunk(s) of <= {chunk_tokens} tokens, merged by LSE"
+        schedule = (f"chunked: main pass + {len(plan.chunks)} context chunk(s) of <= {chunk_tokens} tokens, merged by "
+                    f"LSE in {plan.num_merges} merge round(s) (partial: {plan.partial_rows} rows)")
     else:
         schedule = "main pass only (no cached context)"
 
@@ -352,6 +353,7 @@ def cmd_prefill(args, console) -> int:
         "schedule": "fused" if plan.fused else ("chunked" if plan.chunks else "main-only"),
         "kernels": kernels,
         "num_chunks": len(plan.chunks),
+        "num_merges": plan.num_merges,
         "num_plans": plan.num_plans,
         "layers": args.layers,
         "timing_method": timing,
