@@ -169,10 +169,11 @@ class PrefillPlan:
 
     Build it with :meth:`build`. Attributes: ``dims``, ``block_size``, ``query_lens``, ``context_lens`` (lists of
     ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
-    fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks``
-    (list of :class:`ContextChunk`, with their merge rounds: :attr:`num_merges`, :attr:`partial_rows`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything
-    the plan depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index
-    tensors that place gathered context and new tokens into one key buffer.
+    fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks`` (list of
+    :class:`ContextChunk`, with their merge rounds: :attr:`num_merges`, :attr:`partial_rows`), ``device``,
+    ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything the plan depends on, see :class:`PlanCache`;
+    made on first use), and for the fused schedule the device index tensors that place gathered context and new
+    tokens into one key buffer.
     """
 
     def __init__(self) -> None:  # use PrefillPlan.build

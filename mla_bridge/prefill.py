@@ -213,8 +213,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM), ``"fused"`` (one
             Triton launch per pass, CUDA only) or ``"auto"`` (per pass, :func:`mla_bridge.kv.pass_impl`: the fused
             kernel for the smaller passes, the separate path for the others; the default on CUDA with Triton,
-            "separate" elsewhere); ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment variable, else the
-            default).
+            "separate" elsewhere); ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment
+            variable, else the default).
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
@@ -291,10 +291,10 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     upper bound). The fused schedule has one pass over context + new tokens; the
     chunked one frees each pass before the next, and from its first chunk on holds one partial out/lse for the most
     query rows of any merge round (``plan.partial_rows``, at most T, reused by every round) plus the merge's float32
-    LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries per context
-    row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the rows in the
-    cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices; the Triton
-    gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x
+    LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries
+    per context row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the
+    rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices;
+    the Triton gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x
     block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
     benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
     :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left

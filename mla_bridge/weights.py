@@ -19,9 +19,9 @@ Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per cal
   writing through an ``out=`` view of batch stride 320), one per :data:`SPLIT_GEMM_ROWS` rows, fill the v and k_nope
   columns, and the k_pe broadcast (:func:`broadcast_heads`: a Triton kernel on CUDA, torch's ``copy_`` elsewhere)
   writes k_pe into every head; for rows gathered from the cache the gather writes it there itself
-  (:meth:`PreparedKVBProj._split_buffer`, :func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``). No extra FLOPs. k_nope and v equal the identity layout's within float32
-  accumulation-order rounding (the GEMM sums 512 products instead of 512 plus 64 exact zeros); k_pe is copied
-  exactly in both.
+  (:meth:`PreparedKVBProj._split_buffer`, :func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``). No extra FLOPs.
+  k_nope and v equal the identity layout's within float32 accumulation-order rounding (the GEMM sums 512 products
+  instead of 512 plus 64 exact zeros); k_pe is copied exactly in both.
 
 Which is faster is a property of the GPU's GEMM library. Measured on the H200 (2026-12-01, bf16, DeepSeek-V2-Lite
 dims, gather included): 40000 key rows 0.313 ms split against 0.39 identity (and 0.360 for the fused Triton kernel
