@@ -9,8 +9,8 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
   :func:`mla_bridge.cache.gather_impl`), then up-projected by the prepared weight's GEMM
   (:meth:`mla_bridge.PreparedKVBProj.up_project`, cuBLAS on CUDA); with a split-layout weight the gather also
   writes each row's k_pe into every head of the key buffer (no k_pe broadcast launch of its own: two launches per
-  pass that gathers). The CPU's, and on CUDA that of the large passes
-  (new tokens alone, or gathered with a split-layout weight or from an FP8 cache).
+  pass that gathers). The CPU's, and on CUDA that of the large passes (new tokens alone, or gathered with a
+  split-layout weight or from an FP8 cache).
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
@@ -115,10 +115,11 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
       with either layout.
 
     Why (H200, 2026-12-01, bf16 out, DeepSeek-V2-Lite dims, GPU time of one gathered pass, gather included): the split
-    layout's separate path (Triton gather, cuBLAS batched GEMM, Triton k_pe broadcast) takes 0.072 / 0.134 / 0.313 /
-    0.537 ms at 8192 / 16384 / 40000 / 68000 rows where the fused kernel takes 0.083 / 0.155 / 0.360 / 0.605 (its GEMM
-    reaches about 460 TFLOP/s, cuBLAS's about 610); at 2048 / 4096 rows they are even (0.024 / 0.042 against 0.022
-    / 0.044), and the fused kernel is one launch instead of three: small passes are where the host is the bound
+    layout's separate path (Triton gather, cuBLAS batched GEMM, Triton k_pe broadcast: measured before the gather
+    wrote k_pe itself) takes 0.072 / 0.134 / 0.313 / 0.537 ms at 8192 / 16384 / 40000 / 68000 rows where the fused
+    kernel takes 0.083 / 0.155 / 0.360 / 0.605 (its GEMM reaches about 460 TFLOP/s, cuBLAS's about 610); at 2048 /
+    4096 rows they are even (0.024 / 0.042 against 0.022 / 0.044), and the fused kernel is one launch instead of
+    three (now two): small passes are where the host is the bound
     (host time per pass: 35-60 us fused, 110-190 us separate). Against the identity layout's one GEMM, which does 40%
     more FLOPs, the fused kernel is faster at every size. New tokens alone gather nothing, and the two are even on the
     GPU up to 4096 rows (0.012 / 0.020 / 0.039 ms fused against 0.013 / 0.019 / 0.036 at 1024 / 2048 / 4096), cuBLAS
