@@ -159,6 +159,26 @@ def test_mla_prefill_chunks_vs_float64(ref, v2_batch, budget, fuse):
     ref.assert_lse_close(lse, e_lse, atol=LSE_TOL)
 
 
+@pytest.mark.parametrize("heads", [2, 3])
+def test_merge_round_partials_at_odd_rows_vs_float64(ref, heads):
+    """Merge rounds put a chunk's partial at a row offset of the shared partial buffer: with 2 or 3 heads (V2-Lite
+    tensor-parallel over 8 or so) its LSE then starts 8 or 12 bytes into a 16-byte line. FlashInfer writes it there
+    and the round's one merge reads it: the result against float64, the buffers NaN-filled so an unwritten row shows."""
+    dims = MLADims(num_heads=heads, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    q_lens, c_lens = [3, 2, 5], [7, 9, 4]
+    batch = ref.make_mla_batch(dims, q_lens, c_lens, 4, dtype=BF16, seed=heads, device=dev())
+    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=16), block_size=4,
+                             dtype=BF16, fuse_context=False)
+    assert [(c.part_row, c.merge_rows) for c in plan.chunks] == [(0, None), (5, (0, 10))] and plan.num_merges == 1
+    torch.cuda._sleep(int(1e8))
+    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                           return_lse=True, out=torch.full((10, heads, 128), float("nan"), dtype=BF16, device=dev()))
+    torch.cuda.synchronize()
+    e_out, e_lse = ref.mla_reference(batch)
+    ref.assert_out_close(out, e_out, atol=OUT_TOL, rtol=PREFILL_RTOL)
+    ref.assert_lse_close(lse, e_lse, atol=LSE_TOL)
+
+
 @pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2"])
 def test_mla_prefill_each_backend(ref, v2_batch, backend):
     require(backend, dtype=BF16, head_dim_qk=192, head_dim_vo=128)
