@@ -53,10 +53,21 @@ PYEOF
 
 pip_install() {
     # pip -q, minus the warnings this machine's pip configuration prints for each package (index folders that
-    # do not exist); every other line, warning or error, still shows.
-    local rc=0
-    "$PY" -m pip install -q "$@" 2>&1 \
-        | { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.\?$" || true; } || rc=$?
+    # do not exist); every other line, warning or error, still shows. Tried 3 times: a download cut short by the
+    # network is the usual failure.
+    local rc attempt
+    for attempt in 1 2 3; do
+        rc=0
+        "$PY" -m pip install -q "$@" 2>&1 \
+            | { grep -v "^WARNING: Location '.*' is ignored: it is neither a file nor a directory\.\?$" || true; } \
+            || rc=$?
+        if [ "$rc" -eq 0 ]; then
+            return 0
+        fi
+        if [ "$attempt" -lt 3 ]; then
+            echo "test.sh: pip install $* failed (attempt $attempt of 3), trying again" >&2
+        fi
+    done
     return "$rc"
 }
 

@@ -28,16 +28,22 @@ STAMP="$VENV/.mla-bridge-vllm-stamp"
 WANT="vllm==$VLLM_VERSION lean-v1"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
-quiet_pip() {  # pip, silent unless it fails (then its whole log is shown)
-    local log
+quiet_pip() {  # pip, silent unless it fails (then its last log is shown); tried 3 times: a download cut short by
+    local log attempt  # the network (seen in CI: "not enough bytes were received") is the usual failure
     log="$(mktemp)"
-    if ! "$PY" -m pip "$@" >"$log" 2>&1; then
-        cat "$log" >&2
-        rm -f "$log"
-        echo "test_vllm.sh: pip $* failed" >&2
-        return 1
-    fi
+    for attempt in 1 2 3; do
+        if "$PY" -m pip "$@" >"$log" 2>&1; then
+            rm -f "$log"
+            return 0
+        fi
+        if [ "$attempt" -lt 3 ]; then
+            echo "test_vllm.sh: pip $* failed (attempt $attempt of 3), trying again" >&2
+        fi
+    done
+    cat "$log" >&2
     rm -f "$log"
+    echo "test_vllm.sh: pip $* failed" >&2
+    return 1
 }
 
 env_ok() {  # the lean vLLM environment itself

@@ -96,3 +96,36 @@ def test_paths_go_to_their_own_suite(tmp_path):
     assert rc == 0, out
     assert core is None
     assert vllm == VLLM_PYTEST + ["-m", "not", "gpu", "tests/vllm/test_vllm_forward.py::test_batch_spans_the_cases"]
+
+
+FLAKY_PIP = """#!/usr/bin/env bash
+# a stand-in python whose "-m pip" fails its first $FAILS calls (a download cut short), then succeeds
+n=$(cat "$COUNT" 2>/dev/null || echo 0); n=$((n + 1)); echo "$n" > "$COUNT"
+if [ "$n" -le "$FAILS" ]; then echo "Download failed: not enough bytes were received" >&2; exit 1; fi
+exit 0
+"""
+
+
+@pytest.mark.parametrize("script,call", [("test.sh", "pip_install some-package"),
+                                         ("test_vllm.sh", "quiet_pip install -q some-package")])
+@pytest.mark.parametrize("fails,rc,calls", [(0, 0, 1), (2, 0, 3), (3, 1, 3)])
+def test_pip_installs_are_tried_three_times(tmp_path, script, call, fails, rc, calls):
+    """Both scripts' pip helpers try an install 3 times: a CI run failed on a vLLM download cut short (2026-12-01).
+    The helper is taken from the script as it stands and run with a stand-in python whose pip fails ``fails``
+    times: it succeeds within 3 attempts, else fails with pip's output shown."""
+    py = tmp_path / "python"
+    py.write_text(FLAKY_PIP)
+    py.chmod(0o755)
+    text = (ROOT / "scripts" / script).read_text()
+    function = call.split()[0]
+    start = text.index(f"{function}() {{")
+    body = text[start:text.index("\n}\n", start) + 3]
+    proc = subprocess.run(["bash", "-c", f"set -euo pipefail\n{body}\n{call}"],
+                          env={**os.environ, "PY": str(py), "COUNT": str(tmp_path / "n"), "FAILS": str(fails)},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == rc, proc.stderr
+    assert int((tmp_path / "n").read_text()) == calls
+    # test.sh shows pip's output as it comes (every failed attempt's), test_vllm.sh only when it gives up
+    shown = min(fails, 3) if script == "test.sh" else int(rc != 0)
+    assert (proc.stdout + proc.stderr).count("not enough bytes") == shown
+    assert proc.stderr.count("trying again") == min(fails, 2)
