@@ -34,6 +34,8 @@ from typing import Optional, Union
 
 import torch
 
+from .weights import broadcast_heads
+
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SUPPORTED_CACHE_DTYPES", "resolve_kv_cache_dtype", "is_fp8", "as_cache_view",
            "check_kv_cache", "quantize_latent_cache", "dequantize_latent", "gather_impl", "gather_latent",
            "fused_latent", "cache_dtype_name"]
@@ -278,13 +280,13 @@ def _torch_rows(cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.T
 
 
 def _split_off_k_pe(latent: torch.Tensor, k_pe_out: Optional[torch.Tensor]) -> torch.Tensor:
-    """The torch path's k_pe broadcast: ``k_pe_out[i, h] = latent[i, rank:]`` (``rank`` = latent width minus
-    ``k_pe_out``'s), and the kv_c columns ``latent[:, :rank]`` (a view) returned; ``latent`` itself without
-    ``k_pe_out``."""
+    """The torch path's k_pe broadcast (:func:`mla_bridge.weights.broadcast_heads`, the one place choosing how):
+    ``k_pe_out[i, h] = latent[i, rank:]`` (``rank`` = latent width minus ``k_pe_out``'s), and the kv_c columns
+    ``latent[:, :rank]`` (a view) returned; ``latent`` itself without ``k_pe_out``."""
     if k_pe_out is None:
         return latent
     rank = latent.shape[1] - k_pe_out.shape[2]
-    k_pe_out.copy_(latent[:, rank:].unsqueeze(1).expand_as(k_pe_out))
+    broadcast_heads(k_pe_out, latent[:, rank:])
     return latent[:, :rank]
 
 
