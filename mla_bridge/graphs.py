@@ -236,7 +236,8 @@ class PrefillLayer:
     """One layer's tensors for :func:`capture_prefill`: the buffers its replays read (shapes as
     :func:`mla_bridge.mla_prefill`). ``q`` / ``kv_c`` / ``k_pe`` are the graph's inputs: write each batch's values
     into them (``copy_``) before :meth:`PrefillGraph.replay`. ``kv_b_proj`` should be prepared
-    (:func:`mla_bridge.prepare_kv_b_proj`); a raw weight is re-prepared inside every replay."""
+    (:func:`mla_bridge.prepare_kv_b_proj`); a raw weight is read in place by the fused kernel's passes and
+    rearranged again inside every replay for the separate ones (:mod:`mla_bridge.weights`)."""
 
     q: torch.Tensor
     kv_c: torch.Tensor

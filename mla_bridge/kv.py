@@ -16,6 +16,10 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
   for the smaller passes (one launch where the host is the bound); why: :func:`pass_impl`.
 
+A raw weight (:data:`mla_bridge.weights.CHECKPOINT_LAYOUT`) is read in place by the fused kernel; a separate pass
+takes its split form (:meth:`mla_bridge.PreparedKVBProj._gemm_form`, made once per call) and "auto" chooses for it as
+for the split layout.
+
 Both give k and v as strided views of one ``[N, H, 320]`` buffer. The k_pe columns are equal between them (the
 identity layout's GEMM writes +0.0 where the kernel copies a -0.0);
 k_nope and v are equal within the dtype's rounding of a float32 sum taken in another order (both sum the same
@@ -182,7 +186,7 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     ``kv_cache_scale`` is given)."""
     keys = int(plan.main_kv_indptr[-1])
     if pass_impl(impl or kv_impl(plan.device, None, plan.dtype), True, kv_cache_scale is not None, keys,
-                 weight.layout) == "fused":
+                 weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(keys, weight, plan.dtype, plan.device)
@@ -191,6 +195,7 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
                           new_dst=plan.new_dst, kv_cache_scale=kv_cache_scale)
         return k, v
     hook("gather")
+    weight = weight._gemm_form()
     buf, k_pe_out = _split_buffer(keys, weight, plan.device)
     latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather, k_pe_out=k_pe_out)
     hook("up-projection")
@@ -203,14 +208,14 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
     Hooks as :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they
     are, the identity layout after concatenating them)."""
     if pass_impl(impl or kv_impl(kv_c.device, None, kv_c.dtype), False, False, kv_c.shape[0],
-                 weight.layout) == "fused":
+                 weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
         up_project_triton(out, weight, kv_c=kv_c, k_pe=k_pe)
         return k, v
     hook("up-projection")
-    return weight._up_project(kv_c, k_pe)
+    return weight._gemm_form()._up_project(kv_c, k_pe)
 
 
 def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_scale, weight: PreparedKVBProj,
@@ -219,7 +224,7 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
     ``(chunk.req_ids[i], chunk.positions[i])`` in order. Hooks as :func:`fused_schedule_kv`."""
     rows = chunk.req_ids.shape[0]
     if pass_impl(impl or kv_impl(kv_cache.device, None, dtype), True, kv_cache_scale is not None, rows,
-                 weight.layout) == "fused":
+                 weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(rows, weight, dtype, kv_cache.device)
@@ -227,6 +232,7 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
                           positions=chunk.positions, kv_cache_scale=kv_cache_scale)
         return k, v
     hook("gather")
+    weight = weight._gemm_form()
     buf, k_pe_out = _split_buffer(rows, weight, kv_cache.device)
     latent = gather_latent(kv_cache, block_table, chunk.req_ids, chunk.positions, dtype=dtype,
                            kv_cache_scale=kv_cache_scale, impl=gather, k_pe_out=k_pe_out)

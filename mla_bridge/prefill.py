@@ -192,7 +192,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             Any strides (a view of a larger tensor is read in place).
         kv_b_proj_weight: the layer's weight prepared once at load time (:func:`mla_bridge.prepare_kv_b_proj`, the
             fast form), or the raw ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` as stored in DeepSeek
-            checkpoints (slower: rearranged again on every call, a copy of the weight per layer).
+            checkpoints (slower: the fused kernel reads it in place, but a pass that takes the separate path
+            rearranges it first, once per call: a copy of the weight per call and layer; :mod:`mla_bridge.weights`).
         kv_cache: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` paged latent cache holding each
             request's first ``context_lens[r]`` tokens in the blocks its ``block_table`` row lists; dtype
             ``plan.kv_cache_dtype``: the plan's dtype, or FP8 e4m3 (``float8_e4m3fn`` or its uint8 view). Read
@@ -247,7 +248,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         if return_lse or plan.partial_rows else None
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
-    weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight is prepared here, per call
+    weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight: taken as it is (no copy)
     if plan.fused:
         k, v = fused_schedule_kv(plan, kv_c, k_pe, kv_cache, block_table, scale, weight, hook, impl, gather)
     else:

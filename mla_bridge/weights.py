@@ -6,7 +6,9 @@ head: the k_nope rows, then the v rows). The prefill up-projection wants, for ea
 (128 per head). Rearranging the weight for that costs a copy of the weight (the identity layout's, with zero padding:
 0.075-0.085 ms per DeepSeek-V2-Lite layer on the H200 on 2026-12-01, about 5% of a 1.6 ms layer):
 :func:`prepare_kv_b_proj` does it once and the returned :class:`PreparedKVBProj` is reused by every batch.
-``mla_prefill`` still accepts the raw weight (it then prepares it on every call: the slower form).
+``mla_prefill`` still accepts the raw weight: the fused kernel of :mod:`mla_bridge.kernels.up_project` reads it in
+place (:data:`CHECKPOINT_LAYOUT`, no copy), and a pass that takes the separate path (cuBLAS) rearranges it first, once
+per call (the slower form: a copy of the weight per call and layer where such a pass runs).
 
 Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per call of :func:`prepare_kv_b_proj`):
 
@@ -40,10 +42,17 @@ import torch
 from .dims import MLADims
 
 __all__ = ["PreparedKVBProj", "prepare_kv_b_proj", "up_projection_weight", "as_prepared", "broadcast_heads",
-           "prepared_weight_elements", "prepared_weight_shape", "LAYOUTS", "DEFAULT_LAYOUT", "SPLIT_GEMM_ROWS"]
+           "prepared_weight_elements", "prepared_weight_shape", "LAYOUTS", "DEFAULT_LAYOUT", "CHECKPOINT_LAYOUT",
+           "SPLIT_GEMM_ROWS"]
 
 #: The up-projection layouts (see the module docstring).
 LAYOUTS = ("identity", "split")
+#: The layout of a raw weight handed to ``mla_prefill`` (:func:`as_prepared`): the checkpoint's
+#: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` itself, not a copy. The fused kernel reads its k_nope and v
+#: rows where they lie; a separate pass's GEMM needs the split layout, made from it on first use and kept by that
+#: object (:meth:`PreparedKVBProj._gemm_form`: ``mla_prefill`` makes a new one per call, so once per call). Not a
+#: layout :func:`prepare_kv_b_proj` makes: preparing once at load time is the fast form.
+CHECKPOINT_LAYOUT = "checkpoint"
 #: The layout :func:`prepare_kv_b_proj` (and ``mla_prefill`` given a raw weight) uses when none is named: the one
 #: place that picks the variant (why split: the module docstring).
 DEFAULT_LAYOUT = "split"
@@ -102,8 +111,10 @@ class PreparedKVBProj:
 
     Attributes:
         dims: the :class:`MLADims` it was prepared for (heads and widths are checked against the plan's).
-        layout: "identity" or "split" (module docstring).
-        weight: identity ``[H * 320, 576]``; split ``[H, v_head_dim + qk_nope_head_dim, kv_lora_rank]``.
+        layout: "identity" or "split" (module docstring); "checkpoint" (:data:`CHECKPOINT_LAYOUT`) for a raw weight
+            taken as it is by :func:`as_prepared`.
+        weight: identity ``[H * 320, 576]``; split ``[H, v_head_dim + qk_nope_head_dim, kv_lora_rank]``; checkpoint
+            the raw ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` (unit stride along ``kv_lora_rank``).
         dtype, device: the weight's (checked against the plan's by ``mla_prefill``).
     """
 
@@ -112,13 +123,20 @@ class PreparedKVBProj:
     weight: torch.Tensor
 
     def __post_init__(self) -> None:
-        want = prepared_weight_shape(self.dims, self.layout)  # raises for an unknown layout
+        checkpoint = self.layout == CHECKPOINT_LAYOUT
+        want = self.dims.kv_b_proj_shape if checkpoint else prepared_weight_shape(self.dims, self.layout)  # raises
+        # for an unknown layout
         if not isinstance(self.weight, torch.Tensor) or tuple(self.weight.shape) != want:
             got = list(self.weight.shape) if isinstance(self.weight, torch.Tensor) else type(self.weight).__name__
             raise ValueError(f"a {self.layout!r} weight must be {list(want)} (prepare_kv_b_proj makes it), got {got}")
-        # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path)
-        object.__setattr__(self, "_weight_t", self.weight.t() if self.layout == "identity" else
-                           self.weight.transpose(1, 2))
+        if checkpoint and self.weight.stride(1) != 1:
+            raise ValueError(f"a {self.layout!r} weight must have unit stride along kv_lora_rank, got strides "
+                             f"{list(self.weight.stride())}")
+        # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path); the
+        # checkpoint layout's GEMM form is made on first use (_gemm_form)
+        object.__setattr__(self, "_weight_t", None if checkpoint else self.weight.t() if self.layout == "identity"
+                           else self.weight.transpose(1, 2))
+        object.__setattr__(self, "_gemm", None if checkpoint else self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -130,8 +148,36 @@ class PreparedKVBProj:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the prepared weight holds."""
+        """Device bytes the prepared weight holds (for the checkpoint layout: the caller's weight)."""
         return self.weight.numel() * self.weight.element_size()
+
+    @property
+    def gemm_layout(self) -> str:
+        """The layout the separate path's GEMM runs with: :attr:`layout`, or for the checkpoint layout the split one
+        it is rearranged into (:meth:`_gemm_form`)."""
+        return "split" if self.layout == CHECKPOINT_LAYOUT else self.layout
+
+    def _gemm_form(self) -> "PreparedKVBProj":
+        """What the separate path's GEMM reads: this object, or for the checkpoint layout its split form, made by
+        :func:`prepare_kv_b_proj` on the first call and kept (a copy of the weight)."""
+        gemm = self._gemm
+        if gemm is None:
+            gemm = prepare_kv_b_proj(self.weight, self.dims, layout="split")
+            object.__setattr__(self, "_gemm", gemm)
+        return gemm
+
+    def _rows(self) -> tuple[torch.Tensor, int, int, int, int]:
+        """Where the fused kernel (:mod:`mla_bridge.kernels.up_project`) finds head ``h``'s weight rows: ``(weight,
+        row stride in elements, rows per head, first k_nope row, first v row)``, the rows of head ``h`` starting at
+        row ``h * rows_per_head`` and each row's first ``kv_lora_rank`` elements at unit stride (the identity
+        layout's padding and identity block are never read)."""
+        d, w = self.dims, self.weight
+        nope, rope, vd = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
+        if self.layout == "identity":  # [H * (nope + rope + vd), rank + rope]: per head k_nope rows, I, v rows
+            return w, w.stride(0), nope + rope + vd, 0, nope + rope
+        if self.layout == "split":  # [H, vd + nope, rank]: per head v rows, then k_nope rows
+            return w, w.stride(1), w.stride(0) // w.stride(1), vd, 0
+        return w, w.stride(0), nope + vd, 0, nope  # checkpoint [H * (nope + vd), rank]: k_nope rows, then v rows
 
     def up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +210,7 @@ class PreparedKVBProj:
         if k_pe is not None and tuple(k_pe.shape) != (latent.shape[0], d.qk_rope_head_dim):
             raise ValueError(f"k_pe must be [N={latent.shape[0]}, qk_rope_head_dim={d.qk_rope_head_dim}], got "
                              f"{list(k_pe.shape)}")
-        return self._up_project(latent, k_pe)
+        return self._gemm_form()._up_project(latent, k_pe)
 
     def _split_buffer(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The split layout's key/value buffer ``[n, H, v_head_dim + head_dim_qk]`` (per head ``[v | k_nope | k_pe]``)
@@ -176,9 +222,10 @@ class PreparedKVBProj:
 
     def _up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None,
                     buf: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`up_project` past its checks (``mla_prefill`` validated its inputs once per layer). ``buf`` (split
-        layout): a :meth:`_split_buffer` whose k_pe columns are written already; then ``latent`` needs only its
-        first ``kv_lora_rank`` columns and no k_pe broadcast runs here."""
+        """:meth:`up_project` past its checks (``mla_prefill`` validated its inputs once per layer), on a weight of the
+        identity or split layout (the separate path takes :meth:`_gemm_form`). ``buf`` (split layout): a
+        :meth:`_split_buffer` whose k_pe columns are written already; then ``latent`` needs only its first
+        ``kv_lora_rank`` columns and no k_pe broadcast runs here."""
         d = self.dims
         h, qk, vd, r = d.num_heads, d.head_dim_qk, d.v_head_dim, d.kv_lora_rank
         n = latent.shape[0]
@@ -269,7 +316,9 @@ def prepare_kv_b_proj(kv_b_proj_weight: torch.Tensor, dims: MLADims, *, layout: 
 def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADims, dtype: torch.dtype,
                 device: torch.device, name: str = "kv_b_proj_weight") -> PreparedKVBProj:
     """What ``mla_prefill`` up-projects with: a :class:`PreparedKVBProj` checked against the plan's dims, dtype and
-    device, or a raw weight checked the same way and prepared now (:data:`DEFAULT_LAYOUT`; once per call).
+    device, or a raw weight checked the same way and taken as it is (:data:`CHECKPOINT_LAYOUT`: no copy; its split
+    form is made where a separate pass first needs it, so at most once per call); a raw weight whose rows are not at
+    unit stride is prepared now (:data:`DEFAULT_LAYOUT`).
 
     Raises:
         TypeError: neither a tensor nor a PreparedKVBProj; a dtype other than ``dtype``.
@@ -294,4 +343,8 @@ def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADim
         raise ValueError(f"{name} is on {kv_b_proj_weight.device}, but the plan is on {device}")
     if kv_b_proj_weight.dtype != dtype:
         raise TypeError(f"{name} must have dtype {dtype} (the plan's), got {kv_b_proj_weight.dtype}")
-    return prepare_kv_b_proj(kv_b_proj_weight, dims)
+    _check_raw(kv_b_proj_weight, dims, name)
+    if kv_b_proj_weight.stride(1) != 1:  # not readable in place by the fused kernel: the split copy now
+        return prepare_kv_b_proj(kv_b_proj_weight, dims)
+    w = kv_b_proj_weight.detach() if kv_b_proj_weight.requires_grad else kv_b_proj_weight
+    return PreparedKVBProj(dims, CHECKPOINT_LAYOUT, w)

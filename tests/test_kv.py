@@ -249,3 +249,58 @@ def test_pass_impl_names_a_bad_argument(kwargs, match):
     args.update(kwargs)
     with pytest.raises((TypeError, ValueError), match=match):
         KV.pass_impl(**args)
+
+
+def interpreted_raw_weight_cases() -> str:
+    """The fused kernel reads a raw (checkpoint-layout) weight in place: bitwise what it computes from the
+    split-prepared copy, for every pass of the fused and chunked schedules, float32 and float16; and
+    ``mla_prefill(kv_impl="fused")`` with the raw weight rearranges nothing and returns the prepared weight's bits."""
+    import mla_bridge.weights as W
+    from mla_bridge import prepare_kv_b_proj
+
+    d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    nothing = lambda name: None  # noqa: E731
+    q_lens, c_lens, bs = [5, 0, 7], [9, 20, 3], 4
+    n = 0
+    for dtype in (torch.float32, torch.float16):
+        g = torch.Generator().manual_seed(n)
+        cache = torch.randn(24, bs, d.latent_dim, generator=g).to(dtype)
+        table = torch.randperm(24, generator=g)[:18].view(3, 6).int()
+        w = (torch.randn(*d.kv_b_proj_shape, generator=g) * 0.2).to(dtype)
+        raw = W.as_prepared(w, d, dtype, torch.device("cpu"))
+        split = prepare_kv_b_proj(w, d)
+        assert raw.layout == W.CHECKPOINT_LAYOUT
+        t = sum(q_lens)
+        kv_c = torch.randn(t, d.kv_lora_rank, generator=g).to(dtype)
+        k_pe = torch.randn(t, d.qk_rope_head_dim, generator=g).to(dtype)
+        q = torch.randn(t, d.num_heads, d.head_dim_qk, generator=g).to(dtype)
+        for fuse in (True, False):
+            plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=40 if fuse else 16),
+                                     block_size=bs, dtype=dtype, fuse_context=fuse)
+            got = []
+            for weight in (raw, split):
+                if plan.fused:
+                    got.append([KV.fused_schedule_kv(plan, kv_c, k_pe, cache, table, None, weight, nothing, "fused")])
+                else:
+                    got.append([KV.new_tokens_kv(kv_c, k_pe, weight, nothing, "fused")] + [
+                        KV.chunk_kv(c, cache, table, None, weight, dtype, nothing, "fused") for c in plan.chunks])
+            assert len(got[0]) == (1 if fuse else 1 + len(plan.chunks)) >= (1 if fuse else 3)
+            for (ka, va), (kb, vb) in zip(*got):
+                assert torch.equal(ka, kb) and torch.equal(va, vb), (dtype, fuse)
+                n += 1
+            assert raw._gemm is None, "a fused pass rearranged the raw weight"
+            want = mla_prefill(q, kv_c, k_pe, split, cache, table, plan, kv_impl="fused")
+            real = W.prepare_kv_b_proj
+            W.prepare_kv_b_proj = None  # any rearrangement inside the call fails
+            try:
+                out = mla_prefill(q, kv_c, k_pe, w, cache, table, plan, kv_impl="fused")
+            finally:
+                W.prepare_kv_b_proj = real
+            assert torch.equal(out, want), (dtype, fuse)
+    return f"ok {n}"
+
+
+def test_fused_kernel_reads_the_raw_weight_in_place_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_raw_weight_cases`."""
+    out = triton_interpreted("tests.test_kv:interpreted_raw_weight_cases", "tests/gpu/test_gpu_up_project.py")
+    assert out.strip().startswith("ok ") and int(out.split()[-1]) == 8, out

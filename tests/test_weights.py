@@ -241,3 +241,55 @@ def test_prepared_weight_checks_its_layout_and_shape(tiny_dims):
         PreparedKVBProj(d, "identity", split)
     with pytest.raises(ValueError, match=r"^layout must be one of"):
         weights_mod.prepared_weight_elements(d, "bogus")
+
+
+def test_raw_weight_is_taken_as_it_is(tiny_dims):
+    """mla_prefill's raw weight is not copied: the checkpoint layout views it; its split form (the separate path's
+    GEMM) is made on first use, once per object, and equals prepare_kv_b_proj's."""
+    d = tiny_dims
+    w = torch.randn(d.kv_b_proj_shape)
+    p = weights_mod.as_prepared(w, d, torch.float32, torch.device("cpu"))
+    assert p.layout == weights_mod.CHECKPOINT_LAYOUT and p.weight.data_ptr() == w.data_ptr() and p.gemm_layout == "split"
+    assert p._gemm is None  # nothing rearranged yet
+    gemm = p._gemm_form()
+    assert gemm.layout == "split" and torch.equal(gemm.weight, prepare_kv_b_proj(w, d).weight)
+    assert p._gemm_form() is gemm  # made once
+    # the fused kernel's addressing: head h's k_nope row j at h * rows + first_nope + j, v rows likewise
+    weight, row, per_head, first_nope, first_v = p._rows()
+    flat = weight.reshape(-1)
+    for h in range(d.num_heads):
+        for j in (0, d.qk_nope_head_dim - 1):
+            got = flat[(h * per_head + first_nope + j) * row:][:d.kv_lora_rank]
+            assert torch.equal(got, gemm.weight[h, d.v_head_dim + j])
+        for j in (0, d.v_head_dim - 1):
+            assert torch.equal(flat[(h * per_head + first_v + j) * row:][:d.kv_lora_rank], gemm.weight[h, j])
+    for layout in weights_mod.LAYOUTS:  # the prepared layouts' addressing gives the same rows
+        q = prepare_kv_b_proj(w, d, layout=layout)
+        weight, row, per_head, first_nope, first_v = q._rows()
+        flat = weight.reshape(-1)
+        h, j = d.num_heads - 1, 3
+        assert torch.equal(flat[(h * per_head + first_nope + j) * row:][:d.kv_lora_rank], gemm.weight[h, d.v_head_dim + j])
+        assert torch.equal(flat[(h * per_head + first_v + j) * row:][:d.kv_lora_rank], gemm.weight[h, j])
+
+
+def test_raw_weight_not_at_unit_stride_is_prepared(tiny_dims):
+    d = tiny_dims
+    w = torch.randn(d.kv_b_proj_shape[::-1]).t()  # the right shape, rows at stride 1 along the output dim
+    p = weights_mod.as_prepared(w, d, torch.float32, torch.device("cpu"))
+    assert p.layout == "split" and torch.equal(p.weight, prepare_kv_b_proj(w.contiguous(), d).weight)
+    with pytest.raises(ValueError, match="'checkpoint' weight must have unit stride along kv_lora_rank"):
+        PreparedKVBProj(d, weights_mod.CHECKPOINT_LAYOUT, w)
+    with pytest.raises(ValueError, match=r"^a 'checkpoint' weight must be \["):
+        PreparedKVBProj(d, weights_mod.CHECKPOINT_LAYOUT, torch.randn(3, 4))
+    with pytest.raises(ValueError, match="^layout must be one of"):  # not a layout prepare_kv_b_proj makes
+        prepare_kv_b_proj(w, d, layout=weights_mod.CHECKPOINT_LAYOUT)
+
+
+def test_raw_weight_requiring_grad_is_read_detached(ref, tiny_dims):
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 8, seed=9)
+    plan = _plan(tiny_dims, False)
+    w = torch.nn.Parameter(batch.w.clone())
+    out, lse = _run(batch, plan, w)
+    assert not out.requires_grad
+    want, want_lse = _run(batch, plan, prepare_kv_b_proj(batch.w, tiny_dims))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)

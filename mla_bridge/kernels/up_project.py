@@ -10,8 +10,9 @@ a GEMM whose A rows are read where they lie, and whose epilogue writes the layou
   ``j`` is ``kv_c[j] ++ k_pe[j]`` and lands in row ``new_dst[j]`` (or ``j``). Nothing is staged in memory.
 * **GEMM.** Per head ``h``: ``k_nope = kv_c_rows @ W_nope[h].T`` and ``v = kv_c_rows @ W_v[h].T`` (``kv_lora_rank``
   products accumulated in float32, rounded once to the output dtype). The weight is read from a
-  :class:`mla_bridge.PreparedKVBProj` of either layout (only the rows and the first ``kv_lora_rank`` columns: the
-  identity layout's zero padding and identity block are skipped), so no extra FLOPs.
+  :class:`mla_bridge.PreparedKVBProj` of any layout, the raw checkpoint weight too (only the rows and the first
+  ``kv_lora_rank`` columns: the identity layout's zero padding and identity block are skipped), so no extra FLOPs and
+  no copy of a raw weight.
 * **Epilogue.** Output ``[N, H, qk_nope + qk_rope + v_head_dim]`` per head ``[k_nope | k_pe | v]``: ``k = out[...,
   :192]`` and ``v = out[..., 192:]`` are the strided views the attention kernels read (as the identity layout's GEMM
   output). The k_pe columns are the row's own k_pe, copied exactly into every head (the "k_pe broadcast").
@@ -169,7 +170,8 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
     """Fill ``out [N, H, qk_nope + qk_rope + v_head_dim]`` (contiguous, the plan's dtype) with ``[k_nope | k_pe | v]``
     per head for the context rows (``kv_cache`` through ``block_table`` at ``(req_ids[i], positions[i])``, to rows
     ``ctx_dst`` or ``0..n_ctx-1``) and the new rows (``kv_c`` ``[n, rank]``, ``k_pe`` ``[n, rope]``, to rows
-    ``new_dst`` or ``0..n-1``); either part may be absent. ``weight``: a :class:`mla_bridge.PreparedKVBProj`.
+    ``new_dst`` or ``0..n-1``); either part may be absent. ``weight``: a :class:`mla_bridge.PreparedKVBProj` of any
+    layout, the checkpoint one included (the raw weight read in place).
     ``config`` overrides :data:`CONFIG` (the benchmark's tile sweep)."""
     d = weight.dims
     h, rank, nope, rope, vd = d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
@@ -178,11 +180,7 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
     if dequant:
         cfg["num_stages"] = min(cfg["num_stages"], DEQUANT_MAX_STAGES)
     bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, next_power_of_2(rank)))
-    w = weight.weight
-    if weight.layout == "identity":  # [H * (nope + rope + vd), rank + rope]: per head k_nope rows, I, v rows
-        w_row, w_head, w_nope, w_v = w.stride(0), nope + rope + vd, 0, nope + rope
-    else:  # split: [H, vd + nope, rank]: per head v rows, then k_nope rows
-        w_row, w_head, w_nope, w_v = w.stride(1), w.stride(0) // w.stride(1), vd, 0
+    w, w_row, w_head, w_nope, w_v = weight._rows()  # each head's k_nope and v rows, in any layout
     n_ctx = 0 if req_ids is None else req_ids.shape[0]
     n_new = 0 if kv_c is None else kv_c.shape[0]
     ctx_tiles = cdiv(n_ctx, bm)

@@ -270,3 +270,35 @@ def test_strided_k_pe_equals_contiguous_on_the_split_path():
     b = mla_prefill(q, kv_c, k_pe, weight, cache, table, plan, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_raw_weight_is_read_in_place_with_the_prepared_bits(monkeypatch, fp8, fuse):
+    """A raw kv_b_proj weight: the fused kernel reads its rows where they lie (no rearranged copy) and gives bitwise
+    what it gives from the split-prepared weight, for every pass; mla_prefill under "auto" (a large gathered pass on
+    the separate path, which rearranges the raw weight once per call) and under "fused" returns the prepared
+    weight's bits."""
+    import mla_bridge.weights as W
+
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
+        16, fp8, seed=41 + fp8, q_lens=(200, 57, 3), c_lens=(9000, 300, 0), chunk_tokens=16384 if fuse else 8192)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse,
+                             kv_cache_dtype="fp8" if fp8 else None)
+    cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
+    raw, split = W.as_prepared(w, d, BF16, dev()), prepare_kv_b_proj(w, d)
+    assert raw.layout == W.CHECKPOINT_LAYOUT and raw.weight.data_ptr() == w.data_ptr()
+    torch.cuda._sleep(int(1e8))
+    a = _passes(plan, kv_c, k_pe, cache, table, s, raw, "fused")
+    b = _passes(plan, kv_c, k_pe, cache, table, s, split, "fused")
+    assert raw._gemm is None  # no fused pass rearranged it
+    outs = {}
+    for impl in ("auto", "fused"):
+        torch.cuda._sleep(int(1e8))
+        outs[impl] = [mla_prefill(q, kv_c, k_pe, weight, cache, table, plan, return_lse=True, kv_cache_scale=scale,
+                                  kv_impl=impl) for weight in (w, split)]
+    torch.cuda.synchronize()
+    for (ka, va), (kb, vb) in zip(a, b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    for impl, ((oa, la), (ob, lb)) in outs.items():
+        assert torch.equal(oa, ob) and torch.equal(la, lb), impl
