@@ -144,7 +144,7 @@ def test_context_section_splits_phases(cpu_run):
 
 def test_context_section_prepared_split_and_graphed_paths(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "context"]
-    for path in ("mla_prefill, raw weight (re-prepared per call)",
+    for path in ("mla_prefill, raw weight (read in place; rearranged per call for cuBLAS passes)",
                  "mla_prefill, identity layout (one GEMM with an identity block)", "mla_prefill, CUDA graph replay",
                  "mla_prefill, identity layout, CUDA graph replay"):
         got = [r for r in rows if r["path"] == path]

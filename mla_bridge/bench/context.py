@@ -57,7 +57,7 @@ PATHS = (
     "in mla_prefill: context chunk",
     "in mla_prefill: merge",
     "in mla_prefill: sum of phases",
-    "mla_prefill, raw weight (re-prepared per call)",
+    "mla_prefill, raw weight (read in place; rearranged per call for cuBLAS passes)",
     "mla_prefill, identity layout (one GEMM with an identity block)",
     "mla_prefill, CUDA graph replay",
     "mla_prefill, identity layout, CUDA graph replay",
@@ -290,7 +290,8 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                     dict(flops=flops, note=f"{sched}, {plan.backend.name}, k/v {kv_impl(ctx.device)}, weight "
                                           f"prepared once", extra=dict(extra), **meta(0))),
                    (PATHS[18], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan),
-                    dict(flops=flops, note="kv_b_proj rearranged inside every call", **meta(0.2))),
+                    dict(flops=flops, note="the checkpoint's kv_b_proj: the fused kernel reads it in place, a cuBLAS "
+                                          "pass rearranges it per call", **meta(0.2))),
                    (PATHS[19], lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp_identity, x.kv_cache, x.block_table, plan),
                     dict(flops=flops, note="one GEMM of 320 x 576 per head (40% more FLOPs), k_pe by the identity "
                                            "block", **meta(0.4)))]
