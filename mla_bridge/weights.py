@@ -234,16 +234,20 @@ class PreparedKVBProj:
                 latent = torch.cat([latent, k_pe], dim=-1)
             out = torch.mm(latent, self._weight_t).view(n, h, qk + vd)
             return out[..., :qk], out[..., qk:]
-        kv_c = latent[:, :r] if k_pe is None else latent
         broadcast = buf is None
         if broadcast:
             buf = torch.empty(n, h, vd + qk, dtype=latent.dtype, device=latent.device)
         gemm_cols = vd + d.qk_nope_head_dim
-        heads_first = buf.permute(1, 0, 2)
+        # Each row block's operands as ONE view each (as_strided: a view op costs host time per layer): the block's
+        # kv_c columns broadcast over heads (batch stride 0), and its [v | k_nope] columns of buf heads first
+        # (buf is contiguous [n, h, vd + qk]).
+        a_row, a_col = latent.stride()
+        o_row = h * (vd + qk)
         for start in range(0, n, SPLIT_GEMM_ROWS):
-            stop = min(n, start + SPLIT_GEMM_ROWS)
-            torch.bmm(kv_c[start:stop].unsqueeze(0).expand(h, stop - start, r), self._weight_t,
-                      out=heads_first[:, start:stop, :gemm_cols])
+            rows = min(n - start, SPLIT_GEMM_ROWS)
+            torch.bmm(latent.as_strided((h, rows, r), (0, a_row, a_col), latent.storage_offset() + start * a_row),
+                      self._weight_t, out=buf.as_strided((h, rows, gemm_cols), (vd + qk, o_row, 1),
+                                                         buf.storage_offset() + start * o_row))
         if broadcast:
             broadcast_heads(buf[:, :, gemm_cols:], latent[:, r:] if k_pe is None else k_pe)
         return buf[..., vd:], buf[..., :vd]

@@ -293,3 +293,22 @@ def test_raw_weight_requiring_grad_is_read_detached(ref, tiny_dims):
     assert not out.requires_grad
     want, want_lse = _run(batch, plan, prepare_kv_b_proj(batch.w, tiny_dims))
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_split_gemm_reads_latent_views_in_place(tiny_dims, monkeypatch):
+    """The split layout's GEMM reads the latent (or kv_c) through its strides and storage offset, row block by row
+    block: a view into a wider, offset buffer gives the contiguous rows' bits."""
+    d = tiny_dims
+    g = torch.Generator().manual_seed(4)
+    p = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape, generator=g), d)
+    latent = torch.randn(11, d.latent_dim, generator=g)
+    wide = torch.randn(13, d.latent_dim + 7, generator=g)
+    wide[2:, 3:3 + d.latent_dim] = latent
+    view = wide[2:, 3:3 + d.latent_dim]
+    assert view.storage_offset() > 0 and view.stride(0) == d.latent_dim + 7
+    monkeypatch.setattr(weights_mod, "SPLIT_GEMM_ROWS", 4)
+    k, v = p.up_project(latent)
+    kv, vv = p.up_project(view)
+    assert torch.equal(k, kv) and torch.equal(v, vv)
+    kn, vn = p.up_project(view[:, :d.kv_lora_rank], view[:, d.kv_lora_rank:])  # kv_c and k_pe apart
+    assert torch.equal(k, kn) and torch.equal(v, vn)
