@@ -50,8 +50,10 @@ LAYOUTS = ("identity", "split")
 #: The layout of a raw weight handed to ``mla_prefill`` (:func:`as_prepared`): the checkpoint's
 #: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` itself, not a copy. The fused kernel reads its k_nope and v
 #: rows where they lie; a separate pass's GEMM needs the split layout, made from it on first use and kept by that
-#: object (:meth:`PreparedKVBProj._gemm_form`: ``mla_prefill`` makes a new one per call, so once per call). Not a
-#: layout :func:`prepare_kv_b_proj` makes: preparing once at load time is the fast form.
+#: object (:meth:`PreparedKVBProj._gemm_form`) for one call: :func:`as_prepared` gives every ``mla_prefill`` call an
+#: object of its own (a held one too, :meth:`PreparedKVBProj._per_call`), so an in-place update of the weight is
+#: read by every pass of the next call, never a copy from an earlier one. Not a layout :func:`prepare_kv_b_proj`
+#: makes: preparing once at load time is the fast form.
 CHECKPOINT_LAYOUT = "checkpoint"
 #: The layout :func:`prepare_kv_b_proj` (and ``mla_prefill`` given a raw weight) uses when none is named: the one
 #: place that picks the variant (why split: the module docstring).
@@ -157,9 +159,16 @@ class PreparedKVBProj:
         it is rearranged into (:meth:`_gemm_form`)."""
         return "split" if self.layout == CHECKPOINT_LAYOUT else self.layout
 
+    def _per_call(self) -> "PreparedKVBProj":
+        """This object, or for the checkpoint layout a new one over the same weight, whose split form
+        (:meth:`_gemm_form`) is made afresh: a copy kept from an earlier call would not see an in-place update of the
+        weight, which the fused kernel reads where it lies."""
+        return PreparedKVBProj(self.dims, self.layout, self.weight) if self.layout == CHECKPOINT_LAYOUT else self
+
     def _gemm_form(self) -> "PreparedKVBProj":
         """What the separate path's GEMM reads: this object, or for the checkpoint layout its split form, made by
-        :func:`prepare_kv_b_proj` on the first call and kept (a copy of the weight)."""
+        :func:`prepare_kv_b_proj` on the first call and kept by this object (a copy of the weight; the callers hold
+        the object for one call: :meth:`_per_call`)."""
         gemm = self._gemm
         if gemm is None:
             gemm = prepare_kv_b_proj(self.weight, self.dims, layout="split")
@@ -210,7 +219,7 @@ class PreparedKVBProj:
         if k_pe is not None and tuple(k_pe.shape) != (latent.shape[0], d.qk_rope_head_dim):
             raise ValueError(f"k_pe must be [N={latent.shape[0]}, qk_rope_head_dim={d.qk_rope_head_dim}], got "
                              f"{list(k_pe.shape)}")
-        return self._gemm_form()._up_project(latent, k_pe)
+        return self._per_call()._gemm_form()._up_project(latent, k_pe)
 
     def _split_buffer(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The split layout's key/value buffer ``[n, H, v_head_dim + head_dim_qk]`` (per head ``[v | k_nope | k_pe]``)
@@ -322,7 +331,8 @@ def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADim
     """What ``mla_prefill`` up-projects with: a :class:`PreparedKVBProj` checked against the plan's dims, dtype and
     device, or a raw weight checked the same way and taken as it is (:data:`CHECKPOINT_LAYOUT`: no copy; its split
     form is made where a separate pass first needs it, so at most once per call); a raw weight whose rows are not at
-    unit stride is prepared now (:data:`DEFAULT_LAYOUT`).
+    unit stride is prepared now (:data:`DEFAULT_LAYOUT`). A checkpoint-layout PreparedKVBProj comes back as a new
+    object over the same weight (its split form made afresh for this call).
 
     Raises:
         TypeError: neither a tensor nor a PreparedKVBProj; a dtype other than ``dtype``.
@@ -339,7 +349,7 @@ def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADim
             raise TypeError(f"{name} must have dtype {dtype} (the plan's), got a PreparedKVBProj of {p.dtype}")
         if p.device != device:
             raise ValueError(f"{name} is on {p.device}, but the plan is on {device}")
-        return p
+        return p._per_call()
     if not isinstance(kv_b_proj_weight, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or a PreparedKVBProj (mla_bridge.prepare_kv_b_proj), "
                         f"got {type(kv_b_proj_weight).__name__}")

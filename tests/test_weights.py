@@ -312,3 +312,28 @@ def test_split_gemm_reads_latent_views_in_place(tiny_dims, monkeypatch):
     assert torch.equal(k, kv) and torch.equal(v, vv)
     kn, vn = p.up_project(view[:, :d.kv_lora_rank], view[:, d.kv_lora_rank:])  # kv_c and k_pe apart
     assert torch.equal(k, kn) and torch.equal(v, vn)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_held_checkpoint_weight_sees_an_in_place_update(ref, tiny_dims, fuse):
+    """A checkpoint-layout PreparedKVBProj (as_prepared's view of a raw weight) held by the caller and handed to
+    several calls reads the weight as it is at each call: the split copy a separate pass makes is not kept past the
+    call (it was: the second call up-projected with the weight of the first, while a fused pass read the new one)."""
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 8, seed=5)
+    plan = _plan(tiny_dims, fuse)
+    w = batch.w.clone()
+    held = weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu"))
+    assert held.layout == weights_mod.CHECKPOINT_LAYOUT
+    first, _ = _run(batch, plan, held)
+    w.mul_(-2.0)  # in place: the held object views it
+    out, lse = _run(batch, plan, held)
+    want, want_lse = _run(batch, plan, w)
+    assert not torch.equal(out, first)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    latent = torch.randn(5, tiny_dims.latent_dim)
+    k, v = held.up_project(latent)
+    w.zero_()
+    k0, v0 = held.up_project(latent)
+    assert v.abs().max() > 0 and torch.equal(v0, torch.zeros_like(v0))
+    assert torch.equal(k0[..., tiny_dims.qk_nope_head_dim:], latent[:, tiny_dims.kv_lora_rank:].unsqueeze(1)
+                       .expand(-1, tiny_dims.num_heads, -1))
