@@ -117,6 +117,8 @@ class PreparedKVBProj:
             taken as it is by :func:`as_prepared`.
         weight: identity ``[H * 320, 576]``; split ``[H, v_head_dim + qk_nope_head_dim, kv_lora_rank]``; checkpoint
             the raw ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` (unit stride along ``kv_lora_rank``).
+            Any layout: unit stride along the last dim, and a split weight's head stride a multiple of its row
+            stride (what the fused kernel addresses; ValueError otherwise, at construction).
         dtype, device: the weight's (checked against the plan's by ``mla_prefill``).
     """
 
@@ -131,9 +133,14 @@ class PreparedKVBProj:
         if not isinstance(self.weight, torch.Tensor) or tuple(self.weight.shape) != want:
             got = list(self.weight.shape) if isinstance(self.weight, torch.Tensor) else type(self.weight).__name__
             raise ValueError(f"a {self.layout!r} weight must be {list(want)} (prepare_kv_b_proj makes it), got {got}")
-        if checkpoint and self.weight.stride(1) != 1:
-            raise ValueError(f"a {self.layout!r} weight must have unit stride along kv_lora_rank, got strides "
-                             f"{list(self.weight.stride())}")
+        # the fused kernel (_rows) reads each row's columns at unit stride, and a split weight's heads at a whole
+        # number of rows apart; a weight made otherwise (prepare_kv_b_proj's are contiguous) would be read wrong there
+        st = self.weight.stride()
+        if st[-1] != 1 or (self.layout == "split" and (st[1] <= 0 or st[0] % st[1])):
+            what = ("unit stride along kv_lora_rank" if checkpoint else "unit stride along its last dim" +
+                    (" and a head stride that is a multiple of its row stride" if self.layout == "split" else ""))
+            raise ValueError(f"a {self.layout!r} weight must have {what}, got strides {list(st)}"
+                             + ("" if checkpoint else " (prepare_kv_b_proj makes it contiguous)"))
         # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path); the
         # checkpoint layout's GEMM form is made on first use (_gemm_form)
         object.__setattr__(self, "_weight_t", None if checkpoint else self.weight.t() if self.layout == "identity"

@@ -337,3 +337,70 @@ def test_held_checkpoint_weight_sees_an_in_place_update(ref, tiny_dims, fuse):
     assert v.abs().max() > 0 and torch.equal(v0, torch.zeros_like(v0))
     assert torch.equal(k0[..., tiny_dims.qk_nope_head_dim:], latent[:, tiny_dims.kv_lora_rank:].unsqueeze(1)
                        .expand(-1, tiny_dims.num_heads, -1))
+
+
+def _unreadable_prepared_weights(d):
+    """Prepared weights of the right shape whose rows the fused kernel cannot address (columns not at unit stride,
+    or a split weight's heads not a whole number of rows apart), with the layout of each."""
+    split = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape), d).weight
+    ident = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape), d, layout="identity").weight
+    h, rows, r = split.shape
+    odd = torch.randn(h * (rows * r + 1)).as_strided(split.shape, (rows * r + 1, r, 1))  # heads 1 element off
+    return [("split", split.transpose(1, 2).contiguous().transpose(1, 2)),
+            ("split", split.permute(1, 2, 0).contiguous().permute(2, 0, 1)),
+            ("split", odd), ("split", split[:, :1].expand(h, rows, r)),
+            ("identity", ident.t().contiguous().t())]
+
+
+def test_prepared_weight_must_be_readable_by_the_fused_kernel(tiny_dims):
+    """A PreparedKVBProj built by hand from a weight the fused kernel would misread is refused at construction
+    (it was taken: the separate path was right, the fused kernel off by O(1) on every element, seen under
+    TRITON_INTERPRET=1); views it reads right are taken."""
+    d = tiny_dims
+    for layout, w in _unreadable_prepared_weights(d):
+        with pytest.raises(ValueError, match=rf"^a '{layout}' weight must have unit stride along its last dim"):
+            PreparedKVBProj(d, layout, w)
+    split = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape), d).weight
+    padded = torch.randn(d.num_heads, split.shape[1] + 3, d.kv_lora_rank)
+    padded[:, :split.shape[1]] = split
+    p = PreparedKVBProj(d, "split", padded[:, :split.shape[1]])  # heads 3 rows apart: addressable
+    latent = torch.randn(6, d.latent_dim)
+    k, v = p.up_project(latent)
+    k0, v0 = PreparedKVBProj(d, "split", split).up_project(latent)
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert p._rows()[1:3] == (d.kv_lora_rank, split.shape[1] + 3)
+
+
+def interpreted_prepared_view_cases() -> str:
+    """Under TRITON_INTERPRET=1: the fused kernel reads prepared weights that are views (padded rows, padded heads,
+    an offset into a larger buffer) as their contiguous copies, bitwise."""
+    from mla_bridge import kv as KV
+
+    d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(d.kv_b_proj_shape, generator=g) * 0.2
+    kv_c, k_pe = torch.randn(9, d.kv_lora_rank, generator=g), torch.randn(9, d.qk_rope_head_dim, generator=g)
+    nothing = lambda name: None  # noqa: E731
+    n = 0
+    for layout in weights_mod.LAYOUTS:
+        ref = prepare_kv_b_proj(w, d, layout=layout)
+        shape = ref.weight.shape
+        views = []
+        big = torch.randn(*shape[:-1], shape[-1] + 5, generator=g)
+        big[..., 2:2 + shape[-1]] = ref.weight
+        views.append(big[..., 2:2 + shape[-1]])  # padded rows, offset
+        if layout == "split":
+            heads = torch.randn(shape[0], shape[1] + 3, shape[2], generator=g)
+            heads[:, 1:1 + shape[1]] = ref.weight
+            views.append(heads[:, 1:1 + shape[1]])  # padded heads, offset
+        want = KV.new_tokens_kv(kv_c, k_pe, ref, nothing, "fused")
+        for view in views:
+            got = KV.new_tokens_kv(kv_c, k_pe, PreparedKVBProj(d, layout, view), nothing, "fused")
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), layout
+            n += 1
+    return f"ok {n}"
+
+
+def test_fused_kernel_reads_prepared_weight_views_interpreted(triton_interpreted):
+    out = triton_interpreted("tests.test_weights:interpreted_prepared_view_cases", "tests/gpu/test_gpu_up_project.py")
+    assert out.strip() == "ok 3", out
