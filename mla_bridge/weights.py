@@ -76,6 +76,8 @@ def _check_raw(kv_b_proj_weight: torch.Tensor, dims: MLADims, name: str = "kv_b_
         raise TypeError(f"{name} must be a torch.Tensor, got {type(kv_b_proj_weight).__name__}")
     if not kv_b_proj_weight.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor, got {kv_b_proj_weight.dtype}")
+    if kv_b_proj_weight.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {kv_b_proj_weight.layout}")
     if tuple(kv_b_proj_weight.shape) != dims.kv_b_proj_shape:
         raise ValueError(f"{name} must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = "
                          f"{list(dims.kv_b_proj_shape)}, got {list(kv_b_proj_weight.shape)}")
@@ -320,7 +322,7 @@ def prepare_kv_b_proj(kv_b_proj_weight: torch.Tensor, dims: MLADims, *, layout: 
         ``H * 320 * 576`` elements (5.9 MB at bf16 for 16 heads); split: ``H * 256 * 512``.
 
     Raises:
-        TypeError: ``dims`` not an MLADims, a weight that is not a floating tensor.
+        TypeError: ``dims`` not an MLADims, a weight that is not a dense floating tensor.
         ValueError: a weight shape other than ``dims.kv_b_proj_shape``, an unknown layout.
     """
     _check_raw(kv_b_proj_weight, dims)
@@ -342,7 +344,7 @@ def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADim
     object over the same weight (its split form made afresh for this call).
 
     Raises:
-        TypeError: neither a tensor nor a PreparedKVBProj; a dtype other than ``dtype``.
+        TypeError: neither a tensor nor a PreparedKVBProj; a dtype other than ``dtype``; a sparse tensor.
         ValueError: prepared for other dims, a raw shape other than ``dims.kv_b_proj_shape``, another device.
     """
     if isinstance(kv_b_proj_weight, PreparedKVBProj):

@@ -404,3 +404,14 @@ def interpreted_prepared_view_cases() -> str:
 def test_fused_kernel_reads_prepared_weight_views_interpreted(triton_interpreted):
     out = triton_interpreted("tests.test_weights:interpreted_prepared_view_cases", "tests/gpu/test_gpu_up_project.py")
     assert out.strip() == "ok 3", out
+
+
+def test_sparse_raw_weight_is_refused_by_name(tiny_dims):
+    """prepare_kv_b_proj / as_prepared name a sparse weight (they raised torch's "reshape is not implemented for
+    sparse tensors")."""
+    w = torch.randn(tiny_dims.kv_b_proj_shape).to_sparse()
+    with pytest.raises(TypeError, match=r"^kv_b_proj_weight must be a dense \(strided\) tensor, got layout "
+                                        r"torch.sparse_coo"):
+        prepare_kv_b_proj(w, tiny_dims)
+    with pytest.raises(TypeError, match=r"^w must be a dense \(strided\) tensor"):
+        weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu"), name="w")
