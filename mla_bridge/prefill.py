@@ -46,7 +46,8 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
         TypeError: a non-tensor or a sparse one, or a dtype other than the plan's (block_table: an integer dtype;
             kv_cache: the plan's ``kv_cache_dtype``).
         ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
-            expected), an ``out`` that overlaps itself (expanded), another device, a block_table row too short for
+            expected), an ``out`` that overlaps itself (expanded) or shares memory with an input (the weight, raw or
+            prepared, included), another device, a block_table row too short for
             its context, a context longer than the cache, and the cache-scale rules of
             :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``, a scale with an unquantized
             cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
@@ -120,11 +121,12 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
         if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
             raise ValueError(f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a "
                              f"tensor of its own")
+        weight = kv_b_proj_weight.weight if prepared else kv_b_proj_weight  # read in place by every pass
         for name, x in (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
-                        ("block_table", block_table)):
+                        ("block_table", block_table), ("kv_b_proj_weight", weight)):
             if _share_memory(out, x):
                 raise ValueError(f"out shares memory with {name}: mla_prefill reads {name} after it starts writing "
-                                 f"out (every context chunk reads q again); pass an out of its own")
+                                 f"out (every context chunk reads q, its cache rows and the weight again); pass an out of its own")
     return k_pe, checked_cache, scale
 
 
