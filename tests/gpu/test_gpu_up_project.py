@@ -302,3 +302,27 @@ def test_raw_weight_is_read_in_place_with_the_prepared_bits(monkeypatch, fp8, fu
         assert torch.equal(ka, kb) and torch.equal(va, vb)
     for impl, ((oa, la), (ob, lb)) in outs.items():
         assert torch.equal(oa, ob) and torch.equal(la, lb), impl
+
+
+def test_held_raw_weight_view_sees_an_in_place_update_under_auto():
+    """A checkpoint-layout PreparedKVBProj (``mla_bridge.weights.as_prepared`` of a raw weight) held across calls,
+    the weight updated in place between them: under "auto" the chunked schedule runs fused passes (the new tokens,
+    the last chunk) and a separate one (the 8192-row chunk); every one of them reads the updated weight, so the
+    second call returns the bits of a call with the raw tensor. (Before: the separate pass reused the split copy of
+    the first call, the fused ones read the new weight.)"""
+    import mla_bridge.weights as W
+
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
+        16, False, seed=43, q_lens=(200, 57, 3), c_lens=(9000, 300, 0), chunk_tokens=8192)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=False)
+    rows = [KV.pass_impl("auto", True, False, c.req_ids.shape[0], "split") for c in plan.chunks]
+    assert "separate" in rows and "fused" in rows, rows
+    held = W.as_prepared(w, d, BF16, dev())
+    torch.cuda._sleep(int(1e8))
+    first = mla_prefill(q, kv_c, k_pe, held, cache, table, plan, kv_impl="auto")
+    w.mul_(-0.5)  # in place, on the stream, after the first call
+    second = mla_prefill(q, kv_c, k_pe, held, cache, table, plan, kv_impl="auto")
+    want = mla_prefill(q, kv_c, k_pe, w, cache, table, plan, kv_impl="auto")
+    torch.cuda.synchronize()
+    assert not torch.equal(first, second)
+    assert torch.equal(second, want)
