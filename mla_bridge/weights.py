@@ -147,7 +147,7 @@ class PreparedKVBProj:
         # checkpoint layout's GEMM form is made on first use (_gemm_form)
         object.__setattr__(self, "_weight_t", None if checkpoint else self.weight.t() if self.layout == "identity"
                            else self.weight.transpose(1, 2))
-        object.__setattr__(self, "_gemm", None if checkpoint else self)
+        object.__setattr__(self, "_gemm", None)  # the checkpoint layout's split form, once made (never self: no cycle)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -178,6 +178,8 @@ class PreparedKVBProj:
         """What the separate path's GEMM reads: this object, or for the checkpoint layout its split form, made by
         :func:`prepare_kv_b_proj` on the first call and kept by this object (a copy of the weight; the callers hold
         the object for one call: :meth:`_per_call`)."""
+        if self.layout != CHECKPOINT_LAYOUT:
+            return self
         gemm = self._gemm
         if gemm is None:
             gemm = prepare_kv_b_proj(self.weight, self.dims, layout="split")

@@ -415,3 +415,22 @@ def test_sparse_raw_weight_is_refused_by_name(tiny_dims):
         prepare_kv_b_proj(w, tiny_dims)
     with pytest.raises(TypeError, match=r"^w must be a dense \(strided\) tensor"):
         weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu"), name="w")
+
+
+def test_prepared_weight_is_freed_when_dropped(tiny_dims):
+    """A PreparedKVBProj holds no reference to itself: dropping the last reference frees its weight at once (with the
+    garbage collector off, as a serving loop may run), not at the next collection."""
+    import gc
+    import weakref
+
+    for make in (lambda w: prepare_kv_b_proj(w, tiny_dims),
+                 lambda w: weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu"))):
+        p = make(torch.randn(tiny_dims.kv_b_proj_shape))
+        p._gemm_form()
+        ref = weakref.ref(p)
+        gc.disable()
+        try:
+            del p
+            assert ref() is None
+        finally:
+            gc.enable()
