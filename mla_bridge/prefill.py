@@ -126,7 +126,8 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
                         ("block_table", block_table), ("kv_b_proj_weight", weight)):
             if _share_memory(out, x):
                 raise ValueError(f"out shares memory with {name}: mla_prefill reads {name} after it starts writing "
-                                 f"out (every context chunk reads q, its cache rows and the weight again); pass an out of its own")
+                                 f"out (every context chunk reads q, its cache rows and the weight again); pass an "
+                                 f"out of its own")
     return k_pe, checked_cache, scale
 
 

@@ -275,8 +275,9 @@ def interpreted_raw_weight_cases() -> str:
         k_pe = torch.randn(t, d.qk_rope_head_dim, generator=g).to(dtype)
         q = torch.randn(t, d.num_heads, d.head_dim_qk, generator=g).to(dtype)
         for fuse in (True, False):
-            plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=40 if fuse else 16),
-                                     block_size=bs, dtype=dtype, fuse_context=fuse)
+            ws = Workspace("cpu", chunk_tokens=40 if fuse else 16)
+            plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=bs, dtype=dtype,
+                                     fuse_context=fuse)
             got = []
             for weight in (raw, split):
                 if plan.fused:

@@ -249,7 +249,8 @@ def test_raw_weight_is_taken_as_it_is(tiny_dims):
     d = tiny_dims
     w = torch.randn(d.kv_b_proj_shape)
     p = weights_mod.as_prepared(w, d, torch.float32, torch.device("cpu"))
-    assert p.layout == weights_mod.CHECKPOINT_LAYOUT and p.weight.data_ptr() == w.data_ptr() and p.gemm_layout == "split"
+    assert p.layout == weights_mod.CHECKPOINT_LAYOUT and p.weight.data_ptr() == w.data_ptr()
+    assert p.gemm_layout == "split"
     assert p._gemm is None  # nothing rearranged yet
     gemm = p._gemm_form()
     assert gemm.layout == "split" and torch.equal(gemm.weight, prepare_kv_b_proj(w, d).weight)
@@ -268,7 +269,8 @@ def test_raw_weight_is_taken_as_it_is(tiny_dims):
         weight, row, per_head, first_nope, first_v = q._rows()
         flat = weight.reshape(-1)
         h, j = d.num_heads - 1, 3
-        assert torch.equal(flat[(h * per_head + first_nope + j) * row:][:d.kv_lora_rank], gemm.weight[h, d.v_head_dim + j])
+        got = flat[(h * per_head + first_nope + j) * row:][:d.kv_lora_rank]
+        assert torch.equal(got, gemm.weight[h, d.v_head_dim + j])
         assert torch.equal(flat[(h * per_head + first_v + j) * row:][:d.kv_lora_rank], gemm.weight[h, j])
 
 
