@@ -488,7 +488,8 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
         ``kv_cache_dtype="fp8"``; DLPack hands it to torch zero-copy as ``torch.float8_e4m3fn`` (uint8 as uint8,
         reinterpreted by the core).
         kv_b_proj_weight: the layer's weight from :func:`prepare_kv_b_proj` (made once at load time; the fast form),
-            or the raw ``[H * 256, 512]`` jax.Array (rearranged again in every call: slower).
+            or the raw ``[H * 256, 512]`` jax.Array (slower: read in place by the fused kernel, rearranged in
+            every call where a pass takes the cuBLAS path; :mod:`mla_bridge.weights`).
         plan: from :func:`build_plan` (host lengths; built outside jit, closed over inside it); or, for a call
             inside ``shard_map``, a mapping torch device -> plan from :func:`mla_bridge_jax.build_sharded_plans`
             (each device runs its own; see :func:`mla_bridge_jax.sharded_mla_prefill`).
