@@ -302,7 +302,9 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
     benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
     :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left
-    out.
+    out; that holds for :func:`mla_bridge.prepare_kv_b_proj`'s layouts, not for a raw weight wrapped by
+    :func:`mla_bridge.weights.as_prepared` (checkpoint layout: a pass on the separate path still makes the split copy
+    in the call), for which ``prepared_weight=False`` is the bound.
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
