@@ -123,6 +123,23 @@ def _check_tensor(name: str, x: Any, shape: tuple, dtype: torch.dtype, device: t
         raise ValueError(f"{name} is on {x.device}, but the plan's workspace is on {device}")
 
 
+def _refuse_autograd(named: Sequence[tuple[str, Any]]) -> None:
+    """Refuse, while autograd records (``torch.is_grad_enabled()``), the first input that requires grad: mla_bridge's
+    kernels have no backward (FlashInfer's runs and the Triton kernels write their outputs outside autograd), so its
+    gradient would be lost without a word on CUDA, and on the CPU a call would differentiate or fail depending on
+    the path. Under ``torch.no_grad()`` / ``torch.inference_mode()`` (how vLLM and inference run) nothing is refused.
+
+    Raises:
+        ValueError: names the input and what to do.
+    """
+    if torch.is_grad_enabled():
+        for name, x in named:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise ValueError(f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
+                                 f"backward (its gradient would be lost): run under torch.no_grad() or "
+                                 f"torch.inference_mode(), or pass {name}.detach()")
+
+
 def _kernel_ready(x: torch.Tensor) -> bool:
     """FlashInfer reads [N, H, D] through (stride_n, stride_h) with a unit last stride and 16-byte alignment."""
     st = x.stride()
@@ -231,8 +248,9 @@ class RaggedPlan:
         Raises:
             TypeError: not a tensor, or a dtype other than the plan's (lse: float32).
             ValueError: a shape that disagrees with the indptrs or dims (the message names the argument and
-                what was expected), another device, an unknown ``lse_layout``, or an ``out``/``lse`` the kernel
-                cannot write in place.
+                what was expected), another device, an unknown ``lse_layout``, an ``out``/``lse`` the kernel
+                cannot write in place, or a q/k/v that requires grad while autograd records (there is no backward:
+                :func:`_refuse_autograd`).
         """
         # One pass of cheap comparisons (shape tuples, dtype, device) for the common case; anything off goes to the
         # checks below, which name what is wrong. Both test the same conditions.
@@ -244,6 +262,7 @@ class RaggedPlan:
                 and q.shape == c.q and k.shape == c.k and v.shape == c.v
                 and q.dtype == dt and k.dtype == dt and v.dtype == dt
                 and q.device == dev and k.device == dev and v.device == dev
+                and not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
                 and (out is None or (isinstance(out, T) and out.shape == c.out and out.dtype == dt
                                      and out.device == dev and (not c.flashinfer or _kernel_ready(out))))
                 and (lse is None or (isinstance(lse, T) and lse.shape == lse_shape and lse.dtype == torch.float32
@@ -263,6 +282,7 @@ class RaggedPlan:
         _check_tensor("q", q, (t, h, s.head_dim_qk), s.dtype, s.device)
         _check_tensor("k", k, (n, h, s.head_dim_qk), s.dtype, s.device)
         _check_tensor("v", v, (n, h, s.head_dim_vo), s.dtype, s.device)
+        _refuse_autograd((("q", q), ("k", k), ("v", v)))
         if out is not None:
             _check_tensor("out", out, (t, h, s.head_dim_vo), s.dtype, s.device)
             if self.backend.is_flashinfer and not _kernel_ready(out):

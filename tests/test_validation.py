@@ -475,3 +475,50 @@ def test_prefill_accepts_an_out_next_to_its_inputs_in_one_buffer(prefill, tiny_d
     got = mla_prefill(**dict(args, q=q), plan=plan, out=out)
     want = mla_prefill(**args, plan=plan)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["q", "kv_c", "k_pe", "kv_b_proj_weight", "kv_cache"])
+def test_prefill_refuses_inputs_requiring_grad_while_autograd_records(ref, name):
+    """mla_bridge has no backward: an input that requires grad while autograd records is refused by name before
+    anything is written (on CUDA its gradient was lost silently: FlashInfer and the Triton kernels write outside
+    autograd; on the CPU a kv_c requiring grad failed inside torch.bmm(out=) after out was allocated, and a q requiring
+    grad was differentiated). Under torch.no_grad() and torch.inference_mode() the same tensors run and give the
+    plain result."""
+    from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
+
+    d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    batch = ref.make_mla_batch(d, [3, 4], [5, 9], 4, seed=3)
+    plan = PrefillPlan.build([3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4,
+                             dtype=torch.float32)
+    args = dict(q=batch.q, kv_c=batch.kv_c, k_pe=batch.k_pe, kv_b_proj_weight=batch.w, kv_cache=batch.cache)
+    want = mla_prefill(*args.values(), batch.block_table, plan)
+    args[name] = args[name].clone().requires_grad_(True)
+    out = torch.full_like(want, 7.0)
+    with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording.*torch.no_grad\(\)"):
+        mla_prefill(*args.values(), batch.block_table, plan, out=out)
+    assert bool((out == 7.0).all())
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = mla_prefill(*args.values(), batch.block_table, plan)
+        assert not got.requires_grad and torch.equal(got, want), mode.__name__
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_ragged_run_refuses_inputs_requiring_grad_while_autograd_records(name):
+    from mla_bridge import Workspace, plan_ragged, ragged_prefill
+
+    g = torch.Generator().manual_seed(1)
+    x = dict(q=torch.randn(6, 2, 24, generator=g), k=torch.randn(6, 2, 24, generator=g),
+             v=torch.randn(6, 2, 16, generator=g))
+    ind = torch.tensor([0, 2, 6], dtype=torch.int32)
+    plan = plan_ragged(ind, ind, num_heads=2, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.2,
+                       dtype=torch.float32, workspace=Workspace("cpu"))
+    want = plan.run(**x)
+    x[name] = x[name].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
+        plan.run(**x)
+    with pytest.raises(ValueError, match=rf"^{name} requires grad"):
+        ragged_prefill(x["q"], x["k"], x["v"], ind, ind, causal=True, sm_scale=0.2)
+    with torch.inference_mode():
+        got = plan.run(**x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -288,10 +288,13 @@ def test_raw_weight_not_at_unit_stride_is_prepared(tiny_dims):
 
 
 def test_raw_weight_requiring_grad_is_read_detached(ref, tiny_dims):
+    """A model's nn.Parameter as the raw weight, under torch.no_grad() (inference): the prepared weight's bits; while
+    autograd records it is refused (tests/test_validation.py)."""
     batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 8, seed=9)
     plan = _plan(tiny_dims, False)
     w = torch.nn.Parameter(batch.w.clone())
-    out, lse = _run(batch, plan, w)
+    with torch.no_grad():
+        out, lse = _run(batch, plan, w)
     assert not out.requires_grad
     want, want_lse = _run(batch, plan, prepare_kv_b_proj(batch.w, tiny_dims))
     assert torch.equal(out, want) and torch.equal(lse, want_lse)

@@ -21,7 +21,8 @@ Conversion (no attention math here):
   device work.
 
 Handed back to transformers (the reason is logged once per kind), never silently wrong:
-``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``), ``output_attentions`` (to ``eager``, the
+inputs that require grad while autograd records (training with ``attention_dropout`` 0, DeepSeek's default: the
+kernels have no backward, and their gradient would be lost), ``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``), ``output_attentions`` (to ``eager``, the
 only implementation returning weights, with ``None`` turned into sdpa's causal mask), fewer key/value heads than query
 heads (GQA), a non-causal module, a float (additive) mask, or any boolean mask of another structure (right or inner
 padding, packed sequences, custom patterns): ``sdpa``.
@@ -79,8 +80,10 @@ def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: 
 
 
 def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
-                    kwargs: dict) -> Optional[str]:
+                    kwargs: dict, value: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why this call cannot run through mla_bridge (``None`` when it can), from everything but the mask's values."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
+        return "autograd (inputs that require grad: mla_bridge's kernels have no backward)"
     if dropout and dropout > 0:
         return f"dropout={dropout} (training)"
     if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
@@ -180,7 +183,7 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     Raises:
         the core's TypeError / ValueError (e.g. a dtype no backend serves), before any kernel runs.
     """
-    reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs)
+    reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
     b, h, q_len, d_qk = query.shape
     kv_len, d_vo = key.shape[2], value.shape[-1]
     layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device)

@@ -225,11 +225,13 @@ def test_custom_masks_are_not_taken_for_padding():
 
 # ---- what is handed back -------------------------------------------------------------------------------------------
 
-def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2, **kwargs):
+def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2, grad=None, **kwargs):
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, heads, q_len, 24, generator=g)
     k = torch.randn(1, kv_heads, kv_len, 24, generator=g)
     v = torch.randn(1, kv_heads, kv_len, 16, generator=g)
+    if grad is not None:
+        {"q": q, "k": k, "v": v}[grad].requires_grad_(True)
     return mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3, dropout=dropout, **kwargs), (q, k, v)
 
 
@@ -242,6 +244,9 @@ def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2
     (dict(is_causal=False), "non-causal"),
     (dict(mask=torch.zeros(1, 1, 4, 4)), "mask"),
     (dict(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool)), "other than causal over each row"),
+    (dict(grad="q"), "autograd"),
+    (dict(grad="k"), "autograd"),
+    (dict(grad="v"), "autograd"),
 ])
 def test_unservable_calls_go_to_sdpa(monkeypatch, caplog, change, reason):
     seen = {}
@@ -317,3 +322,20 @@ def test_bf16_gpu_logits_within_transformers_own_spread(v2_folder, no_hand_back)
             err[impl] = (model(ids, attention_mask=mask).logits[valid].float() - truth).abs().max().item()
     spread = max(err["eager"], err["sdpa"])
     assert err[name] <= 1.5 * spread, err
+
+
+def test_training_step_gradients_equal_eager(pair, two_torch_threads):
+    """A training step (autograd recording, DeepSeek's attention_dropout 0): the call goes to sdpa, whose backward
+    exists, and the gradients equal eager's. Served by mla_bridge, the attention's gradient was lost on CUDA
+    (FlashInfer writes outside autograd); its inputs requiring grad are now handed back."""
+    eager, ours = pair
+    ids = torch.randint(3, eager.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(8))
+    grads = []
+    for model in (eager, ours):
+        model.zero_grad()
+        model(ids).logits.float().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "q_proj" in n or "kv_a_proj" in n})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert grads[0][n].abs().max() > 0, n
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
