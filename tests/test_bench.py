@@ -156,6 +156,11 @@ def test_context_section_prepared_split_and_graphed_paths(cpu_run):
     names = {c["name"] for c in cpu_run.data["checks"]}
     assert "context 4h 2x(96+32), all context: mla_prefill, CUDA graph replay / (attention + GEMM alone)" in names
     assert not any(n.startswith("context 4h 8x16 new") and "attention + GEMM" in n for n in names)  # no phases
+    # the kv_impl-forced paths need CUDA and Triton: a skipped row each per case, the graphed separate one included
+    for path in ("mla_prefill, gather + cuBLAS GEMM on every pass (kv_impl='separate')",
+                 "mla_prefill, gather + cuBLAS GEMM on every pass, CUDA graph replay"):
+        got = [r for r in rows if r["path"] == path]
+        assert len(got) == 6 and all(r["status"] == "skipped" for r in got), path
 
 
 def test_plan_section_counts_plans_per_loop(cpu_run):

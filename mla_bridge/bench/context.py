@@ -68,6 +68,7 @@ PATHS = (
     "mla_prefill, fused gather+GEMM kernel (kv_impl='fused')",
     "mla_prefill, fused gather+GEMM kernel, CUDA graph replay",
     "mla_prefill, gather + cuBLAS GEMM on every pass (kv_impl='separate')",
+    "mla_prefill, gather + cuBLAS GEMM on every pass, CUDA graph replay",
 )
 #: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
 IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
@@ -78,8 +79,9 @@ FP8_TARGET = 1.02
 I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(PATHS.index("mla_prefill, FP8 cache"),
                                                                PATHS.index("mla_prefill, FP8 cache") + 4)
 #: The fused gather + up-projection kernel on every pass (mla_bridge.kv), eager and graphed; the separate path on
-#: every pass (the default before issue 13's per-pass choice, kv_impl="auto").
-FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH = PATHS[-3], PATHS[-2], PATHS[-1]
+#: every pass (the default before issue 13's per-pass choice, kv_impl="auto"), eager and graphed (a replay has no
+#: host cost per launch: the GPU-faster choice for large passes, ``capture_prefill(..., kv_impl="separate")``).
+FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH, SEPARATE_KV_GRAPH = PATHS[-4:]
 #: Targets of issue 13 on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
 #: cases against their eager figure before it (``ContextCase.eager_ms_before``).
 EAGER_TARGET, GRAPHED_TARGET, GRAPHED_SPEEDUP = 1.12, 1.05, 2.5
@@ -307,9 +309,9 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                       dict(flops=flops, note="every pass: gather, then cuBLAS", **meta(0.55))))
     else:
         skipped += [ctx.skipped(SECTION, name, p, "the fused kernel needs CUDA and Triton", **meta(0.5))
-                    for p in (FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH)]
+                    for p in (FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH, SEPARATE_KV_GRAPH)]
     for path, weight, pi, impl in ((PATHS[20], x.wp, 0.6, None), (PATHS[21], x.wp_identity, 0.8, None),
-                                   (FUSED_KV_GRAPH, x.wp, 0.7, "fused")):
+                                   (FUSED_KV_GRAPH, x.wp, 0.7, "fused"), (SEPARATE_KV_GRAPH, x.wp, 0.75, "separate")):
         if impl and not fused_kv:
             continue
         graph_item, graph = _graph_item(ctx, x, plan, weight, name, path, flops, meta(pi), kv_impl=impl)
@@ -542,7 +544,8 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     long_case = not case.eager_ms_before
     # (path, target against attention + GEMM alone on the long cases)
     for path, target in ((PATHS[0], EAGER_TARGET), (PATHS[20], GRAPHED_TARGET), (PATHS[18], None), (PATHS[19], None),
-                         (PATHS[21], None), (FUSED_KV_PATH, None), (FUSED_KV_GRAPH, None), (SEPARATE_KV_PATH, None)):
+                         (PATHS[21], None), (FUSED_KV_PATH, None), (FUSED_KV_GRAPH, None), (SEPARATE_KV_PATH, None),
+                         (SEPARATE_KV_GRAPH, None)):
         row = by_path.get(path)
         if not ok(path):
             if target and long_case and case.context:
@@ -565,7 +568,8 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     if not ok(PATHS[2]) and ctx.cuda:
         why = hand.note if hand is not None and hand.status != "ok" else (full.note if full is not None else "")
         ctx.check(f"context {name}: mla_prefill / hand-written pipeline", None, "<=", 1.0, "not measured: " + why)
-    for g, e in ((PATHS[20], PATHS[0]), (PATHS[21], PATHS[19]), (FUSED_KV_GRAPH, FUSED_KV_PATH)):  # graph / eager
+    for g, e in ((PATHS[20], PATHS[0]), (PATHS[21], PATHS[19]), (FUSED_KV_GRAPH, FUSED_KV_PATH),
+                 (SEPARATE_KV_GRAPH, SEPARATE_KV_PATH)):  # graph / eager
         if ok(g) and ok(e):
             by_path[g].extra["speedup_vs_eager"] = by_path[e].ms / by_path[g].ms
             by_path[g].note += f"; {by_path[e].ms / by_path[g].ms:.2f}x faster than eager"
