@@ -47,7 +47,8 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
             kv_cache: the plan's ``kv_cache_dtype``).
         ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
             expected), an ``out`` that overlaps itself (expanded) or shares memory with an input (the weight, raw or
-            prepared, included), an input that requires grad while autograd records (mla_bridge has no backward:
+            prepared, included), an input that requires grad while autograd records (a ``kv_cache_scale`` tensor
+            and a PreparedKVBProj's weight included; mla_bridge has no backward:
             run under ``torch.no_grad()`` or ``torch.inference_mode()``), another device, a block_table row too short for
             its context, a context longer than the cache, and the cache-scale rules of
             :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``, a scale with an unquantized
@@ -76,7 +77,9 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
             raise ValueError(f"{name} is on {x.device}, but the plan is on {plan.device}")
         if x.dtype != plan.dtype and name not in ("block_table", "kv_cache"):
             raise TypeError(f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
-    _refuse_autograd(named)  # no backward: a gradient would be lost (on CUDA silently)
+    # no backward: a gradient would be lost (on CUDA silently); the scale and a prepared weight's tensor too
+    _refuse_autograd(named + ((("kv_b_proj_weight.weight", kv_b_proj_weight.weight),) if prepared else ())
+                     + (("kv_cache_scale", kv_cache_scale),))
     checked_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     if q.dim() != 3 or q.shape[0] != t:
         raise ValueError(f"q must be [T={t} (qo_indptr[-1]), H, head_dim_qk], got {list(q.shape)}")

@@ -249,8 +249,8 @@ class RaggedPlan:
             TypeError: not a tensor, or a dtype other than the plan's (lse: float32).
             ValueError: a shape that disagrees with the indptrs or dims (the message names the argument and
                 what was expected), another device, an unknown ``lse_layout``, an ``out``/``lse`` the kernel
-                cannot write in place, or a q/k/v that requires grad while autograd records (there is no backward:
-                :func:`_refuse_autograd`).
+                cannot write in place, or a q/k/v/out/lse that requires grad while autograd records (there is no
+                backward: :func:`_refuse_autograd`).
         """
         # One pass of cheap comparisons (shape tuples, dtype, device) for the common case; anything off goes to the
         # checks below, which name what is wrong. Both test the same conditions.
@@ -262,11 +262,13 @@ class RaggedPlan:
                 and q.shape == c.q and k.shape == c.k and v.shape == c.v
                 and q.dtype == dt and k.dtype == dt and v.dtype == dt
                 and q.device == dev and k.device == dev and v.device == dev
-                and not ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())
                 and (out is None or (isinstance(out, T) and out.shape == c.out and out.dtype == dt
                                      and out.device == dev and (not c.flashinfer or _kernel_ready(out))))
                 and (lse is None or (isinstance(lse, T) and lse.shape == lse_shape and lse.dtype == torch.float32
-                                     and lse.device == dev and lse.is_contiguous()))):
+                                     and lse.device == dev and lse.is_contiguous()))
+                and not ((q.requires_grad or k.requires_grad or v.requires_grad
+                          or (out is not None and out.requires_grad) or (lse is not None and lse.requires_grad))
+                         and torch.is_grad_enabled())):
             return
         self._validate_named(q, k, v, out, lse, lse_layout)
 
@@ -282,7 +284,8 @@ class RaggedPlan:
         _check_tensor("q", q, (t, h, s.head_dim_qk), s.dtype, s.device)
         _check_tensor("k", k, (n, h, s.head_dim_qk), s.dtype, s.device)
         _check_tensor("v", v, (n, h, s.head_dim_vo), s.dtype, s.device)
-        _refuse_autograd((("q", q), ("k", k), ("v", v)))
+        _refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # out / lse: written outside
+        # autograd, a history recorded for them would be stale
         if out is not None:
             _check_tensor("out", out, (t, h, s.head_dim_vo), s.dtype, s.device)
             if self.backend.is_flashinfer and not _kernel_ready(out):

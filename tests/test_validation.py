@@ -522,3 +522,64 @@ def test_ragged_run_refuses_inputs_requiring_grad_while_autograd_records(name):
     with torch.inference_mode():
         got = plan.run(**x)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("name", ["kv_cache_scale", "kv_b_proj_weight.weight"])
+def test_prefill_refuses_a_scale_or_prepared_weight_requiring_grad(ref, name):
+    """The inputs past the five tensors: an FP8 cache's kv_cache_scale tensor and a PreparedKVBProj whose weight
+    requires grad (one made directly over a Parameter) are refused by name too while autograd records. They were
+    not: on the CPU both failed inside torch.bmm(out=) ("functions with out=... arguments don't support automatic
+    differentiation"), the scale after the main pass had written out (the chunked schedule), and the identity layout
+    was refused as "k" (an internal name); on CUDA the gradient was lost."""
+    from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, Workspace, mla_prefill, prepare_kv_b_proj
+    from mla_bridge.cache import quantize_latent_cache
+
+    d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    batch = ref.make_mla_batch(d, [3, 4], [5, 9], 4, seed=3)
+    plan = PrefillPlan.build([3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4,
+                             dtype=torch.float32, kv_cache_dtype="fp8")
+    assert plan.chunks  # main pass first, then the context chunks (which read the scale)
+    cache, scale = quantize_latent_cache(torch.nan_to_num(batch.cache))
+    weights = [prepare_kv_b_proj(batch.w, d), prepare_kv_b_proj(batch.w, d, layout="identity")]
+    want = mla_prefill(batch.q, batch.kv_c, batch.k_pe, weights[0], cache, batch.block_table, plan,
+                       kv_cache_scale=scale)
+    if name == "kv_cache_scale":
+        calls = [(weights[0], scale.clone().requires_grad_(True))]
+    else:
+        calls = [(PreparedKVBProj(d, w.layout, w.weight.clone().requires_grad_(True)), scale) for w in weights]
+    for weight, s in calls:
+        out = torch.full_like(want, 7.0)
+        with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
+            mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, cache, batch.block_table, plan, out=out,
+                        kv_cache_scale=s)
+        assert bool((out == 7.0).all()), "out was written before the error"
+        with torch.no_grad():
+            got = mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, cache, batch.block_table, plan,
+                              kv_cache_scale=s)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_ragged_run_refuses_an_out_or_lse_requiring_grad_while_autograd_records(name):
+    """out / lse are written outside autograd (FlashInfer): one that requires grad is refused by name, as
+    mla_prefill refuses its out. It was not: a leaf failed inside the torch backend ("a view of a leaf Variable that
+    requires grad is being used in an in-place operation", naming nothing), and a non-leaf was written with a
+    stale autograd history (on CUDA nothing at all recorded). Under torch.no_grad() it is written."""
+    g = torch.Generator().manual_seed(1)
+    x = dict(q=torch.randn(6, 2, 24, generator=g), k=torch.randn(6, 2, 24, generator=g),
+             v=torch.randn(6, 2, 16, generator=g))
+    ind = torch.tensor([0, 2, 6], dtype=torch.int32)
+    plan = plan_ragged(ind, ind, num_heads=2, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.2,
+                       dtype=torch.float32, workspace=Workspace("cpu"))
+    want = plan.run(**x)
+    shape = (6, 2, 16) if name == "out" else (6, 2)
+    for buf in (torch.full(shape, SENTINEL, requires_grad=True),  # a leaf
+                torch.full(shape, SENTINEL, requires_grad=True) * 1):  # a non-leaf
+        with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
+            plan.run(**x, **{name: buf})
+        with pytest.raises(ValueError, match=rf"^{name} requires grad"):
+            ragged_prefill(x["q"], x["k"], x["v"], ind, ind, causal=True, sm_scale=0.2, **{name: buf})
+        assert bool((buf == SENTINEL).all()), "written before the error"
+        with torch.no_grad():
+            got = plan.run(**x, **{name: buf})
+        assert torch.equal(got[0 if name == "out" else 1], want[0 if name == "out" else 1])
