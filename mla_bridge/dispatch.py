@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -424,3 +424,21 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
             return BackendChoice(spec.name, why, tuple(passed_over))
         passed_over.append((spec.name, reason))
     raise AssertionError("the torch row serves every request")  # pragma: no cover
+
+
+def _refuse_autograd(named: Sequence[tuple[str, Any]]) -> None:
+    """Refuse, while autograd records (``torch.is_grad_enabled()``), the first input that requires grad: mla_bridge's
+    kernels have no backward (FlashInfer's runs and merges and the Triton kernels write their outputs outside
+    autograd), so its gradient would be lost without a word on CUDA, and on the CPU a call would differentiate or
+    fail depending on the path. Every entry point asks it (ragged, merge, prefill: here, at the ground of the import
+    graph). Under ``torch.no_grad()`` / ``torch.inference_mode()`` (how vLLM and inference run) nothing is refused.
+
+    Raises:
+        ValueError: names the input and what to do.
+    """
+    if torch.is_grad_enabled():
+        for name, x in named:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise ValueError(f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
+                                 f"backward (its gradient would be lost): run under torch.no_grad() or "
+                                 f"torch.inference_mode(), or pass {name}.detach()")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .backends import make_kernel
-from .dispatch import BackendChoice, select_backend
+from .dispatch import BackendChoice, _refuse_autograd, select_backend  # (_refuse_autograd: moved there)
 from .workspace import Workspace, default_workspace
 
 __all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr", "as_sm_scale", "indptr_from_lens"]
@@ -121,23 +121,6 @@ def _check_tensor(name: str, x: Any, shape: tuple, dtype: torch.dtype, device: t
         raise TypeError(f"{name} must have dtype {dtype} (the plan's), got {x.dtype}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, but the plan's workspace is on {device}")
-
-
-def _refuse_autograd(named: Sequence[tuple[str, Any]]) -> None:
-    """Refuse, while autograd records (``torch.is_grad_enabled()``), the first input that requires grad: mla_bridge's
-    kernels have no backward (FlashInfer's runs and the Triton kernels write their outputs outside autograd), so its
-    gradient would be lost without a word on CUDA, and on the CPU a call would differentiate or fail depending on
-    the path. Under ``torch.no_grad()`` / ``torch.inference_mode()`` (how vLLM and inference run) nothing is refused.
-
-    Raises:
-        ValueError: names the input and what to do.
-    """
-    if torch.is_grad_enabled():
-        for name, x in named:
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                raise ValueError(f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
-                                 f"backward (its gradient would be lost): run under torch.no_grad() or "
-                                 f"torch.inference_mode(), or pass {name}.detach()")
 
 
 def _kernel_ready(x: torch.Tensor) -> bool:

@@ -169,6 +169,33 @@ def test_bad_inputs(bad, exc, name):
         assert torch.equal(out, torch.full((2, 3, 4), 7.0)) and torch.equal(lse, torch.full((2, 3), 7.0))
 
 
+@pytest.mark.parametrize("name", ["out_a", "lse_a", "out_b", "lse_b"])
+def test_merge_refuses_inputs_requiring_grad_while_autograd_records(name):
+    """The merges have no backward on CUDA (the Triton and FlashInfer kernels write outside autograd): an input that
+    requires grad while autograd records is refused by name, as by the attention (mla_bridge.dispatch's
+    _refuse_autograd), and nothing is written. It was not: on the CPU the torch merge differentiated it, on CUDA the
+    gradient was lost. Under torch.no_grad() the same tensors merge to the plain result."""
+    g = torch.Generator().manual_seed(2)
+    args = dict(out_a=torch.randn(2, 3, 4, generator=g), lse_a=torch.randn(2, 3, generator=g),
+                out_b=torch.randn(2, 3, 4, generator=g), lse_b=torch.randn(2, 3, generator=g))
+    want = merge_attn_states(**args)
+    args[name] = args[name].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording.*torch.no_grad\(\)"):
+        merge_attn_states(**args)
+    in_place = {"out_a": "out", "lse_a": "lse"}.get(name, name)
+    out, lse = (args["out_a"] * 1, args["lse_a"] * 1) if name in ("out_a", "lse_a") else \
+        (args["out_a"].clone(), args["lse_a"].clone())
+    before = out.detach().clone(), lse.detach().clone()
+    with pytest.raises(ValueError, match=rf"^{in_place} requires grad and autograd is recording"):
+        merge_attn_states_(out, lse, args["out_b"], args["lse_b"])
+    assert torch.equal(out.detach(), before[0]) and torch.equal(lse.detach(), before[1])
+    with torch.no_grad():
+        got = merge_attn_states(**args)
+        merge_attn_states_(out, lse, args["out_b"], args["lse_b"])
+    assert not got[0].requires_grad and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(out.detach(), want[0]) and torch.equal(lse.detach(), want[1])
+
+
 def test_in_place_needs_contiguous_lse():
     lse = torch.zeros(3, 2).t()  # [2, 3], not contiguous
     with pytest.raises(ValueError, match="lse"):
