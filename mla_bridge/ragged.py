@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from .backends import make_kernel
-from .dispatch import BackendChoice, _refuse_autograd, select_backend  # (_refuse_autograd: moved there)
+# _refuse_autograd: moved to dispatch (merge asks it too)
+from .dispatch import BackendChoice, _forward_ad_active, _refuse_autograd, select_backend
 from .workspace import Workspace, default_workspace
 
 __all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr", "as_sm_scale", "indptr_from_lens"]
@@ -251,7 +252,8 @@ class RaggedPlan:
                                      and lse.device == dev and lse.is_contiguous()))
                 and not ((q.requires_grad or k.requires_grad or v.requires_grad
                           or (out is not None and out.requires_grad) or (lse is not None and lse.requires_grad))
-                         and torch.is_grad_enabled())):
+                         and torch.is_grad_enabled())
+                and not _forward_ad_active()):
             return
         self._validate_named(q, k, v, out, lse, lse_layout)
 

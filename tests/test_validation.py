@@ -583,3 +583,38 @@ def test_ragged_run_refuses_an_out_or_lse_requiring_grad_while_autograd_records(
         with torch.no_grad():
             got = plan.run(**x, **{name: buf})
         assert torch.equal(got[0 if name == "out" else 1], want[0 if name == "out" else 1])
+
+
+def test_forward_mode_tangents_are_refused_too(ref):
+    """Forward-mode AD (torch.func.jvp / jacfwd, torch.autograd.forward_ad) is not stopped by torch.no_grad() and
+    sets no requires_grad: a q carrying a tangent was run, differentiated by the CPU's torch ops (on CUDA the
+    tangent would be lost: FlashInfer and the Triton kernels write outside autograd). mla_prefill, RaggedPlan.run and
+    merge_attn_states now refuse it by name, with and without torch.no_grad(); the primal alone runs."""
+    import torch.autograd.forward_ad as fwAD
+    from mla_bridge import merge_attn_states
+
+    d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    batch = ref.make_mla_batch(d, [3, 4], [5, 9], 4, seed=3)
+    plan = PrefillPlan.build([3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4,
+                             dtype=torch.float32)
+    rest = (batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
+    want = mla_prefill(batch.q, *rest)
+    q, k, v, qo, kv = ragged_inputs()
+    rplan = make_plan(qo, kv)
+    match = r"^q carries a forward-mode tangent .*unpack_dual\(q\)\.primal"
+    for mode in (torch.enable_grad, torch.no_grad):
+        with mode():
+            with pytest.raises(ValueError, match=match):
+                torch.func.jvp(lambda x: mla_prefill(x, *rest), (batch.q,), (torch.ones_like(batch.q),))
+            with pytest.raises(ValueError, match=match):
+                torch.func.jvp(lambda x: rplan.run(x, k, v)[0], (q,), (torch.ones_like(q),))
+            with fwAD.dual_level():
+                dual = fwAD.make_dual(batch.q, torch.ones_like(batch.q))
+                out = torch.full_like(want, SENTINEL)
+                with pytest.raises(ValueError, match=match):
+                    mla_prefill(dual, *rest, out=out)
+                assert_untouched(out)
+                with pytest.raises(ValueError, match=r"^lse_b carries a forward-mode tangent"):
+                    merge_attn_states(want, torch.zeros(7, 2), want, fwAD.make_dual(torch.zeros(7, 2),
+                                                                                     torch.ones(7, 2)))
+                assert torch.equal(mla_prefill(fwAD.unpack_dual(dual).primal, *rest), want)

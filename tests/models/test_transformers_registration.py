@@ -266,6 +266,24 @@ def test_unservable_calls_go_to_sdpa(monkeypatch, caplog, change, reason):
     assert reason in caplog.text and "sdpa" in caplog.text
 
 
+
+def test_forward_mode_tangents_go_to_sdpa(monkeypatch):
+    """A query carrying a forward-mode tangent (torch.func.jvp through the model; torch.no_grad() does not stop
+    forward AD) goes to sdpa, whose jvp exists: the core refuses it (no derivative), and served it was differentiated
+    on the CPU only (lost on CUDA)."""
+    import torch.autograd.forward_ad as fwAD
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention_forward", lambda *a, **k: ("sdpa-out", None))
+    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace())
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 2, 4, 24, generator=g), torch.randn(1, 2, 4, 24, generator=g), torch.randn(1, 2, 4, 16)
+    with torch.no_grad(), fwAD.dual_level():
+        assert mbt.mla_bridge_attention(module, fwAD.make_dual(q, torch.ones_like(q)), k, v, None)[0] == "sdpa-out"
+        served = mbt.mla_bridge_attention(module, q, k, v, None)[0]  # no tangent: served
+    assert isinstance(served, torch.Tensor) and served.shape == (1, 4, 2, 16)
+
+
 def test_output_attentions_goes_to_eager(two_torch_threads):
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
 
