@@ -483,6 +483,8 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
+    _refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # before planning (on CUDA:
+    # FlashInfer's plan, its host-to-device copies, a pooled wrapper), not after it in plan.run
     if workspace is None:
         workspace = default_workspace(q.device)
     plan = plan_ragged(qo_indptr, kv_indptr, num_heads=q.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[2],

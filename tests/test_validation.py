@@ -618,3 +618,21 @@ def test_forward_mode_tangents_are_refused_too(ref):
                     merge_attn_states(want, torch.zeros(7, 2), want, fwAD.make_dual(torch.zeros(7, 2),
                                                                                      torch.ones(7, 2)))
                 assert torch.equal(mla_prefill(fwAD.unpack_dual(dual).primal, *rest), want)
+
+
+def test_ragged_prefill_refuses_autograd_before_planning(monkeypatch):
+    """ragged_prefill plans, then runs: an input that requires grad was refused by RaggedPlan.run only after
+    plan_ragged had planned (on CUDA FlashInfer's plan, host-to-device copies and a pooled wrapper). Now it is
+    refused before."""
+    import mla_bridge.ragged as ragged_mod
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("planned before the autograd refusal")
+
+    q, k, v, qo, kv = ragged_inputs()
+    monkeypatch.setattr(ragged_mod, "plan_ragged", no_plan)
+    for name in ("q", "v", "out"):
+        args = dict(q=q, k=k, v=v, out=sentinel_out())
+        args[name] = args[name].clone().requires_grad_(True)
+        with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
+            ragged_prefill(**args, qo_indptr=qo, kv_indptr=kv, causal=False, sm_scale=0.2)
