@@ -439,3 +439,28 @@ def test_prepared_weight_is_freed_when_dropped(tiny_dims):
             assert ref() is None
         finally:
             gc.enable()
+
+
+@pytest.mark.parametrize("layout", ["split", "identity", weights_mod.CHECKPOINT_LAYOUT])
+def test_up_project_refuses_inputs_requiring_grad_while_autograd_records(tiny_dims, layout):
+    """PreparedKVBProj.up_project (public) has no backward either: a latent or weight that requires grad while
+    autograd records is refused by name. It was not: the split and checkpoint layouts failed inside
+    torch.bmm(out=) ("functions with out=... arguments don't support automatic differentiation"), and the identity
+    layout differentiated (a torch.mm), unlike the kernels mla_prefill runs on CUDA."""
+    d = tiny_dims
+    g = torch.Generator().manual_seed(4)
+    raw = torch.randn(d.kv_b_proj_shape, generator=g)
+    w = PreparedKVBProj(d, layout, raw) if layout == weights_mod.CHECKPOINT_LAYOUT else \
+        prepare_kv_b_proj(raw, d, layout=layout)
+    latent = torch.randn(5, d.latent_dim, generator=g)
+    want = w.up_project(latent)
+    with pytest.raises(ValueError, match=r"^latent requires grad and autograd is recording"):
+        w.up_project(latent.clone().requires_grad_(True))
+    with pytest.raises(ValueError, match=r"^k_pe requires grad and autograd is recording"):
+        w.up_project(latent[:, :d.kv_lora_rank], latent[:, d.kv_lora_rank:].clone().requires_grad_(True))
+    trainable = PreparedKVBProj(d, w.layout, w.weight.clone().requires_grad_(True))
+    with pytest.raises(ValueError, match=r"^weight requires grad and autograd is recording"):
+        trainable.up_project(latent)
+    with torch.no_grad():
+        got = trainable.up_project(latent.clone().requires_grad_(True))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
