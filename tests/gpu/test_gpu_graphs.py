@@ -47,9 +47,9 @@ def _layers(ref, dims, layout, seed):
     return layers, batch.block_table
 
 
-def _eager(layers, table, plan):
+def _eager(layers, table, plan, kv_impl=None):
     return [tuple(t.clone() for t in mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, table, plan,
-                                                  return_lse=True)) for x in layers]
+                                                  return_lse=True, kv_impl=kv_impl)) for x in layers]
 
 
 def _new_inputs(layers, seed):
@@ -66,19 +66,22 @@ def _assert_bitwise(got, want):
         assert torch.equal(s, es), "lse differs"
 
 
+@pytest.mark.parametrize("kv_impl", [None, "separate", "fused"])
 @pytest.mark.parametrize("layout", ["identity", "split"])
 @pytest.mark.parametrize("fuse,budget", [(True, 100_000), (False, 256)])
-def test_graphed_prefill_equals_eager_bitwise(ref, fuse, budget, layout):
+def test_graphed_prefill_equals_eager_bitwise(ref, fuse, budget, layout, kv_impl):
+    """A replay is bitwise the eager calls with the same kv_impl (the default, and the separate path the README
+    recommends for replays)."""
     dims = MLADims.deepseek_v2_lite()
     layers, table = _layers(ref, dims, layout, seed=1)
     plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
                              block_size=BLOCK, dtype=BF16, fuse_context=fuse)
     assert plan.backend.is_flashinfer and plan.fused == fuse and (fuse or len(plan.chunks) >= 3)
-    graph = capture_prefill(plan, layers, table, return_lse=True)
+    graph = capture_prefill(plan, layers, table, return_lse=True, kv_impl=kv_impl)
     assert graph.graphed and graph.capture_ms > 0 and graph.memory_bytes > 0
     for step in range(2):  # two batches of values through the same buffers
         _new_inputs(layers, seed=10 + step)
-        want = _eager(layers, table, plan)
+        want = _eager(layers, table, plan, kv_impl)
         torch.cuda._sleep(SLEEP)
         got = graph.replay()
         torch.cuda.synchronize()
