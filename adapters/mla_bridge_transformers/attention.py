@@ -23,9 +23,9 @@ Conversion (no attention math here):
 Handed back to transformers (the reason is logged once per kind), never silently wrong:
 inputs that require grad while autograd records (training with ``attention_dropout`` 0, DeepSeek's default: the
 kernels have no backward, and their gradient would be lost) or that carry forward-mode tangents (``torch.func.jvp``),
-``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``), ``output_attentions`` (to ``eager``, the
-only implementation returning weights, with ``None`` turned into sdpa's causal mask), fewer key/value heads than query
-heads (GQA), a non-causal module, a float (additive) mask, or any boolean mask of another structure (right or inner
+``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``),
+``output_attentions`` (to ``eager``, the only implementation returning weights, with ``None`` turned into sdpa's
+causal mask), fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or any boolean mask of another structure (right or inner
 padding, packed sequences, custom patterns): ``sdpa``.
 """
 
@@ -85,8 +85,9 @@ def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attenti
     """Why this call cannot run through mla_bridge (``None`` when it can), from everything but the mask's values."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
         return "autograd (inputs that require grad: mla_bridge's kernels have no backward)"
+    tangent = torch.autograd.forward_ad.unpack_dual
     if mla_bridge.dispatch._forward_ad_active() and any(
-            t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in (query, key, value)):
+            t is not None and tangent(t).tangent is not None for t in (query, key, value)):
         return "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)"
     if dropout and dropout > 0:
         return f"dropout={dropout} (training)"
