@@ -24,11 +24,10 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.autograd.forward_ad as _forward_ad
 
 __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
            "cutlass_work_items", "flashinfer_version", "head_dims_why_not", "FA3_HEAD_DIMS", "CUTLASS_HEAD_DIMS",
@@ -426,36 +425,3 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
         passed_over.append((spec.name, reason))
     raise AssertionError("the torch row serves every request")  # pragma: no cover
 
-
-def _forward_ad_active() -> bool:
-    """Whether forward-mode AD may be recording (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``'s
-    ``dual_level``): a level is open and forward gradients are enabled (``torch.no_grad()`` leaves them on,
-    ``torch.inference_mode()`` turns them off). One global read where no level is open (the common case)."""
-    return getattr(_forward_ad, "_current_level", 0) >= 0 and torch._C._is_fwd_grad_enabled()
-
-
-def _refuse_autograd(named: Sequence[tuple[str, Any]]) -> None:
-    """Refuse the first input autograd would differentiate: one that requires grad while autograd records
-    (``torch.is_grad_enabled()``), or one that carries a forward-mode tangent (:func:`_forward_ad_active`).
-    mla_bridge's kernels have no derivative (FlashInfer's runs and merges and the Triton kernels write their outputs
-    outside autograd), so its gradient or tangent would be lost without a word on CUDA, and on the CPU a call would
-    differentiate or fail depending on the path. Every entry point asks it (ragged, merge, prefill: here, at the
-    ground of the import graph). Under ``torch.no_grad()`` (no tangents) or ``torch.inference_mode()`` (how vLLM
-    and inference run) nothing is refused.
-
-    Raises:
-        ValueError: names the input and what to do.
-    """
-    if torch.is_grad_enabled():
-        for name, x in named:
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                raise ValueError(f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
-                                 f"backward (its gradient would be lost): run under torch.no_grad() or "
-                                 f"torch.inference_mode(), or pass {name}.detach()")
-    if _forward_ad_active():
-        for name, x in named:
-            if isinstance(x, torch.Tensor) and _forward_ad.unpack_dual(x).tangent is not None:
-                raise ValueError(f"{name} carries a forward-mode tangent (torch.func.jvp / jacfwd, "
-                                 f"torch.autograd.forward_ad), but mla_bridge's kernels have no derivative (the "
-                                 f"tangent would be lost): pass forward_ad.unpack_dual({name}).primal, or run under "
-                                 f"torch.inference_mode()")

@@ -47,7 +47,8 @@ from typing import Optional
 
 import torch
 
-from .dispatch import _refuse_autograd, flashinfer_version
+from .dispatch import flashinfer_version
+from .inference import refuse_autograd
 from .kernels import triton_available, triton_interpreting
 
 __all__ = ["merge_attn_states", "merge_attn_states_", "select_merge", "MergeChoice", "FLASHINFER_MERGE_HEAD_DIMS",
@@ -248,7 +249,7 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
             ``lse_b_base``.
     """
     _check(out, lse, out_b, lse_b)
-    _refuse_autograd((("out", out), ("lse", lse), ("out_b", out_b), ("lse_b", lse_b)))  # as merge_attn_states
+    refuse_autograd((("out", out), ("lse", lse), ("out_b", out_b), ("lse_b", lse_b)))  # as merge_attn_states
     if not lse.is_contiguous():
         raise ValueError("lse must be contiguous to be merged in place")
     if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
@@ -319,7 +320,7 @@ def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Ten
     """
     _check(out_a, lse_a, out_b, lse_b)
     # no backward on CUDA (the Triton / FlashInfer merges write outside autograd): refused everywhere, as in attention
-    _refuse_autograd((("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)))
+    refuse_autograd((("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)))
     choice = _choice(out_a, out_b)
     t, h, d = out_a.shape
     if choice.name == "triton":

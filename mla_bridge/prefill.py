@@ -25,7 +25,8 @@ from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .ragged import _not_a_bool, _refuse_autograd
+from .inference import refuse_autograd
+from .ragged import _not_a_bool
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
@@ -47,10 +48,11 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
             kv_cache: the plan's ``kv_cache_dtype``).
         ValueError: a shape that disagrees with the plan or the dims (the message names the argument and what was
             expected), an ``out`` that overlaps itself (expanded) or shares memory with an input (the weight, raw or
-            prepared, included), an input that requires grad while autograd records (a ``kv_cache_scale`` tensor
-            and a PreparedKVBProj's weight included; mla_bridge has no backward:
-            run under ``torch.no_grad()`` or ``torch.inference_mode()``), another device, a block_table row too short for
-            its context, a context longer than the cache, and the cache-scale rules of
+            prepared, included), an input that requires grad while autograd records or carries a forward-mode
+            tangent (a ``kv_cache_scale`` tensor and a PreparedKVBProj's weight included; mla_bridge has no
+            backward: run under ``torch.no_grad()`` or ``torch.inference_mode()``;
+            :func:`mla_bridge.inference.refuse_autograd`), another device, a block_table row too short for its
+            context, a context longer than the cache, and the cache-scale rules of
             :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``, a scale with an unquantized
             cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
     """
@@ -78,7 +80,7 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
         if x.dtype != plan.dtype and name not in ("block_table", "kv_cache"):
             raise TypeError(f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
     # no backward: a gradient would be lost (on CUDA silently); the scale and a prepared weight's tensor too
-    _refuse_autograd(named + ((("kv_b_proj_weight.weight", kv_b_proj_weight.weight),) if prepared else ())
+    refuse_autograd(named + ((("kv_b_proj_weight.weight", kv_b_proj_weight.weight),) if prepared else ())
                      + (("kv_cache_scale", kv_cache_scale),))
     checked_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     if q.dim() != 3 or q.shape[0] != t:

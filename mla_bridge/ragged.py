@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from .backends import make_kernel
-# _refuse_autograd: moved to dispatch (merge asks it too)
-from .dispatch import BackendChoice, _forward_ad_active, _refuse_autograd, select_backend
+from .dispatch import BackendChoice, select_backend
+from .inference import forward_ad_active, refuse_autograd
 from .workspace import Workspace, default_workspace
 
 __all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr", "as_sm_scale", "indptr_from_lens"]
@@ -234,7 +234,7 @@ class RaggedPlan:
             ValueError: a shape that disagrees with the indptrs or dims (the message names the argument and
                 what was expected), another device, an unknown ``lse_layout``, an ``out``/``lse`` the kernel
                 cannot write in place, or a q/k/v/out/lse that requires grad while autograd records (there is no
-                backward: :func:`_refuse_autograd`).
+                backward: :func:`mla_bridge.inference.refuse_autograd`).
         """
         # One pass of cheap comparisons (shape tuples, dtype, device) for the common case; anything off goes to the
         # checks below, which name what is wrong. Both test the same conditions.
@@ -253,7 +253,7 @@ class RaggedPlan:
                 and not ((q.requires_grad or k.requires_grad or v.requires_grad
                           or (out is not None and out.requires_grad) or (lse is not None and lse.requires_grad))
                          and torch.is_grad_enabled())
-                and not _forward_ad_active()):
+                and not forward_ad_active()):
             return
         self._validate_named(q, k, v, out, lse, lse_layout)
 
@@ -269,7 +269,7 @@ class RaggedPlan:
         _check_tensor("q", q, (t, h, s.head_dim_qk), s.dtype, s.device)
         _check_tensor("k", k, (n, h, s.head_dim_qk), s.dtype, s.device)
         _check_tensor("v", v, (n, h, s.head_dim_vo), s.dtype, s.device)
-        _refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # out / lse: written outside
+        refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # out / lse: written outside
         # autograd, a history recorded for them would be stale
         if out is not None:
             _check_tensor("out", out, (t, h, s.head_dim_vo), s.dtype, s.device)
@@ -483,7 +483,7 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
-    _refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # before planning (on CUDA:
+    refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # before planning (on CUDA:
     # FlashInfer's plan, its host-to-device copies, a pooled wrapper), not after it in plan.run
     if workspace is None:
         workspace = default_workspace(q.device)

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from .dims import MLADims
-from .dispatch import _refuse_autograd
+from .inference import refuse_autograd
 
 __all__ = ["PreparedKVBProj", "prepare_kv_b_proj", "up_projection_weight", "as_prepared", "broadcast_heads",
            "prepared_weight_elements", "prepared_weight_shape", "LAYOUTS", "DEFAULT_LAYOUT", "CHECKPOINT_LAYOUT",
@@ -214,7 +214,7 @@ class PreparedKVBProj:
             TypeError: a non-tensor, or a dtype other than the weight's.
             ValueError: a shape other than the above, another device, an input (or this weight) that requires grad
                 while autograd records or carries a forward-mode tangent (no backward: run under
-                ``torch.no_grad()``; :func:`mla_bridge.dispatch._refuse_autograd`) (before any GEMM runs).
+                ``torch.no_grad()``; :func:`mla_bridge.inference.refuse_autograd`) (before any GEMM runs).
         """
         d = self.dims
         width = d.latent_dim if k_pe is None else d.kv_lora_rank
@@ -233,7 +233,7 @@ class PreparedKVBProj:
         if k_pe is not None and tuple(k_pe.shape) != (latent.shape[0], d.qk_rope_head_dim):
             raise ValueError(f"k_pe must be [N={latent.shape[0]}, qk_rope_head_dim={d.qk_rope_head_dim}], got "
                              f"{list(k_pe.shape)}")
-        _refuse_autograd(named + (("weight", self.weight),))
+        refuse_autograd(named + (("weight", self.weight),))
         return self._per_call()._gemm_form()._up_project(latent, k_pe)
 
     def _split_buffer(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

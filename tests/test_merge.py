@@ -172,9 +172,9 @@ def test_bad_inputs(bad, exc, name):
 @pytest.mark.parametrize("name", ["out_a", "lse_a", "out_b", "lse_b"])
 def test_merge_refuses_inputs_requiring_grad_while_autograd_records(name):
     """The merges have no backward on CUDA (the Triton and FlashInfer kernels write outside autograd): an input that
-    requires grad while autograd records is refused by name, as by the attention (mla_bridge.dispatch's
-    _refuse_autograd), and nothing is written. It was not: on the CPU the torch merge differentiated it, on CUDA the
-    gradient was lost. Under torch.no_grad() the same tensors merge to the plain result."""
+    requires grad while autograd records is refused by name, as by the attention
+    (mla_bridge.inference.refuse_autograd), and nothing is written. It was not: on the CPU the torch merge
+    differentiated it, on CUDA the gradient was lost. Under torch.no_grad() the same tensors merge to the plain result."""
     g = torch.Generator().manual_seed(2)
     args = dict(out_a=torch.randn(2, 3, 4, generator=g), lse_a=torch.randn(2, 3, generator=g),
                 out_b=torch.randn(2, 3, 4, generator=g), lse_b=torch.randn(2, 3, generator=g))

@@ -25,8 +25,8 @@ inputs that require grad while autograd records (training with ``attention_dropo
 kernels have no backward, and their gradient would be lost) or that carry forward-mode tangents (``torch.func.jvp``),
 ``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``),
 ``output_attentions`` (to ``eager``, the only implementation returning weights, with ``None`` turned into sdpa's
-causal mask), fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or any boolean mask of another structure (right or inner
-padding, packed sequences, custom patterns): ``sdpa``.
+causal mask), fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or any
+boolean mask of another structure (right or inner padding, packed sequences, custom patterns): ``sdpa``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 import mla_bridge
+from mla_bridge.inference import forward_ad_active
 
 __all__ = ["ATTN_IMPLEMENTATION", "mla_bridge_attention", "ragged_from_mask", "fallback_reason"]
 
@@ -86,7 +87,7 @@ def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attenti
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
         return "autograd (inputs that require grad: mla_bridge's kernels have no backward)"
     tangent = torch.autograd.forward_ad.unpack_dual
-    if mla_bridge.dispatch._forward_ad_active() and any(
+    if forward_ad_active() and any(
             t is not None and tangent(t).tangent is not None for t in (query, key, value)):
         return "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)"
     if dropout and dropout > 0:
