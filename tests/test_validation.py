@@ -503,16 +503,20 @@ def test_prefill_refuses_inputs_requiring_grad_while_autograd_records(ref, name)
         assert not got.requires_grad and torch.equal(got, want), mode.__name__
 
 
-@pytest.mark.parametrize("name", ["q", "k", "v"])
-def test_ragged_run_refuses_inputs_requiring_grad_while_autograd_records(name):
-    from mla_bridge import Workspace, plan_ragged, ragged_prefill
-
+def _small_ragged():
+    """``(q/k/v dict, indptr, plan)`` of a small causal CPU batch (2 requests, 2 heads) for the autograd tests."""
     g = torch.Generator().manual_seed(1)
     x = dict(q=torch.randn(6, 2, 24, generator=g), k=torch.randn(6, 2, 24, generator=g),
              v=torch.randn(6, 2, 16, generator=g))
     ind = torch.tensor([0, 2, 6], dtype=torch.int32)
     plan = plan_ragged(ind, ind, num_heads=2, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.2,
                        dtype=torch.float32, workspace=Workspace("cpu"))
+    return x, ind, plan
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_ragged_run_refuses_inputs_requiring_grad_while_autograd_records(name):
+    x, ind, plan = _small_ragged()
     want = plan.run(**x)
     x[name] = x[name].clone().requires_grad_(True)
     with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
@@ -565,12 +569,7 @@ def test_ragged_run_refuses_an_out_or_lse_requiring_grad_while_autograd_records(
     mla_prefill refuses its out. It was not: a leaf failed inside the torch backend ("a view of a leaf Variable that
     requires grad is being used in an in-place operation", naming nothing), and a non-leaf was written with a
     stale autograd history (on CUDA nothing at all recorded). Under torch.no_grad() it is written."""
-    g = torch.Generator().manual_seed(1)
-    x = dict(q=torch.randn(6, 2, 24, generator=g), k=torch.randn(6, 2, 24, generator=g),
-             v=torch.randn(6, 2, 16, generator=g))
-    ind = torch.tensor([0, 2, 6], dtype=torch.int32)
-    plan = plan_ragged(ind, ind, num_heads=2, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.2,
-                       dtype=torch.float32, workspace=Workspace("cpu"))
+    x, ind, plan = _small_ragged()
     want = plan.run(**x)
     shape = (6, 2, 16) if name == "out" else (6, 2)
     for buf in (torch.full(shape, SENTINEL, requires_grad=True),  # a leaf
