@@ -424,4 +424,3 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
             return BackendChoice(spec.name, why, tuple(passed_over))
         passed_over.append((spec.name, reason))
     raise AssertionError("the torch row serves every request")  # pragma: no cover
-

@@ -21,11 +21,11 @@ import torch
 from .cache import check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
 from .backends.flashinfer import direct_enabled
+from .inference import refuse_autograd
 from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .inference import refuse_autograd
 from .ragged import _not_a_bool
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 

@@ -86,9 +86,8 @@ def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attenti
     """Why this call cannot run through mla_bridge (``None`` when it can), from everything but the mask's values."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
         return "autograd (inputs that require grad: mla_bridge's kernels have no backward)"
-    tangent = torch.autograd.forward_ad.unpack_dual
-    if forward_ad_active() and any(
-            t is not None and tangent(t).tangent is not None for t in (query, key, value)):
+    if forward_ad_active() and any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+                                   for t in (query, key, value)):
         return "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)"
     if dropout and dropout > 0:
         return f"dropout={dropout} (training)"
