@@ -29,8 +29,13 @@ Rules, checked or documented:
   * Capture follows torch's documented recipe: warm-up calls on a side stream (FlashInfer's JIT, first allocations),
     then ``torch.cuda.graph`` capture; allocations inside the capture come from the graph's private memory pool,
     whose size is reported (:attr:`PrefillGraph.memory_bytes`) with the capture time (:attr:`PrefillGraph.capture_ms`).
-  * Exactly equal to eager: a replay launches the same kernels on the same data, so it is bitwise equal to the eager
-    calls.
+  * Exactly equal to eager on the same kernels: a replay launches the captured kernels on the same data, so it is
+    bitwise equal to eager calls that launch those kernels. A call captured with the default ``kv_impl`` ("auto")
+    builds each pass's k / v the way that is faster on the GPU, since a replay pays no host time per launch
+    (:func:`mla_bridge.kv.pass_impl`): gather + cuBLAS, or the fused kernel for an identity-layout weight on a
+    bf16/fp16 cache. Such a graph is bitwise eager ``mla_prefill(..., kv_impl="separate")`` (``"fused"`` for that
+    identity case) and within one rounding of k_nope / v of the default eager call, whose small passes take the
+    one-launch fused kernel. An explicit ``kv_impl`` is captured as given.
   * On the CPU the same API runs eagerly: :meth:`PrefillGraph.replay` calls the captured callable; ``graphed`` is
     False and the capture figures are 0. (On CUDA the torch backend is captured like FlashInfer's: it plans on host
     lengths and never syncs.)
@@ -255,7 +260,8 @@ def capture_prefill(plan: PrefillPlan, layers: Sequence[PrefillLayer], block_tab
     Returns:
         A :class:`PrefillGraph` whose :attr:`~PrefillGraph.outputs` is a list with one ``out [T, H, v_head_dim]`` per
         layer, or ``(out, lse)`` pairs with ``return_lse`` (lse float32 natural log ``[T, H]``). ``kv_impl`` is
-        passed to every :func:`mla_bridge.mla_prefill` call (captured as chosen).
+        passed to every :func:`mla_bridge.mla_prefill` call (captured as chosen; the default picks per pass what is
+        faster on the GPU, see the module docstring).
 
     Raises:
         TypeError / ValueError: ``plan`` not a PrefillPlan, no layers, a layer that is not a PrefillLayer; every

@@ -14,7 +14,9 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
-  for the smaller passes (one launch where the host is the bound); why: :func:`pass_impl`.
+  for the smaller passes of an eager call (one launch where the host is the bound); in a call captured into a CUDA
+  graph, whose replays pay no host time per launch, the default takes the GPU-faster implementation of each pass
+  (the separate path, except for an identity-layout weight); why: :func:`pass_impl`.
 
 A raw weight (:data:`mla_bridge.weights.CHECKPOINT_LAYOUT`) is read in place by the fused kernel; a separate pass
 takes its split form (:meth:`mla_bridge.PreparedKVBProj._gemm_form`, made once per call) and "auto" chooses for it as
@@ -107,9 +109,14 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     return choice
 
 
-def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT) -> str:
+def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT,
+              capturing: bool = False) -> str:
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
-    weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto":
+    weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto" while a CUDA graph is being captured
+    (``capturing``: the pass will be replayed, and a replay pays no host time per launch), the implementation that is
+    faster on the GPU: "fused" for an identity-layout weight and a bf16/fp16 cache (the identity GEMM's padding costs
+    more than the fused kernel's slower GEMM), "separate" for every other pass (gather + cuBLAS, faster on the GPU on
+    every pass measured below, FP8 included); "auto" for an eager call:
 
     * a pass that gathers nothing (new tokens alone): "separate" from :data:`SEPARATE_FROM_ROWS_NEW` rows on,
       "fused" below;
@@ -138,27 +145,45 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     rows) the FP8 cache then took 0.99x the bf16 cache's time, against 1.47x with every FP8 pass separate. (Its FP8
     path runs a pipeline of at most 2 stages: with 3 it gave wrong results, :mod:`mla_bridge.kernels.up_project`.)
 
+    Captured, the default graph of the bench's 4 x (8000 + 2000) in 4 chunks took 1.084x attention + GEMM alone with
+    the eager rule (two fused passes of 8000 and 7424 rows, about 0.01 ms slower each than cuBLAS), 1.043x with gather
+    + cuBLAS on every pass; 0.747 against 0.783 ms on 16 x (2048 + 512) in 8 chunks, 0.116 against 0.127 on 64 x 128
+    new tokens (H200, 2026-12-01). So a graph of the default call is bitwise the eager call with ``kv_impl="separate"``
+    (``"fused"`` for an identity-layout weight on a bf16/fp16 cache), and the default eager call within one rounding
+    of k_nope / v (the module docstring).
+
     Raises:
         ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`, ``rows``
             not an int >= 0.
-        TypeError: ``gathered`` or ``kv_cache_fp8`` not a bool.
+        TypeError: ``gathered``, ``kv_cache_fp8`` or ``capturing`` not a bool.
     """
     if mode not in KV_MODES:
         raise ValueError(f"mode must be one of {KV_MODES} (what kv_impl answers), got {mode!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    for name, flag in (("gathered", gathered), ("kv_cache_fp8", kv_cache_fp8)):
+    for name, flag in (("gathered", gathered), ("kv_cache_fp8", kv_cache_fp8), ("capturing", capturing)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be an int >= 0 (key rows of the pass), got {rows!r}")
     if mode != "auto":
         return mode
+    if capturing:
+        return "fused" if layout == "identity" and not kv_cache_fp8 else "separate"
     if not gathered:
         return "separate" if rows >= SEPARATE_FROM_ROWS_NEW else "fused"
     if kv_cache_fp8:
         return "separate" if rows >= SEPARATE_FROM_ROWS_FP8 else "fused"
     return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"
+
+
+def _pass_impl(impl: Optional[str], device: torch.device, dtype: torch.dtype, gathered: bool, kv_cache_fp8: bool,
+               rows: int, layout: str) -> str:
+    """:func:`pass_impl` of the caller's choice ``impl`` (:func:`kv_impl`'s answer; None: asked here), told whether the
+    current stream is capturing a CUDA graph (asked only when the answer depends on it: "auto", on CUDA)."""
+    mode = impl or kv_impl(device, None, dtype)
+    capturing = mode == "auto" and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return pass_impl(mode, gathered, kv_cache_fp8, rows, layout, capturing)
 
 
 def _split_buffer(n: int, weight: PreparedKVBProj, device: torch.device):
@@ -185,8 +210,7 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     pass's own implementation is :func:`pass_impl` of ``impl``: this pass gathers, from an FP8 cache when
     ``kv_cache_scale`` is given)."""
     keys = int(plan.main_kv_indptr[-1])
-    if pass_impl(impl or kv_impl(plan.device, None, plan.dtype), True, kv_cache_scale is not None, keys,
-                 weight.gemm_layout) == "fused":
+    if _pass_impl(impl, plan.device, plan.dtype, True, kv_cache_scale is not None, keys, weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(keys, weight, plan.dtype, plan.device)
@@ -207,8 +231,7 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
     """k, v of the new tokens alone (the chunked schedule's main pass): ``kv_c`` ``[T, rank]``, ``k_pe`` ``[T, rope]``.
     Hooks as :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they
     are, the identity layout after concatenating them)."""
-    if pass_impl(impl or kv_impl(kv_c.device, None, kv_c.dtype), False, False, kv_c.shape[0],
-                 weight.gemm_layout) == "fused":
+    if _pass_impl(impl, kv_c.device, kv_c.dtype, False, False, kv_c.shape[0], weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
@@ -223,8 +246,7 @@ def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows
     ``(chunk.req_ids[i], chunk.positions[i])`` in order. Hooks as :func:`fused_schedule_kv`."""
     rows = chunk.req_ids.shape[0]
-    if pass_impl(impl or kv_impl(kv_cache.device, None, dtype), True, kv_cache_scale is not None, rows,
-                 weight.gemm_layout) == "fused":
+    if _pass_impl(impl, kv_cache.device, dtype, True, kv_cache_scale is not None, rows, weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(rows, weight, dtype, kv_cache.device)

@@ -67,6 +67,24 @@ def test_auto_takes_the_fused_kernel_only_for_smaller_gathered_passes():
                 assert KV.pass_impl(mode, gathered, fp8, rows) == mode
 
 
+def test_auto_while_capturing_takes_the_gpu_faster_path_of_every_pass():
+    """A pass captured into a CUDA graph pays no host time per launch at replay: "auto" then takes gather + cuBLAS
+    whatever its size (the eager rule takes the fused kernel below its bounds), except that an identity-layout weight
+    on a bf16/fp16 cache keeps the fused kernel (its GEMM has no FLOPs on the identity block)."""
+    sizes = (0, 1, KV.SEPARATE_FROM_ROWS_FP8 - 1, KV.SEPARATE_FROM_ROWS - 1, KV.SEPARATE_FROM_ROWS_NEW)
+    for rows in sizes:
+        for gathered in (False, True):
+            for fp8 in (False, True):
+                assert KV.pass_impl("auto", gathered, fp8, rows, "split", capturing=True) == "separate"
+                assert KV.pass_impl("auto", gathered, fp8, rows, "identity", capturing=True) == \
+                    ("separate" if fp8 else "fused")
+                for mode in KV.KV_IMPLS:  # an explicit choice is captured as given
+                    assert KV.pass_impl(mode, gathered, fp8, rows, "split", capturing=True) == mode
+    assert KV.pass_impl("auto", False, False, 1024, "split") == "fused"  # eager: the same small pass, fused
+    with pytest.raises(TypeError, match="capturing"):
+        KV.pass_impl("auto", True, False, 0, "split", capturing=1)
+
+
 def test_env_and_argument_choose_and_bad_values_are_named(monkeypatch):
     monkeypatch.setenv("MLA_BRIDGE_KV", "separate")
     assert KV.kv_impl(torch.device("cuda")) == "separate"

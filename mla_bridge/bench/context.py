@@ -80,7 +80,7 @@ I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(PATHS.index("mla
                                                                PATHS.index("mla_prefill, FP8 cache") + 4)
 #: The fused gather + up-projection kernel on every pass (mla_bridge.kv), eager and graphed; the separate path on
 #: every pass (the default before issue 13's per-pass choice, kv_impl="auto"), eager and graphed (a replay has no
-#: host cost per launch: the GPU-faster choice for large passes, ``capture_prefill(..., kv_impl="separate")``).
+#: host cost per launch: the GPU-faster choice, which the default graph makes too, :func:`mla_bridge.kv.pass_impl`).
 FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH, SEPARATE_KV_GRAPH = PATHS[-4:]
 #: Targets of issue 13 on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
 #: cases against their eager figure before it (``ContextCase.eager_ms_before``).
