@@ -242,7 +242,8 @@ class PrefillLayer:
     :func:`mla_bridge.mla_prefill`). ``q`` / ``kv_c`` / ``k_pe`` are the graph's inputs: write each batch's values
     into them (``copy_``) before :meth:`PrefillGraph.replay`. ``kv_b_proj`` should be prepared
     (:func:`mla_bridge.prepare_kv_b_proj`); a raw weight is read in place by the fused kernel's passes and
-    rearranged again inside every replay for the separate ones (:mod:`mla_bridge.weights`)."""
+    rearranged again inside every replay for the separate ones, which under the default ``kv_impl`` are all of them
+    (a copy of the weight per replay and layer; :mod:`mla_bridge.weights`)."""
 
     q: torch.Tensor
     kv_c: torch.Tensor
