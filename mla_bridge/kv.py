@@ -50,7 +50,7 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 AUTO_FUSED_DTYPES = (torch.bfloat16, torch.float16)
 #: "auto" builds a gathered pass of at least this many key rows by the separate path when the weight's layout is
 #: "split" (:func:`pass_impl`).
-SEPARATE_FROM_ROWS = 8192
+SEPARATE_FROM_ROWS = 12288
 #: "auto" builds a pass of new tokens alone (nothing gathered) by the separate path from this many rows on.
 SEPARATE_FROM_ROWS_NEW = 16384
 #: "auto" builds a pass gathering from an FP8 cache by the separate path from this many rows on, with either weight
@@ -131,8 +131,12 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     kernel takes 0.083 / 0.155 / 0.360 / 0.605 (its GEMM reaches about 460 TFLOP/s, cuBLAS's about 610); at 2048 /
     4096 rows they are even (0.024 / 0.042 against 0.022 / 0.044), and the fused kernel is one launch instead of
     three (now two): small passes are where the host is the bound
-    (host time per pass: 35-60 us fused, 110-190 us separate). Against the identity layout's one GEMM, which does 40%
-    more FLOPs, the fused kernel is faster at every size. New tokens alone gather nothing, and the two are even on the
+    (host time per pass: 35-60 us fused, 110-190 us separate). The bound lies between the bench's two chunk sizes
+    (eager ``mla_prefill``, the same run each): on 4 x (8000 + 2000) in 4 chunks of 8192 rows the fused kernel on every
+    pass took 1.468 ms against 1.468 with cuBLAS on the 8192-row passes (a fast host) and 1.568 against 1.812 (a slow
+    one: those passes' host time was the bound), on 1 x (64000 + 4000) in 4 chunks of 16000 rows 4.269 / 4.247 against
+    4.189 / 4.169 (GPU-bound: the fused kernel's slower GEMM shows). Against the identity layout's one GEMM, which
+    does 40% more FLOPs, the fused kernel is faster at every size. New tokens alone gather nothing, and the two are even on the
     GPU up to 4096 rows (0.012 / 0.020 / 0.039 ms fused against 0.013 / 0.019 / 0.036 at 1024 / 2048 / 4096), cuBLAS
     ahead from there (0.073 / 0.138 against 0.063 / 0.118 at 8192 / 16384); the fused kernel's one launch saves 30-70
     us of host time per pass on the H200's host, more than its GPU cost below 16384 rows: a batch of 64 x 128 new

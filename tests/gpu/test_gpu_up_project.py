@@ -238,7 +238,7 @@ def test_auto_sends_large_gathered_passes_to_cublas(monkeypatch, fuse):
     """kv_impl="auto" with the default (split) weight: a gathered pass of at least SEPARATE_FROM_ROWS rows takes the
     separate path, a smaller one the fused kernel; mla_prefill's result matches the fused kernel everywhere."""
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
-        16, False, seed=21, q_lens=(200, 57), c_lens=(9000, 300), chunk_tokens=16384 if fuse else 8192)
+        16, False, seed=21, q_lens=(200, 57), c_lens=(13000, 300), chunk_tokens=16384 if fuse else 12288)
     plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse)
     weight = prepare_kv_b_proj(w, d)
     assert weight.layout == "split"
