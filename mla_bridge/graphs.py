@@ -26,8 +26,9 @@ Rules, checked or documented:
     over. :func:`retain_plan_for_graph` is the one place that registers a graph with its plans.
     :meth:`PrefillGraph.release` ends the graph's life explicitly; dropping the object does the same.
     Replays run on the current stream, in stream order with the caller's writes of the inputs.
-  * Capture follows torch's documented recipe: warm-up calls on a side stream (FlashInfer's JIT, first allocations),
-    then ``torch.cuda.graph`` capture; allocations inside the capture come from the graph's private memory pool,
+  * Capture follows torch's documented recipe: warm-up calls on a side stream (FlashInfer's and Triton's JIT, first
+    allocations; run under :func:`mla_bridge.kv.capture_rule`, so they launch the kernels the capture records), then
+    ``torch.cuda.graph`` capture; allocations inside the capture come from the graph's private memory pool,
     whose size is reported (:attr:`PrefillGraph.memory_bytes`) with the capture time (:attr:`PrefillGraph.capture_ms`).
   * Exactly equal to eager on the same kernels: a replay launches the captured kernels on the same data, so it is
     bitwise equal to eager calls that launch those kernels. A call captured with the default ``kv_impl`` ("auto")
@@ -49,6 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .kv import capture_rule
 from .plan import PrefillPlan
 from .prefill import mla_prefill
 from .ragged import RaggedPlan
@@ -216,7 +218,7 @@ def capture(fn: Callable[[], Any], *, plans: Sequence[Any], warmup: int = 2, poo
     side = torch.cuda.Stream(device)
     side.wait_stream(current)  # the plans' schedule copies were queued on the current stream
     t0 = time.perf_counter()
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), capture_rule():  # the warm-up launches the kernels the capture records
         for _ in range(max(1, warmup)):
             fn()
     current.wait_stream(side)

@@ -30,17 +30,19 @@ k_nope and v are equal within the dtype's rounding of a float32 sum taken in ano
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from .cache import fused_latent, gather_latent
-from .weights import DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
+from .weights import CHECKPOINT_LAYOUT, DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
-           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_NEW", "SEPARATE_FROM_ROWS_FP8", "fused_schedule_kv",
-           "new_tokens_kv", "chunk_kv"]
+           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_NEW", "SEPARATE_FROM_ROWS_FP8", "capture_rule",
+           "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
@@ -61,6 +63,21 @@ SEPARATE_FROM_ROWS_FP8 = 6144
 KV_MODES = ("auto",) + KV_IMPLS
 
 Hook = Callable[[str], None]
+
+#: True inside :func:`capture_rule`: "auto" chooses as for a pass being captured into a CUDA graph.
+_CAPTURE_RULE: contextvars.ContextVar = contextvars.ContextVar("mla_bridge_kv_capture_rule", default=False)
+
+
+@contextlib.contextmanager
+def capture_rule() -> Iterator[None]:
+    """Within this context "auto" builds each pass as while a CUDA graph is being captured (:func:`pass_impl` with
+    ``capturing=True``). :func:`mla_bridge.graphs.capture` runs its warm-up calls in it, so that they launch (and
+    compile, and allocate for) the kernels the capture then records, not those of the eager rule."""
+    token = _CAPTURE_RULE.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURE_RULE.reset(token)
 
 
 def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> str:
@@ -115,8 +132,9 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto" while a CUDA graph is being captured
     (``capturing``: the pass will be replayed, and a replay pays no host time per launch), the implementation that is
     faster on the GPU: "fused" for an identity-layout weight and a bf16/fp16 cache (the identity GEMM's padding costs
-    more than the fused kernel's slower GEMM), "separate" for every other pass (gather + cuBLAS, faster on the GPU on
-    every pass measured below, FP8 included); "auto" for an eager call:
+    more than the fused kernel's slower GEMM), "separate" for every other pass (gather + cuBLAS: faster on the GPU from
+    4096 rows on and within 0.002 ms below in the figures below, FP8 included; the identity layout's FP8 and new-token
+    passes were not measured); "auto" for an eager call:
 
     * a pass that gathers nothing (new tokens alone): "separate" from :data:`SEPARATE_FROM_ROWS_NEW` rows on,
       "fused" below;
@@ -150,24 +168,29 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     path runs a pipeline of at most 2 stages: with 3 it gave wrong results, :mod:`mla_bridge.kernels.up_project`.)
 
     Captured, the default graph of the bench's 4 x (8000 + 2000) in 4 chunks took 1.084x attention + GEMM alone with
-    the eager rule (two fused passes of 8000 and 7424 rows, about 0.01 ms slower each than cuBLAS), 1.043x with gather
-    + cuBLAS on every pass; 0.747 against 0.783 ms on 16 x (2048 + 512) in 8 chunks, 0.116 against 0.127 on 64 x 128
-    new tokens (H200, 2026-12-01). So a graph of the default call is bitwise the eager call with ``kv_impl="separate"``
+    the eager rule (two fused passes of 8000 and 7424 rows, about 0.01 ms slower each than cuBLAS); with this rule
+    1.041x, and 0.750 against 0.786 ms (the fused kernel on every pass) on 16 x (2048 + 512) in 8 chunks, 0.117 against
+    0.128 on 64 x 128 new tokens (H200, 2026-12-01, one bench run). So a graph of the default call is bitwise the eager call with ``kv_impl="separate"``
     (``"fused"`` for an identity-layout weight on a bf16/fp16 cache), and the default eager call within one rounding
     of k_nope / v (the module docstring).
 
     Raises:
-        ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` not in :data:`mla_bridge.weights.LAYOUTS`, ``rows``
+        ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` neither in :data:`mla_bridge.weights.LAYOUTS` nor
+            :data:`mla_bridge.weights.CHECKPOINT_LAYOUT` (a raw weight, chosen for as the split layout), ``rows``
             not an int >= 0.
         TypeError: ``gathered``, ``kv_cache_fp8`` or ``capturing`` not a bool.
     """
     if mode not in KV_MODES:
         raise ValueError(f"mode must be one of {KV_MODES} (what kv_impl answers), got {mode!r}")
+    if layout == CHECKPOINT_LAYOUT:  # a raw weight read in place: its separate passes take the split form
+        layout = "split"
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"layout must be one of {LAYOUTS} (or {CHECKPOINT_LAYOUT!r}, taken as 'split'), got "
+                         f"{layout!r}")
     for name, flag in (("gathered", gathered), ("kv_cache_fp8", kv_cache_fp8), ("capturing", capturing)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+            raise TypeError(f"{name} must be a bool, got {flag!r} ({type(flag).__module__}."
+                            f"{type(flag).__qualname__})")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be an int >= 0 (key rows of the pass), got {rows!r}")
     if mode != "auto":
@@ -184,9 +207,11 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
 def _pass_impl(impl: Optional[str], device: torch.device, dtype: torch.dtype, gathered: bool, kv_cache_fp8: bool,
                rows: int, layout: str) -> str:
     """:func:`pass_impl` of the caller's choice ``impl`` (:func:`kv_impl`'s answer; None: asked here), told whether the
-    current stream is capturing a CUDA graph (asked only when the answer depends on it: "auto", on CUDA)."""
+    current stream is capturing a CUDA graph or :func:`capture_rule` is in force (asked only when the answer depends
+    on it: "auto", on CUDA)."""
     mode = impl or kv_impl(device, None, dtype)
-    capturing = mode == "auto" and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = mode == "auto" and device.type == "cuda" and (_CAPTURE_RULE.get()
+                                                             or torch.cuda.is_current_stream_capturing())
     return pass_impl(mode, gathered, kv_cache_fp8, rows, layout, capturing)
 
 

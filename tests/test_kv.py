@@ -81,8 +81,43 @@ def test_auto_while_capturing_takes_the_gpu_faster_path_of_every_pass():
                 for mode in KV.KV_IMPLS:  # an explicit choice is captured as given
                     assert KV.pass_impl(mode, gathered, fp8, rows, "split", capturing=True) == mode
     assert KV.pass_impl("auto", False, False, 1024, "split") == "fused"  # eager: the same small pass, fused
-    with pytest.raises(TypeError, match="capturing"):
+    with pytest.raises(TypeError, match="capturing must be a bool, got 1"):
         KV.pass_impl("auto", True, False, 0, "split", capturing=1)
+    with pytest.raises(TypeError, match=r"got np.True_ \(numpy.bool"):  # its type is named "bool" too
+        KV.pass_impl("auto", True, False, 0, "split", capturing=__import__("numpy").bool_(True))
+
+
+def test_a_raw_weight_is_chosen_for_as_the_split_layout():
+    """A raw kv_b_proj (weights.CHECKPOINT_LAYOUT, read in place by the fused kernel) takes the split form on the
+    separate path: pass_impl answers for it as for "split" (it was refused by name)."""
+    from mla_bridge.weights import CHECKPOINT_LAYOUT
+
+    for capturing in (False, True):
+        for gathered, fp8 in ((False, False), (True, False), (True, True)):
+            for rows in (0, 1024, KV.SEPARATE_FROM_ROWS, KV.SEPARATE_FROM_ROWS_NEW):
+                assert KV.pass_impl("auto", gathered, fp8, rows, CHECKPOINT_LAYOUT, capturing) == \
+                    KV.pass_impl("auto", gathered, fp8, rows, "split", capturing)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        KV.pass_impl("auto", True, False, 0, "packed")
+
+
+def test_capture_rule_makes_auto_choose_as_under_capture():
+    """graphs.capture runs its warm-up calls under kv.capture_rule(), so that they launch the kernels the capture
+    records: inside it an "auto" pass on CUDA chooses as a captured one; an explicit choice and the CPU do not
+    change, and the rule ends with the context (also on an error)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    small = 1024
+    with KV.capture_rule():
+        assert KV._pass_impl("auto", cuda, torch.bfloat16, True, False, small, "split") == "separate"
+        assert KV._pass_impl("auto", cuda, torch.bfloat16, False, False, small, "split") == "separate"
+        assert KV._pass_impl("auto", cuda, torch.bfloat16, True, False, small, "identity") == "fused"
+        assert KV._pass_impl("fused", cuda, torch.bfloat16, True, False, small, "split") == "fused"
+        assert KV._pass_impl("separate", cpu, torch.float32, True, False, small, "split") == "separate"
+    assert KV._CAPTURE_RULE.get() is False
+    with pytest.raises(RuntimeError, match="inside"):
+        with KV.capture_rule():
+            raise RuntimeError("inside")
+    assert KV._CAPTURE_RULE.get() is False
 
 
 def test_env_and_argument_choose_and_bad_values_are_named(monkeypatch):
@@ -249,7 +284,8 @@ def test_pass_impl_names_a_bad_mode_or_layout():
     bad_mode = r"^mode must be one of \('auto', 'fused', 'separate'\) \(what kv_impl answers\), got 'bogus'"
     with pytest.raises(ValueError, match=bad_mode):
         KV.pass_impl("bogus", True, False)
-    with pytest.raises(ValueError, match=r"^layout must be one of \('identity', 'split'\), got 'splt'"):
+    with pytest.raises(ValueError, match=r"^layout must be one of \('identity', 'split'\) "
+                                         r"\(or 'checkpoint', taken as 'split'\), got 'splt'"):
         KV.pass_impl("auto", True, False, 10, "splt")
     # the layout left out is the default one (split): a large gathered pass goes to cuBLAS
     assert KV.pass_impl("auto", True, False, KV.SEPARATE_FROM_ROWS) == "separate"

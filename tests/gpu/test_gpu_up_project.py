@@ -238,7 +238,8 @@ def test_auto_sends_large_gathered_passes_to_cublas(monkeypatch, fuse):
     """kv_impl="auto" with the default (split) weight: a gathered pass of at least SEPARATE_FROM_ROWS rows takes the
     separate path, a smaller one the fused kernel; mla_prefill's result matches the fused kernel everywhere."""
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
-        16, False, seed=21, q_lens=(200, 57), c_lens=(13000, 300), chunk_tokens=16384 if fuse else 12288)
+        16, False, seed=21, q_lens=(200, 57), c_lens=(KV.SEPARATE_FROM_ROWS + 700, 300),
+        chunk_tokens=2 * KV.SEPARATE_FROM_ROWS if fuse else KV.SEPARATE_FROM_ROWS)
     plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse)
     weight = prepare_kv_b_proj(w, d)
     assert weight.layout == "split"
@@ -307,13 +308,14 @@ def test_raw_weight_is_read_in_place_with_the_prepared_bits(monkeypatch, fp8, fu
 def test_held_raw_weight_view_sees_an_in_place_update_under_auto():
     """A checkpoint-layout PreparedKVBProj (``mla_bridge.weights.as_prepared`` of a raw weight) held across calls,
     the weight updated in place between them: under "auto" the chunked schedule runs fused passes (the new tokens,
-    the last chunk) and a separate one (the 8192-row chunk); every one of them reads the updated weight, so the
+    the last chunk) and a separate one (the chunk of SEPARATE_FROM_ROWS rows); every one of them reads the updated weight, so the
     second call returns the bits of a call with the raw tensor. (Before: the separate pass reused the split copy of
     the first call, the fused ones read the new weight.)"""
     import mla_bridge.weights as W
 
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
-        16, False, seed=43, q_lens=(200, 57, 3), c_lens=(9000, 300, 0), chunk_tokens=8192)
+        16, False, seed=43, q_lens=(200, 57, 3), c_lens=(KV.SEPARATE_FROM_ROWS + 800, 300, 0),
+        chunk_tokens=KV.SEPARATE_FROM_ROWS)
     plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=False)
     rows = [KV.pass_impl("auto", True, False, c.req_ids.shape[0], "split") for c in plan.chunks]
     assert "separate" in rows and "fused" in rows, rows
