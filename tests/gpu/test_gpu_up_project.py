@@ -306,11 +306,11 @@ def test_raw_weight_is_read_in_place_with_the_prepared_bits(monkeypatch, fp8, fu
 
 
 def test_held_raw_weight_view_sees_an_in_place_update_under_auto():
-    """A checkpoint-layout PreparedKVBProj (``mla_bridge.weights.as_prepared`` of a raw weight) held across calls,
-    the weight updated in place between them: under "auto" the chunked schedule runs fused passes (the new tokens,
-    the last chunk) and a separate one (the chunk of SEPARATE_FROM_ROWS rows); every one of them reads the updated weight, so the
-    second call returns the bits of a call with the raw tensor. (Before: the separate pass reused the split copy of
-    the first call, the fused ones read the new weight.)"""
+    """A checkpoint-layout PreparedKVBProj (``mla_bridge.weights.as_prepared`` of a raw weight) held across calls, the
+    weight updated in place between them: under "auto" the chunked schedule runs fused passes (the new tokens, the last
+    chunk) and a separate one (the chunk of SEPARATE_FROM_ROWS rows); every one of them reads the updated weight, so the
+    second call returns the bits of a call with the raw tensor. (Before: the separate pass reused the split copy of the
+    first call, the fused ones read the new weight.)"""
     import mla_bridge.weights as W
 
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
