@@ -90,6 +90,33 @@ def test_graphed_prefill_equals_eager_bitwise(ref, fuse, budget, layout, kv_impl
     assert graph.replays == 2
 
 
+def test_warm_up_launches_the_kernels_the_capture_records(ref, monkeypatch):
+    """capture() warms up under kv.capture_rule(): every pass of the warm-up call takes the implementation its
+    captured twin takes (before, the warm-up ran the eager rule's fused kernel on the small passes, and the gather
+    and cuBLAS GEMM the capture records were launched, and compiled, for the first time inside the capture)."""
+    from mla_bridge import kv as KV
+
+    dims = MLADims.deepseek_v2_lite()
+    layers, table = _layers(ref, dims, "split", seed=5)
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=256),
+                             block_size=BLOCK, dtype=BF16)
+    assert not plan.fused and KV.pass_impl("auto", True, False, 256, "split") == "fused"  # eager: the small passes
+    seen = []
+    real = KV.pass_impl
+
+    def spy(*args, **kwargs):
+        choice = real(*args, **kwargs)
+        seen.append((torch.cuda.is_current_stream_capturing(), choice))
+        return choice
+
+    monkeypatch.setattr(KV, "pass_impl", spy)
+    graph = capture_prefill(plan, layers[:1], table, warmup=1)
+    warm = [choice for capturing, choice in seen if not capturing]
+    captured = [choice for capturing, choice in seen if capturing]
+    assert graph.graphed and len(warm) == len(captured) == 1 + sum(c.plan is not None for c in plan.chunks)
+    assert warm == captured == ["separate"] * len(captured)
+
+
 def test_graphed_ragged_plan_run_equals_eager_bitwise():
     g = torch.Generator(device=dev()).manual_seed(3)
     q_lens, kv_lens = [100, 7, 300], [400, 7, 1000]
