@@ -27,12 +27,14 @@ Rules, checked or documented:
     :meth:`PrefillGraph.release` ends the graph's life explicitly; dropping the object does the same.
     Replays run on the current stream, in stream order with the caller's writes of the inputs.
   * Capture follows torch's documented recipe: warm-up calls on a side stream (FlashInfer's and Triton's JIT, first
-    allocations; run under :func:`mla_bridge.kv.capture_rule`, so they launch the kernels the capture records), then
-    ``torch.cuda.graph`` capture; allocations inside the capture come from the graph's private memory pool,
-    whose size is reported (:attr:`PrefillGraph.memory_bytes`) with the capture time (:attr:`PrefillGraph.capture_ms`).
+    allocations; run under :func:`mla_bridge.kv.capture_rule`, as the capture is, so they launch the kernels the capture
+    records), then ``torch.cuda.graph`` capture; allocations inside the capture come from the graph's private memory
+    pool, whose size is reported (:attr:`PrefillGraph.memory_bytes`) with the capture time
+    (:attr:`PrefillGraph.capture_ms`).
   * Exactly equal to eager on the same kernels: a replay launches the captured kernels on the same data, so it is
-    bitwise equal to eager calls that launch those kernels. A call captured with the default ``kv_impl`` ("auto")
-    builds each pass's k / v the way that is faster on the GPU, since a replay pays no host time per launch
+    bitwise equal to eager calls that launch those kernels. :func:`capture` runs its warm-up calls and the capture
+    under :func:`mla_bridge.kv.capture_rule`: there a call with the default ``kv_impl`` ("auto") builds each pass's
+    k / v the way that is faster on the GPU, since a replay pays no host time per launch
     (:func:`mla_bridge.kv.pass_impl`): gather + cuBLAS, or the fused kernel for an identity-layout weight on a
     bf16/fp16 cache. Such a graph is bitwise eager ``mla_prefill(..., kv_impl="separate")`` (``"fused"`` for that
     identity case) and within one rounding of k_nope / v of the default eager call, whose small passes take the
@@ -228,7 +230,7 @@ def capture(fn: Callable[[], Any], *, plans: Sequence[Any], warmup: int = 2, poo
     reserved = torch.cuda.memory_reserved(device)
     cuda_graph = torch.cuda.CUDAGraph()
     t0 = time.perf_counter()
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), capture_rule():  # the rule the warm-up ran under
         with torch.cuda.graph(cuda_graph, pool=pool, stream=side):
             outputs = fn()
     torch.cuda.synchronize(device)

@@ -14,9 +14,10 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
 * ``"fused"`` (CUDA): one Triton launch per pass (:mod:`mla_bridge.kernels.up_project`): a GEMM whose A rows are
   gathered (and dequantized) as they are loaded and whose epilogue writes k (with the k_pe broadcast) and v in
   place; no latent rows staged in memory and no GEMM FLOPs on the identity layout's padding. On CUDA the default
-  for the smaller passes of an eager call (one launch where the host is the bound); in a call captured into a CUDA
-  graph, whose replays pay no host time per launch, the default takes the GPU-faster implementation of each pass
-  (the separate path, except for an identity-layout weight); why: :func:`pass_impl`.
+  for the smaller passes of an eager call (one launch where the host is the bound); in a CUDA graph of
+  :mod:`mla_bridge.graphs` (:func:`capture_rule`), whose replays pay no host time per launch, the default takes the
+  GPU-faster implementation of each pass (the separate path, except for an identity-layout weight); why:
+  :func:`pass_impl`.
 
 A raw weight (:data:`mla_bridge.weights.CHECKPOINT_LAYOUT`) is read in place by the fused kernel; a separate pass
 takes its split form (:meth:`mla_bridge.PreparedKVBProj._gemm_form`, made once per call) and "auto" chooses for it as
@@ -64,15 +65,20 @@ KV_MODES = ("auto",) + KV_IMPLS
 
 Hook = Callable[[str], None]
 
-#: True inside :func:`capture_rule`: "auto" chooses as for a pass being captured into a CUDA graph.
+#: True inside :func:`capture_rule`: "auto" chooses as for a pass that a CUDA graph will replay.
 _CAPTURE_RULE: contextvars.ContextVar = contextvars.ContextVar("mla_bridge_kv_capture_rule", default=False)
 
 
 @contextlib.contextmanager
 def capture_rule() -> Iterator[None]:
-    """Within this context "auto" builds each pass as while a CUDA graph is being captured (:func:`pass_impl` with
-    ``capturing=True``). :func:`mla_bridge.graphs.capture` runs its warm-up calls in it, so that they launch (and
-    compile, and allocate for) the kernels the capture then records, not those of the eager rule."""
+    """Within this context "auto" builds each pass as for a CUDA graph (:func:`pass_impl` with ``capturing=True``).
+
+    :func:`mla_bridge.graphs.capture` runs both its warm-up calls and the capture in it, so that the warm-up launches
+    (and compiles, and allocates for) the kernels the capture records. A capture of one's own (``torch.cuda.graph``,
+    ``torch.compile``'s CUDA graphs) keeps the eager rule unless its warm-up and capture both run in this context:
+    choosing by ``torch.cuda.is_current_stream_capturing()`` alone would launch kernels inside the capture that its
+    warm-up never ran (on the H200 a capture in a fresh process then failed: cuBLAS's first handle was created inside
+    the capture, ``CUBLAS_STATUS_NOT_INITIALIZED``)."""
     token = _CAPTURE_RULE.set(True)
     try:
         yield
@@ -129,8 +135,8 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
 def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT,
               capturing: bool = False) -> str:
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
-    weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto" while a CUDA graph is being captured
-    (``capturing``: the pass will be replayed, and a replay pays no host time per launch), the implementation that is
+    weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto" for a pass a CUDA graph will replay
+    (``capturing``, inside :func:`capture_rule`: a replay pays no host time per launch), the implementation that is
     faster on the GPU: "fused" for an identity-layout weight and a bf16/fp16 cache (the identity GEMM's padding costs
     more than the fused kernel's slower GEMM), "separate" for every other pass (gather + cuBLAS: faster on the GPU from
     4096 rows on and within 0.002 ms below in the figures below, FP8 included; the identity layout's FP8 and new-token
@@ -207,11 +213,9 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
 def _pass_impl(impl: Optional[str], device: torch.device, dtype: torch.dtype, gathered: bool, kv_cache_fp8: bool,
                rows: int, layout: str) -> str:
     """:func:`pass_impl` of the caller's choice ``impl`` (:func:`kv_impl`'s answer; None: asked here), told whether the
-    current stream is capturing a CUDA graph or :func:`capture_rule` is in force (asked only when the answer depends
-    on it: "auto", on CUDA)."""
+    call runs inside :func:`capture_rule` (read only when the answer depends on it: "auto", on CUDA)."""
     mode = impl or kv_impl(device, None, dtype)
-    capturing = mode == "auto" and device.type == "cuda" and (_CAPTURE_RULE.get()
-                                                             or torch.cuda.is_current_stream_capturing())
+    capturing = mode == "auto" and device.type == "cuda" and _CAPTURE_RULE.get()
     return pass_impl(mode, gathered, kv_cache_fp8, rows, layout, capturing)
 
 

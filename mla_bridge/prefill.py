@@ -223,9 +223,10 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             :mod:`mla_bridge.cache`, or the fused kernel's A tiles).
         kv_impl: how each pass's k and v are built: ``"separate"`` (gather, then the cuBLAS GEMM), ``"fused"`` (one
             Triton launch per pass, CUDA only) or ``"auto"`` (per pass, :func:`mla_bridge.kv.pass_impl`: the fused
-            kernel for the smaller passes, the separate path for the others; while a CUDA graph is being captured, the
-            GPU-faster path of each pass; the default on CUDA with Triton, "separate" elsewhere); ``None`` =
-            :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment variable, else the default).
+            kernel for the smaller passes, the separate path for the others; inside :func:`mla_bridge.kv.capture_rule`,
+            as in the captures of :mod:`mla_bridge.graphs`, the GPU-faster path of each pass; the default on CUDA with
+            Triton, "separate" elsewhere); ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment
+            variable, else the default).
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.

@@ -102,9 +102,9 @@ def test_a_raw_weight_is_chosen_for_as_the_split_layout():
 
 
 def test_capture_rule_makes_auto_choose_as_under_capture():
-    """graphs.capture runs its warm-up calls under kv.capture_rule(), so that they launch the kernels the capture
-    records: inside it an "auto" pass on CUDA chooses as a captured one; an explicit choice and the CPU do not
-    change, and the rule ends with the context (also on an error)."""
+    """graphs.capture runs its warm-up calls and the capture under kv.capture_rule(), so that the warm-up launches the
+    kernels the capture records: inside it an "auto" pass on CUDA chooses as for a graph; an explicit choice and the
+    CPU do not change, and the rule ends with the context (also on an error)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     small = 1024
     with KV.capture_rule():
@@ -114,6 +114,10 @@ def test_capture_rule_makes_auto_choose_as_under_capture():
         assert KV._pass_impl("fused", cuda, torch.bfloat16, True, False, small, "split") == "fused"
         assert KV._pass_impl("separate", cpu, torch.float32, True, False, small, "split") == "separate"
     assert KV._CAPTURE_RULE.get() is False
+    # outside it the eager rule, whatever a stream captures: nothing of torch.cuda is asked (on this CPU-only torch
+    # torch.cuda.is_current_stream_capturing() raises), so a capture of one's own launches what its warm-up ran
+    assert KV._pass_impl("auto", cuda, torch.bfloat16, True, False, small, "split") == "fused"
+    assert KV._pass_impl("auto", cuda, torch.bfloat16, False, False, small, "split") == "fused"
     with pytest.raises(RuntimeError, match="inside"):
         with KV.capture_rule():
             raise RuntimeError("inside")
