@@ -35,12 +35,13 @@ Rules, checked or documented:
     bitwise equal to eager calls that launch those kernels. :func:`capture` runs its warm-up calls and the capture
     under :func:`mla_bridge.kv.capture_rule`: there a call with the default ``kv_impl`` ("auto") builds each pass's
     k / v the way that is faster on the GPU, since a replay pays no host time per launch
-    (:func:`mla_bridge.kv.pass_impl`): gather + cuBLAS, or the fused kernel for an identity-layout weight on a
-    bf16/fp16 cache. Such a graph is bitwise eager ``mla_prefill(..., kv_impl="separate")`` (``"fused"`` for that
-    identity case) and within one rounding of k_nope / v of the default eager call, whose small passes take the
+    (:func:`mla_bridge.kv.pass_impl`): gather + cuBLAS on every pass, or the fused kernel on every pass for an
+    identity-layout weight. Such a graph is bitwise eager ``mla_prefill(..., kv_impl="separate")`` (``"fused"`` for
+    the identity layout) and within one rounding of k_nope / v of the default eager call, whose small passes take the
     one-launch fused kernel. An explicit ``kv_impl`` is captured as given.
-  * On the CPU the same API runs eagerly: :meth:`PrefillGraph.replay` calls the captured callable; ``graphed`` is
-    False and the capture figures are 0. (On CUDA the torch backend is captured like FlashInfer's: it plans on host
+  * On the CPU the same API runs eagerly: :meth:`PrefillGraph.replay` calls the captured callable (not under the
+    rule, which changes nothing there: the CPU's passes are "separate"); ``graphed`` is False and the capture figures
+    are 0. (On CUDA the torch backend is captured like FlashInfer's: it plans on host
     lengths and never syncs.)
 """
 

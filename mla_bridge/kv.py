@@ -78,7 +78,9 @@ def capture_rule() -> Iterator[None]:
     ``torch.compile``'s CUDA graphs) keeps the eager rule unless its warm-up and capture both run in this context:
     choosing by ``torch.cuda.is_current_stream_capturing()`` alone would launch kernels inside the capture that its
     warm-up never ran (on the H200 a capture in a fresh process then failed: cuBLAS's first handle was created inside
-    the capture, ``CUBLAS_STATUS_NOT_INITIALIZED``)."""
+    the capture, ``CUBLAS_STATUS_NOT_INITIALIZED``). A context variable: it covers the calls of this thread (and of
+    asyncio tasks started inside it), not work handed to other threads. On the CPU it changes nothing ("auto" is
+    "separate" there)."""
     token = _CAPTURE_RULE.set(True)
     try:
         yield
@@ -93,7 +95,8 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     ``requested`` (``mla_prefill(kv_impl=)``), else ``MLA_BRIDGE_KV``, else the default (read case-insensitively).
     The default ("auto", or unset) is ``"auto"`` on CUDA where Triton imports and ``dtype`` is bf16/fp16 (or not
     given), else ``"separate"``: there :func:`pass_impl` picks per pass, the fused kernel for the smaller passes
-    that gather from the cache and the separate path for the others (the measurements are :func:`pass_impl`'s).
+    that gather from the cache and the separate path for the others, and inside :func:`capture_rule` (the graphs of
+    :mod:`mla_bridge.graphs`) the GPU-faster one (the measurements are :func:`pass_impl`'s).
     ``"fused"`` off CUDA runs only under ``TRITON_INTERPRET=1``, for development, and not in bfloat16 (``dtype``):
     the interpreter's bfloat16 ``tl.dot`` is wrong (Triton 3.9), so it is refused there. It computes bf16, fp16 and
     float32 (:data:`FUSED_DTYPES`); float64 is refused (the kernel's float32 accumulation is no float64 result).
@@ -137,10 +140,10 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
     weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto" for a pass a CUDA graph will replay
     (``capturing``, inside :func:`capture_rule`: a replay pays no host time per launch), the implementation that is
-    faster on the GPU: "fused" for an identity-layout weight and a bf16/fp16 cache (the identity GEMM's padding costs
-    more than the fused kernel's slower GEMM), "separate" for every other pass (gather + cuBLAS: faster on the GPU from
-    4096 rows on and within 0.002 ms below in the figures below, FP8 included; the identity layout's FP8 and new-token
-    passes were not measured); "auto" for an eager call:
+    faster on the GPU, one for every pass of the graph: "fused" for an identity-layout weight (the identity GEMM's
+    padding costs more than the fused kernel's slower GEMM), "separate" for the split layout and a raw weight
+    (gather + cuBLAS: faster on the GPU from 4096 rows on and within 0.002 ms below in the figures below, FP8
+    included; the identity layout's FP8 and new-token passes were not measured); "auto" for an eager call:
 
     * a pass that gathers nothing (new tokens alone): "separate" from :data:`SEPARATE_FROM_ROWS_NEW` rows on,
       "fused" below;
@@ -174,11 +177,11 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     path runs a pipeline of at most 2 stages: with 3 it gave wrong results, :mod:`mla_bridge.kernels.up_project`.)
 
     Captured, the default graph of the bench's 4 x (8000 + 2000) in 4 chunks took 1.084x attention + GEMM alone with the
-    eager rule (two fused passes of 8000 and 7424 rows, about 0.01 ms slower each than cuBLAS); with this rule 1.041x,
-    and 0.750 against 0.786 ms (the fused kernel on every pass) on 16 x (2048 + 512) in 8 chunks, 0.117 against 0.128 on
-    64 x 128 new tokens (H200, 2026-12-01, one bench run). So a graph of the default call is bitwise the eager call with
-    ``kv_impl="separate"`` (``"fused"`` for an identity-layout weight on a bf16/fp16 cache), and the default eager call
-    within one rounding of k_nope / v (the module docstring).
+    eager rule (two fused passes of 8000 and 7424 rows, about 0.01 ms slower each than cuBLAS); with this rule 1.041x
+    in each of three bench runs, and 0.746-0.750 against 0.781-0.786 ms (the fused kernel on every pass) on 16 x (2048
+    + 512) in 8 chunks, 0.117 against 0.128 on 64 x 128 new tokens (H200, 2026-12-01). So a graph of the default call
+    is bitwise the eager call with ``kv_impl="separate"`` (``"fused"`` for an identity-layout weight), and the default
+    eager call within one rounding of k_nope / v (the module docstring).
 
     Raises:
         ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` neither in :data:`mla_bridge.weights.LAYOUTS` nor
@@ -201,8 +204,8 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
         raise ValueError(f"rows must be an int >= 0 (key rows of the pass), got {rows!r}")
     if mode != "auto":
         return mode
-    if capturing:
-        return "fused" if layout == "identity" and not kv_cache_fp8 else "separate"
+    if capturing:  # one implementation for every pass of the graph (a new-token pass is never told of FP8)
+        return "fused" if layout == "identity" else "separate"
     if not gathered:
         return "separate" if rows >= SEPARATE_FROM_ROWS_NEW else "fused"
     if kv_cache_fp8:

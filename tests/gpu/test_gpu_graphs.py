@@ -117,6 +117,34 @@ def test_warm_up_launches_the_kernels_the_capture_records(ref, monkeypatch):
     assert warm == captured == ["separate"] * len(captured)
 
 
+@pytest.mark.parametrize("layout", ["identity", "split"])
+def test_graphed_fp8_cache_takes_one_implementation_for_every_pass(ref, layout):
+    """An FP8 cache through capture() (capture_prefill has no scale): the default graph is bitwise eager "fused" for
+    the identity layout and "separate" for the split one on every pass, the new tokens' pass included (it was fused
+    while the FP8 chunks were separate, found by a fresh-user trial)."""
+    from mla_bridge.cache import quantize_latent_cache
+
+    dims = MLADims.deepseek_v2_lite()
+    layers, table = _layers(ref, dims, layout, seed=7)
+    x = layers[0]
+    cache8, scale = quantize_latent_cache(x.kv_cache.float())
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=256),
+                             block_size=BLOCK, dtype=BF16, kv_cache_dtype="fp8")
+    assert not plan.fused and len(plan.chunks) >= 3
+
+    def call(kv_impl=None):
+        return mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, cache8, table, plan, return_lse=True,
+                           kv_cache_scale=scale, kv_impl=kv_impl)
+
+    graph = capture(call, plans=[plan])
+    _new_inputs([x], seed=21)
+    want = tuple(t.clone() for t in call("fused" if layout == "identity" else "separate"))
+    torch.cuda._sleep(SLEEP)
+    got = graph.replay()
+    torch.cuda.synchronize()
+    _assert_bitwise([got], [want])
+
+
 def test_graphed_ragged_plan_run_equals_eager_bitwise():
     g = torch.Generator(device=dev()).manual_seed(3)
     q_lens, kv_lens = [100, 7, 300], [400, 7, 1000]
