@@ -32,6 +32,7 @@ boolean mask of another structure (right or inner padding, packed sequences, cus
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -39,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 import mla_bridge
+from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import forward_ad_active
 
 __all__ = ["ATTN_IMPLEMENTATION", "mla_bridge_attention", "ragged_from_mask", "fallback_reason"]
@@ -162,14 +164,19 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
 
 
 def _plan(q_lens: tuple, kv_lens: tuple, heads: int, d_qk: int, d_vo: int, sm_scale: float, dtype, device):
-    key = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device)
+    """The batch's plan, kept while everything it depends on is equal: the lengths, sizes, scale, dtype, device, the
+    backend asked for (``MLA_BRIDGE_BACKEND``, read now) and the workspace (by identity), as the core's
+    :class:`mla_bridge.PlanCache` keys a plan."""
+    workspace = mla_bridge.workspace.default_workspace(device)
+    key = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, os.environ.get(ENV_VAR) or None,
+           id(workspace))
     plan = _plan_cache.get(key)
     if plan is None:
         _plan_cache.clear()  # one live plan: the layers of one forward share it
         qo, kv = mla_bridge.ragged.indptr_from_lens(q_lens), mla_bridge.ragged.indptr_from_lens(kv_lens)
         plan = _plan_cache[key] = mla_bridge.plan_ragged(
             qo, kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=True, sm_scale=sm_scale, dtype=dtype,
-            workspace=mla_bridge.workspace.default_workspace(device))
+            workspace=workspace)
     return plan
 
 

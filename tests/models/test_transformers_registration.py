@@ -313,6 +313,23 @@ def test_served_call_equals_eager_on_a_continuation(two_torch_threads):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
 
 
+def test_a_forced_backend_is_obeyed_on_the_same_lengths(monkeypatch, two_torch_threads):
+    """The adapter's plan is kept across calls of equal lengths; its key now holds the backend asked for
+    (``MLA_BRIDGE_BACKEND``) and the workspace, as the core's PlanCache key does. Before, a backend forced between two
+    calls of equal lengths was ignored (the old plan ran), and obeyed only once the lengths changed (found by a
+    fresh-user trial)."""
+    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1,
+                                   training=False)
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND", raising=False)
+    (out, _), _ = _call(module)
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "flashinfer-fa2")  # cannot serve on the CPU: refused by name
+    with pytest.raises(ValueError, match="MLA_BRIDGE_BACKEND"):
+        _call(module)
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")
+    (again, _), _ = _call(module)
+    assert torch.equal(out, again)
+
+
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
