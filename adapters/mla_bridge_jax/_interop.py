@@ -15,6 +15,7 @@ Every conversion here is zero-copy except the ones documented otherwise:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -29,6 +30,28 @@ __all__ = ["to_torch", "to_jax", "from_torch", "torch_dtype", "jax_dtype", "torc
            "is_tracer", "check_array", "host_values", "buffer_device", "xla_stream"]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
+
+
+#: Plans the adapter holds at once (traced plans; registered tvm-ffi plans), each a pooled FlashInfer wrapper.
+ENV_MAX_PLANS = "MLA_BRIDGE_JAX_MAX_PLANS"
+
+
+def max_plans_from_env(default: int = 16) -> int:
+    """``$MLA_BRIDGE_JAX_MAX_PLANS`` as a positive int (``default`` when unset or empty), read at import.
+
+    Raises:
+        ValueError: any other value (not an integer, or below 1), naming the variable.
+    """
+    raw = os.environ.get(ENV_MAX_PLANS, "")
+    if not raw.strip():
+        return default
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ENV_MAX_PLANS}={raw!r}: expected a positive int (plans held at once; unset: {default})")
+    return n
 
 
 def is_tracer(x: Any) -> bool:

@@ -40,8 +40,8 @@ from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
 from mla_bridge.workspace import default_workspace
 
-from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype, to_jax,
-                       to_torch, torch_device_of, torch_dtype, xla_stream)
+from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype,
+                       max_plans_from_env, to_jax, to_torch, torch_device_of, torch_dtype, xla_stream)
 
 __all__ = ["ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill",
            "JIT_ROUTES", "ENV_JIT_ROUTE", "InferenceOnlyError"]
@@ -82,7 +82,7 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
 
 #: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) held at once, process-wide, most recently used
 #: last; each holds a pooled FlashInfer wrapper (8 MiB device + 8 MiB page-locked host). ``$MLA_BRIDGE_JAX_MAX_PLANS``.
-MAX_TRACED_PLANS = int(os.environ.get("MLA_BRIDGE_JAX_MAX_PLANS") or 16)
+MAX_TRACED_PLANS = max_plans_from_env()
 _traced_plans: "OrderedDict[tuple[int, torch.device], Any]" = OrderedDict()
 _traced_lock = threading.Lock()
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import math
-import os
 import threading
 import types
 from collections import OrderedDict
@@ -48,12 +47,13 @@ import numpy as np
 import jax
 import torch
 
+from ._interop import ENV_MAX_PLANS, max_plans_from_env
+
 __all__ = ["why_not", "ragged_call", "register", "release", "registered_plans", "TARGET", "MAX_PLANS", "ENV_MAX_PLANS"]
 
 TARGET = "mla_bridge_jax_ragged_run"
-ENV_MAX_PLANS = "MLA_BRIDGE_JAX_MAX_PLANS"
 #: Registered plans held at once (each holds a pooled FlashInfer wrapper); more are evicted, oldest first.
-MAX_PLANS = int(os.environ.get(ENV_MAX_PLANS) or 16)
+MAX_PLANS = max_plans_from_env()
 _LN2 = np.float32(math.log(2.0))
 
 _SHIM_SOURCE = r"""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -374,3 +376,34 @@ def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
     gone.delete()
     with pytest.raises(ValueError, match="q has been deleted"):
         mj.ragged_prefill(gone, k, v, QO, KV, causal=True, sm_scale=SM)
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "2.5"])
+def test_a_bad_max_plans_variable_is_refused_by_name(raw, monkeypatch):
+    """``$MLA_BRIDGE_JAX_MAX_PLANS`` (read at import): anything but a positive int is refused with the variable
+    named. Before, "abc" broke ``import mla_bridge_jax`` with int()'s bare message and 0 / -5 were taken as 1 (found
+    by a fresh-user trial)."""
+    import subprocess
+    import sys
+
+    from mla_bridge_jax._interop import max_plans_from_env
+
+    monkeypatch.setenv("MLA_BRIDGE_JAX_MAX_PLANS", raw)
+    with pytest.raises(ValueError, match=r"MLA_BRIDGE_JAX_MAX_PLANS=.*expected a positive int"):
+        max_plans_from_env()
+    if raw == "abc":  # what a user sees: the import fails naming the variable
+        env = dict(os.environ, MLA_BRIDGE_JAX_MAX_PLANS=raw, JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, "-c", "import mla_bridge_jax"], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode != 0 and "MLA_BRIDGE_JAX_MAX_PLANS='abc': expected a positive int" in done.stderr
+
+
+def test_max_plans_variable_takes_positive_ints_and_defaults(monkeypatch):
+    from mla_bridge_jax._interop import max_plans_from_env
+
+    monkeypatch.delenv("MLA_BRIDGE_JAX_MAX_PLANS", raising=False)
+    assert max_plans_from_env() == 16 and max_plans_from_env(default=3) == 3
+    monkeypatch.setenv("MLA_BRIDGE_JAX_MAX_PLANS", " 4 ")
+    assert max_plans_from_env() == 4
+    monkeypatch.setenv("MLA_BRIDGE_JAX_MAX_PLANS", "")
+    assert max_plans_from_env() == 16
