@@ -488,6 +488,25 @@ def test_output_flags_are_checked_before_any_work_the_same_way(argv, where, tmp_
     assert not os.path.exists(path)
 
 
+@pytest.mark.parametrize("name", ["p.txt", "p.json"])
+def test_bench_plot_format_is_checked_before_any_work(name, tmp_path, capsys):
+    """A --plot suffix matplotlib cannot write is refused when the flags are parsed (exit 2, nothing run, nothing
+    written). Before, it was accepted and the plot failed after the whole benchmark, exit 1 (found by a fresh-user
+    trial)."""
+    path = tmp_path / name
+    assert main(["bench", "--sections", "merge", "--plot", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and f"cannot write '{path.suffix}' images" in captured.err and ".svg" in captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_bench_plot_takes_the_formats_matplotlib_writes():
+    from mla_bridge.bench import plot_file
+
+    for name in ("out.png", "out.SVG", "out.pdf", "out"):
+        assert str(plot_file(name)) == name
+
+
 def test_output_file_leaves_nothing_behind(tmp_path):
     """The check writes and removes a sibling temporary file; an existing file is opened for append, unchanged."""
     from mla_bridge.cli.args import output_file, write_output

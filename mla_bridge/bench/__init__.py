@@ -68,6 +68,27 @@ def _skip(text: str) -> set:
     return names
 
 
+def plot_file(text: str):
+    """``--plot``: a file path :func:`mla_bridge.cli.args.output_file` accepts, whose suffix (if any) names an image
+    format matplotlib writes (none: PNG, matplotlib's default), checked when the flags are parsed, before any work.
+
+    Raises:
+        argparse.ArgumentTypeError: what ``output_file`` refuses; a suffix matplotlib cannot write (the message lists
+            those it can).
+    """
+    path = output_file(text)
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in formats:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: matplotlib cannot write '.{suffix}' images; use one of "
+                f"{', '.join('.' + f for f in sorted(formats))} (no suffix: PNG)")
+    return path
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench's options to ``parser`` (the ``mla-bridge bench`` subcommand)."""
     parser.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="LIST",
@@ -82,7 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="untimed calls before timing (default 3 on a GPU, 1 in quick mode; on CUDA at least 1, "
                              "which absorbs FlashInfer's JIT compile)")
     parser.add_argument("--json", type=output_file, metavar="PATH", default=None, help="write every figure and the environment here")
-    parser.add_argument("--plot", type=output_file, metavar="PATH", default=None, help="write a PNG: TFLOP/s vs sequence length per path")
+    parser.add_argument("--plot", type=plot_file, metavar="PATH", default=None,
+                        help="write an image (PNG; another format by the suffix, e.g. .svg or .pdf): TFLOP/s vs "
+                             "sequence length per path")
     from ..dispatch import BACKEND_NAMES
 
     parser.add_argument("--backend", default=None, choices=BACKEND_NAMES + ("auto",), metavar="NAME",
