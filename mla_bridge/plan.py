@@ -13,6 +13,10 @@ Two schedules, picked here from host lengths alone:
   * **chunked** (context larger than one chunk): a causal main pass over the new tokens, then the context cut into
     chunks of at most ``chunk_tokens`` tokens, packed request by request in order and split at any token, each run
     non-causally over the queries of the requests it holds and merged by LSE (vLLM's context-chunk scheme).
+
+A request without new tokens attends nothing, so no pass reads its context: the fused schedule gathers only the
+context of requests with new tokens (only that counts toward its one chunk), and the chunked schedule skips every
+chunk that holds no request's new tokens (:attr:`PrefillPlan.num_gathered_context_tokens`).
 """
 
 from __future__ import annotations
@@ -246,22 +250,26 @@ class PrefillPlan:
         self._requested = _requested_backend(backend)
         self._key = None
         self._num_tokens, self._num_context_tokens = num_new, total_context
+        # Context that no new token attends (a request with cached context and no new tokens) is never read: the
+        # fused schedule does not gather it, nor count it toward its one chunk (the chunked one skips such chunks).
+        gathered_lens = [c if q else 0 for q, c in zip(q_lens, c_lens)] if total_context and 0 in q_lens else c_lens
+        self._num_gathered = total_context if gathered_lens is c_lens else sum(gathered_lens)
         qo = list(itertools.accumulate(q_lens, initial=0))  # exact Python ints, each <= the checked sum
         qo_host = np.array(qo, dtype=np.int32)
         self.qo_indptr = torch.from_numpy(qo_host)
         # One dispatch-table read of the device for every pass (they run on it together), remembered per device.
         self._capability = device_capability(dev) if dev.type == "cuda" else None
-        fused_keys = total_context + num_new
+        fused_keys = self._num_gathered + num_new
         # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
         # which backend serves the main pass.
-        self.fused = (fuse_context and 0 < total_context <= workspace.chunk_tokens
+        self.fused = (fuse_context and 0 < self._num_gathered <= workspace.chunk_tokens
                       and fused_keys * dims.num_heads * max(dims.head_dim_qk, dims.head_dim_vo) < 2 ** 31)
         self.chunks = []
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         self._device_indices = []
         if self.fused:
             q = np.asarray(q_lens, dtype=np.int64)
-            c = np.asarray(c_lens, dtype=np.int64)
+            c = np.asarray(gathered_lens, dtype=np.int64)
             kv_host = _indptr(c + q)
             self.main_kv_indptr = torch.from_numpy(kv_host)
             self._plan_fused_indices(q, c)
@@ -345,7 +353,7 @@ class PrefillPlan:
         counts = np.concatenate([c, c, q, c])
         firsts = np.concatenate([np.zeros(b, dtype=np.int64), seq_start, seq_start + c, np.arange(b)])
         flat = self._expand(counts, firsts, counting_runs=3 * b)
-        n_ctx, n_new = self._num_context_tokens, self._num_tokens
+        n_ctx, n_new = self._num_gathered, self._num_tokens
         self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.split_with_sizes(
             [n_ctx, n_ctx, n_new, n_ctx])
 
@@ -427,6 +435,16 @@ class PrefillPlan:
     def num_context_tokens(self) -> int:
         """Cached context tokens in the batch: ``sum(context_lens)``."""
         return self._num_context_tokens
+
+    @property
+    def num_gathered_context_tokens(self) -> int:
+        """Cached context tokens one :func:`mla_bridge.mla_prefill` call gathers (and up-projects): in the fused
+        schedule those of the requests with new tokens, in the chunked one those of the chunks holding some request's
+        new tokens (no pass reads the context of a request without any, unless it shares a chunk with one). At most
+        :attr:`num_context_tokens`."""
+        if self.fused:
+            return self._num_gathered
+        return sum(c.num_tokens for c in self.chunks if c.plan is not None)
 
     @property
     def backend(self):

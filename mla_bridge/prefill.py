@@ -329,7 +329,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
         return keys * lat * e + gathered * row + keys * h * p * e
 
     if plan.fused:
-        return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_context_tokens)
+        return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_gathered_context_tokens)
     peak = one_pass(t, 0)
     partials = plan.partial_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
     for c in plan.chunks:

@@ -32,6 +32,21 @@ def run_json(tmp_path, *argv):
 
 # ----------------------------------------------------------------------------------------------------- prefill
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_prefill_counts_only_the_context_its_passes_read(tmp_path, capsys, fuse):
+    """A request without new tokens beside one of 1 new token: its 6000 cached tokens are not read (fused) or sit in
+    chunks that are skipped (chunked), so they are no up-projection FLOPs. Before, they were counted (251 GFLOP for
+    60000 such tokens, an impossible TFLOP/s, and the count skipped the warm-up layer), and the fused schedule
+    gathered them (found by a fresh-user trial)."""
+    rc, res = run_json(tmp_path, "--prompt-lens", "1,0", "--context-lens", "0,6000", "--chunk-tokens", "4096",
+                       "--layers", "1", *([] if fuse else ["--no-fuse"]))
+    assert rc == 0 and res["check"]["passed"] is True
+    assert res["flops"]["up_projection"] == 2 * 1 * 512 * 16 * 256  # the new token alone
+    assert res["schedule"] != "fused"  # nothing to fuse: the only context is unattended
+    text = " ".join(capsys.readouterr().out.split())
+    assert "main pass only (no request with cached context has new tokens" in text
+
+
 def test_prefill_json_fields_and_error(tmp_path, capsys):
     rc, res = run_json(tmp_path, "--prompt-lens", "5,9,1", "--context-lens", "0,70,3", "--block-size", "16",
                        "--layers", "2", "--check-requests", "3")

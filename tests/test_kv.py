@@ -238,7 +238,7 @@ def interpreted_cases() -> str:
                 k_pe = torch.randn(t, d.qk_rope_head_dim, generator=g).to(dtype)
                 q = torch.randn(t, d.num_heads, d.head_dim_qk, generator=g).to(dtype)
                 for fuse in (True, False):
-                    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=40 if fuse else 16),
+                    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=40 if fuse else 5),
                                              block_size=bs, dtype=dtype, fuse_context=fuse,
                                              kv_cache_dtype="fp8" if fp8 else None)
                     assert plan.fused == fuse

@@ -392,10 +392,12 @@ def test_build_host_values_equal_the_public_helpers(fake_cuda, tiny_dims, seed, 
                              block_size=4, dtype=BF16 if device != "cpu" else torch.float32)
     assert plan.qo_indptr.dtype == plan.main_kv_indptr.dtype == torch.int32
     assert torch.equal(plan.qo_indptr, indptr_from_lens(q_lens))
-    keys = [q + c for q, c in zip(q_lens, c_lens)] if plan.fused else q_lens
+    keys = [q + (c if q else 0) for q, c in zip(q_lens, c_lens)] if plan.fused else q_lens  # unattended: not read
     assert torch.equal(plan.main_kv_indptr, indptr_from_lens(keys))
     assert plan.num_tokens == sum(q_lens) == int(plan.qo_indptr[-1])
     assert plan.num_context_tokens == sum(c_lens)
+    assert plan.num_gathered_context_tokens == (sum(c for q, c in zip(q_lens, c_lens) if q) if plan.fused else
+                                                sum(c.num_tokens for c in plan.chunks if c.plan is not None))
     passes = [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]
     for p in passes:  # counts given at build = what the spec's properties read from the tensors
         assert p.spec.num_qo_tokens == int(p.spec.qo_indptr[-1])

@@ -110,16 +110,18 @@ def _make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed:
     return q, kv_c, k_pe, weight, cache.to(device=device, dtype=dtype), block_table.to(device)
 
 
-def _flops(dims, workload: Workload) -> tuple[int, int]:
+def _flops(dims, workload: Workload, gathered_context: int) -> tuple[int, int]:
     """(attention FLOPs, up-projection FLOPs) of one layer.
 
     Attention: 2 x (q.k pairs) x heads x (head_dim_qk + head_dim_vo), pairs counted exactly per request:
     ``q_len * context_len + q_len * (q_len + 1) / 2``. Up-projection: ``2 * N * kv_lora_rank * H * (nope + v)``
-    for the N = context + new tokens that are up-projected.
+    for the N tokens that are up-projected: the new ones and ``gathered_context``, the context tokens the plan's passes
+    gather (:attr:`mla_bridge.PrefillPlan.num_gathered_context_tokens`: no pass reads the context of a request without
+    new tokens, unless it shares a chunk with one).
     """
     pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(workload.query_lens, workload.context_lens))
     attn = 2 * pairs * dims.num_heads * (dims.head_dim_qk + dims.head_dim_vo)
-    n = sum(workload.query_lens) + sum(workload.context_lens)
+    n = sum(workload.query_lens) + gathered_context
     up = 2 * n * dims.kv_lora_rank * dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim)
     return attn, up
 

@@ -161,13 +161,16 @@ def cmd_prefill(args, console) -> int:
     backend = plan.backend
     if plan.fused:
         schedule = "fused: context + new tokens in one causal pass"
-    elif plan.chunks:
-        schedule = (f"chunked: main pass + {len(plan.chunks)} context chunk(s) of <= {chunk_tokens} tokens, merged by "
-                    f"LSE in {plan.num_merges} merge round(s) (partial: {plan.partial_rows} rows)")
+    elif any(c.plan is not None for c in plan.chunks):
+        skipped = sum(c.plan is None for c in plan.chunks)
+        skip_text = f", {skipped} more skipped (no new tokens among their requests)" if skipped else ""
+        schedule = (f"chunked: main pass + {len(plan.chunks) - skipped} context chunk(s) of <= {chunk_tokens} tokens"
+                    f"{skip_text}, merged by LSE in {plan.num_merges} merge round(s) (partial: {plan.partial_rows} rows)")
     else:
-        schedule = "main pass only (no cached context)"
+        schedule = ("main pass only (no cached context)" if not plan.num_context_tokens else
+                    "main pass only (no request with cached context has new tokens: its context is not read)")
 
-    attn_flops, up_flops = _flops(dims, workload)
+    attn_flops, up_flops = _flops(dims, workload, plan.num_gathered_context_tokens)
     # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
     # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
     warmup = device.type == "cuda" or attn_flops + up_flops < CPU_WARMUP_FLOPS
