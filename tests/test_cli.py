@@ -42,7 +42,8 @@ def test_prefill_counts_only_the_context_its_passes_read(tmp_path, capsys, fuse)
                        "--layers", "1", *([] if fuse else ["--no-fuse"]))
     assert rc == 0 and res["check"]["passed"] is True
     assert res["flops"]["up_projection"] == 2 * 1 * 512 * 16 * 256  # the new token alone
-    assert res["schedule"] != "fused"  # nothing to fuse: the only context is unattended
+    # nothing to fuse or chunk: the only context is unattended (the JSON says what the table says)
+    assert res["schedule"] == "main-only" and res["num_chunks"] == 0 and res["num_skipped_chunks"] == 2
     text = " ".join(capsys.readouterr().out.split())
     assert "main pass only (no request with cached context has new tokens" in text
 

@@ -166,7 +166,7 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
 def _plan(q_lens: tuple, kv_lens: tuple, heads: int, d_qk: int, d_vo: int, sm_scale: float, dtype, device):
     """The batch's plan, kept while everything it depends on is equal: the lengths, sizes, scale, dtype, device, the
     backend asked for (``MLA_BRIDGE_BACKEND``, read now) and the workspace (by identity), as the core's
-    :class:`mla_bridge.PlanCache` keys a plan."""
+    :class:`mla_bridge.PlanCache` keys a plan (a :class:`mla_bridge.RaggedPlan` has no chunk budget to key)."""
     workspace = mla_bridge.workspace.default_workspace(device)
     key = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, os.environ.get(ENV_VAR) or None,
            id(workspace))

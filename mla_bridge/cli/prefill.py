@@ -159,12 +159,13 @@ def cmd_prefill(args, console) -> int:
         kv_scale = float(kv_scale)
     cache_bytes = cache.numel() * cache.element_size()
     backend = plan.backend
+    skipped = sum(c.plan is None for c in plan.chunks)  # chunks without new tokens: no pass runs them
+    run_chunks = len(plan.chunks) - skipped
     if plan.fused:
         schedule = "fused: context + new tokens in one causal pass"
-    elif any(c.plan is not None for c in plan.chunks):
-        skipped = sum(c.plan is None for c in plan.chunks)
+    elif run_chunks:
         skip_text = f", {skipped} more skipped (no new tokens among their requests)" if skipped else ""
-        schedule = (f"chunked: main pass + {len(plan.chunks) - skipped} context chunk(s) of <= {chunk_tokens} tokens"
+        schedule = (f"chunked: main pass + {run_chunks} context chunk(s) of <= {chunk_tokens} tokens"
                     f"{skip_text}, merged by LSE in {plan.num_merges} merge round(s) (partial: {plan.partial_rows} rows)")
     else:
         schedule = ("main pass only (no cached context)" if not plan.num_context_tokens else
@@ -353,9 +354,10 @@ def cmd_prefill(args, console) -> int:
                      "quantization": "vLLM fp8 cache write: e4m3(x / scale), scale = amax / 448"
                      if kv_scale is not None else None},
         "chunk_tokens": chunk_tokens,
-        "schedule": "fused" if plan.fused else ("chunked" if plan.chunks else "main-only"),
+        "schedule": "fused" if plan.fused else ("chunked" if run_chunks else "main-only"),
         "kernels": kernels,
-        "num_chunks": len(plan.chunks),
+        "num_chunks": run_chunks,
+        "num_skipped_chunks": skipped,
         "num_merges": plan.num_merges,
         "num_plans": plan.num_plans,
         "layers": args.layers,
