@@ -171,13 +171,13 @@ def _indptr(lens: np.ndarray) -> np.ndarray:
 class PrefillPlan:
     """Host-side plan of one MLA prefill batch, shared by every layer (see the module docstring).
 
-    Build it with :meth:`build`. Attributes: ``dims``, ``block_size``, ``query_lens``, ``context_lens`` (lists of
-    ints), ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the
-    fused schedule context + new), ``fused`` (bool), ``main`` (:class:`RaggedPlan`), ``chunks`` (list of
-    :class:`ContextChunk`, with their merge rounds: :attr:`num_merges`, :attr:`partial_rows`), ``device``,
-    ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything the plan depends on, see :class:`PlanCache`;
-    made on first use), and for the fused schedule the device index tensors that place gathered context and new
-    tokens into one key buffer.
+    Build it with :meth:`build`. Attributes: ``dims``, ``block_size``, ``query_lens``, ``context_lens`` (lists of ints),
+    ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the fused
+    schedule attended context + new: :attr:`num_gathered_context_tokens`), ``fused`` (bool), ``main``
+    (:class:`RaggedPlan`), ``chunks`` (list of :class:`ContextChunk`, with their merge rounds: :attr:`num_merges`,
+    :attr:`partial_rows`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything the plan
+    depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index tensors that
+    place gathered context and new tokens into one key buffer.
     """
 
     def __init__(self) -> None:  # use PrefillPlan.build
@@ -218,8 +218,8 @@ class PrefillPlan:
         torch kernels otherwise), never a synchronizing call; then one FlashInfer ``plan()`` per distinct pass
         shape. :attr:`key` is not made here (on first use). The first build in a process compiles the Triton
         kernel (or loads it from Triton's cache). On the CPU device those index tensors are host memory, made here:
-        16 bytes per context token in the chunked schedule, 24 per context token and 8 per new token in the fused
-        one.
+        16 bytes per context token in the chunked schedule, 24 per gathered context token and 8 per new token in
+        the fused one.
         """
         _check_fuse_context(fuse_context)
         self = object.__new__(cls)
