@@ -10,12 +10,12 @@ or ``torch.inference_mode()`` (how vLLM and inference run) nothing is refused. A
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-__all__ = ["refuse_autograd", "forward_ad_active"]
+__all__ = ["refuse_autograd", "differentiated", "forward_ad_active"]
 
 
 def forward_ad_active() -> bool:
@@ -29,24 +29,36 @@ def forward_ad_active() -> bool:
     return True if enabled is None else bool(enabled())
 
 
+def differentiated(named: Sequence[tuple[str, Any]]) -> Optional[tuple[str, str]]:
+    """The first of ``named`` (``(name, value)`` pairs; values that are not tensors are skipped) that autograd would
+    differentiate, as ``(name, "grad")`` (it requires grad while autograd records, ``torch.is_grad_enabled()``) or
+    ``(name, "tangent")`` (it carries a forward-mode tangent, :func:`forward_ad_active`); None when there is none.
+    What :func:`refuse_autograd` refuses and the transformers adapter hands to sdpa."""
+    if torch.is_grad_enabled():
+        for name, x in named:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                return name, "grad"
+    if forward_ad_active():
+        for name, x in named:
+            if isinstance(x, torch.Tensor) and _forward_ad.unpack_dual(x).tangent is not None:
+                return name, "tangent"
+    return None
+
+
 def refuse_autograd(named: Sequence[tuple[str, Any]]) -> None:
-    """Refuse the first of ``named`` (``(name, value)`` pairs; values that are not tensors are skipped) that autograd
-    would differentiate: a tensor that requires grad while autograd records (``torch.is_grad_enabled()``), or one that
-    carries a forward-mode tangent (:func:`forward_ad_active`).
+    """Refuse the first of ``named`` that autograd would differentiate (:func:`differentiated`).
 
     Raises:
         ValueError: names the input and what to do.
     """
-    if torch.is_grad_enabled():
-        for name, x in named:
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                raise ValueError(f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
-                                 f"backward (its gradient would be lost): run under torch.no_grad() or "
-                                 f"torch.inference_mode(), or pass {name}.detach()")
-    if forward_ad_active():
-        for name, x in named:
-            if isinstance(x, torch.Tensor) and _forward_ad.unpack_dual(x).tangent is not None:
-                raise ValueError(f"{name} carries a forward-mode tangent (torch.func.jvp / jacfwd, "
-                                 f"torch.autograd.forward_ad), but mla_bridge's kernels have no derivative (the "
-                                 f"tangent would be lost): pass forward_ad.unpack_dual({name}).primal, or run under "
-                                 f"torch.inference_mode()")
+    found = differentiated(named)
+    if found is None:
+        return
+    name, kind = found
+    if kind == "grad":
+        raise ValueError(f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
+                         f"backward (its gradient would be lost): run under torch.no_grad() or "
+                         f"torch.inference_mode(), or pass {name}.detach()")
+    raise ValueError(f"{name} carries a forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad), "
+                     f"but mla_bridge's kernels have no derivative (the tangent would be lost): pass "
+                     f"forward_ad.unpack_dual({name}).primal, or run under torch.inference_mode()")

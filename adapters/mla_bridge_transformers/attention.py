@@ -41,7 +41,7 @@ import torch
 
 import mla_bridge
 from mla_bridge.dispatch import ENV_VAR
-from mla_bridge.inference import forward_ad_active
+from mla_bridge.inference import differentiated
 
 __all__ = ["ATTN_IMPLEMENTATION", "mla_bridge_attention", "ragged_from_mask", "fallback_reason"]
 
@@ -86,11 +86,10 @@ def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: 
 def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
                     kwargs: dict, value: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why this call cannot run through mla_bridge (``None`` when it can), from everything but the mask's values."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
-        return "autograd (inputs that require grad: mla_bridge's kernels have no backward)"
-    if forward_ad_active() and any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
-                                   for t in (query, key, value)):
-        return "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)"
+    found = differentiated((("query", query), ("key", key), ("value", value)))
+    if found is not None:
+        return ("autograd (inputs that require grad: mla_bridge's kernels have no backward)" if found[1] == "grad" else
+                "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)")
     if dropout and dropout > 0:
         return f"dropout={dropout} (training)"
     if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
