@@ -9,7 +9,8 @@ time: its copy and launches); here it returns a view of one buffer, so that no p
     PYTHONPATH=$PWD python3 scripts/plan_host_time.py --device cuda    # on a GPU: the real figures
 
 ``--device cuda`` times the same cases on the real GPU (FlashInfer's ``plan()`` timed apart as the bench does),
-once with the Triton expansion and once with the torch ops, and prints own / FlashInfer ``plan()`` time.
+with the Triton expansion and with the torch ops (builds alternating between them per case), and prints own /
+FlashInfer ``plan()`` time.
 
 ``--count`` adds, per case, the CUDA-side calls one build makes (after a warm-up build; the device half of the
 index expansion then runs as on a GPU on CPU tensors: ``--expand triton``, the default and what a GPU with Triton
@@ -55,8 +56,9 @@ class _Wrapper:
         pass
 
 
-def own_ms(ws: Workspace, dims: MLADims, batch: int, context: int, repeats: int):
-    """Median (build, time inside plan()) in ms over ``repeats`` builds, gc paused, and the last plan."""
+def build_samples(ws: Workspace, dims: MLADims, batch: int, context: int, repeats: int):
+    """``repeats`` builds of the case after one warm-up build, gc paused: the build times and the time inside
+    FlashInfer's ``plan()`` of each (ms), and the last plan."""
     in_plan = [0.0]
     plan_with_growth = ws.plan_with_growth
 
@@ -84,7 +86,7 @@ def own_ms(ws: Workspace, dims: MLADims, batch: int, context: int, repeats: int)
     finally:
         gc.enable()
         ws.plan_with_growth = plan_with_growth
-    return statistics.median(builds), statistics.median(plans), plan
+    return builds, plans, plan
 
 
 class _CountOps(TorchDispatchMode):
@@ -140,14 +142,30 @@ def count_calls(ws: Workspace, dims: MLADims, batch: int, context: int, counts: 
     return dict(counts)
 
 
-def _print_times(ws: Workspace, dims: MLADims, repeats: int, label: str = "") -> None:
-    """One line per case; on a real GPU (``label``: the expansion) also own / FlashInfer ``plan()`` time."""
+def _print_times(ws: Workspace, dims: MLADims, repeats: int, impls: tuple = (), rounds: int = 5) -> None:
+    """One line per case (and per device half of the expansion in ``impls``, on a real GPU), medians over
+    ``repeats`` builds: the build, our own host time (build minus FlashInfer's ``plan()``, per build as the bench
+    takes it) and, on a real GPU, own / FlashInfer ``plan()``. With several ``impls`` the builds alternate between
+    them in ``rounds`` rounds per case, so that none is measured first while the process warms up (measured on the
+    H200's host, 2026-12-02: the first of two halves run one after the other took 1.7x the second's time on batches
+    without context, where both run the same code)."""
     for b, c in CASES:
-        build, in_plan, plan = own_ms(ws, dims, b, c, repeats)
+        samples = {impl: ([], []) for impl in impls or ("",)}
+        for _ in range(rounds if len(samples) > 1 else 1):
+            for impl in samples:
+                if impl:
+                    plan_mod._expand_impl = lambda device, impl=impl: impl  # a script: nothing is undone
+                builds, plans, plan = build_samples(ws, dims, b, c, repeats // rounds if len(samples) > 1 else repeats)
+                samples[impl][0].extend(builds)
+                samples[impl][1].extend(plans)
         sched = "fused" if plan.fused else f"{len(plan.chunks)} chunks" if plan.chunks else "no context"
-        ratio = f", own / FlashInfer plan() {(build - in_plan) / in_plan:.3f}" if label and in_plan > 0 else ""
-        print(f"B={b:<3} C={c:<4} {label}build {build:.3f} ms, own {build - in_plan:.3f} ms{ratio}  ({sched}, "
-              f"{plan.num_plans} plan(s), {plan.backend.name})")
+        for impl, (builds, plans) in samples.items():
+            own = statistics.median(t - f for t, f in zip(builds, plans))
+            in_plan = statistics.median(plans)
+            ratio = f", own / FlashInfer plan() {own / in_plan:.3f}" if impl and in_plan > 0 else ""
+            label = f"[{impl}] " if impl else ""
+            print(f"B={b:<3} C={c:<4} {label}build {statistics.median(builds):.3f} ms, own {own:.3f} ms{ratio}  "
+                  f"({sched}, {plan.num_plans} plan(s), {plan.backend.name})")
 
 
 def main() -> None:
@@ -160,17 +178,14 @@ def main() -> None:
                         "with Triton runs)")
     p.add_argument("--device", choices=("fake", "cuda"), default="fake",
                    help="fake: the CPU tests' fake SM90 device (default); cuda: the real GPU (FlashInfer's plan() "
-                        "runs and is timed apart; both device halves of the expansion, triton then torch)")
+                        "runs and is timed apart; both device halves of the expansion, triton and torch, alternating)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dims = MLADims.deepseek_v2_lite()
     if args.device == "cuda":
         if args.count or args.profile:
             p.error("--count and --profile run on the fake device only")
-        ws = Workspace("cuda:0")
-        for impl in ("triton", "torch"):
-            plan_mod._expand_impl = lambda device, impl=impl: impl  # a script: nothing is undone
-            _print_times(ws, dims, args.repeats, f"[{impl}] ")
+        _print_times(Workspace("cuda:0"), dims, args.repeats, impls=("triton", "torch"))
         return
     install_planning(setattr, _Wrapper, expand=args.expand)  # a script: nothing is undone
     names = ("_expand_on_device", "_expand_on_device_triton")
