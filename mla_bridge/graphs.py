@@ -248,13 +248,16 @@ class PrefillLayer:
     into them (``copy_``) before :meth:`PrefillGraph.replay`. ``kv_b_proj`` should be prepared
     (:func:`mla_bridge.prepare_kv_b_proj`); a raw weight is read in place by the fused kernel's passes and
     rearranged again inside every replay for the separate ones, which under the default ``kv_impl`` are all of them
-    (a copy of the weight per replay and layer; :mod:`mla_bridge.weights`)."""
+    (a copy of the weight per replay and layer; :mod:`mla_bridge.weights`). ``kv_cache_scale``: an FP8 cache's
+    per-tensor scale, as :func:`mla_bridge.mla_prefill` takes it (None for an unquantized cache; a Python float is
+    baked into the captured kernels, a tensor is read at every replay)."""
 
     q: torch.Tensor
     kv_c: torch.Tensor
     k_pe: torch.Tensor
     kv_b_proj: "torch.Tensor | PreparedKVBProj"
     kv_cache: torch.Tensor
+    kv_cache_scale: Any = None
 
 
 def capture_prefill(plan: PrefillPlan, layers: Sequence[PrefillLayer], block_table: torch.Tensor, *,
@@ -285,6 +288,6 @@ def capture_prefill(plan: PrefillPlan, layers: Sequence[PrefillLayer], block_tab
 
     def forward() -> list:
         return [mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, return_lse=return_lse,
-                            kv_impl=kv_impl) for x in layers]
+                            kv_cache_scale=x.kv_cache_scale, kv_impl=kv_impl) for x in layers]
 
     return capture(forward, plans=[plan], warmup=warmup, pool=pool)

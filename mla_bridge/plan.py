@@ -84,7 +84,15 @@ def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> l
     Returns a list of chunks, each a list of ``(request, start, end)`` spans with ``end > start`` (no empty
     segment); a request's context may be split across consecutive chunks at any token. (The reference loop:
     :class:`PrefillPlan` computes the same chunks with O(1) numpy calls, see :meth:`PrefillPlan._plan_chunks`.)
+
+    Raises:
+        ValueError: ``chunk_tokens`` not a positive int (0 or a negative budget would never fill a chunk: the loop
+            would not end).
     """
+    if type(chunk_tokens) is not int and (isinstance(chunk_tokens, bool)
+                                          or not isinstance(chunk_tokens, numbers.Integral)) or chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    chunk_tokens = int(chunk_tokens)
     chunks: list[list[tuple[int, int, int]]] = []
     current: list[tuple[int, int, int]] = []
     room = chunk_tokens

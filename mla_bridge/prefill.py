@@ -234,11 +234,14 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment
             switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE`` / ``MLA_BRIDGE_TRITON_LAUNCH`` /
-            ``MLA_BRIDGE_FLASHINFER_DIRECT``) that cannot serve here; a ``return_lse`` that is not a bool; raised
-            before any kernel runs.
+            ``MLA_BRIDGE_FLASHINFER_DIRECT``) that cannot serve here; a ``return_lse`` that is not a bool, a
+            ``phase_hook`` that is not callable; raised before any kernel runs.
     """
     if not isinstance(return_lse, bool):
         raise _not_a_bool("return_lse", return_lse)
+    if phase_hook is not None and not callable(phase_hook):
+        raise TypeError(f"phase_hook must be callable (called with each phase's name) or None, got "
+                        f"{type(phase_hook).__name__}")
     k_pe, kv_cache, scale = _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out,
                                             kv_cache_scale)
     impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
@@ -250,7 +253,7 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         if plan.chunks else None
     launch_mode()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
     direct_enabled()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
-    hook = phase_hook or (lambda name: None)
+    hook = phase_hook if phase_hook is not None else (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:
         out = torch.empty(t, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)

@@ -184,3 +184,25 @@ def test_dropping_the_graph_frees_its_plans(monkeypatch):
     del graph
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("tensor_scale", [False, True])
+def test_capture_prefill_takes_an_fp8_cache_with_its_scale(ref, tiny_dims, tensor_scale):
+    """PrefillLayer carries an FP8 cache's kv_cache_scale to every mla_prefill call of the graph (capture_prefill had
+    no way to pass one, so an FP8 cache was refused at the first replay; found by a fresh-user trial). The replay
+    equals eager mla_prefill with the scale, bitwise."""
+    from mla_bridge import quantize_latent_cache
+
+    layers, table = _layers(ref, tiny_dims, seed=4)
+    plan = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=16),
+                             block_size=8, dtype=torch.float32, kv_cache_dtype="fp8")
+    fp8 = []
+    for x in layers:
+        cache8, scale = quantize_latent_cache(x.kv_cache)
+        fp8.append(PrefillLayer(x.q, x.kv_c, x.k_pe, x.kv_b_proj, cache8, scale if tensor_scale else float(scale)))
+    got = capture_prefill(plan, fp8, table, return_lse=True).replay()
+    for (o, s), x in zip(got, fp8):
+        eo, es = mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, table, plan, return_lse=True,
+                             kv_cache_scale=x.kv_cache_scale)
+        assert torch.equal(o, eo) and torch.equal(s, es)
+    assert PrefillLayer(*layers[0].__dict__.values()).kv_cache_scale is None  # unquantized caches need none

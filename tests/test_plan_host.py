@@ -546,3 +546,24 @@ def test_plan_host_time_script_runs():
     assert res.returncode == 0, res.stderr[-2000:]
     last = res.stdout.splitlines()[-1]  # the torch fallback: four kernels (the chunked schedule's add_ included)
     assert "aten.searchsorted 1," in last and "aten.add_ 1," in last and "Triton launch" not in last, last
+
+
+@pytest.mark.parametrize("budget", [0, -1, 2.5, True, "4"])
+def test_reference_schedule_refuses_a_budget_that_is_not_a_positive_int(budget):
+    """schedule_context_chunks with a budget of 0 or below never filled a chunk and never ended (found by a
+    fresh-user trial: it appended empty spans forever); a float made fractional spans. An alarm turns the old hang
+    into a failure."""
+    import signal
+
+    def hang(signum, frame):
+        raise TimeoutError("schedule_context_chunks did not return")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(5)
+    try:
+        with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+            schedule_context_chunks([5, 3], budget)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert schedule_context_chunks([5, 0, 3], np.int64(4)) == [[(0, 0, 4)], [(0, 4, 5), (2, 0, 3)]]

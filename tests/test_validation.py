@@ -635,3 +635,23 @@ def test_ragged_prefill_refuses_autograd_before_planning(monkeypatch):
         args[name] = args[name].clone().requires_grad_(True)
         with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
             ragged_prefill(**args, qo_indptr=qo, kv_indptr=kv, causal=False, sm_scale=0.2)
+
+
+@pytest.mark.parametrize("hook", [3, "gather", [print]])
+def test_mla_prefill_refuses_a_phase_hook_that_is_not_callable(ref, tiny_dims, hook):
+    """A phase_hook that cannot be called was found only at the first phase, after out and lse were allocated, with
+    "'int' object is not callable" (found by a fresh-user trial); now a TypeError naming it, before anything is
+    allocated or written. A falsy non-callable (0, "") is refused too, not taken for None."""
+    q_lens, c_lens = [3, 2], [5, 9]
+    batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=2)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4),
+                             block_size=4, dtype=torch.float32)
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
+    for bad in (hook, 0, ""):
+        out = sentinel_out(5, tiny_dims.num_heads, tiny_dims.v_head_dim)
+        with pytest.raises(TypeError, match="phase_hook must be callable"):
+            mla_prefill(*args, out=out, phase_hook=bad)
+        assert_untouched(out)
+    seen = []
+    mla_prefill(*args, phase_hook=seen.append)
+    assert seen[-1] == "end" and "main pass" in seen
