@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import numbers
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from .cache import resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, device_capability
 from .kernels import triton_available
-from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _not_a_bool, _plan_checked
+from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _not_a_bool, _plan_checked, _positive_int
 from .workspace import Workspace, _checked_device, current_stream
 
 __all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
@@ -89,10 +88,7 @@ def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> l
         ValueError: ``chunk_tokens`` not a positive int (0 or a negative budget would never fill a chunk: the loop
             would not end).
     """
-    if type(chunk_tokens) is not int and (isinstance(chunk_tokens, bool)
-                                          or not isinstance(chunk_tokens, numbers.Integral)) or chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-    chunk_tokens = int(chunk_tokens)
+    chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
     chunks: list[list[tuple[int, int, int]]] = []
     current: list[tuple[int, int, int]] = []
     room = chunk_tokens
@@ -162,10 +158,7 @@ def _check_fuse_context(fuse_context) -> None:
 
 def _checked_block_size(block_size) -> int:
     """``block_size`` as an int, or ValueError: a positive int (a numpy integer too), never a bool or a float."""
-    if type(block_size) is not int and (isinstance(block_size, bool)  # an int (the common case) in one test
-                                        or not isinstance(block_size, numbers.Integral)) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    return int(block_size)
+    return _positive_int("block_size", block_size)
 
 
 def _indptr(lens: np.ndarray) -> np.ndarray:
