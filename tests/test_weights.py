@@ -302,12 +302,15 @@ def test_raw_weight_requiring_grad_is_read_detached(ref, tiny_dims):
 
 def test_split_gemm_reads_latent_views_in_place(tiny_dims, monkeypatch):
     """The split layout's GEMM reads the latent (or kv_c) through its strides and storage offset, row block by row
-    block: a view into a wider, offset buffer gives the contiguous rows' bits."""
+    block: a view into a wider, offset buffer gives the contiguous rows' bits. Small integers in float32, so that
+    every product and sum is exact: the CPU's BLAS may take another kernel (another summation order) for a strided
+    operand (seen on an AMD EPYC with AVX-512, 2026-12-02: random normals differed in the last bit), and a misread
+    row still changes the values."""
     d = tiny_dims
     g = torch.Generator().manual_seed(4)
-    p = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape, generator=g), d)
-    latent = torch.randn(11, d.latent_dim, generator=g)
-    wide = torch.randn(13, d.latent_dim + 7, generator=g)
+    p = prepare_kv_b_proj(torch.randint(-3, 4, d.kv_b_proj_shape, generator=g).float(), d)
+    latent = torch.randint(-3, 4, (11, d.latent_dim), generator=g).float()
+    wide = torch.randint(-3, 4, (13, d.latent_dim + 7), generator=g).float()
     wide[2:, 3:3 + d.latent_dim] = latent
     view = wide[2:, 3:3 + d.latent_dim]
     assert view.storage_offset() > 0 and view.stride(0) == d.latent_dim + 7
@@ -464,3 +467,11 @@ def test_up_project_refuses_inputs_requiring_grad_while_autograd_records(tiny_di
     with torch.no_grad():
         got = trainable.up_project(latent.clone().requires_grad_(True))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("bad,error", [(torch.zeros(3, 3), ValueError), (torch.zeros(4, 4, dtype=torch.int32), TypeError)])
+def test_up_projection_weight_names_a_bad_weight(tiny_dims, bad, error):
+    """up_projection_weight is public: a weight of another shape or dtype gets the error prepare_kv_b_proj gives,
+    naming the argument (found by a fresh-user trial: a bare reshape RuntimeError before)."""
+    with pytest.raises(error, match="kv_b_proj_weight"):
+        up_projection_weight(bad, tiny_dims)
