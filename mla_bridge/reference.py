@@ -47,8 +47,13 @@ def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
         kv_cache_scale: the FP8 cache's per-tensor scale (float or 1-element tensor); None for other caches.
 
     Raises:
-        ValueError: an FP8 cache without a scale, or a scale with another cache.
+        ValueError: an FP8 cache without a scale, or a scale with another cache; a negative ``context_len``, or one
+            beyond what the row's blocks hold.
     """
+    held = block_table_row.shape[0] * kv_cache.shape[1]
+    if not 0 <= context_len <= held:
+        raise ValueError(f"context_len must be in [0, {held}] (block_table_row's {block_table_row.shape[0]} blocks of "
+                         f"{kv_cache.shape[1]} tokens), got {context_len}")
     if kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn):
         if kv_cache_scale is None:
             raise ValueError("kv_cache_scale is required for an FP8 kv_cache")

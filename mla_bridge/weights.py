@@ -92,7 +92,12 @@ def up_projection_weight(kv_b_proj_weight: torch.Tensor, dims: MLADims) -> torch
     weight's dtype and device: per head the k_nope rows ``[W_nope | 0]``, then ``[0 | I]`` (an identity that copies
     k_pe, exactly), then the v rows ``[W_v | 0]``. ``latent @ W.T`` viewed ``[N, H, 320]`` is ``[k (192) | v (128)]``
     per head. Allocates ``H * 320 * 576`` elements; call it once per layer (:func:`prepare_kv_b_proj`).
+
+    Raises:
+        TypeError / ValueError: ``dims`` not an :class:`MLADims`, or a weight that is not a dense floating tensor of
+            shape ``dims.kv_b_proj_shape`` (as :func:`prepare_kv_b_proj`).
     """
+    _check_raw(kv_b_proj_weight, dims)
     h, nope, rope, vd = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
     r = dims.kv_lora_rank
     w = kv_b_proj_weight.reshape(h, nope + vd, r)

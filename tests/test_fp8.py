@@ -123,6 +123,17 @@ def test_reference_request_dequantizes_the_same_bytes(ref, tiny_dims):
         R.gather_context_latent(deq.cache, batch.block_table[0], 21, 0.5)
 
 
+@pytest.mark.parametrize("context_len", [-1, 8 * 3 + 1])
+def test_reference_gather_refuses_a_context_beyond_the_block_table_row(context_len):
+    """A context longer than the row's blocks hold (or negative) is named (found by a fresh-user trial: a bare
+    IndexError from the block loop before, or an empty gather for a negative length)."""
+    cache = torch.zeros(5, 8, 4)
+    row = torch.tensor([4, 0, 2])
+    assert R.gather_context_latent(cache, row, 8 * 3).shape == (24, 4)
+    with pytest.raises(ValueError, match="context_len"):
+        R.gather_context_latent(cache, row, context_len)
+
+
 def test_real_dims_deepseek_v2_lite_fp8(ref):
     dims = MLADims.deepseek_v2_lite()
     q_lens, c_lens = [4, 2], [19, 0]
