@@ -119,9 +119,10 @@ def test_warm_up_launches_the_kernels_the_capture_records(ref, monkeypatch):
 
 @pytest.mark.parametrize("layout", ["identity", "split"])
 def test_graphed_fp8_cache_takes_one_implementation_for_every_pass(ref, layout):
-    """An FP8 cache through capture() (capture_prefill has no scale): the default graph is bitwise eager "fused" for
-    the identity layout and "separate" for the split one on every pass, the new tokens' pass included (it was fused
-    while the FP8 chunks were separate, found by a fresh-user trial)."""
+    """An FP8 cache through capture() and through capture_prefill (``PrefillLayer.kv_cache_scale``, which it lacked
+    before: found by a fresh-user trial): the default graph is bitwise eager "fused" for the identity layout and
+    "separate" for the split one on every pass, the new tokens' pass included (it was fused while the FP8 chunks were
+    separate, found by an earlier trial)."""
     from mla_bridge.cache import quantize_latent_cache
 
     dims = MLADims.deepseek_v2_lite()
@@ -137,12 +138,18 @@ def test_graphed_fp8_cache_takes_one_implementation_for_every_pass(ref, layout):
                            kv_cache_scale=scale, kv_impl=kv_impl)
 
     graph = capture(call, plans=[plan])
+    layer = PrefillLayer(x.q, x.kv_c, x.k_pe, x.kv_b_proj, cache8, kv_cache_scale=scale)
+    per_layer = capture_prefill(plan, [layer], table, return_lse=True)
     _new_inputs([x], seed=21)
     want = tuple(t.clone() for t in call("fused" if layout == "identity" else "separate"))
     torch.cuda._sleep(SLEEP)
     got = graph.replay()
     torch.cuda.synchronize()
     _assert_bitwise([got], [want])
+    torch.cuda._sleep(SLEEP)
+    got = per_layer.replay()
+    torch.cuda.synchronize()
+    _assert_bitwise(got, [want])
 
 
 def test_graphed_ragged_plan_run_equals_eager_bitwise():
