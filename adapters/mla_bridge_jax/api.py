@@ -157,7 +157,8 @@ def _check_route(requested: Optional[str]) -> str:
     """``requested`` (or ``$MLA_BRIDGE_JAX_JIT_ROUTE``, or "auto") checked against :data:`JIT_ROUTES`."""
     route = requested or os.environ.get(ENV_JIT_ROUTE) or "auto"
     if route not in JIT_ROUTES:
-        raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {route!r}")
+        where = "jit_route" if requested else f"${ENV_JIT_ROUTE} (jit_route not given)"
+        raise ValueError(f"{where} must be one of {list(JIT_ROUTES)}, got {route!r}")
     return route
 
 

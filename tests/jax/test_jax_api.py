@@ -366,6 +366,19 @@ def test_out_of_range_block_table_under_jit_surfaces_the_real_message():
         mj.mla_prefill(*args, table, plan)  # eagerly: the core's own error, unchanged
 
 
+def test_a_bad_jit_route_from_the_environment_is_named(monkeypatch):
+    """A bad $MLA_BRIDGE_JAX_JIT_ROUTE was reported as "jit_route must be one of ...", naming an argument the
+    caller never gave (found by a fresh-user trial); the message now names the variable."""
+    q, k, v = _qkv()
+    monkeypatch.setenv(mj.ENV_JIT_ROUTE, "AUTO")
+    with pytest.raises(ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE \(jit_route not given\) must be one of .*'AUTO'"):
+        mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE"):
+        jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
+    with pytest.raises(ValueError, match=r"^jit_route must be one of .*'x'"):  # the argument wins, and is named
+        mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM, jit_route="x")
+
+
 def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
     """A bad jit_route was accepted by eager calls (only traced calls checked it); a deleted array gave
     "TypeError: object of type 'NoneType' has no len()"."""
