@@ -38,6 +38,7 @@ from jax.experimental.buffer_callback import buffer_callback
 import mla_bridge as _core
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
+from mla_bridge.ragged import _not_a_bool
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype,
@@ -503,7 +504,8 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
         ``out [T, H, 128]`` in the plan's dtype, or ``(out, lse)``.
 
     Raises:
-        TypeError: a non-JAX input (named), a plan that is not a PrefillPlan (or a mapping of them).
+        TypeError: a non-JAX input (named), a plan that is not a PrefillPlan (or a mapping of them), a
+            ``return_lse`` that is not a bool (eagerly and under jit alike).
         ValueError: per-device plans that differ in anything but their device.
         ValueError / TypeError: the core's ``mla_bridge.prefill.validate_prefill_inputs`` (at trace time
             under jit; block ids on a CPU plan are range-checked when the call runs: under jit that error comes
@@ -511,6 +513,8 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
             after a one-frame traceback).
         InferenceOnlyError: on differentiation.
     """
+    if not isinstance(return_lse, bool):  # the core checks it eagerly; a traced call never reaches the core with it
+        raise _not_a_bool("return_lse", return_lse)
     plans = _plans_by_device(plan)
     plan = next(iter(plans.values()))  # the same lengths, dims and dtypes on every device: validation reads it
     prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None

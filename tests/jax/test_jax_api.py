@@ -162,6 +162,26 @@ def test_mla_prefill_eager_and_jit():
     assert _equal(jout, core_out) and _equal(jlse, core_lse)
 
 
+@pytest.mark.parametrize("value", ["no", 1, 0, None])
+def test_mla_prefill_return_lse_must_be_a_bool_under_jit_too(value):
+    """Eagerly the core refused a non-bool return_lse; under jax.jit (and in sharded_mla_prefill, eagerly too)
+    it was taken for its truthiness ("no" returned (out, lse), None returned out; found by a fresh-user trial)."""
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    rng = np.random.default_rng(3)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+            ((2, 4, 24), (2, 32), (2, 8), dims.kv_b_proj_shape, (1, 4, 40))]
+    table = jnp.zeros((1, 1), jnp.int32)
+    plan = mj.build_plan([2], [0], dims=dims, block_size=4, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="^return_lse must be a bool"):
+        mj.mla_prefill(*args, table, plan, return_lse=value)
+    with pytest.raises(TypeError, match="^return_lse must be a bool"):
+        jax.jit(lambda *a: mj.mla_prefill(*a, plan, return_lse=value))(*args, table)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("heads",))
+    plans = mj.build_sharded_plans([2], [0], dims=dims, mesh=mesh, axis="heads", block_size=4, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="^return_lse must be a bool"):
+        mj.sharded_mla_prefill(*args, table, plans, mesh=mesh, axis="heads", return_lse=value)
+
+
 @pytest.mark.parametrize("layout", ["identity", "split"])
 def test_mla_prefill_with_prepared_weight_eager_and_jit(layout):
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
