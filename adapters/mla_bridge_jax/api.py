@@ -319,6 +319,7 @@ def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, ji
         raise TypeError(f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), "
                         f"got {type(plan).__name__}")
     _check_qkv(q, k, v)
+    _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
     if not any(is_tracer(x) for x in (q, k, v)):
         out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
         return to_jax(out), to_jax(lse)

@@ -405,6 +405,11 @@ def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="jit_route must be one of"):
         mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM, jit_route="bogus")
+    # run_ragged too: its eager call took any jit_route (found by a fresh-user trial)
+    plan = mj.plan_ragged(QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
+                          dtype=q.dtype)
+    with pytest.raises(ValueError, match="jit_route must be one of"):
+        mj.run_ragged(plan, q, k, v, jit_route="bogus")
     gone = jnp.array(q)
     gone.delete()
     with pytest.raises(ValueError, match="q has been deleted"):
