@@ -38,6 +38,7 @@ from jax.experimental.buffer_callback import buffer_callback
 import mla_bridge as _core
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
+from mla_bridge.ragged import _not_a_bool
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype,
@@ -157,7 +158,8 @@ def _check_route(requested: Optional[str]) -> str:
     """``requested`` (or ``$MLA_BRIDGE_JAX_JIT_ROUTE``, or "auto") checked against :data:`JIT_ROUTES`."""
     route = requested or os.environ.get(ENV_JIT_ROUTE) or "auto"
     if route not in JIT_ROUTES:
-        raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {route!r}")
+        where = "jit_route" if requested else f"${ENV_JIT_ROUTE} (jit_route not given)"
+        raise ValueError(f"{where} must be one of {list(JIT_ROUTES)}, got {route!r}")
     return route
 
 
@@ -317,6 +319,7 @@ def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, ji
         raise TypeError(f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), "
                         f"got {type(plan).__name__}")
     _check_qkv(q, k, v)
+    _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
     if not any(is_tracer(x) for x in (q, k, v)):
         out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
         return to_jax(out), to_jax(lse)
@@ -502,7 +505,8 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
         ``out [T, H, 128]`` in the plan's dtype, or ``(out, lse)``.
 
     Raises:
-        TypeError: a non-JAX input (named), a plan that is not a PrefillPlan (or a mapping of them).
+        TypeError: a non-JAX input (named), a plan that is not a PrefillPlan (or a mapping of them), a
+            ``return_lse`` that is not a bool (eagerly and under jit alike).
         ValueError: per-device plans that differ in anything but their device.
         ValueError / TypeError: the core's ``mla_bridge.prefill.validate_prefill_inputs`` (at trace time
             under jit; block ids on a CPU plan are range-checked when the call runs: under jit that error comes
@@ -510,6 +514,8 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
             after a one-frame traceback).
         InferenceOnlyError: on differentiation.
     """
+    if not isinstance(return_lse, bool):  # the core checks it eagerly; a traced call never reaches the core with it
+        raise _not_a_bool("return_lse", return_lse)
     plans = _plans_by_device(plan)
     plan = next(iter(plans.values()))  # the same lengths, dims and dtypes on every device: validation reads it
     prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None

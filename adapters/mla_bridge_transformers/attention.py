@@ -51,7 +51,8 @@ ATTN_IMPLEMENTATION = "mla_bridge"
 logger = logging.getLogger("mla_bridge_transformers")
 _warned: set[str] = set()
 _plan_cache: dict[tuple, Any] = {}
-_mask_cache: list = [None, None, None]  # [weakref to the mask, its _version, (key_valid, q_lens, kv_lens)]
+# [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them]
+_mask_cache: list = [None, None, None]
 
 
 def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int,
@@ -142,12 +143,15 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
     the valid ones (then q, k[:keys], v[:keys] are reshaped, not gathered).
 
     ``None`` (no mask) costs no device work. A mask costs one check and one device-to-host copy; the layers of one
-    forward get the same mask object, so the result is kept while that object lives unmodified (``_version``)."""
+    forward get the same mask object, so the result is kept while that object lives unmodified (``_version``) and
+    the call's batch, query and key lengths and device are the ones it was made for (a ``[1, 1, Q, K]`` mask
+    broadcasts to any batch)."""
     if attention_mask is None:
         keys = kv_len if q_len == 1 else min(q_len, kv_len)  # sdpa's is_causal: top-left aligned
         return None, None, (q_len,) * b, (keys,) * b, keys
-    ref, version, cached = _mask_cache
-    if ref is not None and ref() is attention_mask and version == attention_mask._version:
+    ref, key, cached = _mask_cache
+    now = (attention_mask._version, b, q_len, kv_len, device)
+    if ref is not None and ref() is attention_mask and key == now:
         return cached
     valid = ragged_from_mask(attention_mask, b, q_len, kv_len, device)
     if valid is None:
@@ -158,7 +162,7 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
         q_lens, kv_lens = tuple(lens[0].tolist()), tuple(lens[1].tolist())
         dense = sum(q_lens) == b * q_len and sum(kv_lens) == b * kv_len
         result = (None, None, q_lens, kv_lens, kv_len) if dense else (q_valid, key_valid, q_lens, kv_lens, kv_len)
-    _mask_cache[:] = [weakref.ref(attention_mask), attention_mask._version, result]
+    _mask_cache[:] = [weakref.ref(attention_mask), now, result]
     return result
 
 

@@ -34,6 +34,8 @@ def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dty
     reference, far too slow to hand a serving engine, so it serves there only when forced with ``MLA_BRIDGE_BACKEND``.
     """
     kw = dict(dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
+    if dtype is not None and not dtype.is_floating_point:  # plan_ragged would refuse it on every backend
+        return False, f"{dtype} is not a floating dtype (mla_bridge runs float16, bfloat16 and, on the CPU, float32)"
     try:
         if capability is None:
             choice = select_backend("cpu", **kw)

@@ -162,6 +162,26 @@ def test_mla_prefill_eager_and_jit():
     assert _equal(jout, core_out) and _equal(jlse, core_lse)
 
 
+@pytest.mark.parametrize("value", ["no", 1, 0, None])
+def test_mla_prefill_return_lse_must_be_a_bool_under_jit_too(value):
+    """Eagerly the core refused a non-bool return_lse; under jax.jit (and in sharded_mla_prefill, eagerly too)
+    it was taken for its truthiness ("no" returned (out, lse), None returned out; found by a fresh-user trial)."""
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    rng = np.random.default_rng(3)
+    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+            ((2, 4, 24), (2, 32), (2, 8), dims.kv_b_proj_shape, (1, 4, 40))]
+    table = jnp.zeros((1, 1), jnp.int32)
+    plan = mj.build_plan([2], [0], dims=dims, block_size=4, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="^return_lse must be a bool"):
+        mj.mla_prefill(*args, table, plan, return_lse=value)
+    with pytest.raises(TypeError, match="^return_lse must be a bool"):
+        jax.jit(lambda *a: mj.mla_prefill(*a, plan, return_lse=value))(*args, table)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("heads",))
+    plans = mj.build_sharded_plans([2], [0], dims=dims, mesh=mesh, axis="heads", block_size=4, dtype=jnp.float32)
+    with pytest.raises(TypeError, match="^return_lse must be a bool"):
+        mj.sharded_mla_prefill(*args, table, plans, mesh=mesh, axis="heads", return_lse=value)
+
+
 @pytest.mark.parametrize("layout", ["identity", "split"])
 def test_mla_prefill_with_prepared_weight_eager_and_jit(layout):
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -366,12 +386,30 @@ def test_out_of_range_block_table_under_jit_surfaces_the_real_message():
         mj.mla_prefill(*args, table, plan)  # eagerly: the core's own error, unchanged
 
 
+def test_a_bad_jit_route_from_the_environment_is_named(monkeypatch):
+    """A bad $MLA_BRIDGE_JAX_JIT_ROUTE was reported as "jit_route must be one of ...", naming an argument the
+    caller never gave (found by a fresh-user trial); the message now names the variable."""
+    q, k, v = _qkv()
+    monkeypatch.setenv(mj.ENV_JIT_ROUTE, "AUTO")
+    with pytest.raises(ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE \(jit_route not given\) must be one of .*'AUTO'"):
+        mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM)
+    with pytest.raises(ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE"):
+        jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
+    with pytest.raises(ValueError, match=r"^jit_route must be one of .*'x'"):  # the argument wins, and is named
+        mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM, jit_route="x")
+
+
 def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
     """A bad jit_route was accepted by eager calls (only traced calls checked it); a deleted array gave
     "TypeError: object of type 'NoneType' has no len()"."""
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="jit_route must be one of"):
         mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM, jit_route="bogus")
+    # run_ragged too: its eager call took any jit_route (found by a fresh-user trial)
+    plan = mj.plan_ragged(QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
+                          dtype=q.dtype)
+    with pytest.raises(ValueError, match="jit_route must be one of"):
+        mj.run_ragged(plan, q, k, v, jit_route="bogus")
     gone = jnp.array(q)
     gone.delete()
     with pytest.raises(ValueError, match="q has been deleted"):

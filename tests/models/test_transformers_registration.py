@@ -313,6 +313,26 @@ def test_served_call_equals_eager_on_a_continuation(two_torch_threads):
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
 
 
+def test_one_broadcast_mask_serves_calls_of_other_batch_sizes(two_torch_threads):
+    """A ``[1, 1, Q, K]`` mask broadcasts to any batch; the layout kept for a mask object is the one made for the
+    call's batch, query and key lengths. Before, it was kept by the mask object alone, so the same mask object
+    handed to a call with another batch size reused the first call's lengths and the core refused the call
+    ("q has 12 tokens but qo_indptr[-1] = 8"; found by a fresh-user trial)."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1,
+                                   training=False)
+    mask = torch.ones(4, 6, dtype=torch.bool).tril(2)[None, None]  # bottom-right causal, [1, 1, 4, 6]
+    add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    g = torch.Generator().manual_seed(7)
+    for batch in (2, 3, 1):
+        q, k = torch.randn(batch, 2, 4, 24, generator=g), torch.randn(batch, 2, 6, 24, generator=g)
+        v = torch.randn(batch, 2, 6, 16, generator=g)
+        out, _ = mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3)
+        want, _ = m.eager_attention_forward(module, q, k, v, add, scaling=0.3)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
 def test_a_forced_backend_is_obeyed_on_the_same_lengths(monkeypatch, two_torch_threads):
     """The adapter's plan is kept across calls of equal lengths; its key now holds the backend asked for
     (``MLA_BRIDGE_BACKEND``) and the workspace, as the core's PlanCache key does. Before, a backend forced between two
