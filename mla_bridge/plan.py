@@ -156,11 +156,6 @@ def _check_fuse_context(fuse_context) -> None:
         raise _not_a_bool("fuse_context", fuse_context)
 
 
-def _checked_block_size(block_size) -> int:
-    """``block_size`` as an int, or ValueError: a positive int (a numpy integer too), never a bool or a float."""
-    return _positive_int("block_size", block_size)
-
-
 def _indptr(lens: np.ndarray) -> np.ndarray:
     """int32 ``[0, l0, l0 + l1, ...]`` (numpy) of non-negative int64 lengths whose sum :func:`_check_length_sums` has
     checked (so every prefix fits int32: accumulated straight into an int32 buffer)."""
@@ -234,7 +229,7 @@ class PrefillPlan:
             raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-        block_size = _checked_block_size(block_size)
+        block_size = _positive_int("block_size", block_size)
         dev = workspace.device if device is None else _checked_device(device)
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
@@ -611,7 +606,7 @@ class PlanCache:
         key = None  # (without a Workspace and MLADims, build raises)
         # what build refuses is refused here too, before the look-up (4.0 == 4 and 1 == True as key parts)
         _check_fuse_context(fuse_context)
-        block_size = _checked_block_size(block_size)
+        block_size = _positive_int("block_size", block_size)
         if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
             dev = workspace.device if device is None else _checked_device(device)
             key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, _requested_backend(backend),

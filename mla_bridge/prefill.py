@@ -59,8 +59,9 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
     return _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)[0]
 
 
-#: Unsigned integer dtypes torch implements few ops for (no min/max, no index_select): refused for block_table.
-_WIDE_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+#: The integer dtypes a block_table may hold: torch has no min/max or indexing kernels for the wider unsigned ones
+#: (uint16/32/64) or the sub-byte ones, so those are refused by name instead of failing inside the range check.
+_BLOCK_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale):
@@ -105,10 +106,9 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
     if kv_cache.dim() != 3 or kv_cache.shape[1:] != (plan.block_size, d.latent_dim):
         raise ValueError(f"kv_cache must be [num_blocks, block_size={plan.block_size}, "
                          f"kv_lora_rank+qk_rope_head_dim={d.latent_dim}], got {list(kv_cache.shape)}")
-    if block_table.dtype.is_floating_point or block_table.dtype.is_complex or block_table.dtype == torch.bool:
-        raise TypeError(f"block_table must hold integer block ids, got {block_table.dtype}")
-    if block_table.dtype in _WIDE_UNSIGNED:  # torch has no min/max/indexing kernels for them: refuse by name
-        raise TypeError(f"block_table must hold int32/int64 block ids (or int8/int16/uint8), got {block_table.dtype}")
+    if block_table.dtype not in _BLOCK_ID_DTYPES:
+        raise TypeError(f"block_table must hold integer block ids (int32 / int64, or int8 / int16 / uint8), got "
+                        f"{block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != plan.batch_size:
         raise ValueError(f"block_table must be [num_requests={plan.batch_size}, max_blocks], "
                          f"got {list(block_table.shape)}")

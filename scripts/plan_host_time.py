@@ -149,13 +149,14 @@ def _print_times(ws: Workspace, dims: MLADims, repeats: int, impls: tuple = (), 
     them in ``rounds`` rounds per case, so that none is measured first while the process warms up (measured on the
     H200's host, 2026-12-02: the first of two halves run one after the other took 1.7x the second's time on batches
     without context, where both run the same code)."""
+    rounds = rounds if len(impls) > 1 else 1
     for b, c in CASES:
         samples = {impl: ([], []) for impl in impls or ("",)}
-        for _ in range(rounds if len(samples) > 1 else 1):
+        for _ in range(rounds):
             for impl in samples:
                 if impl:
                     plan_mod._expand_impl = lambda device, impl=impl: impl  # a script: nothing is undone
-                builds, plans, plan = build_samples(ws, dims, b, c, repeats // rounds if len(samples) > 1 else repeats)
+                builds, plans, plan = build_samples(ws, dims, b, c, max(1, repeats // rounds))
                 samples[impl][0].extend(builds)
                 samples[impl][1].extend(plans)
         sched = "fused" if plan.fused else f"{len(plan.chunks)} chunks" if plan.chunks else "no context"
