@@ -23,14 +23,16 @@ The gather (context rows through ``block_table``, dequantized into the plan's dt
 tokens' kv_c / k_pe placed after each request's context) has two implementations chosen in ONE place,
 :func:`gather_impl`: a Triton kernel (:mod:`mla_bridge.kernels.gather`, CUDA only, imported lazily) and the torch
 path (the CPU and fallback). They give bitwise identical results. The cache is indexed as
-``[num_blocks, block_size, L]`` through its strides, so a non-contiguous cache is never copied.
+``[num_blocks, block_size, L]`` through its strides, so a non-contiguous cache is never copied. A context chunk's rows
+are named either token by token (``req_ids`` / ``positions``) or by the chunk's key indptr (:class:`ChunkRows`,
+:func:`gather_rows`: what a plan on CUDA hands the gather, so that planning makes no per-token index tensor).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -38,7 +40,7 @@ from .weights import broadcast_heads
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SUPPORTED_CACHE_DTYPES", "resolve_kv_cache_dtype", "is_fp8", "as_cache_view",
            "check_kv_cache", "quantize_latent_cache", "dequantize_latent", "gather_impl", "gather_latent",
-           "fused_latent", "cache_dtype_name"]
+           "gather_rows", "ChunkRows", "fused_latent", "cache_dtype_name"]
 
 #: The FP8 cache dtype (e4m3, finite-only "fn" variant, as vLLM's ``fp8`` / ``fp8_e4m3`` cache).
 FP8_DTYPE = torch.float8_e4m3fn
@@ -336,6 +338,54 @@ def fused_latent(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.T
     latent[:, : dims.kv_lora_rank].index_copy_(0, plan.new_dst, kv_c)
     latent[:, dims.kv_lora_rank:].index_copy_(0, plan.new_dst, k_pe)
     return _split_off_k_pe(latent, k_pe_out)
+
+
+class ChunkRows(NamedTuple):
+    """The context rows of one chunk named by its key indptr instead of token by token: the chunk's requests are
+    ``req_start, req_start + 1, ...`` and its tokens ``kv_indptr[j]:kv_indptr[j + 1]`` are request ``req_start + j``'s
+    context positions ``first_start + (t - kv_indptr[0])`` for ``j = 0`` (the first request may begin inside its
+    context) and ``t - kv_indptr[j]`` for the others, in order (vLLM's context-chunk layout).
+
+    Fields: ``kv_indptr`` (int32 ``[n + 1]``, ``kv_indptr[0] = 0``, non-decreasing, ``kv_indptr[n] = num_tokens``, on
+    the cache's device: on CUDA the copy FlashInfer's ``plan()`` made of the chunk pass's kv_indptr), ``req_start``,
+    ``first_start`` and ``num_tokens`` (ints). The Triton kernels find each token's request by a binary search of
+    ``kv_indptr`` (:func:`mla_bridge.kernels.gather.chunk_rows`); the torch path expands :meth:`token_indices`.
+    """
+
+    kv_indptr: torch.Tensor
+    req_start: int
+    first_start: int
+    num_tokens: int
+
+    #: device bytes per row that :meth:`token_indices` allocates at its peak (four int64 vectors)
+    INDEX_BYTES = 32
+
+    def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(req_ids, positions)``: int64 ``[num_tokens]`` each, on ``kv_indptr``'s device (torch ops: a search and
+        three elementwise kernels, made at every call)."""
+        kv = self.kv_indptr.long()
+        t = torch.arange(self.num_tokens, dtype=torch.int64, device=kv.device)
+        j = torch.searchsorted(kv, t, right=True).sub_(1)  # the last request whose keys start at or before t
+        positions = t.sub_(kv[j])
+        if self.first_start:
+            positions.add_(j == 0, alpha=self.first_start)
+        return j.add_(self.req_start), positions
+
+
+def gather_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, rows: ChunkRows, *, dtype: torch.dtype,
+                kv_cache_scale=None, impl: Optional[str] = None,
+                k_pe_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`gather_latent` of the rows of ``rows`` (a :class:`ChunkRows`): the Triton kernel reads them from
+    ``rows.kv_indptr``, the torch path from :meth:`ChunkRows.token_indices`; bitwise equal results."""
+    impl = impl or gather_impl(kv_cache.device)
+    if impl == "triton":
+        from .kernels.gather import gather_latent_triton
+        width = kv_cache.shape[-1] if k_pe_out is None else kv_cache.shape[-1] - k_pe_out.shape[2]
+        out = torch.empty(rows.num_tokens, width, dtype=dtype, device=kv_cache.device)
+        gather_latent_triton(out, kv_cache, block_table, None, None, kv_cache_scale, k_pe_out, width, rows=rows)
+        return out
+    return gather_latent(kv_cache, block_table, *rows.token_indices(), dtype=dtype, kv_cache_scale=kv_cache_scale,
+                         impl="torch", k_pe_out=k_pe_out)
 
 
 def gather_row_bytes(cache_dtype: torch.dtype, dtype: torch.dtype, latent_dim: int) -> int:

@@ -210,6 +210,13 @@ class RaggedPlan:
             order()
 
     @property
+    def device_kv_indptr(self) -> Optional[torch.Tensor]:
+        """``kv_indptr`` as FlashInfer's ``plan()`` copied it to the device (int32 ``[batch + 1]``), which the runs
+        read; None for the torch backend, an empty batch, or a FlashInfer without that copy. Read on the device only
+        after :meth:`order_after_plan` on the reading stream (:class:`mla_bridge.PrefillPlan`'s chunk gathers do)."""
+        return getattr(self._kernel, "device_kv_indptr", None)
+
+    @property
     def qo_indptr(self) -> torch.Tensor:
         return self.spec.qo_indptr
 

@@ -258,3 +258,85 @@ def test_quantize_scale_of_tiny_values_is_positive():
         assert torch.isfinite(cache.float()).all()
     assert float(C.quantize_latent_cache(torch.zeros(4))[1]) == 1.0
     assert float(C.quantize_latent_cache(torch.full((4,), 448.0))[1]) == 1.0
+
+
+# ------------------------------------------------------------------------------------- chunk rows by kv_indptr
+def _chunk_plans():
+    """CPU plans whose chunks cover what ChunkRows must name: a request split across chunks (first_start > 0),
+    requests without context inside a chunk (repeated kv_indptr entries), 1 to 9 requests per chunk."""
+    from mla_bridge import MLADims, PrefillPlan, Workspace
+
+    d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    cases = [([1, 2, 1, 3, 1, 2, 1, 1, 2, 1], [3, 0, 5, 0, 0, 7, 2, 0, 4, 1], 19),
+             ([2, 3, 1], [17, 4, 9], 5), ([1] * 12, [1, 0] * 6, 64), ([4], [33], 8)]
+    return d, [PrefillPlan.build(q, c, dims=d, workspace=Workspace("cpu", chunk_tokens=k), block_size=4,
+                                 dtype=torch.float32, fuse_context=False) for q, c, k in cases]
+
+
+def _rows_of(chunk) -> "C.ChunkRows":
+    return C.ChunkRows(chunk.kv_indptr, chunk.req_start, chunk.first_start, chunk.num_tokens)
+
+
+def test_chunk_rows_name_the_tokens_of_the_chunk_schedule():
+    """ChunkRows.token_indices (the torch path of a CUDA chunk) gives, for every chunk, the (request, position) pairs
+    the reference schedule's spans name, in order: the same as the CPU plan's per-token tensors."""
+    _, plans = _chunk_plans()
+    seen = set()
+    for plan in plans:
+        for c in plan.chunks:
+            req, pos = _rows_of(c).token_indices()
+            assert req.dtype == pos.dtype == torch.int64
+            assert req.tolist() == [r for r, s, e in c.spans for _ in range(s, e)]
+            assert pos.tolist() == [p for r, s, e in c.spans for p in range(s, e)]
+            assert torch.equal(req, c.indices[0]) and torch.equal(pos, c.indices[1])
+            seen.add((c.first_start > 0, len(c.kv_indptr) - 1 > len(c.spans)))
+    assert seen >= {(True, False), (False, True)}  # both hard parts occur
+    assert max(len(c.kv_indptr) for p in plans for c in p.chunks) - 1 >= 9
+
+
+def interpreted_chunk_rows_cases() -> str:
+    """Under the interpreter: the gather and the fused up-projection kernel reading a chunk's rows from its
+    kv_indptr (ChunkRows) give exactly what they give from the per-token indices of the same chunk, for an FP8 and a
+    float32 cache, with and without k_pe_out (the gather) and both weight layouts (the up-projection)."""
+    from mla_bridge import prepare_kv_b_proj
+    from mla_bridge.kernels.gather import gather_latent_triton
+    from mla_bridge.kernels.up_project import up_project_triton
+
+    d, plans = _chunk_plans()
+    n = 0
+    for fp8 in (False, True):
+        g = torch.Generator().manual_seed(3)
+        nb, bs = 24, 4
+        lat = torch.randn(nb, bs, d.latent_dim, generator=g)
+        cache, s = C.quantize_latent_cache(lat) if fp8 else (lat, None)
+        scale = C._scale_value(s, cache.device) if fp8 else None
+        for plan in plans:
+            table = torch.randint(0, nb, (plan.batch_size, 9), generator=g, dtype=torch.int32)
+            for c in plan.chunks:
+                rows, (req, pos) = _rows_of(c), c.indices
+                want = C.gather_latent(cache, table, req, pos, dtype=torch.float32, kv_cache_scale=scale, impl="torch")
+                assert torch.equal(C.gather_rows(cache, table, rows, dtype=torch.float32, kv_cache_scale=scale,
+                                                 impl="triton"), want)
+                k_pe_out = torch.full((c.num_tokens, 3, d.qk_rope_head_dim), 7.0)
+                out = torch.empty(c.num_tokens, d.kv_lora_rank)
+                gather_latent_triton(out, cache, table, None, None, scale, k_pe_out, d.kv_lora_rank, rows=rows)
+                assert torch.equal(out, want[:, :d.kv_lora_rank])
+                assert torch.equal(k_pe_out, want[:, None, d.kv_lora_rank:].expand_as(k_pe_out))
+                for layout in ("identity", "split"):
+                    w = prepare_kv_b_proj(torch.randn(*d.kv_b_proj_shape, generator=g) * 0.2, d, layout=layout)
+                    got = {}
+                    for by_rows in (False, True):
+                        buf = torch.full((c.num_tokens, d.num_heads, d.head_dim_qk + d.v_head_dim), 7.0)
+                        up_project_triton(buf, w, kv_cache=cache, block_table=table, req_ids=None if by_rows else req,
+                                          positions=None if by_rows else pos, rows=rows if by_rows else None,
+                                          kv_cache_scale=scale)
+                        got[by_rows] = buf
+                    assert torch.equal(got[True], got[False]) and not (got[True] == 7.0).any()
+                n += 1
+    return f"ok {n}"
+
+
+def test_chunk_rows_kernels_equal_per_token_indices_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_chunk_rows_cases`."""
+    out = triton_interpreted("tests.test_cache:interpreted_chunk_rows_cases", "tests/gpu/test_gpu_gather.py")
+    assert out.strip().startswith("ok ") and int(out.split()[-1]) >= 20, out

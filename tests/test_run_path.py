@@ -195,3 +195,22 @@ def test_run_lse_base_log2():
     with pytest.raises(ValueError, match="lse_base must be 'ln'.*'log2', got 'e'"):
         plan.run(q, k, v, lse=dest, lse_base="e")
     assert torch.equal(dest, torch.full((9, 2), 7.0))
+
+
+def test_device_kv_indptr_is_the_copy_plan_made_or_none():
+    """RaggedPlan.device_kv_indptr (what a chunk's gather reads) is the wrapper's own ``_kv_indptr_buf`` only when it
+    has the plan's kind: int32, the plan's length, on the workspace's device; anything else gives None (then the
+    plan makes its own copy)."""
+    from mla_bridge.backends.flashinfer import _device_indptr
+
+    host = torch.tensor([0, 3, 5], dtype=torch.int32)
+    cpu = torch.device("cpu")
+    good = types.SimpleNamespace(_kv_indptr_buf=host.clone())
+    assert _device_indptr(good, "_kv_indptr_buf", host, cpu) is good._kv_indptr_buf
+    for buf in (None, host.long(), host[:2].clone(), [0, 3, 5]):
+        assert _device_indptr(types.SimpleNamespace(_kv_indptr_buf=buf), "_kv_indptr_buf", host, cpu) is None
+    assert _device_indptr(types.SimpleNamespace(), "_kv_indptr_buf", host, cpu) is None
+    assert _device_indptr(good, "_kv_indptr_buf", host, torch.device("meta")) is None
+    plan = plan_ragged([0, 2], [0, 3], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=False, sm_scale=0.5,
+                       dtype=torch.float32, workspace=Workspace("cpu"))
+    assert plan.device_kv_indptr is None  # the torch backend copies nothing

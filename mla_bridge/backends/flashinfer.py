@@ -173,6 +173,7 @@ class FlashInferRaggedKernel:
         if self._cuda and not torch.cuda.is_current_stream_capturing():
             ptr, stream = current_stream(workspace.device)
             self.lease.record_plan(stream, ptr)
+        self.device_kv_indptr = _device_indptr(self.wrapper, "_kv_indptr_buf", spec.kv_indptr, workspace.device)
 
     def order_after_plan(self) -> None:
         """Make the current stream wait for this plan's host-to-device copies (nothing on the plan's own stream,
@@ -265,6 +266,19 @@ class FlashInferRaggedKernel:
         self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=lse is not None, lse_base=lse_base,
                          lse_layout=lse_layout)
         return out, lse
+
+
+def _device_indptr(wrapper: Any, name: str, host: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
+    """The device copy of the indptr ``host`` that ``plan()`` just queued (FlashInfer 0.7.4 ``prefill.py``: for an
+    explicit backend ``plan()`` sets ``self._kv_indptr_buf = kv_indptr.to(self.device, non_blocking=True)``, and its
+    runs read it), or None where the wrapper holds nothing of that kind (int32, ``host``'s length, on ``device``).
+    Ordered like the plan's other copies (the plan event, :meth:`FlashInferRaggedKernel.order_after_plan`); while the
+    plan holds its wrapper the pool never plans that wrapper again, so the values stay the plan's."""
+    buf = getattr(wrapper, name, None)
+    if (isinstance(buf, torch.Tensor) and buf.dtype == torch.int32 and buf.device == device
+            and buf.shape == host.shape):
+        return buf
+    return None
 
 
 def make_kernel(choice: Any, workspace: Any, spec: Any) -> FlashInferRaggedKernel:

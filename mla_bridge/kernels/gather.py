@@ -2,7 +2,8 @@
 
 One launch writes the latent buffer the up-projection GEMM reads, in the plan's dtype:
 
-* context rows: for each gathered token ``i`` (request ``req_ids[i]``, context position ``positions[i]``) the row
+* context rows: for each gathered token ``i`` (request ``req_ids[i]``, context position ``positions[i]``, or found in
+  a chunk's key indptr by :func:`chunk_rows`: :class:`mla_bridge.cache.ChunkRows`) the row
   ``kv_cache[block_table[req, pos // block_size], pos % block_size, :]`` (read through the cache's strides), for an
   FP8 cache ``float32(stored) * scale`` rounded once to the output dtype (as vLLM's ``gather_and_maybe_dequant_cache``),
   written to row ``ctx_dst[i]`` (or row ``i`` for a chunk's gather);
@@ -28,7 +29,7 @@ import triton.language as tl
 from . import cdiv, next_power_of_2
 from .launch import launch
 
-__all__ = ["gather_latent_triton", "fused_latent_triton"]
+__all__ = ["gather_latent_triton", "fused_latent_triton", "chunk_rows", "chunk_row_args"]
 
 _BLOCK_M = 4
 _OPTIONS = dict(num_warps=4)
@@ -50,16 +51,48 @@ def _dequant(x, s, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
+def chunk_rows(rows, rmask, indptr_ptr, n_req, req_start, first_start, steps):
+    """(request, context position) of each chunk row ``rows`` (int64) from the chunk's key indptr (int32 ``[n_req +
+    1]``, :class:`mla_bridge.cache.ChunkRows`): ``j``, the last request whose keys start at or before the row, by a
+    binary search of ``steps = (n_req - 1).bit_length()`` halvings of ``[lo, hi)`` (``indptr[lo] <= row`` holds
+    throughout; once ``hi - lo == 1`` a step changes nothing), then ``req_start + j`` and ``row - indptr[j]`` (plus
+    ``first_start`` for ``j = 0``). The loads of the small indptr hit L1/L2; integer arithmetic only, so the rows are
+    exactly those of the per-token indices."""
+    lo = tl.zeros_like(rows)
+    hi = lo + n_req
+    for _ in range(steps):
+        active = hi - lo > 1
+        mid = (lo + hi) // 2
+        start = tl.load(indptr_ptr + mid, mask=rmask & active, other=0).to(tl.int64)
+        right = start <= rows
+        lo = tl.where(active & right, mid, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    pos = rows - tl.load(indptr_ptr + lo, mask=rmask, other=0).to(tl.int64) + tl.where(lo == 0, first_start, 0)
+    return req_start + lo, pos
+
+
+def chunk_row_args(rows, stand_in: torch.Tensor) -> tuple:
+    """The kernels' five chunk-row arguments (indptr, requests, first request, its first position, search steps) of
+    a :class:`mla_bridge.cache.ChunkRows` (``stand_in`` and zeros for None: a launch naming rows token by token)."""
+    if rows is None:
+        return stand_in, 1, 0, 0, 0
+    n_req = rows.kv_indptr.shape[0] - 1
+    return rows.kv_indptr, n_req, rows.req_start, rows.first_start, (n_req - 1).bit_length()
+
+
+# The chunk-row ints are not specialized by Triton (on being 1 or divisible by 16): a new batch shape compiles nothing.
+@triton.jit(do_not_specialize=["n_req", "req_start", "first_start", "steps"])
 def _gather_kernel(out_ptr, out_stride,
                    cache_ptr, cs_block, cs_slot, cs_elem,
                    table_ptr, ts_row, ts_col,
                    req_ptr, pos_ptr, ctx_dst_ptr, n_ctx, ctx_programs,
+                   indptr_ptr, n_req, req_start, first_start, steps,
                    kvc_ptr, kvc_row, kvc_elem, kpe_ptr, kpe_row, kpe_elem, new_dst_ptr, n_new,
                    scale_ptr, scale_val, kpe_out_ptr, ko_row, ko_head, n_heads,
                    BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, HAS_CTX_DST: tl.constexpr, DEQUANT: tl.constexpr,
                    SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr, HAS_KPE_OUT: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BY_INDPTR: tl.constexpr):
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < LAT
@@ -70,8 +103,11 @@ def _gather_kernel(out_ptr, out_stride,
     if pid < ctx_programs:
         rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < n_ctx
-        req = tl.load(req_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        if BY_INDPTR:
+            req, pos = chunk_rows(rows, rmask, indptr_ptr, n_req, req_start, first_start, steps)
+        else:
+            req = tl.load(req_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
         blk = tl.load(table_ptr + req * ts_row + (pos // BLOCK_SIZE) * ts_col, mask=rmask, other=0).to(tl.int64)
         src = cache_ptr + blk[:, None] * cs_block + (pos % BLOCK_SIZE)[:, None] * cs_slot + d[None, :] * cs_elem
         m = rmask[:, None] & dmask[None, :]
@@ -116,19 +152,22 @@ def _gather_kernel(out_ptr, out_stride,
                 tl.store(kpe_out_ptr + dst[:, None] * ko_row + h * ko_head + r[None, :], pe, mask=pm)
 
 
-def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
-            positions: torch.Tensor, ctx_dst: Optional[torch.Tensor], kv_c: Optional[torch.Tensor],
+def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, req_ids: Optional[torch.Tensor],
+            positions: Optional[torch.Tensor], ctx_dst: Optional[torch.Tensor], kv_c: Optional[torch.Tensor],
             k_pe: Optional[torch.Tensor], new_dst: Optional[torch.Tensor],
-            scale: Union[None, float, torch.Tensor], rank: int, k_pe_out: Optional[torch.Tensor] = None) -> None:
+            scale: Union[None, float, torch.Tensor], rank: int, k_pe_out: Optional[torch.Tensor] = None,
+            rows=None) -> None:
     lat = cache.shape[-1]
     dequant = scale is not None
     cache_arg = cache.view(torch.uint8) if dequant else cache  # FP8 bytes, reinterpreted in the kernel
-    n_ctx = req_ids.shape[0]
+    n_ctx = rows.num_tokens if rows is not None else req_ids.shape[0]
     n_new = 0 if new_dst is None else new_dst.shape[0]
     ctx_programs = cdiv(n_ctx, _BLOCK_M)
     grid = (ctx_programs + cdiv(n_new, _BLOCK_M),)
     if grid[0] == 0:
         return
+    if rows is not None:  # unused per-token pointers: any integer tensor
+        req_ids = positions = rows.kv_indptr
     if kv_c is None:  # unused pointers of the gather-only launch: any tensor of the right kind
         kv_c = k_pe = out
         new_dst = req_ids
@@ -139,26 +178,28 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
         cache_arg, cache.stride(0), cache.stride(1), cache.stride(2),
         block_table, block_table.stride(0), block_table.stride(1),
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_programs,
+        *chunk_row_args(rows, req_ids),
         kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1), new_dst, n_new,
         scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0,
         ko, ko.stride(0), ko.stride(1), ko.shape[1]),
         dict(BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=next_power_of_2(lat), BLOCK_M=_BLOCK_M,
              HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
              OUT_BF16=out.dtype == torch.bfloat16, HAS_KPE_OUT=k_pe_out is not None,
-             BLOCK_R=next_power_of_2(max(lat - rank, 1))), _OPTIONS)
+             BLOCK_R=next_power_of_2(max(lat - rank, 1)), BY_INDPTR=rows is not None), _OPTIONS)
 
 
-def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
-                         positions: torch.Tensor, kv_cache_scale=None, k_pe_out: Optional[torch.Tensor] = None,
-                         rank: Optional[int] = None) -> None:
-    """``out[i] = dequant(kv_cache[block_table[req_ids[i], positions[i] // bs], positions[i] % bs])``.
+def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         req_ids: Optional[torch.Tensor], positions: Optional[torch.Tensor], kv_cache_scale=None,
+                         k_pe_out: Optional[torch.Tensor] = None, rank: Optional[int] = None, *, rows=None) -> None:
+    """``out[i] = dequant(kv_cache[block_table[req_ids[i], positions[i] // bs], positions[i] % bs])``; with ``rows``
+    (a :class:`mla_bridge.cache.ChunkRows`, ``req_ids`` / ``positions`` None) the pairs are the chunk's rows.
 
     ``out`` ``[N, L]`` rows (unit last stride) in the output dtype; ``kv_cache`` ``[num_blocks, bs, L]`` (any
     strides) in ``out``'s dtype, or float8_e4m3fn with ``kv_cache_scale`` (a float or a 0-d float32 device tensor).
     With ``k_pe_out`` ``[N, H, L - rank]`` (unit last stride): ``out`` ``[N, rank]`` gets the first ``rank`` columns
     and every head of ``k_pe_out`` the rest."""
     _launch(out, kv_cache, block_table, req_ids, positions, None, None, None, None, kv_cache_scale,
-            kv_cache.shape[-1] if rank is None else rank, k_pe_out)
+            kv_cache.shape[-1] if rank is None else rank, k_pe_out, rows)
 
 
 def fused_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,

@@ -4,7 +4,8 @@ What the separate path does in two or three launches (the gather of :mod:`mla_br
 :mod:`mla_bridge.cache`, then the GEMM of :meth:`mla_bridge.PreparedKVBProj.up_project`), this kernel does in one:
 a GEMM whose A rows are read where they lie, and whose epilogue writes the layout the attention kernel reads.
 
-* **A rows (gathered A).** Context row ``i`` (request ``req_ids[i]``, position ``positions[i]``) is read through
+* **A rows (gathered A).** Context row ``i`` (request ``req_ids[i]``, position ``positions[i]``, or found in a chunk's
+  key indptr: :class:`mla_bridge.cache.ChunkRows`, :func:`mla_bridge.kernels.gather.chunk_rows`) is read through
   ``block_table`` from the paged cache (its strides; an FP8 cache dequantized as ``round_to_dtype(float32(stored) *
   kv_cache_scale)``, bitwise the gather's rounding) and lands in output row ``ctx_dst[i]`` (or ``i``); new-token row
   ``j`` is ``kv_c[j] ++ k_pe[j]`` and lands in row ``new_dst[j]`` (or ``j``). Nothing is staged in memory.
@@ -55,7 +56,7 @@ import triton.language as tl
 from . import cdiv, next_power_of_2
 from .launch import launch
 
-from .gather import _dequant
+from .gather import _dequant, chunk_row_args, chunk_rows
 
 __all__ = ["up_project_triton", "CONFIG", "DEQUANT_MAX_STAGES"]
 
@@ -93,19 +94,21 @@ def _gemm(a_rows, a_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_req", "req_start", "first_start", "steps"])  # as the gather's
 def _up_project_kernel(out_ptr, o_row, o_head,
                        w_ptr, w_row, w_head, w_nope, w_v,
                        cache_ptr, cs_block, cs_slot, cs_elem,
                        table_ptr, ts_row, ts_col,
                        req_ptr, pos_ptr, ctx_dst_ptr, n_ctx, ctx_tiles,
+                       indptr_ptr, n_req, req_start, first_start, steps,
                        kvc_ptr, kvc_row, kvc_elem, kpe_ptr, kpe_row, kpe_elem, new_dst_ptr, n_new,
                        scale_ptr, scale_val,
                        H: tl.constexpr, BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, NOPE: tl.constexpr,
                        ROPE: tl.constexpr, VD: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                        HAS_CTX_DST: tl.constexpr, HAS_NEW_DST: tl.constexpr, DEQUANT: tl.constexpr,
-                       SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr, IEEE: tl.constexpr):
+                       SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr, IEEE: tl.constexpr,
+                       BY_INDPTR: tl.constexpr):
     pid = tl.program_id(0)
     tile = pid // (2 * H)
     part = pid % (2 * H)
@@ -128,8 +131,11 @@ def _up_project_kernel(out_ptr, o_row, o_head,
     if tile < ctx_tiles:
         rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < n_ctx
-        req = tl.load(req_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        if BY_INDPTR:
+            req, pos = chunk_rows(rows, rmask, indptr_ptr, n_req, req_start, first_start, steps)
+        else:
+            req = tl.load(req_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
         blk = tl.load(table_ptr + req * ts_row + (pos // BLOCK_SIZE) * ts_col, mask=rmask, other=0).to(tl.int64)
         src = cache_ptr + blk * cs_block + (pos % BLOCK_SIZE) * cs_slot
         acc = _gemm(src, cs_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
@@ -166,10 +172,10 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
                       positions: Optional[torch.Tensor] = None, ctx_dst: Optional[torch.Tensor] = None,
                       kv_c: Optional[torch.Tensor] = None, k_pe: Optional[torch.Tensor] = None,
                       new_dst: Optional[torch.Tensor] = None,
-                      kv_cache_scale: Union[None, float, torch.Tensor] = None, **config) -> None:
+                      kv_cache_scale: Union[None, float, torch.Tensor] = None, rows=None, **config) -> None:
     """Fill ``out [N, H, qk_nope + qk_rope + v_head_dim]`` (contiguous, the plan's dtype) with ``[k_nope | k_pe | v]``
-    per head for the context rows (``kv_cache`` through ``block_table`` at ``(req_ids[i], positions[i])``, to rows
-    ``ctx_dst`` or ``0..n_ctx-1``) and the new rows (``kv_c`` ``[n, rank]``, ``k_pe`` ``[n, rope]``, to rows
+    per head for the context rows (``kv_cache`` through ``block_table`` at ``(req_ids[i], positions[i])``, or at the
+    rows of ``rows``, a :class:`mla_bridge.cache.ChunkRows`, to rows ``ctx_dst`` or ``0..n_ctx-1``) and the new rows (``kv_c`` ``[n, rank]``, ``k_pe`` ``[n, rope]``, to rows
     ``new_dst`` or ``0..n-1``); either part may be absent. ``weight``: a :class:`mla_bridge.PreparedKVBProj` of any
     layout, the checkpoint one included (the raw weight read in place).
     ``config`` overrides :data:`CONFIG` (the benchmark's tile sweep)."""
@@ -181,7 +187,7 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         cfg["num_stages"] = min(cfg["num_stages"], DEQUANT_MAX_STAGES)
     bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, next_power_of_2(rank)))
     w, w_row, w_head, w_nope, w_v = weight._rows()  # each head's k_nope and v rows, in any layout
-    n_ctx = 0 if req_ids is None else req_ids.shape[0]
+    n_ctx = rows.num_tokens if rows is not None else (0 if req_ids is None else req_ids.shape[0])
     n_new = 0 if kv_c is None else kv_c.shape[0]
     ctx_tiles = cdiv(n_ctx, bm)
     grid = ((ctx_tiles + cdiv(n_new, bm)) * 2 * h,)
@@ -189,6 +195,8 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         return
     if kv_cache is None:  # unused pointers of an absent part: any tensor of the right kind
         kv_cache, block_table, req_ids, positions = out.view(-1, 1, out.shape[-1]), out, out, out
+    elif rows is not None:
+        req_ids = positions = rows.kv_indptr
     if kv_c is None:
         kv_c = k_pe = out[:, 0]
     cache = kv_cache.view(torch.uint8) if dequant else kv_cache
@@ -199,6 +207,7 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table, block_table.stride(0), block_table.stride(-1),
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_tiles,
+        *chunk_row_args(rows, req_ids),
         kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1),
         new_dst if new_dst is not None else kv_c, n_new,
         kv_cache_scale if scale_is_ptr else out, float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0),
@@ -206,5 +215,6 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
              BLOCK_M=bm, BLOCK_N=max(16, next_power_of_2(max(nope, vd))), BLOCK_K=bk,
              BLOCK_R=max(16, next_power_of_2(rope)),
              HAS_CTX_DST=ctx_dst is not None, HAS_NEW_DST=new_dst is not None, DEQUANT=dequant,
-             SCALE_IS_PTR=scale_is_ptr, OUT_BF16=out.dtype == torch.bfloat16, IEEE=out.dtype == torch.float32),
+             SCALE_IS_PTR=scale_is_ptr, OUT_BF16=out.dtype == torch.bfloat16, IEEE=out.dtype == torch.float32,
+             BY_INDPTR=rows is not None),
         cfg)  # cfg: the compile options left (num_warps, num_stages)
