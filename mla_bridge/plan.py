@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .cache import resolve_kv_cache_dtype
+from .cache import ChunkRows, resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, device_capability
 from .kernels import triton_available
@@ -49,6 +49,11 @@ class ContextChunk:
     non-causal pass (``None`` when the chunk's requests have no new tokens), ``spans[i] = (request, first context
     token, end)`` its nonempty pieces.
 
+    Its rows for the gather: on CUDA ``rows`` (:class:`mla_bridge.cache.ChunkRows`: the pass's kv_indptr on the device,
+    as FlashInfer's ``plan()`` copied it, or the plan's own copy), from which the kernels find each token's
+    request themselves, so that planning makes no per-token index tensor; on the CPU ``indices``, the host tensors
+    ``(req_ids, positions)`` made at plan time. :attr:`req_ids` / :attr:`positions` give them either way.
+
     Merge rounds (:meth:`PrefillPlan._plan_chunks`): ``part_row`` is the first row of this chunk's partial out / lse
     in the call's partial buffer, and ``merge_rows`` the query rows ``(start, stop)`` merged into the output after
     this chunk's pass (None: a later chunk of its round merges them)."""
@@ -60,8 +65,8 @@ class ContextChunk:
     kv_indptr: torch.Tensor
     first_start: int
     plan: Optional[RaggedPlan]
-    req_ids: Optional[torch.Tensor]  # int64 [chunk tokens] on the device: request of each gathered token
-    positions: Optional[torch.Tensor]  # int64 [chunk tokens]: its position in that request's context
+    rows: Optional[ChunkRows]  # CUDA: the rows by the device kv_indptr (None on the CPU)
+    indices: Optional[tuple[torch.Tensor, torch.Tensor]]  # CPU: int64 (req_ids, positions) [chunk tokens] (None on CUDA)
     part_row: int = 0
     merge_rows: Optional[tuple[int, int]] = None
 
@@ -75,6 +80,22 @@ class ContextChunk:
     @property
     def num_tokens(self) -> int:
         return int(self.kv_indptr[-1])
+
+    def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(req_ids, positions)``, int64 ``[num_tokens]``: the request and context position of each of the chunk's
+        tokens, in order. The CPU plan's host tensors; on CUDA made at each call from :attr:`rows` on the device
+        (:meth:`mla_bridge.cache.ChunkRows.token_indices`, the torch gather's input)."""
+        return self.indices if self.indices is not None else self.rows.token_indices()
+
+    @property
+    def req_ids(self) -> torch.Tensor:
+        """The request of each token (:meth:`token_indices`)."""
+        return self.token_indices()[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Each token's position in its request's context (:meth:`token_indices`)."""
+        return self.token_indices()[1]
 
 
 def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> list[list[tuple[int, int, int]]]:
@@ -208,14 +229,14 @@ class PrefillPlan:
                 size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
                 is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``).
 
-        Host work is O(requests + chunks) on CUDA: the per-token index tensors (the fused schedule's placements, or
-        the chunked schedule's context stream) are ONE expansion of a small run table on the device
-        (:meth:`_expand`): one page-locked host-to-device copy and one Triton kernel where Triton imports (four
-        torch kernels otherwise), never a synchronizing call; then one FlashInfer ``plan()`` per distinct pass
-        shape. :attr:`key` is not made here (on first use). The first build in a process compiles the Triton
-        kernel (or loads it from Triton's cache). On the CPU device those index tensors are host memory, made here:
-        16 bytes per context token in the chunked schedule, 24 per gathered context token and 8 per new token in
-        the fused one.
+        Host work is O(requests + chunks) on CUDA, never a synchronizing call, and one FlashInfer ``plan()`` per
+        distinct pass shape. The chunked schedule makes no per-token index tensor there: each chunk's gather reads its
+        pass's kv_indptr as ``plan()`` copied it to the device (:class:`ContextChunk`, :class:`ChunkRows`). The fused
+        schedule's placements are ONE expansion of a small run table on the device (:meth:`_expand`): one
+        page-locked host-to-device copy and one Triton kernel where Triton imports (four torch kernels otherwise);
+        the first such build in a process compiles that kernel (or loads it from Triton's cache). :attr:`key` is
+        not made here (on first use). On the CPU device the index tensors are host memory, made here: 16 bytes per
+        context token in the chunked schedule, 24 per gathered context token and 8 per new token in the fused one.
         """
         _check_fuse_context(fuse_context)
         self = object.__new__(cls)
@@ -309,8 +330,8 @@ class PrefillPlan:
         holding ``counts[i]`` values, ``firsts[i], firsts[i] + 1, ...`` for the first ``counting_runs`` runs
         (counting runs) and ``firsts[i]`` repeated for the others (constant runs). Returns one int64 tensor of
         ``counts.sum()`` values on the plan's device, which the callers split into views: ONE buffer per plan, the
-        fused schedule's placements (:meth:`_plan_fused_indices`) or the chunked schedule's context stream
-        (:meth:`_plan_chunks`).
+        fused schedule's placements (:meth:`_plan_fused_indices`), or on the CPU device the chunked schedule's
+        context stream (:meth:`_plan_chunks`; on CUDA its gathers read the chunks' kv_indptrs instead).
 
         The host makes a table of ``2 x runs`` int64 (each run's end in the output and its base value, the value at
         token ``t`` being ``base[run] (+ t in a counting run)``), O(runs) numpy work. On CUDA the expansion runs on
@@ -357,8 +378,12 @@ class PrefillPlan:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
         tokens, request after request, form one stream, and chunk ``k`` is its tokens ``[k * chunk_tokens, (k + 1) *
         chunk_tokens)``. One :class:`RaggedPlan` per distinct ``(qo_indptr, kv_indptr)`` pair (chunks of the same shape
-        share it, and its host indptrs: nothing else of a chunk enters FlashInfer's plan), and every chunk's token
-        indices are views of the context stream's indices, cut by one call: one :meth:`_expand` of the runs
+        share it, and its host indptrs: nothing else of a chunk enters FlashInfer's plan).
+
+        A chunk's rows for the gather: on CUDA its pass's kv_indptr on the device (:class:`ChunkRows`), the copy
+        FlashInfer's ``plan()`` makes anyway (:attr:`RaggedPlan.device_kv_indptr`; where a pass has none, the torch
+        backend, one page-locked copy for all such passes, :func:`_indptrs_on_device`): no per-token tensor, no
+        kernel. On the CPU device the per-token ``(req_ids, positions)`` as views of ONE :meth:`_expand` of the runs
         ``counts = [c, c]`` (``c`` the context lengths), ``firsts = [0, ..., 0, 0, 1, ..., batch - 1]``, the first
         ``batch`` counting -- each stream token's position in its request's context, then that request.
         ``qo_list`` / ``qo_all``: ``qo_indptr`` as Python ints and as int32."""
@@ -370,13 +395,15 @@ class PrefillPlan:
         # quantity costs more than the loop) and as int32, whose slices are the chunks' keys.
         offsets = list(itertools.accumulate(self.context_lens, initial=0))
         cum, q_lens = np.array(offsets, dtype=np.int32), self.query_lens
-        b, c = len(q_lens), np.diff(cum)  # the context lengths
-        stream = self._expand(np.concatenate([c, c]), np.concatenate([np.zeros(b, dtype=np.int64), np.arange(b)]),
-                              counting_runs=b)  # positions [total], then req_ids [total]
         starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
         sizes = [step] * (total // step) + ([total % step] if total % step else [])
-        views = stream.split_with_sizes(sizes + sizes)
-        pos_views, req_views = views[:len(sizes)], views[len(sizes):]
+        on_cpu = self.device.type == "cpu"
+        if on_cpu:
+            b, c = len(q_lens), np.diff(cum)  # the context lengths
+            stream = self._expand(np.concatenate([c, c]), np.concatenate([np.zeros(b, dtype=np.int64), np.arange(b)]),
+                                  counting_runs=b)  # positions [total], then req_ids [total]
+            views = stream.split_with_sizes(sizes + sizes)
+            indices = list(zip(views[len(sizes):], views[:len(sizes)]))
         # The chunks' requests; then merge rounds (below), which need the next chunk's rows.
         bounds = []
         for start, size in zip(starts, sizes):
@@ -385,9 +412,8 @@ class PrefillPlan:
             bounds.append((req_start, req_end, qo_list[req_start], qo_list[req_end]))
         rounds = _merge_rounds([(q_start, q_end) for _, _, q_start, q_end in bounds])
         plans: dict = {}
-        chunks = []
-        for i, ((start, size), (req_start, req_end, q_start, q_end), (part_row, merge_rows)) in enumerate(
-                zip(zip(starts, sizes), bounds, rounds)):
+        made = []
+        for start, size, (req_start, req_end, q_start, q_end) in zip(starts, sizes, bounds):
             # The chunk's keys: the stream's [start, start + size) cut at its requests' edges (only the first
             # request begins before the chunk, only the last ends after it).
             kv = cum[req_start:req_end + 1] - start
@@ -403,9 +429,37 @@ class PrefillPlan:
                 kv_indptr = plan.kv_indptr  # equal values: the first chunk of this shape's tensor
             else:
                 kv_indptr = torch.from_numpy(kv)
-            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, start - offsets[req_start],
-                                       plan, req_views[i], pos_views[i], part_row, merge_rows))
+            made.append((kv_indptr, start - offsets[req_start], plan))
+        device_kv = [] if on_cpu else self._device_kv_indptrs(made)
+        chunks = []
+        for i, ((kv_indptr, first, plan), (req_start, req_end, q_start, q_end), (part_row, merge_rows)) in enumerate(
+                zip(made, bounds, rounds)):
+            rows = None if on_cpu else ChunkRows(device_kv[i], req_start, first, sizes[i])
+            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first, plan, rows,
+                                       indices[i] if on_cpu else None, part_row, merge_rows))
         return chunks
+
+    def _device_kv_indptrs(self, made: list) -> list:
+        """Each chunk's kv_indptr on the device (``made``: per chunk its host kv_indptr, first start and pass): its
+        pass's copy from FlashInfer's ``plan()`` (:attr:`RaggedPlan.device_kv_indptr`, shared by the chunks of one
+        pass); for a pass without one (the torch backend) and a chunk without a pass (never gathered by
+        :func:`mla_bridge.mla_prefill`, but :func:`mla_bridge.kv.chunk_kv` takes any chunk) ONE page-locked
+        host-to-device copy for all of them (:func:`_indptrs_on_device`, queued before the main pass's plan, whose
+        event covers it, or the plan's own event). Each tensor goes to ``_device_indices`` once."""
+        found, missing = {}, {}  # by id of the pass, or of the chunk's host kv_indptr for a chunk without one
+        for kv_indptr, _, plan in made:
+            owner = kv_indptr if plan is None else plan
+            if id(owner) not in found and id(owner) not in missing:
+                dev = None if plan is None else plan.device_kv_indptr
+                if dev is None:
+                    missing[id(owner)] = kv_indptr
+                else:
+                    found[id(owner)] = dev
+        if missing:
+            copies = _indptrs_on_device([kv.numpy() for kv in missing.values()], self.device)
+            found.update(zip(missing, copies))
+        self._device_indices.extend(found.values())
+        return [found[id(kv_indptr if plan is None else plan)] for kv_indptr, _, plan in made]
 
     @property
     def key(self) -> tuple:
@@ -514,6 +568,16 @@ def _page_locked(table: np.ndarray) -> torch.Tensor:
     host = torch.empty(table.shape, dtype=torch.int64, pin_memory=True)
     host.numpy()[...] = table
     return host
+
+
+def _indptrs_on_device(indptrs: list, device: torch.device) -> list:
+    """int32 copies on ``device`` of the numpy indptrs ``indptrs``: one page-locked buffer filled on the host, ONE
+    host-to-device copy that never blocks the host (``non_blocking`` from page-locked memory, on the current stream),
+    views of the result."""
+    sizes = [a.size for a in indptrs]
+    host = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=True)
+    np.concatenate(indptrs, out=host.numpy())
+    return list(host.to(device, non_blocking=True).split(sizes))
 
 
 def _expand_impl(device: torch.device) -> str:

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .cache import check_kv_cache, gather_impl, gather_row_bytes
+from .cache import ChunkRows, check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
 from .backends.flashinfer import direct_enabled
 from .inference import refuse_autograd
@@ -315,7 +315,9 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries
     per context row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the
     rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices;
-    the Triton gather allocates none of them, so the formula is an upper bound there). The cache itself (``num_blocks x
+    the Triton gather allocates none of them, so the formula is an upper bound there; on CUDA the torch path of a
+context chunk also makes the chunk's per-token indices, :data:`mla_bridge.cache.ChunkRows.INDEX_BYTES` per row,
+counted too). The cache itself (``num_blocks x
     block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
     benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
     :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left
@@ -334,14 +336,15 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
 
     row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat)
 
-    def one_pass(keys: int, gathered: int) -> int:
-        return keys * lat * e + gathered * row + keys * h * p * e
+    def one_pass(keys: int, gathered: int, indices: int = 0) -> int:
+        return keys * lat * e + gathered * (row + indices) + keys * h * p * e
 
     if plan.fused:
         return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_gathered_context_tokens)
     peak = one_pass(t, 0)
     partials = plan.partial_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
     for c in plan.chunks:
-        if c.plan is not None:
-            peak = max(peak, one_pass(c.num_tokens, c.num_tokens) + partials)
+        if c.plan is not None:  # a CUDA chunk's torch gather makes its per-token indices in the call
+            extra = ChunkRows.INDEX_BYTES if c.rows is not None else 0
+            peak = max(peak, one_pass(c.num_tokens, c.num_tokens, extra) + partials)
     return fixed + peak

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 
 __all__ = ["Stream", "Event", "TorchOnCPU", "install_runtime", "install_planning", "page_locked_on_cpu",
-           "expand_kernel_on_cpu"]
+           "expand_kernel_on_cpu", "indptrs_on_cpu"]
 
 
 class Stream:
@@ -83,6 +83,12 @@ def expand_kernel_on_cpu(table: torch.Tensor, total: int, counting: int) -> torc
     return out
 
 
+def indptrs_on_cpu(indptrs: list, device) -> list:
+    """``mla_bridge.plan._indptrs_on_device`` on the CPU (no page-locking, no copy to a device): int32 copies."""
+    assert device.type == "cuda"
+    return [torch.from_numpy(a.astype("int32", copy=True)) for a in indptrs]
+
+
 def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[list] = None,
                      expand: str = "torch") -> None:
     """A fake SM90 device with FlashInfer 0.7.4 for planning: every CUDA branch of ``PrefillPlan.build`` runs, the
@@ -101,6 +107,7 @@ def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[li
     install_runtime(setattr, lambda: (9, 0), lambda: stream, Event)
     setattr(fi_backend, "new_wrapper", wrapper_class)
     setattr(plan_mod, "_page_locked", page_locked_on_cpu)
+    setattr(plan_mod, "_indptrs_on_device", indptrs_on_cpu)  # the stand-in wrapper holds no device kv_indptr
     setattr(plan_mod, "_expand_impl", lambda device: expand)
     setattr(plan_mod, "_launch_expand", expand_kernel_on_cpu)
     for name in ("_expand_on_device", "_expand_on_device_triton"):

@@ -68,8 +68,10 @@ def _index_tensors(plan):
 
 @pytest.mark.parametrize("q_lens,c_lens,chunk", CASES)
 def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens, c_lens, chunk):
-    """Every index tensor (fused placements, each chunk's requests and positions) from the device expansion equals
-    the CPU device's numpy one, with ONE host-to-device table per plan, and hand-checked values for one case."""
+    """Every index tensor (fused placements, each chunk's requests and positions) on the CUDA device equals the CPU
+    device's numpy one. The fused schedule makes them by ONE device expansion (one host-to-device table per plan);
+    the chunked one makes none at all: each chunk's rows are its pass's kv_indptr on the device (ChunkRows), from
+    which its requests and positions follow; hand-checked values for one case."""
     cuda = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cuda:0", chunk_tokens=chunk),
                              block_size=4, dtype=BF16)
     cpu = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk),
@@ -83,13 +85,22 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
         else:
             assert got[name].dtype == torch.int64 and got[name].is_contiguous(), name
             assert torch.equal(got[name], want[name]), name
-    assert len(fake_cuda) == (1 if sum(c_lens) else 0)  # one table (one copy) for the whole plan, none without context
-    if sum(c_lens):  # fused or chunked: ONE device buffer, which every index tensor views, and its page-locked table
+    assert len(fake_cuda) == (1 if cuda.fused else 0)  # one table (one copy) for a fused plan, none otherwise
+    if cuda.fused:  # ONE device buffer, which every index tensor views, and its page-locked table
         assert len(cuda._device_indices) == 1 and cuda._pinned_runs is not None
         buffer = cuda._device_indices[0].untyped_storage().data_ptr()
         assert all(t.untyped_storage().data_ptr() == buffer for t in got.values() if t is not None)
-    else:
-        assert cuda._device_indices == []
+    else:  # chunked: rows by each chunk's kv_indptr on the device (here the plan's own copy: the stand-in wrapper
+        # holds none), one per pass and one per chunk without a pass; no per-token tensor kept
+        for c, host in zip(cuda.chunks, cpu.chunks):
+            assert c.indices is None and host.rows is None and host.indices is not None
+            assert (c.rows.req_start, c.rows.first_start, c.rows.num_tokens) == \
+                (c.req_start, c.first_start, c.num_tokens)
+            assert c.rows.kv_indptr.dtype == torch.int32 and torch.equal(c.rows.kv_indptr, c.kv_indptr)
+            assert c.plan is None or torch.equal(c.rows.kv_indptr, c.plan.kv_indptr)
+        passes = {id(c.plan) for c in cuda.chunks if c.plan is not None}
+        assert len(cuda._device_indices) == len(passes) + sum(c.plan is None for c in cuda.chunks)
+        assert len({id(c.rows.kv_indptr) for c in cuda.chunks}) == len(cuda._device_indices)
     if (q_lens, c_lens) == ([3, 4, 1, 5], [10, 0, 7, 20]) and cuda.fused:
         # key rows, context then new: request 0 at 0..12, 1 at 13..16, 2 at 17..24, 3 at 25..49
         assert cuda.ctx_dst.tolist() == list(range(10)) + list(range(17, 24)) + list(range(25, 45))
@@ -533,19 +544,23 @@ def test_plan_host_time_script_runs():
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
     assert len(lines) == 12 and "B=128 C=2048" in lines[5] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[5]
-    # --count: the chunked case makes one device expansion (one copy, one allocation, ONE Triton launch, no torch
-    # kernel) and records one event per plan; the fused one the same expansion
-    assert "B=128 C=2048 CUDA-side calls per build: 13 " in lines[-1]
-    for line in lines[-3:]:
+    # --count: the fused cases make one device expansion (one copy, one allocation, ONE Triton launch, no torch
+    # kernel); the chunked one none at all (its gathers read the passes' device kv_indptrs: no copy, no tensor, no
+    # kernel of its own) and records one event per plan
+    assert "B=128 C=2048 CUDA-side calls per build: 9 " in lines[-1]
+    for line in lines[-3:-1]:
         assert "Triton launch 1," in line and "Tensor.to 1," in line and "aten.empty 1," in line, line
+    for line in lines[-3:]:
         assert "aten.searchsorted" not in line and "aten.index_select" not in line, line
+    for what in ("Triton launch", "Tensor.to", "aten.", "page-locked"):
+        assert what not in lines[-1], lines[-1]
     assert "Event.record 2," in lines[-1], lines[-1]
     assert "Triton launch" not in lines[6] and "Event.record 1," in lines[6], lines[6]  # B=1, no context
     res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count", "--expand",
                           "torch"], cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    last = res.stdout.splitlines()[-1]  # the torch fallback: four kernels (the chunked schedule's add_ included)
-    assert "aten.searchsorted 1," in last and "aten.add_ 1," in last and "Triton launch" not in last, last
+    fused = res.stdout.splitlines()[-2]  # the torch fallback of the fused cases' expansion: four kernels
+    assert "aten.searchsorted 1," in fused and "aten.add_ 1," in fused and "Triton launch" not in fused, fused
 
 
 @pytest.mark.parametrize("budget", [0, -1, 2.5, True, "4"])
@@ -567,3 +582,4 @@ def test_reference_schedule_refuses_a_budget_that_is_not_a_positive_int(budget):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     assert schedule_context_chunks([5, 0, 3], np.int64(4)) == [[(0, 0, 4)], [(0, 4, 5), (2, 0, 3)]]
+

@@ -55,8 +55,9 @@ def test_plan_at_the_int32_edge_of_query_lens_is_not_refused_by_the_length_check
 
 @pytest.mark.gpu
 def test_cuda_plan_host_memory_stays_per_chunk_for_a_long_context():
-    """On CUDA the per-token index tensors are expanded on the device: planning 10**8 context tokens (1526 chunks of
-    65536) holds O(requests + chunks) host memory (the CPU device holds 16 bytes per context token by design)."""
+    """On CUDA a chunked plan makes no per-token index tensor (the gathers read each pass's device kv_indptr): planning
+    10**8 context tokens (1526 chunks of 65536) holds O(requests + chunks) host memory (the CPU device holds 16 bytes
+    per context token by design)."""
     import tracemalloc
 
     dims = MLADims.deepseek_v2_lite()

@@ -60,7 +60,7 @@ def _plan_index_bytes(plan) -> int:
     """Bytes of the plan's per-token index tensors (fused: context and new-token placements; chunked: per chunk)."""
     tensors = [plan.ctx_req_ids, plan.ctx_positions, plan.ctx_dst, plan.new_dst]
     for c in plan.chunks:
-        tensors += [c.req_ids, c.positions]
+        tensors += list(c.indices or ())  # CPU plans; on CUDA the kernels read each chunk's kv_indptr
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

@@ -339,8 +339,9 @@ def test_item9_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
 def test_item9_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse):
     """A plan built on the default stream, run on a side stream kept busy, then dropped: torch's caching allocator
     must not hand its index tensors' memory to a new allocation on the build stream while the side stream's queued
-    gather may still read it (PrefillPlan.order_on_current_stream marks them with record_stream). Without that, the
-    next same-size allocation on the default stream gets the freed block at once."""
+    gather may still read it (PrefillPlan.order_on_current_stream marks them with record_stream; a chunked plan's are
+    its chunks' device kv_indptrs). Without that, the next same-size allocation on the default stream gets the freed
+    block at once."""
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 3, 250], 16, dtype=BF16, device=dev())
     ws = Workspace(dev(), chunk_tokens=4096 if fuse else 128)
@@ -350,9 +351,11 @@ def test_item9_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse)
     mla_prefill(*args, build())
     torch.cuda.synchronize()
     plan = build()
-    index = plan.ctx_req_ids if fuse else plan.chunks[0].req_ids
-    index = index if index._base is None else index._base  # chunks may share one expansion
-    ptr, numel = index.data_ptr(), index.numel()
+    # fused: the expansion's one buffer; chunked: the first chunk's device kv_indptr (FlashInfer's copy), which its
+    # gathers read in place of per-token indices
+    index = plan.ctx_req_ids if fuse else plan.chunks[0].rows.kv_indptr
+    index = index if index._base is None else index._base
+    ptr, numel, dtype = index.data_ptr(), index.numel(), index.dtype
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -361,7 +364,7 @@ def test_item9_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse)
     del plan, index
     gc.collect()
     assert not side.query(), "the side stream finished too early for this test to mean anything"
-    fresh = [torch.empty(numel, dtype=torch.int64, device=dev()) for _ in range(8)]
+    fresh = [torch.empty(numel, dtype=dtype, device=dev()) for _ in range(8)]
     reused = any(f.data_ptr() == ptr for f in fresh)
     still_queued = not side.query()
     torch.cuda.synchronize()

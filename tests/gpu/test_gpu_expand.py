@@ -1,7 +1,8 @@
 """The Triton index expansion of PrefillPlan.build on the GPU (issue 13, item 5: host time of planning).
 
-:meth:`mla_bridge.plan.PrefillPlan._expand` makes every per-token index tensor of a plan (the fused schedule's
-placements, the chunked schedule's context stream) from one page-locked run table copied to the device, then ONE
+:meth:`mla_bridge.plan.PrefillPlan._expand` makes every per-token index tensor of a fused plan (its placements; a
+chunked plan on CUDA makes none: its gathers read each pass's kv_indptr) from one page-locked run table copied to the
+device, then ONE
 Triton kernel (:mod:`mla_bridge.kernels.expand`) where Triton imports, four torch kernels otherwise
 (:func:`mla_bridge.plan._expand_on_device`). Here, with the GPU kept busy (``torch.cuda._sleep``) so that the host
 runs ahead of it:
@@ -10,7 +11,8 @@ runs ahead of it:
   (empty runs, a single run, runs longer than a block, no tokens, counting 0 and counting = total, deep searches),
   and the written-out runs; it queues everything (no synchronizing call: torch's sync debug mode "error");
 * plans at batch 1, 16 and 128, fused and chunked: every index tensor of the Triton-expanded plan equals the torch-op
-  plan's and the CPU device's plan's (numpy), all views of ONE device buffer;
+  plan's and the CPU device's plan's (numpy), for a fused plan all views of ONE device buffer (a chunked plan's are
+  made from its chunks' device kv_indptrs when asked for);
 * an expansion on a CUDA device other than the current one (two GPUs): the kernel runs on the table's device.
 
 Marked ``gpu`` (skipped without CUDA + FlashInfer). On the H200:
@@ -99,15 +101,19 @@ def test_plan_index_tensors_equal_torch_ops_and_cpu(batch, fused, monkeypatch):
     assert len(triton_plan.chunks) == len(cpu_plan.chunks) and (fused or len(cpu_plan.chunks) >= 2)
     got, ops, want = _index_tensors(triton_plan), _index_tensors(torch_plan), _index_tensors(cpu_plan)
     assert got.keys() == ops.keys() == want.keys()
-    assert len(triton_plan._device_indices) == 1 and triton_plan._pinned_runs.is_pinned()
-    buffer = triton_plan._device_indices[0].untyped_storage().data_ptr()
+    if fused:  # one expansion: one device buffer that every index tensor views
+        assert len(triton_plan._device_indices) == 1 and triton_plan._pinned_runs.is_pinned()
+        buffer = triton_plan._device_indices[0].untyped_storage().data_ptr()
+    else:  # no expansion: the chunks' indices follow from their passes' device kv_indptrs when asked for
+        assert getattr(triton_plan, "_pinned_runs", None) is None
+        assert all(c.indices is None for c in triton_plan.chunks + torch_plan.chunks)
     for name, w in want.items():
         if w is None:
             assert got[name] is None and ops[name] is None, name
             continue
         g = got[name]
         assert g.is_cuda and g.dtype == torch.int64 and g.is_contiguous(), name
-        assert g.untyped_storage().data_ptr() == buffer, name
+        assert not fused or g.untyped_storage().data_ptr() == buffer, name
         assert torch.equal(g, ops[name]), name
         assert torch.equal(g.cpu(), w), name
 

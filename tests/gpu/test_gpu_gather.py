@@ -25,6 +25,7 @@ from mla_bridge import cache as C  # noqa: E402
 
 BF16 = torch.bfloat16
 OUT_TOL, PREFILL_RTOL, LSE_TOL = 2e-2, 2e-2, 1e-2
+SLEEP = int(2e8)  # GPU cycles (about 0.1 s on the H200): longer than the host steps of a test
 
 
 def dev() -> torch.device:
@@ -174,3 +175,61 @@ def test_mla_prefill_fp8_cache_vs_float64(ref, preset, fuse, budget, monkeypatch
     out_t = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
                         kv_cache_scale=float(batch.scale))
     assert _bits_equal(out, out_t)  # same kernels after a bitwise-equal gather
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_chunk_gathers_read_the_pass_kv_indptr_on_another_stream(block_size, fp8, dtype):
+    """A chunked plan on CUDA keeps no per-token index tensor: each chunk's rows are its pass's kv_indptr on the
+    device, the copy FlashInfer's plan() made (bf16), or for the torch backend (float32) the plan's own copy, covered
+    by its own event. Built while the GPU sleeps and read on a side stream after order_on_current_stream, the Triton
+    gather and the fused up-projection from those rows equal, bitwise, the torch gather and the same kernel from the
+    CPU plan's per-token indices (a request split across chunks, a request without new tokens, 3-4 chunks)."""
+    from mla_bridge import prepare_kv_b_proj
+    from mla_bridge.kernels.up_project import up_project_triton
+
+    d = MLADims.deepseek_v2_lite()
+    cache, scale, table, _, _ = _case(block_size, fp8, False, seed=block_size + 11 * fp8)
+    if not fp8:
+        cache = cache.to(dtype)
+    c_lens, q_lens = [3 * block_size + 1, 5, 2 * block_size], [4, 0, 9]
+    budget = block_size + 3
+    kw = dict(block_size=block_size, dtype=dtype, fuse_context=False, kv_cache_dtype="fp8" if fp8 else None)
+    cpu = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=budget), **kw)
+    w = prepare_kv_b_proj((torch.randn(*d.kv_b_proj_shape, generator=torch.Generator().manual_seed(5)) * 0.05)
+                          .to(dtype).to(dev()), d, layout="split")
+    s = C._scale_value(scale, cache.device) if fp8 else None
+    side = torch.cuda.Stream()
+    for attempt in range(2):  # the first compiles every kernel; the second runs them all while the GPU sleeps
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP)
+        plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace(dev(), chunk_tokens=budget), **kw)
+        passes = [(c, h) for c, h in zip(plan.chunks, cpu.chunks) if c.plan is not None]
+        assert len(plan.chunks) == len(cpu.chunks) >= 3 and len(passes) >= 2
+        assert any(c.first_start > 0 for c, _ in passes)
+        for c, _ in passes:
+            assert c.indices is None and c.rows is not None
+            if dtype == BF16:
+                assert c.rows.kv_indptr is c.plan.flashinfer_wrapper._kv_indptr_buf
+        assert (plan._ready is None) == (dtype == BF16)
+        got = []
+        with torch.cuda.stream(side):
+            plan.order_on_current_stream()
+            for c, _ in passes:
+                buf = torch.empty(c.num_tokens, d.num_heads, d.head_dim_qk + d.v_head_dim, dtype=dtype, device=dev())
+                up_project_triton(buf, w, kv_cache=cache, block_table=table, rows=c.rows, kv_cache_scale=s)
+                got.append((C.gather_rows(cache, table, c.rows, dtype=dtype, kv_cache_scale=s, impl="triton"), buf))
+        torch.cuda.synchronize()
+        for (c, host), (lat, buf) in zip(passes, got):
+            assert torch.equal(c.rows.kv_indptr.cpu(), c.plan.kv_indptr)
+            req, pos = (t.to(dev()) for t in host.indices)
+            want = C.gather_latent(cache, table, req, pos, dtype=dtype, kv_cache_scale=s, impl="torch")
+            assert not torch.isnan(want).any() and _bits_equal(lat, want), (attempt, c.req_start, c.first_start)
+            ref_buf = torch.empty_like(buf)
+            up_project_triton(ref_buf, w, kv_cache=cache, block_table=table, req_ids=req, positions=pos,
+                              kv_cache_scale=s)
+            assert _bits_equal(buf, ref_buf), (attempt, c.req_start)
+            # the torch path of a CUDA chunk: its indices made from the rows on the device
+            r, p = c.token_indices()
+            assert r.is_cuda and torch.equal(r, req) and torch.equal(p, pos)

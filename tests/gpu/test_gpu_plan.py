@@ -3,7 +3,9 @@
 The expansion copies one page-locked ``[2, runs]`` table with ``non_blocking=True`` and expands it with four kernels
 (arange, searchsorted, index_select, add). Each test keeps the GPU busy with ``torch.cuda._sleep`` first, so the copy
 and the kernels are still queued while the host builds the next plan (and drops the last one): the index tensors must
-still equal the CPU device's numpy expansion, and the expansion must never synchronize.
+still equal the CPU device's numpy expansion, and the expansion must never synchronize. (That expansion is the fused
+schedule's; a chunked plan's indices follow from its passes' kv_indptrs as FlashInfer's plan() copied them to the
+device, queued the same way, see ``tests/gpu/test_gpu_gather.py``.)
 
 Marked ``gpu`` (skipped without CUDA + FlashInfer). On the H200:
     .venv/bin/python -m pytest tests/gpu/test_gpu_plan.py -q -m gpu
