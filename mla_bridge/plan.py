@@ -295,13 +295,22 @@ class PrefillPlan:
             self.chunks = self._plan_chunks(qo, qo_host)
         self.main = self._plan_pass(qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new,
                                     self.qo_indptr, self.main_kv_indptr)
-        self._streams_seen = {current_stream(dev)[0]} if self._device_indices else set()
+        self._streams_seen, self._ready = set(), None
+        if self._device_indices:
+            ptr, stream = current_stream(dev)
+            self._streams_seen.add(ptr)
+            if not self.main.backend.is_flashinfer and not torch.cuda.is_current_stream_capturing():
+                # No FlashInfer plan event covers the copies and kernels queued above (the torch backend): our own.
+                self._ready = torch.cuda.Event()
+                self._ready.record(stream)
         return self
 
     def order_on_current_stream(self) -> None:
         """Call before a layer reads this plan's device data on the current stream (:func:`mla_bridge.mla_prefill`
-        does). It waits for the copies queued at plan time (:meth:`RaggedPlan.order_after_plan`). The first time a
-        stream other than the build stream reads the plan's device index tensors, it also marks them used there
+        does). It waits for the copies queued at plan time (:meth:`RaggedPlan.order_after_plan`; where the passes run
+        the torch backend, which plans nothing on the device, for an event the build recorded after its own copies).
+        The first time a stream other than the build stream reads the plan's device index tensors, it also marks them
+        used there
         (``Tensor.record_stream``), so that torch's caching allocator does not hand their memory to a new allocation
         on the build stream while work queued on this stream still reads it after the plan is dropped. Costs one
         ``current_stream`` look-up per call; nothing on the CPU or while a CUDA graph is being captured (a graph
@@ -311,6 +320,8 @@ class PrefillPlan:
             return
         ptr, stream = current_stream(self.device)
         if ptr not in self._streams_seen:
+            if self._ready is not None:
+                stream.wait_event(self._ready)
             for t in self._device_indices:
                 t.record_stream(stream)
             self._streams_seen.add(ptr)

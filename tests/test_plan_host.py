@@ -583,3 +583,33 @@ def test_reference_schedule_refuses_a_budget_that_is_not_a_positive_int(budget):
         signal.signal(signal.SIGALRM, old)
     assert schedule_context_chunks([5, 0, 3], np.int64(4)) == [[(0, 0, 4)], [(0, 4, 5), (2, 0, 3)]]
 
+
+@pytest.mark.parametrize("q_lens,c_lens,chunk", [([3, 4], [10, 7], 4), ([3, 4], [10, 7], 64)])
+def test_torch_backend_plan_orders_another_stream_after_its_copies(fake_cuda, monkeypatch, q_lens, c_lens, chunk):
+    """float32 on CUDA runs the torch backend, which plans nothing on the device: no FlashInfer plan event covers the
+    copies the build queued (the chunks' kv_indptrs, or the fused schedule's expansion). A stream other than the
+    build stream waits for the plan's own event, once, and marks the device tensors used there; a FlashInfer plan
+    (bf16) records no event of its own (its plan events cover them)."""
+    from tests.fake_device import Stream
+
+    waits, marks = [], []
+
+    class Other(Stream):
+        cuda_stream = 2
+
+        def wait_event(self, event):
+            waits.append(event)
+
+    dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
+    ws = Workspace("cuda:0", chunk_tokens=chunk)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=4, dtype=torch.float32)
+    assert plan.backend.name == "torch" and plan._ready is not None and plan._device_indices
+    assert plan.fused == (chunk == 64)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: marks.append(s), raising=False)
+    other = Other()
+    monkeypatch.setattr(plan_mod, "current_stream", lambda device: (2, other))
+    plan.order_on_current_stream()
+    plan.order_on_current_stream()
+    assert waits == [plan._ready] and marks == [other] * len(plan._device_indices)
+    bf16 = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=4, dtype=BF16)
+    assert bf16.backend.is_flashinfer and bf16._ready is None
