@@ -2,8 +2,10 @@
 
 What the H200 bench section ``plan`` measures: build time minus the time inside FlashInfer's ``plan()``, here on the
 fake SM90 device of the CPU tests (:func:`tests.fake_device.install_planning`: every CUDA branch of planning runs and
-the wrapper's ``plan()`` does nothing). The device half of the index expansion is queued work on a GPU (host
-time: its copy and launches); here it returns a view of one buffer, so that no per-token CPU work is timed.
+the wrapper's ``plan()`` does nothing). The device half of the fused schedule's index expansion is queued work on a
+GPU (host time: its copy and launches); here it returns a view of one buffer, so that no per-token CPU work is timed.
+The chunked case (batch 128 with context) expands nothing on CUDA: its chunks' rows are their passes' device
+kv_indptrs (on the fake device the plan's own copy stands in for FlashInfer's, a CPU tensor).
 
     PYTHONPATH=$PWD python3 scripts/plan_host_time.py [--repeats 200] [--profile B,C] [--count] [--expand triton]
     PYTHONPATH=$PWD python3 scripts/plan_host_time.py --device cuda    # on a GPU: the real figures
