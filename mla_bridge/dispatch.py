@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
            "cutlass_work_items", "flashinfer_version", "head_dims_why_not", "FA3_HEAD_DIMS", "CUTLASS_HEAD_DIMS",
-           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO", "device_capability"]
+           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO", "TORCH_DTYPES", "device_capability"]
 
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
@@ -231,7 +231,13 @@ def _fa2_why_not(req: Request) -> Optional[str]:
     return head_dims_why_not("fa2", req.head_dim_qk, req.head_dim_vo)
 
 
+#: The q/k/v dtypes the torch backend computes (in float32 blocks; float64 in, float64 out).
+TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def _torch_why_not(req: Request) -> Optional[str]:
+    if req.dtype is not None and req.dtype not in TORCH_DTYPES:
+        return f"computes bfloat16, float16, float32 or float64 q/k/v, got {req.dtype}"
     return None
 
 
@@ -246,7 +252,8 @@ BACKENDS: tuple[BackendSpec, ...] = (
                 _fa3_why_not),
     BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors < 2**32 elements; head dims multiples of 64 "
                 "up to 256 (192/128 included)", _fa2_why_not),
-    BackendSpec("torch", None, "any device and dtype (blockwise float32 reference)", _torch_why_not),
+    BackendSpec("torch", None, "any device; bfloat16/float16/float32/float64 (blockwise float32 reference)",
+                _torch_why_not),
 )
 BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in BACKENDS)
 _BY_NAME = {spec.name: spec for spec in BACKENDS}
@@ -344,7 +351,8 @@ def select_backend(
 
     Raises:
         ValueError: the forced backend is unknown, or cannot serve this request (the message names the
-            capability and what the backend supports).
+            capability and what the backend supports); no backend serves it (a dtype outside
+            :data:`TORCH_DTYPES`, which the torch row, the last, also refuses).
     """
     if capability is not None:
         device_type = "cuda"
@@ -423,4 +431,4 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
                     f"{name}: {r}" for name, r in passed_over) + ")"
             return BackendChoice(spec.name, why, tuple(passed_over))
         passed_over.append((spec.name, reason))
-    raise AssertionError("the torch row serves every request")  # pragma: no cover
+    raise ValueError("no backend serves this request (" + "; ".join(f"{name}: {r}" for name, r in passed_over) + ")")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .backends import make_kernel
-from .dispatch import BackendChoice, select_backend
+from .dispatch import TORCH_DTYPES, BackendChoice, select_backend
 from .inference import forward_ad_active, refuse_autograd
 from .workspace import Workspace, default_workspace
 
@@ -435,8 +435,10 @@ def _checked_plan_sizes(*, num_heads: int, head_dim_qk: int, head_dim_vo: int, s
     head_dim_qk = _positive_int("head_dim_qk", head_dim_qk)
     head_dim_vo = _positive_int("head_dim_vo", head_dim_vo)
     sm_scale = as_sm_scale(sm_scale)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in TORCH_DTYPES:
+        raise TypeError(f"dtype (of q, k, v and out) must be one of bfloat16, float16, float32, float64, got {dtype!r}"
+                        + (" (an FP8 paged latent cache is PrefillPlan's kv_cache_dtype)"
+                           if isinstance(dtype, torch.dtype) and dtype.is_floating_point else ""))
     if not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
     return dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, sm_scale=sm_scale, dtype=dtype,

@@ -506,3 +506,25 @@ def test_device_capability_wants_an_indexed_cuda_device(device):
 
     with pytest.raises((TypeError, ValueError), match="^device must be a torch.device"):
         device_capability(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_no_backend_serves_a_dtype_nothing_computes(dtype):
+    """select_backend used to answer "torch" for any dtype (the torch row served "any device and dtype"), so the CPU
+    and a GPU without a FlashInfer row said yes to int8 or an FP8 q/k/v that no run computes (found by a fresh-user
+    trial); plan_ragged refused them only by its own check, which let float8 through. Now the torch row names the
+    dtypes it computes, the table refuses the rest, and plan_ragged refuses them before any plan is made."""
+    from mla_bridge import Workspace, plan_ragged
+
+    for kw in (dict(device="cpu"), dict(capability=(9, 0))):
+        with pytest.raises(ValueError, match=r"no backend serves this request \(.*torch: computes bfloat16, "
+                                             r"float16, float32 or float64 q/k/v, got " + str(dtype).replace(".", r"\.")):
+            select_backend(dtype=dtype, **kw)
+    with pytest.raises(ValueError, match="backend 'torch' cannot serve"):
+        select_backend("cpu", dtype=dtype, requested="torch")
+    with pytest.raises(TypeError, match="dtype .* must be one of bfloat16, float16, float32, float64") as err:
+        plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=True, sm_scale=0.5, dtype=dtype,
+                    workspace=Workspace("cpu"))
+    assert ("kv_cache_dtype" in str(err.value)) == (dtype.itemsize == 1 and dtype.is_floating_point)
+    for ok in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        assert select_backend("cpu", dtype=ok).name == "torch"

@@ -289,7 +289,7 @@ def test_build_checks_sizes_and_dtype_before_any_index_tensor(fake_cuda, tiny_di
     """A dtype or scale no pass can take is refused by name before the device expansion runs (it used to be found
     by the first pass's plan_ragged, after the index tensors had been queued)."""
     ws = Workspace("cuda:0", chunk_tokens=8)
-    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+    with pytest.raises(TypeError, match=r"dtype \(of q, k, v and out\) must be one of bfloat16"):
         PrefillPlan.build([3, 4], [10, 20], dims=tiny_dims, workspace=ws, block_size=4, dtype=torch.int32)
     huge = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                    softmax_scale=1e300)
