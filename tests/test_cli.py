@@ -171,10 +171,17 @@ def test_cuda_device_without_cuda(capsys):
     assert "--device" in capsys.readouterr().err
 
 
-def test_env_backend_that_cannot_serve(monkeypatch, capsys):
-    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "flashinfer-fa3")
+@pytest.mark.parametrize("value", ["flashinfer-fa3", "bogus"])
+def test_env_backend_that_cannot_serve(monkeypatch, capsys, value):
+    """Exit 2 naming MLA_BRIDGE_BACKEND, before planning starts (an unknown name used to be refused by the plan, after
+    the "planning" line had been printed; found by a fresh-user trial)."""
+    import mla_bridge.plan as plan_mod
+
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", value)
+    monkeypatch.setattr(plan_mod.PrefillPlan, "build", classmethod(lambda cls, *a, **k: pytest.fail("planned")))
     assert main(["prefill", "--device", "cpu", "--prompt-lens", "4"]) == 2
-    assert "MLA_BRIDGE_BACKEND" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "MLA_BRIDGE_BACKEND" in captured.err and "planning" not in captured.out + captured.err
 
 
 @pytest.mark.parametrize("env,value", [("MLA_BRIDGE_KV", "bogus"), ("MLA_BRIDGE_KV", "fused"),

@@ -74,6 +74,7 @@ def cmd_prefill(args, console) -> int:
     from ..cache import cache_dtype_name, quantize_latent_cache
     from ..kv import SEPARATE_FROM_ROWS, SEPARATE_FROM_ROWS_FP8, SEPARATE_FROM_ROWS_NEW
     from ..dims import PRESETS
+    from ..dispatch import select_backend
     from ..prefill import kernel_choices
     from ..reference import max_abs_error, max_excess_error, reference_request
     from ..workspace import DEFAULT_CHUNK_TOKENS
@@ -108,6 +109,11 @@ def cmd_prefill(args, console) -> int:
         kernels = kernel_choices(device, dtype, dims)  # a bad MLA_BRIDGE_KV / _GATHER / _MERGE: exit 2, before work
     except (ValueError, TypeError, RuntimeError) as err:
         raise CLIError(str(err)) from None
+    try:  # a --backend or MLA_BRIDGE_BACKEND that cannot serve at all: exit 2 before planning (the plan asks again)
+        select_backend(device, dtype=dtype, out_dtype=dtype, head_dim_qk=dims.head_dim_qk, head_dim_vo=dims.head_dim_vo,
+                       requested=args.backend)
+    except ValueError as err:
+        raise CLIError(f"--backend {args.backend}: {err}" if args.backend else str(err)) from None
 
     # ---- memory: refuse what cannot fit before the plan (whose index tensors are allocations) and the inputs
     def fits(plan=None):
