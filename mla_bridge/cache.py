@@ -350,6 +350,8 @@ class ChunkRows(NamedTuple):
     the cache's device: on CUDA the copy FlashInfer's ``plan()`` made of the chunk pass's kv_indptr), ``req_start``,
     ``first_start`` and ``num_tokens`` (ints). The Triton kernels find each token's request by a binary search of
     ``kv_indptr`` (:func:`mla_bridge.kernels.gather.chunk_rows`); the torch path expands :meth:`token_indices`.
+    Made by :class:`mla_bridge.PrefillPlan` (``ContextChunk.rows``) from lengths it checked; the fields are not
+    checked again here or in the kernels.
     """
 
     kv_indptr: torch.Tensor
@@ -375,8 +377,10 @@ class ChunkRows(NamedTuple):
 def gather_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, rows: ChunkRows, *, dtype: torch.dtype,
                 kv_cache_scale=None, impl: Optional[str] = None,
                 k_pe_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`gather_latent` of the rows of ``rows`` (a :class:`ChunkRows`): the Triton kernel reads them from
-    ``rows.kv_indptr``, the torch path from :meth:`ChunkRows.token_indices`; bitwise equal results."""
+    """:func:`gather_latent` of the rows of ``rows`` (a :class:`ChunkRows`): latent rows ``[rows.num_tokens, L]`` in
+    ``dtype`` (``[rows.num_tokens, kv_lora_rank]`` with ``k_pe_out``). The Triton kernel reads the rows from
+    ``rows.kv_indptr``, the torch path from :meth:`ChunkRows.token_indices`; bitwise equal results. ``kv_cache``,
+    ``kv_cache_scale``, ``impl`` and ``k_pe_out`` as :func:`gather_latent`."""
     impl = impl or gather_impl(kv_cache.device)
     if impl == "triton":
         from .kernels.gather import gather_latent_triton
