@@ -299,8 +299,9 @@ class PrefillPlan:
         if self._device_indices:
             ptr, stream = current_stream(dev)
             self._streams_seen.add(ptr)
-            if not self.main.backend.is_flashinfer and not torch.cuda.is_current_stream_capturing():
-                # No FlashInfer plan event covers the copies and kernels queued above (the torch backend): our own.
+            if self.main.flashinfer_wrapper is None and not torch.cuda.is_current_stream_capturing():
+                # No FlashInfer plan event covers the copies and kernels queued above (the torch backend, or an empty
+                # main pass: no new tokens, so no chunk has a pass either, but their kv_indptrs were copied): our own.
                 self._ready = torch.cuda.Event()
                 self._ready.record(stream)
         return self
@@ -308,7 +309,8 @@ class PrefillPlan:
     def order_on_current_stream(self) -> None:
         """Call before a layer reads this plan's device data on the current stream (:func:`mla_bridge.mla_prefill`
         does). It waits for the copies queued at plan time (:meth:`RaggedPlan.order_after_plan`; where the passes run
-        the torch backend, which plans nothing on the device, for an event the build recorded after its own copies).
+        the torch backend, which plans nothing on the device, or an empty main pass, for an event the build recorded
+        after its own copies).
         The first time a stream other than the build stream reads the plan's device index tensors, it also marks them
         used there
         (``Tensor.record_stream``), so that torch's caching allocator does not hand their memory to a new allocation

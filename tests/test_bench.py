@@ -364,6 +364,47 @@ def test_isolated_phases_are_mla_prefills_steps(budget_index):
     assert plan.fused == (budget_index == 0)
 
 
+def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monkeypatch):
+    """On CUDA a chunk names its rows by its kv_indptr (ContextChunk.rows, no per-token tensors): mla_prefill's gather
+    reads them so (mla_bridge.cache.gather_rows, one Triton launch), and the bench's gather phase, which times "the
+    gather of mla_prefill", must make the same calls, not expand per-token indices (twice) for gather_latent. A CPU
+    plan whose chunks carry rows instead of indices stands in for the CUDA one."""
+    import dataclasses
+
+    import mla_bridge.bench.context as bench_context
+    import mla_bridge.cache as cache_mod
+    import mla_bridge.kv as kv_mod
+    from mla_bridge.bench.cases import context_cases
+
+    ctx = _ctx()
+    case = context_cases(True)[1]
+    x = bench_context.make_inputs(ctx, case, 1)
+    ws = Workspace("cpu", chunk_tokens=case.budgets[1][1])
+    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
+                             dtype=ctx.dtype)
+    assert not plan.fused and plan.chunks
+    plan.chunks = [dataclasses.replace(c, rows=cache_mod.ChunkRows(c.kv_indptr, c.req_start, c.first_start,
+                                                                   c.num_tokens), indices=None) for c in plan.chunks]
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for mod in (kv_mod, bench_context):
+        monkeypatch.setattr(mod, "gather_rows", spy("rows", cache_mod.gather_rows), raising=False)
+        monkeypatch.setattr(mod, "gather_latent", spy("tokens", cache_mod.gather_latent))
+    want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, kv_impl="separate")
+    assert calls == ["rows"] * sum(c.plan is not None for c in plan.chunks)
+    calls.clear()
+    ph = bench_context._Phases(x, plan)
+    assert calls == ["rows"] * len(plan.chunks)
+    ph.merge()
+    torch.testing.assert_close(ph.out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_backend_auto_is_accepted_like_prefill(tmp_path):
     """`mla-bridge prefill --backend auto` worked but `bench --backend auto` was an argparse error (a trial user)."""
     import json

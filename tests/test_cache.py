@@ -340,3 +340,34 @@ def test_chunk_rows_kernels_equal_per_token_indices_interpreted(triton_interpret
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_chunk_rows_cases`."""
     out = triton_interpreted("tests.test_cache:interpreted_chunk_rows_cases", "tests/gpu/test_gpu_gather.py")
     assert out.strip().startswith("ok ") and int(out.split()[-1]) >= 20, out
+
+
+def interpreted_strided_chunk_rows() -> str:
+    """Under the interpreter: a ChunkRows whose kv_indptr is a strided view (its values every other element) names the
+    rows its values say in both kernels, as the torch path reads them, not the elements in between."""
+    from mla_bridge import MLADims, prepare_kv_b_proj
+    from mla_bridge.kernels.up_project import up_project_triton
+
+    d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(8, 4, d.latent_dim, generator=g)
+    table = torch.randperm(8, generator=g).view(2, 4).to(torch.int32)
+    rows = C.ChunkRows(torch.tensor([0, 99, 5, 99, 9], dtype=torch.int32)[::2], 0, 2, 9)
+    assert not rows.kv_indptr.is_contiguous()
+    want = C.gather_rows(cache, table, rows, dtype=torch.float32, impl="torch")
+    assert torch.equal(C.gather_rows(cache, table, rows, dtype=torch.float32, impl="triton"), want)
+    dense = C.ChunkRows(rows.kv_indptr.contiguous(), 0, 2, 9)
+    w = prepare_kv_b_proj(torch.randn(*d.kv_b_proj_shape, generator=g) * 0.2, d)
+    got = []
+    for r in (rows, dense):
+        buf = torch.full((9, d.num_heads, d.head_dim_qk + d.v_head_dim), 7.0)
+        up_project_triton(buf, w, kv_cache=cache, block_table=table, rows=r)
+        got.append(buf)
+    assert torch.equal(got[0], got[1])
+    return "ok"
+
+
+def test_strided_chunk_rows_indptr_interpreted(triton_interpreted):
+    """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_strided_chunk_rows`."""
+    out = triton_interpreted("tests.test_cache:interpreted_strided_chunk_rows", "tests/gpu/test_gpu_gather.py")
+    assert out.strip() == "ok", out

@@ -613,3 +613,28 @@ def test_torch_backend_plan_orders_another_stream_after_its_copies(fake_cuda, mo
     assert waits == [plan._ready] and marks == [other] * len(plan._device_indices)
     bf16 = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=4, dtype=BF16)
     assert bf16.backend.is_flashinfer and bf16._ready is None
+
+
+def test_plan_without_new_tokens_orders_another_stream_after_its_chunk_copies(fake_cuda, monkeypatch):
+    """No request has new tokens: the main pass is empty (no FlashInfer plan, so no plan event, even in bf16) and no
+    chunk has a pass, yet each chunk's kv_indptr was copied to the device (mla_bridge.kv.chunk_kv takes any chunk).
+    The build records its own event, and a stream other than the build stream waits for it before reading them."""
+    from tests.fake_device import Stream
+
+    waits = []
+
+    class Other(Stream):
+        cuda_stream = 2
+
+        def wait_event(self, event):
+            waits.append(event)
+
+    dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
+    plan = PrefillPlan.build([0, 0], [5, 9], dims=dims, workspace=Workspace("cuda:0", chunk_tokens=4), block_size=4,
+                             dtype=BF16)
+    assert plan.main.flashinfer_wrapper is None and plan.chunks and all(c.plan is None for c in plan.chunks)
+    assert plan._device_indices and plan._ready is not None
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None, raising=False)
+    monkeypatch.setattr(plan_mod, "current_stream", lambda device: (2, Other()))
+    plan.order_on_current_stream()
+    assert waits == [plan._ready]

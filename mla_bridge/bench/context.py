@@ -24,7 +24,7 @@ import torch
 
 from ..merge import merge_attn_states_
 from ..plan import PrefillPlan, schedule_context_chunks
-from ..cache import fused_latent, gather_impl, gather_latent, quantize_latent_cache
+from ..cache import fused_latent, gather_impl, gather_latent, gather_rows, quantize_latent_cache
 from ..graphs import PrefillLayer, capture_prefill
 from ..kernels import triton_available
 from ..kv import kv_impl
@@ -242,8 +242,11 @@ class _Phases:
         cache = x.kv_cache if cache is None else cache
         if plan.fused:
             return fused_latent(plan, x.kv_c, x.k_pe, cache, x.block_table, scale, impl=impl)
-        return [gather_latent(cache, x.block_table, c.req_ids, c.positions, dtype=plan.dtype, kv_cache_scale=scale,
-                              impl=impl) for c in plan.chunks]
+        # as mla_bridge.kv.chunk_kv: a CUDA chunk by its kv_indptr (no per-token tensors), a CPU one by its indices
+        return [gather_rows(cache, x.block_table, c.rows, dtype=plan.dtype, kv_cache_scale=scale, impl=impl)
+                if c.rows is not None else
+                gather_latent(cache, x.block_table, *c.indices, dtype=plan.dtype, kv_cache_scale=scale, impl=impl)
+                for c in plan.chunks]
 
     def up_projection(self):
         return [self.x.wp.up_project(lat) for lat in self.sources]

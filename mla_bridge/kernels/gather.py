@@ -77,7 +77,8 @@ def chunk_row_args(rows, stand_in: torch.Tensor) -> tuple:
     if rows is None:
         return stand_in, 1, 0, 0, 0
     n_req = rows.kv_indptr.shape[0] - 1
-    return rows.kv_indptr, n_req, rows.req_start, rows.first_start, (n_req - 1).bit_length()
+    # the kernels read indptr[j] at indptr_ptr + j: a strided view would name other rows (contiguous: a no-op else)
+    return rows.kv_indptr.contiguous(), n_req, rows.req_start, rows.first_start, (n_req - 1).bit_length()
 
 
 # The chunk-row ints are not specialized by Triton (on being 1 or divisible by 16): a new batch shape compiles nothing.
