@@ -359,7 +359,8 @@ class ChunkRows(NamedTuple):
     first_start: int
     num_tokens: int
 
-    #: device bytes per row that :meth:`token_indices` allocates at its peak (four int64 vectors)
+    #: device bytes per row that :meth:`token_indices` holds at its peak, an upper bound (three int64 vectors and a
+    #: bool one: the positions, the requests, the gathered indptr values, the first-request mask)
     INDEX_BYTES = 32
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:

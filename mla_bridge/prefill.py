@@ -316,8 +316,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     per context row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the
     rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices;
     the Triton gather allocates none of them, so the formula is an upper bound there; on CUDA the torch path of a
-context chunk also makes the chunk's per-token indices, :data:`mla_bridge.cache.ChunkRows.INDEX_BYTES` per row,
-counted too). The cache itself (``num_blocks x
+    context chunk also makes the chunk's per-token indices, :data:`mla_bridge.cache.ChunkRows.INDEX_BYTES` per row,
+    counted too). The cache itself (``num_blocks x
     block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
     benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
     :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left

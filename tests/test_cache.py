@@ -333,6 +333,19 @@ def interpreted_chunk_rows_cases() -> str:
                         got[by_rows] = buf
                     assert torch.equal(got[True], got[False]) and not (got[True] == 7.0).any()
                 n += 1
+    # rows named twice, or without the cache they index: refused before any launch
+    import pytest
+
+    c = plans[0].chunks[0]
+    buf = torch.empty(c.num_tokens, d.num_heads, d.head_dim_qk + d.v_head_dim)
+    with pytest.raises(ValueError, match="not both"):
+        up_project_triton(buf, w, kv_cache=cache, block_table=table, req_ids=c.indices[0], positions=c.indices[1],
+                          rows=_rows_of(c))
+    with pytest.raises(ValueError, match="need kv_cache and block_table"):
+        up_project_triton(buf, w, rows=_rows_of(c))
+    with pytest.raises(ValueError, match="not both"):
+        gather_latent_triton(torch.empty(c.num_tokens, d.latent_dim), cache, table, c.indices[0], c.indices[1],
+                             rows=_rows_of(c))
     return f"ok {n}"
 
 

@@ -57,7 +57,8 @@ def _gib(n: int) -> str:
 
 
 def _plan_index_bytes(plan) -> int:
-    """Bytes of the plan's per-token index tensors (fused: context and new-token placements; chunked: per chunk)."""
+    """Bytes of the plan's per-token index tensors (fused: context and new-token placements; chunked: per chunk on
+    the CPU, none on CUDA, where the gathers read each chunk's kv_indptr)."""
     tensors = [plan.ctx_req_ids, plan.ctx_positions, plan.ctx_dst, plan.new_dst]
     for c in plan.chunks:
         tensors += list(c.indices or ())  # CPU plans; on CUDA the kernels read each chunk's kv_indptr

@@ -158,6 +158,8 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
             k_pe: Optional[torch.Tensor], new_dst: Optional[torch.Tensor],
             scale: Union[None, float, torch.Tensor], rank: int, k_pe_out: Optional[torch.Tensor] = None,
             rows=None) -> None:
+    if rows is not None and (req_ids is not None or positions is not None):
+        raise ValueError("gather: give the context rows as rows= or as req_ids / positions, not both")
     lat = cache.shape[-1]
     dequant = scale is not None
     cache_arg = cache.view(torch.uint8) if dequant else cache  # FP8 bytes, reinterpreted in the kernel

@@ -178,7 +178,12 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
     rows of ``rows``, a :class:`mla_bridge.cache.ChunkRows`, to rows ``ctx_dst`` or ``0..n_ctx-1``) and the new rows (``kv_c`` ``[n, rank]``, ``k_pe`` ``[n, rope]``, to rows
     ``new_dst`` or ``0..n-1``); either part may be absent. ``weight``: a :class:`mla_bridge.PreparedKVBProj` of any
     layout, the checkpoint one included (the raw weight read in place).
-    ``config`` overrides :data:`CONFIG` (the benchmark's tile sweep)."""
+    ``config`` overrides :data:`CONFIG` (the benchmark's tile sweep).
+
+    Raises:
+        ValueError: context rows given both as ``rows`` and as ``req_ids`` / ``positions``, or without ``kv_cache``
+            and ``block_table``.
+    """
     d = weight.dims
     h, rank, nope, rope, vd = d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
     cfg = dict(CONFIG, **config)
@@ -187,6 +192,10 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         cfg["num_stages"] = min(cfg["num_stages"], DEQUANT_MAX_STAGES)
     bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, next_power_of_2(rank)))
     w, w_row, w_head, w_nope, w_v = weight._rows()  # each head's k_nope and v rows, in any layout
+    if rows is not None and (req_ids is not None or positions is not None):
+        raise ValueError("up_project_triton: give the context rows as rows= or as req_ids / positions, not both")
+    if (rows is not None or req_ids is not None) and (kv_cache is None or block_table is None):
+        raise ValueError("up_project_triton: context rows need kv_cache and block_table")
     n_ctx = rows.num_tokens if rows is not None else (0 if req_ids is None else req_ids.shape[0])
     n_new = 0 if kv_c is None else kv_c.shape[0]
     ctx_tiles = cdiv(n_ctx, bm)
