@@ -418,6 +418,19 @@ def test_bench_refuses_a_forced_backend_this_machine_cannot_run(capsys):
     assert "--backend flashinfer-fa3" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+@pytest.mark.parametrize("value", ["flashinfer-fa3", "bogus"])
+def test_bench_refuses_an_env_backend_that_cannot_serve(monkeypatch, capsys, value):
+    """Only --backend was checked: with MLA_BRIDGE_BACKEND=bogus the bench ran every section, each mla_bridge row
+    "skipped: plan failed", and exited 0 (prefill exits 2 for the same value; found by a fresh-user trial)."""
+    import mla_bridge.bench.report as report
+
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", value)
+    monkeypatch.setattr(report, "environment", lambda ctx: pytest.fail("ran"))
+    assert main(["bench", "--sections", "main"]) == 2
+    assert "MLA_BRIDGE_BACKEND" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------------------------------- issue 9
 
 ISSUE9_TOO_BIG = [

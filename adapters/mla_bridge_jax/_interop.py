@@ -104,18 +104,26 @@ _TORCH_DTYPES = {
 }
 
 
-def torch_dtype(dtype: Any) -> torch.dtype:
-    """The torch dtype of a JAX/numpy dtype (or a torch dtype, returned as is).
+def torch_dtype(dtype: Any, arg: str = "dtype") -> torch.dtype:
+    """The torch dtype of a JAX/numpy dtype (or a torch dtype, returned as is); ``arg`` names it in errors.
 
     Raises:
-        TypeError: a dtype with no torch counterpart.
+        TypeError: ``None`` (numpy would read it as float64) or no dtype at all; a dtype with no torch counterpart.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = jnp.dtype(dtype).name
-    if name not in _TORCH_DTYPES:
-        raise TypeError(f"dtype {name} has no torch counterpart supported by mla_bridge")
-    return _TORCH_DTYPES[name]
+    if dtype is None:
+        raise TypeError(f"{arg} must be a JAX, numpy or torch dtype, got None")
+    try:
+        name = jnp.dtype(dtype).name
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{arg} must be a JAX, numpy or torch dtype, got {dtype!r} ({err})") from None
+    found = _TORCH_DTYPES.get(name)
+    if found is None and name.startswith("float8"):  # the FP8 formats torch has (the core says which it takes)
+        found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise TypeError(f"{arg} {name} has no torch counterpart supported by mla_bridge")
+    return found
 
 
 def jax_dtype(dtype: torch.dtype) -> Any:

@@ -366,8 +366,7 @@ def _cache_dtype(dtype: Any) -> Any:
     """A JAX/numpy cache dtype as torch's (``float8_e4m3fn`` included); strings and None pass through."""
     if dtype is None or isinstance(dtype, (str, torch.dtype)):
         return dtype
-    name = jnp.dtype(dtype).name
-    return getattr(torch, name) if name.startswith("float8") else torch_dtype(dtype)
+    return torch_dtype(dtype, "kv_cache_dtype")
 
 
 _MLA_ARGS = ("q", "kv_c", "k_pe", "kv_b_proj_weight", "kv_cache", "block_table")

@@ -186,15 +186,17 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
     use_cuda = has_cuda and device_arg != "cpu"
     if getattr(args, "backend", None) == "auto":  # the dispatch table decides, as with no --backend
         args.backend = None
-    if getattr(args, "backend", None):  # refuse a forced backend this machine cannot run, before any work
-        from ..dispatch import select_backend
+    from ..dispatch import select_backend
 
-        try:
-            select_backend(torch.device("cuda") if use_cuda else torch.device("cpu"), requested=args.backend,
-                           dtype=torch.bfloat16 if use_cuda else torch.float32, head_dim_qk=192, head_dim_vo=128)
-        except ValueError as err:
-            console.print(f"mla-bridge bench: --backend {args.backend}: {err}", style="red", markup=False)
-            return 2
+    try:  # refuse a --backend or MLA_BRIDGE_BACKEND (read when --backend is not given) this machine cannot run, before
+        # any work (an env value was not checked: every mla_bridge row was skipped and the bench exited 0)
+        select_backend(torch.device("cuda") if use_cuda else torch.device("cpu"),
+                       requested=getattr(args, "backend", None), dtype=torch.bfloat16 if use_cuda else torch.float32,
+                       head_dim_qk=192, head_dim_vo=128)
+    except ValueError as err:
+        flag = f"--backend {args.backend}: " if getattr(args, "backend", None) else ""
+        console.print(f"mla-bridge bench: {flag}{err}", style="red", markup=False)
+        return 2
     from ..dims import MLADims
     from ..prefill import kernel_choices
 

@@ -445,3 +445,43 @@ def test_max_plans_variable_takes_positive_ints_and_defaults(monkeypatch):
     assert max_plans_from_env() == 4
     monkeypatch.setenv("MLA_BRIDGE_JAX_MAX_PLANS", "")
     assert max_plans_from_env() == 16
+
+
+@pytest.mark.parametrize("dtype", [None, "bogus", 3])
+def test_a_dtype_that_is_not_one_is_refused_by_name_at_plan_time(dtype):
+    """dtype=None planned float64 (numpy reads None as float64), refused only at run time ("q must have dtype
+    torch.float64 (the plan's)"); "bogus" raised numpy's "data type 'bogus' not understood", naming no argument
+    (found by a fresh-user trial)."""
+    dims = MLADims(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                   softmax_scale=0.3)
+    with pytest.raises(TypeError, match="^dtype must be a JAX, numpy or torch dtype"):
+        mj.plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=True, sm_scale=SM,
+                       dtype=dtype)
+    with pytest.raises(TypeError, match="^dtype must be a JAX, numpy or torch dtype"):
+        mj.build_plan([2], [3], dims=dims, block_size=4, dtype=dtype)
+    if not isinstance(dtype, (str, type(None))):  # None: the compute dtype; strings are the core's ("fp8", "auto")
+        with pytest.raises(TypeError, match="^kv_cache_dtype must be a JAX, numpy or torch dtype"):
+            mj.build_plan([2], [3], dims=dims, block_size=4, dtype=jnp.float32, kv_cache_dtype=dtype)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_an_fp8_qkv_dtype_points_at_kv_cache_dtype_eagerly_and_under_jit(name):
+    """An FP8 q/k/v was refused as "dtype float8_e4m3fn has no torch counterpart" by plan_ragged and under jit (torch
+    has one; the eager call gave the core's reason, which points at kv_cache_dtype)."""
+    dt = getattr(jnp, name)
+    with pytest.raises(TypeError, match="must be one of bfloat16.*kv_cache_dtype"):
+        mj.plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=True, sm_scale=SM, dtype=dt)
+    q = jnp.ones((2, 2, 8), jnp.float32).astype(dt)
+    with pytest.raises(TypeError, match="must be one of bfloat16.*kv_cache_dtype"):
+        jax.jit(lambda a: mj.ragged_prefill(a, a, a, [0, 2], [0, 2], causal=True, sm_scale=SM))(q)
+
+
+@pytest.mark.parametrize("name", ["float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz"])
+def test_a_cache_dtype_torch_lacks_is_a_type_error_naming_kv_cache_dtype(name):
+    """build_plan(kv_cache_dtype=jnp.float8_e3m4) raised AttributeError: module 'torch' has no attribute ..."""
+    if not hasattr(jnp, name):
+        pytest.skip(f"this JAX has no {name}")
+    dims = MLADims(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                   softmax_scale=0.3)
+    with pytest.raises(TypeError, match=f"^kv_cache_dtype {name} has no torch counterpart"):
+        mj.build_plan([2], [3], dims=dims, block_size=4, dtype=jnp.float32, kv_cache_dtype=getattr(jnp, name))
