@@ -29,19 +29,21 @@ def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dty
              head_dim_qk: Optional[int] = None, head_dim_vo: Optional[int] = None) -> tuple[bool, str]:
     """Whether mla_bridge serves MLA prefill for vLLM here, and why (in words), from :func:`select_backend`.
 
-    ``capability`` ``None`` means no CUDA device (vLLM's CPU platform): the torch backend serves any floating dtype.
+    ``capability`` ``None`` means no CUDA device (vLLM's CPU platform): the torch backend serves bf16, fp16, fp32 and
+    fp64 (:data:`mla_bridge.dispatch.TORCH_DTYPES`; FP8 q/k/v: no backend serves them).
     On a CUDA device (``(major, minor)``) only a FlashInfer backend counts: the torch backend is a float32
     reference, far too slow to hand a serving engine, so it serves there only when forced with ``MLA_BRIDGE_BACKEND``.
     """
     kw = dict(dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
     if dtype is not None and not dtype.is_floating_point:  # plan_ragged would refuse it on every backend
-        return False, f"{dtype} is not a floating dtype (mla_bridge runs float16, bfloat16 and, on the CPU, float32)"
+        return False, (f"{dtype} is not a floating dtype (mla_bridge runs float16, bfloat16 and, on the CPU, float32 "
+                       f"and float64)")
     try:
         if capability is None:
             choice = select_backend("cpu", **kw)
         else:
             choice = select_backend(capability=(int(capability[0]), int(capability[1])), **kw)
-    except ValueError as err:  # a backend forced through MLA_BRIDGE_BACKEND cannot serve
+    except ValueError as err:  # a backend forced through MLA_BRIDGE_BACKEND cannot serve, or none serves the dtype
         return False, str(err)
     if capability is None or choice.is_flashinfer or choice.reason.startswith("forced"):
         return True, f"{choice.name}: {choice.reason}"
