@@ -348,8 +348,10 @@ class ChunkRows(NamedTuple):
 
     Fields: ``kv_indptr`` (int32 ``[n + 1]``, ``kv_indptr[0] = 0``, non-decreasing, ``kv_indptr[n] = num_tokens``, on
     the cache's device: on CUDA the copy FlashInfer's ``plan()`` made of the chunk pass's kv_indptr), ``req_start``,
-    ``first_start`` and ``num_tokens`` (ints). The Triton kernels find each token's request by a binary search of
-    ``kv_indptr`` (:func:`mla_bridge.kernels.gather.chunk_rows`); the torch path expands :meth:`token_indices`.
+    ``first_start`` and ``num_tokens`` (ints), and ``indices``: the per-token ``(req_ids, positions)`` where they were
+    made already (a CPU plan makes them at plan time, as host memory), else None. The Triton kernels find each
+    token's request by a binary search of ``kv_indptr`` (:func:`mla_bridge.kernels.gather.chunk_rows`); the torch
+    path reads :meth:`token_indices`.
     Made by :class:`mla_bridge.PrefillPlan` (``ContextChunk.rows``) from lengths it checked; the fields are not
     checked again here or in the kernels.
     """
@@ -358,14 +360,17 @@ class ChunkRows(NamedTuple):
     req_start: int
     first_start: int
     num_tokens: int
+    indices: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    #: device bytes per row that :meth:`token_indices` holds at its peak, an upper bound (three int64 vectors and a
+    #: device bytes per row that :meth:`token_indices` holds at its peak (without ``indices``), an upper bound (three int64 vectors and a
     #: bool one: the positions, the requests, the gathered indptr values, the first-request mask)
     INDEX_BYTES = 32
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(req_ids, positions)``: int64 ``[num_tokens]`` each, on ``kv_indptr``'s device (torch ops: a search and
-        three elementwise kernels, made at every call)."""
+        """``(req_ids, positions)``: int64 ``[num_tokens]`` each, on ``kv_indptr``'s device: ``indices`` where given,
+        else made at every call (torch ops: a search and three elementwise kernels)."""
+        if self.indices is not None:
+            return self.indices
         kv = self.kv_indptr.long()
         t = torch.arange(self.num_tokens, dtype=torch.int64, device=kv.device)
         j = torch.searchsorted(kv, t, right=True).sub_(1)  # the last request whose keys start at or before t

@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .cache import fused_latent, gather_latent, gather_rows
+from .cache import fused_latent, gather_rows
 from .weights import CHECKPOINT_LAYOUT, DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
@@ -280,25 +280,19 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
 def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_scale, weight: PreparedKVBProj,
              dtype: torch.dtype, hook: Hook, impl: Optional[str] = None, gather: Optional[str] = None):
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows in
-    order, named by ``chunk.rows`` (CUDA: the kernels read the chunk's device kv_indptr) or ``chunk.indices`` (the
-    CPU plan's per-token tensors). Hooks as :func:`fused_schedule_kv`."""
+    order, named by ``chunk.rows`` (:class:`mla_bridge.cache.ChunkRows`). Hooks as :func:`fused_schedule_kv`."""
     rows = chunk.num_tokens
     if _pass_impl(impl, kv_cache.device, dtype, True, kv_cache_scale is not None, rows, weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
         out, k, v = _kv_buffer(rows, weight, dtype, kv_cache.device)
-        req_ids, positions = chunk.indices or (None, None)  # one of rows / indices is set (a CUDA / CPU plan)
-        up_project_triton(out, weight, kv_cache=kv_cache, block_table=block_table, req_ids=req_ids,
-                          positions=positions, rows=chunk.rows, kv_cache_scale=kv_cache_scale)
+        up_project_triton(out, weight, kv_cache=kv_cache, block_table=block_table, rows=chunk.rows,
+                          kv_cache_scale=kv_cache_scale)
         return k, v
     hook("gather")
     weight = weight._gemm_form()
     buf, k_pe_out = _split_buffer(rows, weight, kv_cache.device)
-    if chunk.rows is not None:
-        latent = gather_rows(kv_cache, block_table, chunk.rows, dtype=dtype, kv_cache_scale=kv_cache_scale,
-                             impl=gather, k_pe_out=k_pe_out)
-    else:
-        latent = gather_latent(kv_cache, block_table, *chunk.indices, dtype=dtype, kv_cache_scale=kv_cache_scale,
-                               impl=gather, k_pe_out=k_pe_out)
+    latent = gather_rows(kv_cache, block_table, chunk.rows, dtype=dtype, kv_cache_scale=kv_cache_scale, impl=gather,
+                         k_pe_out=k_pe_out)
     hook("up-projection")
     return weight._up_project(latent, buf=buf)

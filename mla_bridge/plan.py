@@ -49,10 +49,11 @@ class ContextChunk:
     non-causal pass (``None`` when the chunk's requests have no new tokens), ``spans[i] = (request, first context
     token, end)`` its nonempty pieces.
 
-    Its rows for the gather: on CUDA ``rows`` (:class:`mla_bridge.cache.ChunkRows`: the pass's kv_indptr on the device,
-    as FlashInfer's ``plan()`` copied it, or the plan's own copy), from which the kernels find each token's
-    request themselves, so that planning makes no per-token index tensor; on the CPU ``indices``, the host tensors
-    ``(req_ids, positions)`` made at plan time. :attr:`req_ids` / :attr:`positions` give them either way.
+    Its rows for the gather, ``rows`` (:class:`mla_bridge.cache.ChunkRows`): on CUDA the pass's kv_indptr on the device,
+    as FlashInfer's ``plan()`` copied it (or the plan's own copy), from which the kernels find each token's request
+    themselves, so that planning makes no per-token index tensor; on the CPU the host kv_indptr and the per-token
+    ``(req_ids, positions)`` made at plan time (``rows.indices``). :attr:`req_ids` / :attr:`positions` give them
+    either way.
 
     Merge rounds (:meth:`PrefillPlan._plan_chunks`): ``part_row`` is the first row of this chunk's partial out / lse
     in the call's partial buffer, and ``merge_rows`` the query rows ``(start, stop)`` merged into the output after
@@ -65,8 +66,7 @@ class ContextChunk:
     kv_indptr: torch.Tensor
     first_start: int
     plan: Optional[RaggedPlan]
-    rows: Optional[ChunkRows]  # CUDA: the rows by the device kv_indptr (None on the CPU)
-    indices: Optional[tuple[torch.Tensor, torch.Tensor]]  # CPU: int64 (req_ids, positions) [chunk tokens] (None on CUDA)
+    rows: ChunkRows
     part_row: int = 0
     merge_rows: Optional[tuple[int, int]] = None
 
@@ -83,9 +83,9 @@ class ContextChunk:
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(req_ids, positions)``, int64 ``[num_tokens]``: the request and context position of each of the chunk's
-        tokens, in order. The CPU plan's host tensors; on CUDA made at each call from :attr:`rows` on the device
-        (:meth:`mla_bridge.cache.ChunkRows.token_indices`, the torch gather's input)."""
-        return self.indices if self.indices is not None else self.rows.token_indices()
+        tokens, in order (:meth:`mla_bridge.cache.ChunkRows.token_indices`, the torch gather's input): the CPU plan's
+        host tensors; on CUDA made at each call from :attr:`rows` on the device."""
+        return self.rows.token_indices()
 
     @property
     def req_ids(self) -> torch.Tensor:
@@ -396,7 +396,8 @@ class PrefillPlan:
         A chunk's rows for the gather: on CUDA its pass's kv_indptr on the device (:class:`ChunkRows`), the copy
         FlashInfer's ``plan()`` makes anyway (:attr:`RaggedPlan.device_kv_indptr`; where a pass has none, the torch
         backend, one page-locked copy for all such passes, :func:`_indptrs_on_device`): no per-token tensor, no
-        kernel. On the CPU device the per-token ``(req_ids, positions)`` as views of ONE :meth:`_expand` of the runs
+        kernel. On the CPU device the host kv_indptr, with the per-token ``(req_ids, positions)`` (``rows.indices``)
+        as views of ONE :meth:`_expand` of the runs
         ``counts = [c, c]`` (``c`` the context lengths), ``firsts = [0, ..., 0, 0, 1, ..., batch - 1]``, the first
         ``batch`` counting -- each stream token's position in its request's context, then that request.
         ``qo_list`` / ``qo_all``: ``qo_indptr`` as Python ints and as int32."""
@@ -443,13 +444,14 @@ class PrefillPlan:
             else:
                 kv_indptr = torch.from_numpy(kv)
             made.append((kv_indptr, start - offsets[req_start], plan))
-        device_kv = [] if on_cpu else self._device_kv_indptrs(made)
         chunks = []
+        device_kv = None if on_cpu else self._device_kv_indptrs(made)
         for i, ((kv_indptr, first, plan), (req_start, req_end, q_start, q_end), (part_row, merge_rows)) in enumerate(
                 zip(made, bounds, rounds)):
-            rows = None if on_cpu else ChunkRows(device_kv[i], req_start, first, sizes[i])
-            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first, plan, rows,
-                                       indices[i] if on_cpu else None, part_row, merge_rows))
+            rows = (ChunkRows(kv_indptr, req_start, first, sizes[i], indices[i]) if on_cpu else
+                    ChunkRows(device_kv[i], req_start, first, sizes[i]))
+            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first, plan, rows, part_row,
+                                       merge_rows))
         return chunks
 
     def _device_kv_indptrs(self, made: list) -> list:

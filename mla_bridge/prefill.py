@@ -345,6 +345,6 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     partials = plan.partial_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
     for c in plan.chunks:
         if c.plan is not None:  # a CUDA chunk's torch gather makes its per-token indices in the call
-            extra = ChunkRows.INDEX_BYTES if c.rows is not None else 0
+            extra = ChunkRows.INDEX_BYTES if c.rows.indices is None else 0
             peak = max(peak, one_pass(c.num_tokens, c.num_tokens, extra) + partials)
     return fixed + peak

@@ -368,7 +368,7 @@ def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monk
     """On CUDA a chunk names its rows by its kv_indptr (ContextChunk.rows, no per-token tensors): mla_prefill's gather
     reads them so (mla_bridge.cache.gather_rows, one Triton launch), and the bench's gather phase, which times "the
     gather of mla_prefill", must make the same calls, not expand per-token indices (twice) for gather_latent. A CPU
-    plan whose chunks carry rows instead of indices stands in for the CUDA one."""
+    plan whose chunks' rows carry no host indices stands in for the CUDA one."""
     import dataclasses
 
     import mla_bridge.bench.context as bench_context
@@ -383,8 +383,7 @@ def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monk
     plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
                              dtype=ctx.dtype)
     assert not plan.fused and plan.chunks
-    plan.chunks = [dataclasses.replace(c, rows=cache_mod.ChunkRows(c.kv_indptr, c.req_start, c.first_start,
-                                                                   c.num_tokens), indices=None) for c in plan.chunks]
+    plan.chunks = [dataclasses.replace(c, rows=c.rows._replace(indices=None)) for c in plan.chunks]
     calls = []
 
     def spy(name, fn):
@@ -395,7 +394,7 @@ def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monk
 
     for mod in (kv_mod, bench_context):
         monkeypatch.setattr(mod, "gather_rows", spy("rows", cache_mod.gather_rows), raising=False)
-        monkeypatch.setattr(mod, "gather_latent", spy("tokens", cache_mod.gather_latent))
+        monkeypatch.setattr(mod, "gather_latent", spy("tokens", cache_mod.gather_latent), raising=False)
     want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, kv_impl="separate")
     assert calls == ["rows"] * sum(c.plan is not None for c in plan.chunks)
     calls.clear()

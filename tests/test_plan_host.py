@@ -93,7 +93,7 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
     else:  # chunked: rows by each chunk's kv_indptr on the device (here the plan's own copy: the stand-in wrapper
         # holds none), one per pass and one per chunk without a pass; no per-token tensor kept
         for c, host in zip(cuda.chunks, cpu.chunks):
-            assert c.indices is None and host.rows is None and host.indices is not None
+            assert c.rows.indices is None and host.rows.indices is not None
             assert (c.rows.req_start, c.rows.first_start, c.rows.num_tokens) == \
                 (c.req_start, c.first_start, c.num_tokens)
             assert c.rows.kv_indptr.dtype == torch.int32 and torch.equal(c.rows.kv_indptr, c.kv_indptr)

@@ -10,7 +10,7 @@ mla_prefill's phases timed inside the layer by :mod:`mla_bridge.profiling` (the 
 is checked against the layer's time (within 5% on a GPU).
 
 The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call :mod:`mla_bridge.cache`'s
-``fused_latent`` and ``gather_latent`` and the prepared weight's ``up_project``); keep them in step when it changes.
+``fused_latent`` and ``gather_rows`` and the prepared weight's ``up_project``); keep them in step when it changes.
 FP8-cache rows (issue 12) time the same case with its cache quantized, beside the bf16-cache ones.
 """
 
@@ -242,10 +242,8 @@ class _Phases:
         cache = x.kv_cache if cache is None else cache
         if plan.fused:
             return fused_latent(plan, x.kv_c, x.k_pe, cache, x.block_table, scale, impl=impl)
-        # as mla_bridge.kv.chunk_kv: a CUDA chunk by its kv_indptr (no per-token tensors), a CPU one by its indices
+        # as mla_bridge.kv.chunk_kv: by the chunk's rows (on CUDA its kv_indptr, no per-token tensors)
         return [gather_rows(cache, x.block_table, c.rows, dtype=plan.dtype, kv_cache_scale=scale, impl=impl)
-                if c.rows is not None else
-                gather_latent(cache, x.block_table, *c.indices, dtype=plan.dtype, kv_cache_scale=scale, impl=impl)
                 for c in plan.chunks]
 
     def up_projection(self):

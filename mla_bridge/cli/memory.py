@@ -61,7 +61,7 @@ def _plan_index_bytes(plan) -> int:
     the CPU, none on CUDA, where the gathers read each chunk's kv_indptr)."""
     tensors = [plan.ctx_req_ids, plan.ctx_positions, plan.ctx_dst, plan.new_dst]
     for c in plan.chunks:
-        tensors += list(c.indices or ())  # CPU plans; on CUDA the kernels read each chunk's kv_indptr
+        tensors += list(c.rows.indices or ())  # CPU plans; on CUDA the kernels read each chunk's kv_indptr
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

@@ -106,7 +106,7 @@ def test_plan_index_tensors_equal_torch_ops_and_cpu(batch, fused, monkeypatch):
         buffer = triton_plan._device_indices[0].untyped_storage().data_ptr()
     else:  # no expansion: the chunks' indices follow from their passes' device kv_indptrs when asked for
         assert getattr(triton_plan, "_pinned_runs", None) is None
-        assert all(c.indices is None for c in triton_plan.chunks + torch_plan.chunks)
+        assert all(c.rows.indices is None for c in triton_plan.chunks + torch_plan.chunks)
     for name, w in want.items():
         if w is None:
             assert got[name] is None and ops[name] is None, name
