@@ -236,8 +236,9 @@ def dsa_model(model_type: str, *, index_topk: int, num_layers: int = 2, seed: in
     Equal ``seed`` and config give equal weights whatever ``attn_implementation``."""
     import transformers
 
-    fields = dict(DSA_SMALL, num_hidden_layers=num_layers, index_topk=index_topk, mlp_layer_types=["dense"] * num_layers,
-                  **overrides)
+    fields = dict(DSA_SMALL, num_hidden_layers=num_layers, index_topk=index_topk, first_k_dense_replace=num_layers,
+                  mlp_layer_types=["dense"] * num_layers)
+    fields.update(overrides)
     config = transformers.AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
