@@ -20,13 +20,37 @@ Conversion (no attention math here):
   one plan. The mask is checked (one device-to-host copy) once per mask object, not per layer; no mask costs no
   device work.
 
+The keywords models pass (every ``modeling_*.py`` of transformers 5.25), each served or handed to an implementation
+that honours it, never dropped:
+
+* ``indices`` (DSA models: ``deepseek_v32``, ``glm_moe_dsa``, ``hy_v4``, ...: the indexer's top-k key positions per
+  query, int ``[B, Q, k]``, which transformers folds into the mask only for eager / sdpa) are folded into the mask
+  exactly as transformers does (a key outside a query's top-k is masked; ``None`` is first spelled out as sdpa's
+  causal mask), then the call goes on as any other: served when the folded mask is still "causal over valid keys"
+  (every query's top-k holds every key it sees: sequences up to ``index_topk``), else handed back with the folded
+  mask. Indices with ``k >= K`` (the top-k of K keys, distinct as ``torch.topk`` makes them, is every key) change
+  nothing and are not folded, so the layers of one forward still share one mask check.
+* ``s_aux`` (per-head attention sink logits ``[H]``, in the units of the scaled logits: ``hy_v4``; ``gpt_oss``,
+  ``deepseek_v4`` and the others passing it are GQA/MQA and handed back): served. A sink is one more key per head,
+  of logit ``s_aux`` and value vector 0, i.e. a partial with LSE ``s_aux`` and output 0, merged into the result by
+  :func:`mla_bridge.merge.merge_attn_states_` (``out * exp(lse) / (exp(lse) + exp(s_aux))``, as the models' eager
+  functions compute it). Handed back (GQA, a mask not served, ...) or of another shape: to the model's eager function
+  (sdpa ignores sinks).
+* ``sinks`` (per-query sink logits, ``inkling2``), ``softcap`` and ``output_attentions``: the model's own
+  ``eager_attention_forward`` (the only implementation honouring them; sdpa ignores sinks and refuses softcap), with
+  the mask made additive and ``None`` spelled out as sdpa's causal mask. A model file without one: NotImplementedError.
+* ``position_bias`` (T5-style relative bias), ``sliding_window`` (the window is in transformers' mask), packed
+  sequences (``cu_seq_lens_*``), ``is_causal=False``, ``dropout > 0``: ``sdpa``, which honours them.
+* Keywords that do not change the result (:data:`NEUTRAL_KEYWORDS`: ``position_ids``, ``use_cache``, ...; packing
+  and windows reach attention through the mask) are accepted and passed on when handed back. Any other keyword whose
+  value is not ``None`` is refused by name (TypeError): it may change the result and sdpa would drop it too.
+
 Handed back to transformers (the reason is logged once per kind), never silently wrong:
 inputs that require grad while autograd records (training with ``attention_dropout`` 0, DeepSeek's default: the
 kernels have no backward, and their gradient would be lost) or that carry forward-mode tangents (``torch.func.jvp``),
-``dropout > 0`` (training), a sliding window, softcap or attention sinks, packed sequences (``cu_seq_lens_*``),
-``output_attentions`` (to ``eager``, the only implementation returning weights, with ``None`` turned into sdpa's
-causal mask), fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or any
-boolean mask of another structure (right or inner padding, packed sequences, custom patterns): ``sdpa``.
+the keywords above, fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or
+any boolean mask of another structure (right or inner padding, packed sequences, custom patterns, DSA's top-k): to
+``sdpa``, or to the model's ``eager`` when a keyword only eager honours is present.
 """
 
 from __future__ import annotations
@@ -42,11 +66,24 @@ import torch
 import mla_bridge
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
+from mla_bridge.merge import merge_attn_states_
 
-__all__ = ["ATTN_IMPLEMENTATION", "mla_bridge_attention", "ragged_from_mask", "fallback_reason"]
+__all__ = ["ATTN_IMPLEMENTATION", "mla_bridge_attention", "ragged_from_mask", "fallback_reason", "NEUTRAL_KEYWORDS",
+           "HONOURED_KEYWORDS"]
 
 #: The name :func:`mla_bridge_transformers.register` registers by default.
 ATTN_IMPLEMENTATION = "mla_bridge"
+
+#: Keywords transformers' models pass that do not change the attention result: bookkeeping of the layers, the cache
+#: and the outputs (sdpa and eager read none of them; packed sequences reach attention through the mask).
+NEUTRAL_KEYWORDS = frozenset({"position_ids", "use_cache", "cache", "past_key_values", "past_key_value",
+                              "cache_position", "output_hidden_states", "output_router_logits", "num_items_in_batch",
+                              "max_length_q", "max_length_k", "seq_idx", "deterministic"})
+#: Keywords that change the result, each served or handed to an implementation honouring it (module docstring).
+HONOURED_KEYWORDS = frozenset({"indices", "s_aux", "sinks", "softcap", "output_attentions", "position_bias",
+                               "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "is_causal"})
+#: What only the model's own eager function honours (sdpa ignores sinks, refuses softcap, returns no weights).
+_EAGER_KEYWORDS = ("s_aux", "sinks", "softcap", "output_attentions")
 
 logger = logging.getLogger("mla_bridge_transformers")
 _warned: set[str] = set()
@@ -87,7 +124,7 @@ def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: 
 def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
                     kwargs: dict, value: Optional[torch.Tensor] = None) -> Optional[str]:
     """Why this call cannot run through mla_bridge (``None`` when it can), from everything but the mask's values."""
-    found = differentiated((("query", query), ("key", key), ("value", value)))
+    found = differentiated((("query", query), ("key", key), ("value", value), ("s_aux", kwargs.get("s_aux"))))
     if found is not None:
         return ("autograd (inputs that require grad: mla_bridge's kernels have no backward)" if found[1] == "grad" else
                 "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)")
@@ -95,9 +132,12 @@ def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attenti
         return f"dropout={dropout} (training)"
     if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
         return "a sliding window"
-    for name in ("softcap", "s_aux", "sinks"):
+    for name in ("softcap", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             return f"{name}"
+    s_aux = kwargs.get("s_aux")
+    if s_aux is not None and (not isinstance(s_aux, torch.Tensor) or tuple(s_aux.shape) != (query.shape[1],)):
+        return f"s_aux of shape {list(getattr(s_aux, 'shape', []))} (not one sink logit per head)"
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return "packed sequences (cu_seq_lens)"
     config = getattr(module, "config", None)
@@ -114,20 +154,78 @@ def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attenti
     return None
 
 
+def _refuse_unknown(module, kwargs: dict) -> None:
+    unknown = sorted(n for n, x in kwargs.items()
+                     if x is not None and n not in NEUTRAL_KEYWORDS and n not in HONOURED_KEYWORDS)
+    if unknown:
+        raise TypeError(f"mla_bridge attention: {type(module).__name__} passes the keyword(s) {', '.join(unknown)}, "
+                        f"unknown to mla_bridge: they may change the result, and handed to sdpa they would be dropped "
+                        f"too; load the model with attn_implementation='eager' (or the implementation its model "
+                        f"card names)")
+
+
+def _causal(module, kwargs: dict) -> bool:
+    return bool(getattr(module, "is_causal", True)) and kwargs.get("is_causal") is not False
+
+
+def _spelled_out(attention_mask, query, key, causal: bool):
+    """``attention_mask``, or for ``None`` the boolean ``[1, 1, Q, K]`` mask sdpa means by it (``is_causal`` for Q > 1
+    on a causal module: top-left aligned; else every key)."""
+    if attention_mask is not None:
+        return attention_mask
+    q_len, kv_len = query.shape[2], key.shape[2]
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device)
+    return (mask.tril() if causal and q_len > 1 else mask)[None, None]
+
+
+def _fold_indices(attention_mask, indices, query, key, causal: bool):
+    """The mask with ``indices`` (int ``[B, Q, k]``: the key positions each query may see) folded in, as transformers
+    folds them for eager / sdpa (``modeling_deepseek_v32.py``: a boolean mask ``& ~index_mask``, an additive one filled
+    with the dtype's min); unchanged when ``k >= K`` (the top-k of K keys is every key).
+
+    Raises:
+        TypeError / ValueError: ``indices`` not an integer tensor of shape ``[B, Q, k]`` (query's B and Q).
+    """
+    b, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a tensor (the top-k key positions per query), got {type(indices).__name__}")
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise TypeError(f"indices must be an integer tensor (key positions), got {indices.dtype}")
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, q_len):
+        raise ValueError(f"indices must be [{b}, {q_len}, k] (batch, queries, top-k), got {list(indices.shape)}")
+    if indices.shape[2] >= kv_len:
+        return attention_mask
+    index_mask = torch.ones(b, q_len, kv_len, dtype=torch.bool, device=indices.device).scatter(
+        -1, indices.long(), False)[:, None]  # True = not selected
+    mask = _spelled_out(attention_mask, query, key, causal)
+    if mask.dtype == torch.bool:
+        return mask & ~index_mask
+    return mask.masked_fill(index_mask, torch.finfo(query.dtype).min)
+
+
+def _eager_keyword(module, kwargs: dict) -> Optional[str]:
+    """The first keyword of the call that only the model's eager function honours, or None."""
+    for name in _EAGER_KEYWORDS:
+        x = kwargs.get(name)
+        if x is not None and x is not False:
+            return name
+    return "output_attentions" if getattr(getattr(module, "config", None), "output_attentions", False) else None
+
+
 def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    needs_eager = _eager_keyword(module, kwargs)
     if reason not in _warned:
         _warned.add(reason)
         logger.warning("mla_bridge attention: %s is not served; handing the call to transformers' %s", reason,
-                       "eager" if "output_attentions" in reason else "sdpa")
-    if "output_attentions" in reason:
+                       f"eager (for {needs_eager})" if needs_eager else "sdpa")
+    if needs_eager:
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is None:
-            raise NotImplementedError(f"mla_bridge attention: {reason} needs eager attention, and "
-                                      f"{type(module).__module__} has no eager_attention_forward; load the model with "
-                                      f"attn_implementation='eager'")
-        q_len, kv_len = query.shape[2], key.shape[2]
-        if attention_mask is None and q_len > 1:  # sdpa's is_causal (top-left), which eager needs spelled out
-            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()[None, None]
+            raise NotImplementedError(f"mla_bridge attention: {reason} is not served and {needs_eager} needs eager "
+                                      f"attention, but {type(module).__module__} has no eager_attention_forward; load "
+                                      f"the model with attn_implementation='eager'")
+        attention_mask = _spelled_out(attention_mask, query, key, _causal(module, kwargs))
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
                 ~attention_mask, torch.finfo(query.dtype).min)
@@ -191,19 +289,32 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     Args:
         query ``[B, H, Q, D_qk]``, key ``[B, H, K, D_qk]``, value ``[B, H, K, D_v]``, attention_mask boolean
         ``[B, 1, Q, K]`` or ``None``, scaling (softmax scale; ``None`` means ``D_qk ** -0.5``).
+        kwargs: the model's keywords (module docstring): ``indices`` int ``[B, Q, k]`` (folded into the mask),
+            ``s_aux`` ``[H]`` sink logits (natural-log units of the scaled logits), the others served or handed back.
 
     Returns:
         ``(attn_output [B, Q, H, D_v] in query's dtype, None)``; transformers' sdpa / eager result when handed back.
 
     Raises:
+        TypeError: a keyword that is neither known (:data:`NEUTRAL_KEYWORDS`, :data:`HONOURED_KEYWORDS`) nor None,
+            named; ``indices`` not an integer tensor. ValueError: ``indices`` not ``[B, Q, k]``.
+        NotImplementedError: a keyword only eager honours, on a call handed back, where the model's file has no
+            ``eager_attention_forward``.
         the core's TypeError / ValueError (e.g. a dtype no backend serves), before any kernel runs.
     """
+    _refuse_unknown(module, kwargs)
+    sparse = False
+    if kwargs.get("indices") is not None:  # DSA's top-k: into the mask, as transformers does for eager / sdpa
+        folded = _fold_indices(attention_mask, kwargs["indices"], query, key, _causal(module, kwargs))
+        kwargs = {n: x for n, x in kwargs.items() if n != "indices"}
+        sparse, attention_mask = folded is not attention_mask, folded
     reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
     b, h, q_len, d_qk = query.shape
     kv_len, d_vo = key.shape[2], value.shape[-1]
     layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device)
     if reason is None and layout is None:
-        reason = ("an attention mask other than causal over each row's valid keys (right or inner padding, a custom "
+        reason = ("sparse attention (indices: a top-k that leaves out keys a query could see)" if sparse else
+                  "an attention mask other than causal over each row's valid keys (right or inner padding, a custom "
                   "or packed mask)")
     if reason is not None:
         return _hand_back(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
@@ -217,7 +328,11 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     else:
         q, k, v = qt[q_valid], kt[key_valid], vt[key_valid]
     plan = _plan(q_lens, kv_lens, h, d_qk, d_vo, sm_scale, query.dtype, query.device)
-    out, _ = plan.run(q, k, v)
+    sinks = kwargs.get("s_aux")
+    out, lse = plan.run(q, k, v)
+    if sinks is not None:  # one more key per head, of logit s_aux and value 0: a partial (out 0, LSE s_aux)
+        merge_attn_states_(out, lse, out.new_zeros(()).expand(out.shape),
+                           sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape))
     if dense:
         return out.view(b, q_len, h, d_vo), None
     full = out.new_zeros(b, q_len, h, d_vo)

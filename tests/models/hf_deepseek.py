@@ -219,3 +219,33 @@ def page(latents: list, block_size: int, *, latent_dim: int, seed: int = 0, spar
             rows = x[b * block_size:(b + 1) * block_size]
             cache[blk, : rows.shape[0]] = rows.to("cpu", dtype)
     return cache.to(device), table.to(device)
+
+
+#: Small attention dims of the sparse-attention (DSA) models' tests: MLA with an indexer, dense MLPs only.
+DSA_SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=8,
+                 num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, index_head_dim=16,
+                 index_n_heads=4, initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def dsa_model(model_type: str, *, index_topk: int, num_layers: int = 2, seed: int = 0, sinks: float = None,
+              attn_implementation: str = "eager", dtype=torch.float32, device: str = "cpu", **overrides):
+    """A random transformers model of ``model_type`` ("deepseek_v32", "glm_moe_dsa", "hy_v4": MLA whose indexer picks
+    ``index_topk`` keys per query) at :data:`DSA_SMALL` dims, dense MLPs, in eval mode; ``sinks``: every attention
+    layer's ``sinks`` parameter (hy_v4's per-head sink logits) drawn around that value instead of its initial 0.
+    Equal ``seed`` and config give equal weights whatever ``attn_implementation``."""
+    import transformers
+
+    fields = dict(DSA_SMALL, num_hidden_layers=num_layers, index_topk=index_topk, first_k_dense_replace=num_layers,
+                  mlp_layer_types=["dense"] * num_layers)
+    fields.update(overrides)
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                          attn_implementation=attn_implementation)
+    if sinks is not None:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(sinks + torch.randn(layer.self_attn.sinks.shape, generator=g))
+    return model.to(device=device, dtype=dtype).eval()

@@ -5,6 +5,8 @@ written by transformers: ``attn_implementation="eager"`` (the reference) and ``"
 logits agree within 1e-4 at every prompt position and at every one of 20 greedy steps (transformers' generate, its
 own DynamicCache: each step is a continuation with fewer queries than keys), and the generated tokens are identical;
 likewise for a left-padded batch. Cases mla_bridge cannot serve are handed back to transformers (tested directly).
+The keywords models pass: small random DSA models (deepseek_v32, glm_moe_dsa; hy_v4 with attention sinks) against
+eager, and each keyword's routing tested directly against the model file's own eager function.
 """
 
 from __future__ import annotations
@@ -238,8 +240,8 @@ def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2
 @pytest.mark.parametrize("change,reason", [
     (dict(dropout=0.1), "dropout"),
     (dict(sliding_window=2), "sliding window"),
-    (dict(softcap=30.0), "softcap"),
     (dict(cu_seq_lens_q=torch.tensor([0, 2, 4])), "packed sequences"),
+    (dict(position_bias=torch.zeros(1, 2, 4, 4)), "position_bias"),  # sdpa adds it to the logits
     (dict(kv_heads=1), "GQA"),
     (dict(is_causal=False), "non-causal"),
     (dict(mask=torch.zeros(1, 1, 4, 4)), "mask"),
@@ -350,6 +352,191 @@ def test_a_forced_backend_is_obeyed_on_the_same_lengths(monkeypatch, two_torch_t
     assert torch.equal(out, again)
 
 
+# ---- the keywords transformers' models pass ------------------------------------------------------------------------
+
+DSA_MODELS = ["deepseek_v32", "glm_moe_dsa"]  # MLA with an indexer, no sinks
+
+
+def _fake_module(model_file: str, heads: int = 2, kv_heads: int = 2, **attrs):
+    """An attention module of transformers' ``models/<model_file>``: its ``eager_attention_forward`` is found by the
+    module's ``__module__``, as for the model's own attention class."""
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{model_file}.modeling_{model_file}")
+    fake = type("FakeAttention", (types.SimpleNamespace,), {"__module__": mod.__name__})
+    return fake(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=heads // kv_heads,
+                training=False, **attrs), mod
+
+
+def _additive(mask):
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
+def _topk_indices(q_len, kv_len, topk, seed=0, batch=1):
+    """Top-k key positions per query as transformers' indexers make them: torch.topk of scores, keys above the causal
+    diagonal (bottom-right) scored -inf, int32 ``[B, Q, topk]``."""
+    scores = torch.randn(batch, q_len, kv_len, generator=torch.Generator().manual_seed(seed))
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    return scores.masked_fill(~causal, float("-inf")).topk(topk, dim=-1).indices.to(torch.int32)
+
+
+def _dsa_pair(model_type, index_topk, **kw):
+    name = mbt.register()
+    return (H.dsa_model(model_type, index_topk=index_topk, **kw),
+            H.dsa_model(model_type, index_topk=index_topk, attn_implementation=name, **kw))
+
+
+def _left_padded(lens, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lens):
+        ids[r, -n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[r, -n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("model_type", DSA_MODELS)
+def test_sparse_indices_logits_equal_eager(model_type, two_torch_threads):
+    """DSA with index_topk 4 and prompts of up to 16 tokens: for implementations other than eager / sdpa, transformers
+    passes the indexer's top-k as ``indices=`` and leaves it out of the mask. Folded into the mask (as transformers
+    does for eager / sdpa) and handed to sdpa, the logits equal eager's at every real position of a left-padded batch
+    and at every greedy step; computed densely (the indices dropped) they were 0.84-0.88 off."""
+    eager, ours = _dsa_pair(model_type, 4)
+    ids, mask = _left_padded([16, 11], eager.config.vocab_size, seed=9)
+    valid = mask.bool()
+    with torch.no_grad():
+        want, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        dense = H.dsa_model(model_type, index_topk=64)(ids, attention_mask=mask).logits  # same weights, no sparsity
+    assert (want - dense)[valid].abs().max() > 0.1  # the top-k matters on these prompts
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=0)
+    g_want, g_got = _generate(eager, ids, mask, steps=4), _generate(ours, ids, mask, steps=4)
+    assert torch.equal(g_got.sequences, g_want.sequences)
+    for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
+
+
+@pytest.mark.parametrize("model_type", DSA_MODELS)
+def test_sparse_indices_selecting_every_key_are_served(model_type, no_hand_back, two_torch_threads):
+    """Sequences no longer than index_topk: each query's top-k is every key (the indices' last dim is the key count),
+    so they change nothing and mla_bridge serves the call itself: logits equal eager's, prompt and greedy steps."""
+    eager, ours = _dsa_pair(model_type, 16)
+    ids, mask = _left_padded([8, 5], eager.config.vocab_size, seed=10)
+    g_want, g_got = _generate(eager, ids, mask, steps=6), _generate(ours, ids, mask, steps=6)
+    assert torch.equal(g_got.sequences, g_want.sequences)
+    for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_indices_are_folded_into_the_mask(mask_kind, kv_heads, two_torch_threads):
+    """``indices`` (top-2 of 6 keys per query, a batch of 2 under one broadcast ``[1, 1, Q, K]`` mask) on a call served
+    if it could be (2 key/value heads: the folded mask is not causal, so it goes to sdpa) and on one handed back for
+    another reason (GQA): both equal eager on the mask with the top-k folded in, for no mask (sdpa's causal), a
+    boolean and an additive mask. Before, the indices were dropped (dense attention)."""
+    module, m = _fake_module("deepseek_v32", kv_heads=kv_heads)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    mask = {"none": None, "bool": causal, "float": _additive(causal)}[mask_kind]
+    indices = _topk_indices(6, 6, 2, seed=1, batch=2)
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 2, 6, 24, generator=g), torch.randn(2, kv_heads, 6, 24, generator=g),
+               torch.randn(2, kv_heads, 6, 16, generator=g))
+    out, _ = mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3, indices=indices)
+    keep = torch.zeros(2, 6, 6, dtype=torch.bool).scatter(-1, indices.long(), True)[:, None]
+    want, _ = m.eager_attention_forward(module, q, k, v, _additive(causal & keep), scaling=0.3)
+    dense, _ = m.eager_attention_forward(module, q, k, v, _additive(causal), scaling=0.3)
+    assert (want - dense).abs().max() > 0.1
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("indices,match", [
+    (torch.zeros(1, 4, 2), "integer"),
+    (torch.zeros(2, 4, 2, dtype=torch.int32), r"\[1, 4, k\]"),
+    (torch.zeros(1, 4, dtype=torch.int64), r"\[1, 4, k\]"),
+    ([[0, 1]], "tensor"),
+])
+def test_malformed_indices_are_refused_by_name(indices, match):
+    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace())
+    with pytest.raises((TypeError, ValueError), match=rf"indices.*{match}"):
+        _call(module, indices=indices)
+
+
+@pytest.mark.parametrize("index_topk,served", [(16, True), (4, False)])
+def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, index_topk, served):
+    """hy_v4 (DSA whose attention has per-head sink logits, passed as ``s_aux``; drawn around 3.0 here): within
+    index_topk the call is served, the sinks merged in as a partial of LSE s_aux and output 0; beyond it (the folded
+    top-k mask is not causal) handed to the model's own eager function, as transformers offers no sdpa for hy_v4. The
+    logits equal eager's at every position and greedy step; handed to sdpa, which ignores sinks, they were 1.25 off."""
+    handed = []
+    real = mbt_attention._hand_back
+    monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))
+    eager, ours = _dsa_pair("hy_v4", index_topk, sinks=3.0)
+    ids, mask = _left_padded([12, 9], eager.config.vocab_size, seed=11)
+    valid = mask.bool()
+    with torch.no_grad():
+        want, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        no_sinks = H.dsa_model("hy_v4", index_topk=index_topk, sinks=-1e4)(ids, attention_mask=mask).logits
+    assert (want - no_sinks)[valid].abs().max() > 0.1  # the sinks matter
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=0)
+    g_want, g_got = _generate(eager, ids, mask, steps=3), _generate(ours, ids, mask, steps=3)
+    assert torch.equal(g_got.sequences, g_want.sequences)
+    for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
+    assert (not handed) == served, handed
+
+
+def test_s_aux_is_served_as_a_sink_partial(no_hand_back, two_torch_threads):
+    """Per-head sink logits on a served call (a continuation over left padding, so the batch is gathered): mla_bridge's
+    output equals hy_v4's eager function (softmax over the keys and one sink logit per head, the sink dropped)."""
+    sinks = torch.tensor([3.0, -1.0])
+    module, m = _fake_module("hy_v4", sinks=sinks)
+    mask = _sdpa_mask(torch.tensor([[0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool), 3, 7)
+    (out, _), (q, k, v) = _call(module, mask=mask, q_len=3, kv_len=7, s_aux=sinks)
+    want, _ = m.eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.3)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    module.sinks = torch.full((2,), -1e4)  # no sink
+    dense, _ = m.eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.3)
+    assert (want - dense).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("model_file,change", [
+    ("gemma2", dict(softcap=0.5)),  # sdpa refuses softcap
+    ("inkling2", dict(sinks=torch.full((1, 2, 4, 1), 2.0))),  # per-query sink logits: sdpa ignores them
+    ("hy_v4", dict(s_aux=torch.tensor([3.0, 2.0]), kv_heads=1)),  # GQA is handed back; sdpa ignores s_aux
+    ("hy_v4", dict(s_aux=torch.tensor([3.0, 2.0]), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))),  # not causal
+])
+def test_keywords_only_eager_honours_go_to_the_models_eager(model_file, change, two_torch_threads):
+    """A call handed back with a keyword sdpa does not honour (softcap, sinks, s_aux) goes to the model's own eager
+    function, with the mask made additive; its output equals that function's."""
+    change = dict(change)
+    kv_heads = change.pop("kv_heads", 2)
+    mask = change.pop("mask", torch.ones(1, 1, 4, 4, dtype=torch.bool).tril())
+    extra = {"sinks": change["s_aux"]} if "s_aux" in change else {}  # hy_v4's eager reads module.sinks
+    module, m = _fake_module(model_file, kv_heads=kv_heads, **extra)
+    (out, _), (q, k, v) = _call(module, mask=mask, kv_heads=kv_heads, **change)
+    want, _ = m.eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.3, **change)
+    plain, _ = m.eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.3)  # inkling2: no sinks
+    if model_file != "hy_v4":
+        assert (want - plain).abs().max() > 0.1
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("change", [dict(), dict(kv_heads=1), dict(dropout=0.1)])
+def test_unknown_keywords_are_refused_by_name(monkeypatch, change):
+    """A keyword mla_bridge does not know may change the result (``block_indices``: another model's sparse blocks), and
+    sdpa would drop it too: refused by name, on a call it would serve and on ones it would hand back alike. A keyword
+    that is None (what transformers passes for "absent") is accepted."""
+    import transformers.integrations.sdpa_attention as sdpa_mod
+
+    monkeypatch.setattr(sdpa_mod, "sdpa_attention_forward", lambda *a, **k: ("sdpa-out", None))
+    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace())
+    with pytest.raises(TypeError, match="block_indices"):
+        _call(module, block_indices=torch.zeros(1, 1, 4, 1, dtype=torch.int64), **change)
+    (out, _), _ = _call(module, block_indices=None, **change)
+    assert isinstance(out, torch.Tensor) if not change else out == "sdpa-out"
+
+
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -378,6 +565,48 @@ def test_bf16_gpu_logits_within_transformers_own_spread(v2_folder, no_hand_back)
     spread = max(err["eager"], err["sdpa"])
     assert err[name] <= 1.5 * spread, err
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_topk", [2048, 64])
+def test_dsa_bf16_gpu_logits(monkeypatch, index_topk):
+    """A DeepSeek-V3.2 model (MLA at V3.2's head dims: q/k 128 + 64, v 128; 16 heads) in bf16 on the H200, prompts of
+    300 and 177 tokens left-padded. index_topk 2048: the indices select every key, mla_bridge serves every call
+    (FlashInfer), and the logits are no further from the float32 eager model than 1.5x the furthest of transformers'
+    own bf16 implementations (eager, sdpa), as in the V2 test above. index_topk 64: the indices are folded into the
+    mask on the device and the calls go to sdpa, so the logits equal those of transformers' sdpa model (which folds
+    them the same way) exactly; computing densely was 0.1-0.9 off in float32 on the CPU. (bf16 and float32 runs pick
+    different top-k keys near ties, so a sparse model's bf16 error against float32 is not a measure of mla_bridge.)"""
+    import transformers
+
+    if not hasattr(transformers, "DeepseekV32Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no deepseek_v32")
+    name = mbt.register()
+    handed = []
+    real = mbt_attention._hand_back
+    monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))
+    dims = dict(num_attention_heads=16, num_key_value_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                v_head_dim=128, kv_lora_rank=512, q_lora_rank=64, hidden_size=256, index_head_dim=128,
+                index_n_heads=8)
+    ids, mask = _left_padded([300, 177], 64, seed=0)
+    ids, mask = ids.cuda(), mask.cuda()
+    valid = mask.bool()
+    logits = {}
+    with torch.no_grad():
+        truth = H.dsa_model("deepseek_v32", index_topk=index_topk, device="cuda", **dims)(
+            ids, attention_mask=mask).logits[valid].float()
+        for impl in ("eager", "sdpa", name):
+            model = H.dsa_model("deepseek_v32", index_topk=index_topk, attn_implementation=impl,
+                                dtype=torch.bfloat16, device="cuda", **dims)
+            torch.cuda._sleep(int(1e8))  # keep the GPU busy so the host runs ahead
+            logits[impl] = model(ids, attention_mask=mask).logits[valid].float()
+    err = {impl: (x - truth).abs().max().item() for impl, x in logits.items()}
+    print(f"index_topk {index_topk}: max |logit error| {err}, handed back {sorted(set(handed))}")
+    if index_topk >= 300:
+        assert not handed, handed
+        assert err[name] <= 1.5 * max(err["eager"], err["sdpa"]), err
+    else:
+        assert handed and all("indices" in r for r in handed), handed
+        assert torch.equal(logits[name], logits["sdpa"]), (logits[name] - logits["sdpa"]).abs().max().item()
 
 def test_training_step_gradients_equal_eager(pair, two_torch_threads):
     """A training step (autograd recording, DeepSeek's attention_dropout 0): the call goes to sdpa, whose backward
