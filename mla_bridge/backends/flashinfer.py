@@ -286,12 +286,12 @@ class FlashInferRaggedKernel:
             return self._wrapper_run(q, k, v, out, lse, lse_layout, lse_base)
         wrapper = self.wrapper
         with self._lock:  # wrapper.run reads the one attribute: no other thread may point it elsewhere meanwhile
-            planned = wrapper._float_workspace_buffer
+            previous = wrapper._float_workspace_buffer
             wrapper._float_workspace_buffer = region
             try:
                 return self._wrapper_run(q, k, v, out, lse, lse_layout, lse_base)
             finally:
-                wrapper._float_workspace_buffer = planned
+                wrapper._float_workspace_buffer = previous
 
     def _wrapper_run(self, q, k, v, out, lse, lse_layout, lse_base):
         if self._contiguous_out and not out.is_contiguous():
