@@ -58,6 +58,7 @@ from .plan import PrefillPlan
 from .prefill import mla_prefill
 from .ragged import RaggedPlan
 from .weights import PreparedKVBProj
+from .workspace import capture_owner
 
 __all__ = ["PrefillGraph", "PrefillLayer", "capture", "capture_prefill", "retain_plan_for_graph"]
 
@@ -82,7 +83,9 @@ def retain_plan_for_graph(plan: "PrefillPlan | RaggedPlan", graph: "PrefillGraph
     the GPU has finished the replays queued on the current stream). On top of it the graph holds strong references
     to the plan (its index tensors, which the captured gathers read), its ragged passes and, for FlashInfer plans,
     the float workspace tensor current at capture (a later growth swaps in a new tensor; a kernel captured against
-    the old pointer needs it allocated).
+    the old pointer needs it allocated). fa2's captured runs write their split-KV partials into a region of their
+    own, allocated during the capture from the graph's private memory pool (so the graph owns it, and two graphs
+    of one plan never share one: they may be replayed at once).
     """
     held: list = [plan]
     releases: list = []
@@ -231,7 +234,9 @@ def capture(fn: Callable[[], Any], *, plans: Sequence[Any], warmup: int = 2, poo
     reserved = torch.cuda.memory_reserved(device)
     cuda_graph = torch.cuda.CUDAGraph()
     t0 = time.perf_counter()
-    with torch.cuda.device(device), capture_rule():  # the rule the warm-up ran under
+    # capture_owner: the runs captured here are this graph's (registered for its plans in PrefillGraph.__init__), so
+    # its release hands their wrappers back; a plan fn uses but `plans` does not name stays retired for good.
+    with torch.cuda.device(device), capture_rule(), capture_owner(graph):  # the rule the warm-up ran under
         with torch.cuda.graph(cuda_graph, pool=pool, stream=side):
             outputs = fn()
     torch.cuda.synchronize(device)

@@ -190,8 +190,16 @@ class RaggedPlan:
         another plan, even after this plan is dropped), because the pool cannot know when the graph stops
         replaying. Registering the graph here lets it come back: when ``graph`` is garbage collected, an event is
         recorded on ``stream`` (default: the stream current at that moment; pass the stream the graph is replayed
-        on if it is another one) and the wrapper returns to the pool once that event has completed and the plan
-        itself is gone. Call this once per graph that captured the plan (before or after the capture).
+        on if it is another one) and the wrapper returns to the pool once that event has completed, the plan
+        itself is gone, and no other graph may replay it. Call this once per graph that captured the plan (before
+        or after the capture).
+
+        Which graph a capture belongs to: inside :func:`mla_bridge.graphs.capture`, that call's graph (it registers
+        its plans itself); elsewhere the ``torch.cuda.CUDAGraph`` torch names for the capturing stream
+        (``CUDAGraph.get_currently_capturing_graph``), so ``graph`` must be that object for the wrapper to come
+        back. A capture into a graph that is never registered, or where torch names no graph (a torch without that
+        function, a capture begun outside torch), keeps the wrapper retired for good: releasing another, registered
+        graph of the same plan never hands it back.
 
         Returns:
             the ``weakref.finalize`` object: calling it hands the wrapper back early (the graph must not be

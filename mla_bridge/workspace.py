@@ -8,15 +8,17 @@ latent cache in :func:`mla_bridge.mla_prefill`.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import re
 import threading
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
-__all__ = ["Workspace", "WorkspaceTooSmallError", "default_workspace", "DEFAULT_FLOAT_WORKSPACE_BYTES", "DEFAULT_CHUNK_TOKENS"]
+__all__ = ["Workspace", "WorkspaceTooSmallError", "default_workspace", "capture_owner", "DEFAULT_FLOAT_WORKSPACE_BYTES",
+           "DEFAULT_CHUNK_TOKENS"]
 
 #: FlashInfer's recommended float workspace (its docstring: "The recommended size is 128MB").
 DEFAULT_FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -101,11 +103,18 @@ def _checked_device(device: "torch.device | str") -> torch.device:
 class _Lease:
     """One pooled FlashInfer wrapper and what says whether queued GPU work may still read it.
 
-    A lease is *busy* while its plan (``owner``) lives, while a CUDA graph may replay a run of it (``captured`` /
-    ``graph_holds``), and until every CUDA event it recorded has completed: ``plan_event`` (recorded on
-    ``plan_stream`` after FlashInfer's ``plan()`` queued its host-to-device schedule copy from the wrapper's one
-    page-locked buffer) and ``run_events`` (one per stream a run was queued on, re-recorded after each run).
-    Only a lease that is not busy is handed to another plan, re-planned, re-buffered or freed.
+    A lease is *busy* while its plan (``owner``) lives, while a CUDA graph may replay a run of it, and until every
+    CUDA event it recorded has completed: ``plan_event`` (recorded on ``plan_stream`` after FlashInfer's ``plan()``
+    queued its host-to-device schedule copy from the wrapper's one page-locked buffer) and ``run_events`` (one per
+    stream a run was queued on, re-recorded after each run). Only a lease that is not busy is handed to another plan,
+    re-planned, re-buffered or freed.
+
+    Graphs are counted in two separate ways (:meth:`Workspace.captured`): ``graph_holds`` counts the registered graphs
+    that still exist (:meth:`Workspace.retain_for_graph`; ``registered`` maps each one's ``id`` to a weak reference
+    and its count of registrations), and a capture that belongs to no registered graph retires the lease for good:
+    ``pending`` (the graph torch names for that capture, until it is registered) or ``captured`` (a capture no graph
+    is named for). Releasing a registered graph only lowers ``graph_holds``: it never hands back a wrapper that a
+    graph nobody registered may still replay.
 
     Event objects are reused (:meth:`event`): once :meth:`gpu_done` has seen an event complete, it goes to ``spare``
     and the lease's next plan or first run on a stream records it again instead of making a new one (a new
@@ -117,7 +126,7 @@ class _Lease:
     """
 
     __slots__ = ("wrapper", "backend", "owner", "plan_event", "plan_stream", "run_events", "spare", "captured",
-                 "graph_holds", "region", "last_acquired", "__weakref__")
+                 "pending", "graph_holds", "registered", "last_acquired", "__weakref__")
 
     def __init__(self, wrapper: Any, backend: str):
         self.wrapper = wrapper
@@ -127,9 +136,10 @@ class _Lease:
         self.plan_stream: int = 0  # cuda_stream pointer of the stream plan() queued its copies on
         self.run_events: dict[int, Any] = {}  # cuda_stream pointer -> event recorded after the last run there
         self.spare: list = []  # events whose last record has completed, to record again (see the class docstring)
-        self.captured = False  # a run was captured into a CUDA graph: never handed back by the pool itself
+        self.captured = False  # captured where no graph was named: never handed back by the pool again
+        self.pending: dict[int, weakref.ref] = {}  # id -> graph that captured a run and is not registered (yet)
         self.graph_holds = 0  # graphs registered through RaggedPlan.retain_for_graph that still exist
-        self.region: Optional[torch.Tensor] = None  # fa2: a private float workspace (captured runs)
+        self.registered: dict[int, list] = {}  # id -> [weak reference to the graph, its registrations]
         self.last_acquired = 0  # the workspace's acquisition count when this lease was last handed out
 
     def gpu_done(self) -> bool:
@@ -160,10 +170,49 @@ class _Lease:
         event.record(stream)
         self.plan_stream, self.plan_event = ptr, event
 
+    def graphed(self) -> bool:
+        """A graph may replay a run of this wrapper: a registered one exists, or a capture nobody registered."""
+        return self.captured or bool(self.pending) or self.graph_holds > 0
+
     def free(self) -> bool:
         """No plan holds it, no graph may replay it, and the GPU has finished everything queued on it."""
-        return ((self.owner is None or self.owner() is None) and not self.captured and self.graph_holds == 0
-                and self.gpu_done())
+        return (self.owner is None or self.owner() is None) and not self.graphed() and self.gpu_done()
+
+
+#: the graph that runs captured on this thread belong to (:func:`capture_owner`), or None
+_CAPTURE_OWNER = threading.local()
+
+
+@contextlib.contextmanager
+def capture_owner(graph: Any) -> Iterator[None]:
+    """Runs captured on this thread inside the block belong to ``graph`` (what :func:`mla_bridge.graphs.capture`
+    wraps around its ``torch.cuda.graph`` block, naming its :class:`mla_bridge.graphs.PrefillGraph`): a pooled wrapper
+    they capture is handed back once ``graph`` is gone, if ``graph`` was registered for that wrapper's plan
+    (:meth:`mla_bridge.RaggedPlan.retain_for_graph`), and retired for good otherwise. Outside such a block the
+    capturing graph is the one torch names (``torch.cuda.CUDAGraph.get_currently_capturing_graph``, where this torch
+    has it)."""
+    previous = getattr(_CAPTURE_OWNER, "graph", None)
+    _CAPTURE_OWNER.graph = graph
+    try:
+        yield
+    finally:
+        _CAPTURE_OWNER.graph = previous
+
+
+def capturing_graph() -> Any:
+    """The graph the current stream's capture belongs to: :func:`capture_owner`'s, else the ``torch.cuda.CUDAGraph``
+    that torch says captures now, else None (a torch without ``CUDAGraph.get_currently_capturing_graph``, or a capture
+    begun outside torch). Asked only while a stream captures."""
+    graph = getattr(_CAPTURE_OWNER, "graph", None)
+    if graph is not None:
+        return graph
+    ask = getattr(getattr(torch.cuda, "CUDAGraph", None), "get_currently_capturing_graph", None)
+    if ask is None:
+        return None
+    try:
+        return ask()
+    except Exception:  # noqa: BLE001 - torch knows of no graph for this capture (begun outside torch)
+        return None
 
 
 _BURIED: list[_Lease] = []  # leases of garbage-collected workspaces whose GPU work may still be queued
@@ -173,7 +222,7 @@ _BURIED_LOCK = threading.Lock()
 def _bury(slots: dict[str, list[_Lease]]) -> None:
     # A finalizer: no CUDA call here (it may run while a stream captures); _sweep_buried queries later.
     keep = [lease for leases in slots.values() for lease in leases
-            if lease.captured or lease.graph_holds or lease.plan_event is not None or lease.run_events]
+            if lease.graphed() or lease.plan_event is not None or lease.run_events]
     if keep:
         with _BURIED_LOCK:
             _BURIED.extend(keep)
@@ -181,7 +230,7 @@ def _bury(slots: dict[str, list[_Lease]]) -> None:
 
 def _sweep_buried() -> None:
     with _BURIED_LOCK:
-        _BURIED[:] = [lease for lease in _BURIED if lease.captured or lease.graph_holds or not lease.gpu_done()]
+        _BURIED[:] = [lease for lease in _BURIED if lease.graphed() or not lease.gpu_done()]
 
 
 class Workspace:
@@ -208,13 +257,20 @@ class Workspace:
         ``plan()`` copies and after each of its runs have completed (``Event.query``: never a wait); until then
         the next plan takes or creates another wrapper. Growth of the float workspace re-buffers free wrappers
         only; wrappers of live plans keep their old buffers.
-      * fa2 keeps split-KV partials in the float workspace, so runs that may overlap must not share it: each CUDA
-        stream a run is queued on gets its own float-workspace region of ``float_workspace_bytes`` (runs on one
-        stream are ordered, so they share it safely); the stream that first allocated the workspace uses it
-        directly. fa3 and cutlass do not use the float workspace (FlashInfer 0.7.4), so they cost nothing extra.
-      * A run captured into a CUDA graph retires its wrapper from the pool for good (kept alive, never handed to
-        another plan), unless the graph owner registers the graph with :meth:`mla_bridge.RaggedPlan.retain_for_graph`:
-        then the wrapper comes back once the graph object is gone and its last replay has completed.
+      * fa2 keeps split-KV partials in the float workspace, at offsets its ``plan()`` laid out for the buffer size it
+        saw, so runs that may overlap must not share it: each CUDA stream a run is queued on gets its own
+        float-workspace region of ``float_workspace_bytes`` (runs on one stream are ordered, so they share it
+        safely); the stream that first allocated the workspace uses it directly. The region is handed to the launch
+        itself, never through the wrapper's one ``_float_workspace_buffer`` attribute, so threads running one plan
+        on several streams each get their own. A captured run gets a region of its own of the size its plan was laid
+        out against, allocated while the stream captures (from the graph's private memory pool, so it lives as long
+        as the graph and no other graph uses it). fa3 and cutlass do not use the float workspace (FlashInfer
+        0.7.4), so they cost nothing extra.
+      * A run captured into a CUDA graph keeps its wrapper out of the pool while that graph may replay it. A graph
+        registered with :meth:`mla_bridge.RaggedPlan.retain_for_graph` (:func:`mla_bridge.graphs.capture` registers
+        its own) hands the wrapper back once the graph object is gone and its last replay has completed; a capture
+        into a graph nobody registered retires the wrapper for good (kept alive, never handed to another plan), and
+        releasing a registered graph never changes that (see :meth:`captured`).
 
     Raises:
         ValueError: a size that is not a positive int; a device that is not cpu or an existing CUDA device.
@@ -242,7 +298,7 @@ class Workspace:
         self._regions: dict[Any, torch.Tensor] = {}  # stream pointer (or an external key) -> float region
         self._slots: dict[str, list[_Lease]] = {}
         self._acquisitions: dict[str, int] = {}
-        self._released_graphs: list[_Lease] = []  # graphs collected while a stream captured (see _graph_released)
+        self._released_graphs: list[tuple] = []  # graphs collected while a stream captured (see _graph_released)
         self._lock = threading.RLock()
         # A workspace dropped while the GPU still reads its wrappers (a one-shot call on a temporary workspace)
         # leaves those wrappers in _BURIED until their events complete: freed earlier, FlashInfer's page-locked
@@ -308,8 +364,8 @@ class Workspace:
         if self._released_graphs:
             with self._lock:
                 released, self._released_graphs = self._released_graphs, []
-            for done in released:
-                self._graph_released(done, None)
+            for lease, key in released:
+                self._graph_released(lease, None, key)
         with self._lock:
             base = self.float_workspace
             slots = self._slots.setdefault(backend, [])
@@ -335,7 +391,8 @@ class Workspace:
                 slots.append(lease)
             elif getattr(lease.wrapper, "_float_workspace_buffer", base) is not base:
                 # fa2 plans size their split-KV partials against this buffer (FlashInfer reads its numel): after a
-                # growth, or a run on another stream's region, point it back at the current workspace.
+                # growth, or an external runtime's region (FlashInferRaggedKernel.external_wrapper), point it back at
+                # the current workspace.
                 lease.wrapper._float_workspace_buffer = base
             lease.owner = weakref.ref(owner)
             lease.last_acquired = now
@@ -366,20 +423,52 @@ class Workspace:
             return sum(len(s) for s in self._slots.values())
 
     def retain_for_graph(self, lease: _Lease, graph: Any, stream: Any = None) -> Any:
-        """Keep ``lease`` out of the pool while ``graph`` exists (see :meth:`mla_bridge.RaggedPlan.retain_for_graph`).
+        """Keep ``lease`` out of the pool while ``graph`` exists (see :meth:`mla_bridge.RaggedPlan.retain_for_graph`):
+        captures of ``lease`` into ``graph``, made before this call or after it, are then ``graph``'s.
         Returns the ``weakref.finalize`` that hands it back (call it to hand back early)."""
+        key = id(graph)
+        ref = weakref.ref(graph)
         with self._lock:
             lease.graph_holds += 1
-        return weakref.finalize(graph, self._graph_released, lease, stream)
+            entry = lease.registered.get(key)
+            if entry is None or entry[0]() is not graph:
+                lease.registered[key] = [ref, 1]
+            else:
+                entry[1] += 1
+            pending = lease.pending.get(key)
+            if pending is not None and pending() is graph:
+                del lease.pending[key]  # captured before it was registered: now a registered graph's capture
+        return weakref.finalize(graph, self._graph_released, lease, stream, key)
 
-    def _graph_released(self, lease: _Lease, stream: Any) -> None:
+    def captured(self, lease: _Lease) -> None:
+        """A run of ``lease``'s wrapper is being captured into a CUDA graph: it stays out of the pool while that
+        graph may replay it. The graph is the one :func:`capturing_graph` names: if it is registered for ``lease``
+        (:meth:`retain_for_graph`, before or after the capture) its registration covers the capture; if it is not
+        (yet), it is kept as ``pending`` until it is registered; where no graph is named, the wrapper is retired for
+        good (``captured``). No CUDA call (a stream is capturing)."""
+        graph = capturing_graph()
+        with self._lock:
+            if graph is None:
+                lease.captured = True
+                return
+            key = id(graph)
+            entry = lease.registered.get(key)
+            if entry is not None and entry[0]() is graph:
+                return
+            try:
+                lease.pending[key] = weakref.ref(graph)
+            except TypeError:  # not weakly referenceable: it can never be matched to a registration
+                lease.captured = True
+
+    def _graph_released(self, lease: _Lease, stream: Any, key: int) -> None:
         # The graph is gone; its replays were queued on ``stream`` (default: the current one). The wrapper stays busy
         # until that stream's work queued so far has completed. A finalizer may run while a stream captures: then
         # the event is recorded at the next plan instead (an event recorded now would become part of that graph).
+        # Only this graph's hold is released: captures no registered graph covers keep the wrapper out of the pool.
         if self.device.type == "cuda":
             if stream is None and torch.cuda.is_current_stream_capturing():
                 with self._lock:
-                    self._released_graphs.append(lease)
+                    self._released_graphs.append((lease, key))
                 return
             stream = stream if stream is not None else torch.cuda.current_stream(self.device)
             event = lease.event()
@@ -388,8 +477,11 @@ class Workspace:
                 lease.run_events[("graph", id(event))] = event
         with self._lock:
             lease.graph_holds -= 1
-            if lease.graph_holds == 0:
-                lease.captured = False
+            entry = lease.registered.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del lease.registered[key]
 
     def plan_with_growth(self, plan: Callable[[], T], lease: Optional[_Lease] = None) -> T:
         """Run a FlashInfer ``plan`` call, growing the float workspace while it reports "Buffer overflow".

@@ -32,6 +32,7 @@ class FakeGPU:
         self.log: list = []
         self.pending: list = []
         self.capturing = False
+        self.capturing_graph = None  # what torch.cuda.CUDAGraph.get_currently_capturing_graph names while capturing
         self.streams = {}
         self.current = self.stream(1)
 
@@ -125,8 +126,23 @@ def gpu(monkeypatch, fake_cuda_runtime):
     monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
     fake_cuda_runtime(lambda: g.capability, lambda: g.current, make_event_class(g), lambda: g.capturing)
     monkeypatch.setattr(fi_backend, "new_wrapper", lambda buf, backend: StandInWrapper(g, buf, backend))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph_class(g))
     g.capability = (9, 0)
     return g
+
+
+def graph_class(gpu: FakeGPU) -> type:
+    """``torch.cuda.CUDAGraph`` as far as the workspace asks it which graph the current stream captures into."""
+
+    class CUDAGraph:
+        @staticmethod
+        def get_currently_capturing_graph():
+            if not gpu.capturing or gpu.capturing_graph is None:
+                raise RuntimeError("get_currently_capturing_graph() can be used only between capture_begin() and "
+                                   "capture_end()")
+            return gpu.capturing_graph
+
+    return CUDAGraph
 
 
 def plan(ws, qo, backend=None, causal=True):
@@ -407,13 +423,13 @@ def test_item8_captured_plan_is_retired_until_its_graph_is_gone(gpu):
     p = plan(ws, [0, 4], backend="flashinfer-fa2")
     w = wrapper_of(p)
     gpu.finish()  # torch.cuda.graph synchronizes before it captures
-    gpu.capturing = True
+    graph = Graph()
+    gpu.capturing, gpu.capturing_graph = True, graph  # torch names the graph being captured
     run(p, 4)  # no event is queried or recorded while capturing (the stand-in asserts it)
-    gpu.capturing = False
+    gpu.capturing, gpu.capturing_graph = False, None
     captured_buf = [e for e in gpu.log if e[0] == "run"][-1][3]
     assert captured_buf is not ws.float_workspace  # fa2: a float workspace of its own (replays may overlap)
-    graph = Graph()
-    fin = p.retain_for_graph(graph)
+    fin = p.retain_for_graph(graph)  # registered after its capture
     del p
     gc.collect()
     gpu.finish()
@@ -435,9 +451,10 @@ def test_item8_graph_collected_during_another_capture(gpu):
     p = plan(ws, [0, 4])
     w = wrapper_of(p)
     gpu.finish()
-    gpu.capturing = True
-    run(p, 4)
     graph = Graph()
+    gpu.capturing, gpu.capturing_graph = True, graph
+    run(p, 4)
+    gpu.capturing_graph = None  # a capture of another graph goes on
     p.retain_for_graph(graph)
     del graph, p
     gc.collect()  # the stand-in event asserts nothing is recorded or queried while capturing
@@ -449,6 +466,7 @@ def test_item8_graph_collected_during_another_capture(gpu):
 
 
 def test_item8_captured_without_owner_is_never_reused(gpu):
+    """A capture nobody registers (and one torch names no graph for) retires the wrapper for good."""
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
     w = wrapper_of(p)

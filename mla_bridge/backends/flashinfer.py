@@ -16,16 +16,23 @@ that device buffer (and, for fa2, split-KV partials at fixed offsets of the floa
 So this kernel records a CUDA event after ``plan()`` and after every run (on the run's stream); the
 :class:`mla_bridge.Workspace` pool hands the wrapper to another plan only once the plan is gone and those events
 have completed. A run on a stream other than the plan's first makes that stream wait for the plan's event. fa2 runs
-use the float-workspace region of their stream (:meth:`mla_bridge.Workspace.float_region`). fa2 and cutlass write
-``out`` as if it were contiguous (they ignore its strides): a non-contiguous ``out`` is written through a
-contiguous temporary and copied (one extra device copy, only then).
+use the float-workspace region of their stream (:meth:`mla_bridge.Workspace.float_region`), handed to the launch as
+its argument: the direct call puts it in FlashInfer's argument list; ``wrapper.run`` (which reads the wrapper's one
+``_float_workspace_buffer`` attribute) is called with the attribute set to the region and restored, under the
+kernel's lock, so that threads running one plan on several streams never read each other's region. A captured fa2
+run gets a region of its own, of the size the plan was laid out against (``plan()`` places the split-KV partials at
+offsets for the buffer size it saw), allocated while the stream captures (from the graph's private pool: the graph
+owns it, and two graphs never share one). fa2 and cutlass write ``out`` as if it were contiguous (they ignore its
+strides): a non-contiguous ``out`` is written through a contiguous temporary and copied (one extra device copy,
+only then).
 
 Host time per run (issue 13): a planned fa2/fa3 run with ``lse_layout="NH"`` calls FlashInfer's own
 ``module.ragged_run`` (the function ``wrapper.run`` ends in) with the argument list ``wrapper.run`` builds, recorded
 once per plan (:class:`DirectRun`), then converts the LSE to natural log with one in-place multiply by ln 2 (what
 ``run(..., lse_base="ln")`` does, bitwise): the same launch on the same arguments, without ``wrapper.run``'s
-per-call Python. The wrapper's buffers (float workspace, which moves with the stream for fa2, int workspace, plan
-info, indptr buffers) are read from the wrapper at every call, never taken from the recording. Where the recording
+per-call Python. The wrapper's buffers (int workspace, plan info, indptr buffers) are read from the wrapper at every
+call, never taken from the recording; fa2's float workspace is the call's argument (its stream's region). Where the
+recording
 cannot be made (a FlashInfer whose run does not end in exactly one ``_cached_module.ragged_run`` call, another
 backend), ``wrapper.run`` is called as before. ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` turns the direct call off.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import types
 from typing import Any, Optional
 
@@ -65,7 +73,9 @@ def direct_enabled() -> bool:
 
 
 #: wrapper attributes whose current value is put into the recorded call at every run
-_LIVE_ATTRS = ("_float_workspace_buffer", "_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_kv_indptr_buf")
+_LIVE_ATTRS = ("_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_kv_indptr_buf")
+#: the float workspace: the call's own argument where it has one (fa2's region), else the wrapper's attribute
+_FLOAT_ATTR = "_float_workspace_buffer"
 
 #: FlashInfer backends that build out's strides from its shape (they would write a strided ``out`` wrongly).
 CONTIGUOUS_OUT_BACKENDS = ("fa2", "cutlass")
@@ -82,15 +92,17 @@ def new_wrapper(float_workspace: torch.Tensor, backend: str) -> Any:
 
 class DirectRun:
     """FlashInfer's ``module.ragged_run`` with the argument list ``wrapper.run`` builds for a planned batch, recorded
-    once (nothing is launched while recording) and replayed with each call's q/k/v/out/lse (see the module docstring).
+    once (nothing is launched while recording) and replayed with each call's q/k/v/out/lse and float workspace (see
+    the module docstring).
 
     :meth:`record` returns ``None`` when the wrapper does not look like FlashInfer 0.7's (then use ``wrapper.run``).
+    ``fw``: the float workspace's position in the argument list (None: FlashInfer's call has none).
     """
 
-    __slots__ = ("fn", "args", "q", "k", "v", "out", "lse", "live")
+    __slots__ = ("fn", "args", "q", "k", "v", "out", "lse", "live", "fw")
 
-    def __init__(self, fn, args, slots, live):
-        self.fn, self.args, self.live = fn, args, live
+    def __init__(self, fn, args, slots, live, fw=None):
+        self.fn, self.args, self.live, self.fw = fn, args, live, fw
         self.q, self.k, self.v, self.out, self.lse = slots
 
     @classmethod
@@ -123,21 +135,30 @@ class DirectRun:
                 return None
             slots.append(hits[0])
         live = []
-        for name in _LIVE_ATTRS:
+        fw = None
+        for name in (_FLOAT_ATTR,) + _LIVE_ATTRS:
             value = getattr(wrapper, name, None)
             hits = [i for i, a in enumerate(args) if value is not None and a is value]
             if len(hits) > 1:
                 return None
-            live.extend((i, name) for i in hits)
+            if name == _FLOAT_ATTR:
+                fw = hits[0] if hits else None
+            else:
+                live.extend((i, name) for i in hits)
         for i in slots:
             args[i] = None  # the recording keeps no stand-in alive
-        return cls(module.ragged_run, args, slots, tuple(live))
+        return cls(module.ragged_run, args, slots, tuple(live), fw)
 
-    def __call__(self, wrapper: Any, q, k, v, out, lse, natural: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, wrapper: Any, q, k, v, out, lse, natural: bool = True,
+                 float_workspace: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch; ``float_workspace``: the float workspace to hand it (default: the wrapper's attribute)."""
         args = self.args.copy()
         args[self.q], args[self.k], args[self.v], args[self.out], args[self.lse] = q, k, v, out, lse
         for i, name in self.live:
             args[i] = getattr(wrapper, name)
+        fw = self.fw
+        if fw is not None:
+            args[fw] = float_workspace if float_workspace is not None else wrapper._float_workspace_buffer
         self.fn(*args)
         if natural and lse is not None:
             lse.mul_(_LN2)  # base 2 -> natural log, as FlashInfer's run(..., lse_base="ln") finishes it
@@ -155,6 +176,8 @@ class FlashInferRaggedKernel:
         self._cuda = workspace.device.type == "cuda"
         self._contiguous_out = self.backend in CONTIGUOUS_OUT_BACKENDS
         self._regions = self._cuda and self.backend in FLOAT_WORKSPACE_BACKENDS
+        # Held while the wrapper's _float_workspace_buffer attribute is pointed at a region (wrapper.run reads it).
+        self._lock = threading.Lock()
         self.lease = workspace.acquire(self.backend, self, new_wrapper)
         self.wrapper = self.lease.wrapper
         workspace.plan_with_growth(lambda: self.wrapper.plan(
@@ -170,6 +193,8 @@ class FlashInferRaggedKernel:
             kv_data_type=spec.dtype,
             o_data_type=spec.dtype,
         ), lease=self.lease)
+        # The size plan() laid fa2's split-KV partials out for: the least float workspace a run of this plan needs.
+        self.float_bytes = self.wrapper._float_workspace_buffer.numel() if self._regions else 0
         if self._cuda and not torch.cuda.is_current_stream_capturing():
             ptr, stream = current_stream(workspace.device)
             self.lease.record_plan(stream, ptr)
@@ -193,45 +218,41 @@ class FlashInferRaggedKernel:
             event = lease.run_events[ptr] = lease.event()
         return event
 
-    def _float_region(self, key: Any) -> None:
-        buf = self.workspace.float_region(key)
-        if self.wrapper._float_workspace_buffer is not buf:
-            # FlashInfer's plan stored offsets into a buffer of this size; the run reads the buffer it is handed.
-            self.wrapper._float_workspace_buffer = buf
-
-    def _captured(self) -> None:
-        """A run being captured into a CUDA graph: the wrapper leaves the pool for good (until the graph owner hands
-        it back through RaggedPlan.retain_for_graph), and fa2 gets a float workspace of its own, since replays may
-        overlap any other work. No event is queried or recorded while a stream captures (CUDA forbids it in the
-        default global capture mode): the plan must have been made before the capture began (torch.cuda.graph
-        synchronizes the device when it starts)."""
-        lease = self.lease
-        lease.captured = True
+    def _captured(self) -> Optional[torch.Tensor]:
+        """A run being captured into a CUDA graph: the wrapper stays out of the pool while that graph may replay it
+        (:meth:`mla_bridge.Workspace.captured`), and fa2 gets a float region of its own, returned here: the size the
+        plan was laid out against, allocated now, while the stream captures, so from the graph's private memory
+        pool (the graph owns it; another graph, or another capture, never shares it; freed once this run is
+        recorded, a later run of the same capture may reuse it, in stream order). No event is queried or recorded
+        while a stream captures (CUDA forbids it in the default global capture mode): the plan must have been made
+        before the capture began (torch.cuda.graph synchronizes the device when it starts)."""
+        self.workspace.captured(self.lease)
         if self._regions:
-            if lease.region is None:
-                lease.region = self.workspace._new_float_buffer(self.wrapper._float_workspace_buffer.numel())
-            self.wrapper._float_workspace_buffer = lease.region
+            return self.workspace._new_float_buffer(self.float_bytes)
+        return None
 
     def external_wrapper(self, key: str) -> Any:
         """The wrapper for a runtime that runs it on a stream torch cannot see (``key`` names it): fa2 then uses the
-        float-workspace region of ``key``. The caller keeps the plan alive while such runs may be queued."""
+        float-workspace region of ``key``, set as the wrapper's ``_float_workspace_buffer`` (that runtime reads the
+        attribute; this kernel's own runs never do: they are handed their stream's region). The caller keeps the
+        plan alive while such runs may be queued."""
         if self._regions:
-            self._float_region(key)
+            buf = self.workspace.float_region(key)
+            with self._lock:
+                self.wrapper._float_workspace_buffer = buf
         return self.wrapper
 
     def run(self, q, k, v, out, lse, lse_layout, lse_base="ln"):
         """Fill ``out`` and ``lse`` (``lse_base``: "ln", natural log, or "log2", FlashInfer's own base 2); an ``lse``
         of None: FlashInfer writes none (``maybe_lse``)."""
         if not self._cuda:
-            return self._run(q, k, v, out, lse, lse_layout, lse_base)
+            return self._run(q, k, v, out, lse, lse_layout, lse_base, None)
         if torch.cuda.is_current_stream_capturing():
-            self._captured()
-            return self._run(q, k, v, out, lse, lse_layout, lse_base)
+            return self._run(q, k, v, out, lse, lse_layout, lse_base, self._captured())
         ptr, stream = current_stream(self.workspace.device)
         event = self._run_event(stream, ptr)
-        if self._regions:
-            self._float_region(ptr)
-        result = self._run(q, k, v, out, lse, lse_layout, lse_base)
+        region = self.workspace.float_region(ptr) if self._regions else None
+        result = self._run(q, k, v, out, lse, lse_layout, lse_base, region)
         event.record(stream)
         return result
 
@@ -248,15 +269,31 @@ class FlashInferRaggedKernel:
                 t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
                 shapes = ((t, h, s.head_dim_qk), (n, h, s.head_dim_qk), (n, h, s.head_dim_vo), (t, h, s.head_dim_vo),
                           (t, h))
-                direct = DirectRun.record(self.wrapper, shapes, s.dtype, s.device) or False
+                with self._lock:  # the float workspace is found in the call by identity with the attribute
+                    direct = DirectRun.record(self.wrapper, shapes, s.dtype, s.device) or False
+                if direct and self._regions and direct.fw is None:
+                    direct = False  # no float workspace argument to hand fa2's region to: wrapper.run
             self._direct = direct
         return direct or None
 
-    def _run(self, q, k, v, out, lse, lse_layout, lse_base):
+    def _run(self, q, k, v, out, lse, lse_layout, lse_base, region):
+        """``region``: fa2's float workspace for this run (None: the wrapper's own, for a backend that uses none)."""
         if lse_layout == "NH":
             direct = self._direct_run()
             if direct is not None and (not self._contiguous_out or out.is_contiguous()):
-                return direct(self.wrapper, q, k, v, out, lse, lse_base == "ln")
+                return direct(self.wrapper, q, k, v, out, lse, lse_base == "ln", region)
+        if region is None:
+            return self._wrapper_run(q, k, v, out, lse, lse_layout, lse_base)
+        wrapper = self.wrapper
+        with self._lock:  # wrapper.run reads the one attribute: no other thread may point it elsewhere meanwhile
+            previous = wrapper._float_workspace_buffer
+            wrapper._float_workspace_buffer = region
+            try:
+                return self._wrapper_run(q, k, v, out, lse, lse_layout, lse_base)
+            finally:
+                wrapper._float_workspace_buffer = previous
+
+    def _wrapper_run(self, q, k, v, out, lse, lse_layout, lse_base):
         if self._contiguous_out and not out.is_contiguous():
             tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
             self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=lse is not None, lse_base=lse_base,

@@ -289,7 +289,11 @@ def test_item8_graph_replays_right_after_its_plan_is_dropped(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_item8_retain_for_graph_hands_the_wrapper_back(backend):
+    """A user's own torch.cuda.graph registered after its capture. The capture belongs to the graph torch names for
+    it (``CUDAGraph.get_currently_capturing_graph``); on a torch without that function no graph is named, and the
+    wrapper stays retired for good (a registration cannot tell which capture it covers)."""
     require(backend)
+    named = callable(getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None))
     a, b, c = cases(backend)
     ws = Workspace(dev())
     plan = a.plan(ws)
@@ -309,7 +313,7 @@ def test_item8_retain_for_graph_hands_the_wrapper_back(backend):
     assert fin is not None and not fin.alive
     torch.cuda.synchronize()
     again = [case.plan(ws) for case in (a, b, c)]
-    assert ws.wrappers_created == 3 and len(again) == 3
+    assert ws.wrappers_created == (3 if named else 4) and len(again) == 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
