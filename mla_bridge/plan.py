@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -663,6 +664,11 @@ class PlanCache:
 
     Attributes: ``hits``, ``misses`` (counts of :meth:`get`).
 
+    Threads: one cache may be shared by threads. Its look-ups, reorderings, insertions and evictions run under one
+    lock (a hit is never evicted by another thread between its look-up and its reordering); a miss builds its plan
+    outside the lock, so threads build different plans at once, and where two threads built the same key at once
+    both get the plan inserted first.
+
     Raises:
         ValueError: ``maxsize`` not a positive int.
     """
@@ -672,6 +678,7 @@ class PlanCache:
             raise ValueError(f"PlanCache: maxsize must be a positive int, got {maxsize!r}")
         self.maxsize = maxsize
         self._plans: "OrderedDict[tuple, PrefillPlan]" = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def get(self, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
@@ -690,20 +697,27 @@ class PlanCache:
             dev = workspace.device if device is None else _checked_device(device)
             key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, _requested_backend(backend),
                             fuse_context, resolve_kv_cache_dtype(kv_cache_dtype, dtype), workspace.chunk_tokens)
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                self.hits += 1
-                return plan
+            with self._lock:  # another thread's eviction must not come between the look-up and the reordering
+                plan = self._plans.get(key)
+                if plan is not None:
+                    self._plans.move_to_end(key)
+                    self.hits += 1
+                    return plan
         plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size, device=device,
                                  dtype=dtype, backend=backend, fuse_context=fuse_context,
-                                 kv_cache_dtype=kv_cache_dtype)
+                                 kv_cache_dtype=kv_cache_dtype)  # outside the lock: FlashInfer plans take time
         if key is not None:  # the plan's key: the same arguments, read at the same moment (not made twice)
             plan._key = key
-        self.misses += 1
-        self._plans[plan.key] = plan
-        while len(self._plans) > self.maxsize:
-            self._plans.popitem(last=False)
+        key = plan.key
+        with self._lock:
+            self.misses += 1
+            kept = self._plans.get(key)  # another thread built the same plan meanwhile: one plan for both
+            if kept is not None:
+                self._plans.move_to_end(key)
+                return kept
+            self._plans[key] = plan
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
         return plan
 
     def __len__(self) -> int:
@@ -711,4 +725,5 @@ class PlanCache:
 
     def clear(self) -> None:
         """Drop every kept plan (their wrappers go back to the workspace pool once nothing else holds them)."""
-        self._plans.clear()
+        with self._lock:
+            self._plans.clear()
