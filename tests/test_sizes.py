@@ -152,3 +152,36 @@ def test_a_plan_of_more_context_chunks_than_it_may_hold_is_refused_up_front(dims
                                              r"about 2048.0 GiB of host memory"):
             PrefillPlan.build([1], [INT32_MAX], dims=dims, workspace=ws, block_size=16, dtype=torch.float32)
         assert time.perf_counter() - t0 < 1.0  # refused before any per-chunk work
+
+
+@pytest.mark.gpu
+def test_cuda_plans_of_2_to_the_30_context_tokens_build_and_a_context_never_read_costs_nothing():
+    """``PrefillPlan.build([1], [2**30])`` and ``([0], [2**30])`` on CUDA: O(chunks) host memory while planning, no
+    per-token tensor; mla_prefill of the second (no new tokens, its context never read) over a cache of 2**30 tokens
+    that holds no memory (an expanded view) gathers nothing and returns an empty out."""
+    import tracemalloc
+
+    from mla_bridge import mla_prefill
+
+    dims = MLADims.deepseek_v2_lite()
+    ws = Workspace("cuda")
+    for q_lens in ([1], [0]):
+        tracemalloc.start()
+        try:
+            plan = PrefillPlan.build(q_lens, [2 ** 30], dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert len(plan.chunks) == 2 ** 30 // ws.chunk_tokens and plan.ctx_req_ids is None
+        assert all(c.rows.indices is None for c in plan.chunks)
+        assert peak < 64 * 2 ** 20, f"{peak / 2**20:.1f} MiB of host memory while planning"
+    dev = ws.device
+    blocks = 2 ** 30 // 64
+    cache = torch.zeros(1, 64, dims.latent_dim, dtype=torch.bfloat16, device=dev).expand(blocks, 64, dims.latent_dim)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=dev).expand(1, blocks)
+    w = torch.randn(*dims.kv_b_proj_shape, device=dev).to(torch.bfloat16)
+    out = mla_prefill(torch.empty(0, dims.num_heads, dims.head_dim_qk, dtype=torch.bfloat16, device=dev),
+                      torch.empty(0, dims.kv_lora_rank, dtype=torch.bfloat16, device=dev),
+                      torch.empty(0, dims.qk_rope_head_dim, dtype=torch.bfloat16, device=dev), w, cache, table, plan)
+    torch.cuda.synchronize()
+    assert out.shape == (0, dims.num_heads, dims.v_head_dim)
