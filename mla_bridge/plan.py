@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -51,9 +52,9 @@ class ContextChunk:
 
     Its rows for the gather, ``rows`` (:class:`mla_bridge.cache.ChunkRows`): on CUDA the pass's kv_indptr on the device,
     as FlashInfer's ``plan()`` copied it (or the plan's own copy), from which the kernels find each token's request
-    themselves, so that planning makes no per-token index tensor; on the CPU the host kv_indptr and the per-token
-    ``(req_ids, positions)`` made at plan time (``rows.indices``). :attr:`req_ids` / :attr:`positions` give them
-    either way.
+    themselves; on the CPU the host kv_indptr, from which the torch gather makes the per-token ``(req_ids,
+    positions)`` in each call. Planning makes no per-token index tensor for a chunk on either device (``rows.indices``
+    is None). :attr:`req_ids` / :attr:`positions` make them on request.
 
     Merge rounds (:meth:`PrefillPlan._plan_chunks`): ``part_row`` is the first row of this chunk's partial out / lse
     in the call's partial buffer, and ``merge_rows`` the query rows ``(start, stop)`` merged into the output after
@@ -83,8 +84,8 @@ class ContextChunk:
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(req_ids, positions)``, int64 ``[num_tokens]``: the request and context position of each of the chunk's
-        tokens, in order (:meth:`mla_bridge.cache.ChunkRows.token_indices`, the torch gather's input): the CPU plan's
-        host tensors; on CUDA made at each call from :attr:`rows` on the device."""
+        tokens, in order (:meth:`mla_bridge.cache.ChunkRows.token_indices`, the torch gather's input), made at each
+        call from :attr:`rows` on the plan's device (16 bytes per token, plus temporaries)."""
         return self.rows.token_indices()
 
     @property
@@ -172,6 +173,36 @@ def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> tuple[int, int]:
     return totals[0], totals[1]
 
 
+#: The most context chunks one plan holds. Each is host bookkeeping (:class:`ContextChunk`, its kv_indptr and rows:
+#: about :data:`CHUNK_HOST_BYTES`, and about 10 us of build time) and a few kernel launches per layer, whether or not
+#: it has new tokens to run; 2**20 chunks are about 1 GiB. The default chunk budget (65536 tokens) never reaches it
+#: (``2**31 - 1`` context tokens are 32768 chunks); a budget under 2048 tokens can.
+MAX_CONTEXT_CHUNKS = 1 << 20
+#: Host bytes of one context chunk of a plan, an upper bound of what was measured (0.6 to 1.1 KiB).
+CHUNK_HOST_BYTES = 1024
+
+
+def _bytes_text(n: int) -> str:
+    return f"{n} bytes" if n < 2 ** 20 else f"{n / 2 ** 20:.1f} MiB" if n < 2 ** 30 else f"{n / 2 ** 30:.1f} GiB"
+
+
+def _check_chunk_count(total_context: int, chunk_tokens: int) -> None:
+    """Refuse, in O(1), a chunked schedule of more than :data:`MAX_CONTEXT_CHUNKS` chunks, naming ``context_lens``,
+    the chunk budget and the host bytes the chunks would take.
+
+    Raises:
+        ValueError: ``ceil(total_context / chunk_tokens) > MAX_CONTEXT_CHUNKS``.
+    """
+    chunks = -(-total_context // chunk_tokens)
+    if chunks > MAX_CONTEXT_CHUNKS:
+        raise ValueError(
+            f"context_lens sum to {total_context} tokens: {chunks} context chunks of at most chunk_tokens="
+            f"{chunk_tokens} tokens, more than a plan holds ({MAX_CONTEXT_CHUNKS}, MAX_CONTEXT_CHUNKS); they would take "
+            f"about {_bytes_text(chunks * CHUNK_HOST_BYTES)} of host memory ({CHUNK_HOST_BYTES} bytes each) and "
+            f"{chunks} passes per layer. Raise the workspace's chunk budget (Workspace(chunk_tokens=...)) to "
+            f"chunk_tokens >= {-(-total_context // MAX_CONTEXT_CHUNKS)}")
+
+
 def _check_fuse_context(fuse_context) -> None:
     if not isinstance(fuse_context, bool):
         raise _not_a_bool("fuse_context", fuse_context)
@@ -225,8 +256,9 @@ class PrefillPlan:
 
         Raises:
             TypeError / ValueError: lengths that are not non-negative ints or differ in count, ``query_lens`` or
-                ``context_lens`` summing beyond ``2**31 - 1`` tokens (checked first, in O(requests)), a bad block
-                size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
+                ``context_lens`` summing beyond ``2**31 - 1`` tokens (checked first, in O(requests)), a chunked
+                schedule of more than :data:`MAX_CONTEXT_CHUNKS` chunks (``sum(context_lens) / chunk_tokens``: the
+                message names both and the host bytes; in O(1), before any chunk), a bad block size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
                 is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``).
 
         Host work is O(requests + chunks) on CUDA, never a synchronizing call, and one FlashInfer ``plan()`` per
@@ -235,8 +267,11 @@ class PrefillPlan:
         schedule's placements are ONE expansion of a small run table on the device (:meth:`_expand`): one
         page-locked host-to-device copy and one Triton kernel where Triton imports (four torch kernels otherwise);
         the first such build in a process compiles that kernel (or loads it from Triton's cache). :attr:`key` is
-        not made here (on first use). On the CPU device the index tensors are host memory, made here: 16 bytes per
-        context token in the chunked schedule, 24 per gathered context token and 8 per new token in the fused one.
+        not made here (on first use). The fused schedule's placements are 24 bytes per gathered context token (at
+        most ``chunk_tokens`` of them) and 8 per new token, device memory (on the CPU device, host memory); the
+        chunked schedule makes no per-token tensor on any device (its gathers make a chunk's indices in each call),
+        so a plan's host memory is O(requests + chunks): about :data:`CHUNK_HOST_BYTES` per chunk, at most
+        :data:`MAX_CONTEXT_CHUNKS` chunks. A request without new tokens has its context neither gathered nor indexed.
         """
         _check_fuse_context(fuse_context)
         self = object.__new__(cls)
@@ -291,6 +326,7 @@ class PrefillPlan:
             self.main_kv_indptr = torch.from_numpy(kv_host)
             self._plan_fused_indices(q, c)
         else:
+            _check_chunk_count(total_context, workspace.chunk_tokens)  # before any chunk or pass is made
             kv_host, self.main_kv_indptr = qo_host, self.qo_indptr  # keys = queries; neither is ever written
             self.chunks = self._plan_chunks(qo, qo_host)
         self.main = self._plan_pass(qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new,
@@ -342,9 +378,9 @@ class PrefillPlan:
         """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``
         holding ``counts[i]`` values, ``firsts[i], firsts[i] + 1, ...`` for the first ``counting_runs`` runs
         (counting runs) and ``firsts[i]`` repeated for the others (constant runs). Returns one int64 tensor of
-        ``counts.sum()`` values on the plan's device, which the callers split into views: ONE buffer per plan, the
-        fused schedule's placements (:meth:`_plan_fused_indices`), or on the CPU device the chunked schedule's
-        context stream (:meth:`_plan_chunks`; on CUDA its gathers read the chunks' kv_indptrs instead).
+        ``counts.sum()`` values on the plan's device, which the caller splits into views: ONE buffer per plan, the
+        fused schedule's placements (:meth:`_plan_fused_indices`; the chunked schedule makes none: its gathers read
+        the chunks' kv_indptrs).
 
         The host makes a table of ``2 x runs`` int64 (each run's end in the output and its base value, the value at
         token ``t`` being ``base[run] (+ t in a counting run)``), O(runs) numpy work. On CUDA the expansion runs on
@@ -396,11 +432,10 @@ class PrefillPlan:
         A chunk's rows for the gather: on CUDA its pass's kv_indptr on the device (:class:`ChunkRows`), the copy
         FlashInfer's ``plan()`` makes anyway (:attr:`RaggedPlan.device_kv_indptr`; where a pass has none, the torch
         backend, one page-locked copy for all such passes, :func:`_indptrs_on_device`): no per-token tensor, no
-        kernel. On the CPU device the host kv_indptr, with the per-token ``(req_ids, positions)`` (``rows.indices``)
-        as views of ONE :meth:`_expand` of the runs
-        ``counts = [c, c]`` (``c`` the context lengths), ``firsts = [0, ..., 0, 0, 1, ..., batch - 1]``, the first
-        ``batch`` counting -- each stream token's position in its request's context, then that request.
-        ``qo_list`` / ``qo_all``: ``qo_indptr`` as Python ints and as int32."""
+        kernel. On the CPU device its host kv_indptr (the same tensor): the torch gather makes the chunk's per-token
+        ``(req_ids, positions)`` from it in each call (:meth:`ChunkRows.token_indices`), so that no device holds
+        memory per context token between calls (``rows.indices`` is None). ``qo_list`` / ``qo_all``: ``qo_indptr``
+        as Python ints and as int32."""
         total, step = self._num_context_tokens, self.workspace.chunk_tokens
         if total == 0:
             return []
@@ -412,12 +447,6 @@ class PrefillPlan:
         starts = range(0, total, step)  # chunk i holds the stream's tokens starts[i]:starts[i] + sizes[i]
         sizes = [step] * (total // step) + ([total % step] if total % step else [])
         on_cpu = self.device.type == "cpu"
-        if on_cpu:
-            b, c = len(q_lens), np.diff(cum)  # the context lengths
-            stream = self._expand(np.concatenate([c, c]), np.concatenate([np.zeros(b, dtype=np.int64), np.arange(b)]),
-                                  counting_runs=b)  # positions [total], then req_ids [total]
-            views = stream.split_with_sizes(sizes + sizes)
-            indices = list(zip(views[len(sizes):], views[:len(sizes)]))
         # The chunks' requests; then merge rounds (below), which need the next chunk's rows.
         bounds = []
         for start, size in zip(starts, sizes):
@@ -448,8 +477,7 @@ class PrefillPlan:
         device_kv = None if on_cpu else self._device_kv_indptrs(made)
         for i, ((kv_indptr, first, plan), (req_start, req_end, q_start, q_end), (part_row, merge_rows)) in enumerate(
                 zip(made, bounds, rounds)):
-            rows = (ChunkRows(kv_indptr, req_start, first, sizes[i], indices[i]) if on_cpu else
-                    ChunkRows(device_kv[i], req_start, first, sizes[i]))
+            rows = ChunkRows(kv_indptr if on_cpu else device_kv[i], req_start, first, sizes[i])
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first, plan, rows, part_row,
                                        merge_rows))
         return chunks
@@ -663,6 +691,11 @@ class PlanCache:
 
     Attributes: ``hits``, ``misses`` (counts of :meth:`get`).
 
+    Threads: one cache may be shared by threads. Its look-ups, reorderings, insertions and evictions run under one
+    lock (a hit is never evicted by another thread between its look-up and its reordering); a miss builds its plan
+    outside the lock, so threads build different plans at once, and where two threads built the same key at once
+    both get the plan inserted first.
+
     Raises:
         ValueError: ``maxsize`` not a positive int.
     """
@@ -672,6 +705,7 @@ class PlanCache:
             raise ValueError(f"PlanCache: maxsize must be a positive int, got {maxsize!r}")
         self.maxsize = maxsize
         self._plans: "OrderedDict[tuple, PrefillPlan]" = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def get(self, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
@@ -690,20 +724,27 @@ class PlanCache:
             dev = workspace.device if device is None else _checked_device(device)
             key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, _requested_backend(backend),
                             fuse_context, resolve_kv_cache_dtype(kv_cache_dtype, dtype), workspace.chunk_tokens)
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                self.hits += 1
-                return plan
+            with self._lock:  # another thread's eviction must not come between the look-up and the reordering
+                plan = self._plans.get(key)
+                if plan is not None:
+                    self._plans.move_to_end(key)
+                    self.hits += 1
+                    return plan
         plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size, device=device,
                                  dtype=dtype, backend=backend, fuse_context=fuse_context,
-                                 kv_cache_dtype=kv_cache_dtype)
+                                 kv_cache_dtype=kv_cache_dtype)  # outside the lock: FlashInfer plans take time
         if key is not None:  # the plan's key: the same arguments, read at the same moment (not made twice)
             plan._key = key
-        self.misses += 1
-        self._plans[plan.key] = plan
-        while len(self._plans) > self.maxsize:
-            self._plans.popitem(last=False)
+        key = plan.key
+        with self._lock:
+            self.misses += 1
+            kept = self._plans.get(key)  # another thread built the same plan meanwhile: one plan for both
+            if kept is not None:
+                self._plans.move_to_end(key)
+                return kept
+            self._plans[key] = plan
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
         return plan
 
     def __len__(self) -> int:
@@ -711,4 +752,5 @@ class PlanCache:
 
     def clear(self) -> None:
         """Drop every kept plan (their wrappers go back to the workspace pool once nothing else holds them)."""
-        self._plans.clear()
+        with self._lock:
+            self._plans.clear()

@@ -26,7 +26,7 @@ from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .ragged import _not_a_bool
+from .ragged import _not_a_bool, shares_memory
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
@@ -137,27 +137,11 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
         weight = kv_b_proj_weight.weight if prepared else kv_b_proj_weight  # read in place by every pass
         for name, x in (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
                         ("block_table", block_table), ("kv_b_proj_weight", weight)):
-            if _share_memory(out, x):
+            if shares_memory(out, x):
                 raise ValueError(f"out shares memory with {name}: mla_prefill reads {name} after it starts writing "
                                  f"out (every context chunk reads q, its cache rows and the weight again); pass an "
                                  f"out of its own")
     return k_pe, checked_cache, scale
-
-
-def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes ``a`` can address intersect those of ``b`` (one storage, intersecting ``[first, last]``
-    byte ranges; a conservative test for interleaved views, exact for the others). Strides are non-negative."""
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    spans = []
-    for x in (a, b):
-        start = x.data_ptr()
-        last = start + sum((n - 1) * st for n, st in zip(x.shape, x.stride())) * x.element_size()
-        spans.append((start, last + x.element_size()))
-    (a0, a1), (b0, b1) = spans
-    return a0 < b1 and b0 < a1
-
-
 
 
 def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Optional[str] = None) -> dict:

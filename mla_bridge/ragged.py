@@ -124,6 +124,71 @@ def _check_tensor(name: str, x: Any, shape: tuple, dtype: torch.dtype, device: t
         raise ValueError(f"{name} is on {x.device}, but the plan's workspace is on {device}")
 
 
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes ``a`` can address intersect those of ``b`` (one storage, intersecting ``[first, last]``
+    byte ranges; a conservative test for interleaved views, exact for the others). Strides are non-negative."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return _spans_intersect(a, b)
+
+
+def _spans_intersect(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the ``[first, last]`` byte ranges of the non-empty ``a`` and ``b`` intersect."""
+    spans = []
+    for x in (a, b):
+        start = x.data_ptr()
+        last = start + sum((n - 1) * st for n, st in zip(x.shape, x.stride())) * x.element_size()
+        spans.append((start, last + x.element_size()))
+    (a0, a1), (b0, b1) = spans
+    return a0 < b1 and b0 < a1
+
+
+def _shared_destination(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor],
+                        lse: Optional[torch.Tensor]) -> Optional[str]:
+    """The error for destinations a kernel cannot write while it reads its inputs, or None: an ``out`` that
+    overlaps itself (an expanded view), an ``out`` / ``lse`` that shares memory with q, k or v (:func:`shares_memory`;
+    every kernel reads them while writing: FlashInfer's tiles run at once, the torch backend reads a later request's
+    rows after writing an earlier one's), or an ``lse`` that shares memory with ``out``. Only tensors with memory
+    are compared (a non-tensor or a meta tensor is refused by the other checks). Each storage is looked up once and
+    byte ranges are compared only within one storage: a few attribute reads per tensor."""
+    T = torch.Tensor
+    if isinstance(out, T) and 0 in out.stride() and any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
+        return (f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a tensor of "
+                f"its own")
+    read = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, T) and x.numel():
+            ptr = x.untyped_storage().data_ptr()
+            if ptr:
+                read.append((name, x, ptr))
+    for dest_name, dest in (("out", out), ("lse", lse)):
+        if not isinstance(dest, T) or not dest.numel():
+            continue
+        ptr = dest.untyped_storage().data_ptr()
+        if not ptr:
+            continue
+        for name, x, x_ptr in read:
+            if x_ptr == ptr and _spans_intersect(dest, x):
+                return (f"{dest_name} shares memory with {name}: the kernel reads {name} while it writes "
+                        f"{dest_name}; pass an {dest_name} of its own")
+        read.append((dest_name, dest, ptr))  # lse against out too
+    return None
+
+
+def _apart(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor],
+           lse: Optional[torch.Tensor]) -> bool:
+    """:meth:`RaggedPlan.validate`'s fast test that :func:`_shared_destination` has nothing to say (tensors only):
+    ``out`` has no stride 0 and each given destination lies in a storage of its own. False sends the call to the
+    exact test (which takes a destination next to an input in one buffer)."""
+    read = (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+    if out is not None:
+        ptr = out.untyped_storage().data_ptr()
+        if ptr in read or 0 in out.stride():
+            return False
+        read += (ptr,)
+    return lse is None or lse.untyped_storage().data_ptr() not in read
+
+
 def _kernel_ready(x: torch.Tensor) -> bool:
     """FlashInfer reads [N, H, D] through (stride_n, stride_h) with a unit last stride and 16-byte alignment."""
     st = x.stride()
@@ -248,8 +313,10 @@ class RaggedPlan:
             TypeError: not a tensor, or a dtype other than the plan's (lse: float32).
             ValueError: a shape that disagrees with the indptrs or dims (the message names the argument and
                 what was expected), another device, an unknown ``lse_layout``, an ``out``/``lse`` the kernel
-                cannot write in place, or a q/k/v/out/lse that requires grad while autograd records (there is no
-                backward: :func:`mla_bridge.inference.refuse_autograd`).
+                cannot write in place, an ``out`` that overlaps itself (an expanded view), an ``out``/``lse`` that
+                shares memory with q, k or v or an ``lse`` inside ``out`` (:func:`shares_memory`: the kernel reads
+                its inputs while it writes), or a q/k/v/out/lse that requires grad while autograd records (there is
+                no backward: :func:`mla_bridge.inference.refuse_autograd`).
         """
         # One pass of cheap comparisons (shape tuples, dtype, device) for the common case; anything off goes to the
         # checks below, which name what is wrong. Both test the same conditions.
@@ -268,7 +335,8 @@ class RaggedPlan:
                 and not ((q.requires_grad or k.requires_grad or v.requires_grad
                           or (out is not None and out.requires_grad) or (lse is not None and lse.requires_grad))
                          and torch.is_grad_enabled())
-                and not forward_ad_active()):
+                and not forward_ad_active()
+                and ((out is None and lse is None) or _apart(q, k, v, out, lse))):
             return
         self._validate_named(q, k, v, out, lse, lse_layout)
 
@@ -295,6 +363,9 @@ class RaggedPlan:
             _check_tensor("lse", lse, (t, h) if lse_layout == "NH" else (h, t), torch.float32, s.device)
             if not lse.is_contiguous():
                 raise ValueError(f"lse must be contiguous, got strides {lse.stride()}")
+        shared = _shared_destination(q, k, v, out, lse)
+        if shared is not None:
+            raise ValueError(shared)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, lse_layout: str = "NH", lse_base: str = "ln",
@@ -307,8 +378,10 @@ class RaggedPlan:
                 read in place (last dim not contiguous, strides or pointer not 16-byte aligned) are copied once.
             out: optional destination ``[T, H, head_dim_vo]``, any strides with a unit last stride and 16-byte
                 aligned (fa2 and cutlass ignore out's strides: a non-contiguous ``out`` is written through a
-                contiguous temporary and copied into it, one extra device copy).
-            lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``.
+                contiguous temporary and copied into it, one extra device copy); its memory must not overlap
+                q, k or v (nor itself).
+            lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``; its memory
+                must not overlap q, k, v or ``out``.
             lse_layout: "NH" (``[T, H]``, default) or "HN" (``[H, T]``, as vLLM's merge wants it).
             lse_base: "ln" (natural log, default: every public LSE of mla_bridge) or "log2" (FlashInfer's own base
                 2, for a consumer that reads it directly, e.g. ``merge_attn_states_(..., lse_b_base="log2")``:
@@ -493,7 +566,8 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
         ``(out [T, H, head_dim_vo] in q's dtype, lse [T, H] float32 natural log)``.
 
     Raises:
-        TypeError / ValueError: as :func:`plan_ragged` and :meth:`RaggedPlan.validate`, before any kernel.
+        TypeError / ValueError: as :func:`plan_ragged` and :meth:`RaggedPlan.validate`, before any kernel; inputs
+            that require grad and an ``out`` / ``lse`` that shares memory with an input are refused before planning.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -501,7 +575,11 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
     refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # before planning (on CUDA:
-    # FlashInfer's plan, its host-to-device copies, a pooled wrapper), not after it in plan.run
+    # FlashInfer's plan, its host-to-device copies, a pooled wrapper), not after it in plan.run; so are
+    # destinations that share memory with the inputs
+    shared = None if out is None and lse is None else _shared_destination(q, k, v, out, lse)
+    if shared is not None:
+        raise ValueError(shared)
     if workspace is None:
         workspace = default_workspace(q.device)
     plan = plan_ragged(qo_indptr, kv_indptr, num_heads=q.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[2],

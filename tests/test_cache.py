@@ -278,8 +278,8 @@ def _rows_of(chunk) -> "C.ChunkRows":
 
 
 def test_chunk_rows_name_the_tokens_of_the_chunk_schedule():
-    """ChunkRows.token_indices (the torch path of a CUDA chunk) gives, for every chunk, the (request, position) pairs
-    the reference schedule's spans name, in order: the same as the CPU plan's per-token tensors."""
+    """ChunkRows.token_indices (the torch path's per-call indices of a chunk) gives, for every chunk, the (request,
+    position) pairs the reference schedule's spans name, in order; a CPU plan holds no per-token tensor of its own."""
     _, plans = _chunk_plans()
     seen = set()
     for plan in plans:
@@ -288,7 +288,7 @@ def test_chunk_rows_name_the_tokens_of_the_chunk_schedule():
             assert req.dtype == pos.dtype == torch.int64
             assert req.tolist() == [r for r, s, e in c.spans for _ in range(s, e)]
             assert pos.tolist() == [p for r, s, e in c.spans for p in range(s, e)]
-            assert torch.equal(req, c.rows.indices[0]) and torch.equal(pos, c.rows.indices[1])
+            assert c.rows.indices is None and torch.equal(c.rows.kv_indptr, c.kv_indptr)
             seen.add((c.first_start > 0, len(c.kv_indptr) - 1 > len(c.spans)))
     assert seen >= {(True, False), (False, True)}  # both hard parts occur
     assert max(len(c.kv_indptr) for p in plans for c in p.chunks) - 1 >= 9
@@ -313,7 +313,7 @@ def interpreted_chunk_rows_cases() -> str:
         for plan in plans:
             table = torch.randint(0, nb, (plan.batch_size, 9), generator=g, dtype=torch.int32)
             for c in plan.chunks:
-                rows, (req, pos) = _rows_of(c), c.rows.indices
+                rows, (req, pos) = _rows_of(c), c.token_indices()
                 want = C.gather_latent(cache, table, req, pos, dtype=torch.float32, kv_cache_scale=scale, impl="torch")
                 assert torch.equal(C.gather_rows(cache, table, rows, dtype=torch.float32, kv_cache_scale=scale,
                                                  impl="triton"), want)
@@ -339,13 +339,13 @@ def interpreted_chunk_rows_cases() -> str:
     c = plans[0].chunks[0]
     buf = torch.empty(c.num_tokens, d.num_heads, d.head_dim_qk + d.v_head_dim)
     with pytest.raises(ValueError, match="not both"):
-        up_project_triton(buf, w, kv_cache=cache, block_table=table, req_ids=c.rows.indices[0],
-                          positions=c.rows.indices[1],
+        up_project_triton(buf, w, kv_cache=cache, block_table=table, req_ids=c.token_indices()[0],
+                          positions=c.token_indices()[1],
                           rows=_rows_of(c))
     with pytest.raises(ValueError, match="need kv_cache and block_table"):
         up_project_triton(buf, w, rows=_rows_of(c))
     with pytest.raises(ValueError, match="not both"):
-        gather_latent_triton(torch.empty(c.num_tokens, d.latent_dim), cache, table, *c.rows.indices,
+        gather_latent_triton(torch.empty(c.num_tokens, d.latent_dim), cache, table, *c.token_indices(),
                              rows=_rows_of(c))
     return f"ok {n}"
 

@@ -495,7 +495,7 @@ def test_memory_estimate_parts(tiny_dims):
         est = estimate_run_memory(tiny_dims, q_lens, c_lens, bs, torch.float32, "cpu", [1], plan=plan)
         held = est.held["device"]
         assert held["paged cache"] == (5 + 19 + 1) * bs * tiny_dims.latent_dim * 4
-        per_build = (24 * 370 + 8 * 15) if fused else 16 * 370
+        per_build = (24 * 370 + 8 * 15) if fused else 0  # chunked: no per-token tensor (made per call, per chunk)
         assert held["plan index tensors"] == 2 * per_build
         assert est.peaks["device"]["mla_prefill"] >= prefill_memory_bytes(plan)
         assert est.total("device") == sum(held.values()) + max(est.peaks["device"].values())
@@ -682,3 +682,70 @@ def test_json_write_failure_is_one_line_and_a_link_is_followed(tmp_path, capsys)
     link.symlink_to(target)
     assert _exit_code(["prefill", "--device", "cpu", "--prompt-lens", "4", "--json", str(link)]) == 0
     assert link.is_symlink() and json.loads(target.read_text())["query_lens"] == [4]
+
+
+# ----------------------------------------------------------------------------------------------------- exit codes
+
+def _crash(*args, **kwargs):
+    raise RuntimeError("index 7 is out of bounds\nsecond line of the message")
+
+
+@pytest.mark.parametrize("debug", ["", "--debug", "MLA_BRIDGE_DEBUG=1"])
+def test_an_unexpected_error_has_its_own_exit_code_and_one_line(tmp_path, monkeypatch, capsys, debug):
+    """A crash inside a command (here mla_prefill raising) exited 1, the code of a failed float64 check, with a
+    traceback. It is exit 3 with one line on stderr naming the command and the error (its first line), and the
+    way to the traceback; with --debug or MLA_BRIDGE_DEBUG=1 the traceback comes first. Nothing is written."""
+    import mla_bridge
+
+    monkeypatch.setattr(mla_bridge, "mla_prefill", _crash)
+    monkeypatch.delenv("MLA_BRIDGE_DEBUG", raising=False)
+    if debug.startswith("MLA_BRIDGE_DEBUG"):
+        monkeypatch.setenv("MLA_BRIDGE_DEBUG", "1")
+    path = tmp_path / "out.json"
+    argv = ["prefill", "--device", "cpu", "--prompt-lens", "4", "--json", str(path)]
+    assert main(argv + ([debug] if debug == "--debug" else [])) == 3
+    err = capsys.readouterr().err
+    line = "mla-bridge prefill: unexpected error: RuntimeError: index 7 is out of bounds"
+    if not debug:
+        assert err.count("\n") == 1 and err.startswith(line)
+        assert "--debug" in err and "MLA_BRIDGE_DEBUG=1" in err and "Traceback" not in err
+    else:
+        assert err.startswith("Traceback (most recent call last):") and "second line of the message" in err
+        assert err.splitlines()[-1].startswith(line) and "in _crash" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exit_codes_are_distinct_and_documented(tmp_path, monkeypatch, capsys):
+    """0 success, 1 the float64 check failed, 2 a usage error or a refused request, 3 an unexpected error: each as
+    the help says (prefill's epilog and the top-level help)."""
+    import mla_bridge
+
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4", "--no-breakdown", "--check-requests", "1"]) == 0
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4", "--context-lens", "-1"]) == 2
+    assert main(["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4"]) == 2
+    real = mla_bridge.mla_prefill
+    monkeypatch.setattr(mla_bridge, "mla_prefill", lambda *a, **k: (lambda o: (o[0] + 1.0, o[1]))(real(*a, **k)))
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4", "--no-breakdown", "--check-requests", "1"]) == 1
+    monkeypatch.setattr(mla_bridge, "mla_prefill", _crash)
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4"]) == 3
+    capsys.readouterr()
+    for argv in (["prefill", "--help"], ["--help"]):
+        assert main(argv) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "exit codes: 0 success; 1 " in text and "; 2 " in text and "; 130 interrupted" in text
+        assert "3 an unexpected error (a bug or a failure of the environment: one line; the traceback with --debug " \
+               "or MLA_BRIDGE_DEBUG=1)" in text
+
+
+@pytest.mark.parametrize("command", [["info"], ["bench", "--quick", "--sections", "merge"]])
+def test_every_command_takes_debug_and_reports_a_crash_as_exit_3(command, monkeypatch, capsys):
+    """info and bench crash the same way as prefill: exit 3, one line naming the command."""
+    import mla_bridge.cli as cli
+
+    monkeypatch.setattr(cli, "cmd_info", _crash)
+    monkeypatch.setattr("mla_bridge.bench.run", _crash)
+    assert main(command) == 3
+    err = capsys.readouterr().err
+    assert err.startswith(f"mla-bridge {command[0]}: unexpected error: RuntimeError: index 7") and err.count("\n") == 1
+    assert main(command + ["--debug"]) == 3
+    assert "Traceback" in capsys.readouterr().err

@@ -219,3 +219,78 @@ def test_chunk_tokens_set_after_construction_is_checked(bad):
     assert ws.chunk_tokens == 64
     ws.chunk_tokens = np.int64(16)
     assert ws.chunk_tokens == 16 and type(ws.chunk_tokens) is int
+
+
+def test_a_hit_survives_another_threads_eviction_between_look_up_and_reorder(tiny_dims):
+    """PlanCache.get from several threads: another thread's eviction could remove the key between the look-up and
+    move_to_end (KeyError with 4 threads). Forced here: right after thread A's look-up of a kept plan finds it,
+    thread B gets a new plan, which with maxsize=1 evicts A's. The cache must keep B out until A's hit is done, so A
+    gets its plan, B its own, and the cache ends with B's alone. (A waits for B at most a moment: without the
+    serialisation B is done by then; with it B waits for A.)"""
+    import threading
+    from collections import OrderedDict
+
+    ws = Workspace("cpu")
+    cache = PlanCache(maxsize=1)
+    a = cache.get([1], **_args(tiny_dims, ws))
+    got, errors, done = {}, [], threading.Event()
+
+    def thread_b():
+        try:
+            got["b"] = cache.get([2], **_args(tiny_dims, ws))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+        finally:
+            done.set()
+
+    b_thread = threading.Thread(target=thread_b)
+
+    class LookUpThenEvict(OrderedDict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            if found is a and not b_thread.is_alive() and not done.is_set():
+                b_thread.start()
+                done.wait(timeout=0.5)
+            return found
+
+    cache._plans = LookUpThenEvict(cache._plans)
+    got["a"] = cache.get([1], **_args(tiny_dims, ws))  # was: KeyError from move_to_end
+    b_thread.join(timeout=30)
+    assert not errors and not b_thread.is_alive()
+    assert got["a"] is a and got["b"].query_lens == [2]
+    assert len(cache) == 1 and cache.get([2], **_args(tiny_dims, ws)) is got["b"]
+    assert (cache.hits, cache.misses) == (2, 2)
+
+
+def test_threads_sharing_a_small_cache_count_every_get(tiny_dims):
+    """Many threads, few keys, a cache smaller than the keys: every get returns a plan of its lengths, none raises,
+    and hits + misses count every get (no update lost)."""
+    import sys
+    import threading
+
+    ws = Workspace("cpu")
+    cache = PlanCache(maxsize=2)
+    keys = [[1], [2], [3]]
+    errors, wrong = [], []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+
+    def work(i):
+        try:
+            for n in range(600):
+                lens = keys[(i + n) % len(keys)]
+                if cache.get(lens, **_args(tiny_dims, ws)).query_lens != lens:
+                    wrong.append(lens)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors and not wrong
+    assert cache.hits + cache.misses == 8 * 600 and len(cache) == 2

@@ -661,3 +661,77 @@ def test_mla_prefill_refuses_a_phase_hook_that_is_not_callable(ref, tiny_dims, h
     seen = []
     mla_prefill(*args, phase_hook=seen.append)
     assert seen[-1] == "end" and "main pass" in seen
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ragged attention: destinations that share memory with what the kernel reads
+# --------------------------------------------------------------------------------------------------------------
+
+def _aliased(case):
+    """(q, k, v, qo, kv, out, lse) of a self-attention batch (T = S, so out=v fits) with the destinations of
+    ``case``: an out or lse that views an input, or an lse inside out."""
+    q, k, v, qo, kv = ragged_inputs(q_lens=(2, 3), kv_lens=(2, 3))
+    out = lse = None
+    if case == "out=q[..., :D_VO]":
+        out = q[..., :D_VO]
+    elif case == "out=v":
+        out = v
+    elif case == "out=k[..., D_QK - D_VO:]":
+        out = k[..., D_QK - D_VO:]
+    elif case == "lse in q":
+        lse = q.view(-1)[5 * H: 10 * H].view(5, H)
+    elif case == "lse in out":
+        out = torch.zeros(5, H, D_VO)
+        lse = out.view(-1)[-5 * H:].view(5, H)
+    elif case == "out overlaps itself":
+        out = torch.zeros(1, H, D_VO).expand(5, H, D_VO)
+    return q, k, v, qo, kv, out, lse
+
+
+ALIAS_CASES = [("out=q[..., :D_VO]", r"^out shares memory with q"), ("out=v", r"^out shares memory with v"),
+               ("out=k[..., D_QK - D_VO:]", r"^out shares memory with k"),
+               ("lse in q", r"^lse shares memory with q"), ("lse in out", r"^lse shares memory with out"),
+               ("out overlaps itself", r"^out must not overlap itself")]
+
+
+@pytest.mark.parametrize("case,match", ALIAS_CASES)
+def test_ragged_refuses_an_out_or_lse_sharing_memory_with_what_it_reads(case, match):
+    """An out / lse that shares memory with q, k or v (or with each other) is refused by name before any work, by
+    RaggedPlan.run and by ragged_prefill (before it plans), as mla_prefill refuses its out. They were taken:
+    ``ragged_prefill(..., out=q[..., :128])`` and ``out=v`` ran and overwrote their input (right on the CPU by luck of
+    the torch backend's order, a race on CUDA, where each tile reads q / k / v while others write out). Nothing is
+    written."""
+    import mla_bridge.ragged as ragged_mod
+
+    q, k, v, qo, kv, out, lse = _aliased(case)
+    before = [x.clone() for x in (q, k, v)]
+    plan = make_plan(qo, kv, causal=True)
+    with pytest.raises(ValueError, match=match):
+        plan.run(q, k, v, out=out, lse=lse)
+    with pytest.raises(ValueError, match=match):
+        ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=0.2, out=out, lse=lse)
+    with pytest.MonkeyPatch.context() as m:  # refused before planning (on CUDA: FlashInfer's plan, copies, a wrapper)
+        m.setattr(ragged_mod, "plan_ragged", lambda *a, **k: pytest.fail("planned before the refusal"))
+        with pytest.raises(ValueError, match=match):
+            ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=0.2, out=out, lse=lse)
+    for x, b in zip((q, k, v), before):
+        assert torch.equal(x, b), "an input was written before the error"
+
+
+def test_ragged_accepts_destinations_next_to_its_inputs_in_one_buffer():
+    """Disjoint parts of one buffer are no overlap: q, k, v, out and lse side by side, each run equal to the run
+    with destinations of their own."""
+    q0, k0, v0, qo, kv = ragged_inputs()
+    parts = [q0.numel(), k0.numel(), v0.numel(), 5 * H * D_VO, 5 * H]
+    big = torch.empty(sum(parts))
+    q, k, v, out, lse = big.split(parts)
+    q, k, v = q.view_as(q0).copy_(q0), k.view_as(k0).copy_(k0), v.view_as(v0).copy_(v0)
+    out, lse = out.view(5, H, D_VO), lse.view(5, H)
+    plan = make_plan(qo, kv, causal=True)
+    want_out, want_lse = plan.run(q0, k0, v0)
+    got_out, got_lse = plan.run(q, k, v, out=out, lse=lse)
+    assert got_out is out and got_lse is lse
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    out.fill_(SENTINEL)
+    ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=0.2, out=out, lse=lse)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)

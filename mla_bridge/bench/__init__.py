@@ -16,7 +16,8 @@ fraction of the bf16 matmul peak or copy bandwidth measured in the same run. FLO
 (192 + 128), causal pairs counted exactly per request, plus the up-projection GEMM where it runs.
 
 Without CUDA (or with ``--quick``) it runs tiny shapes in a few seconds (the torch backend on the CPU), so the
-command itself is tested in CI. Exit code 0, or 1 with ``--strict`` when a target that applies was missed.
+command itself is tested in CI. Exit code 0, or 1 with ``--strict`` when a target that applies was missed (2 for a
+refused argument; through ``mla-bridge bench``, 3 for an unexpected error: :data:`mla_bridge.cli.EXIT_CODES`).
 """
 
 from __future__ import annotations

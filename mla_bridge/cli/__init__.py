@@ -7,9 +7,11 @@ dispatch table picks, and checks a sample of requests against an independent flo
 (:mod:`mla_bridge.reference`). ``mla-bridge info`` says what this machine has and which backend it gets.
 ``mla-bridge bench`` is :mod:`mla_bridge.bench` (imported only when asked for).
 
-Exit codes: 0 success; 1 the check against the float64 reference failed its tolerance; 2 bad arguments or a
-request the library refuses (the message names the flag or the reason), including a run whose memory estimate
-exceeds what is available; 130 interrupted (Ctrl-C).
+Exit codes (:data:`EXIT_CODES`, printed by ``--help``): 0 success; 1 the check against the float64 reference failed
+its tolerance (``bench --strict``: a target that applies was missed); 2 bad arguments or a request the library refuses
+(the message names the flag or the reason), including a run whose memory estimate exceeds what is available; 3 an
+unexpected error (a bug or a failure of the environment: one line on stderr, ``mla-bridge COMMAND: unexpected error:
+TYPE: MESSAGE``; the traceback too with ``--debug`` or ``MLA_BRIDGE_DEBUG=1``); 130 interrupted (Ctrl-C).
 
 This module holds the argument parser, :func:`main` and the dispatch to the commands. The rest: ``prefill``
 (the prefill command: plan, run, check, table, JSON), ``batch`` (workload, device/dtype, random inputs, FLOPs),
@@ -20,7 +22,9 @@ This module holds the argument parser, :func:`main` and the dispatch to the comm
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -33,9 +37,30 @@ from .errors import CLIError
 from .info import cmd_info
 from .prefill import cmd_prefill
 
-__all__ = ["main", "build_parser", "load_kv_b_proj_weight", "CLIError"]
+__all__ = ["main", "build_parser", "load_kv_b_proj_weight", "CLIError", "EXIT_CODES", "DEBUG_ENV"]
 
 DEFAULT_CHECK_REQUESTS = 2
+
+#: Exit status of every command (the help's "exit codes" paragraph is made from it).
+EXIT_CODES = {
+    0: "success",
+    1: "the float64 check failed its tolerance (bench --strict: a target that applies was missed)",
+    2: "bad arguments or a request the library refuses (the message names the flag or the reason; a run whose memory "
+       "estimate exceeds what is available included)",
+    3: "an unexpected error (a bug or a failure of the environment: one line; the traceback with --debug or "
+       "MLA_BRIDGE_DEBUG=1)",
+    130: "interrupted (Ctrl-C)",
+}
+#: The environment variable that, set to anything but "" or "0", prints an unexpected error's traceback (as --debug).
+DEBUG_ENV = "MLA_BRIDGE_DEBUG"
+EXIT_UNEXPECTED = 3
+
+
+def _exit_codes_text() -> str:
+    import textwrap
+
+    text = "exit codes: " + "; ".join(f"{code} {what}" for code, what in EXIT_CODES.items()) + "."
+    return "\n".join(textwrap.wrap(text, 100, subsequent_indent="  "))
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -83,7 +108,8 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="mla-bridge",
-        description="MLA (DeepSeek-V2/V3) ragged prefill: FlashInfer on NVIDIA GPUs, a torch reference on the CPU.")
+        description="MLA (DeepSeek-V2/V3) ragged prefill: FlashInfer on NVIDIA GPUs, a torch reference on the CPU.",
+        epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"mla-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -91,7 +117,8 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
         "prefill", help="run MLA prefill on a batch at a model's dims and check it against float64",
         description="Plan one MLA prefill batch once, run it per layer with mla_prefill, time it, and check a sample "
                     "of requests against an independent float64 reference.",
-        epilog=PREFILL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=PREFILL_EPILOG + "\n" + _exit_codes_text() + "\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=PRESETS, default=None,
                    help="dims preset (default deepseek-v2-lite: DeepSeek-Coder-V2-Lite-Instruct, 16 heads)")
@@ -132,19 +159,28 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
                         "exceeds what is available (default: refuse with exit 2)")
     g.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_prefill)
+    _add_debug(p)
 
     p = sub.add_parser("info", help="torch, CUDA, device, FlashInfer, JAX, and the backend this machine gets",
                        description="What this machine has, and which backend select_backend picks for DeepSeek MLA "
                                    "prefill (bf16, head dims 192/128, causal).")
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_info)
+    _add_debug(p)
 
     p = sub.add_parser("bench", help="benchmarks (mla_bridge.bench)",
                        description="Benchmarks, from mla_bridge.bench.")
     if bench_module is not None:
         bench_module.add_arguments(p)
     p.set_defaults(func=lambda args, console: _run_bench(bench_module, args))
+    _add_debug(p)
     return parser
+
+
+def _add_debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true",
+                   help=f"on an unexpected error (exit {EXIT_UNEXPECTED}), print its traceback too (or set "
+                        f"{DEBUG_ENV}=1)")
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -162,15 +198,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``mla-bridge`` console script; returns the exit code (see the module docstring).
 
     Ctrl-C (KeyboardInterrupt) anywhere prints one line, ``mla-bridge COMMAND: interrupted``, and returns 130 (the
-    shell's 128 + SIGINT); output files are only written whole at the end, so none is left half-written.
+    shell's 128 + SIGINT); output files are only written whole at the end, so none is left half-written. Any other
+    exception that is not a refusal (:class:`CLIError`, exit 2) prints one line, ``mla-bridge COMMAND: unexpected
+    error: TYPE: first line of its message``, with the traceback before it under ``--debug`` or
+    ``MLA_BRIDGE_DEBUG=1`` (:data:`DEBUG_ENV`), and returns 3.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        command = next((a for a in argv if not a.startswith("-")), None)
         print(f"mla-bridge{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - outside a command's run (the parser, the console): still one line
+        return _unexpected(command, err, "--debug" in argv)
+
+
+def _unexpected(command: Optional[str], err: Exception, debug: bool) -> int:
+    """Report an unexpected error on stderr (one line; the traceback first when ``debug`` or :data:`DEBUG_ENV` is
+    set) and return its exit code, 3."""
+    debug = debug or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+    if debug:
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    lines = str(err).strip().splitlines()
+    message = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    hint = "" if debug else f" (run again with --debug, or {DEBUG_ENV}=1, for the traceback)"
+    print(f"mla-bridge{' ' + command if command else ''}: unexpected error: {message}{hint}", file=sys.stderr)
+    return EXIT_UNEXPECTED
 
 
 def _main(argv: list) -> int:
@@ -196,6 +250,8 @@ def _main(argv: list) -> int:
     except CLIError as err:
         print(f"mla-bridge {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - a bug or a failure of the environment: its own exit code
+        return _unexpected(args.command, err, args.debug)
 
 
 def _run_bench(bench_module: Any, args: argparse.Namespace) -> int:

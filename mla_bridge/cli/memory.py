@@ -57,11 +57,11 @@ def _gib(n: int) -> str:
 
 
 def _plan_index_bytes(plan) -> int:
-    """Bytes of the plan's per-token index tensors (fused: context and new-token placements; chunked: per chunk on
-    the CPU, none on CUDA, where the gathers read each chunk's kv_indptr)."""
+    """Bytes of the plan's per-token index tensors (fused: context and new-token placements; chunked: none, the
+    gathers read each chunk's kv_indptr, and a chunk's per-call indices are in :func:`mla_bridge.prefill_memory_bytes`)."""
     tensors = [plan.ctx_req_ids, plan.ctx_positions, plan.ctx_dst, plan.new_dst]
     for c in plan.chunks:
-        tensors += list(c.rows.indices or ())  # CPU plans; on CUDA the kernels read each chunk's kv_indptr
+        tensors += list(c.rows.indices or ())  # None for a plan's chunks (a hand-made ContextChunk may hold some)
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 

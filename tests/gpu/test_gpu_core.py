@@ -348,3 +348,35 @@ def test_case09_merge_any_head_count_gpu(heads):
     assert torch.isneginf(big_l[1]).all() and not torch.isnan(big_l).any()
     torch.testing.assert_close(big_l[2:t + 1], e_lse[1:], atol=1e-4, rtol=1e-5)
     assert torch.equal(big_o[0], torch.zeros_like(big_o[0])) and torch.equal(big_o[t + 1:], torch.zeros_like(big_o[t + 1:]))
+
+
+@pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2", "flashinfer-cutlass"])
+def test_ragged_out_sharing_memory_with_an_input_is_refused_on_the_gpu(backend):
+    """On CUDA an out inside q or v (``out=q[..., :128]``, ``out=v``) was run: the kernel's tiles read q / v while
+    others wrote out (a race). Each FlashInfer backend that serves here refuses it by name before any kernel (q and v
+    unchanged), through plan.run and ragged_prefill; an out beside q in one buffer runs and equals an out of its
+    own."""
+    require(backend, dtype=BF16, head_dim_qk=192, head_dim_vo=128, causal=True)
+    from mla_bridge import ragged_prefill
+
+    lens = [37, 300, 64]
+    q, k, v = ragged_inputs(lens, lens, 16, seed=4)
+    qo = cumsum0(lens)
+    plan = plan_ragged(qo, qo, num_heads=16, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SCALE,
+                       dtype=BF16, workspace=Workspace(dev()), backend=backend)
+    want, _ = plan.run(q, k, v)
+    saved = q.clone(), v.clone()
+    for out, name in ((q[..., :128], "q"), (v, "v"), (k[..., 64:], "k")):
+        with pytest.raises(ValueError, match=rf"^out shares memory with {name}"):
+            plan.run(q, k, v, out=out)
+        with pytest.raises(ValueError, match=rf"^out shares memory with {name}"):
+            ragged_prefill(q, k, v, qo, qo, causal=True, sm_scale=SCALE, backend=backend, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(q, saved[0]) and torch.equal(v, saved[1])
+    t = sum(lens)
+    big = torch.empty(t * 16 * (192 + 128), dtype=BF16, device=dev())
+    q2 = big[: t * 16 * 192].view(t, 16, 192).copy_(q)
+    out = big[t * 16 * 192:].view(t, 16, 128)
+    assert plan.run(q2, k, v, out=out)[0] is out
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

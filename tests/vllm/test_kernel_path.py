@@ -129,3 +129,29 @@ def test_default_dispatch_on_this_gpu():
     torch.testing.assert_close(res.out.double(), K.reference(x, V2_LITE), **OUT_TOL)
     cap = torch.cuda.get_device_capability(dev)
     assert servable(cap, dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128)[0]
+
+
+def test_an_out_sharing_memory_with_q_k_or_v_is_refused_on_the_kernel_path():
+    """vLLM hands ``out`` through (``run_prefill_new_tokens`` / ``run_prefill_context_chunk``): an out inside q, k or v
+    is refused by name by the core before any kernel, not run over its own input (a race on CUDA); an out of its own
+    runs."""
+    from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans
+
+    g = torch.Generator().manual_seed(0)
+    h, dqk, dvo = 2, 24, 16
+    qo = host_indptr_from_lens([3, 2])
+    plans = PrefillStepPlans(qo, [ChunkIndptrs(0, qo, host_indptr_from_lens([4, 5]))], num_heads=h, head_dim_qk=dqk,
+                             head_dim_vo=dvo, sm_scale=0.2, dtype=torch.float32, device="cpu")
+    q, k, v = torch.randn(5, h, dqk, generator=g), torch.randn(5, h, dqk, generator=g), torch.randn(5, h, dvo, generator=g)
+    kc, vc = torch.randn(9, h, dqk, generator=g), torch.randn(9, h, dvo, generator=g)
+    saved = [x.clone() for x in (q, k, v, kc, vc)]
+    for out, name in ((q[..., :dvo], "q"), (v, "v"), (k[..., :dvo], "k")):
+        with pytest.raises(ValueError, match=rf"^out shares memory with {name}"):
+            plans.run_new_tokens(q, k, v, True, out=out)
+    for out, name in ((q[..., dqk - dvo:], "q"), (kc[:5, :, :dvo], "k"), (vc[4:], "v")):
+        with pytest.raises(ValueError, match=rf"^out shares memory with {name}"):
+            plans.run_context_chunk(0, q, kc, vc, out=out)
+    assert all(torch.equal(x, s) for x, s in zip((q, k, v, kc, vc), saved))
+    want, _ = plans.run_new_tokens(q, k, v, True)
+    out = torch.empty(5, h, dvo)
+    assert plans.run_new_tokens(q, k, v, False, out=out) is out and torch.equal(out, want)
