@@ -242,7 +242,8 @@ class Workspace:
         self._regions: dict[Any, torch.Tensor] = {}  # stream pointer (or an external key) -> float region
         self._slots: dict[str, list[_Lease]] = {}
         self._acquisitions: dict[str, int] = {}
-        self._released_graphs: list[_Lease] = []  # graphs collected while a stream captured (see _graph_released)
+        self._released_graphs: list = []  # (lease, streams) of graphs collected while a stream captured (see
+        # _graph_released)
         self._lock = threading.RLock()
         # A workspace dropped while the GPU still reads its wrappers (a one-shot call on a temporary workspace)
         # leaves those wrappers in _BURIED until their events complete: freed earlier, FlashInfer's page-locked
@@ -308,8 +309,8 @@ class Workspace:
         if self._released_graphs:
             with self._lock:
                 released, self._released_graphs = self._released_graphs, []
-            for done in released:
-                self._graph_released(done, None)
+            for done, streams in released:
+                self._graph_released(done, streams)
         with self._lock:
             base = self.float_workspace
             slots = self._slots.setdefault(backend, [])
@@ -366,26 +367,30 @@ class Workspace:
             return sum(len(s) for s in self._slots.values())
 
     def retain_for_graph(self, lease: _Lease, graph: Any, stream: Any = None) -> Any:
-        """Keep ``lease`` out of the pool while ``graph`` exists (see :meth:`mla_bridge.RaggedPlan.retain_for_graph`).
-        Returns the ``weakref.finalize`` that hands it back (call it to hand back early)."""
+        """Keep ``lease`` out of the pool while ``graph`` exists (see :meth:`mla_bridge.RaggedPlan.retain_for_graph`:
+        ``stream`` is a stream, a list of streams, or None). Returns the ``weakref.finalize`` that hands it back (call
+        it to hand back early)."""
         with self._lock:
             lease.graph_holds += 1
         return weakref.finalize(graph, self._graph_released, lease, stream)
 
     def _graph_released(self, lease: _Lease, stream: Any) -> None:
-        # The graph is gone; its replays were queued on ``stream`` (default: the current one). The wrapper stays busy
-        # until that stream's work queued so far has completed. A finalizer may run while a stream captures: then
-        # the event is recorded at the next plan instead (an event recorded now would become part of that graph).
+        # The graph is gone; its replays were queued on ``stream``: one stream, or a list of them (read now: the graph
+        # owner appends each stream it replays on), or None / an empty list for the current one. The wrapper stays
+        # busy until the work queued so far on each of them has completed. A finalizer may run while a stream
+        # captures: then the events are recorded at the next plan instead (an event recorded now on the capturing
+        # stream would become part of that graph).
         if self.device.type == "cuda":
-            if stream is None and torch.cuda.is_current_stream_capturing():
+            if (stream is None or isinstance(stream, list)) and torch.cuda.is_current_stream_capturing():
                 with self._lock:
-                    self._released_graphs.append(lease)
+                    self._released_graphs.append((lease, stream))
                 return
-            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-            event = lease.event()
-            event.record(stream)
-            with self._lock:
-                lease.run_events[("graph", id(event))] = event
+            streams = list(stream) if isinstance(stream, list) else [] if stream is None else [stream]
+            for s in streams or [torch.cuda.current_stream(self.device)]:
+                event = lease.event()
+                event.record(s)
+                with self._lock:
+                    lease.run_events[("graph", id(event))] = event
         with self._lock:
             lease.graph_holds -= 1
             if lease.graph_holds == 0:
