@@ -10,7 +10,8 @@ import weakref
 import pytest
 import torch
 
-from mla_bridge import BackendChoice, MLADims, PrefillPlan, RaggedPlan, Workspace, mla_prefill, plan_ragged, prepare_kv_b_proj
+from mla_bridge import (BackendChoice, MLADims, PrefillPlan, RaggedPlan, Workspace, mla_prefill, plan_ragged,
+                        prepare_kv_b_proj)
 from mla_bridge.backends import flashinfer as fi_backend
 from mla_bridge.graphs import PrefillGraph, PrefillLayer, capture, capture_prefill
 from mla_bridge.ragged import RaggedSpec
