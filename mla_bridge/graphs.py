@@ -25,7 +25,11 @@ Rules, checked or documented:
     the float workspace its kernels were captured against, and the captured callable with every tensor it closes
     over. :func:`retain_plan_for_graph` is the one place that registers a graph with its plans.
     :meth:`PrefillGraph.release` ends the graph's life explicitly; dropping the object does the same.
-    Replays run on the current stream, in stream order with the caller's writes of the inputs.
+    Replays run on the current stream, in stream order with the caller's writes of the inputs, on any stream: the
+    first replay on a stream marks the plans' device index tensors and the held float workspace used there
+    (``record_stream``, :meth:`mla_bridge.PrefillPlan.use_on_stream`), and the release records the pooled wrappers'
+    events on every stream the graph was replayed on, so that nothing the last replays read is handed to another
+    allocation or plan before they have completed, whichever stream the graph is released or dropped on.
   * Capture follows torch's documented recipe: warm-up calls on a side stream (FlashInfer's and Triton's JIT, first
     allocations; run under :func:`mla_bridge.kv.capture_rule`, as the capture is, so they launch the kernels the capture
     records), then ``torch.cuda.graph`` capture; allocations inside the capture come from the graph's private memory
@@ -58,7 +62,7 @@ from .plan import PrefillPlan
 from .prefill import mla_prefill
 from .ragged import RaggedPlan
 from .weights import PreparedKVBProj
-from .workspace import capture_owner
+from .workspace import capture_owner, current_stream
 
 __all__ = ["PrefillGraph", "PrefillLayer", "capture", "capture_prefill", "retain_plan_for_graph"]
 
@@ -77,6 +81,8 @@ def _ragged_plans(plan: Any) -> list[RaggedPlan]:
 def retain_plan_for_graph(plan: "PrefillPlan | RaggedPlan", graph: "PrefillGraph") -> tuple[list, list]:
     """Tell ``plan``'s ragged passes that ``graph`` replays their kernels; returns ``(held, releases)``: what the
     graph must hold, and the callables that hand the plans' resources back early (:meth:`PrefillGraph.release`).
+    The wrappers' release events go on every stream in ``graph``'s list of replay streams (where it has one, as a
+    :class:`PrefillGraph` does; else the stream current at the release).
 
     The one call site of the plan-ownership API of issue 11 (:meth:`mla_bridge.RaggedPlan.retain_for_graph`: a
     wrapper whose run was captured stays out of the workspace pool until every graph registered for it is gone and
@@ -89,11 +95,12 @@ def retain_plan_for_graph(plan: "PrefillPlan | RaggedPlan", graph: "PrefillGraph
     """
     held: list = [plan]
     releases: list = []
+    streams = getattr(graph, "_replay_streams", None)
     for rp in _ragged_plans(plan):
         held.append(rp)
         hook = getattr(rp, "retain_for_graph", None)
         if callable(hook):
-            token = hook(graph)
+            token = hook(graph) if streams is None else hook(graph, stream=streams)
             if callable(token):
                 releases.append(token)
         if rp.backend.is_flashinfer:
@@ -130,6 +137,8 @@ class PrefillGraph:
         self._graph: Any = None
         self._held: list = []
         self._releases: list = []
+        self._replay_ptrs: set = set()  # raw handles of the streams replayed on
+        self._replay_streams: list = []  # those streams (read by the wrappers' release hooks)
         for p in self.plans:
             held, releases = retain_plan_for_graph(p, self)
             self._held.extend(held)
@@ -152,16 +161,35 @@ class PrefillGraph:
         if self._fn is None:
             raise RuntimeError("PrefillGraph.replay: this graph was released; capture a new one")
         if self.graphed:
+            ptr, stream = current_stream(self.device)
+            if ptr not in self._replay_ptrs:
+                self._replayed_on(ptr, stream)
             self._graph.replay()
         else:
             self.outputs = self._fn()
         self.replays += 1
         return self.outputs
 
+    def _replayed_on(self, ptr: int, stream: Any) -> None:
+        """The first replay on ``stream``: what the captured kernels read and torch's caching allocator owns (the
+        plans' device index tensors, the float workspace held) is marked used there, and the stream joins the list
+        the wrappers' release events are recorded on (see the module docstring)."""
+        if torch.cuda.is_current_stream_capturing():
+            return  # replayed inside another capture: that graph's owner orders its replays
+        for p in self.plans:
+            if isinstance(p, PrefillPlan):
+                p.use_on_stream(ptr, stream)
+        for t in self._held:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(stream)
+        self._replay_streams.append(stream)
+        self._replay_ptrs.add(ptr)
+
     def release(self) -> None:
         """Drop the CUDA graph, then the plans and buffers it held: their wrappers go back to the workspace pool once
-        the replays queued so far on the current stream have finished (replayed on other streams: synchronize them
-        first) and nothing else holds the plans. Replaying afterwards raises. Dropping the object does the same."""
+        the replays queued so far on every stream the graph was replayed on have finished and nothing else holds
+        the plans; the plans' device tensors are reused by torch's allocator only after those replays too. Call it
+        on any stream (or drop the object, which does the same). Replaying afterwards raises."""
         self._graph = None
         self._fn = None
         self.outputs = None

@@ -358,11 +358,22 @@ class PrefillPlan:
             return
         ptr, stream = current_stream(self.device)
         if ptr not in self._streams_seen:
-            if self._ready is not None:
-                stream.wait_event(self._ready)
-            for t in self._device_indices:
-                t.record_stream(stream)
-            self._streams_seen.add(ptr)
+            self.use_on_stream(ptr, stream)
+
+    def use_on_stream(self, ptr: int, stream) -> None:
+        """Mark this plan's device index tensors used on ``stream`` (raw handle ``ptr``), once per stream: the stream
+        waits for the plan's own event (where the build recorded one) and each tensor gets ``record_stream``, so that
+        torch's caching allocator keeps their memory from new allocations until the work queued on ``stream`` when the
+        plan is dropped has completed. :meth:`order_on_current_stream` does this for eager calls;
+        :meth:`mla_bridge.graphs.PrefillGraph.replay` for each stream a captured graph is replayed on (a replay runs
+        no Python per layer). Nothing on the CPU device (no device index tensors)."""
+        if ptr in self._streams_seen or not self._device_indices:
+            return
+        if self._ready is not None:
+            stream.wait_event(self._ready)
+        for t in self._device_indices:
+            t.record_stream(stream)
+        self._streams_seen.add(ptr)
 
     def _plan_pass(self, qo: np.ndarray, kv: np.ndarray, causal: bool, num_qo_tokens: int, num_kv_tokens: int,
                    qo_indptr: Optional[torch.Tensor] = None, kv_indptr: Optional[torch.Tensor] = None) -> RaggedPlan:

@@ -10,6 +10,28 @@ Steps per layer (all host decisions were made in :class:`mla_bridge.PrefillPlan`
      the chunked schedule runs the causal main pass over the new tokens, then for each context chunk gathers the
      latent cache by ``block_table``, up-projects it, runs a non-causal pass and merges by LSE.
 The formula is DeepSeek-V2's MLA in its "MHA form" (``kv_b_proj`` splits into k_nope and v per head).
+
+Non-finite inputs (NaN, inf), per row of ``out`` / ``lse``. A NaN or infinity in a new token's ``kv_c`` makes its key's
+k and v non-finite (the up-projection mixes every latent channel into every head); in its ``k_pe``, its k; in a cached
+context token's latent, that key's k and v; in ``q``, its own row's logits. Every step but attention is per token
+(gather, up-projection) or per row (merge), so what differs is the attention kernel:
+  * rows that attend a key with a NaN k (or a NaN / mixed-sign infinite logit) get a non-finite out and lse; a
+    non-finite value in v alone leaves lse finite and makes out non-finite in those rows; a non-finite q makes its
+    own row non-finite, no other. A context token is attended by every new token of its request, a new token ``t``
+    by the request's rows ``t`` on (causal); other requests never see either.
+  * torch backend (:mod:`mla_bridge.backends.torch_ref`): every other row is bitwise what it is without the bad
+    value, in every schedule.
+  * FlashInfer (fa2 and fa3 measured; cutlass, SM100, is the same kind of kernel): the kernels multiply a key tile's
+    probabilities (0 for masked keys) by its values, and 0 times NaN is NaN, so a non-finite value in the v of a new
+    token's key can also make ``out`` NaN in rows of the same request that cannot see it but share a kernel tile with
+    rows that do: a run of rows right before the first row that sees it, shorter than 256 (a query tile and a key
+    tile are at most 128 each); their ``lse`` stays finite. Rows whose keys end 256 keys or more before the bad key,
+    and other requests, are unaffected. Context keys are not masked (every row of the request sees them), so a bad
+    context token reaches exactly its request's rows on every backend. Measured per backend and schedule by
+    ``tests/gpu/test_gpu_nonfinite.py``.
+  * An infinite k alone gives logits of +inf or -inf by the sign of q: -inf is a weight of 0 (the row stays finite);
+    +inf gives the row an lse of +inf, which the chunked schedule's merge reads as an empty partial (the convention
+    of :mod:`mla_bridge.merge`), so there that pass drops out of the row instead of making it non-finite.
 """
 
 from __future__ import annotations
@@ -219,7 +241,8 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             variable, else the default).
 
     Returns:
-        ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
+        ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``. Which rows a NaN or
+        infinity in one token's input reaches, per backend: the module docstring ("Non-finite inputs").
 
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment

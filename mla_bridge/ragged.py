@@ -255,9 +255,10 @@ class RaggedPlan:
         another plan, even after this plan is dropped), because the pool cannot know when the graph stops
         replaying. Registering the graph here lets it come back: when ``graph`` is garbage collected, an event is
         recorded on ``stream`` (default: the stream current at that moment; pass the stream the graph is replayed
-        on if it is another one) and the wrapper returns to the pool once that event has completed, the plan
-        itself is gone, and no other graph may replay it. Call this once per graph that captured the plan (before
-        or after the capture).
+        on if it is another one, or a list of streams, which is read only then, so that the owner can append each
+        stream it replays on: an event on each) and the wrapper returns to the pool once those events have
+        completed, the plan itself is gone, and no other graph may replay it. Call this once per graph that
+        captured the plan (before or after the capture).
 
         Which graph a capture belongs to: inside :func:`mla_bridge.graphs.capture`, that call's graph (it registers
         its plans itself); elsewhere the ``torch.cuda.CUDAGraph`` torch names for the capturing stream

@@ -298,7 +298,8 @@ class Workspace:
         self._regions: dict[Any, torch.Tensor] = {}  # stream pointer (or an external key) -> float region
         self._slots: dict[str, list[_Lease]] = {}
         self._acquisitions: dict[str, int] = {}
-        self._released_graphs: list[tuple] = []  # graphs collected while a stream captured (see _graph_released)
+        self._released_graphs: list[tuple] = []  # (lease, streams, graph key) of graphs collected while a stream
+        # captured (see _graph_released)
         self._lock = threading.RLock()
         # A workspace dropped while the GPU still reads its wrappers (a one-shot call on a temporary workspace)
         # leaves those wrappers in _BURIED until their events complete: freed earlier, FlashInfer's page-locked
@@ -364,8 +365,8 @@ class Workspace:
         if self._released_graphs:
             with self._lock:
                 released, self._released_graphs = self._released_graphs, []
-            for lease, key in released:
-                self._graph_released(lease, None, key)
+            for lease, streams, key in released:
+                self._graph_released(lease, streams, key)
         with self._lock:
             base = self.float_workspace
             slots = self._slots.setdefault(backend, [])
@@ -423,9 +424,10 @@ class Workspace:
             return sum(len(s) for s in self._slots.values())
 
     def retain_for_graph(self, lease: _Lease, graph: Any, stream: Any = None) -> Any:
-        """Keep ``lease`` out of the pool while ``graph`` exists (see :meth:`mla_bridge.RaggedPlan.retain_for_graph`):
-        captures of ``lease`` into ``graph``, made before this call or after it, are then ``graph``'s.
-        Returns the ``weakref.finalize`` that hands it back (call it to hand back early)."""
+        """Keep ``lease`` out of the pool while ``graph`` exists (see :meth:`mla_bridge.RaggedPlan.retain_for_graph`:
+        ``stream`` is a stream, a list of streams, or None): captures of ``lease`` into ``graph``, made before this
+        call or after it, are then ``graph``'s. Returns the ``weakref.finalize`` that hands it back (call it to hand
+        back early)."""
         key = id(graph)
         ref = weakref.ref(graph)
         with self._lock:
@@ -461,20 +463,23 @@ class Workspace:
                 lease.captured = True
 
     def _graph_released(self, lease: _Lease, stream: Any, key: int) -> None:
-        # The graph is gone; its replays were queued on ``stream`` (default: the current one). The wrapper stays busy
-        # until that stream's work queued so far has completed. A finalizer may run while a stream captures: then
-        # the event is recorded at the next plan instead (an event recorded now would become part of that graph).
+        # The graph is gone; its replays were queued on ``stream``: one stream, or a list of them (read now: the graph
+        # owner appends each stream it replays on), or None / an empty list for the current one. The wrapper stays
+        # busy until the work queued so far on each of them has completed. A finalizer may run while a stream
+        # captures: then the events are recorded at the next plan instead (an event recorded now on the capturing
+        # stream would become part of that graph).
         # Only this graph's hold is released: captures no registered graph covers keep the wrapper out of the pool.
         if self.device.type == "cuda":
-            if stream is None and torch.cuda.is_current_stream_capturing():
+            if (stream is None or isinstance(stream, list)) and torch.cuda.is_current_stream_capturing():
                 with self._lock:
-                    self._released_graphs.append((lease, key))
+                    self._released_graphs.append((lease, stream, key))
                 return
-            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-            event = lease.event()
-            event.record(stream)
-            with self._lock:
-                lease.run_events[("graph", id(event))] = event
+            streams = list(stream) if isinstance(stream, list) else [] if stream is None else [stream]
+            for s in streams or [torch.cuda.current_stream(self.device)]:
+                event = lease.event()
+                event.record(s)
+                with self._lock:
+                    lease.run_events[("graph", id(event))] = event
         with self._lock:
             lease.graph_holds -= 1
             entry = lease.registered.get(key)

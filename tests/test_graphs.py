@@ -10,7 +10,8 @@ import weakref
 import pytest
 import torch
 
-from mla_bridge import BackendChoice, PrefillPlan, RaggedPlan, Workspace, mla_prefill, plan_ragged, prepare_kv_b_proj
+from mla_bridge import (BackendChoice, MLADims, PrefillPlan, RaggedPlan, Workspace, mla_prefill, plan_ragged,
+                        prepare_kv_b_proj)
 from mla_bridge.backends import flashinfer as fi_backend
 from mla_bridge.graphs import PrefillGraph, PrefillLayer, capture, capture_prefill
 from mla_bridge.ragged import RaggedSpec
@@ -206,3 +207,81 @@ def test_capture_prefill_takes_an_fp8_cache_with_its_scale(ref, tiny_dims, tenso
                              kv_cache_scale=x.kv_cache_scale)
         assert torch.equal(o, eo) and torch.equal(s, es)
     assert PrefillLayer(*layers[0].__dict__.values()).kv_cache_scale is None  # unquantized caches need none
+
+
+# ------------------------------------------------------------------------------------- replays on other streams
+class _Replayer:
+    """A captured CUDA graph as far as PrefillGraph sees it: records the stream each replay was queued on."""
+
+    def __init__(self, current):
+        self.current, self.streams = current, []
+
+    def replay(self):
+        self.streams.append(self.current[0])
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_replay_on_another_stream_keeps_what_it_reads_until_it_ran(monkeypatch, fuse, dtype):
+    """A graph built and captured on one stream, replayed on another, then released (or dropped) on any stream:
+    what the replays read must outlive them. The plan's device index tensors (allocated on the build stream by
+    torch's caching allocator) are marked used on each replay stream at its first replay (record_stream: the
+    allocator then waits for that stream's work queued when the plan is dropped), and the pooled FlashInfer wrappers
+    go back to the pool only after an event recorded on every replay stream. Before, only eager runs marked their
+    stream (PrefillPlan.order_on_current_stream) and the release recorded its event on the current stream alone: a
+    graph replayed on stream s and dropped had its index block handed to the next allocation on the build stream
+    while s still read it (bf16 fused: the expansion's buffer; float32, the torch backend: the chunks' kv_indptr
+    copies, or the fused expansion)."""
+    from tests.fake_device import Stream, install_planning
+
+    install_planning(monkeypatch.setattr, StandInWrapper)  # a fake SM90 device with FlashInfer 0.7.4
+
+    class Other(Stream):
+        cuda_stream = 2
+
+    build, other = Stream(), Other()
+    current = [build]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    recorded = []
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, stream=None):
+            recorded.append((self, stream))
+
+        def query(self):
+            return True
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    marks = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: marks.append((t, s)), raising=False)
+    ws = Workspace("cuda:0", chunk_tokens=64 if fuse else 8)
+    dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
+    plan = PrefillPlan.build([3, 4, 2], [10, 7, 0], dims=dims, workspace=ws, block_size=4, dtype=dtype)
+    assert plan.fused == fuse and plan._device_indices
+    assert plan.backend.is_flashinfer == (dtype == torch.bfloat16)
+    leases = [rp._kernel.lease for rp in (plan.main, *(c.plan for c in plan.chunks if c.plan is not None))
+              if hasattr(rp._kernel, "lease")]
+    assert len(leases) == (0 if dtype == torch.float32 else plan.num_plans)
+    graph = PrefillGraph(lambda: None, [plan], plan.device)  # what capture() makes, with a stand-in CUDA graph
+    graph.graphed, graph._graph = True, _Replayer(current)
+    graph.replay()  # on the build stream: nothing to mark there
+    assert not [s for _, s in marks if s is not build]
+    current[0] = other
+    for _ in range(3):
+        graph.replay()
+    assert graph._graph.streams == [build, other, other, other]
+    on_other = [t for t, s in marks if s is other]
+    held = [t for t in graph._held if isinstance(t, torch.Tensor)]
+    assert len(on_other) == len(plan._device_indices) + len(held)  # once each, at the first replay there
+    assert all(any(t is m for m in on_other) for t in plan._device_indices + held)
+    # released on the build stream (or dropped there): each wrapper's event is recorded on both replay streams
+    current[0] = build
+    recorded.clear()
+    graph.release()
+    for lease in leases:
+        streams = [s for e, s in recorded if any(e is x for x in lease.run_events.values())]
+        assert sorted(s.cuda_stream for s in streams) == [build.cuda_stream, other.cuda_stream]
+        assert lease.graph_holds == 0

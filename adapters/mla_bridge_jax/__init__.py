@@ -26,7 +26,10 @@ from .sharding import build_sharded_plans, head_shardings, sharded_mla_prefill, 
 
 
 def to_torch(x):
-    """Zero-copy torch view of a single-device jax.Array (DLPack). It shares JAX's buffer: never write into it."""
+    """Zero-copy torch view of a single-device jax.Array (DLPack). It shares JAX's buffer: never write into it. JAX
+    does not wait for torch's work on the view: let that work finish (e.g. ``torch.cuda.current_stream()
+    .synchronize()``) before the view is dropped or the array donated or deleted (mla_bridge_jax's own eager calls
+    order XLA after their torch work themselves)."""
     return _to_torch("x", x)
 
 

@@ -5,6 +5,9 @@ Every conversion here is zero-copy except the ones documented otherwise:
     copies (an array JAX holds in a non-default layout, e.g. one made from a transposed torch tensor, arrives as a
     strided view with the right strides). On CUDA, JAX makes torch's current stream wait for the array.
   * :func:`to_jax` (torch.Tensor -> jax.Array): ``jax.dlpack.from_dlpack``; on CUDA, torch makes JAX's stream wait.
+  * DLPack orders the consumer after the producer's writes, nothing orders the producer after the consumer's reads:
+    once an eager call's torch views of JAX's inputs are dropped, XLA may reuse those buffers (a donation, a deleted
+    array's memory) while torch's queued kernels still read them. :func:`order_xla_after_torch` closes that gap.
   * :func:`from_torch` (user-facing torch -> JAX): tensors DLPack cannot hand over as they are are copied ONCE on
     their device first (``.contiguous()`` / ``.clone()``): a non-contiguous view (a last-dim slice ``t[..., :128]``
     is refused by JAX; a transposed tensor would become a JAX array in a non-default layout) and a data pointer that
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 import torch
 
 __all__ = ["to_torch", "to_jax", "from_torch", "torch_dtype", "jax_dtype", "torch_device_of", "default_torch_device",
-           "is_tracer", "check_array", "host_values", "buffer_device", "xla_stream"]
+           "is_tracer", "check_array", "host_values", "buffer_device", "xla_stream", "order_xla_after_torch"]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
 
@@ -168,7 +171,8 @@ def default_torch_device() -> torch.device:
 def to_torch(name: str, x: Any) -> torch.Tensor:
     """Zero-copy torch view of a single-device ``jax.Array`` (DLPack; on CUDA ordered after JAX's pending writes).
 
-    The view shares JAX's buffer: never write into it.
+    The view shares JAX's buffer: never write into it. JAX keeps the buffer while the view lives, but does not wait
+    for torch's queued reads of it once the view is gone: after queuing them, call :func:`order_xla_after_torch`.
 
     Raises:
         TypeError: not a jax.Array (named).
@@ -180,6 +184,51 @@ def to_torch(name: str, x: Any) -> torch.Tensor:
         raise ValueError(f"{name} is spread over {len(devices)} devices; split the heads over them with "
                          f"mla_bridge_jax.sharded_ragged_prefill / sharded_mla_prefill (or call under jax.jit)")
     return torch.from_dlpack(x)
+
+
+#: CUDA device index -> a one-element torch tensor handed to XLA by DLPack as the carrier of torch's stream position
+_TOKENS: dict[int, torch.Tensor] = {}
+_after: Any = None  # jax.jit of a one-element op, compiled once per device
+#: JAX's TFRT GPU client (opt-in) launches a computation when its inputs are ready on the host, not in stream order
+ENV_TFRT_CLIENT = "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT"
+
+
+def _tfrt_client() -> bool:
+    try:
+        return bool(int(os.environ.get(ENV_TFRT_CLIENT, "0") or 0))
+    except ValueError:
+        return False
+
+
+def order_xla_after_torch(device: torch.device) -> None:
+    """Make XLA's compute stream on ``device`` wait for the work queued so far on torch's current stream there, so
+    that XLA reuses no buffer torch's queued kernels still read (call it after an eager call queued torch work on
+    DLPack views of JAX arrays, and before the views are dropped). Nothing on the CPU (torch's work there has run).
+
+    How, keeping the zero-copy and without a host sync: a one-element torch tensor goes to JAX by DLPack
+    (``jax.dlpack.from_dlpack`` hands torch the stream JAX reads external arrays on; torch records an event after its
+    queued work and makes that stream wait; JAX's array is defined after that wait), and a jitted one-element op on
+    it is dispatched: XLA's compute stream waits for its input's definition before it. With JAX's default GPU client
+    (StreamExecutor) every later XLA computation on the device, a donation of the inputs or a reuse of their freed
+    memory included, runs after it on that stream (host-to-device copies into reused memory wait for the compute
+    stream too). Costs one small DLPack import and one cached jit dispatch per call (the op is compiled once per
+    device). With the TFRT client (``XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT=1``), which launches a computation once its
+    inputs are ready on the host rather than in stream order, this waits on the host for torch's stream instead."""
+    if device.type != "cuda":
+        return
+    if _tfrt_client():
+        torch.cuda.current_stream(device).synchronize()
+        return
+    global _after
+    token = _TOKENS.get(device.index)
+    if token is None:
+        with _lock:
+            token = _TOKENS.get(device.index)
+            if token is None:
+                token = _TOKENS[device.index] = torch.zeros(1, dtype=torch.int32, device=device)
+    if _after is None:
+        _after = jax.jit(lambda t: t + 1)
+    _after(jax.dlpack.from_dlpack(token))  # the result is dropped: its computation's place in the stream is the point
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:

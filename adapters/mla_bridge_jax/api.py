@@ -3,7 +3,9 @@
 Two ways a call runs:
   * **eager** (concrete ``jax.Array`` inputs): DLPack views both ways (no copy, no host round trip; on CUDA each
     side makes the consumer's stream wait), then the core's :func:`mla_bridge.ragged_prefill` /
-    :meth:`mla_bridge.RaggedPlan.run` / :func:`mla_bridge.mla_prefill` on torch's current stream.
+    :meth:`mla_bridge.RaggedPlan.run` / :func:`mla_bridge.mla_prefill` on torch's current stream; before returning,
+    XLA's stream is ordered after that work (:func:`mla_bridge_jax._interop.order_xla_after_torch`), so the inputs may
+    be donated or deleted right after the call (no host sync).
   * **traced** (inside ``jax.jit``, ``jax.vmap``, ``shard_map``...): one XLA custom call per attention that reads
     XLA's input buffers and writes its output buffers in place, on XLA's stream (no host copy on GPU). Routes
     (``jit_route``, or ``$MLA_BRIDGE_JAX_JIT_ROUTE``): "tvm_ffi" calls FlashInfer's compiled run from a C++ shim
@@ -42,7 +44,8 @@ from mla_bridge.ragged import _not_a_bool
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype,
-                       max_plans_from_env, to_jax, to_torch, torch_device_of, torch_dtype, xla_stream)
+                       max_plans_from_env, order_xla_after_torch, to_jax, to_torch, torch_device_of, torch_dtype,
+                       xla_stream)
 
 __all__ = ["ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill",
            "JIT_ROUTES", "ENV_JIT_ROUTE", "InferenceOnlyError"]
@@ -263,6 +266,7 @@ def ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_
     if not any(is_tracer(x) for x in (q, k, v)):
         tq, tk, tv = to_torch("q", q), to_torch("k", k), to_torch("v", v)
         out, lse = _core.ragged_prefill(tq, tk, tv, qo, kv, causal=causal, sm_scale=sm_scale, backend=backend)
+        order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
         return to_jax(out), to_jax(lse)
 
     heads, d_qk, d_vo = _heads_dims(q, v)
@@ -322,6 +326,7 @@ def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, ji
     _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
     if not any(is_tracer(x) for x in (q, k, v)):
         out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
+        order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
         return to_jax(out), to_jax(lse)
     return _ragged_traced(_Plans(plan=plan), plan, q, k, v, jit_route)
 
@@ -533,6 +538,7 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
         tensors = core_args(to_torch)
         result = _core.mla_prefill(*tensors, plans.get(tensors[0].device, plan), return_lse=return_lse,
                                    kv_cache_scale=scale)
+        order_xla_after_torch(tensors[0].device)  # nor the inputs (the cache, a raw weight) before the kernels ran
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
 
     proxies = core_args(lambda n, x: _proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype,

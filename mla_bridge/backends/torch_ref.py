@@ -5,6 +5,13 @@ by ``block_elems`` scores however long the sequence: a 10000-token prompt never 
 Causal masking is bottom-right aligned (FlashInfer's convention): query ``i`` of a request with ``q_len`` queries
 and ``kv_len`` keys sees keys ``j <= i + kv_len - q_len``. Rows with no visible key give out 0 and lse -inf.
 The LSE is natural-log.
+
+Non-finite inputs stay in the rows that attend them: a masked key's probability is 0, and 0 times a NaN or infinite
+value is NaN, so in a block where some rows see a key and others do not, the non-finite values of v among the keys
+some row cannot see are taken out of the block's product and added back (NaN, or an infinity of one sign) to the
+rows that see them only (:func:`_probs_times_values`: a few elementwise passes over those keys, fewer than the
+block's rows). A row is then non-finite exactly when it attends a NaN k or a non-finite v (or its q is non-finite),
+and every other row is bitwise what it is without the bad value.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ def _attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         for k0 in range(0, k_end, bk):
             k1 = min(k_end, k0 + bk)
             s = torch.bmm(qb, kh[:, :, k0:k1].float())  # [H, bq, bk]
-            if causal and k1 - 1 > q0 + offset:
+            partial = causal and k1 - 1 > q0 + offset  # some row of the block does not see every key
+            if partial:
                 qi = torch.arange(q0, q1, device=q.device).view(-1, 1)
                 kj = torch.arange(k0, k1, device=q.device).view(1, -1)
                 s = s.masked_fill(kj > qi + offset, float("-inf"))
@@ -52,7 +60,14 @@ def _attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             p = torch.exp(s - m_safe.unsqueeze(-1))
             corr = torch.exp(m - m_safe)
             l = l * corr + p.sum(dim=-1)
-            acc = acc * corr.unsqueeze(-1) + torch.bmm(p, vh[:, k0:k1].float())
+            vb = vh[:, k0:k1].float()
+            if partial:  # row q0 + r sees keys up to q0 + r + offset: past ``first``, a prefix of ``seen[r]`` keys
+                first = max(0, q0 + offset + 1 - k0)
+                seen = (qi.view(-1) + (offset + 1 - k0 - first)).clamp_(0, k1 - k0 - first)
+                pv = _probs_times_values(p, vb, first, seen)
+            else:
+                pv = torch.bmm(p, vb)
+            acc = acc * corr.unsqueeze(-1) + pv
             m = m_new
         has_keys = l != 0  # structural emptiness only: a NaN stays NaN (never mistaken for "no keys")
         l_safe = torch.where(has_keys, l, torch.ones_like(l))
@@ -60,6 +75,36 @@ def _attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         lse[q0:q1] = torch.where(has_keys, m_safe + torch.log(l_safe), torch.full_like(l, float("-inf"))).t()
     return out, lse
+
+
+def _all_finite_on_host(finite: torch.Tensor) -> bool:
+    """On the CPU, where reading a value costs no device sync: whether ``finite`` (a mask) is all True. False on
+    CUDA (the torch backend never syncs there)."""
+    return finite.device.type == "cpu" and bool(finite.all())
+
+
+def _probs_times_values(p: torch.Tensor, v: torch.Tensor, first: int, seen: torch.Tensor) -> torch.Tensor:
+    """``p @ v`` (``[H, bq, bk] @ [H, bk, Dvo]``) of a causal block whose rows do not all see every key, with the
+    non-finite values of v reaching only the rows that see their key (see the module docstring). Every row sees the
+    keys before ``first``, whose values enter as they are; row ``r`` sees the next ``seen[r]`` keys (``[bq]`` int64,
+    0 to ``bk - first``: a prefix, causal masks being prefixes), where its ``p`` is 0 beyond them. Among those
+    ``n = bk - first`` keys (``n < bq <= 256``), a non-finite value becomes 0 in the product, and for each row and
+    channel the NaN / +inf / -inf values among the keys it sees are counted (one int32 per value, a count per byte:
+    running sums over the keys, read at ``seen``; each count is at most ``n < 256``) and added back: NaN where a NaN
+    or both infinities are seen, else the infinity seen. Branch-free on CUDA (no host sync); on the CPU a block whose
+    values are all finite takes the plain product."""
+    tail = v[:, first:]
+    finite = torch.isfinite(tail)
+    if _all_finite_on_host(finite):
+        return torch.bmm(p, v)
+    # one product of the block's shape, as the plain one: the rows' finite values are summed in the same order
+    pv = torch.bmm(p, torch.cat([v[:, :first], torch.where(finite, tail, torch.zeros_like(tail))], 1))
+    kinds = (torch.isnan(tail).to(torch.int32) + (tail == float("inf")).to(torch.int32) * 256
+             + (tail == float("-inf")).to(torch.int32) * 65536)
+    counts = torch.cat([torch.zeros_like(kinds[:, :1]), kinds.cumsum(1, dtype=torch.int32)], 1).index_select(1, seen)
+    nan, pos, neg = (counts & 255) > 0, (counts & 65280) > 0, counts >= 65536  # [H, bq, Dvo] each
+    bad = torch.zeros_like(pv).masked_fill_(pos, float("inf")).masked_fill_(neg, float("-inf"))
+    return pv + bad.masked_fill_(nan | (pos & neg), float("nan"))
 
 
 def ragged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: list[int],

@@ -215,3 +215,43 @@ def test_replay_after_other_plans_on_the_same_workspace(ref, fuse, budget):
     got = graph.replay()
     torch.cuda.synchronize()
     _assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("dtype,fuse,budget", [(BF16, True, 100_000), (torch.float32, True, 100_000),
+                                               (torch.float32, False, 256)])
+def test_replay_on_another_stream_released_there_keeps_the_index_block(ref, dtype, fuse, budget):
+    """Captured on the default stream, replayed on a side stream kept busy, released on that stream as
+    PrefillGraph.release allows, plan dropped: the plan's device index block (bf16 fused: the expansion's buffer;
+    float32, the torch backend: that buffer, or the chunks' kv_indptr copy) must not be handed to a new allocation
+    on the build stream while the side stream's replay is still queued. PrefillGraph.replay marks it used on each
+    stream it replays on; before, only eager runs did (the graph's warm-up stream, long idle), so the next allocation
+    of that size on the default stream got the block at once and the replay read what was written there."""
+    dims = MLADims.deepseek_v2_lite()
+    batch = ref.make_mla_batch(dims, Q_LENS, C_LENS, BLOCK, dtype=dtype, seed=11, device=dev())
+    layer = PrefillLayer(batch.q, batch.kv_c, batch.k_pe, prepare_kv_b_proj(batch.w, dims), batch.cache)
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
+                             block_size=BLOCK, dtype=dtype, fuse_context=fuse)
+    assert plan.fused == fuse and plan.backend.is_flashinfer == (dtype == BF16)
+    want = _eager([layer], batch.block_table, plan, "separate")
+    graph = capture_prefill(plan, [layer], batch.block_table, return_lse=True, kv_impl="separate")
+    index = plan.ctx_req_ids if fuse else plan.chunks[0].rows.kv_indptr
+    index = index if index._base is None else index._base
+    assert any(index is t or index is t._base for t in plan._device_indices)
+    ptr, numel, index_dtype = index.data_ptr(), index.numel(), index.dtype
+    del plan, index
+    gc.collect()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(10 * SLEEP)  # the replay below stays queued while the host goes on
+        got = graph.replay()
+        graph.release()
+    del graph
+    gc.collect()
+    assert not side.query(), "the side stream finished too early for this test to mean anything"
+    fresh = [torch.zeros(numel, dtype=index_dtype, device=dev()) for _ in range(8)]  # in-range values: no fault
+    reused = any(f.data_ptr() == ptr for f in fresh)
+    still_queued = not side.query()
+    torch.cuda.synchronize()
+    assert still_queued and not reused, "the plan's index block was reused while a replay on another stream read it"
+    _assert_bitwise(got, want)

@@ -93,3 +93,57 @@ def test_misaligned_pointer_is_copied():
 def test_from_torch_wants_a_tensor():
     with pytest.raises(TypeError, match="from_torch expects a torch.Tensor"):
         mj.from_torch(np.zeros(3))
+
+
+@pytest.mark.parametrize("entry", ["ragged_prefill", "run_ragged", "mla_prefill"])
+def test_eager_calls_order_xla_after_the_torch_work_on_their_views(monkeypatch, entry):
+    """DLPack makes torch wait for JAX's writes, nothing makes JAX wait for torch's reads: once an eager call returns,
+    its torch views of the inputs are gone and JAX may donate or free them while the queued kernels still read them
+    (on the GPU: tests/jax/test_jax_gpu.py). So each eager entry point orders XLA's stream after the torch work it
+    queued, on the core's device, after the core call and before returning."""
+    from mla_bridge import RaggedPlan
+    from mla_bridge_jax import api
+
+    events = []
+    monkeypatch.setattr(api, "order_xla_after_torch", lambda device: events.append(("order", device)), raising=False)
+    owner, name = {"ragged_prefill": (mla_bridge, "ragged_prefill"), "run_ragged": (RaggedPlan, "run"),
+                   "mla_prefill": (mla_bridge, "mla_prefill")}[entry]
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **kw: (events.append("core"), real(*a, **kw))[1])
+    if entry == "mla_prefill":
+        dims = mla_bridge.MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                  v_head_dim=16)
+        rng = np.random.default_rng(3)
+        args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+                ((5, 4, 24), (5, 32), (5, 8), dims.kv_b_proj_shape, (3, 4, 40))]
+        plan = mj.build_plan([2, 3], [5, 0], dims=dims, block_size=4, dtype=jnp.float32)
+        mj.mla_prefill(*args, jnp.asarray([[2, 0], [-1, -1]], jnp.int32), plan)
+    else:
+        q, k, kv = (mj.from_torch(t) for t in _tensors())
+        v = k[..., :128]
+        if entry == "ragged_prefill":
+            mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM)
+        else:
+            plan = mj.plan_ragged(QO, KV, num_heads=H, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
+                                  dtype=jnp.bfloat16)
+            mj.run_ragged(plan, q, k, v)
+    assert events == ["core", ("order", torch.device("cpu"))]
+
+
+def test_order_xla_after_torch(monkeypatch):
+    """Nothing to order on the CPU (torch's work there has run when the call returns); with JAX's TFRT GPU client,
+    which does not launch in stream order, a wait on the host for torch's stream."""
+    from mla_bridge_jax import _interop
+
+    monkeypatch.setattr(_interop.jax.dlpack, "from_dlpack", lambda *a, **kw: pytest.fail("no DLPack on the CPU"))
+    assert _interop.order_xla_after_torch(torch.device("cpu")) is None
+    synced = []
+
+    class Stream:
+        def synchronize(self):
+            synced.append(True)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT", "1")
+    _interop.order_xla_after_torch(torch.device("cuda", 0))
+    assert synced == [True]

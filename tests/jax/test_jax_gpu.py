@@ -165,3 +165,73 @@ def test_bench_compare_smoke_on_gpu(gpu):
     assert by_impl["torch core (RaggedPlan.run)"]["ms"] > 0
     assert by_impl["jax jit (buffer_callback)"]["ms"] > 0
     assert any("cudnn" in r["impl"] for r in rows)
+
+
+SLEEP = int(2e8)  # GPU cycles (about 0.1 s on the H200); 10 of them keep torch's stream busy past the host's next ops
+
+
+def _mla_args(gpu, dims, ql, cl, bs, seed):
+    """mla_prefill's inputs as XLA-owned bf16 arrays (donatable), block table included."""
+    rng = np.random.default_rng(seed)
+    t = sum(ql)
+    nb = sum(-(-c // bs) for c in cl) + 1
+    host = [rng.standard_normal(s).astype(np.float32) for s in
+            ((t, 16, 192), (t, 512), (t, 64), dims.kv_b_proj_shape, (nb, bs, 576))]
+    host[3] *= 512 ** -0.5
+    table = np.full((len(ql), 8), -1, np.int32)
+    perm, i = rng.permutation(nb), 0
+    for r, c in enumerate(cl):
+        for b in range(-(-c // bs)):
+            table[r, b] = perm[i]
+            i += 1
+    return [jax.device_put(jnp.asarray(x, jnp.bfloat16), gpu) for x in host] + [jax.device_put(table, gpu)]
+
+
+@pytest.mark.parametrize("entry", ["ragged_prefill", "run_ragged", "mla_prefill"])
+def test_eager_inputs_may_be_donated_right_after_the_call(gpu, entry):
+    """An eager call queues its kernels on torch's stream, kept busy here, and returns; an input is then donated to
+    a jitted function that overwrites it (q; for mla_prefill the paged cache, as an engine's cache update would).
+    XLA must not reuse the buffer before the queued kernels read it: the eager call orders XLA's stream after
+    them (mla_bridge_jax._interop.order_xla_after_torch). Before, nothing did, and the kernel read the overwritten
+    buffer (H200, ragged_prefill then q donated: max error 4.17)."""
+    overwrite = jax.jit(lambda x: x * 0 + 3, donate_argnums=0)
+    if entry == "mla_prefill":
+        dims = MLADims.deepseek_v2_lite()
+        ql, cl = [300, 0, 5], [1000, 64, 0]
+        args = _mla_args(gpu, dims, ql, cl, 16, seed=6)
+        plan = mj.build_plan(ql, cl, dims=dims, block_size=16, dtype=jnp.bfloat16, device=gpu)
+        want = mla_bridge.mla_prefill(*(torch.from_dlpack(a) for a in args), plan, return_lse=True)
+        victim = 4  # the cache
+
+        def call():
+            return mj.mla_prefill(*args, plan, return_lse=True)
+    else:
+        lens = [1500, 2500]
+        q, k, v = _qkv(lens, lens, 16, gpu, seed=5)
+        qo = _indptr(lens)
+        args = [q, k, v]
+        want = mla_bridge.ragged_prefill(*(torch.from_dlpack(x) for x in args), qo, qo, causal=True, sm_scale=SM)
+        victim = 0  # q
+        if entry == "ragged_prefill":
+            def call():
+                return mj.ragged_prefill(*args, qo, qo, causal=True, sm_scale=SM)
+        else:
+            plan = mj.plan_ragged(qo, qo, num_heads=16, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
+                                  dtype=jnp.bfloat16, device=gpu)
+
+            def call():
+                return mj.run_ragged(plan, *args)
+    want = tuple(t.clone() for t in want)
+    overwrite(jnp.zeros_like(args[victim])).block_until_ready()  # compiled now, not while torch's stream sleeps
+    call()  # the eager path's own first-use work (JIT, compiles) done before the timed part
+    torch.cuda.synchronize()
+    ptr = args[victim].unsafe_buffer_pointer()
+    torch.cuda._sleep(10 * SLEEP)  # on torch's current stream: the call's kernels start after it
+    out, lse = call()
+    overwritten = overwrite(args.pop(victim))  # donated: XLA writes 3s into that buffer
+    assert overwritten.unsafe_buffer_pointer() == ptr, "XLA did not reuse the donated buffer: the test means nothing"
+    overwritten.block_until_ready()
+    torch.cuda.synchronize()
+    got_out, got_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+    err = (got_out.float() - want[0].float()).abs().max().item()
+    assert torch.equal(got_out, want[0]) and torch.equal(got_lse, want[1]), f"max error of out {err}"
