@@ -26,7 +26,7 @@ from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .ragged import _not_a_bool
+from .ragged import _not_a_bool, _offsets_why_not
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
@@ -54,7 +54,9 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
             :func:`mla_bridge.inference.refuse_autograd`), another device, a block_table row too short for its
             context, a context longer than the cache, and the cache-scale rules of
             :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``, a scale with an unquantized
-            cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
+            cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches); a strided ``q`` that reaches,
+            through its strides, past the 32-bit element offsets of a backend of the plan's passes
+            (:attr:`mla_bridge.PrefillPlan.offset_limit`).
     """
     return _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)[0]
 
@@ -93,6 +95,11 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
     if q.shape[1:] != (d.num_heads, d.head_dim_qk):
         raise ValueError(f"q must be [T, H={d.num_heads}, head_dim_qk={d.head_dim_qk}] (qk_nope_head_dim "
                          f"{d.qk_nope_head_dim} + qk_rope_head_dim {d.qk_rope_head_dim}), got {list(q.shape)}")
+    if not q.is_contiguous():  # the passes were planned for a contiguous q: a strided one must reach no farther
+        limit, backend = plan.offset_limit
+        reason = None if limit is None else _offsets_why_not("q", q, limit, backend)
+        if reason is not None:
+            raise ValueError(reason)
     if kv_c.shape != (t, d.kv_lora_rank):
         raise ValueError(f"kv_c must be [T={t}, kv_lora_rank={d.kv_lora_rank}], got {list(kv_c.shape)}")
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
