@@ -57,7 +57,7 @@ def test_tensor_extent_is_what_a_view_reaches():
         reach = 1 + sum((s - 1) * st for s, st in zip(view.shape, view.stride()))
         assert tensor_extent(n, h, d, view.stride()[:2]) == reach
     assert tensor_extent(7, 3, 20) == 7 * 3 * 20 and tensor_extent(0, 3, 20, (60, 20)) == 0
-    # the issue's sizes: a pass over the 320-wide buffer reaches N x H x 320 - 128 (k of the split layout)
+    # 105000 keys at 128 heads: a pass over the 320-wide buffer reaches N x H x 320 - 128 (k of the split layout)
     n = 105_000
     assert tensor_extent(n, 128, 192, (ROW, 320)) == n * ROW - 128 >= 2 ** 32 > n * 128 * 192
     names = dict(pass_extents(1, n, 128, 192, 128, kv_view_strides()))
@@ -181,8 +181,8 @@ def test_sm100_fused_bound_counts_the_320_wide_buffer(fake):
 
 def test_forced_fa2_chunks_stay_below_2_32(fake):
     """fa2 forced, a 120000-token chunk budget over contexts of 105000 + 15000: one chunk's k/v would reach 4.9e9
-    elements (the second request starting at element offset 105000 x 40960 = 4,300,800,000, the issue's case). Chunks
-    are cut at 104857 tokens: every pass fa2 and within 2**32."""
+    elements (the second request starting at element offset 105000 x 40960 = 4,300,800,000). Chunks are cut at
+    104857 tokens: every pass fa2 and within 2**32."""
     plan = build([8, 8], [105_000, 15_000], chunk_tokens=120_000, backend="flashinfer-fa2")
     assert max(c.num_tokens for c in plan.chunks) == (2 ** 32 - 1) // ROW == 104857
     assert {p.backend.name for p in passes(plan)} == {"flashinfer-fa2"}

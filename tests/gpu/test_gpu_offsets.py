@@ -2,8 +2,8 @@
 
 * fa2 computes ``token * stride_n + head * stride_h`` in ``uint32_t``: k and v of mla_prefill are views of one
   ``[N, H, 320]`` buffer, so with 128 heads a pass of more than 104857 keys wraps, while the 192-wide count said
-  174762. A chunk of 120000 keys over contexts 105000 + 15000 put the second request at element offset
-  4,300,800,000: fa2 (forced) returned wrong rows for it (max error 3.11 on the H200). Chunks are now cut below fa2's
+  174762: a request whose keys start at element offset 4,300,800,000 came back wrong from fa2 (forced; max error
+  3.11 on the H200), which a chunk of 120000 keys over contexts 105000 + 15000 does. Chunks are now cut below fa2's
   limit, and ragged calls on such views are routed past fa2 or refused before any kernel.
 
 Each test keeps the GPU busy (``torch.cuda._sleep``) before it plans and runs, as an engine's host runs ahead. About
