@@ -292,3 +292,21 @@ def test_mla_prefill_refuses_a_strided_q_past_a_pass_offsets(tiny_dims, ref):
     with pytest.raises(ValueError, match=r"q reaches 1240 elements through its strides.*flashinfer-fa2"):
         validate_prefill_inputs(q, *args)
     validate_prefill_inputs(q.contiguous(), *args)  # 480 elements
+
+
+def test_vllm_adapter_declares_vllms_v_view(fake):
+    """vLLM hands v as a view into the up-projected [S, H, 256] buffer: declared at plan time (vllm_strides), a
+    60000-token chunk on SM100 (v reaching 60000 x 128 x 256 = 1.97e9, k 1.47e9 contiguous: below 2**31) stays with
+    cutlass, and a 70000-token one (v at 2.29e9) goes to fa2 at plan time, where before it was planned for cutlass and
+    its v run through cutlass's int offsets."""
+    from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans, vllm_strides
+    fake["now"] = (10, 0)
+    assert vllm_strides(128, 128, 128) == (None, None, (128 * 256, 256))
+    qo = torch.tensor([0, 4], dtype=torch.int32)
+    chunks = [ChunkIndptrs(0, qo, torch.tensor([0, 60_000], dtype=torch.int32)),
+              ChunkIndptrs(1, qo, torch.tensor([0, 70_000], dtype=torch.int32))]
+    plans = PrefillStepPlans(qo, chunks, num_heads=128, head_dim_qk=192, head_dim_vo=128, sm_scale=0.1, dtype=BF16,
+                             device="cuda:0", workspace=Workspace("cuda:0"), strides=vllm_strides(128, 128, 128))
+    assert plans.chunks[0].backend.name == "flashinfer-cutlass"
+    assert plans.chunks[1].backend.name == "flashinfer-fa2"
+    assert "v, counted through its strides" in dict(plans.chunks[1].backend.passed_over)["flashinfer-cutlass"]
