@@ -578,6 +578,18 @@ class PrefillPlan:
         return sum(c.merge_rows is not None for c in self.chunks)
 
     @property
+    def flashinfer_bytes(self) -> tuple[int, int]:
+        """``(device bytes, page-locked host bytes)`` the FlashInfer plans of this plan's passes hold while it lives
+        (:attr:`RaggedPlan.flashinfer_bytes` of the main pass and of each distinct chunk pass): int workspaces sized
+        to each pass's schedule, indptr copies, and on cutlass FlashInfer's work-index buffers (about 1.5 MiB per pass
+        plan). Counted in :func:`mla_bridge.prefill_memory_bytes`."""
+        device = host = 0
+        for p in [self.main] + list({id(c.plan): c.plan for c in self.chunks if c.plan is not None}.values()):
+            d, h = p.flashinfer_bytes
+            device, host = device + d, host + h
+        return device, host
+
+    @property
     def num_plans(self) -> int:
         """Ragged plans made for this batch: the main pass plus one per distinct chunk shape (chunks with equal
         query and key lengths share one; never one per layer)."""

@@ -324,7 +324,9 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices;
     the Triton gather allocates none of them, so the formula is an upper bound there; on CUDA the torch path of a
     context chunk also makes the chunk's per-token indices, :data:`mla_bridge.cache.ChunkRows.INDEX_BYTES` per row,
-    counted too). The cache itself (``num_blocks x
+    counted too). The device memory the plan's FlashInfer plans hold (:attr:`mla_bridge.PrefillPlan.flashinfer_bytes`:
+    int workspaces sized to each pass's schedule, indptr copies, cutlass's work-index buffers) is counted too: the call
+    needs it alive (0 for the torch backend). The cache itself (``num_blocks x
     block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
     benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
     :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left
@@ -340,6 +342,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens
     fixed = (0 if prepared_weight else prepared_weight_elements(d) * e) + t * h * (d.v_head_dim * e + 4)
+    fixed += plan.flashinfer_bytes[0]  # held by the plan's FlashInfer plans while the call runs
 
     row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat)
 

@@ -180,7 +180,7 @@ class RaggedPlan:
     """A planned ragged attention (FlashInfer's ``plan()`` done once): call :meth:`run` once per layer.
 
     Made by :func:`plan_ragged`. Attributes: ``spec`` (:class:`RaggedSpec`), ``backend`` (:class:`BackendChoice`),
-    ``workspace``. Holding the plan holds one pooled FlashInfer wrapper; drop the plan to
+    ``workspace``. Holding the plan holds one pooled FlashInfer wrapper (:attr:`flashinfer_bytes`); drop the plan to
     give it back: the pool reuses it once the GPU has finished the plan's copies and every run queued so far (CUDA
     events, never a wait).
     Threads and streams: a plan may be run from any thread on any CUDA stream; a run on a stream other than the
@@ -238,6 +238,16 @@ class RaggedPlan:
         order = getattr(self._kernel, "order_after_plan", None)
         if order is not None:
             order()
+
+    @property
+    def flashinfer_bytes(self) -> tuple[int, int]:
+        """``(device bytes, page-locked host bytes)`` this plan's FlashInfer plan holds while the plan lives: the
+        wrapper's int workspace, sized to what this plan's schedule needs
+        (:meth:`mla_bridge.Workspace.fit_int_workspace`), the indptr copies, and for cutlass FlashInfer's work-index
+        buffers (about 1.5 MiB per plan). ``(0, 0)`` for the torch backend and an empty batch. The shared float
+        workspace is the workspace's, not counted here."""
+        held = getattr(self._kernel, "held_bytes", None)
+        return (0, 0) if held is None else held()
 
     @property
     def device_kv_indptr(self) -> Optional[torch.Tensor]:

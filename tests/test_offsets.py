@@ -5,25 +5,32 @@
   ``[N, H, head_dim_qk + head_dim_vo]`` buffer, so a pass reaches ``N x H x 320`` (DeepSeek), not ``N x H x 192``.
   Dispatch, the fused bound, the chunk size and the run-time check are tested on the CPU (fake devices; no 10 GB
   tensors here); tests/gpu/test_gpu_offsets.py runs the fa2 case past 2**32 on the H200.
+* Memory: every FlashInfer 0.7.4 wrapper is constructed with an 8 MiB int workspace and 8 MiB of page-locked host
+  memory; a chunked plan holds one wrapper per distinct chunk shape. A stand-in modelled on FlashInfer 0.7.4
+  (constructor buffers as meta tensors: their sizes without the memory; ``plan()`` allocating its schedule from the
+  int workspace as ``scheduler.cuh`` does) measures what a plan holds.
 """
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
 import mla_bridge.dispatch as dispatch
 import mla_bridge.ragged as ragged_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, ragged_prefill, select_backend
-from mla_bridge.dispatch import BackendChoice
+from mla_bridge.dispatch import OFFSET_LIMITS, BackendChoice, pass_extents, tensor_extent
+from mla_bridge.prefill import prefill_memory_bytes, validate_prefill_inputs
 from mla_bridge.ragged import RaggedPlan, RaggedSpec
-from mla_bridge.dispatch import OFFSET_LIMITS, pass_extents, tensor_extent
-from mla_bridge.prefill import validate_prefill_inputs
 from tests.fake_device import install_planning
 
 BF16 = torch.bfloat16
 V3 = MLADims.deepseek_v3()  # 128 heads, 192 / 128
 ROW = 128 * (192 + 128)  # elements per key token of a pass's k/v buffer
+MIB = 1 << 20
 
 
 @pytest.fixture
@@ -292,6 +299,170 @@ def test_mla_prefill_refuses_a_strided_q_past_a_pass_offsets(tiny_dims, ref):
     with pytest.raises(ValueError, match=r"q reaches 1240 elements through its strides.*flashinfer-fa2"):
         validate_prefill_inputs(q, *args)
     validate_prefill_inputs(q.contiguous(), *args)  # 480 elements
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory a chunked plan's FlashInfer plans hold
+# ---------------------------------------------------------------------------------------------------------------
+
+class FlashInferLike:
+    """FlashInfer 0.7.4's BatchPrefillWithRaggedKVCacheWrapper as far as memory goes (see the module docstring):
+    ``plan()`` allocates the schedule of ``scheduler.cuh`` (``PrefillPlanImpl`` for fa2, ``PrefillSM90Plan`` for fa3,
+    on a device of 132 SMs, MHA) from its int workspace, raising FlashInfer's "Buffer overflow" where it does not fit,
+    copies the indptrs to the "device", and for cutlass keeps ``fmha_varlen_plan``'s four work buffers."""
+
+    SMS = 132
+    instances: list = []
+
+    def __init__(self, float_workspace, backend):
+        self.backend = backend
+        self._float_workspace_buffer = float_workspace
+        self._int_workspace_buffer = torch.empty(8 * MIB, dtype=torch.uint8, device="meta")
+        self._pin_memory_int_workspace_buffer = torch.empty(8 * MIB, dtype=torch.uint8, device="meta")
+        self.used = []
+        FlashInferLike.instances.append(self)
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False,
+             **kwargs):
+        q, kv = np.diff(qo_indptr.numpy()).astype(np.int64), np.diff(kv_indptr.numpy()).astype(np.int64)
+        self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr.clone(), kv_indptr.clone()
+        if self.backend == "cutlass":
+            self._plan_info = tuple(torch.empty(n, dtype=torch.int32, device="meta")
+                                    for n in (self.SMS + 1, 131072, 131072, 131072))
+            return
+        allocations = (self._fa2(q, kv, num_qo_heads, head_dim_vo) if self.backend == "fa2"
+                       else self._fa3(q, num_qo_heads, head_dim_vo))
+        have, used = self._int_workspace_buffer.numel(), 0
+        for name, size, align in allocations:
+            start = -(-used // align) * align
+            if start + size > have:
+                raise RuntimeError(f"Buffer overflow when allocating memory for {name} with size {size} and alignment "
+                                   f"{align}, but only {have - used} bytes available in AlignedAllocator. Increase the "
+                                   f"workspace buffer size.")
+            used = start + size
+        self.used.append(used)
+        self._plan_info = [0] * 15
+
+    def _fa2(self, q, kv, heads, d_vo):
+        b, t = q.size, int(q.sum())
+        avg = t // b
+        cta = 128 if avg > 64 and d_vo < 256 else (64 if avg > 16 else 16)  # FA2DetermineCtaTileQ, SM80+
+        tiles = -(-q // cta)
+        kv1 = np.maximum(kv, 1)
+        low, high = 128, int(kv1.max())
+        while low < high:  # PrefillBinarySearchKVChunkSize
+            mid = (low + high) // 2
+            if int((tiles * -(-kv1 // mid)).sum()) > 2 * self.SMS // heads:
+                low = mid + 1
+            else:
+                high = mid
+        split = low < int(kv1.max())
+        work = int((tiles * -(-kv1 // low)).sum())
+        names = ("request_indices", "qo_tile_indices", "kv_tile_indices")
+        out = [(f"batch_prefill_{n}", 4 * work, 16) for n in names]
+        out += [("batch_prefill_o_indptr", 4 * (b + 1), 16), ("batch_prefill_kv_chunk_size_ptr", 4, 1)]
+        return out + ([("batch_prefill_merge_indptr", 4 * (t + 1), 16)] if split else [])
+
+    def _fa3(self, q, heads, d_vo):
+        b, t = q.size, int(q.sum())
+        cta = 192 if d_vo == 64 else 128
+        per_head = int((-(-q // cta)).sum())
+        works = per_head * (1 if -(-t // cta) + b - 1 > 4096 else heads)
+        names = ("qo_tile_indices", "qo_offset", "kv_offset", "qo_len", "kv_len", "head_indices")
+        out = [(f"batch_prefill_sm90_{n}", 4 * works, 16) for n in names]
+        return out + [("batch_prefill_sm90_work_indptr", 4 * (self.SMS + 1), 16),
+                      ("batch_prefill_sm90_batch_indices", 4 * works, 16)]
+
+
+def held_by_wrappers(plan):
+    """(device, page-locked host) bytes held by the plan's wrappers, read off the stand-ins themselves."""
+    device = host = 0
+    for p in passes(plan):
+        w = p.flashinfer_wrapper
+        device += w._int_workspace_buffer.nbytes + w._qo_indptr_buf.nbytes + w._kv_indptr_buf.nbytes
+        device += sum(t.nbytes for t in w._plan_info if isinstance(t, torch.Tensor))
+        host += w._pin_memory_int_workspace_buffer.nbytes
+    return device, host
+
+
+def many_shapes():
+    """64 requests with 2000 to 8000 cached tokens and 1 to 256 new ones: at chunk_tokens=2048, 160 chunks of 114
+    distinct shapes."""
+    r = random.Random(2)
+    c_lens = [r.randint(2000, 8000) for _ in range(64)]
+    q_lens = [r.randint(1, 256) for _ in range(64)]
+    return q_lens, c_lens
+
+
+@pytest.fixture
+def flashinfer_like(monkeypatch):
+    install_planning(monkeypatch.setattr, FlashInferLike)
+    cap = {"now": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cap["now"])
+    monkeypatch.setattr(dispatch, "_CHOICES", {})
+    FlashInferLike.instances = []
+    return cap
+
+
+@pytest.mark.parametrize("cap, backend, limit_mib", [((9, 0), "flashinfer-fa3", 12), ((8, 0), "flashinfer-fa2", 2),
+                                                     ((10, 0), "flashinfer-cutlass", 200)])
+def test_chunk_plans_hold_what_their_schedules_need(flashinfer_like, monkeypatch, cap, backend, limit_mib):
+    """115 FlashInfer plans (the main pass + 114 chunk shapes). Each wrapper came with 16 MiB (8 device + 8
+    page-locked): 1.8 GiB for the plan. Now each int workspace is sized to its schedule: fa3 and fa2 hold a few
+    MiB in all, cutlass FlashInfer's own 1.5 MiB of work buffers per plan (which mla_bridge cannot size). No plan
+    overflowed (FlashInfer's allocations fit the estimate), none grew; what is held is flashinfer_bytes, and
+    prefill_memory_bytes counts it."""
+    flashinfer_like["now"] = cap
+    q_lens, c_lens = many_shapes()
+    ws = Workspace("cuda:0", chunk_tokens=2048)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=V3, workspace=ws, block_size=64, dtype=BF16)
+    assert plan.num_plans == 115 and {p.backend.name for p in passes(plan)} == {backend}
+    device, host = held_by_wrappers(plan)
+    print(f"\n{backend}: {plan.num_plans} plans hold {device / MIB:.2f} MiB device + {host / MIB:.2f} MiB page-locked")
+    assert device + host < limit_mib * MIB, (device, host)
+    assert ws.int_workspace_growths == 0 and len(FlashInferLike.instances) == plan.num_plans
+    assert plan.flashinfer_bytes == (device, host)
+    if backend == "flashinfer-fa3":  # fa3's bound is its schedule's (fa2's reserves split-KV's arrays too)
+        for w in FlashInferLike.instances:
+            assert w._int_workspace_buffer.nbytes <= max(8192, 4 * w.used[-1])
+    total = prefill_memory_bytes(plan)
+    monkeypatch.setattr(PrefillPlan, "flashinfer_bytes", property(lambda self: (0, 0)))
+    assert total - prefill_memory_bytes(plan) == device
+
+
+def test_int_workspace_grows_where_flashinfer_reports_it_small(flashinfer_like, monkeypatch):
+    """An estimate below what FlashInfer's schedule allocates (here: none at all) costs one growth of that
+    wrapper's int workspace and a plan again, never FlashInfer's "Buffer overflow" nor a larger float workspace."""
+    import mla_bridge.backends.flashinfer as fi_backend
+    monkeypatch.setattr(fi_backend, "int_workspace_bytes", lambda backend, spec: 0)
+    ws = Workspace("cuda:0")
+    float_bytes = ws.float_workspace_bytes
+    plan = plan_ragged([0, 3000, 6000], [0, 3000, 6000], num_heads=128, head_dim_qk=192, head_dim_vo=128,
+                       causal=True, sm_scale=0.1, dtype=BF16, workspace=ws)
+    w = plan.flashinfer_wrapper
+    assert plan.backend.name == "flashinfer-fa3" and ws.int_workspace_growths >= 1
+    assert w.used and w._int_workspace_buffer.nbytes >= w.used[-1] > 4096
+    assert w._pin_memory_int_workspace_buffer.nbytes == w._int_workspace_buffer.nbytes
+    assert ws.float_workspace_bytes == float_bytes
+
+
+def test_a_pooled_wrapper_keeps_buffers_that_fit(flashinfer_like):
+    """A wrapper handed to a second plan of a similar schedule keeps its int workspace (no new buffers); one of a
+    much smaller schedule gets a smaller one."""
+    import gc
+    ws = Workspace("cuda:0")
+    common = dict(num_heads=128, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1, dtype=BF16, workspace=ws)
+    first = plan_ragged([0, 3000], [0, 3000], **common)
+    w = first.flashinfer_wrapper
+    buf = w._int_workspace_buffer
+    del first
+    gc.collect()
+    second = plan_ragged([0, 2900], [0, 2900], **common)
+    assert second.flashinfer_wrapper is w and w._int_workspace_buffer is buf
+    del second
+    gc.collect()
+    third = plan_ragged([0, 10], [0, 10], **common)
+    assert third.flashinfer_wrapper is w and w._int_workspace_buffer.nbytes == 8192 < buf.nbytes // 4
 
 
 def test_vllm_adapter_declares_vllms_v_view(fake):

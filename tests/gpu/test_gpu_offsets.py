@@ -1,10 +1,12 @@
-"""32-bit offsets through real strides, on the GPU.
+"""32-bit offsets through real strides, and what a chunked plan's FlashInfer plans hold, on the GPU.
 
 * fa2 computes ``token * stride_n + head * stride_h`` in ``uint32_t``: k and v of mla_prefill are views of one
   ``[N, H, 320]`` buffer, so with 128 heads a pass of more than 104857 keys wraps, while the 192-wide count said
   174762: a request whose keys start at element offset 4,300,800,000 came back wrong from fa2 (forced; max error
   3.11 on the H200), which a chunk of 120000 keys over contexts 105000 + 15000 does. Chunks are now cut below fa2's
   limit, and ragged calls on such views are routed past fa2 or refused before any kernel.
+* A chunked plan's FlashInfer wrappers each came with an 8 MiB int workspace and 8 MiB of page-locked memory (115
+  plans: 1.8 GiB); their int workspaces are now sized to each plan's schedule.
 
 Each test keeps the GPU busy (``torch.cuda._sleep``) before it plans and runs, as an engine's host runs ahead. About
 10 GB of device memory for the largest case. On the H200:
@@ -14,6 +16,7 @@ Each test keeps the GPU busy (``torch.cuda._sleep``) before it plans and runs, a
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ pytestmark = pytest.mark.gpu
 
 from mla_bridge import (MLADims, PrefillPlan, Workspace, mla_prefill, plan_ragged, ragged_prefill,  # noqa: E402
                         select_backend)
+from mla_bridge.prefill import prefill_memory_bytes  # noqa: E402
 
 BF16 = torch.bfloat16
 SLEEP = int(2e8)  # GPU cycles (about 0.1 s on the H200)
@@ -71,7 +75,7 @@ def mla_inputs(block_size=64, seed=0):
 
 def test_fa2_forced_chunk_past_2_32_is_split_and_right(ref):
     """fa2 forced with a 120000-token chunk budget: the chunk is cut at 104857 keys (its k/v reach < 2**32), every
-    pass is fa2, and out / lse equal the torch backend's on the same inputs, the second
+    pass is fa2, no int workspace had to grow, and out / lse equal the torch backend's on the same inputs, the second
     request's rows included (its out about 2 where a read of request 0's keys gives about 0)."""
     require_fa2()
     x = mla_inputs()
@@ -84,6 +88,7 @@ def test_fa2_forced_chunk_past_2_32_is_split_and_right(ref):
     assert max(c.num_tokens for c in plan.chunks) * ROW < 2 ** 32
     out, lse = mla_prefill(*x, plan, return_lse=True)
     torch.cuda.synchronize()
+    assert ws.int_workspace_growths == 0
     out, lse = out.cpu(), lse.cpu()
     del plan
     gc.collect()
@@ -126,3 +131,41 @@ def test_ragged_views_past_2_32_are_routed_or_refused(ref):
     assert want_out[8:].float().abs().mean() > 1.0
     ref.assert_out_close(got_out, want_out.double(), atol=OUT_TOL)
     ref.assert_lse_close(got_lse, want_lse.double(), atol=LSE_TOL)
+
+
+@pytest.mark.parametrize("backend", [None, "flashinfer-fa2"])
+def test_chunked_plan_holds_megabytes_not_gigabytes(ref, backend):
+    """64 requests with 2000 to 8000 cached tokens at chunk_tokens=2048: 115 FlashInfer plans. Building the plan
+    allocates a few MiB of device memory (before: 8 MiB per plan, 920 MiB), the plan's flashinfer_bytes say what it
+    holds, prefill_memory_bytes counts it, no int workspace grew (the estimate covers FlashInfer's schedule), and the
+    result equals the torch backend's."""
+    if backend is not None:
+        require_fa2()
+    dims = MLADims.deepseek_v2_lite()
+    r = random.Random(2)
+    c_lens = [r.randint(2000, 8000) for _ in range(64)]
+    q_lens = [r.randint(1, 256) for _ in range(64)]
+    batch = ref.make_mla_batch(dims, q_lens, c_lens, 64, dtype=BF16, seed=4, device=dev(), spare_blocks=1)
+    ws = Workspace(dev(), chunk_tokens=2048)
+    _ = ws.float_workspace  # allocated first: not the plans'
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda._sleep(SLEEP)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=64, dtype=BF16, backend=backend)
+    grown = torch.cuda.memory_allocated() - before
+    device_bytes, host_bytes = plan.flashinfer_bytes
+    print(f"\n{plan.backend.name}: {plan.num_plans} plans, {grown / 2**20:.2f} MiB allocated by the build, "
+          f"flashinfer_bytes {device_bytes / 2**20:.2f} MiB device + {host_bytes / 2**20:.2f} MiB page-locked")
+    assert plan.num_plans == 115 and plan.backend.is_flashinfer
+    assert grown < 16 * 2**20 and device_bytes <= grown and host_bytes < 16 * 2**20
+    assert prefill_memory_bytes(plan) >= device_bytes
+    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
+                           return_lse=True)
+    torch.cuda.synchronize()
+    assert ws.int_workspace_growths == 0
+    expect = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=2048),
+                               block_size=64, dtype=BF16, backend="torch")
+    want_out, want_lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table,
+                                     expect, return_lse=True)
+    ref.assert_out_close(out, want_out.double(), atol=OUT_TOL, rtol=RTOL)
+    ref.assert_lse_close(lse, want_lse.double(), atol=LSE_TOL)
