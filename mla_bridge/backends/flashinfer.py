@@ -43,7 +43,6 @@ import os
 import types
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ..workspace import current_stream
@@ -96,27 +95,28 @@ def int_workspace_bytes(backend: str, spec: Any) -> int:
 
     * fa2 (``PrefillPlanImpl``): request / q-tile / kv-tile indices of ``padded_batch_size`` int32 each, o_indptr
       ``[B + 1]``, the kv chunk size, and with split-KV merge_indptr ``[T + 1]``. ``padded_batch_size`` is the number
-      of (request, q tile, kv chunk) work items: at most ``sum(ceil(q_len / 16))`` unsplit (CTA_TILE_Q is 16, 64 or
-      128), at most ``2 x SMs`` split (``PrefillBinarySearchKVChunkSize`` keeps the split batch within it).
+      of (request, q tile, kv chunk) work items: unsplit ``sum(ceil(q_len / CTA_TILE_Q))`` with CTA_TILE_Q 16, 64 or
+      128, so at most ``(T + 15 B) / 16``; split at most ``2 x SMs`` (``PrefillBinarySearchKVChunkSize`` keeps the
+      split batch within it).
     * fa3 (``PrefillSM90Plan``): seven arrays of one int32 per work item and ``SMs + 1`` work pointers; work items are
-      ``sum(ceil(q_len / CTA_TILE_Q))`` per head (CTA_TILE_Q 128, 192 for head_dim_vo 64) for every head, or for one
-      when that schedule has more than 4096 items per head (``same_schedule_for_all_heads``).
+      ``sum(ceil(q_len / CTA_TILE_Q))`` per head (CTA_TILE_Q 128, 192 for head_dim_vo 64; at most ``(T + (CTA_TILE_Q
+      - 1) B) / CTA_TILE_Q``) for every head, or for one when that schedule has more than 4096 items per head
+      (``same_schedule_for_all_heads``).
     * cutlass: none (``fmha_varlen_plan`` allocates its own work buffers; ``prefill.py``).
 
-    SMs are taken as :data:`MAX_SMS`.
+    SMs are taken as :data:`MAX_SMS`. O(1): the bounds read ``T`` and ``B`` only, not each request's length.
     """
-    q_lens = np.diff(spec.qo_indptr.numpy().astype(np.int64))
-    b, t, h = q_lens.size, int(q_lens.sum()), spec.num_heads
+    b, t, h = spec.batch_size, spec.num_qo_tokens, spec.num_heads
 
     def arrays(count: int, entries: int) -> int:  # ``count`` int32 arrays of ``entries``, each aligned to 16 bytes
         return count * (4 * entries + 15)
 
     if backend == "fa2":
-        work = max(int((-(-q_lens // 16)).sum()), 2 * MAX_SMS)
+        work = max((t + 15 * b) // 16, 2 * MAX_SMS)
         return arrays(3, work) + arrays(1, b + 1) + 4 + arrays(1, t + 1)
     if backend == "fa3":
         cta = 192 if spec.head_dim_vo == 64 else 128
-        per_head = int((-(-q_lens // cta)).sum())
+        per_head = (t + (cta - 1) * b) // cta
         same_for_all_heads = -(-t // cta) + b - 1 > 4096
         return arrays(7, per_head * (1 if same_for_all_heads else h)) + arrays(1, MAX_SMS + 1)
     return 0
