@@ -716,7 +716,7 @@ class PlanCache:
 
     Args:
         maxsize: plans kept (least recently used dropped first; default 8). Each kept plan holds its pooled FlashInfer
-            wrappers (8 MiB device + 8 MiB page-locked host memory each, 1 + distinct chunk shapes per plan).
+            wrappers (1 + distinct chunk shapes per plan; what they hold: :attr:`PrefillPlan.flashinfer_bytes`).
 
     Attributes: ``hits``, ``misses`` (counts of :meth:`get`).
 
