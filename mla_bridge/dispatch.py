@@ -17,21 +17,51 @@ and dims that are not multiples of 16 return silently wrong values (flashinfer#4
 KV needs a stricter one (PR #4312's review). fa3 takes what ``is_fa3_prefill_head_dim_supported`` allows: 64/64,
 128/128, 256/256, 192/128 (read in the 0.7.4 wheel's ``flashinfer/utils.py``). A shape no FlashInfer row serves
 runs on the torch backend, and :class:`BackendChoice` says why.
+
+32-bit offsets (:data:`OFFSET_LIMITS`, :func:`tensor_extent`): the kernels address q/k/v/out as ``base + token *
+stride_n + head * stride_h + d``, so what must stay below a backend's limit is the largest element offset a tensor of
+the pass reaches through its strides (its *extent*: ``(tokens - 1) * stride_n + (heads - 1) * stride_h +
+head_dim``), not its element count: k and v of :func:`mla_bridge.mla_prefill` are views of one ``[N, H, head_dim_qk
++ head_dim_vo]`` buffer, so they reach ``N x H x 320`` (DeepSeek), not ``N x H x 192``. Per backend, in the FlashInfer
+0.7.4 sources:
+
+* fa2 (limit ``2**32``): ``csrc/batch_prefill.cu:124-135`` narrows ``q/k/v.stride(0)``, ``stride(1)`` to
+  ``uint32_t``; ``BatchPrefillRaggedParams`` holds them as ``uint32_t``
+  (``include/flashinfer/attention/default_prefill_params.cuh:152-157``); ``BatchPrefillWithRaggedKVCacheKernel``
+  computes ``q_indptr[r] * q_stride_n + head * q_stride_h`` (``include/flashinfer/attention/prefill.cuh:3497-3498``),
+  the k/v tile starts ``(kv_indptr[r] + chunk_start + row) * k_stride_n + head * k_stride_h``
+  (``prefill.cuh:3615-3626``) and out's ``o_indptr[r] * o_stride_n`` with ``o_stride_n = num_qo_heads *
+  HEAD_DIM_VO`` (``prefill.cuh:3495-3503``: out is written as if contiguous) in 32-bit unsigned arithmetic: they wrap
+  past ``2**32``. Measured on the H200 (fa2 forced, 128 heads, k/v views of the 320-wide buffer): a request starting
+  at element offset 4,300,800,000 came back with max error 3.11, the first request right.
+* cutlass (limit ``2**31``): ``csrc/fmha_cutlass_sm100.cu:103-108`` takes the strides as ``int``, and
+  ``include/flashinfer/attention/blackwell/fmha_cutlass_sm100.cuh:52-58, 101-107`` builds int layouts (q, k, v, out,
+  lse) from them. Its q/k/v/out loads and stores go through TMA descriptors, whose address arithmetic is not the
+  kernel's, so whether offsets wrap at ``2**31`` could not be measured (no SM100 here): held to ``2**31``.
+* fa3 (no limit): ``include/flashinfer/attention/hopper/default_params.cuh:96-103`` holds ``int64_t`` strides and
+  ``hopper/mainloop.cuh:50`` builds ``int64_t`` layouts; measured correct on the H200 at 6.44e9 elements.
+
+A pass whose extent reaches a backend's limit is routed past that row (or refused when that backend is forced);
+:class:`mla_bridge.PrefillPlan` sizes its context chunks so that they stay below the limit of the backend that
+serves them, and :meth:`mla_bridge.RaggedPlan.run` refuses, before any kernel, a q/k/v whose strides reach past the
+limit of the backend it was planned for.
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 __all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
            "cutlass_work_items", "flashinfer_version", "head_dims_why_not", "FA3_HEAD_DIMS", "CUTLASS_HEAD_DIMS",
-           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO", "TORCH_DTYPES", "device_capability"]
+           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO", "TORCH_DTYPES", "device_capability",
+           "OFFSET_LIMITS", "tensor_extent", "pass_extents"]
 
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
@@ -39,12 +69,16 @@ CUTLASS_PLAN_QO_TILE_SIZE = 256  # FlashInfer: one work item per (q tile of 256,
 #: Capability majors the cutlass row serves (SM100/SM103, SM110): the only row that reads per-request lengths, so
 #: :func:`select_backend` remembers choices on every other device (see ``_CHOICES``).
 CUTLASS_MAJORS = (10, 11)
-# Largest q/k/v tensor (elements) each kernel indexes correctly. Measured on the H200 (2026-11-30, FlashInfer 0.7.4,
-# 128 heads, 192/128, bf16): fa2 correct at 2.15e9 elements, wrong beyond 2**32 (4.43e9: the last request's rows off
-# by 3.5, i.e. 32-bit unsigned offsets); fa3 correct at 4.43e9 and 6.44e9. cutlass takes `int` strides and could not
+# Largest extent (one past the largest element offset, through the tensor's strides) of a q/k/v/out tensor each
+# kernel indexes correctly (see the module docstring for the sources). Measured on the H200 (FlashInfer 0.7.4, 128
+# heads, 192/128, bf16): fa2 correct at 2.15e9 elements, wrong beyond 2**32 (4.43e9: the last request's rows off by
+# 3.5, i.e. 32-bit unsigned offsets); fa3 correct at 4.43e9 and 6.44e9. cutlass takes `int` strides and could not
 # be measured (no SM100 here): held to 2**31.
 CUTLASS_ELEMENT_LIMIT = 2 ** 31
 FA2_ELEMENT_LIMIT = 2 ** 32
+#: Backends (:data:`BACKEND_NAMES`) whose kernels compute element offsets in 32 bits, and the extent
+#: (:func:`tensor_extent`) no q/k/v/out tensor of a pass they serve may reach. Backends not listed have no such limit.
+OFFSET_LIMITS = {"flashinfer-cutlass": CUTLASS_ELEMENT_LIMIT, "flashinfer-fa2": FA2_ELEMENT_LIMIT}
 _HALF = (torch.float16, torch.bfloat16)
 #: fa2 prefill: head dims multiples of this (flashinfer#4299 / PR #4312), up to FA2_MAX_HEAD_DIM. Measured on the
 #: H200 (2026-12-01, bf16, raw wrapper vs float64): 16, 32, 48 fail in plan/run ("Invalid configuration"); 64, 128, 256
@@ -127,6 +161,59 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return capability
 
 
+def tensor_extent(tokens: int, heads: int, head_dim: int, strides: Optional[Sequence[int]] = None) -> int:
+    """Elements from the first element of a ``[tokens, heads, head_dim]`` tensor with a unit last stride to one past
+    the last one a kernel reads through its ``(token, head)`` ``strides`` (elements; ``None``: contiguous):
+    ``(tokens - 1) * stride_n + (heads - 1) * stride_h + head_dim``, 0 for an empty tensor. The largest element offset
+    a kernel computes for it is this minus 1 (see the module docstring)."""
+    if tokens <= 0 or heads <= 0 or head_dim <= 0:
+        return 0
+    if strides is None:
+        return tokens * heads * head_dim
+    stride_n, stride_h = strides
+    return (tokens - 1) * int(stride_n) + (heads - 1) * int(stride_h) + head_dim
+
+
+def pass_extents(num_qo_tokens: int, num_kv_tokens: int, num_heads: int, head_dim_qk: int, head_dim_vo: int,
+                 strides: Optional[Sequence] = None) -> tuple[tuple[str, int], ...]:
+    """``(("q", extent), ("k", ...), ("v", ...), ("out", ...))``: the :func:`tensor_extent` of each tensor of one
+    pass, q/k/v through ``strides`` (``(q, k, v)``, each ``(stride_n, stride_h)`` in elements or ``None`` for
+    contiguous; ``None``: all contiguous), out as contiguous (fa2 and cutlass write it so whatever its strides; fa3
+    has no offset limit)."""
+    sq, sk, sv = strides if strides is not None else (None, None, None)
+    return (("q", tensor_extent(num_qo_tokens, num_heads, head_dim_qk, sq)),
+            ("k", tensor_extent(num_kv_tokens, num_heads, head_dim_qk, sk)),
+            ("v", tensor_extent(num_kv_tokens, num_heads, head_dim_vo, sv)),
+            ("out", tensor_extent(num_qo_tokens, num_heads, head_dim_vo)))
+
+
+def _checked_strides(strides: Any) -> Optional[tuple]:
+    """``strides`` (:func:`select_backend`) as ``((q_n, q_h) | None, (k_n, k_h) | None, (v_n, v_h) | None)`` of ints,
+    or None.
+
+    Raises:
+        TypeError / ValueError: not None nor three entries, each None or two non-negative ints (named).
+    """
+    if strides is None:
+        return None
+    if isinstance(strides, (str, bytes)) or not isinstance(strides, Sequence) or len(strides) != 3:
+        raise TypeError(f"strides must be None or (q, k, v) strides, each (stride_n, stride_h) or None, got "
+                        f"{strides!r}")
+    out = []
+    for name, pair in zip("qkv", strides):
+        if pair is None:
+            out.append(None)
+            continue
+        if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in pair)):
+            raise TypeError(f"strides[{'qkv'.index(name)}] ({name}) must be (stride_n, stride_h) ints or None, got "
+                            f"{pair!r}")
+        if min(int(x) for x in pair) < 0:
+            raise ValueError(f"strides[{'qkv'.index(name)}] ({name}) must be non-negative, got {tuple(pair)}")
+        out.append((int(pair[0]), int(pair[1])))
+    return tuple(out)
+
+
 def cutlass_work_items(qo_indptr: Sequence[int], num_heads: int) -> int:
     """Work items FlashInfer's cutlass ``fmha_varlen_plan`` emits: ``sum(ceil(q_len / 256)) * num_heads``.
 
@@ -153,6 +240,7 @@ class Request:
     num_heads: Optional[int] = None
     qo_indptr: Optional[Sequence[int]] = None
     kv_indptr: Optional[Sequence[int]] = None
+    strides: Optional[tuple] = None  # (q, k, v): (stride_n, stride_h) in elements or None (contiguous)
 
 
 @dataclass(frozen=True)
@@ -175,17 +263,23 @@ def _flashinfer_common(req: Request, element_limit: Optional[int]) -> Optional[s
         return f"FlashInfer runs float16/bfloat16 only, got {req.dtype}"
     if req.out_dtype is not None and req.dtype is not None and req.out_dtype != req.dtype:
         return f"output dtype {req.out_dtype} differs from q's {req.dtype}"
-    elems = _max_tensor_elements(req)
-    if element_limit is not None and elems >= element_limit:
-        return (f"a q/k/v tensor of {elems} elements reaches its offset limit ({element_limit}); split the batch")
+    if element_limit is not None:
+        name, extent = _largest_extent(req.qo_indptr, req.kv_indptr, req.num_heads, req.head_dim_qk,
+                                       req.head_dim_vo, req.strides)
+        if extent >= element_limit:
+            return (f"a q/k/v tensor of {extent} elements reaches its offset limit ({element_limit}): {name}, "
+                    f"counted through its strides; split the batch")
     return None
 
 
-def _max_tensor_elements(req: Request) -> int:
-    if req.qo_indptr is None or req.kv_indptr is None or req.num_heads is None or req.head_dim_qk is None:
-        return 0
-    width = max(req.head_dim_qk, req.head_dim_vo or 0)
-    return max(req.qo_indptr[-1], req.kv_indptr[-1]) * req.num_heads * width
+def _largest_extent(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo, strides) -> tuple[str, int]:
+    """``(name, extent)`` of the pass's tensor reaching farthest (:func:`pass_extents`), ``("", 0)`` where the
+    lengths or sizes are unknown."""
+    if qo_indptr is None or kv_indptr is None or num_heads is None or head_dim_qk is None:
+        return "", 0
+    extents = pass_extents(int(qo_indptr[-1]), int(kv_indptr[-1]), num_heads, head_dim_qk,
+                           head_dim_vo if head_dim_vo is not None else head_dim_qk, strides)
+    return max(extents, key=lambda item: item[1])
 
 
 def _cutlass_why_not(req: Request) -> Optional[str]:
@@ -194,7 +288,7 @@ def _cutlass_why_not(req: Request) -> Optional[str]:
     need = (13, 0) if req.capability[0] == 11 else (12, 8)
     if req.cuda_version is None or req.cuda_version < need:
         return f"needs CUDA >= {need[0]}.{need[1]} on {_cap(req.capability)}, got {_ver(req.cuda_version)}"
-    reason = _flashinfer_common(req, CUTLASS_ELEMENT_LIMIT)
+    reason = _flashinfer_common(req, OFFSET_LIMITS["flashinfer-cutlass"])
     if reason:
         return reason
     reason = head_dims_why_not("cutlass", req.head_dim_qk, req.head_dim_vo)
@@ -225,7 +319,7 @@ def _fa3_why_not(req: Request) -> Optional[str]:
 def _fa2_why_not(req: Request) -> Optional[str]:
     if req.capability is None or req.capability < (8, 0):
         return f"needs SM80 or newer (capability >= 8.0), got {_cap(req.capability)}"
-    reason = _flashinfer_common(req, FA2_ELEMENT_LIMIT)
+    reason = _flashinfer_common(req, OFFSET_LIMITS["flashinfer-fa2"])
     if reason:
         return reason
     return head_dims_why_not("fa2", req.head_dim_qk, req.head_dim_vo)
@@ -245,12 +339,13 @@ def _torch_why_not(req: Request) -> Optional[str]:
 BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec("flashinfer-cutlass", "cutlass",
                 "SM100/SM103 (10.x, CUDA >= 12.8) and SM110 (11.x, CUDA >= 13.0); fp16/bf16 with out dtype == q dtype, "
-                "tensors < 2**31 elements; "
+                "tensors reaching < 2**31 elements through their strides; "
                 "head dims 192/128, 128/128, 64/64; causal only with q_len <= kv_len; <= 131072 plan work items",
                 _cutlass_why_not),
     BackendSpec("flashinfer-fa3", "fa3", "SM90 (9.x); fp16/bf16; head dims 64/64, 128/128, 256/256, 192/128",
                 _fa3_why_not),
-    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors < 2**32 elements; head dims multiples of 64 "
+    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors reaching "
+                "< 2**32 elements through their strides; head dims multiples of 64 "
                 "up to 256 (192/128 included)", _fa2_why_not),
     BackendSpec("torch", None, "any device; bfloat16/float16/float32/float64 (blockwise float32 reference)",
                 _torch_why_not),
@@ -327,6 +422,7 @@ def select_backend(
     qo_indptr: Optional[Sequence[int]] = None,
     kv_indptr: Optional[Sequence[int]] = None,
     cuda_version: Optional[tuple[int, int]] = None,
+    strides: Optional[Sequence] = None,
 ) -> BackendChoice:
     """Pick the kernel for a ragged prefill, SM100 first (see :data:`BACKENDS`).
 
@@ -341,19 +437,26 @@ def select_backend(
         requested: force a backend by name (one of :data:`BACKEND_NAMES`, or "auto"); when ``None`` the
             environment variable ``MLA_BRIDGE_BACKEND`` is read (case-insensitively, spaces stripped).
         cuda_version: ``(major, minor)`` of the CUDA toolkit (default: ``torch.version.cuda``).
+        strides: ``(q, k, v)``, each the ``(stride_n, stride_h)`` in elements the kernel will read that tensor through
+            (``None``, or a ``None`` entry: contiguous ``[tokens, heads, head_dim]``). With the indptrs and sizes, they
+            give each tensor's extent (:func:`pass_extents`), held below the 32-bit offset limit of the backends that
+            have one (:data:`OFFSET_LIMITS`).
 
     Returns:
         a :class:`BackendChoice` (immutable). Answers are remembered: the capability, the CUDA and FlashInfer
         versions and ``MLA_BRIDGE_BACKEND`` are read at every call and, with every argument, key the answer; of the
-        indptrs the key holds only the largest tensor's size when it reaches an offset limit, since no other row
-        reads them, except on SM100/SM110 (the cutlass row checks each request), where nothing is remembered.
+        indptrs and strides the key holds only the farthest-reaching tensor's extent when it reaches an offset limit,
+        since no other row reads them, except on SM100/SM110 (the cutlass row checks each request), where nothing is
+        remembered.
         Errors are never remembered.
 
     Raises:
         ValueError: the forced backend is unknown, or cannot serve this request (the message names the
             capability and what the backend supports); no backend serves it (a dtype outside
-            :data:`TORCH_DTYPES`, which the torch row, the last, also refuses).
+            :data:`TORCH_DTYPES`, which the torch row, the last, also refuses); negative ``strides``.
+        TypeError: ``strides`` not ``None`` nor three entries of ``(stride_n, stride_h)`` ints or ``None``.
     """
+    strides = _checked_strides(strides)
     if capability is not None:
         device_type = "cuda"
         capability = (int(capability[0]), int(capability[1]))
@@ -376,14 +479,15 @@ def select_backend(
     key = None
     if capability is None or capability[0] not in CUTLASS_MAJORS:
         key = (device_type, capability, cuda_version, flashinfer, dtype, out_dtype, head_dim_qk, head_dim_vo, causal,
-               num_heads, requested, source, _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo))
+               num_heads, requested, source,
+               _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo, strides))
         choice = _CHOICES.get(key)
         if choice is not None:
             return choice
     req = Request(
         device_type=device_type, capability=capability, cuda_version=cuda_version, flashinfer=flashinfer, dtype=dtype,
         out_dtype=out_dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-        qo_indptr=_int_list(qo_indptr), kv_indptr=_int_list(kv_indptr),
+        qo_indptr=_int_list(qo_indptr), kv_indptr=_int_list(kv_indptr), strides=strides,
     )
     choice = _walk_table(req, requested, source)
     if key is not None:
@@ -398,13 +502,12 @@ _CHOICES: dict = {}
 _CHOICES_MAX = 256
 
 
-def _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo) -> int:
-    """What the table reads of the lengths outside the cutlass row: the largest tensor's elements when they reach an
-    offset limit (the reason then names the number), else 0 (no row's verdict or words depend on them)."""
-    if qo_indptr is None or kv_indptr is None or num_heads is None or head_dim_qk is None:
-        return 0
-    elems = max(int(qo_indptr[-1]), int(kv_indptr[-1])) * num_heads * max(head_dim_qk, head_dim_vo or 0)
-    return elems if elems >= min(CUTLASS_ELEMENT_LIMIT, FA2_ELEMENT_LIMIT) else 0
+def _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo, strides) -> tuple:
+    """What the table reads of the lengths and strides outside the cutlass row: the farthest-reaching tensor and its
+    extent (:func:`_largest_extent`) when it reaches an offset limit (the reason then names them), else ``("", 0)``
+    (no row's verdict or words depend on them)."""
+    name, extent = _largest_extent(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo, strides)
+    return (name, extent) if extent >= min(OFFSET_LIMITS.values()) else ("", 0)
 
 
 def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendChoice:

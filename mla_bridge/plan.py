@@ -5,14 +5,16 @@ A batch is ``query_lens[r]`` new tokens per request ``r`` plus ``context_lens[r]
 :mod:`mla_bridge.prefill` -> the merge.
 
 Two schedules, picked here from host lengths alone:
-  * **fused** (all context fits one chunk, ``sum(context_lens) <= workspace.chunk_tokens``, and the fused keys
-    stay under 2**31 elements): each request's keys
+  * **fused** (all context fits one chunk, ``sum(context_lens) <= workspace.chunk_tokens``, and the fused keys' k/v
+    buffer, ``keys x H x (head_dim_qk + head_dim_vo)`` elements, stays under 2**31): each request's keys
     are its context followed by its new tokens, and ONE causal pass covers everything. Bottom-right causal
     alignment makes new token ``i`` see all ``context_len`` context keys plus new keys ``<= i`` -- exactly MLA
     prefill's mask -- so no merge is needed.
   * **chunked** (context larger than one chunk): a causal main pass over the new tokens, then the context cut into
     chunks of at most ``chunk_tokens`` tokens, packed request by request in order and split at any token, each run
-    non-causally over the queries of the requests it holds and merged by LSE (vLLM's context-chunk scheme).
+    non-causally over the queries of the requests it holds and merged by LSE (vLLM's context-chunk scheme). Where a
+    chunk's k/v buffer would reach the 32-bit element offsets of the backend serving it (cutlass on SM100 with 128
+    heads: from 52429 tokens), chunks are made smaller (:meth:`PrefillPlan._chunk_step`).
 
 A request without new tokens attends nothing, so no pass reads its context: the fused schedule gathers only the
 context of requests with new tokens (only that counts toward its one chunk), and the chunked schedule skips every
@@ -34,7 +36,7 @@ import torch
 
 from .cache import ChunkRows, resolve_kv_cache_dtype
 from .dims import MLADims
-from .dispatch import ENV_VAR, device_capability
+from .dispatch import ENV_VAR, OFFSET_LIMITS, device_capability, select_backend
 from .kernels import triton_available
 from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _not_a_bool, _plan_checked, _positive_int
 from .workspace import Workspace, _checked_device, current_stream
@@ -312,10 +314,13 @@ class PrefillPlan:
         # One dispatch-table read of the device for every pass (they run on it together), remembered per device.
         self._capability = device_capability(dev) if dev.type == "cuda" else None
         fused_keys = self._num_gathered + num_new
-        # Fused keys stay below every kernel's 32-bit offset limit (mla_bridge.dispatch), so fusing never changes
-        # which backend serves the main pass.
+        # Every pass reads k and v as views of one [keys, H, head_dim_qk + head_dim_vo] buffer (mla_bridge.kv), whose
+        # (token, head) strides the dispatch bounds (_kv_strides). The fused keys' buffer stays below every kernel's
+        # 32-bit offset limit (mla_bridge.dispatch.OFFSET_LIMITS), so fusing never changes which backend serves the
+        # main pass.
+        self._kv_row = dims.num_heads * (dims.head_dim_qk + dims.head_dim_vo)  # elements per key token
         self.fused = (fuse_context and 0 < self._num_gathered <= workspace.chunk_tokens
-                      and fused_keys * dims.num_heads * max(dims.head_dim_qk, dims.head_dim_vo) < 2 ** 31)
+                      and fused_keys * self._kv_row < min(OFFSET_LIMITS.values()))
         self.chunks = []
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         self._device_indices = []
@@ -383,7 +388,32 @@ class PrefillPlan:
         return _plan_checked(torch.from_numpy(qo) if qo_indptr is None else qo_indptr,
                              torch.from_numpy(kv) if kv_indptr is None else kv_indptr, causal=causal,
                              backend=self._backend, num_qo_tokens=num_qo_tokens, num_kv_tokens=num_kv_tokens,
-                             host=(qo, kv), capability=self._capability, **self._sizes)
+                             host=(qo, kv), capability=self._capability, strides=self._kv_strides(), **self._sizes)
+
+    def _kv_strides(self) -> tuple:
+        """The ``(q, k, v)`` strides every pass is planned with (:func:`mla_bridge.select_backend`): q as the caller's
+        contiguous ``[T, H, head_dim_qk]`` (a strided q is checked where it is handed over:
+        :func:`mla_bridge.mla_prefill` before any kernel, :meth:`RaggedPlan.validate`), k and v as views of the
+        pass's ``[keys, H, head_dim_qk + head_dim_vo]`` buffer (:mod:`mla_bridge.kv`, both weight layouts)."""
+        p = self.dims.head_dim_qk + self.dims.head_dim_vo
+        return (None, (self._kv_row, p), (self._kv_row, p))
+
+    def _chunk_step(self) -> int:
+        """Context tokens per chunk: ``workspace.chunk_tokens`` as the plan was built, lowered where a chunk's k/v
+        buffer would reach the 32-bit offset limit (:data:`mla_bridge.dispatch.OFFSET_LIMITS`) of the backend that
+        serves a chunk below it on this device (what :func:`mla_bridge.select_backend` answers for a non-causal
+        pass, the backend asked for included), so that every chunk stays with that backend instead of being routed
+        past it (128 heads x 320 on SM100: 52428 tokens, not 65536, for cutlass). Asked only where a chunk could
+        reach the smallest limit."""
+        step = self._chunk_tokens
+        if self.device.type != "cuda" or step * self._kv_row < min(OFFSET_LIMITS.values()):
+            return step
+        s = self._sizes
+        choice = select_backend(self.device, capability=self._capability, dtype=s["dtype"], out_dtype=s["dtype"],
+                                head_dim_qk=s["head_dim_qk"], head_dim_vo=s["head_dim_vo"], causal=False,
+                                num_heads=s["num_heads"], requested=self._backend)
+        limit = OFFSET_LIMITS.get(choice.name)
+        return step if limit is None else max(1, min(step, (limit - 1) // self._kv_row))
 
     def _expand(self, counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> torch.Tensor:
         """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``
@@ -447,9 +477,10 @@ class PrefillPlan:
         ``(req_ids, positions)`` from it in each call (:meth:`ChunkRows.token_indices`), so that no device holds
         memory per context token between calls (``rows.indices`` is None). ``qo_list`` / ``qo_all``: ``qo_indptr``
         as Python ints and as int32."""
-        total, step = self._num_context_tokens, self.workspace.chunk_tokens
+        total = self._num_context_tokens
         if total == 0:
             return []
+        step = self._chunk_step()
         # The stream offset where each request's context starts (qo_list: the same for its new tokens), as Python ints
         # for the chunk bounds (bisect = np.searchsorted(side="right"): a few chunks per batch, where a numpy call per
         # quantity costs more than the loop) and as int32, whose slices are the chunks' keys.
@@ -567,9 +598,35 @@ class PrefillPlan:
         return rows
 
     @property
+    def offset_limit(self) -> tuple:
+        """``(limit, backend name)``: the smallest 32-bit offset limit (:data:`mla_bridge.dispatch.OFFSET_LIMITS`)
+        among the backends of this plan's passes, ``(None, None)`` where none has one. Every pass reads q (or a slice
+        of its rows), so a q that reaches this far through its strides cannot be read in place by all of them
+        (:func:`mla_bridge.mla_prefill` refuses it before any kernel)."""
+        found = self.__dict__.get("_offset_limit")
+        if found is None:
+            passes = [self.main] + [c.plan for c in self.chunks if c.plan is not None]
+            limits = [(OFFSET_LIMITS[p.backend.name], p.backend.name) for p in passes
+                      if p.backend.name in OFFSET_LIMITS]
+            found = self._offset_limit = min(limits) if limits else (None, None)
+        return found
+
+    @property
     def num_merges(self) -> int:
         """Merges one :func:`mla_bridge.mla_prefill` call runs: one per merge round."""
         return sum(c.merge_rows is not None for c in self.chunks)
+
+    @property
+    def flashinfer_bytes(self) -> tuple[int, int]:
+        """``(device bytes, page-locked host bytes)`` the FlashInfer plans of this plan's passes hold while it lives
+        (:attr:`RaggedPlan.flashinfer_bytes` of the main pass and of each distinct chunk pass): int workspaces sized
+        to each pass's schedule, indptr copies, and on cutlass FlashInfer's work-index buffers (about 1.5 MiB per pass
+        plan). Counted in :func:`mla_bridge.prefill_memory_bytes`."""
+        device = host = 0
+        for p in [self.main] + list({id(c.plan): c.plan for c in self.chunks if c.plan is not None}.values()):
+            d, h = p.flashinfer_bytes
+            device, host = device + d, host + h
+        return device, host
 
     @property
     def num_plans(self) -> int:
@@ -698,7 +755,7 @@ class PlanCache:
 
     Args:
         maxsize: plans kept (least recently used dropped first; default 8). Each kept plan holds its pooled FlashInfer
-            wrappers (8 MiB device + 8 MiB page-locked host memory each, 1 + distinct chunk shapes per plan).
+            wrappers (1 + distinct chunk shapes per plan; what they hold: :attr:`PrefillPlan.flashinfer_bytes`).
 
     Attributes: ``hits``, ``misses`` (counts of :meth:`get`).
 

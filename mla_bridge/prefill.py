@@ -48,7 +48,7 @@ from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .ragged import _not_a_bool, shares_memory
+from .ragged import _not_a_bool, _offsets_why_not, shares_memory
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
@@ -76,7 +76,9 @@ def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_tab
             :func:`mla_bridge.inference.refuse_autograd`), another device, a block_table row too short for its
             context, a context longer than the cache, and the cache-scale rules of
             :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``, a scale with an unquantized
-            cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches).
+            cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches); a strided ``q`` that reaches,
+            through its strides, past the 32-bit element offsets of a backend of the plan's passes
+            (:attr:`mla_bridge.PrefillPlan.offset_limit`).
     """
     return _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)[0]
 
@@ -115,6 +117,11 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
     if q.shape[1:] != (d.num_heads, d.head_dim_qk):
         raise ValueError(f"q must be [T, H={d.num_heads}, head_dim_qk={d.head_dim_qk}] (qk_nope_head_dim "
                          f"{d.qk_nope_head_dim} + qk_rope_head_dim {d.qk_rope_head_dim}), got {list(q.shape)}")
+    if not q.is_contiguous():  # the passes were planned for a contiguous q: a strided one must reach no farther
+        limit, backend = plan.offset_limit
+        reason = None if limit is None else _offsets_why_not("q", q, limit, backend)
+        if reason is not None:
+            raise ValueError(reason)
     if kv_c.shape != (t, d.kv_lora_rank):
         raise ValueError(f"kv_c must be [T={t}, kv_lora_rank={d.kv_lora_rank}], got {list(kv_c.shape)}")
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
@@ -324,7 +331,9 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices;
     the Triton gather allocates none of them, so the formula is an upper bound there; on CUDA the torch path of a
     context chunk also makes the chunk's per-token indices, :data:`mla_bridge.cache.ChunkRows.INDEX_BYTES` per row,
-    counted too). The cache itself (``num_blocks x
+    counted too). The device memory the plan's FlashInfer plans hold (:attr:`mla_bridge.PrefillPlan.flashinfer_bytes`:
+    int workspaces sized to each pass's schedule, indptr copies, cutlass's work-index buffers) is counted too: the call
+    needs it alive (0 for the torch backend). The cache itself (``num_blocks x
     block_size x L`` bytes of its dtype: 1 for FP8) is the caller's, not counted. This is the "workspace budget" the
     benchmark checks peak memory against. With ``prepared_weight=True`` (the call is handed a
     :class:`mla_bridge.PreparedKVBProj`) the weight is held by the caller, not allocated by the call, and is left
@@ -340,6 +349,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens
     fixed = (0 if prepared_weight else prepared_weight_elements(d) * e) + t * h * (d.v_head_dim * e + 4)
+    fixed += plan.flashinfer_bytes[0]  # held by the plan's FlashInfer plans while the call runs
 
     row = gather_row_bytes(plan.kv_cache_dtype, plan.dtype, lat)
 

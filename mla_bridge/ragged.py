@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .backends import make_kernel
-from .dispatch import TORCH_DTYPES, BackendChoice, select_backend
+from .dispatch import OFFSET_LIMITS, TORCH_DTYPES, BackendChoice, select_backend
 from .inference import forward_ad_active, refuse_autograd
 from .workspace import Workspace, default_workspace
 
@@ -198,26 +198,56 @@ def _kernel_ready(x: torch.Tensor) -> bool:
     return x.numel() == 0
 
 
+def _extent(x: torch.Tensor) -> int:
+    """One past the largest element offset of ``x`` from its first element, through its strides (non-negative):
+    ``1 + sum((n - 1) * stride)``, 0 when empty (:func:`mla_bridge.dispatch.tensor_extent` of a tensor at hand)."""
+    if x.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+
+
+def _within(limit: int, *tensors: torch.Tensor) -> bool:
+    """Every tensor reaches below ``limit`` through its strides (a contiguous one: its element count): the common
+    case of :func:`_offsets_why_not`, cheaply."""
+    return all((x.numel() if x.is_contiguous() else _extent(x)) < limit for x in tensors)
+
+
+def _offsets_why_not(name: str, x: torch.Tensor, limit: int, backend: str) -> Optional[str]:
+    """Why a kernel of ``backend`` (32-bit offsets below ``limit``, :data:`mla_bridge.dispatch.OFFSET_LIMITS`) cannot
+    read ``x``, or ``None``: one FlashInfer reads in place (:func:`_kernel_ready`) must reach below ``limit`` through
+    its strides, one it is handed a contiguous copy of, through its element count."""
+    strided = _kernel_ready(x) and not x.is_contiguous()
+    extent = _extent(x) if strided else x.numel()
+    if extent < limit:
+        return None
+    how = (f"pass {name} contiguous, or plan with strides= so that the dispatch routes the pass to a backend that "
+           f"addresses it" if strided else "split the batch")
+    return (f"{name} reaches {extent} elements through its strides {list(x.stride())} (shape {list(x.shape)}), past "
+            f"the 32-bit element offsets of {backend}, the backend this plan was made for (limit {limit}): {how}")
+
+
 class _RunShapes:
     """What :meth:`RaggedPlan.validate` compares per call, computed once per plan from its spec (host data that never
     changes: the indptrs' last entries are read once, not per call)."""
 
-    __slots__ = ("q", "k", "v", "out", "lse", "dtype", "device", "flashinfer")
+    __slots__ = ("q", "k", "v", "out", "lse", "dtype", "device", "flashinfer", "limit", "backend")
 
-    def __init__(self, spec: "RaggedSpec", flashinfer: bool):
+    def __init__(self, spec: "RaggedSpec", flashinfer: bool, backend: str = "torch"):
         t, n, h = spec.num_qo_tokens, spec.num_kv_tokens, spec.num_heads
         self.q, self.k, self.v = (t, h, spec.head_dim_qk), (n, h, spec.head_dim_qk), (n, h, spec.head_dim_vo)
         self.out = (t, h, spec.head_dim_vo)
         self.lse = {"NH": (t, h), "HN": (h, t)}
         self.dtype, self.device, self.flashinfer = spec.dtype, spec.device, flashinfer
+        self.limit, self.backend = OFFSET_LIMITS.get(backend), backend  # 32-bit element offsets, or None
 
 
 class RaggedPlan:
     """A planned ragged attention (FlashInfer's ``plan()`` done once): call :meth:`run` once per layer.
 
     Made by :func:`plan_ragged`. Attributes: ``spec`` (:class:`RaggedSpec`), ``backend`` (:class:`BackendChoice`),
-    ``workspace``. Holding the plan holds one pooled FlashInfer wrapper; drop the plan to give it back: the pool
-    reuses it once the GPU has finished the plan's copies and every run queued so far (CUDA events, never a wait).
+    ``workspace``. Holding the plan holds one pooled FlashInfer wrapper (:attr:`flashinfer_bytes`); drop the plan to
+    give it back: the pool reuses it once the GPU has finished the plan's copies and every run queued so far (CUDA
+    events, never a wait).
     Threads and streams: a plan may be run from any thread on any CUDA stream; a run on a stream other than the
     plan's waits for the plan's copies first. A run captured into a CUDA graph: see :meth:`retain_for_graph`.
     """
@@ -284,6 +314,16 @@ class RaggedPlan:
             order()
 
     @property
+    def flashinfer_bytes(self) -> tuple[int, int]:
+        """``(device bytes, page-locked host bytes)`` this plan's FlashInfer plan holds while the plan lives: the
+        wrapper's int workspace, sized to what this plan's schedule needs
+        (:meth:`mla_bridge.Workspace.fit_int_workspace`), the indptr copies, and for cutlass FlashInfer's work-index
+        buffers (about 1.5 MiB per plan). ``(0, 0)`` for the torch backend and an empty batch. The shared float
+        workspace is the workspace's, not counted here."""
+        held = getattr(self._kernel, "held_bytes", None)
+        return (0, 0) if held is None else held()
+
+    @property
     def device_kv_indptr(self) -> Optional[torch.Tensor]:
         """``kv_indptr`` as FlashInfer's ``plan()`` copied it to the device (int32 ``[batch + 1]``), which the runs
         read; None for the torch backend, an empty batch, or a FlashInfer without that copy. Read on the device only
@@ -303,7 +343,7 @@ class RaggedPlan:
     def _shapes(self) -> _RunShapes:
         shapes = self._run_shapes
         if shapes is None:
-            shapes = self._run_shapes = _RunShapes(self.spec, self.backend.is_flashinfer)
+            shapes = self._run_shapes = _RunShapes(self.spec, self.backend.is_flashinfer, self.backend.name)
         return shapes
 
     def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None,
@@ -317,7 +357,12 @@ class RaggedPlan:
                 cannot write in place, an ``out`` that overlaps itself (an expanded view), an ``out``/``lse`` that
                 shares memory with q, k or v or an ``lse`` inside ``out`` (:func:`shares_memory`: the kernel reads
                 its inputs while it writes), or a q/k/v/out/lse that requires grad while autograd records (there is
-                no backward: :func:`mla_bridge.inference.refuse_autograd`).
+                no backward: :func:`mla_bridge.inference.refuse_autograd`); a strided q/k/v that the kernel would read
+                in place and that reaches, through its strides, past the 32-bit element offsets of the backend the
+                plan was made for (fa2: ``2**32``, cutlass: ``2**31``; :data:`mla_bridge.dispatch.OFFSET_LIMITS`).
+                The plan is made before the tensors are seen, so it assumes contiguous ones unless told their
+                strides (:func:`plan_ragged`'s ``strides``); a tensor that needs another backend is refused here,
+                never run wrongly.
         """
         # One pass of cheap comparisons (shape tuples, dtype, device) for the common case; anything off goes to the
         # checks below, which name what is wrong. Both test the same conditions.
@@ -337,7 +382,8 @@ class RaggedPlan:
                           or (out is not None and out.requires_grad) or (lse is not None and lse.requires_grad))
                          and torch.is_grad_enabled())
                 and not forward_ad_active()
-                and ((out is None and lse is None) or _apart(q, k, v, out, lse))):
+                and ((out is None and lse is None) or _apart(q, k, v, out, lse))
+                and (c.limit is None or _within(c.limit, q, k, v))):
             return
         self._validate_named(q, k, v, out, lse, lse_layout)
 
@@ -367,6 +413,12 @@ class RaggedPlan:
         shared = _shared_destination(q, k, v, out, lse)
         if shared is not None:
             raise ValueError(shared)
+        limit = self._shapes().limit
+        if limit is not None:
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                reason = _offsets_why_not(name, x, limit, self.backend.name)
+                if reason is not None:
+                    raise ValueError(reason)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
             lse: Optional[torch.Tensor] = None, lse_layout: str = "NH", lse_base: str = "ln",
@@ -473,7 +525,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int, head_dim_qk: int, head_dim_vo: int,
                 causal: bool, sm_scale: float, dtype: torch.dtype, workspace: Workspace,
-                backend: Optional[str] = None) -> RaggedPlan:
+                backend: Optional[str] = None, strides: Optional[Sequence] = None) -> RaggedPlan:
     """Plan a ragged attention batch once (FlashInfer's ``plan`` step); run it per layer with :meth:`RaggedPlan.run`.
 
     Args:
@@ -486,11 +538,16 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
         dtype: q/k/v/out dtype.
         workspace: the device's :class:`Workspace`.
         backend: force a backend (see :func:`mla_bridge.select_backend`); default: the dispatch table decides.
+        strides: ``(q, k, v)``, each the ``(stride_n, stride_h)`` in elements of the tensor :meth:`RaggedPlan.run`
+            will be handed (``None``, or a ``None`` entry: contiguous). The dispatch bounds the element offsets the
+            kernel computes from them (:data:`mla_bridge.dispatch.OFFSET_LIMITS`: fa2 ``2**32``, cutlass ``2**31``),
+            so that a pass over views of a wider buffer is routed to a backend that addresses it; a run whose
+            tensors reach farther than the plan's backend can is refused (:meth:`RaggedPlan.validate`).
 
     Raises:
         TypeError / ValueError: bad indptrs (named), sizes, ``sm_scale``, a ``causal`` that is not a bool (None or
             0/1 would be read as a mask choice silently); lengths that disagree between the two indptrs; a forced
-            backend that cannot serve.
+            backend that cannot serve; bad ``strides``.
         WorkspaceTooSmallError: FlashInfer's plan needs more float workspace than the workspace may grow to.
     """
     if not isinstance(causal, (bool, np.bool_)):
@@ -502,7 +559,7 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
         raise ValueError(f"qo_indptr has {qo.numel()} entries but kv_indptr has {kv.numel()}; both are [batch + 1]")
     sizes = _checked_plan_sizes(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
                                 sm_scale=sm_scale, dtype=dtype, workspace=workspace)
-    return _plan_checked(qo, kv, causal=bool(causal), backend=backend, **sizes)
+    return _plan_checked(qo, kv, causal=bool(causal), backend=backend, strides=strides, **sizes)
 
 
 def _checked_plan_sizes(*, num_heads: int, head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype,
@@ -530,7 +587,8 @@ def _checked_plan_sizes(*, num_heads: int, head_dim_qk: int, head_dim_vo: int, s
 def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: Optional[str], num_heads: int,
                   head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype, workspace: Workspace,
                   num_qo_tokens: Optional[int] = None, num_kv_tokens: Optional[int] = None,
-                  host: Optional[tuple] = None, capability: Optional[tuple[int, int]] = None) -> RaggedPlan:
+                  host: Optional[tuple] = None, capability: Optional[tuple[int, int]] = None,
+                  strides: Optional[Sequence] = None) -> RaggedPlan:
     """:func:`plan_ragged` past its checks: the backend choice and the kernel's plan, nothing re-validated.
 
     For indptrs that are valid by construction -- int32 CPU tensors of equal length, starting at 0, non-decreasing,
@@ -541,7 +599,7 @@ def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: 
     caller knows them (the spec's token counts are then not read from the tensors: a lock and an element read each).
     ``host``: ``(qo, kv)`` as the numpy arrays they view, where the caller has them. ``capability``: the CUDA
     workspace device's, read once by a caller that plans several passes of one batch (default: read here by
-    :func:`select_backend`).
+    :func:`select_backend`). ``strides``: as :func:`plan_ragged`'s (checked by :func:`select_backend`).
     """
     spec = RaggedSpec(qo, kv, num_heads, head_dim_qk, head_dim_vo, causal, sm_scale, dtype, workspace.device)
     if num_qo_tokens is not None:
@@ -551,7 +609,7 @@ def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: 
     qo_host, kv_host = host if host is not None else (qo.numpy(), kv.numpy())  # lists made only if read
     choice = select_backend(workspace.device, capability=capability, dtype=dtype, out_dtype=dtype,
                             head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-                            qo_indptr=qo_host, kv_indptr=kv_host, requested=backend)
+                            qo_indptr=qo_host, kv_indptr=kv_host, requested=backend, strides=strides)
     return RaggedPlan(spec, choice, workspace)
 
 
@@ -561,7 +619,9 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
                    lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One-shot ragged attention: :func:`plan_ragged` + :meth:`RaggedPlan.run` (plan per call: use the two-step form
     in a layer loop). Shapes and conventions as in the module docstring; ``workspace`` defaults to the device's
-    shared one (:func:`mla_bridge.workspace.default_workspace`).
+    shared one (:func:`mla_bridge.workspace.default_workspace`). The tensors are at hand when the pass is planned, so
+    their strides go to the dispatch (``plan_ragged(strides=...)``): views of a wider buffer are served by a backend
+    whose offsets reach them.
 
     Returns:
         ``(out [T, H, head_dim_vo] in q's dtype, lse [T, H] float32 natural log)``.
@@ -583,6 +643,9 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
         raise ValueError(shared)
     if workspace is None:
         workspace = default_workspace(q.device)
+    # what the kernel will read: a tensor it reads in place through its strides, another one copied contiguous
+    strides = tuple(None if x.is_contiguous() or not _kernel_ready(x) else tuple(x.stride()[:2]) for x in (q, k, v))
     plan = plan_ragged(qo_indptr, kv_indptr, num_heads=q.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[2],
-                       causal=causal, sm_scale=sm_scale, dtype=q.dtype, workspace=workspace, backend=backend)
+                       causal=causal, sm_scale=sm_scale, dtype=q.dtype, workspace=workspace, backend=backend,
+                       strides=None if strides == (None, None, None) else strides)
     return plan.run(q, k, v, out=out, lse=lse)

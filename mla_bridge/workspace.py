@@ -1,9 +1,16 @@
 """Workspace: per-device memory shared by every plan and layer, allocated once.
 
 It holds FlashInfer's float workspace (fa2 keeps split-KV temporaries there), a pool of FlashInfer ragged
-wrappers reused across batches (each one allocates 8 MiB of device memory and 8 MiB of pinned host memory when
-constructed, FlashInfer 0.7.4), and ``chunk_tokens``, the budget in tokens for one context chunk of gathered
-latent cache in :func:`mla_bridge.mla_prefill`.
+wrappers reused across batches, and ``chunk_tokens``, the budget in tokens for one context chunk of gathered latent
+cache in :func:`mla_bridge.mla_prefill`.
+
+A FlashInfer 0.7.4 wrapper allocates an 8 MiB int workspace on the device and 8 MiB of page-locked host memory when
+constructed (``BatchPrefillWithRaggedKVCacheWrapper.__init__``: ``_int_workspace_buffer``,
+``_pin_memory_int_workspace_buffer``), where its ``plan()`` writes the schedule and copies it; a chunked plan holds one
+wrapper per distinct chunk shape, so at 16 MiB each a small chunk budget made gigabytes (126 plans, 2 GiB). Each
+wrapper's int workspace is therefore sized to what its plan writes (:meth:`Workspace.fit_int_workspace`, from
+:func:`mla_bridge.backends.flashinfer.int_workspace_bytes`), and grown if FlashInfer still reports it too small; the
+constructor's buffers go back to torch's caching allocators at once.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch
 
 __all__ = ["Workspace", "WorkspaceTooSmallError", "default_workspace", "capture_owner", "DEFAULT_FLOAT_WORKSPACE_BYTES",
-           "DEFAULT_CHUNK_TOKENS"]
+           "DEFAULT_CHUNK_TOKENS", "MIN_INT_WORKSPACE_BYTES"]
 
 #: FlashInfer's recommended float workspace (its docstring: "The recommended size is 128MB").
 DEFAULT_FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -26,8 +33,14 @@ DEFAULT_FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024
 DEFAULT_MAX_FLOAT_WORKSPACE_BYTES = 2 * 1024 * 1024 * 1024
 #: vLLM's cap on the context-chunk workspace: ``min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 64 * 1024)``.
 DEFAULT_CHUNK_TOKENS = 64 * 1024
-#: Idle pooled wrappers kept per FlashInfer backend (each 8 MiB device + 8 MiB page-locked host memory).
+#: Idle pooled wrappers kept per FlashInfer backend (each with its int workspace, :meth:`Workspace.fit_int_workspace`).
 DEFAULT_MAX_IDLE_WRAPPERS = 8
+#: The smallest int workspace a wrapper is given (device bytes, and as many page-locked host bytes); sizes are powers of
+#: two from here, so that a pooled wrapper planned again for a similar shape keeps its buffers.
+MIN_INT_WORKSPACE_BYTES = 4096
+#: FlashInfer 0.7.4's allocations from the float workspace (fa2's split-KV partials, ``scheduler.cuh``); every other
+#: allocation its ragged ``plan()`` reports a "Buffer overflow" for is in the int workspace.
+_FLOAT_ALLOCATIONS = ("batch_prefill_tmp_v", "batch_prefill_tmp_s")
 #: A free wrapper beyond ``max_idle_wrappers`` that was not handed out in this many plans of its backend is freed.
 IDLE_AFTER_ACQUISITIONS = 64
 
@@ -246,7 +259,7 @@ class Workspace:
         max_float_workspace_bytes: when fa2's plan reports "buffer overflow", the float workspace grows (doubling, or
             to what the plan asked for) up to this many bytes, then :class:`WorkspaceTooSmallError` is raised.
         max_idle_wrappers: pooled wrappers per FlashInfer backend kept while no plan holds them (default 8, each
-            8 MiB of device memory + 8 MiB of page-locked host memory). Beyond that, a free wrapper not handed out in
+            with the int workspace its last plan needed). Beyond that, a free wrapper not handed out in
             the last :data:`IDLE_AFTER_ACQUISITIONS` (64) plans of its backend is freed when the next plan is made
             (so a serving loop that cycles through more wrappers never frees and rebuilds them), and :meth:`trim`
             frees every free one beyond the bound at once.
@@ -307,6 +320,7 @@ class Workspace:
         weakref.finalize(self, _bury, self._slots)
         self.wrappers_created = 0
         self.plans_made = 0  # FlashInfer plan() calls through this workspace (a benchmark counts them)
+        self.int_workspace_growths = 0  # int workspaces grown after FlashInfer reported one too small
 
     @property
     def chunk_tokens(self) -> int:
@@ -401,6 +415,28 @@ class Workspace:
             lease.run_events = {}
             return lease
 
+    def fit_int_workspace(self, lease: _Lease, nbytes: int) -> None:
+        """Give ``lease``'s wrapper an int workspace for a plan that writes at most ``nbytes`` into it (FlashInfer
+        0.7.4: ``_int_workspace_buffer`` on the device, where the runs read the schedule, and
+        ``_pin_memory_int_workspace_buffer``, page-locked host memory of the same size, where ``plan()`` writes it
+        before queuing the copy; ``plan()`` and the runs read both attributes as they are). The size is the power of
+        two at or above ``nbytes``, at least :data:`MIN_INT_WORKSPACE_BYTES`; buffers already between that and 4
+        times it are kept. Call it on a lease :meth:`acquire` just handed out, before its ``plan()``: nothing queued
+        reads the buffers it replaces (a new wrapper's constructor buffers, or those of a plan whose copies and runs
+        have completed). A wrapper without an int workspace (a stand-in) is left alone."""
+        buf = getattr(lease.wrapper, "_int_workspace_buffer", None)
+        if not isinstance(buf, torch.Tensor):
+            return
+        target = max(MIN_INT_WORKSPACE_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
+        have = buf.numel() * buf.element_size()
+        if not target <= have <= 4 * target:
+            self._set_int_workspace(lease.wrapper, target)
+
+    def _set_int_workspace(self, wrapper: Any, nbytes: int) -> None:
+        wrapper._int_workspace_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        wrapper._pin_memory_int_workspace_buffer = torch.empty(nbytes, dtype=torch.uint8,
+                                                               pin_memory=self.device.type == "cuda")
+
     def acquire_wrapper(self, backend: str, owner: object, factory: Callable[[torch.Tensor, str], Any]) -> Any:
         """The wrapper of :meth:`acquire` (held by ``owner`` until it is garbage collected)."""
         return self.acquire(backend, owner, factory).wrapper
@@ -489,7 +525,10 @@ class Workspace:
                     del lease.registered[key]
 
     def plan_with_growth(self, plan: Callable[[], T], lease: Optional[_Lease] = None) -> T:
-        """Run a FlashInfer ``plan`` call, growing the float workspace while it reports "Buffer overflow".
+        """Run a FlashInfer ``plan`` call, growing the float workspace while it reports "Buffer overflow" for one of
+        its float allocations (fa2's split-KV partials), and ``lease``'s int workspace while it reports one for an
+        allocation of the int workspace (:meth:`fit_int_workspace` sized it from an upper bound, so this happens
+        only where FlashInfer's schedule differs from that bound's; :attr:`int_workspace_growths` counts them).
 
         ``lease``: the wrapper being planned (re-buffered on growth with the free wrappers; nothing of it is queued
         yet: FlashInfer's plan fails on the host before it copies).
@@ -497,6 +536,7 @@ class Workspace:
         Raises:
             WorkspaceTooSmallError: the plan needs more than ``max_float_workspace_bytes``.
         """
+        grown_int: set = set()  # int allocations grown for: one reported again is not the int workspace's
         while True:
             try:
                 result = plan()
@@ -508,6 +548,15 @@ class Workspace:
                 if match is None:
                     raise
                 what, size, available = match.group(1), int(match.group(2)), int(match.group(3))
+                buf = getattr(lease.wrapper, "_int_workspace_buffer", None) if lease is not None else None
+                if what not in _FLOAT_ALLOCATIONS and isinstance(buf, torch.Tensor) and what not in grown_int:
+                    grown_int.add(what)
+                    have = buf.numel() * buf.element_size()
+                    need = have + max(0, size - available) + 4096
+                    self._set_int_workspace(lease.wrapper, 1 << (max(need, 2 * have) - 1).bit_length())
+                    with self._lock:
+                        self.int_workspace_growths += 1
+                    continue
                 needed = self.float_workspace_bytes + max(0, size - available) + 4096
                 new_size = max(needed, 2 * self.float_workspace_bytes)
                 if new_size > self.max_float_workspace_bytes:

@@ -44,7 +44,7 @@ class TorchOnCPU:
         return getattr(torch, name)
 
     @staticmethod
-    def empty(*args, device=None, **kwargs):
+    def empty(*args, device=None, pin_memory=False, **kwargs):  # CPU-only torch cannot page-lock
         return torch.empty(*args, **kwargs)
 
 

@@ -310,12 +310,13 @@ def test_case07_kv_side_counts_too(fi):
 
 
 def test_case07_fused_schedule_stays_under_2_31(tiny_dims):
-    """The fused schedule (context + new keys in one tensor) is not chosen when its keys would reach 2**31
-    elements, so fusing never changes the backend; the chunked schedule bounds each pass by chunk_tokens."""
+    """The fused schedule (context + new keys in one tensor) is not chosen when its keys' k/v buffer would reach
+    2**31 elements, so fusing never changes the backend; the chunked schedule bounds each pass by chunk_tokens. k and
+    v are views of one [keys, H, 192 + 128] buffer: 320 elements per head and key, not 192."""
     from mla_bridge import MLADims
-    dims = MLADims.deepseek_v3()  # 128 heads x 192
-    per_token = 128 * 192
-    limit_tokens = -(-2 ** 31 // per_token)  # 87382
+    dims = MLADims.deepseek_v3()  # 128 heads x (192 + 128)
+    per_token = 128 * 320
+    limit_tokens = -(-2 ** 31 // per_token)  # 52429
     ws = Workspace("cpu", chunk_tokens=200_000)
     small = PrefillPlan.build([1], [limit_tokens - 2], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
     big = PrefillPlan.build([1], [limit_tokens - 1], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)

@@ -85,7 +85,8 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
 
 
 #: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) held at once, process-wide, most recently used
-#: last; each holds a pooled FlashInfer wrapper (8 MiB device + 8 MiB page-locked host). ``$MLA_BRIDGE_JAX_MAX_PLANS``.
+#: last; each holds a pooled FlashInfer wrapper (:attr:`mla_bridge.RaggedPlan.flashinfer_bytes`);
+#: ``$MLA_BRIDGE_JAX_MAX_PLANS``.
 MAX_TRACED_PLANS = max_plans_from_env()
 _traced_plans: "OrderedDict[tuple[int, torch.device], Any]" = OrderedDict()
 _traced_lock = threading.Lock()

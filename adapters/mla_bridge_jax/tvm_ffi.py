@@ -21,7 +21,7 @@ like 0.7's), :func:`why_not` says why and the ``auto`` route uses ``buffer_callb
 
 Lifetime (issue 11 item 7): a compiled XLA executable may run a registered plan at any later time, and nothing
 tells this module when the executable is gone, so the registry is a bounded cache. At most :data:`MAX_PLANS`
-registered plans (and their pooled FlashInfer wrappers, 8 MiB device + 8 MiB page-locked host each) are held,
+registered plans (and their pooled FlashInfer wrappers: :attr:`mla_bridge.RaggedPlan.flashinfer_bytes`) are held,
 least recently registered first out (``$MLA_BRIDGE_JAX_MAX_PLANS``, default 16). An evicted plan is dropped only
 after the device has finished its queued work (one device synchronize, at registration time: trace time, never per
 call); a compiled function that later runs an evicted plan re-plans it transparently, once, from the host data kept

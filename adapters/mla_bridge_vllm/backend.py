@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 
-from .plans import ChunkIndptrs, PrefillStepPlans, host_indptr_from_lens, servable
+from .plans import ChunkIndptrs, PrefillStepPlans, host_indptr_from_lens, servable, vllm_strides
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
@@ -150,7 +150,8 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
         self._plans = PrefillStepPlans(
             qo, chunks, num_heads=self.num_heads, head_dim_qk=self.qk_nope_head_dim + self.qk_rope_head_dim,
             head_dim_vo=self.v_head_dim, sm_scale=self.scale, dtype=self._dtype(prefill_metadata),
-            device=prefill_metadata.query_start_loc.device)
+            device=prefill_metadata.query_start_loc.device,
+            strides=vllm_strides(self.num_heads, self.qk_nope_head_dim, self.v_head_dim))
 
     def _step(self) -> PrefillStepPlans:
         if self._plans is None:

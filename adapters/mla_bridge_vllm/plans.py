@@ -22,7 +22,18 @@ from mla_bridge import RaggedPlan, plan_ragged, select_backend
 from mla_bridge.ragged import indptr_from_lens as host_indptr_from_lens
 from mla_bridge.workspace import Workspace, default_workspace
 
-__all__ = ["ChunkIndptrs", "PrefillStepPlans", "servable", "host_indptr_from_lens"]
+__all__ = ["ChunkIndptrs", "PrefillStepPlans", "servable", "host_indptr_from_lens", "vllm_strides"]
+
+
+def vllm_strides(num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> tuple:
+    """``(q, k, v)`` strides (:func:`mla_bridge.plan_ragged`'s ``strides``) of the tensors vLLM's ``forward_mha``
+    hands over: q and k contiguous (k a fresh concat of k_nope and the broadcast k_pe), v a view into the up-projected
+    ``[S, H, qk_nope_head_dim + v_head_dim]`` buffer (``kv_nope.split``): token stride ``H x (nope + v)``, head stride
+    ``nope + v``. Declared at plan time, they let the dispatch bound what the kernels address (v reaches ``S x H x
+    256`` elements for DeepSeek, not ``S x H x 128``); a v that vLLM hands over contiguous reaches less, so the
+    declaration is never short."""
+    row = qk_nope_head_dim + v_head_dim
+    return (None, None, (num_heads * row, row))
 
 
 def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dtype] = None,
@@ -83,6 +94,8 @@ class PrefillStepPlans:
         device: where q/k/v live.
         workspace: mla_bridge's workspace for ``device`` (default: the process-wide one).
         backend: force an mla_bridge backend by name (default: :func:`select_backend` decides per plan).
+        strides: ``(q, k, v)`` strides of the tensors the runs will be handed (:func:`vllm_strides` for vLLM's;
+            default: contiguous), for the dispatch's bound on 32-bit element offsets (:func:`mla_bridge.plan_ragged`).
 
     vLLM replaces a step's plans at the next step while the GPU may still run the last one: that is safe, since the
     workspace pool gives a dropped plan's FlashInfer wrapper to a later plan only once the GPU has finished the work
@@ -91,10 +104,11 @@ class PrefillStepPlans:
 
     def __init__(self, qo_indptr: torch.Tensor, chunks: Sequence[ChunkIndptrs], *, num_heads: int, head_dim_qk: int,
                  head_dim_vo: int, sm_scale: float, dtype: torch.dtype, device: "torch.device | str",
-                 workspace: Optional[Workspace] = None, backend: Optional[str] = None):
+                 workspace: Optional[Workspace] = None, backend: Optional[str] = None,
+                 strides: Optional[Sequence] = None):
         ws = workspace if workspace is not None else default_workspace(device)
         common = dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, sm_scale=sm_scale,
-                      dtype=dtype, workspace=ws, backend=backend)
+                      dtype=dtype, workspace=ws, backend=backend, strides=strides)
         self.main: RaggedPlan = plan_ragged(qo_indptr, qo_indptr, causal=True, **common)
         self.chunks: dict[int, RaggedPlan] = {
             c.index: plan_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks}

@@ -26,6 +26,12 @@ owns it, and two graphs never share one). fa2 and cutlass write ``out`` as if it
 strides): a non-contiguous ``out`` is written through a contiguous temporary and copied (one extra device copy,
 only then).
 
+Memory a plan holds (:meth:`FlashInferRaggedKernel.held_bytes`): the wrapper's int workspace, sized to what its
+``plan()`` writes (:func:`int_workspace_bytes`, :meth:`mla_bridge.Workspace.fit_int_workspace`) on the device and as
+much page-locked host memory, the indptr copies ``plan()`` makes, and for cutlass the work-index buffers FlashInfer's
+``fmha_varlen_plan`` allocates per plan (three of 131072 int32 and one of SMs + 1: about 1.5 MiB, fixed by FlashInfer).
+The float workspace is the workspace's, shared by every plan.
+
 Host time per run (issue 13): a planned fa2/fa3 run with ``lse_layout="NH"`` calls FlashInfer's own
 ``module.ragged_run`` (the function ``wrapper.run`` ends in) with the argument list ``wrapper.run`` builds, recorded
 once per plan (:class:`DirectRun`), then converts the LSE to natural log with one in-place multiply by ln 2 (what
@@ -49,7 +55,8 @@ import torch
 
 from ..workspace import current_stream
 
-__all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper", "DirectRun", "DIRECT_ENV", "direct_enabled"]
+__all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper", "DirectRun", "DIRECT_ENV", "direct_enabled",
+           "int_workspace_bytes"]
 
 _LN2 = math.log(2.0)
 #: ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` makes every run go through ``wrapper.run`` (for comparison).
@@ -81,6 +88,48 @@ _FLOAT_ATTR = "_float_workspace_buffer"
 CONTIGUOUS_OUT_BACKENDS = ("fa2", "cutlass")
 #: FlashInfer backends that keep temporaries in the float workspace (MLA_NOTES: fa3 and cutlass do not).
 FLOAT_WORKSPACE_BACKENDS = ("fa2",)
+
+
+#: SMs assumed where FlashInfer's schedule depends on the device's count (fa2's split-KV batch of up to 2 CTAs per SM,
+#: fa3's per-CTA work pointers): more than any GPU FlashInfer 0.7.4 plans for (H200: 132, B200: 148). A device with
+#: more still plans right: its int workspace grows when FlashInfer reports it too small.
+MAX_SMS = 256
+
+
+def int_workspace_bytes(backend: str, spec: Any) -> int:
+    """An upper bound on the bytes FlashInfer 0.7.4's ragged ``plan()`` of ``spec`` (its host ``qo_indptr``, heads,
+    head dims) allocates from the wrapper's int workspace, for ``backend`` ("fa2", "fa3" or "cutlass").
+
+    From ``include/flashinfer/attention/scheduler.cuh`` (each allocation aligned to 16 bytes, counted with 15 bytes of
+    padding; ``T`` query tokens, ``B`` requests, ``H`` heads, MHA as mla_bridge plans it, no CUDA-graph mode):
+
+    * fa2 (``PrefillPlanImpl``): request / q-tile / kv-tile indices of ``padded_batch_size`` int32 each, o_indptr
+      ``[B + 1]``, the kv chunk size, and with split-KV merge_indptr ``[T + 1]``. ``padded_batch_size`` is the number
+      of (request, q tile, kv chunk) work items: unsplit ``sum(ceil(q_len / CTA_TILE_Q))`` with CTA_TILE_Q 16, 64 or
+      128, so at most ``(T + 15 B) / 16``; split at most ``2 x SMs`` (``PrefillBinarySearchKVChunkSize`` keeps the
+      split batch within it).
+    * fa3 (``PrefillSM90Plan``): seven arrays of one int32 per work item and ``SMs + 1`` work pointers; work items are
+      ``sum(ceil(q_len / CTA_TILE_Q))`` per head (CTA_TILE_Q 128, 192 for head_dim_vo 64; at most ``(T + (CTA_TILE_Q
+      - 1) B) / CTA_TILE_Q``) for every head, or for one when that schedule has more than 4096 items per head
+      (``same_schedule_for_all_heads``).
+    * cutlass: none (``fmha_varlen_plan`` allocates its own work buffers; ``prefill.py``).
+
+    SMs are taken as :data:`MAX_SMS`. O(1): the bounds read ``T`` and ``B`` only, not each request's length.
+    """
+    b, t, h = spec.batch_size, spec.num_qo_tokens, spec.num_heads
+
+    def arrays(count: int, entries: int) -> int:  # ``count`` int32 arrays of ``entries``, each aligned to 16 bytes
+        return count * (4 * entries + 15)
+
+    if backend == "fa2":
+        work = max((t + 15 * b) // 16, 2 * MAX_SMS)
+        return arrays(3, work) + arrays(1, b + 1) + 4 + arrays(1, t + 1)
+    if backend == "fa3":
+        cta = 192 if spec.head_dim_vo == 64 else 128
+        per_head = (t + (cta - 1) * b) // cta
+        same_for_all_heads = -(-t // cta) + b - 1 > 4096
+        return arrays(7, per_head * (1 if same_for_all_heads else h)) + arrays(1, MAX_SMS + 1)
+    return 0
 
 
 def new_wrapper(float_workspace: torch.Tensor, backend: str) -> Any:
@@ -180,6 +229,7 @@ class FlashInferRaggedKernel:
         self._lock = threading.Lock()
         self.lease = workspace.acquire(self.backend, self, new_wrapper)
         self.wrapper = self.lease.wrapper
+        workspace.fit_int_workspace(self.lease, int_workspace_bytes(self.backend, spec))
         workspace.plan_with_growth(lambda: self.wrapper.plan(
             spec.qo_indptr,  # int32, on the CPU: plan reads it there and copies it to the device itself
             spec.kv_indptr,
@@ -199,6 +249,24 @@ class FlashInferRaggedKernel:
             ptr, stream = current_stream(workspace.device)
             self.lease.record_plan(stream, ptr)
         self.device_kv_indptr = _device_indptr(self.wrapper, "_kv_indptr_buf", spec.kv_indptr, workspace.device)
+
+    def held_bytes(self) -> tuple[int, int]:
+        """``(device bytes, page-locked host bytes)`` this plan's wrapper holds for it (see the module docstring):
+        the int workspace and its page-locked twin, the indptr copies ``plan()`` made, and a plan info made of
+        tensors (cutlass's work-index buffers). Read from the wrapper's attributes as they are."""
+        w = self.wrapper
+        device = host = 0
+        for name in ("_int_workspace_buffer", "_qo_indptr_buf", "_kv_indptr_buf"):
+            t = getattr(w, name, None)
+            if isinstance(t, torch.Tensor):
+                device += t.numel() * t.element_size()
+        info = getattr(w, "_plan_info", None)
+        if isinstance(info, (tuple, list)):
+            device += sum(t.numel() * t.element_size() for t in info if isinstance(t, torch.Tensor))
+        pinned = getattr(w, "_pin_memory_int_workspace_buffer", None)
+        if isinstance(pinned, torch.Tensor):
+            host += pinned.numel() * pinned.element_size()
+        return device, host
 
     def order_after_plan(self) -> None:
         """Make the current stream wait for this plan's host-to-device copies (nothing on the plan's own stream,

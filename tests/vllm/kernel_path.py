@@ -27,7 +27,7 @@ except ImportError:  # the project is not installed: import the adapter from the
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                     "adapters"))
 
-from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans, host_indptr_from_lens  # noqa: E402
+from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans, host_indptr_from_lens, vllm_strides  # noqa: E402
 
 RANK, NOPE, ROPE, VDIM = 512, 128, 64, 128
 
@@ -146,7 +146,7 @@ def run_like_vllm(x: MLAInputs, chunks: Sequence[Chunk], sm_scale: float, backen
         qo, [ChunkIndptrs(c.index, qo[c.request_slice.start:c.request_slice.stop + 1] - qo[c.request_slice.start],
                           host_indptr_from_lens(torch.tensor(c.seq_lens))) for c in chunks],
         num_heads=h, head_dim_qk=NOPE + ROPE, head_dim_vo=VDIM, sm_scale=sm_scale, dtype=dtype, device=device,
-        workspace=workspace, backend=backend)
+        workspace=workspace, backend=backend, strides=vllm_strides(h, NOPE, VDIM))  # as the backend plans
     passes = []
     k, v = up_project(x, x.kv_c, x.k_pe)
     has_context = bool(chunks)
