@@ -223,7 +223,7 @@ def test_chunk_gathers_read_the_pass_kv_indptr_on_another_stream(block_size, fp8
         torch.cuda.synchronize()
         for (c, host), (lat, buf) in zip(passes, got):
             assert torch.equal(c.rows.kv_indptr.cpu(), c.plan.kv_indptr)
-            req, pos = (t.to(dev()) for t in host.rows.indices)
+            req, pos = (t.to(dev()) for t in host.token_indices())
             want = C.gather_latent(cache, table, req, pos, dtype=dtype, kv_cache_scale=s, impl="torch")
             assert not torch.isnan(want).any() and _bits_equal(lat, want), (attempt, c.req_start, c.first_start)
             ref_buf = torch.empty_like(buf)

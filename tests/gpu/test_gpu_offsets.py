@@ -149,10 +149,12 @@ def test_chunked_plan_holds_megabytes_not_gigabytes(ref, backend):
     ws = Workspace(dev(), chunk_tokens=2048)
     _ = ws.float_workspace  # allocated first: not the plans'
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    # bytes the build allocates, counted cumulatively: frees of other tests' garbage (a dropped workspace's wrappers
+    # swept while this build acquires its own) must not hide them
+    before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
     torch.cuda._sleep(SLEEP)
     plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=64, dtype=BF16, backend=backend)
-    grown = torch.cuda.memory_allocated() - before
+    grown = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
     device_bytes, host_bytes = plan.flashinfer_bytes
     print(f"\n{plan.backend.name}: {plan.num_plans} plans, {grown / 2**20:.2f} MiB allocated by the build, "
           f"flashinfer_bytes {device_bytes / 2**20:.2f} MiB device + {host_bytes / 2**20:.2f} MiB page-locked")

@@ -178,7 +178,7 @@ def _mla_args(gpu, dims, ql, cl, bs, seed):
     host = [rng.standard_normal(s).astype(np.float32) for s in
             ((t, 16, 192), (t, 512), (t, 64), dims.kv_b_proj_shape, (nb, bs, 576))]
     host[3] *= 512 ** -0.5
-    table = np.full((len(ql), 8), -1, np.int32)
+    table = np.full((len(ql), max(1, max(-(-c // bs) for c in cl))), -1, np.int32)
     perm, i = rng.permutation(nb), 0
     for r, c in enumerate(cl):
         for b in range(-(-c // bs)):
