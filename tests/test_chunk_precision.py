@@ -3,8 +3,11 @@
 A row whose request's context is split over several chunks is merged once per chunk; its running out is held in
 float32 between those merges and rounded to the plan's dtype once, by its last merge (the plan's
 :attr:`mla_bridge.PrefillPlan.merge_steps`). Before, it was rounded to bf16 at every merge and the error grew with
-the chunk count (64 new + 512 cached tokens: 7.1e-3 fused, 2.4e-2 at 16-token chunks). The bound asserted here:
-the worst error at any chunk count is at most 1.5x the fused schedule's, or at most 2**-8 x max |reference|.
+the chunk count (64 new + 512 cached tokens: 7.1e-3 fused, 2.4e-2 at 16-token chunks). Asserted here: on those
+cases the worst error at any chunk count is at most 1.5x the fused schedule's, or at most 2**-8 x max |reference|;
+and for any chunk count out is its own partials merged in float64 and rounded once, within one ulp. (What remains
+beyond the fused error is the rounding of each chunk's partial out to bf16, which the attention kernels do: at most
+half an ulp of that partial each, weighted by its share, however many chunks there are.)
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import random
 import pytest
 import torch
 
-from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj
 
 BF16 = torch.bfloat16
 V2 = MLADims.deepseek_v2_lite()
@@ -79,6 +82,65 @@ def test_bf16_error_with_requests_split_between_chunks():
         assert plan.running_rows == 32 and plan.num_merges > 4
 
 
+def partials_merged_once(batch, plan, weight):
+    """The plan's own partials -- its main pass and every chunk pass, on the separate k/v path, outs as the kernels
+    write them (the plan's dtype), LSEs as mla_prefill's merges read them -- merged in float64 and rounded once to
+    the plan's dtype; with the merged float64 LSE. What mla_prefill(..., weight, ..., kv_impl="separate") gives up
+    to one rounding flip of the result, whatever the number of chunks (``weight``: a PreparedKVBProj)."""
+    import math
+
+    from mla_bridge import kv as KV
+
+    nothing = lambda name: None  # noqa: E731
+    k_pe = batch.k_pe.reshape(batch.kv_c.shape[0], -1)
+    k, v = KV.new_tokens_kv(batch.kv_c, k_pe, weight, nothing, "separate")
+    o, lse = plan.main.run(batch.q, k, v)
+    parts = [(0, plan.num_tokens, o, lse)]
+    for c in plan.chunks:
+        if c.plan is not None:
+            k, v = KV.chunk_kv(c, batch.cache, batch.block_table, None, weight, plan.dtype, nothing, "separate")
+            o, lse2 = c.plan.run(batch.q[c.q_start:c.q_end], k, v, lse_base="log2")
+            parts.append((c.q_start, c.q_end, o, lse2 * math.log(2.0)))  # the float32 multiply of the merges
+    total = parts[0][3].double().cpu().clone()
+    for a, b, _, lse in parts[1:]:
+        total[a:b] = torch.logaddexp(total[a:b], lse.double().cpu())
+    acc = torch.zeros(parts[0][2].shape, dtype=torch.float64)
+    for a, b, o, lse in parts:
+        acc[a:b] += o.double().cpu() * torch.exp(lse.double().cpu() - total[a:b]).unsqueeze(-1)
+    return acc.to(plan.dtype), total
+
+
+def assert_rounded_once(out, want):
+    """Within one unit in the last place of ``want``'s dtype (the float32 running out may round the other way near
+    a rounding boundary), plus 1e-5 x max |want| for the float32 running arithmetic itself (where a row's partials
+    nearly cancel, its small result has a small ulp). One bf16 rounding per merge costs up to 2**-9 x |out| each."""
+    from tests.test_merge import ulp
+
+    diff = (out.double().cpu() - want.double()).abs()
+    excess = diff - ulp(want, want.dtype) - 1e-5 * float(want.double().abs().max())
+    assert excess.max() <= 0, (float(diff.max()), int((excess > 0).sum()))
+
+
+@pytest.mark.parametrize("chunk_tokens", [2, 16, 512])
+def test_chunked_out_is_its_partials_merged_and_rounded_once(chunk_tokens):
+    """Whatever the chunk count (256, 32 or 1 chunks of one request; and requests split between chunks), out is the
+    float64 merge of the same partials rounded once, within one ulp: no rounding between the merges of a row.
+    Before, at 256 chunks, a row's out was rounded 256 times (off by up to 8 ulps of bf16)."""
+    from tests.conftest import make_mla_batch
+
+    dims = MLADims(num_heads=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    for q_lens, c_lens in (([64], [512]), ([24, 8, 0, 16, 32], [200, 0, 40, 150, 120])):
+        batch = make_mla_batch(dims, q_lens, c_lens, 16, dtype=BF16, seed=7)
+        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, block_size=16, dtype=BF16, fuse_context=False,
+                                 workspace=Workspace("cpu", chunk_tokens=chunk_tokens))
+        weight = prepare_kv_b_proj(batch.w, dims)
+        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, batch.cache, batch.block_table, plan,
+                               return_lse=True, kv_impl="separate")
+        want, want_lse = partials_merged_once(batch, plan, weight)
+        assert_rounded_once(out, want)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-6)
+
+
 def test_float32_plans_merge_in_out_itself():
     """float32 gains nothing from a float32 running copy: no running rows, out merged in place, as before."""
     from tests.conftest import make_mla_batch, mla_reference
@@ -132,3 +194,16 @@ def test_merge_steps_random_schedules():
                         assert dst is not None and 0 <= dst + i < plan.running_rows
                     where[r] = None if dst is None else dst + i
         assert seen == merges_of and all(w is None for w in where), (q_lens, c_lens)
+
+
+def test_merge_steps_of_a_split_request_and_the_bench_bytes():
+    """A request whose context fills three chunks: its rows go into the running out, stay there, and come back;
+    the bench's merge phase counts the float32 bytes they move."""
+    from mla_bridge.bench.context import merge_phase_bytes
+
+    plan = PrefillPlan.build([100, 50], [300, 0], dims=V2, workspace=Workspace("cpu", chunk_tokens=128),
+                             block_size=16, dtype=BF16, fuse_context=False)
+    assert plan.merge_steps == (((0, 100, None, 0),), ((0, 100, 0, 0),), ((0, 100, 0, None),))
+    assert plan.running_rows == 100
+    row = 16 * 128
+    assert merge_phase_bytes(plan, 2) == 100 * (row * (2 + 2 + 4) + row * (4 + 2 + 4) + row * (4 + 2 + 2) + 3 * 16 * 12)
