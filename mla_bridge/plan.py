@@ -192,7 +192,7 @@ class PrefillPlan:
     ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the fused
     schedule attended context + new: :attr:`num_gathered_context_tokens`), ``fused`` (bool), ``main``
     (:class:`RaggedPlan`), ``chunks`` (list of :class:`ContextChunk`, with their merge rounds: :attr:`num_merges`,
-    :attr:`partial_rows`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything the plan
+    :attr:`partial_rows`, :attr:`merge_steps`, :attr:`running_rows`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything the plan
     depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index tensors that
     place gathered context and new tokens into one key buffer.
     """

@@ -239,6 +239,11 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``.
 
+    Precision (fp16/bf16): each pass's kernel rounds its partial out to the plan's dtype; a row merged more than
+    once (its request's context split over chunks) is carried in float32 between its merges and rounded once, by
+    its last merge (:attr:`mla_bridge.PrefillPlan.merge_steps`), so the error does not grow with the number of
+    chunks. The LSE is float32 throughout.
+
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment
             switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE`` / ``MLA_BRIDGE_TRITON_LAUNCH`` /
