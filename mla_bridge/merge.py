@@ -153,7 +153,7 @@ def _select(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, c
             triton: bool, forced: Optional[str]) -> MergeChoice:
     t, h, d = shape
     row = max(1, h * d)
-    torch_rows = max(1, TORCH_MERGE_PIECE_ELEMENTS // row) if device_type == "cuda" else max(1, t)
+    torch_rows = _torch_rows(t, h, d, device_type)
 
     def use_torch(reason: str) -> MergeChoice:
         return MergeChoice("torch", reason, min(max(1, t), torch_rows))
@@ -194,6 +194,11 @@ def _select(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, c
     if rows < t:
         why += f"; {-(-t // rows)} pieces of <= {rows} rows (32-bit element offsets)"
     return MergeChoice("flashinfer", why, min(t, rows), g)
+
+
+def _torch_rows(t: int, h: int, d: int, device_type: str) -> int:
+    """Rows of one piece of the torch merge: all of them off CUDA, else :data:`TORCH_MERGE_PIECE_ELEMENTS` worth."""
+    return max(1, TORCH_MERGE_PIECE_ELEMENTS // max(1, h * d)) if device_type == "cuda" else max(1, t)
 
 
 def _check(out_a, lse_a, out_b, lse_b) -> None:
@@ -285,19 +290,37 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
 
 
 def merge_planned_(choice: MergeChoice, out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor, *, lse_b_base: str = "ln") -> None:
+                   lse_b: torch.Tensor, *, lse_b_base: str = "ln", dst: Optional[torch.Tensor] = None) -> None:
     """:func:`merge_attn_states_` for partials whose shapes, dtypes, devices and layout the caller guarantees
     (:func:`mla_bridge.mla_prefill`: the plan fixes every one of them, and ``out`` / ``lse`` are its own contiguous
-    row slices), with ``choice`` = :func:`select_merge` of ``(1, H, D)`` made once per call. Triton's choice (which
-    serves any row count and any strides) launches the kernel with no checks, saving their host time (about 20 us
-    per merge on the H200's host, 2026-12-01); any other choice goes through :func:`merge_attn_states_`, which
-    checks and picks the pieces for the real row count."""
+    row slices), with ``choice`` = :func:`select_merge` of ``(1, H, D)`` in ``out_b``'s dtype made once per call.
+    Triton's choice (which serves any row count and any strides) launches the kernel with no checks, saving their
+    host time (about 20 us per merge on the H200's host, 2026-12-01); any other choice goes through
+    :func:`merge_attn_states_`, which checks and picks the pieces for the real row count.
+
+    ``dst``: where the merged out goes (default ``out``: in place; ``lse`` is always merged in place), of ``out``'s
+    shape; ``out`` and ``dst`` may each be float32 while ``out_b`` is fp16/bf16 (a float32 running out between the
+    merges of a row: :attr:`mla_bridge.PrefillPlan.merge_steps`). The result is computed in float32 and rounded once
+    to ``dst``'s dtype by every merge (Triton's kernel; where the dtypes differ and Triton's is not the choice, the
+    float32 torch merge, in bounded row pieces on CUDA, since FlashInfer's merge takes one dtype)."""
+    log2 = lse_b_base == "log2"
     if choice.name == "triton":
         from .kernels.merge import merge_triton
 
-        merge_triton(out, lse, out, lse, out_b, lse_b, lse_b_base == "log2")
+        merge_triton(out if dst is None else dst, lse, out, lse, out_b, lse_b, log2)
         return
-    merge_attn_states_(out, lse, out_b, lse_b, lse_b_base=lse_b_base)
+    if dst is None or (dst is out and out.dtype == out_b.dtype):
+        merge_attn_states_(out, lse, out_b, lse_b, lse_b_base=lse_b_base)
+        return
+    if log2:
+        lse_b = lse_b * _LN2  # the float32 multiply FlashInfer's conversion does
+    t, h, d = out.shape
+    rows = _torch_rows(t, h, d, out.device.type)
+    for a in range(0, t, rows):
+        r = slice(a, min(t, a + rows))
+        new_out, new_lse = _merge_torch(out[r], lse[r], out_b[r], lse_b[r], dtype=torch.float32)
+        dst[r].copy_(new_out)  # rounded once, to nearest even, into dst's dtype
+        lse[r].copy_(new_lse)
 
 
 def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
@@ -352,7 +375,8 @@ def _merge_piece(choice: MergeChoice, out_a, lse_a, out_b, lse_b) -> tuple[torch
     return _merge_torch(out_a, lse_a, out_b, lse_b)
 
 
-def _merge_torch(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_torch(out_a, lse_a, out_b, lse_b, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 merge; out returned in ``dtype`` (default out_a's), lse float32."""
     neg_inf = torch.tensor(float("-inf"), device=lse_a.device)
     la = torch.where(lse_a == float("inf"), neg_inf, lse_a)
     lb = torch.where(lse_b == float("inf"), neg_inf, lse_b)
@@ -369,4 +393,4 @@ def _merge_torch(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor
     # where(), not a product, so that an empty partial's out (possibly garbage, even NaN) never leaks.
     zero = torch.zeros((), dtype=torch.float32, device=out_a.device)
     out = torch.where(sa != 0, out_a.float() * sa, zero) + torch.where(sb != 0, out_b.float() * sb, zero)
-    return out.to(out_a.dtype), lse
+    return out.to(out_a.dtype if dtype is None else dtype), lse

@@ -225,7 +225,7 @@ class PrefillPlan:
     ``qo_indptr`` (int32 CPU ``[batch + 1]``), ``main_kv_indptr`` (int32 CPU: the main pass's keys; in the fused
     schedule attended context + new: :attr:`num_gathered_context_tokens`), ``fused`` (bool), ``main``
     (:class:`RaggedPlan`), ``chunks`` (list of :class:`ContextChunk`, with their merge rounds: :attr:`num_merges`,
-    :attr:`partial_rows`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything the plan
+    :attr:`partial_rows`, :attr:`merge_steps`, :attr:`running_rows`), ``device``, ``dtype``, ``kv_cache_dtype``, ``workspace``, ``key`` (everything the plan
     depends on, see :class:`PlanCache`; made on first use), and for the fused schedule the device index tensors that
     place gathered context and new tokens into one key buffer.
     """
@@ -629,6 +629,32 @@ class PrefillPlan:
         return device, host
 
     @property
+    def running_rows(self) -> int:
+        """Rows of the float32 running out one :func:`mla_bridge.mla_prefill` call holds between the merges of a row
+        that is merged more than once (a request whose context is split over chunks): 0 where every row is merged
+        at most once, and for float32 / float64 plans (their out holds the running state itself). At most the new
+        tokens of one request (:attr:`merge_steps`)."""
+        return self._merge_schedule()[1]
+
+    @property
+    def merge_steps(self) -> tuple:
+        """Per chunk (aligned with :attr:`chunks`): None for a chunk whose pass merges nothing, else its merge as
+        consecutive steps ``(row_start, row_stop, src, dst)`` that tile its ``merge_rows``: rows
+        ``row_start:row_stop`` of out merge with their partial from the running out ``src`` (None: from out itself,
+        the row's first merge; an int: that row of the float32 running out, :attr:`running_rows`) into ``dst``
+        (None: out in the plan's dtype, the row's last merge; an int: the running row). Without running rows each
+        merge is one step ``(start, stop, None, None)``: out merged in place, as for one merge per row.
+        Made on first use (:func:`_merge_steps`) and kept."""
+        return self._merge_schedule()[0]
+
+    def _merge_schedule(self) -> tuple:
+        made = self.__dict__.get("_merge_steps")
+        if made is None:
+            made = self._merge_steps = _merge_steps([c.merge_rows for c in self.chunks],
+                                                    running=self.dtype.itemsize < 4)
+        return made
+
+    @property
     def num_plans(self) -> int:
         """Ragged plans made for this batch: the main pass plus one per distinct chunk shape (chunks with equal
         query and key lengths share one; never one per layer)."""
@@ -669,6 +695,39 @@ def _merge_rounds(rows: Sequence[tuple[int, int]]) -> list[tuple[int, Optional[t
     if open_start is not None:
         out[last] = (out[last][0], (open_start, prev_end))
     return out
+
+
+def _merge_steps(merge_rows: Sequence[Optional[tuple[int, int]]], running: bool) -> tuple[tuple, int]:
+    """``(steps per chunk, running rows)`` of :attr:`PrefillPlan.merge_steps` for the chunks' ``merge_rows`` (in
+    order; None for a chunk that merges nothing); ``running``: whether rows merged more than once keep a float32
+    running out between their merges (half-precision plans), else every merge is one in-place step.
+
+    Merge rounds (:func:`_merge_rounds`) come in row order: round ``k`` merges rows ``[s_k, e_k)``, with ``s_k`` and
+    ``e_k`` non-decreasing in ``k``, and two consecutive rounds share at most the rows of one request (the one whose
+    context the chunk edge splits). So the rows of round ``k`` merged before are ``[s_k, min(e_k, e_{k-1}))`` and the
+    rows merged again are ``[max(s_k, s_{k+1}), e_k)``, both the rows of that one request; the running row of query
+    row ``r`` is ``r - s_{k+1}`` while it goes from round ``k`` to round ``k + 1`` (where one request's rows are
+    both, ``s_k = s_{k+1}``: the same running rows, merged in place). Up to three steps per round (merged before and
+    last / first and last / first and merged again); the running out holds the rows of one request at a time."""
+    merges = [rows for rows in merge_rows if rows is not None]
+    out: list = []
+    width, k = 0, 0
+    for rows in merge_rows:
+        if rows is None:
+            out.append(None)
+            continue
+        s, e = rows
+        if not running:
+            out.append(((s, e, None, None),))
+            continue
+        before = min(e, max(s, merges[k - 1][1])) if k else s  # [s, before): read from the running out
+        again = max(s, min(e, merges[k + 1][0])) if k + 1 < len(merges) else e  # [again, e): written to it
+        cuts = sorted({s, before, again, e})
+        out.append(tuple((lo, hi, lo - s if lo < before else None, lo - again if lo >= again else None)
+                         for lo, hi in zip(cuts, cuts[1:])))
+        width = max(width, e - again)
+        k += 1
+    return tuple(out), width
 
 
 def _page_locked(table: np.ndarray) -> torch.Tensor:

@@ -8,7 +8,9 @@ Steps per layer (all host decisions were made in :class:`mla_bridge.PrefillPlan`
      (steps 1 and 2 are one Triton launch per pass on CUDA: :mod:`mla_bridge.kv` chooses);
   3. attention: the fused schedule gathers context and new tokens into one key buffer and runs one causal pass;
      the chunked schedule runs the causal main pass over the new tokens, then for each context chunk gathers the
-     latent cache by ``block_table``, up-projects it, runs a non-causal pass and merges by LSE.
+     latent cache by ``block_table``, up-projects it, runs a non-causal pass and merges by LSE (a row merged more
+     than once, its request's context split over chunks, is carried in float32 between its merges and rounded to
+     the plan's dtype once: :attr:`mla_bridge.PrefillPlan.merge_steps`).
 The formula is DeepSeek-V2's MLA in its "MHA form" (``kv_b_proj`` splits into k_nope and v per head).
 
 Non-finite inputs (NaN, inf), per row of ``out`` / ``lse``. A NaN or infinity in a new token's ``kv_c`` makes its key's
@@ -251,6 +253,11 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``. Which rows a NaN or
         infinity in one token's input reaches, per backend: the module docstring ("Non-finite inputs").
 
+    Precision (fp16/bf16): each pass's kernel rounds its partial out to the plan's dtype; a row merged more than
+    once (its request's context split over chunks) is carried in float32 between its merges and rounded once, by
+    its last merge (:attr:`mla_bridge.PrefillPlan.merge_steps`), so the error does not grow with the number of
+    chunks. The LSE is float32 throughout.
+
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment
             switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE`` / ``MLA_BRIDGE_TRITON_LAUNCH`` /
@@ -291,8 +298,12 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     plan.main.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
     # One partial out / lse for every merge round (plan.chunks' part_row / merge_rows): the chunks of a round write
     # their rows of it, then one merge reads it, before the next round's first pass writes it again (one stream).
-    part_out = part_lse = None
-    for chunk in plan.chunks:
+    # A row merged more than once (its request's context split over chunks) is carried between its merges in a
+    # float32 running out (plan.merge_steps), rounded to the plan's dtype once, by its last merge, so that the error
+    # does not grow with the number of chunks; plans whose rows are each merged once have none.
+    part_out = part_lse = running = None
+    steps = plan.merge_steps if plan.running_rows else None
+    for i, chunk in enumerate(plan.chunks):
         if chunk.plan is None:
             continue
         del k, v  # free the previous pass's buffers before this chunk allocates its own
@@ -302,14 +313,25 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             n = plan.partial_rows
             part_out = torch.empty(n, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
             part_lse = torch.empty(n, dims.num_heads, dtype=torch.float32, device=plan.device)
+            if steps is not None:
+                running = torch.empty(plan.running_rows, dims.num_heads, dims.v_head_dim, dtype=torch.float32,
+                                      device=plan.device)
         part = slice(chunk.part_row, chunk.part_row + chunk.q_end - chunk.q_start)
         chunk.plan.run(q[chunk.q_start:chunk.q_end], k, v, out=part_out[part], lse=part_lse[part],
                        lse_base="log2")  # FlashInfer's base 2, unconverted
         if chunk.merge_rows is not None:
             hook("merge")
             start, stop = chunk.merge_rows
-            merge_planned_(merge, out[start:stop], lse[start:stop], part_out[:stop - start], part_lse[:stop - start],
-                           lse_b_base="log2")  # converted as read
+            if steps is None:
+                merge_planned_(merge, out[start:stop], lse[start:stop], part_out[:stop - start],
+                               part_lse[:stop - start], lse_b_base="log2")  # converted as read
+                continue
+            for a, b, src, dst in steps[i]:
+                p, n = a - start, b - a
+                merge_planned_(merge, out[a:b] if src is None else running[src:src + n], lse[a:b],
+                               part_out[p:p + n], part_lse[p:p + n], lse_b_base="log2",
+                               dst=None if src is None and dst is None else out[a:b] if dst is None
+                               else running[dst:dst + n])
     hook("end")
     return (out, lse) if return_lse else out
 
@@ -326,7 +348,9 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     upper bound). The fused schedule has one pass over context + new tokens; the
     chunked one frees each pass before the next, and from its first chunk on holds one partial out/lse for the most
     query rows of any merge round (``plan.partial_rows``, at most T, reused by every round) plus the merge's float32
-    LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none). The gather's temporaries
+    LSE copies for those rows (FlashInfer's merge makes them; the Triton merge makes none), and a float32 running
+    out of ``plan.running_rows x H x v_head_dim x 4`` bytes for the rows merged more than once (0 where every row is
+    merged once, and for float32 plans: :attr:`mla_bridge.PrefillPlan.merge_steps`). The gather's temporaries
     per context row are :func:`mla_bridge.cache.gather_row_bytes` for the plan's cache dtype (the torch path's: the
     rows in the cache's dtype, for FP8 also their float32 dequantization and rounded copy, and 24 bytes of indices;
     the Triton gather allocates none of them, so the formula is an upper bound there; on CUDA the torch path of a
@@ -359,7 +383,8 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     if plan.fused:
         return fixed + one_pass(int(plan.main_kv_indptr[-1]), plan.num_gathered_context_tokens)
     peak = one_pass(t, 0)
-    partials = plan.partial_rows * h * (d.v_head_dim * e + 4 + 8)  # allocated at the first chunk, held to the end
+    # allocated at the first chunk, held to the end: the partial out / lse, and the float32 running rows
+    partials = plan.partial_rows * h * (d.v_head_dim * e + 4 + 8) + plan.running_rows * h * d.v_head_dim * 4
     for c in plan.chunks:
         if c.plan is not None:  # a CUDA chunk's torch gather makes its per-token indices in the call
             extra = ChunkRows.INDEX_BYTES if c.rows.indices is None else 0

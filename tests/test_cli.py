@@ -103,6 +103,21 @@ def test_prefill_bfloat16_on_cpu(tmp_path):
     assert res["check"]["max_abs_err_out"] < 2e-2 and res["check"]["max_abs_err_lse"] < 1e-2
 
 
+def test_prefill_bfloat16_error_does_not_grow_with_the_chunk_count(tmp_path):
+    """bf16, one request of 16 new + 512 cached tokens at 4-token chunks (128 merges of the same rows): the error
+    stays within 1.5x the fused schedule's (or 2**-8 x max |ref|), and the check passes. Before, each merge rounded
+    the running out to bf16: 3e-2 against 4.8e-3 fused (at 2-token chunks 9.1e-2, and the check failed, exit 1)."""
+    common = ("--dtype", "bfloat16", "--prompt-lens", "16", "--context-lens", "512", "--check-requests", "1",
+              "--no-breakdown")
+    rc, fused = run_json(tmp_path, *common)
+    assert rc == 0 and fused["schedule"] == "fused"
+    rc, res = run_json(tmp_path, *common, "--no-fuse", "--chunk-tokens", "4")
+    assert res["num_chunks"] == 128 and res["num_merges"] == 128
+    err, ref_max = res["check"]["max_abs_err_out"], res["check"]["requests"][0]["max_abs_ref_out"]
+    assert err <= max(1.5 * fused["check"]["max_abs_err_out"], 2.0 ** -8 * ref_max), (err, fused["check"])
+    assert rc == 0 and res["check"]["passed"] is True
+
+
 def test_prefill_check_catches_a_wrong_result(tmp_path, monkeypatch, capsys):
     import mla_bridge
 

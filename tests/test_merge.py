@@ -566,6 +566,47 @@ def test_triton_route_checks_before_the_kernel(fake_triton_merge):
     assert not fake_triton_merge and torch.equal(out, torch.full((2, 3, 4), 7.0))
 
 
+# (src dtype, dst dtype, in place) of merge_planned_ with a float32 running out: a row's first merge (out in the
+# plan's dtype into the float32 running out), a middle one (the running out in place), its last (into out)
+RUNNING_FORMS = [(BF16, torch.float32, False), (torch.float32, torch.float32, True), (torch.float32, BF16, False),
+                 (torch.float16, torch.float32, False), (torch.float32, torch.float16, False)]
+
+
+@pytest.mark.parametrize("src,dst_dtype,in_place", RUNNING_FORMS)
+@pytest.mark.parametrize("impl", ["torch", "flashinfer"])
+def test_merge_planned_into_another_dtype_rounds_once(src, dst_dtype, in_place, impl):
+    """merge_planned_ with ``dst``: out (``src``) and a half-precision partial merged in float32 and rounded once
+    into dst's dtype, the lse in place (base-2 lse_b converted as read): bitwise the float32 torch merge rounded to
+    dst's dtype. The FlashInfer choice (one dtype only) hands such merges to the torch merge (nothing imported)."""
+    from mla_bridge.merge import merge_planned_
+
+    half = src if src != torch.float32 else (torch.float16 if dst_dtype == torch.float16 else BF16)
+    oa, la, ob, lb = merge_cases(64, half, seed=31)
+    oa = (oa.float() * 1.0001).to(src) if src == torch.float32 else oa  # float32 values off the half grid
+    b2 = lb * LOG2E
+    want_o, want_l = merge_mod._merge_torch(oa, la, ob, b2 * math.log(2.0), dtype=torch.float32)
+    a, lse = oa.clone(), la.clone()
+    dst = a if in_place else torch.full(oa.shape, 7.0, dtype=dst_dtype)
+    choice = MergeChoice(impl, "test", 10 ** 9, 4 if impl == "flashinfer" else 0)
+    merge_planned_(choice, a, lse, ob, b2, lse_b_base="log2", dst=dst)
+    assert dst.dtype == dst_dtype and bitwise((dst, lse), (want_o.to(dst_dtype), want_l))
+    if not in_place:
+        assert bitwise((a, la), (oa, la))  # the source is only read
+
+
+def test_merge_planned_hands_dst_to_the_triton_kernel(fake_triton_merge):
+    """The Triton choice: one kernel call writing dst (another dtype) from out and the partial, lse in place."""
+    from mla_bridge.merge import merge_planned_
+
+    oa, la, ob, lb = merge_cases(64, BF16, seed=32)
+    dst = torch.empty(oa.shape, dtype=torch.float32)
+    choice = select_merge((1, 4, 64), BF16, "cuda", flashinfer=True, triton=True)
+    merge_planned_(choice, oa, la, ob, lb, lse_b_base="log2", dst=dst)
+    assert len(fake_triton_merge) == 1
+    d, d_lse, a, sa, b, sb, log2 = fake_triton_merge[0]
+    assert d is dst and a is oa and d_lse is la and sa is la and b is ob and sb is lb and log2 is True
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the Triton merge (mla_bridge.kernels.merge), interpreted on CPU tensors, against the torch merge
 # --------------------------------------------------------------------------------------------------------------
@@ -701,6 +742,36 @@ def interpreted_merge_cases() -> str:
             exact += bitwise((o4, l4), numpy_math_merge(oa, la, ob, b2 * math.log(2.0)))
             n += 4
     return f"ok {n} exact {exact}"
+
+
+def interpreted_running_merge_cases() -> str:
+    """Run under TRITON_INTERPRET=1 with MLA_BRIDGE_MERGE=triton: merge_planned_ with the Triton choice and a dst of
+    another dtype (:data:`RUNNING_FORMS`: the kernel reads a float32 or half out, a half partial, and writes float32
+    or half) against the float32 torch merge rounded into dst's dtype (:func:`assert_merge_matches`)."""
+    from mla_bridge.merge import merge_planned_
+
+    n = 0
+    for src, dst_dtype, in_place in RUNNING_FORMS:
+        half = src if src != torch.float32 else (torch.float16 if dst_dtype == torch.float16 else BF16)
+        oa, la, ob, lb = merge_cases(64, half, seed=33)
+        oa = (oa.float() * 1.0001).to(src) if src == torch.float32 else oa
+        choice = select_merge((1, 4, 64), half, "cpu")
+        assert choice.name == "triton"
+        a, lse = oa.clone(), la.clone()
+        dst = a if in_place else torch.full(oa.shape, 7.0, dtype=dst_dtype)
+        merge_planned_(choice, a, lse, ob, lb, dst=dst)
+        want = merge_mod._merge_torch(oa, la, ob, lb, dtype=torch.float32)
+        assert_merge_matches((dst, lse), (want[0].to(dst_dtype), want[1]), oa.to(dst_dtype), la, ob.to(dst_dtype),
+                             lb)
+        n += 1
+    return f"ok {n}"
+
+
+def test_triton_merge_into_another_dtype_interpreted(triton_interpreted):
+    """Where Triton is installed: :func:`interpreted_running_merge_cases` under the interpreter."""
+    words = triton_interpreted("tests.test_merge:interpreted_running_merge_cases", "tests/gpu/test_gpu_merge.py",
+                               MLA_BRIDGE_MERGE="triton").split()
+    assert words == ["ok", str(len(RUNNING_FORMS))], words
 
 
 def test_triton_merge_equals_torch_merge_interpreted(triton_interpreted):

@@ -355,10 +355,18 @@ def test_prefill_memory_bytes_follows_the_schedule():
     assert prefill_memory_bytes(fused) == fixed + 450 * lat * e + 300 * (lat * e + 24) + 450 * h * p * e
     chunked = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=128), block_size=16,
                                 dtype=torch.bfloat16)
-    # a chunk's torch gather makes its per-token indices in the call (ChunkRows.INDEX_BYTES = 32 a row)
-    chunk = 128 * lat * e + 128 * (lat * e + 24 + 32) + 128 * h * p * e + 100 * h * (128 * e + 12)
+    # request 0's context is split over 3 chunks: its 100 rows are carried in float32 between their merges; a chunk's
+    # torch gather makes its per-token indices in the call (ChunkRows.INDEX_BYTES = 32 a row)
+    assert chunked.running_rows == 100
+    chunk = 128 * lat * e + 128 * (lat * e + 24 + 32) + 128 * h * p * e + 100 * h * (128 * e + 12) + 100 * h * 128 * 4
     assert prefill_memory_bytes(chunked) == fixed + max(150 * lat * e + 150 * h * p * e, chunk)
     assert prefill_memory_bytes(chunked) < prefill_memory_bytes(fused)
+    # each request's context in a chunk of its own: one merge round, every row merged once, no float32 running rows
+    each = PrefillPlan.build(q_lens, [128, 128], dims=d, workspace=Workspace("cpu", chunk_tokens=128), block_size=16,
+                             dtype=torch.bfloat16)
+    assert each.running_rows == 0 and each.num_merges == 1
+    chunk = 128 * lat * e + 128 * (lat * e + 24 + 32) + 128 * h * p * e + 150 * h * (128 * e + 12)
+    assert prefill_memory_bytes(each) == fixed + max(150 * lat * e + 150 * h * p * e, chunk)
 
 
 def test_nan_in_q_is_not_hidden_by_either_schedule():

@@ -269,6 +269,18 @@ class _Phases:
                 merge_attn_states_(self.out[c.q_start:c.q_end], self.lse[c.q_start:c.q_end], part[0], part[1])
 
 
+def merge_phase_bytes(plan: PrefillPlan, e: int) -> int:
+    """Bytes the merges of one :func:`mla_bridge.mla_prefill` call move (``e``: the out dtype's size): per step of
+    :attr:`mla_bridge.PrefillPlan.merge_steps`, its rows' out (or float32 running out) and partial read, the merged
+    out (or running out) written, and the float32 LSEs (two read, one written)."""
+    h, dv = plan.dims.num_heads, plan.dims.v_head_dim
+    total = 0
+    for steps in plan.merge_steps:
+        for start, stop, src, dst in steps or ():
+            total += (stop - start) * h * (dv * ((e if src is None else 4) + e + (e if dst is None else 4)) + 12)
+    return total
+
+
 def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     label, budget = case.budgets[bi]
     name = f"{case.name}, {label}"
@@ -470,13 +482,12 @@ def _in_layer_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row,
     d, e = x.dims, x.q.element_size()
     attn, up = x.flops()
     main_attn = attn if plan.fused else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads)
-    merged_rows = sum(c.q_end - c.q_start for c in plan.chunks if c.plan is not None)
     # what each phase moves or computes: latent rows read + written; the GEMM; the attention; partials read + written
     work = {"gather": dict(nbytes=((4 * x.num_context + 2 * x.num_tokens) if plan.fused
                                    else 2 * (x.num_context + x.num_tokens)) * d.latent_dim * e),
             "up-projection": dict(flops=up), "main pass": dict(flops=main_attn),
             "context chunk": dict(flops=attn - main_attn),
-            "merge": dict(nbytes=3 * merged_rows * d.num_heads * (d.v_head_dim * e + 4))}
+            "merge": dict(nbytes=merge_phase_bytes(plan, e))}
     rows = []
     for i, phase in enumerate(IN_LAYER_PHASES):
         if phase in times.phases_ms:

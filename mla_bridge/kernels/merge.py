@@ -21,7 +21,9 @@ out is exactly 0 there.
 Under ``TRITON_INTERPRET=1`` (CPU tensors) ``exp``/``log`` are numpy's.
 
 Layout: out tensors ``[T, H, D]`` with any strides (passed per tensor; Triton specializes a unit last stride), any
-D (the block is the next power of two, masked); LSEs ``[T, H]`` float32 contiguous (the caller makes them so).
+D (the block is the next power of two, masked), each of its own dtype among fp16/bf16/float32 (a float32 running out
+merged with a bf16 partial into float32 or bf16: :attr:`mla_bridge.PrefillPlan.merge_steps`; the kernel is compiled
+per dtype combination); LSEs ``[T, H]`` float32 contiguous (the caller makes them so).
 Offsets are int64: any T. Imported only by :mod:`mla_bridge.merge`, on first use: Triton is not needed on the CPU.
 """
 
@@ -119,7 +121,8 @@ def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, 
                  out_b: torch.Tensor, lse_b: torch.Tensor, lse_b_log2: bool = False) -> None:
     """``(dst, dst_lse) <- merge((out_a, lse_a), (out_b, lse_b))``; ``dst`` may be ``out_a`` (in place).
 
-    All outs ``[T, H, D]`` of one dtype (fp16/bf16/float32) with any strides; LSEs ``[T, H]`` float32, natural log
+    All outs ``[T, H, D]`` with any strides, each fp16/bf16/float32 (``out_a`` and ``dst`` may differ from
+    ``out_b``: read in float32, rounded once to ``dst``'s dtype); LSEs ``[T, H]`` float32, natural log
     (``dst_lse`` contiguous; ``lse_a`` / ``lse_b`` are made contiguous here when they are not, a copy of T x H
     floats); ``lse_b_log2``: ``lse_b`` is base 2 (FlashInfer's), multiplied by float32(ln 2) as it is read. The
     caller (:mod:`mla_bridge.merge`) has checked shapes, dtypes and devices."""
