@@ -302,23 +302,29 @@ def merge_planned_(choice: MergeChoice, out: torch.Tensor, lse: torch.Tensor, ou
     shape; ``out`` and ``dst`` may each be float32 while ``out_b`` is fp16/bf16 (a float32 running out between the
     merges of a row: :attr:`mla_bridge.PrefillPlan.merge_steps`). The result is computed in float32 and rounded once
     to ``dst``'s dtype by every merge (Triton's kernel; where the dtypes differ and Triton's is not the choice, the
-    float32 torch merge, in bounded row pieces on CUDA, since FlashInfer's merge takes one dtype)."""
+    float32 torch merge, in bounded row pieces on CUDA, since FlashInfer's merge takes one dtype).
+
+    Unlike :func:`merge_attn_states`, an LSE of +inf is NOT read as an empty partial: the passes of
+    :func:`mla_bridge.mla_prefill` mark an empty row with -inf, so a +inf comes from an infinite logit (an inf in q
+    or k), whose softmax is undefined, and the merged row comes out non-finite instead of silently dropping that
+    pass. Only a merge forced to FlashInfer's kernel (``MLA_BRIDGE_MERGE=flashinfer``) keeps its own rules there."""
     log2 = lse_b_base == "log2"
     if choice.name == "triton":
         from .kernels.merge import merge_triton
 
-        merge_triton(out if dst is None else dst, lse, out, lse, out_b, lse_b, log2)
+        merge_triton(out if dst is None else dst, lse, out, lse, out_b, lse_b, log2, inf_empty=False)
         return
-    if dst is None or (dst is out and out.dtype == out_b.dtype):
+    if choice.name == "flashinfer" and (dst is None or (dst is out and out.dtype == out_b.dtype)):
         merge_attn_states_(out, lse, out_b, lse_b, lse_b_base=lse_b_base)
         return
+    dst = out if dst is None else dst
     if log2:
         lse_b = lse_b * _LN2  # the float32 multiply FlashInfer's conversion does
     t, h, d = out.shape
     rows = _torch_rows(t, h, d, out.device.type)
     for a in range(0, t, rows):
         r = slice(a, min(t, a + rows))
-        new_out, new_lse = _merge_torch(out[r], lse[r], out_b[r], lse_b[r], dtype=torch.float32)
+        new_out, new_lse = _merge_torch(out[r], lse[r], out_b[r], lse_b[r], dtype=torch.float32, inf_empty=False)
         dst[r].copy_(new_out)  # rounded once, to nearest even, into dst's dtype
         lse[r].copy_(new_lse)
 
@@ -375,11 +381,13 @@ def _merge_piece(choice: MergeChoice, out_a, lse_a, out_b, lse_b) -> tuple[torch
     return _merge_torch(out_a, lse_a, out_b, lse_b)
 
 
-def _merge_torch(out_a, lse_a, out_b, lse_b, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 merge; out returned in ``dtype`` (default out_a's), lse float32."""
+def _merge_torch(out_a, lse_a, out_b, lse_b, dtype: Optional[torch.dtype] = None, inf_empty: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 merge; out returned in ``dtype`` (default out_a's), lse float32. ``inf_empty``: an LSE of +inf
+    marks an empty partial (else it is an infinite logit: the merged row comes out non-finite)."""
     neg_inf = torch.tensor(float("-inf"), device=lse_a.device)
-    la = torch.where(lse_a == float("inf"), neg_inf, lse_a)
-    lb = torch.where(lse_b == float("inf"), neg_inf, lse_b)
+    la = torch.where(lse_a == float("inf"), neg_inf, lse_a) if inf_empty else lse_a
+    lb = torch.where(lse_b == float("inf"), neg_inf, lse_b) if inf_empty else lse_b
     m = torch.maximum(la, lb)
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     wa = torch.exp(la - m_safe)

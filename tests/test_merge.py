@@ -476,9 +476,10 @@ def fake_triton_merge(monkeypatch):
 
     calls = []
 
-    def merge_triton(dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2=False):
-        calls.append((dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2))
-        o, s = merge_mod._merge_torch(out_a, lse_a, out_b, lse_b * math.log(2.0) if lse_b_log2 else lse_b)
+    def merge_triton(dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2=False, inf_empty=True):
+        calls.append((dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2, inf_empty))
+        o, s = merge_mod._merge_torch(out_a, lse_a, out_b, lse_b * math.log(2.0) if lse_b_log2 else lse_b,
+                                      inf_empty=inf_empty)
         dst.copy_(o)
         dst_lse.copy_(s)
 
@@ -500,7 +501,7 @@ def test_triton_route_is_one_kernel_call(fake_triton_merge):
     expect = merge_mod._merge_torch(oa, la, ob, lb)
     out, lse = merge_attn_states(oa, la, ob, lb)
     assert len(fake_triton_merge) == 1
-    dst, dst_lse, a, sa, b, sb, log2 = fake_triton_merge[0]
+    dst, dst_lse, a, sa, b, sb, log2, _ = fake_triton_merge[0]
     assert dst is out and dst_lse is lse and a is oa and sa is la and b is ob and sb is lb
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == BF16
     assert bitwise((out, lse), expect)
@@ -511,12 +512,12 @@ def test_triton_route_is_one_kernel_call(fake_triton_merge):
     view_l.copy_(la)
     merge_attn_states_(view, view_l, ob, lb)
     assert len(fake_triton_merge) == 2
-    dst, dst_lse, a, sa, b, sb, log2 = fake_triton_merge[1]
+    dst, dst_lse, a, sa, b, sb, log2, _ = fake_triton_merge[1]
     assert dst is view and a is view and dst_lse is view_l and sa is view_l and b is ob and sb is lb and not log2
     assert bitwise((view, view_l), expect)
     o3, l3 = oa.clone(), la.clone()
     merge_attn_states_(o3, l3, ob, lb * LOG2E, lse_b_base="log2")  # handed on to the kernel, still one call
-    assert len(fake_triton_merge) == 3 and fake_triton_merge[2][-1] is True
+    assert len(fake_triton_merge) == 3 and fake_triton_merge[2][6] is True
 
 
 LOG2E = 1.0 / math.log(2.0)
@@ -577,14 +578,16 @@ RUNNING_FORMS = [(BF16, torch.float32, False), (torch.float32, torch.float32, Tr
 def test_merge_planned_into_another_dtype_rounds_once(src, dst_dtype, in_place, impl):
     """merge_planned_ with ``dst``: out (``src``) and a half-precision partial merged in float32 and rounded once
     into dst's dtype, the lse in place (base-2 lse_b converted as read): bitwise the float32 torch merge rounded to
-    dst's dtype. The FlashInfer choice (one dtype only) hands such merges to the torch merge (nothing imported)."""
+    dst's dtype. The FlashInfer choice (one dtype only) hands such merges to the torch merge (nothing imported).
+    A +inf LSE is an infinite logit there, not an empty partial (mla_prefill's passes mark empty rows with -inf)."""
     from mla_bridge.merge import merge_planned_
 
     half = src if src != torch.float32 else (torch.float16 if dst_dtype == torch.float16 else BF16)
     oa, la, ob, lb = merge_cases(64, half, seed=31)
     oa = (oa.float() * 1.0001).to(src) if src == torch.float32 else oa  # float32 values off the half grid
     b2 = lb * LOG2E
-    want_o, want_l = merge_mod._merge_torch(oa, la, ob, b2 * math.log(2.0), dtype=torch.float32)
+    want_o, want_l = merge_mod._merge_torch(oa, la, ob, b2 * math.log(2.0), dtype=torch.float32, inf_empty=False)
+    assert not bitwise((want_o, want_l), merge_mod._merge_torch(oa, la, ob, b2 * math.log(2.0), dtype=torch.float32))
     a, lse = oa.clone(), la.clone()
     dst = a if in_place else torch.full(oa.shape, 7.0, dtype=dst_dtype)
     choice = MergeChoice(impl, "test", 10 ** 9, 4 if impl == "flashinfer" else 0)
@@ -603,8 +606,9 @@ def test_merge_planned_hands_dst_to_the_triton_kernel(fake_triton_merge):
     choice = select_merge((1, 4, 64), BF16, "cuda", flashinfer=True, triton=True)
     merge_planned_(choice, oa, la, ob, lb, lse_b_base="log2", dst=dst)
     assert len(fake_triton_merge) == 1
-    d, d_lse, a, sa, b, sb, log2 = fake_triton_merge[0]
+    d, d_lse, a, sa, b, sb, log2, inf_empty = fake_triton_merge[0]
     assert d is dst and a is oa and d_lse is la and sa is la and b is ob and sb is lb and log2 is True
+    assert inf_empty is False  # mla_prefill's partials mark an empty row with -inf: +inf is an infinite logit
 
 
 # --------------------------------------------------------------------------------------------------------------

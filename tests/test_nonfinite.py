@@ -139,3 +139,24 @@ def test_the_cuda_form_on_the_cpu(ref, tiny_dims, monkeypatch):
     keep = torch.tensor([i < 6 for i in range(9)] + [True] * 4)
     assert finite_rows(out) == finite_rows(lse) == keep.tolist()
     assert torch.equal(out[keep], clean_out[keep]) and torch.equal(lse[keep], clean_lse[keep])
+
+
+@pytest.mark.parametrize("budget,fuse", [(100, True), (100, False), (4, True), (2, False)])
+def test_a_positive_infinite_logit_is_not_merged_as_an_empty_partial(ref, tiny_dims, budget, fuse):
+    """A +inf in the k_pe of request 0's cached context token 3, and request 0's q RoPE part positive: every row of
+    request 0 has a +inf logit, so its softmax is undefined (inf - inf) and its out must come back non-finite in
+    every schedule. The chunked schedule merges the context pass's partial, whose LSE is then +inf: a merge that read
+    +inf as an empty partial (the FlashAttention-2 library's mark) dropped that pass and returned a finite out for
+    rows that attend the bad key. Request 1 is bitwise as without it."""
+    c_lens = [5, 3]
+    batch = ref.make_mla_batch(tiny_dims, Q_LENS, c_lens, 4, seed=7)
+    rope = tiny_dims.qk_rope_head_dim
+    batch.q[:, :, -rope:] = batch.q[:, :, -rope:].abs() + 0.1
+    _, clean_out, clean_lse = prefill(batch, c_lens, budget, fuse)
+    block, slot = divmod(3, batch.block_size)
+    batch.cache[int(batch.block_table[0, block]), slot, tiny_dims.kv_lora_rank] = INF  # k_pe[0] of context token 3
+    _, out, lse = prefill(batch, c_lens, budget, fuse)
+    bad = [True] * 9 + [False] * 4
+    assert finite_rows(out) == [not b for b in bad]
+    keep = torch.tensor([not b for b in bad])
+    assert torch.equal(out[keep], clean_out[keep]) and torch.equal(lse[keep], clean_lse[keep])

@@ -71,7 +71,7 @@ def _log(x, EXACT: tl.constexpr):
 def _merge_kernel(dst_ptr, dst_lse_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, n_pairs, num_heads,
                   a_st, a_sh, a_sd, b_st, b_sh, b_sd, d_st, d_sh, d_sd,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, EXACT: tl.constexpr,
-                  OUT_BF16: tl.constexpr, LSE_B_LOG2: tl.constexpr):
+                  OUT_BF16: tl.constexpr, LSE_B_LOG2: tl.constexpr, INF_EMPTY: tl.constexpr):
     pid = tl.program_id(0)
     p = pid.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     pmask = p < n_pairs
@@ -82,8 +82,9 @@ def _merge_kernel(dst_ptr, dst_lse_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, n_pa
     lb = tl.load(b_lse_ptr + p, mask=pmask, other=neg_inf)
     if LSE_B_LOG2:
         lb = lb * 0.6931471805599453  # base 2 -> natural log: float32(ln 2) * lb, as FlashInfer's lse.mul_(ln2)
-    la = tl.where(la == float("inf"), neg_inf, la)
-    lb = tl.where(lb == float("inf"), neg_inf, lb)
+    if INF_EMPTY:
+        la = tl.where(la == float("inf"), neg_inf, la)
+        lb = tl.where(lb == float("inf"), neg_inf, lb)
     m = tl.where((la >= lb) | (la != la), la, lb)  # torch.maximum: a NaN on either side wins
     ms = tl.where((m == float("inf")) | (m == neg_inf), 0.0, m)
     wa = _exp(la - ms, EXACT)
@@ -118,14 +119,15 @@ def _merge_kernel(dst_ptr, dst_lse_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, n_pa
 
 
 def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, lse_a: torch.Tensor,
-                 out_b: torch.Tensor, lse_b: torch.Tensor, lse_b_log2: bool = False) -> None:
+                 out_b: torch.Tensor, lse_b: torch.Tensor, lse_b_log2: bool = False, inf_empty: bool = True) -> None:
     """``(dst, dst_lse) <- merge((out_a, lse_a), (out_b, lse_b))``; ``dst`` may be ``out_a`` (in place).
 
     All outs ``[T, H, D]`` with any strides, each fp16/bf16/float32 (``out_a`` and ``dst`` may differ from
     ``out_b``: read in float32, rounded once to ``dst``'s dtype); LSEs ``[T, H]`` float32, natural log
     (``dst_lse`` contiguous; ``lse_a`` / ``lse_b`` are made contiguous here when they are not, a copy of T x H
-    floats); ``lse_b_log2``: ``lse_b`` is base 2 (FlashInfer's), multiplied by float32(ln 2) as it is read. The
-    caller (:mod:`mla_bridge.merge`) has checked shapes, dtypes and devices."""
+    floats); ``lse_b_log2``: ``lse_b`` is base 2 (FlashInfer's), multiplied by float32(ln 2) as it is read;
+    ``inf_empty``: an LSE of +inf marks an empty partial (the default, :func:`mla_bridge.merge_attn_states`'s
+    convention), else it is an infinite logit and the merged row comes out non-finite. The caller (:mod:`mla_bridge.merge`) has checked shapes, dtypes and devices."""
     t, h, d = out_a.shape
     n_pairs = t * h
     if n_pairs == 0:
@@ -139,4 +141,5 @@ def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, 
     launch(_merge_kernel, grid, (dst, dst_lse, out_a, lse_a, out_b, lse_b, n_pairs, h,
                                  sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], sd[0], sd[1], sd[2]),
            dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, EXACT=dst.is_cuda,
-                OUT_BF16=dst.dtype == torch.bfloat16, LSE_B_LOG2=bool(lse_b_log2)), LAUNCH_OPTIONS)
+                OUT_BF16=dst.dtype == torch.bfloat16, LSE_B_LOG2=bool(lse_b_log2),
+                INF_EMPTY=bool(inf_empty)), LAUNCH_OPTIONS)

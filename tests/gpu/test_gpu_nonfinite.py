@@ -127,3 +127,21 @@ def test_nan_in_a_cached_context_token(ref, backend, schedule):
     keep = torch.arange(sum(Q_LENS)) >= Q_LENS[0]
     assert torch.equal(finite_rows(out), keep) and torch.equal(finite_rows(lse), keep)
     assert torch.equal(out[keep], clean_out[keep]) and torch.equal(lse[keep], clean_lse[keep])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_positive_infinite_logit_in_a_context_chunk_is_not_dropped(ref, backend):
+    """A +inf in the k_pe of request 0's cached context token 40, with request 0's q RoPE part positive: every row of
+    request 0 has a +inf logit, its softmax is undefined, and its out must be non-finite in the chunked schedule too,
+    whose merge reads the context pass's LSE of +inf as an infinite logit, not as an empty partial (which would
+    drop the pass and return finite values). Request 1 is bitwise as without it."""
+    batch, run = setup(ref, backend, "chunked", seed=9)
+    rope = batch.dims.qk_rope_head_dim
+    batch.q[:Q_LENS[0], :, -rope:] = batch.q[:Q_LENS[0], :, -rope:].abs() + 0.1
+    clean_out, clean_lse = run()
+    block, slot = divmod(40, 16)
+    batch.cache[int(batch.block_table[0, block]), slot, batch.dims.kv_lora_rank] = float("inf")
+    out, lse = run()
+    rows = torch.isfinite(out.reshape(out.shape[0], -1)).all(-1)
+    assert not rows[:Q_LENS[0]].any(), f"{backend}: {int(rows[:Q_LENS[0]].sum())} rows of request 0 finite"
+    assert torch.equal(out[Q_LENS[0]:], clean_out[Q_LENS[0]:]) and torch.equal(lse[Q_LENS[0]:], clean_lse[Q_LENS[0]:])
