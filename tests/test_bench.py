@@ -445,7 +445,7 @@ def test_interleaved_rounds_rotate_so_every_path_takes_every_place():
     assert _rotated([], 3) == []
 
 
-def test_ttft_section_quick_on_the_cpu(tmp_path, two_torch_threads):
+def test_ttft_section_quick_on_the_cpu(tmp_path):
     """``--sections ttft`` on the CPU: every case has the transformers model timed with sdpa, mla_bridge and a no-op
     attention, attention alone per path, the ratio and attention's share on the rows, and a JAX row per case
     (measured, or skipped with its reason); the JSON is written."""
