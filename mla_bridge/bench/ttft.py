@@ -302,6 +302,12 @@ def _jax_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
     meta = _meta(case, ci, 10)
     if ctx.over_budget():
         return [ctx.skipped(SECTION, case.name, path, "time budget spent", **meta)]
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+    if state.model is not None:  # the transformers jobs are done: give their memory to JAX
+        state.model = None
+        ctx.recover()
     try:
         import jax
 
