@@ -9,6 +9,7 @@ route) and with ``jax.nn.dot_product_attention`` (XLA), for a prompt and for new
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 jax = pytest.importorskip("jax")
@@ -64,3 +65,41 @@ def test_new_tokens_over_a_cached_prefix_equal_transformers(folder, torch_model,
     assert float(abs(got - want).max()) < 1e-4, float(abs(got - want).max())
     wrong, _ = forward(params, jnp.asarray(ids[:, 9:].numpy(), dtype=jnp.int32), [x * 0 for x in latents])
     assert float(abs(wrong - want).max()) > 1e-2  # the prefix matters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix", [0, 200])
+def test_gpu_bf16_logits_within_transformers_own_spread(folder, prefix):
+    """bf16 on the GPU (JAX on the H200): the JAX model's logits with mla_bridge_jax (FlashInfer through the jit
+    route), cuDNN (prompt only) and XLA attention are no further from transformers' float32 eager model than 1.5x the furthest of
+    transformers' own bf16 eager and sdpa, measured in the same run; prompt (3 x 300) and 100 new tokens over a
+    200-token cached prefix."""
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("JAX has no GPU")
+    from transformers import DynamicCache
+
+    cfg = models.DeepseekConfig.from_hf_config(folder)
+    new = 300 if not prefix else 100
+    ids = torch.randint(3, cfg.vocab_size, (3, prefix + new), generator=torch.Generator().manual_seed(2))
+
+    def torch_logits(impl, dtype):
+        model = H.load(folder, impl, dtype=dtype, device="cuda")
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            if prefix:
+                model(ids[:, :prefix].cuda(), past_key_values=cache)
+            return model(ids[:, prefix:].cuda(), past_key_values=cache).logits.float().cpu().numpy()
+
+    truth = torch_logits("eager", torch.float32)
+    spread = max(abs(torch_logits(i, torch.bfloat16) - truth).max() for i in ("eager", "sdpa"))
+    params = models.load_params(folder, dtype=jnp.bfloat16)
+    for attention in ("mla_bridge", "xla") if prefix else ("mla_bridge", "cudnn", "xla"):  # cuDNN: causal only
+        cache = None
+        if prefix:
+            cache = models.make_forward(cfg, batch=3, seq_len=prefix, attention=attention, dtype=jnp.bfloat16)(
+                params, jnp.asarray(ids[:, :prefix].numpy(), dtype=jnp.int32))[1]
+        got, _ = models.make_forward(cfg, batch=3, seq_len=new, prefix_len=prefix, attention=attention,
+                                     dtype=jnp.bfloat16)(params, jnp.asarray(ids[:, prefix:].numpy(), dtype=jnp.int32),
+                                                         cache)
+        err = float(abs(np.asarray(got) - truth).max())
+        assert err <= 1.5 * spread, (attention, err, spread)

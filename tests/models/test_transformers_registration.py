@@ -767,3 +767,35 @@ def test_gpu_training_step_gradients_equal_sdpa(v2_folder):
     for n in grads[0]:
         top = grads[0][n].float().abs().max().item()
         assert top > 0 and (grads[1][n].float() - grads[0][n].float()).abs().max().item() <= 1e-2 * top, n
+
+
+@pytest.mark.gpu
+def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand_back, monkeypatch):
+    """bf16 on the H200 (FlashInfer): an unpadded batch of 3 x 300 tokens runs one kernel call per row on views of
+    transformers' q, k, v (FlashInfer reads their strides: RaggedPlan.run copies nothing), and its logits are bitwise
+    those of the rows packed into one call (contiguous copies, the layout before), and within transformers' own bf16
+    spread (sdpa against eager) of the float32 eager model. The GPU is kept busy so the host runs ahead."""
+    from mla_bridge.ragged import _kernel_ready
+
+    mbt.register()
+    calls, runs = _probe_runs(monkeypatch)
+    ids = torch.randint(3, 64, (3, 300), generator=torch.Generator().manual_seed(5)).cuda()
+    model = H.load(v2_folder, mbt.ATTN_IMPLEMENTATION, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        torch.cuda._sleep(int(1e8))
+        got = model(ids).logits.float()
+        for (query, key, value), made in zip(calls, runs):
+            assert len(made) == 3
+            for q, k, v, kw in made:
+                assert kw.get("return_lse") is False
+                for x, src in ((q, query), (k, key), (v, value)):
+                    assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and _kernel_ready(x)
+        monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10 ** 9)
+        torch.cuda._sleep(int(1e8))
+        packed = model(ids).logits.float()
+        truth = H.load(v2_folder, "eager", device="cuda")(ids).logits.float()
+        sdpa = H.load(v2_folder, "sdpa", dtype=torch.bfloat16, device="cuda")(ids).logits.float()
+        eager = H.load(v2_folder, "eager", dtype=torch.bfloat16, device="cuda")(ids).logits.float()
+    assert torch.equal(got, packed)
+    spread = max((sdpa - truth).abs().max().item(), (eager - truth).abs().max().item())
+    assert (got - truth).abs().max().item() <= 1.5 * spread
