@@ -13,8 +13,8 @@ loaded twice from one ``save_pretrained`` folder, ``attn_implementation="sdpa"``
 on the host, median of ``--repeats`` after ``--warmup`` runs; the first token of both must agree. The ratio is
 sdpa / mla_bridge (above 1: mla_bridge is faster).
 
-This is a script rather than a section of ``mla-bridge bench``: it measures a whole transformers model, not the
-library's own kernels.
+``mla-bridge bench --sections ttft`` measures the same model side by side with the JAX model, with attention's share
+of each forward (:mod:`mla_bridge.bench.ttft`); this script is the transformers half alone.
 """
 
 from __future__ import annotations

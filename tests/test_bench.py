@@ -19,6 +19,7 @@ import torch
 from mla_bridge import PrefillPlan, Workspace, mla_prefill
 from mla_bridge.backends.torch_ref import ragged_attention_reference
 from mla_bridge.bench import SECTIONS, add_arguments, run
+from mla_bridge.bench.common import DEFAULT_SECTIONS
 from mla_bridge.bench.common import Ctx, Row, attention_flops, causal_pairs
 
 ROW_FIELDS = {f.name for f in dataclasses.fields(Row)} - {"order"}
@@ -93,13 +94,13 @@ def test_json_has_environment_config_and_peaks(cpu_run):
     assert d["config"]["device"] == "cpu" and d["config"]["quick"] is True
     assert d["config"]["repeats"] >= 1 and d["config"]["statistic"] == "median"
     assert d["peaks"]["matmul_tflops"] > 0 and d["peaks"]["copy_gbps"] > 0
-    assert d["sections"] == list(SECTIONS)
+    assert d["sections"] == list(DEFAULT_SECTIONS)
     assert isinstance(d["jobs"], list) and d["jobs"]
 
 
 def test_every_section_has_rows_and_every_row_every_field(cpu_run):
     rows = cpu_run.data["rows"]
-    assert {r["section"] for r in rows} == set(SECTIONS) | {"peak"}
+    assert {r["section"] for r in rows} == set(DEFAULT_SECTIONS) | {"peak"}
     for r in rows:
         assert set(r) == ROW_FIELDS, r
         assert r["status"] in ("ok", "skipped")
@@ -442,3 +443,28 @@ def test_interleaved_rounds_rotate_so_every_path_takes_every_place():
     for place in range(3):
         assert sorted(r[place] for r in rounds[:3]) == [4, 7, 9]
     assert _rotated([], 3) == []
+
+
+def test_ttft_section_quick_on_the_cpu(tmp_path):
+    """``--sections ttft`` on the CPU: every case has the transformers model timed with sdpa, mla_bridge and a no-op
+    attention, attention alone per path, the ratio and attention's share on the rows, and a JAX row per case
+    (measured, or skipped with its reason); the JSON is written."""
+    from mla_bridge.bench.ttft import ttft_cases
+
+    path = tmp_path / "ttft.json"
+    assert run(_parse(["--device", "cpu", "--sections", "ttft", "--repeats", "1", "--warmup", "0", "--json",
+                       str(path)]), console=_quiet_console()) == 0
+    d = json.loads(path.read_text())
+    assert d["sections"] == ["ttft"] and d["complete"] is True
+    rows = [r for r in d["rows"] if r["section"] == "ttft"]
+    for case in ttft_cases(quick=True):
+        mine = {r["path"]: r for r in rows if r["case"] == case.name}
+        for p in ("transformers sdpa", "transformers mla_bridge", "transformers, attention a no-op",
+                  "attention alone x layers: transformers sdpa_attention_forward",
+                  "attention alone x layers: mla_bridge_attention", "attention alone x layers: kernel calls only"):
+            assert mine[p]["status"] == "ok" and mine[p]["ms"] > 0, (case, p, mine.get(p))
+        ours = mine["transformers mla_bridge"]
+        assert ours["extra"]["ratio_sdpa_over_mla_bridge"] == pytest.approx(mine["transformers sdpa"]["ms"] / ours["ms"])
+        assert ours["extra"]["attention_ms"] == pytest.approx(ours["ms"] - mine["transformers, attention a no-op"]["ms"])
+        jax_rows = [r for p, r in mine.items() if "JAX" in p]
+        assert jax_rows and all(r["status"] == "ok" or r["note"] for r in jax_rows)

@@ -16,9 +16,18 @@ Conversion (no attention math here):
   its KV cache (Q < K) and a static cache (decode steps whose query is not the last slot). Each batch row becomes one
   ragged request holding its valid keys and its non-padding queries. Right padding or padding inside a row is not of
   that form (a padding query there sees keys, as in eager): it is handed to sdpa.
-* Plans (:func:`mla_bridge.plan_ragged`) are reused while the lengths stay the same: every layer of one forward shares
-  one plan. The mask is checked (one device-to-host copy) once per mask object, not per layer; no mask costs no
-  device work.
+* Layout. A batch whose rows are all real (no mask, or a mask with no padding: a prompt, a continuation over the
+  cache) is read where transformers put it: one kernel call per batch row over ``query[b]``, ``key[b]``, ``value[b]``
+  as ``[L, H, D]`` views (transformers' ``[B, H, L, D]`` tensors, whatever their strides; their strides go to the
+  plan, ``plan_ragged(strides=...)``), each writing its rows of one ``[B, Q, H, D_v]`` output: no copy of q, k or v
+  where the kernel reads their strides (FlashInfer: a unit last stride and 16-byte aligned strides, which
+  transformers' tensors have). All rows share one plan of one request. Rows of fewer than
+  :data:`_ROW_CALL_MIN_QUERIES` queries (decode steps) are packed into one call instead. A padded batch gathers its valid query and
+  key rows (index tensors made once per mask, no host sync per layer) into one ragged batch of one request per row,
+  and scatters the output back. The LSE is computed only where it is used (sinks).
+* Plans (:func:`mla_bridge.plan_ragged`) are reused while the lengths and strides stay the same: every layer of one
+  forward shares one plan. The mask is checked once per mask object, not per layer (in blocks of queries, never a
+  ``[B, Q, K]`` temporary; one device-to-host copy); no mask costs no device work.
 
 The keywords models pass (every ``modeling_*.py`` of transformers 5.25), each served or handed to an implementation
 that honours it, never dropped:
@@ -67,6 +76,7 @@ import mla_bridge
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
 from mla_bridge.merge import merge_attn_states_
+from mla_bridge.ragged import _kernel_ready
 
 __all__ = ["ATTN_IMPLEMENTATION", "mla_bridge_attention", "ragged_from_mask", "fallback_reason", "NEUTRAL_KEYWORDS",
            "HONOURED_KEYWORDS"]
@@ -90,6 +100,11 @@ _warned: set[str] = set()
 _plan_cache: dict[tuple, Any] = {}
 # [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them]
 _mask_cache: list = [None, None, None]
+#: Queries per batch row from which an unpadded batch runs one kernel call per row, in place; below it (decode
+#: steps) the rows are packed into one call (a copy of the keys, one launch instead of one per row).
+_ROW_CALL_MIN_QUERIES = 16
+#: Mask elements compared at once when a mask's structure is checked (bool temporaries of this many elements).
+_CHECK_ELEMS = 1 << 24
 
 
 def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int,
@@ -106,19 +121,36 @@ def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: 
         key_valid = torch.zeros(batch, kv_len, dtype=torch.bool, device=device)
         key_valid[:, :used] = True
         return torch.ones(batch, q_len, dtype=torch.bool, device=device), key_valid
-    m = attention_mask
-    if m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or tuple(m.shape[2:]) != (q_len, kv_len):
+    checked = _check_mask(attention_mask, batch, q_len, kv_len)
+    if checked is None:
+        return None
+    q_valid, key_valid, ok = checked
+    return (q_valid, key_valid) if bool(ok) else None
+
+
+def _check_mask(m: torch.Tensor, batch: int, q_len: int, kv_len: int):
+    """``(q_valid [B, Q], key_valid [B, K], ok)`` on the mask's device, ``ok`` a bool scalar tensor (read it to know
+    whether the mask is of the served structure; nothing here waits for the device), or ``None`` for a mask whose
+    dtype or shape is not a boolean ``[B or 1, 1, Q, K]``. The prefix structure is compared in blocks of queries
+    (:data:`_CHECK_ELEMS` mask elements at once): no ``[B, Q, K]`` temporary."""
+    if m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or tuple(m.shape[2:]) != (q_len, kv_len) \
+            or m.shape[0] not in (1, batch):
         return None
     m = m.expand(batch, 1, q_len, kv_len)[:, 0]
     key_valid = m.any(dim=1)  # the keys some query sees
     seen = m.sum(dim=2)  # keys each query sees
     rank = key_valid.cumsum(dim=1)  # 1-based rank of a valid key among its row's valid keys
-    prefixes = key_valid[:, None, :] & (rank[:, None, :] <= seen[:, :, None])
     q_valid = seen > 0
     # the non-padding queries see one key more each, the last all of the row's valid keys (bottom-right causal)
     want = q_valid.cumsum(dim=1) + (key_valid.sum(dim=1) - q_valid.sum(dim=1))[:, None]
-    causal = torch.where(q_valid, seen == want, True)
-    return (q_valid, key_valid) if torch.equal(m, prefixes) and bool(causal.all()) else None
+    ok = torch.where(q_valid, seen == want, True).all()
+    # each query sees exactly the first seen[q] valid keys of its row
+    step = max(1, _CHECK_ELEMS // max(1, batch * kv_len))
+    for q0 in range(0, q_len, step):
+        q1 = min(q_len, q0 + step)
+        prefixes = key_valid[:, None, :] & (rank[:, None, :] <= seen[:, q0:q1, None])
+        ok = ok & torch.eq(prefixes, m[:, q0:q1]).all()
+    return q_valid, key_valid, ok
 
 
 def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
@@ -236,14 +268,15 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
 
 
 def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
-    """``(q_valid, key_valid, q_lens, kv_lens, keys)`` of a servable mask, else None: ``q_valid`` / ``key_valid``
-    bool ``[B, Q]`` / ``[B, K]``, or both None when every query is real and the first ``keys`` keys of every row are
-    the valid ones (then q, k[:keys], v[:keys] are reshaped, not gathered).
+    """``(q_rows, key_rows, q_lens, kv_lens, keys)`` of a servable mask, else None: ``q_rows`` / ``key_rows`` the
+    ``(batch index, position)`` int64 index tensors of the valid queries / keys (device tensors, row-major: the
+    packed ragged order), or both None when every query is real and the first ``keys`` keys of every row are the
+    valid ones (then each batch row is read in place, :func:`mla_bridge_attention`).
 
-    ``None`` (no mask) costs no device work. A mask costs one check and one device-to-host copy; the layers of one
-    forward get the same mask object, so the result is kept while that object lives unmodified (``_version``) and
-    the call's batch, query and key lengths and device are the ones it was made for (a ``[1, 1, Q, K]`` mask
-    broadcasts to any batch)."""
+    ``None`` (no mask) costs no device work. A mask costs one check and one device-to-host copy (and, padded, the
+    index tensors); the layers of one forward get the same mask object, so the result is kept while that object
+    lives unmodified (``_version``) and the call's batch, query and key lengths and device are the ones it was made
+    for (a ``[1, 1, Q, K]`` mask broadcasts to any batch)."""
     if attention_mask is None:
         keys = kv_len if q_len == 1 else min(q_len, kv_len)  # sdpa's is_causal: top-left aligned
         return None, None, (q_len,) * b, (keys,) * b, keys
@@ -251,25 +284,35 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
     now = (attention_mask._version, b, q_len, kv_len, device)
     if ref is not None and ref() is attention_mask and key == now:
         return cached
-    valid = ragged_from_mask(attention_mask, b, q_len, kv_len, device)
-    if valid is None:
-        result = None
-    else:
-        q_valid, key_valid = valid
-        lens = torch.stack([q_valid.sum(1), key_valid.sum(1)]).cpu()
-        q_lens, kv_lens = tuple(lens[0].tolist()), tuple(lens[1].tolist())
-        dense = sum(q_lens) == b * q_len and sum(kv_lens) == b * kv_len
-        result = (None, None, q_lens, kv_lens, kv_len) if dense else (q_valid, key_valid, q_lens, kv_lens, kv_len)
+    checked = _check_mask(attention_mask, b, q_len, kv_len)
+    result = None
+    if checked is not None:
+        q_valid, key_valid, ok = checked
+        host = torch.cat([ok.view(1).long(), q_valid.sum(1), key_valid.sum(1)]).cpu()  # the one host read
+        if bool(host[0]):
+            q_lens, kv_lens = tuple(host[1:1 + b].tolist()), tuple(host[1 + b:].tolist())
+            if sum(q_lens) == b * q_len and sum(kv_lens) == b * kv_len:
+                result = (None, None, q_lens, kv_lens, kv_len)
+            else:
+                result = (q_valid.nonzero(as_tuple=True), key_valid.nonzero(as_tuple=True), q_lens, kv_lens, kv_len)
     _mask_cache[:] = [weakref.ref(attention_mask), now, result]
     return result
 
 
-def _plan(q_lens: tuple, kv_lens: tuple, heads: int, d_qk: int, d_vo: int, sm_scale: float, dtype, device):
+def _strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
+    """The ``(token, head)`` strides a kernel reads ``[N, H, D]`` ``x`` through in place, or None (contiguous, or
+    copied contiguous by :meth:`mla_bridge.RaggedPlan.run` because FlashInfer cannot read its strides)."""
+    return None if x.is_contiguous() or not _kernel_ready(x) else (x.stride(0), x.stride(1))
+
+
+def _plan(q_lens: tuple, kv_lens: tuple, heads: int, d_qk: int, d_vo: int, sm_scale: float, dtype, device,
+          strides: Optional[tuple] = None):
     """The batch's plan, kept while everything it depends on is equal: the lengths, sizes, scale, dtype, device, the
-    backend asked for (``MLA_BRIDGE_BACKEND``, read now) and the workspace (by identity), as the core's
-    :class:`mla_bridge.PlanCache` keys a plan (a :class:`mla_bridge.RaggedPlan` has no chunk budget to key)."""
+    ``(q, k, v)`` strides it reads (``plan_ragged(strides=...)``), the backend asked for (``MLA_BRIDGE_BACKEND``, read
+    now) and the workspace (by identity), as the core's :class:`mla_bridge.PlanCache` keys a plan (a
+    :class:`mla_bridge.RaggedPlan` has no chunk budget to key)."""
     workspace = mla_bridge.workspace.default_workspace(device)
-    key = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, os.environ.get(ENV_VAR) or None,
+    key = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, strides, os.environ.get(ENV_VAR) or None,
            id(workspace))
     plan = _plan_cache.get(key)
     if plan is None:
@@ -277,7 +320,7 @@ def _plan(q_lens: tuple, kv_lens: tuple, heads: int, d_qk: int, d_vo: int, sm_sc
         qo, kv = mla_bridge.ragged.indptr_from_lens(q_lens), mla_bridge.ragged.indptr_from_lens(kv_lens)
         plan = _plan_cache[key] = mla_bridge.plan_ragged(
             qo, kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=True, sm_scale=sm_scale, dtype=dtype,
-            workspace=workspace)
+            workspace=workspace, strides=strides)
     return plan
 
 
@@ -319,22 +362,47 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if reason is not None:
         return _hand_back(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
-    q_valid, key_valid, q_lens, kv_lens, keys = layout
+    q_rows, key_rows, q_lens, kv_lens, keys = layout
     sm_scale = float(scaling) if scaling is not None else d_qk ** -0.5
-    dense = key_valid is None
-    qt, kt, vt = query.transpose(1, 2), key[:, :, :keys].transpose(1, 2), value[:, :, :keys].transpose(1, 2)
-    if dense:  # [B, len, H, D] -> [B * len, H, D]: views where transformers' layout allows, else one copy
-        q, k, v = qt.reshape(b * q_len, h, d_qk), kt.reshape(b * keys, h, d_qk), vt.reshape(b * keys, h, d_vo)
-    else:
-        q, k, v = qt[q_valid], kt[key_valid], vt[key_valid]
-    plan = _plan(q_lens, kv_lens, h, d_qk, d_vo, sm_scale, query.dtype, query.device)
     sinks = kwargs.get("s_aux")
-    out, lse = plan.run(q, k, v)
+    by_row = q_rows is None and (b == 1 or q_len >= _ROW_CALL_MIN_QUERIES)
+    if by_row:  # every row real: each batch row read in place ([L, H, D] views), one plan of one request
+        rows = [(query[r].transpose(0, 1), key[r, :, :keys].transpose(0, 1), value[r, :, :keys].transpose(0, 1))
+                for r in range(b)]
+        strides = tuple(_strides(x) for x in rows[0]) if rows else (None, None, None)
+        plan = _plan((q_len,), (keys,), h, d_qk, d_vo, sm_scale, query.dtype, query.device,
+                     None if strides == (None, None, None) else strides)
+        full = query.new_empty(b, q_len, h, d_vo)
+        lse = None if sinks is None else torch.empty(b, q_len, h, dtype=torch.float32, device=query.device)
+        for r, (q, k, v) in enumerate(rows):
+            if lse is None:
+                plan.run(q, k, v, out=full[r], return_lse=False)
+            else:
+                plan.run(q, k, v, out=full[r], lse=lse[r])
+        out = full.view(b * q_len, h, d_vo)
+    else:
+        if q_rows is None:  # a few queries per row (decode): one call over the rows packed ([B * len, H, D])
+            q = query.transpose(1, 2).reshape(b * q_len, h, d_qk)
+            k = key[:, :, :keys].transpose(1, 2).reshape(b * keys, h, d_qk)
+            v = value[:, :, :keys].transpose(1, 2).reshape(b * keys, h, d_vo)
+        else:  # padded: the valid rows only, gathered by index (made once per mask: no host sync here)
+            q = query.transpose(1, 2)[q_rows]
+            k, v = key.transpose(1, 2)[key_rows], value.transpose(1, 2)[key_rows]
+        strides = tuple(_strides(x) for x in (q, k, v))
+        plan = _plan(q_lens, kv_lens, h, d_qk, d_vo, sm_scale, query.dtype, query.device,
+                     None if strides == (None, None, None) else strides)
+        if sinks is None:
+            out, lse = plan.run(q, k, v, return_lse=False), None
+        else:
+            out, lse = plan.run(q, k, v)
     if sinks is not None:  # one more key per head, of logit s_aux and value 0: a partial (out 0, LSE s_aux)
+        lse = lse.view(out.shape[:2])
         merge_attn_states_(out, lse, out.new_zeros(()).expand(out.shape),
                            sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape))
-    if dense:
+    if by_row:
+        return full, None
+    if q_rows is None:
         return out.view(b, q_len, h, d_vo), None
     full = out.new_zeros(b, q_len, h, d_vo)
-    full[q_valid] = out
+    full[q_rows] = out
     return full, None

@@ -9,6 +9,10 @@ Sections (``--sections``, default all):
   4 ``plan``    host time of ``PrefillPlan.build`` at batch 1/16/128; FlashInfer plans in a 61-layer loop.
   5 ``memory``  peak extra device memory of ``mla_prefill`` against the workspace budget plus the output.
   6 ``jax``     ``mla_bridge_jax.bench.compare`` when importable.
+  7 ``ttft``    time to first token of a small DeepSeek-V2 model (V2-Lite attention dims, 4 dense layers):
+                transformers sdpa vs mla_bridge, the JAX model's cuDNN / XLA attention vs mla_bridge_jax, each with
+                attention's share of the forward (:mod:`mla_bridge.bench.ttft`). Not in the default set: asked for
+                with ``--sections ttft`` (or ``all``).
 
 Each row: ms (median over ``--repeats`` after ``--warmup``; on a GPU each sample the larger of a call's CUDA-event
 time and its host time, :mod:`mla_bridge.bench.common`), TFLOP/s or GB/s, and the
@@ -32,7 +36,7 @@ __all__ = ["add_arguments", "run", "main", "SECTIONS"]
 
 from ..cli.args import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
 from ..cli.args import seed as seed_type  # noqa: E402
-from .common import SECTIONS  # noqa: E402  (light: imports torch only)
+from .common import DEFAULT_SECTIONS, SECTIONS  # noqa: E402  (light: imports torch only)
 
 _ALIASES = {str(i + 1): name for i, name in enumerate(SECTIONS)}
 #: GPU full mode: optional rows stop here, so that the whole run (FlashInfer's JIT compile included) ends within
@@ -92,8 +96,9 @@ def plot_file(text: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench's options to ``parser`` (the ``mla-bridge bench`` subcommand)."""
-    parser.add_argument("--sections", type=_sections, default=list(SECTIONS), metavar="LIST",
-                        help=f"comma-separated sections to run: {','.join(SECTIONS)} (or 1-6, or all; default all)")
+    parser.add_argument("--sections", type=_sections, default=list(DEFAULT_SECTIONS), metavar="LIST",
+                        help=f"comma-separated sections to run: {','.join(SECTIONS)} (or 1-{len(SECTIONS)}, or all; "
+                             f"default all but ttft)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes, a few seconds (automatic on a machine without CUDA)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -125,10 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
-    from . import context, main_pass, sections as other
+    from . import context, main_pass, sections as other, ttft
 
     makers = {"main": main_pass.jobs, "context": context.jobs, "merge": other.merge_jobs, "plan": other.plan_jobs,
-              "memory": other.memory_jobs, "jax": other.jax_jobs}
+              "memory": other.memory_jobs, "jax": other.jax_jobs, "ttft": ttft.jobs}
     jobs = []
     for name in SECTIONS:  # report order, whatever order they were asked in
         if name in sections:
@@ -178,7 +183,7 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
         console = Console()
         if not console.is_terminal:  # a log file or a pipe: wide enough that the tables stay readable
             console = Console(width=200)
-    sections = list(getattr(args, "sections", None) or SECTIONS)
+    sections = list(getattr(args, "sections", None) or DEFAULT_SECTIONS)
     has_cuda = torch.cuda.is_available()
     device_arg = getattr(args, "device", "auto") or "auto"
     if device_arg == "cuda" and not has_cuda:

@@ -22,10 +22,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 __all__ = ["Row", "Check", "Job", "Timing", "Ctx", "causal_pairs", "attention_flops", "gemm_flops", "fmt_err",
-           "SECTIONS", "SECTION_TITLES", "HEAD_DIM_SUM"]
+           "SECTIONS", "DEFAULT_SECTIONS", "SECTION_TITLES", "HEAD_DIM_SUM"]
 
-#: Sections in report order (the issue's numbering: 1 main ... 6 jax).
-SECTIONS = ("main", "context", "merge", "plan", "memory", "jax")
+#: Sections in report order (1 main ... 6 jax, 7 ttft).
+SECTIONS = ("main", "context", "merge", "plan", "memory", "jax", "ttft")
+#: What runs without ``--sections``: all but ``ttft`` (whole models, minutes on a GPU: asked for by name).
+DEFAULT_SECTIONS = SECTIONS[:-1]
 SECTION_TITLES = {
     "peak": "0. Machine peaks (same run)",
     "main": "1. Main pass: causal ragged attention",
@@ -34,6 +36,7 @@ SECTION_TITLES = {
     "plan": "4. Planning: host time and plans per 61-layer loop",
     "memory": "5. Peak extra device memory of mla_prefill",
     "jax": "6. JAX adapter",
+    "ttft": "7. Time to first token: a whole model's prefill (ms per forward)",
 }
 #: head_dim_qk + head_dim_vo for DeepSeek MLA (192 + 128): the FLOPs of one q-k pair and one p-v pair per head.
 HEAD_DIM_SUM = 192 + 128

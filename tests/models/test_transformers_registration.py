@@ -147,7 +147,7 @@ def test_one_plan_and_one_mask_check_per_forward(pair, no_hand_back, monkeypatch
 
     eager, ours = pair
     counts = {"plan": 0, "mask": 0}
-    real_plan, real_mask = mla_bridge.plan_ragged, mbt_attention.ragged_from_mask
+    real_plan, real_mask = mla_bridge.plan_ragged, mbt_attention._check_mask
 
     def plan(*a, **k):
         counts["plan"] += 1
@@ -158,7 +158,7 @@ def test_one_plan_and_one_mask_check_per_forward(pair, no_hand_back, monkeypatch
         return real_mask(*a, **k)
 
     monkeypatch.setattr(mla_bridge, "plan_ragged", plan)
-    monkeypatch.setattr(mbt_attention, "ragged_from_mask", mask)
+    monkeypatch.setattr(mbt_attention, "_check_mask", mask)
     mbt_attention._plan_cache.clear()
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(4))
     pad = torch.ones_like(ids)
@@ -169,6 +169,112 @@ def test_one_plan_and_one_mask_check_per_forward(pair, no_hand_back, monkeypatch
     with torch.no_grad():
         ours(ids)  # no padding: transformers passes no mask, nothing to check
     assert counts == {"plan": 2, "mask": 1}
+
+
+def _probe_runs(monkeypatch):
+    """Record, per served call, the q/k/v transformers handed to attention and every RaggedPlan.run (q, k, v, keywords)
+    made for it: (calls, runs), runs[i] belonging to calls[i]."""
+    import mla_bridge
+    from transformers import AttentionInterface
+
+    calls, runs = [], []
+    real_run = mla_bridge.RaggedPlan.run
+
+    def run(self, q, k, v, **kw):
+        runs[-1].append((q, k, v, kw))
+        return real_run(self, q, k, v, **kw)
+
+    def probe(module, query, key, value, *args, **kwargs):
+        calls.append((query, key, value))
+        runs.append([])
+        return mbt.mla_bridge_attention(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(mla_bridge.RaggedPlan, "run", run)
+    monkeypatch.setitem(AttentionInterface._global_mapping, mbt.ATTN_IMPLEMENTATION, probe)
+    return calls, runs
+
+
+@pytest.mark.parametrize("case", ["prompt", "continuation"])
+def test_unpadded_batches_read_q_k_v_in_place(pair, no_hand_back, monkeypatch, two_torch_threads, case):
+    """An unpadded batch (no mask; or a continuation over transformers' DynamicCache, whose mask has no padding) runs
+    one kernel call per batch row on views of the q, k and v transformers made (the same storage, strides a FlashInfer
+    kernel reads in place, so neither the adapter nor RaggedPlan.run copies them), with no LSE asked for. The logits
+    are bitwise those of the rows packed into one call (the layout before: q and k copied), and eager's within 1e-4.
+    Before, every run's q and k were copies (another storage)."""
+    from transformers import DynamicCache
+
+    from mla_bridge.ragged import _kernel_ready
+
+    eager, ours = pair
+    calls, runs = _probe_runs(monkeypatch)
+    batch, prefix, new = 3, 20, 18
+    ids = torch.randint(3, eager.config.vocab_size, (batch, prefix + new), generator=torch.Generator().manual_seed(8))
+
+    def forward(model):
+        with torch.no_grad():
+            if case == "prompt":
+                return model(ids[:, :new]).logits
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :prefix], past_key_values=cache)
+            return model(ids[:, prefix:], past_key_values=cache).logits
+
+    got = forward(ours)
+    layers = ours.config.num_hidden_layers
+    served = calls[-layers:], runs[-layers:]  # the last forward's layers
+    assert len(served[0]) == layers
+    for (query, key, value), made in zip(*served):
+        assert query.shape[0] == batch and query.shape[2] == new and key.shape[2] == (prefix if case != "prompt" else 0) + new
+        assert len(made) == batch  # one call per batch row
+        for r, (q, k, v, kw) in enumerate(made):
+            assert kw.get("return_lse") is False and kw.get("lse") is None
+            for x, src in ((q, query), (k, key), (v, value)):
+                assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()  # a view, not a copy
+                assert _kernel_ready(x)  # FlashInfer reads it through its strides: RaggedPlan.run copies nothing
+            assert torch.equal(q, query[r].transpose(0, 1)) and torch.equal(v, value[r].transpose(0, 1))
+    monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10 ** 9)  # the rows packed into one call instead
+    calls.clear(), runs.clear()
+    packed = forward(ours)
+    assert all(len(made) == 1 and made[0][0].shape[0] == batch * new for made in runs[-layers:])
+    assert torch.equal(got, packed)
+    want = forward(eager)
+    assert want.std() > 0.1
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_sinks_on_rows_read_in_place(no_hand_back, monkeypatch, two_torch_threads):
+    """Per-head sink logits on an unpadded batch of several rows (one kernel call per row, each writing its rows of
+    the LSE): hy_v4's eager function's output, and bitwise the packed call's."""
+    sinks = torch.tensor([3.0, -1.0])
+    module, m = _fake_module("hy_v4", sinks=sinks)
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(3, 2, 20, 24, generator=g), torch.randn(3, 2, 20, 24, generator=g)
+    v = torch.randn(3, 2, 20, 40, generator=g)[..., 8:24]  # a view, as transformers' value
+    out, _ = mbt.mla_bridge_attention(module, q, k, v, None, scaling=0.3, s_aux=sinks)
+    mask = torch.ones(20, 20, dtype=torch.bool).tril()[None, None]
+    want, _ = m.eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.3)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10 ** 9)
+    packed, _ = mbt.mla_bridge_attention(module, q, k, v, None, scaling=0.3, s_aux=sinks)
+    assert torch.equal(out, packed)
+
+
+def test_padded_batch_is_gathered_without_a_host_sync_per_layer(pair, no_hand_back, two_torch_threads):
+    """A left-padded batch: the valid rows' index tensors are made once per mask and the layers gather and scatter by
+    them, so the forward reads the device on the host only in the mask check (torch's profiler counts the ops that
+    read a count back, ``aten::nonzero``: the 2 index tensors per forward). Before, boolean-mask indexing read the
+    mask's count back in every layer (3 per layer: q, k / v and the output)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eager, ours = pair
+    ids, mask = _left_padded([19, 17, 20], eager.config.vocab_size, seed=12)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = ours(ids, attention_mask=mask).logits
+    assert ours.config.num_hidden_layers == 2
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::nonzero") == 2
+    with torch.no_grad():
+        want = eager(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=0)
 
 
 # ---- the mask conversion ------------------------------------------------------------------------------------------
@@ -223,6 +329,25 @@ def test_custom_masks_are_not_taken_for_padding():
     assert mbt.ragged_from_mask(skip, 2, 6, 6, cpu) is None
     assert mbt.ragged_from_mask(m.float(), 2, 6, 6, cpu) is None
     assert mbt.ragged_from_mask(m.expand(2, 4, 6, 6), 2, 6, 6, cpu) is None  # per-head mask
+
+
+def test_masks_are_checked_in_blocks_of_queries(monkeypatch):
+    """The structure check compares the mask in blocks of queries (no [B, Q, K] temporary): blocks of a single query
+    (a tiny budget) reach the verdict of one block over the whole mask, for served and refused masks alike."""
+    cpu = torch.device("cpu")
+    left = torch.ones(2, 6, dtype=torch.bool)
+    left[0, :2] = False
+    served = _sdpa_mask(left, 6, 6)
+    sliding = _sdpa_mask(torch.ones(2, 6, dtype=torch.bool), 6, 6).clone()
+    sliding[:, :, 5, 0] = False  # found in the last block only
+    for mask, q_len in ((served, 6), (_sdpa_mask(left, 2, 6), 2), (sliding, 6)):
+        whole = mbt.ragged_from_mask(mask, 2, q_len, 6, cpu)
+        monkeypatch.setattr(mbt_attention, "_CHECK_ELEMS", 1)
+        blocks = mbt.ragged_from_mask(mask, 2, q_len, 6, cpu)
+        monkeypatch.undo()
+        assert (whole is None) == (blocks is None) == (mask is sliding)
+        if whole is not None:
+            assert all(torch.equal(a, b) for a, b in zip(whole, blocks))
 
 
 # ---- what is handed back -------------------------------------------------------------------------------------------
@@ -642,3 +767,35 @@ def test_gpu_training_step_gradients_equal_sdpa(v2_folder):
     for n in grads[0]:
         top = grads[0][n].float().abs().max().item()
         assert top > 0 and (grads[1][n].float() - grads[0][n].float()).abs().max().item() <= 1e-2 * top, n
+
+
+@pytest.mark.gpu
+def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand_back, monkeypatch):
+    """bf16 on the H200 (FlashInfer): an unpadded batch of 3 x 300 tokens runs one kernel call per row on views of
+    transformers' q, k, v (FlashInfer reads their strides: RaggedPlan.run copies nothing), and its logits are bitwise
+    those of the rows packed into one call (contiguous copies, the layout before), and within transformers' own bf16
+    spread (sdpa against eager) of the float32 eager model. The GPU is kept busy so the host runs ahead."""
+    from mla_bridge.ragged import _kernel_ready
+
+    mbt.register()
+    calls, runs = _probe_runs(monkeypatch)
+    ids = torch.randint(3, 64, (3, 300), generator=torch.Generator().manual_seed(5)).cuda()
+    model = H.load(v2_folder, mbt.ATTN_IMPLEMENTATION, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        torch.cuda._sleep(int(1e8))
+        got = model(ids).logits.float()
+        for (query, key, value), made in zip(calls, runs):
+            assert len(made) == 3
+            for q, k, v, kw in made:
+                assert kw.get("return_lse") is False
+                for x, src in ((q, query), (k, key), (v, value)):
+                    assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and _kernel_ready(x)
+        monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10 ** 9)
+        torch.cuda._sleep(int(1e8))
+        packed = model(ids).logits.float()
+        truth = H.load(v2_folder, "eager", device="cuda")(ids).logits.float()
+        sdpa = H.load(v2_folder, "sdpa", dtype=torch.bfloat16, device="cuda")(ids).logits.float()
+        eager = H.load(v2_folder, "eager", dtype=torch.bfloat16, device="cuda")(ids).logits.float()
+    assert torch.equal(got, packed)
+    spread = max((sdpa - truth).abs().max().item(), (eager - truth).abs().max().item())
+    assert (got - truth).abs().max().item() <= 1.5 * spread

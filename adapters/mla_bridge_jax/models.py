@@ -1,0 +1,371 @@
+"""A small DeepSeek-V2 causal LM in plain JAX over a weight pytree, for prefill: its attention through
+:mod:`mla_bridge_jax` or through ``jax.nn.dot_product_attention``.
+
+::
+
+    from mla_bridge_jax import models
+    cfg = models.DeepseekConfig.from_hf_config(folder)          # a transformers save_pretrained folder
+    params = models.load_params(folder, dtype=jnp.bfloat16)     # safetensors -> pytree of jax.Arrays
+    forward = models.make_forward(cfg, batch=4, seq_len=10000, attention="mla_bridge")
+    logits = forward(params, input_ids)                         # [B, L, vocab] (float32), one jax.jit
+
+The model (transformers 5's ``modeling_deepseek_v2``, dense layers only: ``first_k_dense_replace`` >= layers):
+embedding; per layer ``x + attn(rms_norm(x))`` then ``x + mlp(rms_norm(x))`` with ``mlp = down(silu(gate(x)) *
+up(x))``; final RMSNorm; ``lm_head``. Attention: q from ``q_proj`` (or ``q_a_proj -> q_a_layernorm -> q_b_proj``)
+viewed ``[B, L, H, 192]``; the latents from ``kv_a_proj_with_mqa`` (``kv_a_layernorm`` on the first kv_lora_rank,
+the last 64 are k_pe); RoPE (YaRN as transformers computes it, DeepSeek-V2's interleaved pairs) on q's last 64 and
+on k_pe; k and v from ``kv_b_proj`` (k = k_nope ++ k_pe broadcast to every head), causal softmax attention with the
+scale of :meth:`mla_bridge.MLADims.from_hf_config`; ``o_proj``. A cached prefix (``prefix_len`` > 0): the first
+``prefix_len`` tokens' latents are given (``cache``: per layer ``[B, P, kv_lora_rank + 64]``, as
+:func:`make_forward` returns them) and only the new tokens are computed, bottom-right causal over prefix + new.
+
+Attention implementations (``attention=``):
+
+* ``"mla_bridge"``: :func:`mla_bridge_jax.run_ragged` over the batch packed ``[B * L, H, D]`` (B requests of equal
+  length), its plan made outside the trace by :func:`make_forward` and closed over (one plan, every layer).
+* ``"cudnn"`` / ``"xla"``: ``jax.nn.dot_product_attention(..., is_causal=True, implementation=...)``, v padded with
+  zeros to 192 (the head dims must agree) and the output sliced back to 128; ``"xla"`` materialises float32 scores
+  ``[B, H, L, L]``. A cached prefix goes through an explicit bottom-right causal mask (cuDNN and XLA both take one).
+* ``"noop"``: zeros of the output's shape: the model's time outside attention.
+
+float32 logits. Inference only (the mla_bridge path has no derivative).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mla_bridge import MLADims
+
+__all__ = ["DeepseekConfig", "load_params", "params_from_state_dict", "make_forward", "ATTENTIONS", "bench_rows"]
+
+ATTENTIONS = ("mla_bridge", "cudnn", "xla", "noop")
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    """The fields of a DeepSeek-V2 ``config.json`` the model reads (as transformers 5 writes it)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope: Optional[dict]
+    dims: MLADims
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "DeepseekConfig":
+        """From a config dict (``config.json``, or ``transformers_config.to_dict()``).
+
+        Raises:
+            ValueError: MoE layers (``first_k_dense_replace`` < layers): this model has dense MLPs only.
+        """
+        layers = int(c["num_hidden_layers"])
+        if int(c.get("first_k_dense_replace", layers) or 0) < layers and c.get("n_routed_experts"):
+            raise ValueError(f"first_k_dense_replace={c.get('first_k_dense_replace')} < num_hidden_layers={layers}: "
+                             f"MoE layers are not implemented here (dense MLPs only)")
+        rope = c.get("rope_parameters") or c.get("rope_scaling")
+        kind = None if not rope else rope.get("rope_type", rope.get("type"))
+        theta = float((rope or {}).get("rope_theta", c.get("rope_theta", 10000.0)))
+        return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+                   num_layers=layers, num_heads=c["num_attention_heads"], q_lora_rank=c.get("q_lora_rank"),
+                   kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+                   qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+                   rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                   rope=None if kind in (None, "default") else dict(rope), dims=MLADims.from_hf_config(c))
+
+    @classmethod
+    def from_hf_config(cls, path: "str | os.PathLike") -> "DeepseekConfig":
+        """Read ``config.json`` (a path to the file or its folder)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+def _nest(flat: dict, dtype: Any) -> dict:
+    """``{"model.layers.0.mlp.up_proj.weight": array}`` -> nested dicts ``params["model"]["layers"]["0"]...``."""
+    params: dict = {}
+    for name, x in flat.items():
+        node = params
+        *path, leaf = name.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = jnp.asarray(x, dtype=dtype)
+    return params
+
+
+def load_params(folder: "str | os.PathLike", dtype: Any = jnp.float32) -> dict:
+    """Every tensor of a ``save_pretrained`` folder (``model.safetensors`` or a sharded index) as a nested pytree of
+    jax.Arrays in ``dtype``, keyed by the names' dotted parts (linear weights in torch's ``[out, in]`` layout)."""
+    from safetensors import safe_open
+
+    folder = os.fspath(folder)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    flat = {}
+    for file in files:
+        with safe_open(os.path.join(folder, file), framework="flax") as f:
+            for k in f.keys():
+                flat[k] = f.get_tensor(k)
+    return _nest(flat, dtype)
+
+
+def params_from_state_dict(state_dict: dict, dtype: Any = jnp.float32) -> dict:
+    """A torch model's ``state_dict()`` as :func:`load_params` gives it (through float32 host copies)."""
+    return _nest({k: v.detach().float().cpu().numpy() for k, v in state_dict.items()}, dtype)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(cfg: DeepseekConfig) -> tuple[np.ndarray, float]:
+    """``(inv_freq [rope_dim / 2] float32, attention_factor)``: plain, linear or YaRN RoPE as transformers 5
+    computes it (``modeling_rope_utils._compute_yarn_parameters``)."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    if cfg.rope is None:
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
+    r = cfg.rope
+    kind = r.get("rope_type", r.get("type"))
+    factor = float(r["factor"])
+    if kind == "linear":
+        return (1.0 / (factor * pos_freqs)).astype(np.float32), 1.0
+    if kind != "yarn":
+        raise NotImplementedError(f"RoPE type {kind!r}: default, linear and yarn are implemented")
+    mscale, mscale_all_dim = r.get("mscale"), r.get("mscale_all_dim")
+    attention_factor = r.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
+    original = r["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if r.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attention_factor: float) -> jax.Array:
+    """DeepSeek-V2's RoPE on ``x [..., L, ..., rope_dim]`` (positions ``[L]`` on axis 1): adjacent pairs rotated,
+    written back interleaved, cos / sin times ``attention_factor``; float32, returned in x's dtype."""
+    angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [L, rope/2]
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 3) + (angle.shape[-1],)
+    cos, sin = (jnp.cos(angle) * attention_factor).reshape(shape), (jnp.sin(angle) * attention_factor).reshape(shape)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape).astype(x.dtype)
+
+
+def _linear(p: dict, x: jax.Array) -> jax.Array:
+    y = x @ p["weight"].T
+    return y + p["bias"] if "bias" in p else y
+
+
+def _rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return p["weight"] * xf.astype(x.dtype)
+
+
+def _attention_fn(cfg: DeepseekConfig, attention: str, batch: int, new: int, prefix: int, dtype: Any,
+                  backend: Optional[str] = None) -> Callable:
+    """``attend(q [B, L, H, 192], k [B, P + L, H, 192], v [B, P + L, H, 128]) -> [B, L, H, 128]``."""
+    h, d_v, scale = cfg.num_heads, cfg.v_head_dim, cfg.dims.softmax_scale
+    total = prefix + new
+    if attention == "mla_bridge":
+        import mla_bridge_jax as mj
+
+        qo = np.arange(batch + 1, dtype=np.int32) * new
+        kv = np.arange(batch + 1, dtype=np.int32) * total
+        plan = mj.plan_ragged(qo, kv, num_heads=h, head_dim_qk=q_dim(cfg), head_dim_vo=d_v, causal=True,
+                              sm_scale=scale, dtype=dtype, backend=backend)
+
+        def attend(q, k, v):
+            out, _ = mj.run_ragged(plan, q.reshape(batch * new, h, -1), k.reshape(batch * total, h, -1),
+                                   v.reshape(batch * total, h, d_v))
+            return out.reshape(batch, new, h, d_v)
+        attend.plan = plan  # kept alive with the function
+        return attend
+    if attention in ("cudnn", "xla"):
+        mask = None
+        if prefix:
+            mask = jnp.asarray(np.tril(np.ones((new, total), dtype=bool), prefix))[None, None]
+
+        def attend(q, k, v):
+            vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - d_v)))
+            out = jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=not prefix, mask=mask,
+                                               implementation=attention)
+            return out[..., :d_v]
+        return attend
+    if attention == "noop":
+        return lambda q, k, v: jnp.zeros(q.shape[:3] + (d_v,), q.dtype)
+    raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+
+
+def q_dim(cfg: DeepseekConfig) -> int:
+    return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+
+
+def make_forward(cfg: DeepseekConfig, *, batch: int, seq_len: int, attention: str = "mla_bridge",
+                 prefix_len: int = 0, dtype: Any = jnp.float32, backend: Optional[str] = None,
+                 logits_to_keep: int = 0) -> Callable:
+    """A jitted prefill ``forward(params, input_ids [B, L] int32, cache=None) -> (logits, new_cache)`` for batches of
+    ``batch`` rows of ``seq_len`` new tokens over ``prefix_len`` cached ones.
+
+    Args:
+        attention: one of :data:`ATTENTIONS` (module docstring).
+        prefix_len: tokens per row already cached: ``cache`` is then a list (per layer) of ``[B, prefix_len,
+            kv_lora_rank + qk_rope_head_dim]`` latents (RoPE applied to the last part), as ``new_cache`` returns them.
+        dtype: the activations' and q/k/v's dtype (the params' dtype).
+        backend: the mla_bridge core backend (default: its dispatch).
+        logits_to_keep: 0: logits of every position; n: of the last n only.
+
+    Returns:
+        ``forward``: logits float32 ``[B, L or logits_to_keep, vocab]`` and the per-layer latents of prefix + new
+        tokens. The mla_bridge plan is made here (host lengths), outside the trace.
+
+    Raises:
+        ValueError: an unknown ``attention``; the core's errors when planning (named).
+    """
+    attend = _attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
+    inv_freq_np, attention_factor = rope_inv_freq(cfg)
+    h, nope, rope, rank, d_v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, \
+        cfg.v_head_dim
+    eps = cfg.rms_norm_eps
+
+    def layer(p, x, positions, cached):
+        b, length = x.shape[:2]
+        a = p["self_attn"]
+        hs = _rms_norm(p["input_layernorm"], x, eps)
+        if "q_proj" in a:
+            q = _linear(a["q_proj"], hs)
+        else:
+            q = _linear(a["q_b_proj"], _rms_norm(a["q_a_layernorm"], _linear(a["q_a_proj"], hs), eps))
+        q = q.reshape(b, length, h, nope + rope)
+        inv_freq = jnp.asarray(inv_freq_np)
+        q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], positions, inv_freq, attention_factor)], axis=-1)
+        ckv = _linear(a["kv_a_proj_with_mqa"], hs)
+        latent = jnp.concatenate([_rms_norm(a["kv_a_layernorm"], ckv[..., :rank], eps),
+                                  _rope(ckv[..., rank:], positions, inv_freq, attention_factor)], axis=-1)
+        if cached is not None:
+            latent = jnp.concatenate([cached.astype(latent.dtype), latent], axis=1)
+        total = latent.shape[1]
+        kv = _linear(a["kv_b_proj"], latent[..., :rank]).reshape(b, total, h, nope + d_v)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(latent[:, :, None, rank:], (b, total, h, rope))],
+                            axis=-1)
+        out = attend(q, k, kv[..., nope:])
+        x = x + _linear(a["o_proj"], out.reshape(b, length, h * d_v))
+        m = p["mlp"]
+        hs = _rms_norm(p["post_attention_layernorm"], x, eps)
+        x = x + _linear(m["down_proj"], jax.nn.silu(_linear(m["gate_proj"], hs)) * _linear(m["up_proj"], hs))
+        return x, latent
+
+    def forward(params, input_ids, cache=None):
+        model = params["model"]
+        x = model["embed_tokens"]["weight"][input_ids]
+        positions = jnp.arange(prefix_len, prefix_len + input_ids.shape[1], dtype=jnp.int32)
+        latents = []
+        for i in range(cfg.num_layers):
+            x, latent = layer(model["layers"][str(i)], x, positions, None if cache is None else cache[i])
+            latents.append(latent)
+        x = _rms_norm(model["norm"], x, eps)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return _linear(params["lm_head"], x).astype(jnp.float32), latents
+
+    jitted = jax.jit(forward)
+    jitted.attend = attend  # the plan lives as long as the function
+    return jitted
+
+
+def bench_rows(ctx: Any, store: dict, case: Any, ci: int, *, meta_fn: Callable, fields: dict, section: str,
+               repeats: int, warmup: int) -> list:
+    """The ttft bench's JAX rows of one case (:mod:`mla_bridge.bench.ttft`): the model at ``fields`` (random
+    weights, seeded; kept in ``store`` across cases) timed with cuDNN, XLA, mla_bridge_jax and no-op attention,
+    one jitted forward each (compiled in the warm-up), ``logits_to_keep=1``; each path's failure (out of memory) a
+    skipped row. Rows carry attention ms (minus the no-op) and the ratios to mla_bridge_jax."""
+    import torch
+
+    dtype = jnp.bfloat16 if ctx.cuda else jnp.float32
+    if "params" not in store:
+        import transformers
+
+        config = transformers.DeepseekV2Config(**fields)
+        torch.manual_seed(ctx.seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        store["cfg"] = DeepseekConfig.from_dict(config.to_dict())
+        store["params"] = params_from_state_dict(model.state_dict(), dtype)
+        del model
+    cfg, params = store["cfg"], store["params"]
+    ids_np = np.random.default_rng(ctx.seed + ci).integers(3, cfg.vocab_size, (case.batch, case.cached + case.new))
+    ids = jnp.asarray(ids_np[:, case.cached:], dtype=jnp.int32)
+    cache = None
+    if case.cached:
+        prefill = make_forward(cfg, batch=case.batch, seq_len=case.cached, attention="xla" if not ctx.cuda else "cudnn",
+                               dtype=dtype, logits_to_keep=1)
+        cache = jax.block_until_ready(prefill(params, jnp.asarray(ids_np[:, :case.cached], dtype=jnp.int32))[1])
+    names = {"cudnn": "JAX model, jax.nn.dot_product_attention cuDNN", "xla": "JAX model, jax.nn.dot_product_attention XLA",
+             "mla_bridge": "JAX model, mla_bridge_jax", "noop": "JAX model, attention a no-op"}
+    items = []
+    rows = []
+    for pi, impl in enumerate(("cudnn", "xla", "mla_bridge", "noop")):
+        if impl == "cudnn" and not ctx.cuda:
+            rows.append(ctx.skipped(section, case.name, names[impl], "cuDNN attention needs a GPU", **meta_fn(pi)))
+            continue
+        try:
+            fwd = make_forward(cfg, batch=case.batch, seq_len=case.new, attention=impl, prefix_len=case.cached,
+                               dtype=dtype, backend=ctx.backend, logits_to_keep=1)
+        except Exception as err:  # noqa: BLE001
+            rows.append(ctx.skipped(section, case.name, names[impl], f"failed: {type(err).__name__}: {err}"[:200],
+                                    err, **meta_fn(pi)))
+            continue
+        items.append((names[impl], (lambda f=fwd: jax.block_until_ready(f(params, ids, cache)[0])), meta_fn(pi)))
+    rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup))
+    ms = {r.path: r.ms for r in rows if r.status == "ok"}
+    noop, ours = ms.get(names["noop"]), ms.get(names["mla_bridge"])
+    for r in rows:
+        if r.status != "ok":
+            continue
+        if noop is not None and r.path != names["noop"]:
+            r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)
+            r.note = f"attention {r.ms - noop:.2f} ms, {100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"
+        if ours and r.path in (names["cudnn"], names["xla"]):
+            r.extra["ratio_over_mla_bridge_jax"] = r.ms / ours
+            r.note = f"{r.ms / ours:.3f}x mla_bridge_jax's time; " + r.note
+    for impl in ("cudnn", "xla"):
+        other = ms.get(names[impl])
+        ctx.check(f"ttft {case.name}: JAX {impl} / mla_bridge_jax", other / ours if other and ours else None, ">=",
+                  1.0)
+    return sorted(rows, key=lambda r: r.order)
