@@ -280,7 +280,8 @@ class MLADims:
 
     @classmethod
     def preset(cls, name: str) -> "MLADims":
-        """A preset by name: one of :data:`PRESETS` ("deepseek-v2-lite", "deepseek-v3").
+        """A preset by name: one of :data:`PRESETS` ("deepseek-v2-lite", "deepseek-v3", "deepseek-v3.2", "kimi-k2",
+        "glm-4.7-flash", "glm-5", "mistral-large-3"): the attention dims of the published model's config.json.
 
         Raises:
             ValueError: unknown name (the message lists the known ones).
@@ -292,8 +293,13 @@ class MLADims:
 
 _YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096}
 
-# The MLA fields of the published config.json files (Hugging Face: deepseek-ai/DeepSeek-V2-Lite,
-# deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct, deepseek-ai/DeepSeek-V3).
+# The MLA fields of the published config.json files. DeepSeek's were copied from Hugging Face
+# (deepseek-ai/DeepSeek-V2-Lite, deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct, deepseek-ai/DeepSeek-V3; DeepSeek-V3.2
+# keeps V3's attention fields and YaRN). The others could not be downloaded here: their dims are transformers 5.25's
+# defaults of the model type (glm4_moe_lite: GLM-4.7-Flash, glm_moe_dsa: GLM-5, mistral_large4: Mistral Large 3,
+# deepseek_v3 at 64 heads: Kimi-K2), and their RoPE entries: Kimi-K2-Instruct-0905's YaRN (factor 64, mscale_all_dim
+# 1.0), GLM's and Mistral Large 3's without mscale_all_dim (the plain head_dim_qk ** -0.5). A checkpoint's own
+# config.json (``mla-bridge prefill --checkpoint``, :meth:`MLADims.from_hf_config`) always wins.
 _PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite": {
         "num_attention_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
@@ -302,6 +308,28 @@ _PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek-v3": {
         "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+    "deepseek-v3.2": {
+        "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+    },
+    "kimi-k2": {
+        "num_attention_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "rope_scaling": {"type": "yarn", "factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    },
+    "glm-4.7-flash": {
+        "num_attention_heads": 20, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "rope_scaling": None,
+    },
+    "glm-5": {
+        "num_attention_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "rope_scaling": None,
+    },
+    "mistral-large-3": {
+        "num_attention_heads": 64, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": None,
     },
 }
 PRESETS = tuple(_PRESET_CONFIGS)
