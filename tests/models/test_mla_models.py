@@ -161,6 +161,7 @@ def test_mla_prefill_bf16_gpu_equals_float64(name, case):
     float32, rounded to bf16 for mla_bridge; within the CLI's bf16 tolerance (|x - ref| <= 2e-2 + 2**-7 |ref|) of
     transformers' float64 eager attention over the same rounded inputs, and of transformers' float32 output within
     the same bound plus the bf16 rounding of the inputs (relative 2e-2 of the largest output)."""
+    H.register_capture()
     model, base = M.make_model(_split(name)[0], variant=_split(name)[1], attn_implementation=H.CAPTURE_IMPL, seed=1,
                                device="cuda")
     attn = M.mla_attention(base)
