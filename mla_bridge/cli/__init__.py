@@ -121,7 +121,8 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=PRESETS, default=None,
-                   help="dims preset (default deepseek-v2-lite: DeepSeek-Coder-V2-Lite-Instruct, 16 heads)")
+                   help="dims preset: the attention dims of a published model's config.json (default deepseek-v2-lite: "
+                        "DeepSeek-Coder-V2-Lite-Instruct, 16 heads; `mla-bridge info` lists each with its dims)")
     g.add_argument("--checkpoint", metavar="DIR", type=Path,
                    help="local safetensors checkpoint: dims from DIR/config.json, kv_b_proj weight of --layer")
     g.add_argument("--layer", type=_nonnegative_int, metavar="N",

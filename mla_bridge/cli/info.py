@@ -80,6 +80,21 @@ def cmd_info(args, console) -> int:
     except ValueError as err:
         info["backend"] = {"error": str(err)}
         _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
+    from ..dims import PRESETS
+    info["presets"] = {}
+    for name in PRESETS:  # what `mla-bridge prefill --model NAME` runs, and which backend serves its head dims
+        d = MLADims.preset(name)
+        try:
+            served = select_backend(dtype=torch.bfloat16, head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo,
+                                    causal=True).name
+        except ValueError as err:
+            served = f"error: {err}"
+        info["presets"][name] = {"num_heads": d.num_heads, "kv_lora_rank": d.kv_lora_rank,
+                                 "qk_nope_head_dim": d.qk_nope_head_dim, "qk_rope_head_dim": d.qk_rope_head_dim,
+                                 "v_head_dim": d.v_head_dim, "softmax_scale": d.softmax_scale, "backend": served}
+        _row(table, f"--model {name}", f"{d.num_heads} heads, q/k {d.qk_nope_head_dim}+{d.qk_rope_head_dim}, "
+                                       f"v {d.v_head_dim}, kv_lora_rank {d.kv_lora_rank}, scale "
+                                       f"{d.softmax_scale:.6g}: {served}")
     try:  # what mla_prefill would run besides the backend; a switch that cannot serve is named here
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         kernels = kernel_choices(device, torch.bfloat16, MLADims.deepseek_v2_lite())

@@ -95,9 +95,10 @@ def cmd_prefill(args, console) -> int:
             raise CLIError(f"--checkpoint: {cfg_path} not found (the dims come from it)")
         try:
             config = json.loads(cfg_path.read_text(encoding="utf-8"))
-            dims = MLADims.from_hf_config(config)
-        except ValueError as err:
-            raise CLIError(f"--checkpoint: {cfg_path}: {err}") from None
+            dims = MLADims.from_hf_config(config, layer=args.layer)  # per-layer dims of a heterogeneous config
+        except ValueError as err:  # a message about the layer names the flag that gave it
+            msg = str(err)
+            raise CLIError(f"--checkpoint: {cfg_path}: {'--' + msg if msg.startswith('layer') else msg}") from None
         loaded_weight, weight_text = load_kv_b_proj_weight(args.checkpoint, args.layer, dims, config)
         model_name = f"{args.checkpoint} (config.json)"
     else:
