@@ -88,7 +88,7 @@ ATTN_IMPLEMENTATION = "mla_bridge"
 #: and the outputs (sdpa and eager read none of them; packed sequences reach attention through the mask).
 NEUTRAL_KEYWORDS = frozenset({"position_ids", "use_cache", "cache", "past_key_values", "past_key_value",
                               "cache_position", "output_hidden_states", "output_router_logits", "num_items_in_batch",
-                              "max_length_q", "max_length_k", "seq_idx", "deterministic"})
+                              "max_length_q", "max_length_k", "seq_idx", "deterministic", "input_ids"})
 #: Keywords that change the result, each served or handed to an implementation honouring it (module docstring).
 HONOURED_KEYWORDS = frozenset({"indices", "s_aux", "sinks", "softcap", "output_attentions", "position_bias",
                                "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "is_causal"})

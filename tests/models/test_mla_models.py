@@ -28,12 +28,10 @@ NO_CONTEXT = [(0, 5), (0, 3), (0, 1)]
 PREFIX = [(6, 3), (0, 4), (9, 2)]
 SCHEDULES = {"fused": (1024, True, (True, 0)), "chunks": (4, False, (False, 4))}  # 15 context tokens in 4 chunks
 #: What the transformers function hands back (to an implementation honouring it) instead of serving, by model.
-HANDED_BACK = {"dots3_note-swa": "a sliding window"}
-#: The transformers function refuses glm5_next's calls: its attention passes ``input_ids`` to the attention function
-#: (for its DSA over pooled keys), a keyword mla_bridge_transformers does not know yet.
-FUNCTION_MODELS = [pytest.param(m, marks=pytest.mark.xfail(raises=TypeError, strict=True,
-                                                           reason="glm5_next passes input_ids, unknown to the adapter"))
-                   if m == "glm5_next" else m for m in MODELS]
+HANDED_BACK = {"dots3_note-swa": "a sliding window", "glm5_next": "float32 mask"}
+#: Every model's calls go through the transformers function (glm5_next passes ``input_ids`` along, which its own
+#: attention functions ignore: it folds its top-k into an additive float mask itself, which is handed back to sdpa).
+FUNCTION_MODELS = MODELS
 
 
 def _split(name):
