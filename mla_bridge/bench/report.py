@@ -149,7 +149,7 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
                       expand=False)
         for col, just in (("case", "left"), ("path", "left"), ("ms", "right"), ("host ms", "right"),
                           ("TFLOP/s", "right"), ("GB/s", "right"), ("% peak", "right"), ("note", "left")):
-            table.add_column(col, justify=just, overflow="fold")
+            table.add_column(col, justify="right" if just == "right" else "left", overflow="fold")
         last_case = None
         for r in srows:
             case = r.case if r.case != last_case else ""
