@@ -38,8 +38,9 @@ class CodebaseDocstrings(griffe.Extension):
             text.insert(0, lines[i].lstrip()[2:].strip())
             i -= 1
         if text:
-            attr.docstring = griffe.Docstring(_ROLE.sub(lambda m: f"`{m.group(1)}`", " ".join(text)),
-                                              lineno=attr.lineno, parent=attr)
+            attr.docstring = griffe.Docstring(
+                _ROLE.sub(lambda m: f"`{m.group(1)}`", " ".join(text)), lineno=attr.lineno, parent=attr
+            )
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
