@@ -1,4 +1,4 @@
-"""Our own host time in PrefillPlan.build, on a machine without a GPU or on one (issue 13, item 5).
+"""Our own host time in PrefillPlan.build, on a machine without a GPU or on one.
 
 What the H200 bench section ``plan`` measures: build time minus the time inside FlashInfer's ``plan()``, here on the
 fake SM90 device of the CPU tests (:func:`tests.fake_device.install_planning`: every CUDA branch of planning runs and

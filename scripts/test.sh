@@ -14,13 +14,14 @@
 # Set-up: makes .venv (Python >= 3.11) when it is missing; installs torch==2.13.0 FIRST when the venv has no
 # torch (the CPU build that lies on these machines' disk; an unpinned torch resolves to a 5.5 GB CUDA build; a
 # torch you installed yourself, such as a CUDA build on a GPU machine, is kept); then this checkout, editable,
-# with the test and jax extras. The installs are skipped while pyproject.toml is unchanged and the venv still
+# with the test, jax-ffi and cli extras. The installs are skipped while pyproject.toml is unchanged and the venv still
 # imports this checkout. Then: pytest on tests/ (tests/vllm has its own environment), then
 # scripts/test_vllm.sh when it exists. Exits non-zero when anything fails.
 #
 # Environment: PYTHON (interpreter for a new venv; default python3.11, else python3), MLA_BRIDGE_VENV (default
-# .venv), MLA_BRIDGE_TORCH (default torch==2.13.0), MLA_BRIDGE_EXTRAS (default test,jax-ffi: jax and jax-tvm-ffi,
-# so the tvm_ffi shim tests build and run on the CPU too),
+# .venv), MLA_BRIDGE_TORCH (default torch==2.13.0), MLA_BRIDGE_EXTRAS (default test,jax-ffi,cli: pytest and
+# transformers; jax and jax-tvm-ffi, so the tvm_ffi shim tests build and run on the CPU too; rich, matplotlib and
+# safetensors, which the CLI and bench tests need),
 # MLA_BRIDGE_SKIP_VLLM=1 (skip scripts/test_vllm.sh).
 set -euo pipefail
 
@@ -29,7 +30,7 @@ cd "$ROOT"
 VENV="${MLA_BRIDGE_VENV:-.venv}"
 PY="$VENV/bin/python"
 TORCH_SPEC="${MLA_BRIDGE_TORCH:-torch==2.13.0}"
-EXTRAS="${MLA_BRIDGE_EXTRAS:-test,jax-ffi}"
+EXTRAS="${MLA_BRIDGE_EXTRAS:-test,jax-ffi,cli}"
 STAMP="$VENV/.mla-bridge-setup"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 

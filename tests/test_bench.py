@@ -81,8 +81,60 @@ def cpu_run(tmp_path_factory):
 
 def test_cpu_run_succeeds_and_prints_tables(cpu_run):
     assert cpu_run.rc == 0
-    for title in ("1. Main pass", "2. Context pass", "3. Merge", "4. Planning", "5. Peak extra", "6. JAX", "Targets"):
+    for title in ("1. Main pass", "2. Context pass", "3. Merge", "4. Planning", "6. JAX"):
         assert title in cpu_run.text
+    # every row of the memory section needs CUDA: the section is not printed on the CPU
+    assert "5. Peak extra" not in cpu_run.text
+
+
+def test_cpu_run_prints_only_rows_and_targets_that_apply(cpu_run):
+    """Rows of paths the CPU cannot run (CUDA, FlashInfer, Triton) and the GPU targets stay in the JSON, flagged,
+    and are left out of the printed report, which says how many it left out."""
+    rows = cpu_run.data["rows"]
+    hidden = [r for r in rows if not r["applies"]]
+    assert hidden and all(r["status"] == "skipped" for r in hidden)
+    assert {r["section"] for r in hidden} >= {"main", "context", "merge", "memory"}
+    assert any("raw FlashInfer" in r["path"] for r in hidden)
+    text = cpu_run.text
+    for word in ("needs CUDA and FlashInfer", "fused kernel needs CUDA", "n/a here", "missed", "Targets ("):
+        assert word not in text.split("Not shown:")[0], word
+    assert f"Not shown: {len(hidden)} rows" in text
+    checks = cpu_run.data["checks"]
+    assert checks and not any(c["applies"] for c in checks)
+    assert f"Targets: {len(checks)} recorded in the JSON do not apply here" in text
+    # a skip the user asked for is still shown
+    assert all(r["applies"] for r in rows if r["note"] == "--skip flex")
+    assert "--skip flex" in text
+
+
+def test_targets_are_named_by_what_they_measure(cpu_run):
+    import re
+
+    names = [c["name"] for c in cpu_run.data["checks"]]
+    assert names and not [n for n in names if re.search(r"issue", n, re.I)]
+    assert not re.search(r"issue \d", cpu_run.text, re.I)
+
+
+def test_gpu_targets_are_printed_with_their_result():
+    from mla_bridge.bench.common import Check
+    from mla_bridge.bench.report import render
+
+    console = _quiet_console()
+    env = dict(gpu="NVIDIA H200", torch="2.11", cuda="13.0", flashinfer="0.7.4", dtype="bfloat16", mode="full",
+               date="2026-12-04T12:00:00+00:00")
+    checks = [Check("context 4x(8000+2000), 4 chunks: mla_prefill / (attention + GEMM alone)", 1.09, 1.12, "<=",
+                    True, True),
+              Check("merge 16 heads: merge_attn_states GB/s", 2400.0, 2500.0, ">=", False, True),
+              Check("plan: PrefillPlan.build host ms, batch 128", None, 1.0, "<=", None, True),
+              Check("quick-mode only", 1.0, 2.0, "<=", True, False)]
+    rows = [Row("main", "16h 1x10000", "mla_bridge RaggedPlan.run", ms=0.73, tflops=704.0),
+            Row("main", "16h 1x10000", "raw FlashInfer wrapper.run", status="skipped", note="needs X", applies=False)]
+    render(console, rows, checks, env, {})
+    text = console.file.getvalue()
+    assert "Targets (GPU, full mode)" in text
+    assert "met" in text and "missed" in text and "not measured" in text
+    assert "quick-mode only" not in text and "1 recorded in the JSON do not apply here" in text
+    assert "raw FlashInfer wrapper.run" not in text and "Not shown: 1 rows" in text
 
 
 def test_json_has_environment_config_and_peaks(cpu_run):
@@ -212,6 +264,85 @@ def test_jax_section_uses_compare_rows(cpu_run):
 def test_plot_png_written(cpu_run):
     data = cpu_run.png.read_bytes()
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _h200_like_rows() -> list:
+    """Rows shaped as a full-mode GPU run writes them (paths from the bench's own tables)."""
+    from mla_bridge.bench import context as C, main_pass as M
+
+    rows = []
+    for i, case in enumerate(("16h 1x10000", "16h 4x10000", "128h 1x10000", "16h mixed 24 (37..9000, 111057 tok)")):
+        for j, path in enumerate(M.PATHS):
+            rows.append(Row("main", case, path, ms=1.0, tflops=700.0 - 50 * j, order=(0, i, j)))
+        rows.append(Row("main", case, M.PATHS[1] + " x", status="skipped", note="needs CUDA", applies=False,
+                        order=(0, i, 9)))
+    kv_paths = (C.FUSED_KV_PATH, C.FUSED_KV_GRAPH, C.SEPARATE_KV_PATH, C.SEPARATE_KV_GRAPH)
+    for i, case in enumerate(("4x(8000+2000), all context", "4x(8000+2000), 4 chunks", "64x128 new, no context")):
+        for j, path in enumerate((C.PATHS[0], C.PATHS[20], C.PATHS[2]) + kv_paths + C.PATHS[3:8]):
+            rows.append(Row("context", case, path, ms=1.0 + j / 10, order=(1, i, j),
+                            extra={"vs_attention_plus_gemm": 1.0 + j / 100}))
+    return rows
+
+
+def test_plot_panels_are_small_multiples_with_few_series():
+    """One panel per question, each with at most 6 series: the main pass (mla_bridge, raw FlashInfer, the peers),
+    the layer against attention + GEMM (eager, graphed, with the two GPU targets), each k/v path, the ms against
+    the hand-written pipeline. The phases and skipped rows are not series."""
+    from mla_bridge.bench.report import _panels
+
+    env = dict(gpu="NVIDIA H200", mode="full")
+    panels = _panels(_h200_like_rows(), {"matmul_tflops": 790.0}, env)
+    titles = [p["title"] for p in panels]
+    assert len(panels) == 4, titles
+    assert titles[0].startswith("Main pass") and "attention + GEMM" in titles[1] and "k/v path" in titles[2]
+    assert "hand-written" in titles[3]
+    assert [len(p["series"]) for p in panels] == [5, 2, 4, 3]
+    assert [label for label, _ in panels[0]["series"]][:2] == ["mla_bridge (RaggedPlan.run)",
+                                                               "raw FlashInfer (wrapper.run)"]
+    assert [label for label, _ in panels[1]["series"]] == ["eager", "CUDA graph replay"]
+    assert [t for t, _ in panels[1]["targets"]] == [1.12, 1.05]
+    assert panels[0]["cases"][0] == "16h 1x10000" and len(panels[0]["cases"]) == 4
+    # a CPU or quick run draws no GPU target
+    assert not _panels(_h200_like_rows(), {}, dict(gpu=None, mode="quick"))[1]["targets"]
+
+
+def test_plot_legends_sit_outside_the_axes_and_the_title_names_machine_date_versions():
+    import matplotlib.pyplot as plt
+
+    from mla_bridge.bench.report import plot_figure
+
+    env = dict(gpu="NVIDIA H200", gpu_capability="9.0", mode="full", dtype="bfloat16",
+               date="2026-12-04T12:34:56+00:00", mla_bridge="0.1.0", torch="2.11.0+cu130", cuda="13.0",
+               flashinfer="0.7.4", driver="580.159.04")
+    fig = plot_figure(_h200_like_rows(), {"matmul_tflops": 790.0}, env)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        axes = [ax for ax in fig.axes if ax.get_legend() is not None]
+        assert len(axes) == 4
+        for ax in axes:
+            box, legend = ax.get_window_extent(renderer), ax.get_legend().get_window_extent(renderer)
+            assert legend.x0 >= box.x1, (ax.get_title(), legend, box)
+            assert len(ax.get_legend().get_texts()) <= 8
+            labels = [t.get_text() for t in ax.get_yticklabels()]
+            assert labels and all(labels)
+        title = fig._suptitle.get_text()
+        for part in ("NVIDIA H200", "2026-12-04 12:34 UTC", "torch 2.11.0+cu130", "CUDA 13.0", "FlashInfer 0.7.4",
+                     "mla_bridge 0.1.0", "bfloat16"):
+            assert part in title, part
+    finally:
+        plt.close(fig)
+
+
+def test_plot_is_drawn_again_from_a_json(cpu_run, tmp_path):
+    from mla_bridge.bench.report import main as report_main, rows_from_payload
+
+    rows = rows_from_payload(cpu_run.data)
+    assert len(rows) == len(cpu_run.data["rows"]) and rows[0].section == cpu_run.data["rows"][0]["section"]
+    out = tmp_path / "again.png"
+    assert report_main([str(cpu_run.png.with_suffix(".json")), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report_main([]) == 2
 
 
 @pytest.mark.slow

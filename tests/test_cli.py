@@ -270,6 +270,73 @@ def test_info_names_a_switch_that_cannot_serve(tmp_path, capsys, monkeypatch):
     assert "MLA_BRIDGE_TRITON_LAUNCH" in capsys.readouterr().out
 
 
+def _env_names_in_source() -> set:
+    """Every ``MLA_BRIDGE_*`` string literal in the library and its adapters (outside the info command itself)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = set()
+    for path in list((root / "mla_bridge").rglob("*.py")) + list((root / "adapters").rglob("*.py")):
+        if path.name == "info.py" and path.parent.name == "cli":
+            continue
+        names |= set(re.findall(r"[\"'](MLA_BRIDGE_[A-Z0-9_]+)[\"']", path.read_text()))
+    return names
+
+
+def test_info_lists_every_environment_variable_the_library_reads(tmp_path, capsys, monkeypatch):
+    from mla_bridge.cli.info import ENV_VARIABLES
+
+    in_source = _env_names_in_source()
+    assert len(in_source) >= 8 and {"MLA_BRIDGE_JAX_JIT_ROUTE", "MLA_BRIDGE_JAX_MAX_PLANS"} <= in_source
+    assert {name for name, *_ in ENV_VARIABLES} == in_source
+    monkeypatch.setenv("MLA_BRIDGE_JAX_MAX_PLANS", "4")
+    monkeypatch.delenv("MLA_BRIDGE_JAX_JIT_ROUTE", raising=False)
+    path = tmp_path / "info.json"
+    assert main(["info", "--json", str(path)]) == 0
+    info = json.loads(path.read_text())
+    assert [e["name"] for e in info["environment"]] == [name for name, *_ in ENV_VARIABLES]
+    env = {e["name"]: e for e in info["environment"]}
+    assert env["MLA_BRIDGE_JAX_MAX_PLANS"]["value"] == "4" and env["MLA_BRIDGE_JAX_MAX_PLANS"]["default"] == "16"
+    assert env["MLA_BRIDGE_JAX_JIT_ROUTE"]["value"] is None and info["MLA_BRIDGE_JAX_JIT_ROUTE"] is None
+    text = capsys.readouterr().out
+    for name in in_source:
+        assert name in text, name
+    assert "MLA_BRIDGE_JAX_MAX_PLANS" in text and "'4'" in text
+
+
+def test_info_reports_the_dtype_each_path_uses(tmp_path, capsys, monkeypatch):
+    """On the CPU the command's default dtype is float32 (not bf16): the backend is chosen for it, and the compute
+    dtype of each path is listed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND", raising=False)
+    path = tmp_path / "info.json"
+    assert main(["info", "--json", str(path)]) == 0
+    info = json.loads(path.read_text())
+    assert info["dtype"] == "float32" and info["backend"]["dtype"] == "float32"
+    assert info["backend"]["name"] == "torch"
+    assert "float32" in info["compute_dtypes"]["torch backend"]
+    assert "bfloat16" in info["compute_dtypes"]["FlashInfer backends (fa2, fa3, cutlass)"]
+    text = capsys.readouterr().out
+    assert "torch for float32, head dims 192/128" in text and "for bf16" not in text
+    from mla_bridge.cli.info import default_dtype
+
+    assert default_dtype("cuda") == "bfloat16" and default_dtype("cpu") == "float32"
+
+
+@pytest.mark.parametrize("argv,module", [(["info"], "rich"), (["prefill", "--device", "cpu"], "rich"),
+                                         (["bench", "--plot", "x.png"], "matplotlib"),
+                                         (["prefill", "--checkpoint", "/nowhere", "--layer", "0"], "safetensors")])
+def test_a_missing_cli_extra_is_named_before_any_work(argv, module, monkeypatch, capsys):
+    """Without the cli extra the command stops with exit 2 and one line naming the package and the extra (no
+    traceback); --help still works."""
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError, find_spec finds nothing
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"needs {module}" in err and "pip install 'mla-bridge[cli]'" in err and "Traceback" not in err
+    assert main([argv[0], "--help"]) == 0
+
+
 def test_info_jit_cache_follows_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path))
     path = tmp_path / "info.json"

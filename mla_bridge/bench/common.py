@@ -105,6 +105,9 @@ class Row:
     note: str = ""
     error: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    #: False for a row that cannot run on this machine at all (it needs CUDA, FlashInfer or Triton): kept in the
+    #: JSON, left out of the printed tables and the plot.
+    applies: bool = True
     order: tuple = field(default=(0, 0, 0), repr=False)  # display order, not written to JSON
 
     def to_dict(self) -> dict:
@@ -298,6 +301,11 @@ class Ctx:
                 **kw: Any) -> Row:
         return Row(section=section, case=case, path=path, status="skipped", note=note,
                    error=None if err is None else fmt_err(err), **kw)
+
+    def not_here(self, section: str, case: str, path: str, note: str, **kw: Any) -> Row:
+        """A skipped row for a path this machine cannot run at all (``note`` names what it needs: CUDA, FlashInfer,
+        Triton): recorded in the JSON with ``applies`` False, not printed and not plotted."""
+        return Row(section=section, case=case, path=path, status="skipped", note=note, applies=False, **kw)
 
     def measure(self, section: str, case: str, path: str, fn: Callable[[], Any], *, flops: Optional[float] = None,
                 nbytes: Optional[float] = None, repeats: Optional[int] = None, warmup: Optional[int] = None,

@@ -321,7 +321,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                                                               plan, kv_impl="separate"),
                       dict(flops=flops, note="every pass: gather, then cuBLAS", **meta(0.55))))
     else:
-        skipped += [ctx.skipped(SECTION, name, p, "the fused kernel needs CUDA and Triton", **meta(0.5))
+        skipped += [ctx.not_here(SECTION, name, p, "the fused kernel needs CUDA and Triton", **meta(0.5))
                     for p in (FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH, SEPARATE_KV_GRAPH)]
     for path, weight, pi, impl in ((PATHS[20], x.wp, 0.6, None), (PATHS[21], x.wp_identity, 0.8, None),
                                    (FUSED_KV_GRAPH, x.wp, 0.7, "fused"), (SEPARATE_KV_GRAPH, x.wp, 0.75, "separate")):
@@ -412,7 +412,7 @@ def _fp8_items(ctx: Ctx, x: Inputs, plan: PrefillPlan, ph, name: str, flops: flo
                          dict(nbytes=ph.gather_bytes(1), note="fp8 rows read, dequantized rows written",
                               **meta(I_FP8_GATHER))))
     if gather_impl(ctx.device) == "torch":
-        res["skipped"] += [ctx.skipped(SECTION, name, PATHS[i], "the gather above is the torch one here", **meta(i))
+        res["skipped"] += [ctx.not_here(SECTION, name, PATHS[i], "the gather above is the torch one here", **meta(i))
                            for i in (I_TORCH_GATHER, I_FP8_TORCH_GATHER)]
     else:
         res["items"] += [
@@ -525,7 +525,7 @@ def _handwritten_item(ctx: Ctx, x: Inputs, budget: int, name: str, flops: float,
     if "handwritten" in ctx.skip:
         return ctx.skipped(SECTION, name, PATHS[2], "--skip handwritten", **meta)
     if not ctx.cuda or not flashinfer_importable():
-        return ctx.skipped(SECTION, name, PATHS[2], "needs CUDA and FlashInfer", **meta)
+        return ctx.not_here(SECTION, name, PATHS[2], "needs CUDA and FlashInfer", **meta)
     try:
         layer = handwritten_pipeline(ctx, x, budget)
         fb = handwritten_backend(ctx)
@@ -588,9 +588,9 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     graphed = by_path.get(PATHS[20])
     if case.eager_ms_before:
         before = case.eager_ms_before[bi]
-        ctx.check(f"context {name}: graphed speedup over eager before issue 13 ({before} ms)",
+        ctx.check(f"context {name}: graphed mla_prefill speedup over the H200 eager baseline ({before} ms)",
                   before / graphed.ms if ok(PATHS[20]) else None, ">=", GRAPHED_SPEEDUP)
-        ctx.check(f"context {name}: eager mla_prefill ms (before issue 13: {before} ms)",
+        ctx.check(f"context {name}: eager mla_prefill ms against the H200 eager baseline ({before} ms)",
                   full.ms if ok(PATHS[0]) else None, "<=", before, "no slower")
     return rows
 
@@ -627,7 +627,8 @@ def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspac
     fb = plan.backend.flashinfer_backend
     raw = None
     if fb is None or "raw" in ctx.skip:
-        raw = ctx.skipped(SECTION, case, PATHS[11], "--skip raw" if fb else "needs CUDA and FlashInfer", **m1)
+        raw = (ctx.skipped(SECTION, case, PATHS[11], "--skip raw", **m1) if fb else
+               ctx.not_here(SECTION, case, PATHS[11], "needs CUDA and FlashInfer", **m1))
     else:
         try:
             wrapper = ctx.raw_wrapper(fb, 0)

@@ -57,9 +57,11 @@ def _core_and_raw(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     raw_row = None
     if "raw" in ctx.skip:
         raw_row = ctx.skipped(SECTION, shape.name, PATHS[1], "--skip raw", **_meta(shape, ci, 1))
+    elif fi_backend is None and plan is not None:
+        raw_row = ctx.not_here(SECTION, shape.name, PATHS[1], "needs CUDA and FlashInfer (the plan runs the torch "
+                               "backend)", **_meta(shape, ci, 1))
     elif fi_backend is None:
-        raw_row = ctx.skipped(SECTION, shape.name, PATHS[1], "needs CUDA and FlashInfer (the plan runs the torch "
-                              "backend)" if plan is not None else "no plan", **_meta(shape, ci, 1))
+        raw_row = ctx.skipped(SECTION, shape.name, PATHS[1], "no plan", **_meta(shape, ci, 1))
     else:
         try:
             wrapper = ctx.raw_wrapper(fi_backend)

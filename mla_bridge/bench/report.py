@@ -13,7 +13,8 @@ import torch
 
 from .common import SECTION_TITLES, SECTIONS, Check, Ctx, Row
 
-__all__ = ["environment", "measure_peaks", "render", "write_json", "write_plot"]
+__all__ = ["environment", "measure_peaks", "render", "write_json", "write_plot", "plot_figure",
+           "rows_from_payload", "plot_title"]
 
 
 def _version(dist: str) -> Optional[str]:
@@ -127,7 +128,9 @@ def sort_rows(rows: Iterable[Row]) -> list[Row]:
 
 
 def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks: dict) -> None:
-    """One rich table per section, then the targets."""
+    """One rich table per section, then the targets. Rows that cannot run on this machine (``Row.applies`` False:
+    they need CUDA, FlashInfer or Triton) and targets that do not apply here (``Check.applies`` False: the targets
+    are for a GPU in full mode) are counted in one line each, not listed; the JSON keeps them all."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -136,7 +139,8 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
     console.print(head)
     by_section: dict[str, list[Row]] = {}
     for r in sort_rows(rows):
-        by_section.setdefault(r.section, []).append(r)
+        if r.applies:
+            by_section.setdefault(r.section, []).append(r)
     for section in ("peak",) + SECTIONS:
         srows = by_section.get(section)
         if not srows:
@@ -145,7 +149,7 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
                       expand=False)
         for col, just in (("case", "left"), ("path", "left"), ("ms", "right"), ("host ms", "right"),
                           ("TFLOP/s", "right"), ("GB/s", "right"), ("% peak", "right"), ("note", "left")):
-            table.add_column(col, justify=just, overflow="fold")
+            table.add_column(col, justify="right" if just == "right" else "left", overflow="fold")
         last_case = None
         for r in srows:
             case = r.case if r.case != last_case else ""
@@ -158,21 +162,28 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
             table.add_row(escape(case), escape(r.path), _fmt(r.ms, ".3f"), _fmt(r.host_ms, ".3f"), _num(r.tflops),
                           _num(r.gbps), pct, escape(r.note))
         console.print(table)
-    if checks:
-        table = Table(title="Targets (issue 5; they apply on the H200 in full mode)", title_justify="left")
+    hidden = [r for r in rows if not r.applies]
+    if hidden:
+        needs = sorted({r.note for r in hidden})
+        console.print(f"Not shown: {len(hidden)} rows of paths this machine cannot run ({'; '.join(needs)}); "
+                      "the JSON lists them.", highlight=False, markup=False)
+    shown = [c for c in checks if c.applies]
+    if shown:
+        table = Table(title="Targets (GPU, full mode)", title_justify="left")
         for col in ("target", "value", "goal", "result"):
             table.add_column(col, overflow="fold")
-        for c in checks:
+        for c in shown:
             if c.passed is None:
                 result = "[yellow]not measured[/]"
-            elif c.passed:
-                result = "[green]met[/]" if c.applies else "met (n/a here)"
             else:
-                result = "[red]missed[/]" if c.applies else "missed (n/a here)"
+                result = "[green]met[/]" if c.passed else "[red]missed[/]"
             note = f" — {escape(c.note)}" if c.note else ""
             table.add_row(escape(c.name), "" if c.value is None else f"{c.value:.4g}", f"{c.op} {c.target:g}",
                           result + note)
         console.print(table)
+    if len(shown) < len(checks):
+        console.print(f"Targets: {len(checks) - len(shown)} recorded in the JSON do not apply here (they are goals "
+                      "for a GPU in full mode).", highlight=False, markup=False)
     if peaks:
         console.print(f"Peaks measured in this run: matmul {_num(peaks.get('matmul_tflops'))} TFLOP/s, "
                       f"copy {_num(peaks.get('copy_gbps'))} GB/s")
@@ -186,62 +197,209 @@ def write_json(path: str, payload: dict) -> None:
         f.write("\n")
 
 
-def _series(rows: list[Row], section: str, key) -> dict:
-    """{(path, group): [(seq_len, tflops), ...]} of the measured TFLOP/s rows of ``section``."""
-    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for r in rows:
-        if r.section == section and r.status == "ok" and r.tflops and r.seq_len:
-            label = key(r)
-            if label:
-                out.setdefault(label, []).append((r.seq_len, r.tflops))
-    return {k: sorted(v) for k, v in out.items()}
+def rows_from_payload(payload: dict) -> list[Row]:
+    """The rows of a bench JSON (what :func:`write_json` wrote), as :class:`Row` objects in their written order:
+    to draw the plot of an earlier run again (``python -m mla_bridge.bench.report BENCH.json OUT.png``)."""
+    fields = set(Row.__dataclass_fields__) - {"order"}
+    out = []
+    for i, d in enumerate(payload.get("rows", [])):
+        row = Row(**{k: v for k, v in d.items() if k in fields})
+        row.order = (i,)
+        out.append(row)
+    return out
+
+
+def _grouped(rows: list[Row], section: str, series: tuple, value) -> tuple[list[str], list[tuple[str, list]]]:
+    """``(cases, [(label, values per case)])`` of ``section``'s measured rows that apply here, cases in report
+    order; a series with no value at all is left out; ``value(row)`` gives the plotted number (or None)."""
+    cases: list[str] = []
+    got: dict[tuple[str, str], float] = {}
+    for r in sort_rows(rows):
+        if r.section != section or not r.applies:
+            continue
+        if r.case not in cases and any(r.path == p for p, _ in series):
+            cases.append(r.case)
+        v = value(r) if r.status == "ok" else None
+        if v is not None and v > 0:
+            got[(r.case, r.path)] = v
+    cases = [c for c in cases if any((c, path) in got for path, _ in series)]
+    return cases, [(label, [got.get((c, path)) for c in cases]) for path, label in series
+                   if any((c, path) in got for c in cases)]
+
+
+def _short(v: float) -> str:
+    return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def _bars(ax: Any, cases: list[str], series: list[tuple[str, list]], colors: list, *, xlabel: str,
+          log: bool = False) -> None:
+    """Horizontal grouped bars: one group per case (top to bottom in report order), one bar per series, each bar
+    labelled with its value; the legend outside the axes, on the right."""
+    import textwrap
+
+    # each case's bars side by side, only the series it has (colours stay per series)
+    per_case = [[j for j, (_, vals) in enumerate(series) if vals[i] is not None] for i in range(len(cases))]
+    width = max(1, max((len(js) for js in per_case), default=1))
+    h = 0.8 / width
+    placed: dict[int, list[tuple[float, float]]] = {}
+    for i, js in enumerate(per_case):
+        for k, j in enumerate(js):
+            placed.setdefault(j, []).append((i + (k - (len(js) - 1) / 2) * h, series[j][1][i]))
+    for j, (label, _) in enumerate(series):
+        if j not in placed:
+            continue
+        y, v = zip(*placed[j])
+        bars = ax.barh(y, v, height=h * 0.92, color=colors[j % len(colors)], label=label)
+        ax.bar_label(bars, labels=[_short(x) for x in v], padding=2, fontsize=7)
+    ax.set_yticks(range(len(cases)))
+    ax.set_yticklabels([textwrap.fill(c, 34) for c in cases], fontsize=8)
+    ax.invert_yaxis()
+    if log:
+        from matplotlib.ticker import FuncFormatter, LogLocator
+
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.set_axisbelow(True)
+    if not log:
+        ax.margins(x=0.12)
+
+
+def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
+    """What to draw: each panel a title, cases, series and axis settings; panels without data are left out."""
+    from . import context, main_pass
+
+    def ratio(r: Row) -> Optional[float]:
+        return r.extra.get("vs_attention_plus_gemm")
+
+    cp = context.PATHS
+    main_series = tuple(zip(main_pass.PATHS, ("mla_bridge (RaggedPlan.run)", "raw FlashInfer (wrapper.run)",
+                                              "torch SDPA (dense)", "flex_attention (document mask)",
+                                              "mla_bridge torch backend (reference)")))
+    graphed = "CUDA graph replay" if env.get("gpu") else "capture_prefill (runs eagerly on the CPU)"
+    layer = ((cp[0], "eager"), (cp[20], graphed))
+    kv = ((context.FUSED_KV_PATH, "fused kernel, eager"), (context.FUSED_KV_GRAPH, "fused kernel, graphed"),
+          (context.SEPARATE_KV_PATH, "gather + cuBLAS, eager"), (context.SEPARATE_KV_GRAPH, "gather + cuBLAS, graphed"))
+    times = ((cp[0], "mla_prefill, eager"), (cp[20], "mla_prefill, " + graphed), (cp[2], "hand-written pipeline"))
+
+    applies = env.get("mode") == "full" and bool(env.get("gpu"))
+    panels = []
+    cases, series = _grouped(rows, "main", main_series, lambda r: r.tflops)
+    if series:
+        panels.append(dict(title="Main pass, causal: throughput by case (higher is better)", cases=cases,
+                           series=series, xlabel="TFLOP/s", peak=peaks.get("matmul_tflops")))
+    cases, series = _grouped(rows, "context", layer, ratio)
+    if series:
+        panels.append(dict(title="mla_prefill with cached context: time / (attention + GEMM alone), default path "
+                                 "(lower is better; 1 = the two kernels alone)", cases=cases, series=series,
+                           xlabel="ratio", one=True,
+                           targets=((context.EAGER_TARGET, "eager"), (context.GRAPHED_TARGET, "graphed"))
+                           if applies else ()))
+    cases, series = _grouped(rows, "context", kv, ratio)
+    if series:
+        panels.append(dict(title="mla_prefill: time / (attention + GEMM alone), one k/v path forced on every pass "
+                                 "(lower is better)", cases=cases, series=series, xlabel="ratio", one=True))
+    cases, series = _grouped(rows, "context", times, lambda r: r.ms)
+    if series:
+        values = [v for _, vals in series for v in vals if v]
+        log = max(values) / min(values) > 20
+        panels.append(dict(title="mla_prefill per layer against the hand-written pipeline (lower is better)",
+                           cases=cases, series=series, xlabel="ms per layer" + (" (log scale)" if log else ""),
+                           log=log))
+    jax_paths = []
+    for r in sort_rows(rows):
+        if r.section == "jax" and r.applies and r.status == "ok" and r.tflops and r.path not in jax_paths:
+            jax_paths.append(r.path)
+    cases, series = _grouped(rows, "jax", tuple((p, p) for p in jax_paths[:6]), lambda r: r.tflops)
+    if series:
+        panels.append(dict(title="JAX adapter: throughput by case (higher is better)", cases=cases, series=series,
+                           xlabel="TFLOP/s", peak=peaks.get("matmul_tflops")))
+    return panels
+
+
+def plot_title(env: dict) -> str:
+    """The plot's title: the machine, the date (UTC) and the versions the figures depend on."""
+    gpu = env.get("gpu") or f"CPU ({env.get('cpu_count') or '?'} cores)"
+    if env.get("gpu_capability"):
+        gpu += f", SM {env['gpu_capability']}"
+    date = str(env.get("date") or "")
+    date = date[:16].replace("T", " ") + " UTC" if len(date) >= 16 else date
+    first = f"mla_bridge bench · {gpu} · {env.get('dtype')} · {env.get('mode')} mode · {date}"
+    versions = [f"mla_bridge {env.get('mla_bridge')}", f"torch {env.get('torch')}"]
+    if env.get("cuda"):
+        versions.append(f"CUDA {env['cuda']}")
+    if env.get("driver"):
+        versions.append(f"driver {env['driver']}")
+    versions.append(f"FlashInfer {env.get('flashinfer') or 'not installed'}")
+    if env.get("jax"):
+        versions.append(f"JAX {env['jax']}")
+    return first + "\n" + " · ".join(versions)
 
 
 def write_plot(path: str, rows: list[Row], peaks: dict, env: dict) -> None:
-    """TFLOP/s against sequence length (key tokens in the batch) per path: main pass and full prefill. One colour
-    per path, one marker / line style per group (heads and ragged for the main pass, chunk budget for prefill)."""
+    """Small multiples, one panel per question, each a few series of horizontal bars by case: the main pass's
+    TFLOP/s (mla_bridge, the raw FlashInfer kernel, the peers); the layer's time against attention + GEMM alone,
+    eager and graphed (with the GPU targets in full mode); the same for each k/v path forced; the layer's ms against
+    the hand-written pipeline; the JAX adapter. Only rows that apply on this machine; legends outside the axes; the
+    machine, date and versions in the title."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(rows, peaks, env)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_figure(rows: list[Row], peaks: dict, env: dict) -> Any:
+    """The matplotlib figure :func:`write_plot` saves (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    def main_key(r: Row) -> tuple[str, str]:
-        return r.path, f"{r.heads}h" + (", ragged" if "mixed" in r.case else "")
+    panels = _panels(rows, peaks, env)
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#7f7f7f"]
+    heights = [max(1.8, 0.19 * sum(v is not None for _, vals in p["series"] for v in vals) + 0.12 * len(p["cases"])
+                   + 0.9) for p in panels] or [2.0]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(12, sum(heights) + 1.2), squeeze=False,
+                             gridspec_kw=dict(height_ratios=heights), layout="constrained")
+    for ax, p in zip(axes[:, 0], panels):
+        _bars(ax, p["cases"], p["series"], colors, xlabel=p["xlabel"], log=p.get("log", False))
+        if p.get("peak"):
+            ax.axvline(p["peak"], color="gray", linestyle="--", linewidth=1,
+                       label=f"matmul peak, same run ({_num(p['peak'])})")
+        if p.get("one"):
+            ax.axvline(1.0, color="black", linewidth=0.8)
+        for k, (target, what) in enumerate(p.get("targets", ())):
+            ax.axvline(target, color=colors[k], linestyle=("--", ":")[k % 2], linewidth=1.1,
+                       label=f"target, {what}: <= {target}")
+        ax.set_title(p["title"], fontsize=10, loc="left")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if not panels:
+        axes[0, 0].text(0.5, 0.5, "no measured rows", ha="center", va="center", transform=axes[0, 0].transAxes)
+        axes[0, 0].set_axis_off()
+    fig.suptitle(plot_title(env), fontsize=10)
+    return fig
 
-    def ctx_key(r: Row) -> Optional[tuple[str, str]]:
-        if r.path.startswith(("phase", "context pass", "sum")):
-            return None
-        return r.path, (r.case.split(", ", 1)[1] if ", " in r.case else "")
 
-    panels = [("1. main pass (causal)", _series(rows, "main", main_key)),
-              ("2. mla_prefill with cached context", _series(rows, "context", ctx_key))]
-    cycle = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2", "C3", "C4", "C5"])
-    markers, styles = ["o", "s", "^", "D", "v", "P"], ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6))
-    for ax, (title, series) in zip(axes, panels):
-        paths = sorted({p for p, _ in series})
-        groups = sorted({g for _, g in series})
-        for (p, grp), pts in sorted(series.items()):
-            xs, ys = zip(*pts)
-            gi = groups.index(grp)
-            ax.plot(xs, ys, color=cycle[paths.index(p) % len(cycle)], marker=markers[gi % len(markers)],
-                    linestyle=styles[gi % len(styles)] if len(pts) > 1 else "none", label=f"{p} ({grp})")
-        if peaks.get("matmul_tflops"):
-            ax.axhline(peaks["matmul_tflops"], color="gray", linestyle="--", linewidth=1,
-                       label=f"matmul peak {_num(peaks['matmul_tflops'])}")
-        ax.set_xscale("log")
-        ax.set_xlabel("sequence length: key tokens in the batch (sum of kv lengths)")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_ylim(bottom=0)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        if series:
-            ax.legend(fontsize=7, loc="best")
-        else:
-            ax.text(0.5, 0.5, "no measured rows", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(f"mla_bridge bench · {env.get('gpu') or 'CPU'} · {env['dtype']} · {env['date']}")
-    fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def main(argv: Optional[list] = None) -> int:
+    """``python -m mla_bridge.bench.report BENCH.json OUT.png``: the plot of an earlier run's JSON."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m mla_bridge.bench.report BENCH.json OUT.png", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as f:
+        payload = json.load(f)
+    write_plot(args[1], rows_from_payload(payload), payload.get("peaks") or {}, payload.get("environment") or {})
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

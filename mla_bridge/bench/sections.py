@@ -46,7 +46,7 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
               dict(nbytes=nbytes, **meta(1)))]
     skipped = []
     if not ctx.cuda or not flashinfer_importable():
-        skipped.append(ctx.skipped("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
+        skipped.append(ctx.not_here("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
     elif heads * (d // max(16 // out_a.element_size(), d // 32)) > 1024:
         # FlashInfer 0.7.4 launches head_dim/vec x heads threads per block: above 64 heads at bf16, d 128, the
         # launch fails (seen on the H200), and a failed launch can poison the next kernel's error check.
@@ -216,7 +216,7 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
                              dtype=ctx.dtype, backend=ctx.backend)
     limit = budget_bytes(x, plan)
     if not ctx.cuda:
-        return [ctx.skipped("memory", name, MEMORY_PATHS[0], "needs CUDA (torch.cuda memory statistics)",
+        return [ctx.not_here("memory", name, MEMORY_PATHS[0], "needs CUDA (torch.cuda memory statistics)",
                             extra={"budget_bytes": limit}, **meta(0))]
     rows = []
     try:

@@ -16,7 +16,9 @@ TYPE: MESSAGE``; the traceback too with ``--debug`` or ``MLA_BRIDGE_DEBUG=1``); 
 This module holds the argument parser, :func:`main` and the dispatch to the commands. The rest: ``prefill``
 (the prefill command: plan, run, check, table, JSON), ``batch`` (workload, device/dtype, random inputs, FLOPs),
 ``timing`` (phase timer, instrumented layer), ``memory`` (the run's memory estimate against what is free),
-``checkpoint`` (safetensors ``kv_b_proj.weight``, FP8 dequantization), ``info`` (the info command), ``table`` (table rows and cell text), ``errors`` (:class:`CLIError`).
+``checkpoint`` (safetensors ``kv_b_proj.weight``, FP8 dequantization), ``info`` (the info command), ``table``
+(table rows and cell text), ``errors`` (:class:`CLIError`), ``extras`` (what the command needs from the ``cli``
+extra: rich, matplotlib, safetensors; a missing one exits 2 naming the extra).
 """
 
 from __future__ import annotations
@@ -230,6 +232,14 @@ def _unexpected(command: Optional[str], err: Exception, debug: bool) -> int:
 
 def _main(argv: list) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
+    if not {"-h", "--help", "--version"} & set(argv):
+        from .extras import CLI_EXTRA, missing, needed_for
+
+        absent = missing(needed_for(argv))
+        if absent:
+            print(f"mla-bridge{' ' + command if command else ''}: needs {', '.join(absent)}, which the "
+                  f"'cli' extra brings: pip install '{CLI_EXTRA}'", file=sys.stderr)
+            return 2
     bench_module = None
     if command == "bench":
         try:

@@ -1,5 +1,6 @@
-"""``mla-bridge info``: what this machine has (torch, CUDA devices, FlashInfer and its JIT cache, JAX) and which
-backend the dispatch table picks for DeepSeek MLA prefill."""
+"""``mla-bridge info``: what this machine has (torch, CUDA devices, FlashInfer and its JIT cache, JAX), every
+``MLA_BRIDGE_*`` environment variable the library reads with its value, the dtype each path computes in, and which
+backend the dispatch table picks for DeepSeek MLA prefill at this machine's default dtype."""
 
 from __future__ import annotations
 
@@ -23,6 +24,42 @@ def _package_version(name: str) -> Optional[str]:
         return None
 
 
+#: Every environment variable mla_bridge and its adapters read: (name, what it chooses, its default, where it is
+#: read). tests/test_cli.py checks this list against the source, so a new variable cannot be left out.
+ENV_VARIABLES = (
+    ("MLA_BRIDGE_BACKEND", "the attention backend: flashinfer-cutlass, flashinfer-fa3, flashinfer-fa2 or torch",
+     "the dispatch table", "mla_bridge.dispatch"),
+    ("MLA_BRIDGE_KV", "how a pass builds k and v: fused (one Triton kernel), separate (gather + GEMM) or auto",
+     "auto", "mla_bridge.kv"),
+    ("MLA_BRIDGE_GATHER", "the paged-cache gather: triton, torch or auto", "auto", "mla_bridge.cache"),
+    ("MLA_BRIDGE_MERGE", "the merge of partials: triton, flashinfer, torch or auto", "auto", "mla_bridge.merge"),
+    ("MLA_BRIDGE_FLASHINFER_DIRECT", "fa2/fa3 runs call FlashInfer's ragged_run directly (1) or wrapper.run (0)",
+     "1", "mla_bridge.backends.flashinfer"),
+    ("MLA_BRIDGE_TRITON_LAUNCH", "Triton launches: direct (the compiled launcher) or jit (kernel[grid])", "direct",
+     "mla_bridge.kernels.launch"),
+    ("MLA_BRIDGE_JAX_JIT_ROUTE", "the JAX adapter's route under jax.jit: tvm_ffi, buffer_callback or auto", "auto",
+     "mla_bridge_jax.api"),
+    ("MLA_BRIDGE_JAX_MAX_PLANS", "plans a compiled JAX function keeps per route (a positive int; read at import)",
+     "16", "mla_bridge_jax._interop"),
+)
+
+#: The dtype each path computes in (what the code does, whatever the input dtype).
+COMPUTE_DTYPES = (
+    ("FlashInfer backends (fa2, fa3, cutlass)", "q/k/v/out float16 or bfloat16, float32 accumulation; LSE float32"),
+    ("torch backend", "float32 whatever the input dtype; out in q's dtype; LSE float32"),
+    ("up-projection (kv_b_proj)", "the plan's dtype, float32 accumulation (cuBLAS or the Triton kernel)"),
+    ("merge of context chunks", "float32 arithmetic; out in the partials' dtype; LSE float32"),
+    ("FP8 latent cache", "e4m3 values times the scale, dequantized into the plan's dtype in the gather"),
+    ("mla-bridge prefill check", "float64 (mla_bridge.reference)"),
+)
+
+
+def default_dtype(device_type: str) -> str:
+    """The dtype ``mla-bridge prefill --dtype auto`` and ``mla-bridge bench`` use on a device: bfloat16 on CUDA,
+    float32 on the CPU (where only the torch backend runs, and it computes in float32)."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
 def flashinfer_cache_dir() -> Path:
     """FlashInfer's JIT cache folder: ``$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer`` (base default: home)."""
     base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or str(Path.home())
@@ -35,15 +72,19 @@ def cmd_info(args, console) -> int:
     from rich.text import Text
 
     from .. import __version__
-    from ..dispatch import ENV_VAR, flashinfer_version, select_backend
     from ..dims import MLADims
-    from ..prefill import ENV_SWITCHES, kernel_choices
+    from ..dispatch import flashinfer_version, select_backend
+    from ..prefill import kernel_choices
 
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype_name = default_dtype(device.type)
+    dtype = getattr(torch, dtype_name)
     info: dict[str, Any] = {
         "mla_bridge": __version__, "python": platform.python_version(), "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
         "devices": [], "flashinfer": flashinfer_version(), "flashinfer_jit_cache": str(flashinfer_cache_dir()),
-        "jax": _package_version("jax"), "jaxlib": _package_version("jaxlib"), ENV_VAR: os.environ.get(ENV_VAR),
+        "jax": _package_version("jax"), "jaxlib": _package_version("jaxlib"), "dtype": dtype_name,
+        "compute_dtypes": dict(COMPUTE_DTYPES), "environment": [],
     }
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -66,19 +107,31 @@ def cmd_info(args, console) -> int:
     _row(table, "FlashInfer JIT cache", f"{info['flashinfer_jit_cache']}"
                   + ("" if os.environ.get("FLASHINFER_WORKSPACE_BASE") else " (set FLASHINFER_WORKSPACE_BASE to move it)"))
     _row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
-    _row(table, ENV_VAR, info[ENV_VAR] or "unset (the dispatch table decides)")
-    for name in ENV_SWITCHES[1:]:
-        info[name] = os.environ.get(name)
-        _row(table, name, info[name] or "unset (the default)")
+    table.add_section()
+    _row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
+    for name, what, default, where in ENV_VARIABLES:
+        value = os.environ.get(name)
+        info[name] = value
+        info["environment"].append({"name": name, "value": value, "default": default, "meaning": what,
+                                    "read_by": where})
+        _row(table, f"  {name}", (f"{value!r}" if value is not None else f"unset (default: {default})")
+             + f"; {what}")
+    table.add_section()
+    _row(table, "dtype", f"{dtype_name}: what mla-bridge prefill (--dtype auto) and bench use on {device.type}"
+                         + ("" if device.type == "cuda" else "; the API takes bfloat16, float16 and float32 here too"))
+    for path, what in COMPUTE_DTYPES:
+        _row(table, f"  {path}", what)
     table.add_section()
     try:
-        choice = select_backend(dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128, causal=True)
-        info["backend"] = {"name": choice.name, "reason": choice.reason, "passed_over": [list(p) for p in choice.passed_over]}
-        _row(table, "backend", Text.assemble((choice.name, "green"), f" for bf16, head dims 192/128, causal: {choice.reason}"))
+        choice = select_backend(dtype=dtype, head_dim_qk=192, head_dim_vo=128, causal=True)
+        info["backend"] = {"name": choice.name, "reason": choice.reason, "dtype": dtype_name,
+                           "passed_over": [list(p) for p in choice.passed_over]}
+        _row(table, "backend", Text.assemble((choice.name, "green"),
+                                             f" for {dtype_name}, head dims 192/128, causal: {choice.reason}"))
         for name, why in choice.passed_over:
             _row(table, "  passed over", f"{name}: {why}")
     except ValueError as err:
-        info["backend"] = {"error": str(err)}
+        info["backend"] = {"error": str(err), "dtype": dtype_name}
         _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
     from ..dims import PRESETS
     info["presets"] = {}
@@ -96,10 +149,9 @@ def cmd_info(args, console) -> int:
                                        f"v {d.v_head_dim}, kv_lora_rank {d.kv_lora_rank}, scale "
                                        f"{d.softmax_scale:.6g}: {served}")
     try:  # what mla_prefill would run besides the backend; a switch that cannot serve is named here
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        kernels = kernel_choices(device, torch.bfloat16, MLADims.deepseek_v2_lite())
+        kernels = kernel_choices(device, dtype, MLADims.deepseek_v2_lite())
         info["kernels"] = kernels
-        _row(table, "kernels", ", ".join(f"{k}: {v}" for k, v in kernels.items()) + f" (bf16 on {device.type})")
+        _row(table, "kernels", ", ".join(f"{k}: {v}" for k, v in kernels.items()) + f" ({dtype_name} on {device.type})")
     except (ValueError, TypeError, RuntimeError) as err:
         info["kernels"] = {"error": str(err)}
         _row(table, "kernels", Text.assemble(("error", "bold red"), f": {err}"))
