@@ -15,8 +15,14 @@ Public API:
   * :mod:`mla_bridge_jax.bench` -- ``compare()``, the GPU microbenchmark (imported on use).
 """
 
+import atexit
+import gc
+
+import jax
+
 from mla_bridge import MLADims, Workspace
 
+from . import _interop, api
 from ._interop import from_torch
 from ._interop import to_torch as _to_torch
 from .api import (ENV_JIT_ROUTE, JIT_ROUTES, InferenceOnlyError, build_plan, mla_prefill, plan_ragged,
@@ -32,6 +38,23 @@ def to_torch(x):
     order XLA after their torch work themselves)."""
     return _to_torch("x", x)
 
+
+def _release_at_exit() -> None:
+    """Drop, at interpreter exit, what JAX's compiled functions and this adapter's caches keep of mla_bridge (plans
+    captured by jitted closures, traced plans, the ordering token), while CUDA is still up: their device tensors may
+    carry uses on XLA's stream (``Tensor.record_stream``), and freed after CUDA's own teardown they abort the process
+    ("CUDA error: context is destroyed"). Registered after ``import jax``, so it runs before JAX's exit handlers."""
+    try:
+        jax.clear_caches()
+    except Exception:  # noqa: BLE001 - a JAX without it, or already shut down: nothing more to release here
+        pass
+    with api._traced_lock:
+        api._traced_plans.clear()
+    _interop._TOKENS.clear()
+    gc.collect()
+
+
+atexit.register(_release_at_exit)
 
 __all__ = [
     "ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill", "from_torch",

@@ -46,7 +46,7 @@ def broadcast_heads_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[i, h, :] = src[i, :]`` for ``dst [N, H, R]`` and ``src [N, R]`` of one dtype on one CUDA device, any
     strides (a unit last stride, the common case, is specialized by Triton; nothing else is checked here)."""
     n, heads, rope = dst.shape
-    if n == 0 or heads == 0:
+    if n == 0 or heads == 0 or rope == 0:  # qk_rope_head_dim 0: nothing to place (Triton has no empty arange)
         return
     grid = (cdiv(n, _BLOCK_M), cdiv(heads, _HEADS))
     launch(_broadcast_kernel, grid,

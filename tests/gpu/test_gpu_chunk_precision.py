@@ -119,7 +119,8 @@ def test_bf16_requests_split_between_chunks(ref, monkeypatch):
 
 def test_triton_merge_into_another_dtype_bitwise():
     """The compiled kernel reading a float32 or half out and writing float32 or half (the float32 running rows):
-    bitwise the float32 torch merge on the same GPU rounded into dst's dtype, in place and not."""
+    bitwise the float32 torch merge on the same GPU rounded into dst's dtype, in place and not (a +inf LSE read as an
+    infinite logit, as mla_prefill's merges read it)."""
     from mla_bridge.merge import merge_planned_, select_merge
 
     for src, dst_dtype, in_place in RUNNING_FORMS:
@@ -132,6 +133,6 @@ def test_triton_merge_into_another_dtype_bitwise():
         dst = a if in_place else torch.full(oa.shape, 7.0, dtype=dst_dtype, device=dev())
         torch.cuda._sleep(int(1e8))
         merge_planned_(choice, a, lse, ob, lb * M._LOG2E, lse_b_base="log2", dst=dst)
-        want_o, want_l = M._merge_torch(oa, la, ob, (lb * M._LOG2E) * M._LN2, dtype=torch.float32)
+        want_o, want_l = M._merge_torch(oa, la, ob, (lb * M._LOG2E) * M._LN2, dtype=torch.float32, inf_empty=False)
         torch.cuda.synchronize()
         assert dst.dtype == dst_dtype and bitwise((dst, lse), (want_o.to(dst_dtype), want_l)), (src, dst_dtype)

@@ -148,18 +148,26 @@ def test_chunked_plan_holds_megabytes_not_gigabytes(ref, backend):
     batch = ref.make_mla_batch(dims, q_lens, c_lens, 64, dtype=BF16, seed=4, device=dev(), spare_blocks=1)
     ws = Workspace(dev(), chunk_tokens=2048)
     _ = ws.float_workspace  # allocated first: not the plans'
+    # a throwaway plan first: its acquisition sweeps what earlier tests left (wrappers of dropped workspaces), whose
+    # frees would otherwise hide this build's allocations
+    PrefillPlan.build([1], [1], dims=dims, workspace=ws, block_size=64, dtype=BF16, backend=backend)
+    gc.collect()
     torch.cuda.synchronize()
-    # bytes the build allocates, counted cumulatively: frees of other tests' garbage (a dropped workspace's wrappers
-    # swept while this build acquires its own) must not hide them
-    before = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     torch.cuda._sleep(SLEEP)
     plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=64, dtype=BF16, backend=backend)
-    grown = torch.cuda.memory_stats()["allocated_bytes.all.allocated"] - before
+    # held: what the build keeps; peak: what it needed at once (each new FlashInfer wrapper allocates its 8 MiB int
+    # workspace before it is replaced by one of its plan's size, freed and reused by the next wrapper)
+    grown = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
     device_bytes, host_bytes = plan.flashinfer_bytes
-    print(f"\n{plan.backend.name}: {plan.num_plans} plans, {grown / 2**20:.2f} MiB allocated by the build, "
+    print(f"\n{plan.backend.name}: {plan.num_plans} plans, {grown / 2**20:.2f} MiB held after the build (peak "
+          f"{peak / 2**20:.2f} MiB), "
           f"flashinfer_bytes {device_bytes / 2**20:.2f} MiB device + {host_bytes / 2**20:.2f} MiB page-locked")
     assert plan.num_plans == 115 and plan.backend.is_flashinfer
-    assert grown < 16 * 2**20 and device_bytes <= grown and host_bytes < 16 * 2**20
+    assert peak < 24 * 2**20 and grown < 16 * 2**20 and host_bytes < 16 * 2**20
+    assert device_bytes <= grown + 2**20  # what the plans say they hold is what the build kept (indptr copies aside)
     assert prefill_memory_bytes(plan) >= device_bytes
     out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
                            return_lse=True)

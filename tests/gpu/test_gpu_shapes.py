@@ -62,7 +62,7 @@ def _run(code: str, args: list, timeout: float, tmp_path: Path) -> subprocess.Co
 def test_default_bench_finishes_with_complete_json_and_plot(tmp_path):
     """The full default bench (every section, JAX last among the required jobs) with a short repeat count exits 0
     and leaves a complete JSON and a PNG. Before the fix it measured everything in 21 s and then did not exit."""
-    from mla_bridge.bench.common import SECTIONS
+    from mla_bridge.bench.common import DEFAULT_SECTIONS as SECTIONS
 
     js, png = tmp_path / "b.json", tmp_path / "b.png"
     res = _run("from mla_bridge.cli import main; sys.exit(main(sys.argv[1:]))",
