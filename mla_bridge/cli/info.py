@@ -41,6 +41,8 @@ ENV_VARIABLES = (
      "mla_bridge_jax.api"),
     ("MLA_BRIDGE_JAX_MAX_PLANS", "plans a compiled JAX function keeps per route (a positive int; read at import)",
      "16", "mla_bridge_jax._interop"),
+    ("MLA_BRIDGE_DEBUG", "mla-bridge prints the traceback of an unexpected error (1), not one line (exit code 3)",
+     "0", "mla_bridge.cli"),
 )
 
 #: The dtype each path computes in (what the code does, whatever the input dtype).
@@ -48,7 +50,8 @@ COMPUTE_DTYPES = (
     ("FlashInfer backends (fa2, fa3, cutlass)", "q/k/v/out float16 or bfloat16, float32 accumulation; LSE float32"),
     ("torch backend", "float32 whatever the input dtype; out in q's dtype; LSE float32"),
     ("up-projection (kv_b_proj)", "the plan's dtype, float32 accumulation (cuBLAS or the Triton kernel)"),
-    ("merge of context chunks", "float32 arithmetic; out in the partials' dtype; LSE float32"),
+    ("merge of context chunks", "float32 arithmetic; rows merged again kept in float32, rounded once into out's dtype; "
+                                "LSE float32"),
     ("FP8 latent cache", "e4m3 values times the scale, dequantized into the plan's dtype in the gather"),
     ("mla-bridge prefill check", "float64 (mla_bridge.reference)"),
 )
