@@ -18,7 +18,7 @@ import torch
 
 from mla_bridge import PrefillPlan, Workspace, mla_prefill
 from mla_bridge.backends.torch_ref import ragged_attention_reference
-from mla_bridge.bench import SECTIONS, add_arguments, run
+from mla_bridge.bench import add_arguments, run
 from mla_bridge.bench.common import DEFAULT_SECTIONS
 from mla_bridge.bench.common import Ctx, Row, attention_flops, causal_pairs
 

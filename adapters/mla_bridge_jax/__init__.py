@@ -18,7 +18,11 @@ Public API:
 import atexit
 import gc
 
-import jax
+try:
+    import jax
+except ImportError as err:  # a clear error naming the framework and the extra, not one from deep inside
+    raise ImportError("mla_bridge_jax needs JAX, which is not installed here: pip install 'mla-bridge[jax]' "
+                      "(or 'mla-bridge[jax-ffi]' for the compiled jit route on CUDA)") from err
 
 from mla_bridge import MLADims, Workspace
 

@@ -28,8 +28,6 @@ faster).
 
 from __future__ import annotations
 
-import statistics
-import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
