@@ -118,7 +118,7 @@ class Row:
 
 @dataclass
 class Check:
-    """A target of the issue: ``value`` against ``target`` (``op`` "<=" or ">=" or "=="); ``passed`` is None when
+    """A performance target: ``value`` against ``target`` (``op`` "<=" or ">=" or "=="); ``passed`` is None when
     it could not be measured. ``applies`` is False in quick/CPU mode (the targets are for the H200)."""
 
     name: str
