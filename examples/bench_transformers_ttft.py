@@ -4,7 +4,7 @@
     python examples/bench_transformers_ttft.py --quick         # a CPU smoke run (tiny model, float32)
     python examples/bench_transformers_ttft.py --json ttft.json
 
-The model (issue 14): DeepSeek-V2-Lite's published sizes for attention (16 heads, kv_lora_rank 512, q/k 128 + 64,
+The model: DeepSeek-V2-Lite's published sizes for attention (16 heads, kv_lora_rank 512, q/k 128 + 64,
 v 128, YaRN) and hidden size (2048, dense MLP 10944, vocab 102400), 4 decoder layers, all dense
 (``first_k_dense_replace`` = 4) so that attention is what differs, random weights, bf16 on CUDA. It is built once and
 loaded twice from one ``save_pretrained`` folder, ``attn_implementation="sdpa"`` and ``"mla_bridge"``

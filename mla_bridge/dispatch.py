@@ -81,12 +81,13 @@ FA2_ELEMENT_LIMIT = 2 ** 32
 OFFSET_LIMITS = {"flashinfer-cutlass": CUTLASS_ELEMENT_LIMIT, "flashinfer-fa2": FA2_ELEMENT_LIMIT}
 _HALF = (torch.float16, torch.bfloat16)
 #: fa2 prefill: head dims multiples of this (flashinfer#4299 / PR #4312), up to FA2_MAX_HEAD_DIM. Measured on the
-#: H200 (2026-12-01, bf16, raw wrapper vs float64): 16, 32, 48 fail in plan/run ("Invalid configuration"); 64, 128, 256
-#: and 192/128 are right.
+#: H200 (FlashInfer 0.7.4, bf16, raw wrapper vs float64): 16, 32, 48 fail in plan/run ("Invalid configuration");
+#: 64, 128, 256 and 192/128 are right.
 FA2_HEAD_DIM_MULTIPLE = 64
 FA2_MAX_HEAD_DIM = 256
 #: fa2's split-KV merge (``VariableLengthMergeStates``, ``DISPATCH_HEAD_DIM``) takes only these v head dims: measured
-#: on the H200 (2026-12-01), fa2 at 96/96 fails there with "Unsupported head_dim: 96"; 192 is not among them either.
+#: on the H200 (FlashInfer 0.7.4), fa2 at 96/96 fails there with "Unsupported head_dim: 96"; 192 is not among them
+#: either.
 FA2_HEAD_DIMS_VO = (64, 128, 256)
 #: fa3 prefill: FlashInfer 0.7.4 ``flashinfer.utils.is_fa3_prefill_head_dim_supported``.
 FA3_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
@@ -98,7 +99,7 @@ def head_dims_why_not(backend: str, head_dim_qk: Optional[int], head_dim_vo: Opt
     """Why FlashInfer ``backend`` ("fa2", "fa3", "cutlass") cannot take these head dims, or ``None`` if it can.
 
     ``None`` dims are unknown and pass. Sources: see the module docstring (fa2: flashinfer#4299 / PR #4312;
-    fa3: ``is_fa3_prefill_head_dim_supported``; cutlass: ``DISPATCH_head_dim``), measured on the H200 on 2026-12-01 by
+    fa3: ``is_fa3_prefill_head_dim_supported``; cutlass: ``DISPATCH_head_dim``), measured on the H200 by
     ``scripts/gpu/head_dim_grid.sh``.
     """
     qk, vo = head_dim_qk, head_dim_vo
@@ -143,8 +144,8 @@ _CAPABILITIES: dict = {}
 
 def device_capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` of the CUDA ``device`` (a ``torch.device`` with an index), read from torch once per device
-    per process: a device's compute capability never changes, and ``torch.cuda.get_device_capability`` costs 11-14 us
-    of host time per call on the H200's host (2026-12-01), where a plan build's own work is a few hundred.
+    per process: a device's compute capability never changes, and ``torch.cuda.get_device_capability`` costs a
+    noticeable share of a plan build's own host time per call (measured on the H200's host: docs/results.md).
 
     Raises:
         TypeError / ValueError: ``device`` not a ``torch.device`` of type cuda with an index (the cache is keyed by it).

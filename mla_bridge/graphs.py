@@ -6,7 +6,7 @@ nodes with their own pointers: its paged ``kv_cache``, its prepared ``kv_b_proj`
 Nothing is copied into a staging buffer: a layer's cache is never moved (it is the engine's memory, written by the
 engine between steps), and the inputs are the buffers the caller's own ops write before each replay.
 
-Why this design and not the others the issue lists:
+Why this design and not the alternatives:
   * one graph per layer would need a replay (and a host launch) per layer, and the layers' graphs would still all be
     tied to the one plan: it keeps a per-layer host cost the whole-forward graph removes;
   * a layer-stacked cache with the layer index read on the device forces every engine to lay its caches out as one
@@ -19,7 +19,7 @@ Why this design and not the others the issue lists:
 Rules, checked or documented:
   * A graph replays fixed pointers and a fixed schedule: it serves exactly the batch its plan was built for
     (:class:`mla_bridge.PrefillPlan` lengths), and replays read whatever the captured input buffers hold then.
-  * Graph safety (the plan-ownership rule of issue 11): a :class:`PrefillGraph` holds, for as long as it can be
+  * Graph safety (the plan-ownership rule): a :class:`PrefillGraph` holds, for as long as it can be
     replayed, the plans it was captured with (their index tensors, device schedule buffers and pooled FlashInfer
     wrappers, which :meth:`mla_bridge.RaggedPlan.retain_for_graph` keeps out of the pool for the graph's lifetime),
     the float workspace its kernels were captured against, and the captured callable with every tensor it closes
@@ -84,7 +84,7 @@ def retain_plan_for_graph(plan: "PrefillPlan | RaggedPlan", graph: "PrefillGraph
     The wrappers' release events go on every stream in ``graph``'s list of replay streams (where it has one, as a
     :class:`PrefillGraph` does; else the stream current at the release).
 
-    The one call site of the plan-ownership API of issue 11 (:meth:`mla_bridge.RaggedPlan.retain_for_graph`: a
+    The one call site of the plan-ownership API (:meth:`mla_bridge.RaggedPlan.retain_for_graph`: a
     wrapper whose run was captured stays out of the workspace pool until every graph registered for it is gone and
     the GPU has finished the replays queued on the current stream). On top of it the graph holds strong references
     to the plan (its index tensors, which the captured gathers read), its ragged passes and, for FlashInfer plans,

@@ -142,7 +142,7 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     (``capturing``, inside :func:`capture_rule`: a replay pays no host time per launch), the implementation that is
     faster on the GPU, one for every pass of the graph: "fused" for an identity-layout weight (the identity GEMM's
     padding costs more than the fused kernel's slower GEMM), "separate" for the split layout and a raw weight
-    (gather + cuBLAS: faster on the GPU from 4096 rows on and within 0.002 ms below in the figures below, FP8
+    (gather + cuBLAS: faster on the GPU from 4096 rows on and within a few microseconds below, FP8
     included; the identity layout's FP8 and new-token passes were not measured); "auto" for an eager call:
 
     * a pass that gathers nothing (new tokens alone): "separate" from :data:`SEPARATE_FROM_ROWS_NEW` rows on,
@@ -152,34 +152,22 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     * a pass that gathers from an FP8 cache: "separate" from :data:`SEPARATE_FROM_ROWS_FP8` rows on, "fused" below,
       with either layout.
 
-    Why (H200, 2026-12-01, bf16 out, DeepSeek-V2-Lite dims, GPU time of one gathered pass, gather included): the split
-    layout's separate path (Triton gather, cuBLAS batched GEMM, Triton k_pe broadcast: measured before the gather
-    wrote k_pe itself) takes 0.072 / 0.134 / 0.313 / 0.537 ms at 8192 / 16384 / 40000 / 68000 rows where the fused
-    kernel takes 0.083 / 0.155 / 0.360 / 0.605 (its GEMM reaches about 460 TFLOP/s, cuBLAS's about 610); at 2048 /
-    4096 rows they are even (0.024 / 0.042 against 0.022 / 0.044), and the fused kernel is one launch instead of
-    three (now two): small passes are where the host is the bound (host time per pass: 35-60 us fused, 110-190 us
-    separate). The bound lies between the bench's two chunk sizes (eager ``mla_prefill``, the same run each): on 4 x
-    (8000 + 2000) in 4 chunks of 8192 rows the fused kernel on every pass took 1.468 ms against 1.468 with cuBLAS on the
-    8192-row passes (a fast host) and 1.568 against 1.812 (a slow one: those passes' host time was the bound), on 1 x
-    (64000 + 4000) in 4 chunks of 16000 rows 4.269 / 4.247 against 4.189 / 4.169 (GPU-bound: the fused kernel's slower
-    GEMM shows). Against the identity layout's one GEMM, which does 40% more FLOPs, the fused kernel is faster at every
-    size. New tokens alone gather nothing, and the two are even on the GPU up to 4096 rows (0.012 / 0.020 / 0.039 ms
-    fused against 0.013 / 0.019 / 0.036 at 1024 / 2048 / 4096), cuBLAS ahead from there (0.073 / 0.138 against 0.063 /
-    0.118 at 8192 / 16384); the fused kernel's one launch saves 30-70 us of host time per pass on the H200's host, more
-    than its GPU cost below 16384 rows: a batch of 64 x 128 new tokens without context was host-bound, 1.11x the
-    hand-written pipeline's time with cuBLAS (2026-12-01).
+    Why (measured on the H200 with DeepSeek-V2-Lite dims; the figures are in docs/results.md): on a gathered pass from
+    a bf16 cache the split layout's separate path is faster on the GPU from 8192 rows on (cuBLAS's GEMM is faster than
+    the fused kernel's) and even with the fused kernel at 2048-4096 rows, where the fused kernel's single launch saves
+    host time, the bound of small passes; :data:`SEPARATE_FROM_ROWS` lies between the bench's two chunk sizes, where
+    eager runs of its context cases showed the change. Against the identity layout's one GEMM (40% more FLOPs) the
+    fused kernel is faster at every size. New tokens alone gather nothing: the two are even on the GPU up to 4096 rows
+    and cuBLAS is ahead from there, while the fused kernel's one launch saves more host time than its GPU cost below
+    :data:`SEPARATE_FROM_ROWS_NEW` rows.
 
-    From an FP8 cache the fused kernel dequantizes each row once per head part (2H times), the gather once: 0.015 /
-    0.028 / 0.058 / 0.084 / 0.110 ms at 1024 / 2048 / 4096 / 6144 / 8192 rows against 0.016 / 0.023 / 0.042 / 0.057 /
-    0.073 separate (H200, 2026-12-01), for 40-55 us of host time per pass against 110-130. Below 6144 rows the host
-    time saved is at least 3x the GPU time added; on the host-bound bench row (16 x (2048+512) in 8 chunks of 4096
-    rows) the FP8 cache then took 0.99x the bf16 cache's time, against 1.47x with every FP8 pass separate. (Its FP8
-    path runs a pipeline of at most 2 stages: with 3 it gave wrong results, :mod:`mla_bridge.kernels.up_project`.)
+    From an FP8 cache the fused kernel dequantizes each row once per head part (2H times), the gather once: slower on
+    the GPU, but below :data:`SEPARATE_FROM_ROWS_FP8` rows the host time it saves is at least 3x the GPU time it adds.
+    (Its FP8 path runs a pipeline of at most 2 stages: with 3 it gave wrong results,
+    :mod:`mla_bridge.kernels.up_project`.)
 
-    Captured, the default graph of the bench's 4 x (8000 + 2000) in 4 chunks took 1.084x attention + GEMM alone with the
-    eager rule (two fused passes of 8000 and 7424 rows, about 0.01 ms slower each than cuBLAS); with this rule 1.041x
-    in each of three bench runs, and 0.746-0.750 against 0.781-0.786 ms (the fused kernel on every pass) on 16 x (2048
-    + 512) in 8 chunks, 0.117 against 0.128 on 64 x 128 new tokens (H200, 2026-12-01). So a graph of the default call
+    Captured, a replay pays no host time per launch, so the GPU-faster choice for every pass made the default graph of
+    the bench's context cases faster than the eager rule's mix (docs/results.md). So a graph of the default call
     is bitwise the eager call with ``kv_impl="separate"`` (``"fused"`` for an identity-layout weight), and the default
     eager call within one rounding of k_nope / v (the module docstring).
 

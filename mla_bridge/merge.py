@@ -31,8 +31,8 @@ FlashInfer 0.7.4's merge (``include/flashinfer/attention/cascade.cuh``, ``MergeS
   only; anything else raises "Unsupported head_dim" (:data:`FLASHINFER_MERGE_HEAD_DIMS`);
 * takes fp16/bf16 only (``DISPATCH_DLPACK_DTYPE_TO_CTYPE_FP16`` in ``csrc/cascade.cu``);
 * indexes ``(pos * num_heads + head) * head_dim`` in ``uint32_t``: a tensor of ``2**32`` elements or more wraps
-  and its last rows come back wrong (seen on the H200 on 2026-12-01: max error 3.25 out of place, 5.11 in place at
-  2**32 + 16384 elements), so rows are merged in pieces below :data:`FLASHINFER_MERGE_ELEMENT_LIMIT`;
+  and its last rows come back wrong (seen on the H200 just over 2**32 elements: docs/results.md), so rows are
+  merged in pieces below :data:`FLASHINFER_MERGE_ELEMENT_LIMIT`;
 * launches ``head_dim / vec`` x ``num_heads`` threads per block (``vec = max(16 / sizeof(dtype), head_dim / 32)``):
   above 1024 the launch fails (64 heads at bf16, d 128), so heads are folded into rows.
 """
@@ -295,7 +295,7 @@ def merge_planned_(choice: MergeChoice, out: torch.Tensor, lse: torch.Tensor, ou
     (:func:`mla_bridge.mla_prefill`: the plan fixes every one of them, and ``out`` / ``lse`` are its own contiguous
     row slices), with ``choice`` = :func:`select_merge` of ``(1, H, D)`` in ``out_b``'s dtype made once per call.
     Triton's choice (which serves any row count and any strides) launches the kernel with no checks, saving their
-    host time (about 20 us per merge on the H200's host, 2026-12-01); any other choice goes through
+    host time (tens of microseconds per merge on the H200's host: docs/results.md); any other choice goes through
     :func:`merge_attn_states_`, which checks and picks the pieces for the real row count.
 
     ``dst``: where the merged out goes (default ``out``: in place; ``lse`` is always merged in place), of ``out``'s

@@ -1,4 +1,4 @@
-"""Phase times of one ``mla_prefill`` layer, measured one way for the CLI and the benchmark (issue 10.2).
+"""Phase times of one ``mla_prefill`` layer, measured one way for the CLI and the benchmark.
 
 ``mla_prefill(..., phase_hook=hook)`` calls ``hook(name)`` as each phase starts ("gather", "up-projection", "main
 pass", "context chunk", "merge") and ``hook("end")`` after the last. :class:`PhaseTimer` records, at each call, a

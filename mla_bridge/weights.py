@@ -4,7 +4,7 @@ A DeepSeek checkpoint stores ``kv_b_proj.weight`` as ``[H * (qk_nope_head_dim + 
 head: the k_nope rows, then the v rows). The prefill up-projection wants, for each key token's 576-wide latent row
 (``kv_c ++ k_pe``), ``k = [k_nope | k_pe]`` (192 per head, contiguous, what the attention kernel reads) and ``v``
 (128 per head). Rearranging the weight for that costs a copy of the weight (the identity layout's, with zero padding:
-0.075-0.085 ms per DeepSeek-V2-Lite layer on the H200 on 2026-12-01, about 5% of a 1.6 ms layer):
+about 5% of a DeepSeek-V2-Lite layer's time on the H200, docs/results.md):
 :func:`prepare_kv_b_proj` does it once and the returned :class:`PreparedKVBProj` is reused by every batch.
 ``mla_prefill`` still accepts the raw weight: the fused kernel of :mod:`mla_bridge.kernels.up_project` reads it in
 place (:data:`CHECKPOINT_LAYOUT`, no copy), and a pass that takes the separate path (cuBLAS) rearranges it first, once
@@ -25,9 +25,9 @@ Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per cal
   k_nope and v equal the identity layout's within float32 accumulation-order rounding (the GEMM sums 512 products
   instead of 512 plus 64 exact zeros); k_pe is copied exactly in both.
 
-Which is faster is a property of the GPU's GEMM library. Measured on the H200 (2026-12-01, bf16, DeepSeek-V2-Lite
-dims, gather included): 40000 key rows 0.313 ms split against 0.39 identity (and 0.360 for the fused Triton kernel
-of :mod:`mla_bridge.kernels.up_project`, which reads either layout); 8192 rows 0.072 split against 0.083 fused.
+Which is faster is a property of the GPU's GEMM library. Measured on the H200 (bf16, DeepSeek-V2-Lite dims, gather
+included), the split layout is faster than the identity layout and than the fused Triton kernel of
+:mod:`mla_bridge.kernels.up_project` (which reads either layout) at 8192 and 40000 key rows (docs/results.md).
 Hence the default. The bench times both (section 2, rows "mla_prefill, identity layout ...").
 """
 
@@ -61,8 +61,7 @@ CHECKPOINT_LAYOUT = "checkpoint"
 DEFAULT_LAYOUT = "split"
 #: Key rows per batched GEMM of the split layout. Every head's GEMM reads the same latent rows: split into row blocks
 #: of this size (18.9 MB of 576-wide bf16 rows), they stay in L2 while the heads read them. Measured on the H200
-#: (2026-12-01, bf16): at 40000 rows 0.275 ms in blocks of 16384 against 0.299 in one GEMM (8192: 0.293, 24576:
-#: 0.275); at 68000 rows 0.506 against 0.528.
+#: (bf16): blocks of 16384 rows are about 4-8% faster than one GEMM at 40000 and 68000 rows (docs/results.md).
 SPLIT_GEMM_ROWS = 16384
 
 

@@ -71,8 +71,8 @@ def current_stream(device: torch.device) -> tuple[int, Any]:
     """``(raw handle, torch.cuda.Stream)`` of ``device``'s current CUDA stream, for the per-run bookkeeping of the
     hot path (events recorded and waited on, streams keyed by handle).
 
-    The handle comes from ``torch._C._cuda_getCurrentRawStream`` (what Triton's driver reads: about 0.1 us, where
-    ``torch.cuda.current_stream()`` costs about 4 us of host time per call on the H200's host, 2026-12-01), and the
+    The handle comes from ``torch._C._cuda_getCurrentRawStream`` (what Triton's driver reads, about 40x cheaper in host
+    time than ``torch.cuda.current_stream()`` on the H200's host: docs/results.md), and the
     Stream object is made once per (device, handle) and kept (torch's streams come from fixed pools; an external
     stream's wrapper acts on its handle, the same value). Where torch has no such function (CPU builds, and so the
     tests' fake CUDA device) it asks ``torch.cuda.current_stream``."""
@@ -132,9 +132,9 @@ class _Lease:
     Event objects are reused (:meth:`event`): once :meth:`gpu_done` has seen an event complete, it goes to ``spare``
     and the lease's next plan or first run on a stream records it again instead of making a new one (a new
     ``torch.cuda.Event`` creates its CUDA event at its first record, and a dropped one is destroyed; a new event
-    and its record took 19.3 us of host time on the H200's host, 2026-12-01). Recording again is safe: the event's
-    last record has completed, nothing reads the event as pending any more (it has left ``plan_event`` /
-    ``run_events``), a stream that waited on an earlier record waited on that record only
+    and its record cost tens of microseconds of host time on the H200's host: docs/results.md). Recording again is
+    safe: the event's last record has completed, nothing reads the event as pending any more (it has left
+    ``plan_event`` / ``run_events``), a stream that waited on an earlier record waited on that record only
     (``cudaStreamWaitEvent`` takes the event's state when it is called), and ``query`` reads the latest record.
     """
 

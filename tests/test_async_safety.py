@@ -1,9 +1,10 @@
-"""Issue 11 on the CPU: a plan's state is never rewritten, freed or shared while queued GPU work can still read it.
+"""Plan ownership on the CPU: a plan's state is never rewritten, freed or shared while queued GPU work can still read
+it.
 
 No GPU here: FlashInfer's wrapper, CUDA streams and CUDA events are recording stand-ins (monkeypatched into
 ``torch.cuda`` and ``mla_bridge.backends.flashinfer``), and "the GPU" is a list of events the test completes when it
 wants, so the host can be made to run ahead of it. Each test checks the ordering itself (which wrapper a plan gets,
-which stream waited for which event, which float buffer a run was handed) and fails on the code before issue 11.
+which stream waited for which event, which float buffer a run was handed) and fails on code that lacks that ordering.
 The same faults on the H200 with the GPU kept busy: tests/gpu/test_gpu_async.py.
 """
 
@@ -170,10 +171,10 @@ def wrapper_of(p):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 1: a pooled wrapper is re-planned before the previous plan's queued work ran
+# a pooled wrapper is re-planned before the previous plan's queued work ran
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item1_dropped_plan_keeps_its_wrapper_until_the_gpu_is_done(gpu):
+def test_dropped_plan_keeps_its_wrapper_until_the_gpu_is_done(gpu):
     ws = Workspace("cuda:0")
     a = plan(ws, [0, 4])
     wa = wrapper_of(a)
@@ -190,7 +191,7 @@ def test_item1_dropped_plan_keeps_its_wrapper_until_the_gpu_is_done(gpu):
     assert wrapper_of(c) in StandInWrapper.instances[:2] and ws.wrappers_created == 2
 
 
-def test_item1_plan_copy_alone_holds_the_wrapper(gpu):
+def test_plan_copy_alone_holds_the_wrapper(gpu):
     """A plan dropped before any run still has its schedule copy queued (plan() does not wait)."""
     ws = Workspace("cuda:0")
     a = plan(ws, [0, 4])
@@ -204,7 +205,7 @@ def test_item1_plan_copy_alone_holds_the_wrapper(gpu):
     assert ws.wrappers_created == 2
 
 
-def test_item1_one_shot_calls_in_a_row(gpu, monkeypatch):
+def test_one_shot_calls_in_a_row(gpu, monkeypatch):
     """ragged_prefill twice in a row (the JAX eager path too): the second call never re-plans the first's wrapper
     while its run is queued."""
     ws = Workspace("cuda:0")
@@ -220,7 +221,7 @@ def test_item1_one_shot_calls_in_a_row(gpu, monkeypatch):
     assert seen[0].schedule == [0, 4]
 
 
-def test_item1_event_recorded_after_plan_and_after_each_run_on_its_stream(gpu):
+def test_event_recorded_after_plan_and_after_each_run_on_its_stream(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
     kinds = [(e[0], e[1]) for e in gpu.log if e[0] in ("plan", "record")]
@@ -232,10 +233,10 @@ def test_item1_event_recorded_after_plan_and_after_each_run_on_its_stream(gpu):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 2: runs on another stream are ordered after the plan's copies
+# runs on another stream are ordered after the plan's copies
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item2_run_on_another_stream_waits_for_the_plan(gpu):
+def test_run_on_another_stream_waits_for_the_plan(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
     plan_event = next(e[2] for e in reversed(gpu.log) if e[0] == "record")
@@ -253,7 +254,7 @@ def test_item2_run_on_another_stream_waits_for_the_plan(gpu):
     assert len([e for e in gpu.log if e[0] == "wait"]) == 1
 
 
-def test_item2_held_until_every_stream_it_ran_on_is_done(gpu):
+def test_held_until_every_stream_it_ran_on_is_done(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
     w = wrapper_of(p)
@@ -270,13 +271,13 @@ def test_item2_held_until_every_stream_it_ran_on_is_done(gpu):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 3: fa2 and cutlass ignore out's strides
+# fa2 and cutlass ignore out's strides
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend,capability", [("flashinfer-fa2", (9, 0)), ("flashinfer-cutlass", (10, 0)),
                                                 ("flashinfer-fa3", (9, 0))])
 @pytest.mark.parametrize("view", ["last_dim_slice", "head_slice"])
-def test_item3_strided_out_is_written_at_its_strides(gpu, backend, capability, view):
+def test_strided_out_is_written_at_its_strides(gpu, backend, capability, view):
     gpu.capability = capability
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 3, 5], backend=backend, causal=False)
@@ -295,7 +296,7 @@ def test_item3_strided_out_is_written_at_its_strides(gpu, backend, capability, v
     assert (rest == -7).all()  # nothing written outside the view
 
 
-def test_item3_contiguous_out_is_written_directly(gpu):
+def test_contiguous_out_is_written_directly(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 5], backend="flashinfer-fa2")
     out = torch.empty(5, H, DVO, dtype=BF16)
@@ -306,10 +307,10 @@ def test_item3_contiguous_out_is_written_directly(gpu):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 4: plans that may run at once never share a float-workspace region (fa2)
+# plans that may run at once never share a float-workspace region (fa2)
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item4_fa2_runs_on_two_streams_get_two_float_regions(gpu):
+def test_fa2_runs_on_two_streams_get_two_float_regions(gpu):
     ws = Workspace("cuda:0")
     a = plan(ws, [0, 4], backend="flashinfer-fa2")
     b = plan(ws, [0, 6], backend="flashinfer-fa2")
@@ -328,7 +329,7 @@ def test_item4_fa2_runs_on_two_streams_get_two_float_regions(gpu):
     assert bufs[0] is ws.float_workspace  # the first stream uses the workspace itself: no extra memory
 
 
-def test_item4_fa3_runs_use_no_extra_float_memory(gpu):
+def test_fa3_runs_use_no_extra_float_memory(gpu):
     ws = Workspace("cuda:0")
     a = plan(ws, [0, 4])
     gpu.current = gpu.stream(2)
@@ -337,14 +338,14 @@ def test_item4_fa3_runs_use_no_extra_float_memory(gpu):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 5: growth re-buffers free wrappers only
+# growth re-buffers free wrappers only
 # ---------------------------------------------------------------------------------------------------------------
 
 OVERFLOW = ("Buffer overflow when allocating memory for batch_prefill_tmp_v with size 5000 and alignment 16, "
             "but only 100 bytes available in AlignedAllocator. Increase the workspace buffer size.")
 
 
-def test_item5_growth_leaves_live_plans_buffers_alone(gpu, monkeypatch):
+def test_growth_leaves_live_plans_buffers_alone(gpu, monkeypatch):
     ws = Workspace("cuda:0", float_workspace_bytes=4096, max_float_workspace_bytes=1 << 20)
     live = plan(ws, [0, 4], backend="flashinfer-fa2")
     run(live, 4)
@@ -377,10 +378,10 @@ def test_item5_growth_leaves_live_plans_buffers_alone(gpu, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 6: the pool is locked (check-then-act race)
+# the pool is locked (check-then-act race)
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item6_threads_never_share_a_wrapper(gpu):
+def test_threads_never_share_a_wrapper(gpu):
     ws = Workspace("cpu")  # a CPU workspace: no events involved, the pool logic alone
     factory = lambda buf, backend: object()  # noqa: E731
 
@@ -411,14 +412,14 @@ def test_item6_threads_never_share_a_wrapper(gpu):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 8: a run captured into a CUDA graph keeps its wrapper
+# a run captured into a CUDA graph keeps its wrapper
 # ---------------------------------------------------------------------------------------------------------------
 
 class Graph:
     pass
 
 
-def test_item8_captured_plan_is_retired_until_its_graph_is_gone(gpu):
+def test_captured_plan_is_retired_until_its_graph_is_gone(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4], backend="flashinfer-fa2")
     w = wrapper_of(p)
@@ -444,7 +445,7 @@ def test_item8_captured_plan_is_retired_until_its_graph_is_gone(gpu):
     assert wrapper_of(plan(ws, [0, 4], backend="flashinfer-fa2")) is w
 
 
-def test_item8_graph_collected_during_another_capture(gpu):
+def test_graph_collected_during_another_capture(gpu):
     """A graph garbage collected while a stream captures: no event is recorded then; the hand-back waits for the
     next plan, and the wrapper stays out of the pool until the event recorded then completes."""
     ws = Workspace("cuda:0")
@@ -465,7 +466,7 @@ def test_item8_graph_collected_during_another_capture(gpu):
     assert wrapper_of(plan(ws, [0, 4])) is w
 
 
-def test_item8_captured_without_owner_is_never_reused(gpu):
+def test_captured_without_owner_is_never_reused(gpu):
     """A capture nobody registers (and one torch names no graph for) retires the wrapper for good."""
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
@@ -482,10 +483,10 @@ def test_item8_captured_without_owner_is_never_reused(gpu):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 9: idle wrappers above a small bound are freed
+# idle wrappers above a small bound are freed
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item9_idle_wrappers_above_the_bound_are_freed(gpu):
+def test_idle_wrappers_above_the_bound_are_freed(gpu):
     ws = Workspace("cuda:0", max_idle_wrappers=3)
     burst = [plan(ws, [0, 4]) for _ in range(20)]
     assert ws.wrappers_created == 20
@@ -500,7 +501,7 @@ def test_item9_idle_wrappers_above_the_bound_are_freed(gpu):
     assert ws.wrappers_created == 20
 
 
-def test_item9_a_loop_cycling_many_wrappers_never_rebuilds_them(gpu):
+def test_a_loop_cycling_many_wrappers_never_rebuilds_them(gpu):
     """Plans of 12 wrappers per step, the GPU one step behind: 24 wrappers cycle; none is freed and rebuilt."""
     ws = Workspace("cuda:0", max_idle_wrappers=3)
     previous = []
@@ -511,7 +512,7 @@ def test_item9_a_loop_cycling_many_wrappers_never_rebuilds_them(gpu):
     assert ws.wrappers_created <= 24 and len(previous) == 12
 
 
-def test_item9_trim_frees_every_free_wrapper_beyond_the_bound(gpu):
+def test_trim_frees_every_free_wrapper_beyond_the_bound(gpu):
     ws = Workspace("cuda:0", max_idle_wrappers=3)
     burst = [plan(ws, [0, 4]) for _ in range(6)]
     del burst
@@ -520,7 +521,7 @@ def test_item9_trim_frees_every_free_wrapper_beyond_the_bound(gpu):
     assert ws.trim() == 3 and ws.pooled_wrappers == 3
 
 
-def test_item9_busy_wrappers_are_never_freed(gpu):
+def test_busy_wrappers_are_never_freed(gpu):
     ws = Workspace("cuda:0", max_idle_wrappers=0)
     ps = [plan(ws, [0, 4]) for _ in range(3)]
     for p in ps:
@@ -531,10 +532,10 @@ def test_item9_busy_wrappers_are_never_freed(gpu):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 1c: the vLLM adapter's per-step plans
+# the vLLM adapter's per-step plans
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item1c_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
+def test_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
     plans_mod = pytest.importorskip("mla_bridge_vllm.plans")
     from mla_bridge.ragged import indptr_from_lens
 

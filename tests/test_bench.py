@@ -537,7 +537,7 @@ def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monk
 
 
 def test_backend_auto_is_accepted_like_prefill(tmp_path):
-    """`mla-bridge prefill --backend auto` worked but `bench --backend auto` was an argparse error (a trial user)."""
+    """`mla-bridge prefill --backend auto` worked but `bench --backend auto` was an argparse error."""
     import json
 
     from mla_bridge.bench import main as bench_main

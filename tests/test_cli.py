@@ -37,7 +37,7 @@ def test_prefill_counts_only_the_context_its_passes_read(tmp_path, capsys, fuse)
     """A request without new tokens beside one of 1 new token: its 6000 cached tokens are not read (fused) or sit in
     chunks that are skipped (chunked), so they are no up-projection FLOPs. Before, they were counted (251 GFLOP for
     60000 such tokens, an impossible TFLOP/s, and the count skipped the warm-up layer), and the fused schedule
-    gathered them (found by a fresh-user trial)."""
+    gathered them."""
     rc, res = run_json(tmp_path, "--prompt-lens", "1,0", "--context-lens", "0,6000", "--chunk-tokens", "4096",
                        "--layers", "1", *([] if fuse else ["--no-fuse"]))
     assert rc == 0 and res["check"]["passed"] is True
@@ -189,7 +189,7 @@ def test_cuda_device_without_cuda(capsys):
 @pytest.mark.parametrize("value", ["flashinfer-fa3", "bogus"])
 def test_env_backend_that_cannot_serve(monkeypatch, capsys, value):
     """Exit 2 naming MLA_BRIDGE_BACKEND, before planning starts (an unknown name used to be refused by the plan, after
-    the "planning" line had been printed; found by a fresh-user trial)."""
+    the "planning" line had been printed)."""
     import mla_bridge.plan as plan_mod
 
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", value)
@@ -504,7 +504,7 @@ def test_bench_refuses_a_forced_backend_this_machine_cannot_run(capsys):
 @pytest.mark.parametrize("value", ["flashinfer-fa3", "bogus"])
 def test_bench_refuses_an_env_backend_that_cannot_serve(monkeypatch, capsys, value):
     """Only --backend was checked: with MLA_BRIDGE_BACKEND=bogus the bench ran every section, each mla_bridge row
-    "skipped: plan failed", and exited 0 (prefill exits 2 for the same value; found by a fresh-user trial)."""
+    "skipped: plan failed", and exited 0 (prefill exits 2 for the same value)."""
     import mla_bridge.bench.report as report
 
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", value)
@@ -513,9 +513,9 @@ def test_bench_refuses_an_env_backend_that_cannot_serve(monkeypatch, capsys, val
     assert "MLA_BRIDGE_BACKEND" in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------------------------------- issue 9
+# --------------------------------------------------------------------------------------- sizes that cannot fit
 
-ISSUE9_TOO_BIG = [
+TOO_BIG = [
     (["--prompt-len", "100000000"], "needs about"),
     (["--batch", "100000000", "--prompt-len", "1"], "--batch"),
     (["--context-lens", "10000000000"], "--context-lens"),
@@ -523,7 +523,7 @@ ISSUE9_TOO_BIG = [
 ]
 
 
-@pytest.mark.parametrize("argv, words", ISSUE9_TOO_BIG)
+@pytest.mark.parametrize("argv, words", TOO_BIG)
 def test_sizes_that_cannot_fit_are_refused_before_anything_is_allocated(argv, words, capsys, monkeypatch):
     import mla_bridge.cli.prefill as prefill_cmd
 
@@ -609,8 +609,7 @@ def test_output_flags_are_checked_before_any_work_the_same_way(argv, where, tmp_
 @pytest.mark.parametrize("name", ["p.txt", "p.json"])
 def test_bench_plot_format_is_checked_before_any_work(name, tmp_path, capsys):
     """A --plot suffix matplotlib cannot write is refused when the flags are parsed (exit 2, nothing run, nothing
-    written). Before, it was accepted and the plot failed after the whole benchmark, exit 1 (found by a fresh-user
-    trial)."""
+    written). Before, it was accepted and the plot failed after the whole benchmark, exit 1."""
     path = tmp_path / name
     assert main(["bench", "--sections", "merge", "--plot", str(path)]) == 2
     captured = capsys.readouterr()
@@ -698,7 +697,7 @@ def test_cuda_run_that_cannot_fit_is_refused_against_the_gpus_free_memory(capsys
     assert "needs about" in err and "torch.cuda.mem_get_info" in err and "cuda:" in err
 
 
-# ----------------------------------------------------------------------------------- a new user's trial (2026-12-01)
+# --------------------------------------------------------------------------- inputs that once crashed or were misread
 
 def test_device_cpu_with_an_index_is_the_cpu(tmp_path):
     """--device cpu:0 crashed with 'kv_b_proj_weight is on cpu, but the plan is on cpu:0' (exit 1)."""

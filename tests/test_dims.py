@@ -273,7 +273,7 @@ def test_rope_entry_that_is_not_a_mapping_is_named(key):
         MLADims.from_hf_config(cfg)
 
 
-# ------------------------------------------------------------------- values a new user's trial passed (2026-12-01)
+# ------------------------------------------------------------------------ config values of the wrong type or range
 
 @pytest.mark.parametrize("key,value", [("num_attention_heads", 16.7), ("num_attention_heads", True),
                                        ("kv_lora_rank", "x"), ("v_head_dim", 0)])

@@ -191,7 +191,7 @@ def test_work_items_count_empty_requests_as_zero_tiles():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# head dims: what each kernel really supports (issue 10.4; flashinfer#4299 / PR #4312, is_fa3_prefill_head_dim_supported)
+# head dims: what each kernel really supports (flashinfer#4299 / PR #4312, is_fa3_prefill_head_dim_supported)
 # --------------------------------------------------------------------------------------------------------------
 
 def test_head_dim_16_four_heads_is_torch_with_reason(fi):
@@ -501,7 +501,7 @@ def test_env_backend_is_read_case_insensitively(monkeypatch):
 @pytest.mark.parametrize("device", ["cuda:0", torch.device("cuda"), torch.device("cpu", 0), 0])
 def test_device_capability_wants_an_indexed_cuda_device(device):
     """The per-process cache is keyed by the device index: a string, an index-less or a non-CUDA device would be
-    keyed wrongly (a fresh-user trial), so they are refused."""
+    keyed wrongly, so they are refused."""
     from mla_bridge.dispatch import device_capability
 
     with pytest.raises((TypeError, ValueError), match="^device must be a torch.device"):
@@ -511,9 +511,9 @@ def test_device_capability_wants_an_indexed_cuda_device(device):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_no_backend_serves_a_dtype_nothing_computes(dtype):
     """select_backend used to answer "torch" for any dtype (the torch row served "any device and dtype"), so the CPU
-    and a GPU without a FlashInfer row said yes to int8 or an FP8 q/k/v that no run computes (found by a fresh-user
-    trial); plan_ragged refused them only by its own check, which let float8 through. Now the torch row names the
-    dtypes it computes, the table refuses the rest, and plan_ragged refuses them before any plan is made."""
+    and a GPU without a FlashInfer row said yes to int8 or an FP8 q/k/v that no run computes; plan_ragged
+    refused them only by its own check, which let float8 through. Now the torch row names the dtypes it computes, the
+    table refuses the rest, and plan_ragged refuses them before any plan is made."""
     from mla_bridge import Workspace, plan_ragged
 
     for kw in (dict(device="cpu"), dict(capability=(9, 0))):

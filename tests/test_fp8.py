@@ -125,8 +125,8 @@ def test_reference_request_dequantizes_the_same_bytes(ref, tiny_dims):
 
 @pytest.mark.parametrize("context_len", [-1, 8 * 3 + 1])
 def test_reference_gather_refuses_a_context_beyond_the_block_table_row(context_len):
-    """A context longer than the row's blocks hold (or negative) is named (found by a fresh-user trial: a bare
-    IndexError from the block loop before, or an empty gather for a negative length)."""
+    """A context longer than the row's blocks hold (or negative) is named (before: a bare
+    IndexError from the block loop, or an empty gather for a negative length)."""
     cache = torch.zeros(5, 8, 4)
     row = torch.tensor([4, 0, 2])
     assert R.gather_context_latent(cache, row, 8 * 3).shape == (24, 4)

@@ -131,7 +131,7 @@ def test_graph_keeps_its_plan_wrapper_and_workspace(monkeypatch):
     registered = []
     real_retain = RaggedPlan.retain_for_graph
 
-    def spy(plan, graph, **kw):  # the ownership API of issue 11, recorded and then run
+    def spy(plan, graph, **kw):  # the plan-ownership API, recorded and then run
         registered.append((id(plan), id(graph)))
         return real_retain(plan, graph, **kw)
 
@@ -190,7 +190,7 @@ def test_dropping_the_graph_frees_its_plans(monkeypatch):
 @pytest.mark.parametrize("tensor_scale", [False, True])
 def test_capture_prefill_takes_an_fp8_cache_with_its_scale(ref, tiny_dims, tensor_scale):
     """PrefillLayer carries an FP8 cache's kv_cache_scale to every mla_prefill call of the graph (capture_prefill had
-    no way to pass one, so an FP8 cache was refused at the first replay; found by a fresh-user trial). The replay
+    no way to pass one, so an FP8 cache was refused at the first replay). The replay
     equals eager mla_prefill with the scale, bitwise."""
     from mla_bridge import quantize_latent_cache
 

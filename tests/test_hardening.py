@@ -1,5 +1,6 @@
-"""Issue 6's failure classes, CPU side. Test names start with the case number (test_caseNN_...) so that the
-closing table can cite them; GPU cases live in tests/gpu/test_gpu_core.py under the same names.
+"""Failure classes of the core, CPU side: empty partials, NaN-filled buffers, the LSE base and layout, one query over
+long keys, zero-length queries, extreme logits, 32-bit offsets, a workspace too small, the merge at any head count, an
+off-by-one between q and qo_indptr. Their GPU side lives in tests/gpu/test_gpu_core.py under the same names.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def main_pass_alone(batch, rows):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 1: both partials empty
+# both partials empty
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_case01_merge_of_two_empties_is_zero_minus_inf():
+def test_merge_of_two_empties_is_zero_minus_inf():
     out = torch.zeros(2, 3, 8)
     lse = torch.full((2, 3), NEG_INF)
     m_out, m_lse = merge_attn_states(out, lse, out.clone(), lse.clone())
@@ -53,7 +54,7 @@ def test_case01_merge_of_two_empties_is_zero_minus_inf():
     assert torch.equal(out, torch.zeros(2, 3, 8)) and torch.equal(lse, torch.full((2, 3), NEG_INF))
 
 
-def test_case01_request_without_context_keeps_its_main_pass(ref, tiny_dims):
+def test_request_without_context_keeps_its_main_pass(ref, tiny_dims):
     """new [3, 3], context [8, 0], chunk budget 4, block size 4: request 1 has no key in any chunk."""
     batch, plan, out, lse = run_prefill(ref, tiny_dims, [3, 3], [8, 0], 4, 4, fuse=False)
     assert not plan.fused and len(plan.chunks) == 2
@@ -65,7 +66,7 @@ def test_case01_request_without_context_keeps_its_main_pass(ref, tiny_dims):
     ref.assert_lse_close(lse, exp_lse, atol=ATOL)
 
 
-def test_case01_request_with_no_keys_inside_a_chunk(ref, tiny_dims):
+def test_request_with_no_keys_inside_a_chunk(ref, tiny_dims):
     """context [2, 0, 2], budget 4: the one chunk spans requests 0..2, request 1 has zero keys in it."""
     batch, plan, out, lse = run_prefill(ref, tiny_dims, [3, 3, 2], [2, 0, 2], 4, 4, fuse=False)
     (chunk,) = plan.chunks
@@ -79,7 +80,7 @@ def test_case01_request_with_no_keys_inside_a_chunk(ref, tiny_dims):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 2: rows with no keys in a later chunk, buffers not zeroed (every torch.empty is NaN-filled)
+# rows with no keys in a later chunk, buffers not zeroed (every torch.empty is NaN-filled)
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -100,11 +101,11 @@ def nan_empty(monkeypatch):
 
 
 @pytest.mark.parametrize("q_lens,c_lens,budget,fuse", [
-    ([2, 2], [3, 9], 4, False),  # the issue's case: request 0 has keys only in the first chunk
+    ([2, 2], [3, 9], 4, False),  # request 0 has keys only in the first chunk
     ([2, 2, 2], [3, 0, 9], 4, False),  # request 1 has no key inside the first chunk
     ([2, 2], [3, 9], 100, True),  # fused schedule: one NaN-filled latent buffer for context + new
 ])
-def test_case02_nan_filled_buffers(ref, tiny_dims, nan_empty, monkeypatch, q_lens, c_lens, budget, fuse):
+def test_nan_filled_buffers(ref, tiny_dims, nan_empty, monkeypatch, q_lens, c_lens, budget, fuse):
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=2)
     plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=budget),
                              block_size=4, dtype=torch.float32, fuse_context=fuse)
@@ -117,7 +118,7 @@ def test_case02_nan_filled_buffers(ref, tiny_dims, nan_empty, monkeypatch, q_len
     ref.assert_lse_close(lse, exp_lse, atol=ATOL)
 
 
-def test_case02_nan_filled_ragged_buffers(ref, nan_empty, monkeypatch):
+def test_nan_filled_ragged_buffers(ref, nan_empty, monkeypatch):
     """Rows without keys in a ragged pass are written (0, -inf), never left as an uninitialised buffer."""
     q, k, v, qo, kv = ref.make_ragged([2, 3, 1], [4, 0, 0], 2, 24, 16, seed=3)
     out, lse = ragged_prefill(q, k, v, qo, kv, causal=False, sm_scale=0.2, backend="torch")
@@ -131,10 +132,10 @@ def test_case02_nan_filled_ragged_buffers(ref, nan_empty, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 3: LSE base and layout
+# LSE base and layout
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_case03_merge_value_is_natural_log():
+def test_merge_value_is_natural_log():
     """Partition sums 2 and 8 (lse ln 2, ln 8), values 1 and 0, 1 head, d 1: merged value 2 / 10 = 0.2."""
     out_a = torch.ones(1, 1, 1)
     out_b = torch.zeros(1, 1, 1)
@@ -147,7 +148,7 @@ def test_case03_merge_value_is_natural_log():
     assert abs(out_a.item() - 0.2) < 1e-6 and abs(lse_a.item() - math.log(10.0)) < 1e-6
 
 
-def test_case03_lse_of_a_pass_is_natural_log(ref):
+def test_lse_of_a_pass_is_natural_log(ref):
     """Two keys of logit 0 and value 1, 0: lse is ln 2 (not 1 = log2 2) and out 0.5."""
     q = torch.zeros(1, 1, 4)
     k = torch.zeros(2, 1, 4)
@@ -158,7 +159,7 @@ def test_case03_lse_of_a_pass_is_natural_log(ref):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_case03_hn_layout_with_t_not_h(ref, causal):
+def test_hn_layout_with_t_not_h(ref, causal):
     q, k, v, qo, kv = ref.make_ragged([3, 4], [5, 4], 5, 24, 16, seed=4)  # T = 7, H = 5
     plan = plan_ragged(qo, kv, num_heads=5, head_dim_qk=24, head_dim_vo=16, causal=causal, sm_scale=0.2,
                        dtype=torch.float32, workspace=Workspace("cpu"))
@@ -171,10 +172,10 @@ def test_case03_hn_layout_with_t_not_h(ref, causal):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 4: one query per request over long keys (CPU sized; the GPU test runs 128 heads at 192/128)
+# one query per request over long keys (CPU sized; the GPU test runs 128 heads at 192/128)
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_case04_single_query_long_keys_cpu(ref):
+def test_single_query_long_keys_cpu(ref):
     kv_lens = [1, 2899, 17, 1290, 3000, 640, 2, 2048, 999, 1500, 2600, 504]  # 15500 keys
     assert sum(kv_lens) == 15500
     q, k, v, qo, kv = ref.make_ragged([1] * 12, kv_lens, 8, 24, 16, seed=5)
@@ -186,12 +187,12 @@ def test_case04_single_query_long_keys_cpu(ref):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 5: zero-length queries in a batch
+# zero-length queries in a batch
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("qo,kv", [([0, 1, 1, 2], [0, 3, 3, 8]), ([0, 0, 0, 0, 1], [0, 2, 2, 5, 6])])
-def test_case05_zero_length_queries(ref, qo, kv, causal):
+def test_zero_length_queries(ref, qo, kv, causal):
     q_lens = [b - a for a, b in zip(qo[:-1], qo[1:])]
     kv_lens = [b - a for a, b in zip(kv[:-1], kv[1:])]
     q, k, v, _, _ = ref.make_ragged(q_lens, kv_lens, 3, 24, 16, seed=6)
@@ -205,7 +206,7 @@ def test_case05_zero_length_queries(ref, qo, kv, causal):
 
 @pytest.mark.parametrize("fuse,budget", [(True, 100), (False, 2), (False, 100)])
 @pytest.mark.parametrize("q_lens,c_lens", [([1, 0, 1], [2, 0, 4]), ([0, 0, 0, 1], [2, 0, 3, 0])])
-def test_case05_zero_length_queries_in_mla_prefill(ref, tiny_dims, q_lens, c_lens, fuse, budget):
+def test_zero_length_queries_in_mla_prefill(ref, tiny_dims, q_lens, c_lens, fuse, budget):
     """The same key lengths as MLA batches (keys = context + new): [3, 0, 5] and [2, 0, 3, 1]."""
     batch, plan, out, lse = run_prefill(ref, tiny_dims, q_lens, c_lens, 4, budget, fuse, seed=7)
     exp_out, exp_lse = ref.mla_reference(batch)
@@ -214,12 +215,12 @@ def test_case05_zero_length_queries_in_mla_prefill(ref, tiny_dims, q_lens, c_len
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 6: extreme logits
+# extreme logits
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [1, 4])
-def test_case06_extreme_logit(dtype, heads):
+def test_extreme_logit(dtype, heads):
     """q.k = -524288 exactly (128 x (-64 * 64), exact in fp32 and bf16), sm_scale 192**-0.5, v = 1."""
     q = torch.zeros(1, heads, 192)
     k = torch.zeros(1, heads, 192)
@@ -230,12 +231,12 @@ def test_case06_extreme_logit(dtype, heads):
     assert (q[0, 0].double() @ k[0, 0].double()).item() == -524288.0
     out, lse = ragged_prefill(q, k, v, [0, 1], [0, 1], causal=True, sm_scale=192 ** -0.5, backend="torch")
     assert torch.equal(out, torch.ones_like(out))  # exactly v: a finite "-inf" sentinel would give 0
-    expected = -524288.0 * 192 ** -0.5  # -37837.23 (the issue quotes -37837.6, within its 1e-3 relative)
+    expected = -524288.0 * 192 ** -0.5  # -37837.23 (-37837.6 was the first estimate, within 1e-3 relative)
     assert torch.allclose(lse.double(), torch.full((1, heads), -37837.6, dtype=torch.float64), rtol=1e-3, atol=0)
     assert torch.allclose(lse.double(), torch.full((1, heads), expected, dtype=torch.float64), rtol=1e-5, atol=0)
 
 
-def test_case06_extreme_logits_mixed_with_normal_ones(ref):
+def test_extreme_logits_mixed_with_normal_ones(ref):
     """One key at logit -37837.6 next to keys at ordinary logits: the extreme one weighs nothing, nothing NaNs."""
     q = torch.zeros(1, 1, 192)
     q[..., :128] = -64.0
@@ -248,7 +249,7 @@ def test_case06_extreme_logits_mixed_with_normal_ones(ref):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 7: 32-bit offsets (dispatch level on the CPU; no 14 GB tensors here)
+# 32-bit offsets (dispatch level on the CPU; no 14 GB tensors here)
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -259,7 +260,7 @@ def fi(monkeypatch):
 MLA7 = dict(dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128, num_heads=128, causal=True)
 
 
-def test_case07_element_counts():
+def test_int32_offsets_element_counts():
     assert 87382 * 128 * 192 == 2_147_500_032 >= 2 ** 31
     assert 87381 * 128 * 192 < 2 ** 31
     assert 174763 * 128 * 192 >= 2 ** 32 > 174762 * 128 * 192
@@ -273,7 +274,7 @@ def test_case07_element_counts():
     (174763, (10, 0), "torch", str(2 ** 31)),
     (87382, (9, 0), "flashinfer-fa3", None),  # fa3: measured correct at 6.4e9 elements
 ])
-def test_case07_offset_limits_in_dispatch(fi, t, cap, expected, limit):
+def test_int32_offset_limits_in_dispatch(fi, t, cap, expected, limit):
     choice = select_backend(capability=cap, cuda_version=(12, 8), qo_indptr=[0, t], kv_indptr=[0, t], **MLA7)
     assert choice.name == expected
     if limit is not None:
@@ -283,14 +284,14 @@ def test_case07_offset_limits_in_dispatch(fi, t, cap, expected, limit):
 
 @pytest.mark.parametrize("t,cap,forced", [(87382, (10, 0), "flashinfer-cutlass"), (174763, (8, 0), "flashinfer-fa2"),
                                           (174763, (9, 0), "flashinfer-fa2")])
-def test_case07_forced_backend_refused_before_any_kernel(fi, t, cap, forced):
+def test_int32_offsets_forced_backend_refused_before_any_kernel(fi, t, cap, forced):
     with pytest.raises(ValueError, match=rf"{forced}.*offset limit"):
         select_backend(capability=cap, cuda_version=(12, 8), qo_indptr=[0, t], kv_indptr=[0, t], requested=forced,
                        **MLA7)
 
 
 @pytest.mark.parametrize("cap,limit,name", [((10, 0), 2 ** 31, "flashinfer-cutlass"), ((8, 0), 2 ** 32, "flashinfer-fa2")])
-def test_case07_limit_is_exclusive(fi, cap, limit, name):
+def test_int32_offset_limit_is_exclusive(fi, cap, limit, name):
     """128/128 dims and 128 heads hit the limits exactly: a tensor of exactly the limit is refused, one row less
     is served."""
     t = limit // (128 * 128)
@@ -301,7 +302,7 @@ def test_case07_limit_is_exclusive(fi, cap, limit, name):
     assert choice.name != name and str(limit) in dict(choice.passed_over)[name]
 
 
-def test_case07_kv_side_counts_too(fi):
+def test_int32_offsets_kv_side_counts_too(fi):
     """A short q over a long k: the k tensor is what crosses the limit."""
     choice = select_backend(capability=(10, 0), cuda_version=(12, 8), qo_indptr=[0, 1], kv_indptr=[0, 87382],
                             **dict(MLA7, causal=False))
@@ -309,7 +310,7 @@ def test_case07_kv_side_counts_too(fi):
     assert str(2 ** 31) in dict(choice.passed_over)["flashinfer-cutlass"]
 
 
-def test_case07_fused_schedule_stays_under_2_31(tiny_dims):
+def test_fused_schedule_stays_under_2_31(tiny_dims):
     """The fused schedule (context + new keys in one tensor) is not chosen when its keys' k/v buffer would reach
     2**31 elements, so fusing never changes the backend; the chunked schedule bounds each pass by chunk_tokens. k and
     v are views of one [keys, H, 192 + 128] buffer: 320 elements per head and key, not 192."""
@@ -325,7 +326,7 @@ def test_case07_fused_schedule_stays_under_2_31(tiny_dims):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 8: workspace too small (FlashInfer's "Buffer overflow" must never reach the user)
+# workspace too small (FlashInfer's "Buffer overflow" must never reach the user)
 # ---------------------------------------------------------------------------------------------------------------
 
 OVERFLOW = ("Buffer overflow when allocating memory for batch_prefill_tmp_v with size {size} and alignment 16, "
@@ -353,7 +354,7 @@ def failing_plan(times, size=123, avail=45):
     return plan, calls
 
 
-def test_case08_workspace_grows_on_overflow():
+def test_workspace_grows_on_overflow():
     ws = Workspace("cpu", float_workspace_bytes=1024, max_float_workspace_bytes=1 << 20)
     class Owner:
         pass
@@ -369,28 +370,28 @@ def test_case08_workspace_grows_on_overflow():
     needed = 1024 + (123 - 45) + 4096
     assert ws.float_workspace_bytes == max(needed, 2 * 1024) == 5198
     assert ws.float_workspace.numel() == 5198
-    # Issue 11 item 5: only the free wrapper is re-buffered (keeping its own int buffer); the live plan's wrapper
-    # keeps the buffers its queued work reads until it is free again.
+    # Growth under a live plan: only the free wrapper is re-buffered (keeping its own int buffer); the live plan's
+    # wrapper keeps the buffers its queued work reads until it is free again.
     assert wrappers[0].resets == [] and old_buf.numel() == 1024
     (buf, int_buf), = wrappers[1].resets
     assert buf is ws.float_workspace and int_buf is wrappers[1]._int_workspace_buffer
 
 
-def test_case08_workspace_doubles_and_retries():
+def test_workspace_doubles_and_retries():
     ws = Workspace("cpu", float_workspace_bytes=100_000, max_float_workspace_bytes=1 << 30)
     plan, calls = failing_plan(3, size=10, avail=5)
     assert ws.plan_with_growth(plan) == "planned"
     assert len(calls) == 4 and ws.float_workspace_bytes == 800_000  # doubled three times
 
 
-def test_case08_growth_is_clamped_to_the_maximum():
+def test_workspace_growth_is_clamped_to_the_maximum():
     ws = Workspace("cpu", float_workspace_bytes=5500, max_float_workspace_bytes=10_000)
     plan, _ = failing_plan(1, size=100, avail=90)  # needs 5500 + 10 + 4096 = 9606 <= 10000 < 2 * 5500
     assert ws.plan_with_growth(plan) == "planned"
     assert ws.float_workspace_bytes == 10_000
 
 
-def test_case08_too_small_raises_our_error_naming_the_size():
+def test_workspace_too_small_raises_our_error_naming_the_size():
     ws = Workspace("cpu", float_workspace_bytes=1024, max_float_workspace_bytes=4096)
     plan, calls = failing_plan(100)
     with pytest.raises(WorkspaceTooSmallError) as info:
@@ -405,7 +406,7 @@ def test_case08_too_small_raises_our_error_naming_the_size():
     assert isinstance(err, RuntimeError)
 
 
-def test_case08_growing_until_the_limit_then_raising():
+def test_workspace_grows_until_the_limit_then_raises():
     ws = Workspace("cpu", float_workspace_bytes=8192, max_float_workspace_bytes=20_000)
     plan, calls = failing_plan(100, size=10, avail=5)
     with pytest.raises(WorkspaceTooSmallError, match="20000"):
@@ -413,7 +414,7 @@ def test_case08_growing_until_the_limit_then_raising():
     assert ws.float_workspace_bytes == 16384 and len(calls) == 2
 
 
-def test_case08_other_errors_pass_through():
+def test_workspace_growth_lets_other_errors_pass_through():
     ws = Workspace("cpu", float_workspace_bytes=1024)
 
     def plan():
@@ -424,7 +425,7 @@ def test_case08_other_errors_pass_through():
     assert ws.float_workspace_bytes == 1024 and ws.plans_made == 0
 
 
-def test_case08_flashinfer_kernel_plans_through_growth(monkeypatch):
+def test_flashinfer_kernel_plans_through_growth(monkeypatch):
     """FlashInferRaggedKernel's plan goes through Workspace.plan_with_growth (fake FlashInfer wrapper)."""
     from mla_bridge import BackendChoice
     from mla_bridge.backends import flashinfer as fi_backend
@@ -456,11 +457,11 @@ def test_case08_flashinfer_kernel_plans_through_growth(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 9: merge at any head count (CPU; the GPU test covers FlashInfer's merge_state)
+# merge at any head count (CPU; the GPU test covers FlashInfer's merge_state)
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("heads", [1, 16, 64, 128, 256])
-def test_case09_merge_any_head_count_cpu(heads):
+def test_merge_any_head_count_cpu(heads):
     g = torch.Generator().manual_seed(heads)
     oa = torch.randn(3, heads, 128, generator=g).bfloat16()
     ob = torch.randn(3, heads, 128, generator=g).bfloat16()
@@ -479,12 +480,12 @@ def test_case09_merge_any_head_count_cpu(heads):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# case 11: off-by-one between q's rows and qo_indptr[-1], either direction: clear error, nothing runs
+# off-by-one between q's rows and qo_indptr[-1], either direction: clear error, nothing runs
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("delta", [-1, 1])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_case11_ragged_off_by_one(ref, which, delta):
+def test_ragged_off_by_one_rows_are_refused(ref, which, delta):
     q, k, v, qo, kv = ref.make_ragged([3, 2], [4, 3], 2, 24, 16, seed=11)
     tensors = dict(q=q, k=k, v=v)
     x = tensors[which]
@@ -501,7 +502,7 @@ def test_case11_ragged_off_by_one(ref, which, delta):
 
 @pytest.mark.parametrize("delta", [-1, 1])
 @pytest.mark.parametrize("which", ["q", "kv_c", "k_pe"])
-def test_case11_prefill_off_by_one(ref, tiny_dims, which, delta, monkeypatch):
+def test_prefill_off_by_one_rows_are_refused(ref, tiny_dims, which, delta, monkeypatch):
     q_lens, c_lens = [3, 2], [5, 6]
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=12)
     plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4,

@@ -71,8 +71,8 @@ def test_auto_while_capturing_takes_the_gpu_faster_path_of_every_pass():
     """A pass captured into a CUDA graph pays no host time per launch at replay: "auto" then takes gather + cuBLAS
     whatever its size (the eager rule takes the fused kernel below its bounds), except that an identity-layout weight
     keeps the fused kernel (its GEMM has no FLOPs on the identity block), FP8 cache or not: every pass of a graph
-    takes one implementation, so that it is bitwise eager "separate" or "fused" (a fresh-user trial found the new
-    tokens' pass fused and the FP8 chunks separate)."""
+    takes one implementation, so that it is bitwise eager "separate" or "fused" (the new tokens' pass was once
+    fused while the FP8 chunks were separate)."""
     sizes = (0, 1, KV.SEPARATE_FROM_ROWS_FP8 - 1, KV.SEPARATE_FROM_ROWS - 1, KV.SEPARATE_FROM_ROWS_NEW)
     for rows in sizes:
         for gathered in (False, True):

@@ -1,4 +1,4 @@
-"""PrefillPlan.build's host fast paths (issue 13, item 5): what they skip or remember must not change any answer.
+"""PrefillPlan.build's host fast paths: what they skip or remember must not change any answer.
 
 * The CUDA branch of the per-token index expansion (one page-locked table, one copy, then one Triton kernel or four
   torch kernels) runs here on CPU tensors with a fake CUDA device, and must give the index tensors of the CPU
@@ -565,8 +565,8 @@ def test_plan_host_time_script_runs():
 
 @pytest.mark.parametrize("budget", [0, -1, 2.5, True, "4"])
 def test_reference_schedule_refuses_a_budget_that_is_not_a_positive_int(budget):
-    """schedule_context_chunks with a budget of 0 or below never filled a chunk and never ended (found by a
-    fresh-user trial: it appended empty spans forever); a float made fractional spans. An alarm turns the old hang
+    """schedule_context_chunks with a budget of 0 or below never filled a chunk and never ended (it
+    appended empty spans forever); a float made fractional spans. An alarm turns the old hang
     into a failure."""
     import signal
 

@@ -73,7 +73,7 @@ def test_chunked_equals_unchunked(ref, tiny_dims, block_size, budget, fuse):
 def test_context_of_requests_without_new_tokens_is_never_read(ref, tiny_dims, fuse):
     """No query attends the context of a request without new tokens. The fused schedule gathered it anyway (its
     whole context, and counted it toward the one chunk): a request of 1 new token beside one of 0 new and 20000
-    cached took 164x the chunked schedule's time for the same result (found by a fresh-user trial). Now neither
+    cached took 164x the chunked schedule's time for the same result. Now neither
     schedule reads it: with no other context the call is the main pass alone; beside attended context, only that
     fills the fused pass (and decides whether it fits)."""
     for q_lens, c_lens, budget, want_fused in (([1, 0], [0, 2000], 100_000, False),

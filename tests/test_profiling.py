@@ -1,4 +1,4 @@
-"""mla_bridge.profiling: phase times that add up, host gaps apart (issue 10.2).
+"""mla_bridge.profiling: phase times that add up, host gaps apart.
 
 The CUDA path is checked on the CPU against a model GPU: a clock per side, kernels that start no earlier than they
 are issued, CUDA events stamped when the model GPU reaches them, ``torch.cuda._sleep`` as GPU time. A layer of

@@ -1,4 +1,4 @@
-"""The run path's host work (issue 13): RaggedPlan.validate's one-pass checks and FlashInfer's recorded direct run.
+"""The run path's host work: RaggedPlan.validate's one-pass checks and FlashInfer's recorded direct run.
 
 * ``validate`` compares shape tuples, dtypes and devices once per argument; the plan's token counts are read from its
   indptrs once per plan, not per call; every bad input still raises the named error (tests/test_validation.py and

@@ -1,5 +1,5 @@
 """scripts/test.sh: its arguments reach both suites, test paths reach the suite they belong to, and "no test
-selected" (pytest exit 5) in one suite is a success only when the other suite ran tests (issue 9, item 1).
+selected" (pytest exit 5) in one suite is a success only when the other suite ran tests.
 
 The two virtual environments are stand-ins: a ``bin/python`` that answers every set-up probe with success and, for
 ``-m pytest``, records its arguments and exits with the code the test asks for. So this runs the real scripts in

@@ -1,4 +1,4 @@
-"""Sizes that cannot fit are refused up front (issue 9, item 3): lengths whose sums leave int32 get a ValueError
+"""Sizes that cannot fit are refused up front: lengths whose sums leave int32 get a ValueError
 naming the argument and the limit, in O(requests) time, before any index tensor or plan is made."""
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def _prefill_case(name, args, d, batch):
     ("kv_c_not_tensor", TypeError, r"^kv_c must be a torch.Tensor"),
     ("table_complex", TypeError, r"^block_table must hold integer block ids .*got torch.complex64"),
     # torch has no min/max kernels for these: was an unnamed NotImplementedError ('"min_all" not implemented for
-    # 'UInt32''), raised from the block-id range check (found by a fresh-user trial)
+    # 'UInt32''), raised from the block-id range check
     ("table_uint32", TypeError, r"^block_table must hold integer block ids .*got torch.uint32"),
     ("table_uint64", TypeError, r"^block_table must hold integer block ids .*got torch.uint64"),
     ("q_sparse", TypeError, r"^q must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
@@ -429,7 +429,7 @@ def test_lengths_must_be_a_sequence():
 @pytest.mark.parametrize("source", ["q", "kv_cache", "kv_c"])
 def test_prefill_refuses_an_out_sharing_memory_with_an_input(prefill, tiny_dims, source):
     """An ``out`` that shares memory with an input mla_prefill reads (q is read again by every context chunk after
-    the main pass wrote out) is refused before any work; it once gave silently wrong values (a fresh-user trial:
+    the main pass wrote out) is refused before any work; it once gave silently wrong values (with
     out=q, max error 1.64 on the chunked schedule)."""
     plan, args, batch = prefill
     d = tiny_dims
@@ -646,7 +646,7 @@ def test_ragged_prefill_refuses_autograd_before_planning(monkeypatch):
 @pytest.mark.parametrize("hook", [3, "gather", [print]])
 def test_mla_prefill_refuses_a_phase_hook_that_is_not_callable(ref, tiny_dims, hook):
     """A phase_hook that cannot be called was found only at the first phase, after out and lse were allocated, with
-    "'int' object is not callable" (found by a fresh-user trial); now a TypeError naming it, before anything is
+    "'int' object is not callable"; now a TypeError naming it, before anything is
     allocated or written. A falsy non-callable (0, "") is refused too, not taken for None."""
     q_lens, c_lens = [3, 2], [5, 9]
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=2)

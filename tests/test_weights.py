@@ -472,6 +472,6 @@ def test_up_project_refuses_inputs_requiring_grad_while_autograd_records(tiny_di
 @pytest.mark.parametrize("bad,error", [(torch.zeros(3, 3), ValueError), (torch.zeros(4, 4, dtype=torch.int32), TypeError)])
 def test_up_projection_weight_names_a_bad_weight(tiny_dims, bad, error):
     """up_projection_weight is public: a weight of another shape or dtype gets the error prepare_kv_b_proj gives,
-    naming the argument (found by a fresh-user trial: a bare reshape RuntimeError before)."""
+    naming the argument (a bare reshape RuntimeError before)."""
     with pytest.raises(error, match="kv_b_proj_weight"):
         up_projection_weight(bad, tiny_dims)

@@ -1,8 +1,8 @@
-"""A pooled wrapper's CUDA events are made once and recorded again by its later plans (issue 13, item 5: host time).
+"""A pooled wrapper's CUDA events are made once and recorded again by its later plans (host time of planning).
 
 On the fake GPU of tests/test_async_safety.py (recording stand-ins for streams and events; "the GPU" completes events
 when the test says so). Every event a lease hands out for a plan or a stream's first run must be one whose last
-record has completed (the fixture below fails otherwise), the ordering of issue 11 must hold unchanged (a run on
+record has completed (the fixture below fails otherwise), the plan-ownership ordering must hold unchanged (a run on
 another stream waits on its own plan's record), and a lease reused after the GPU caught up makes no new event. The
 same on the H200 with the GPU kept busy: tests/gpu/test_gpu_plan_events.py.
 """

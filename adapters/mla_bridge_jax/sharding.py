@@ -10,8 +10,8 @@ The same recipe runs the whole MLA prefill (:func:`sharded_mla_prefill`): q and 
 heads (the weight's rows are per-head blocks of ``qk_nope_head_dim + v_head_dim``), while the paged latent cache,
 kv_c, k_pe and the block table have no head axis and are replicated; each device runs its own plan for its
 ``H / n`` heads (:func:`build_sharded_plans`, made outside the trace). Only the ``buffer_callback`` route serves it
-(the ``tvm_ffi`` route serves one device per plan; issue 15). Tested on forced CPU devices; several GPUs were not
-available to run it on (2026-12-01).
+(the ``tvm_ffi`` route serves one device per plan). Tested on forced CPU devices; on several GPUs it has not been
+run (see docs/results.md).
 
 ``shard_map`` is ``jax.shard_map`` (JAX >= 0.7) or ``jax.experimental.shard_map.shard_map`` on older versions.
 """

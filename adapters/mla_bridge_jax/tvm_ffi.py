@@ -19,7 +19,7 @@ How it works (CUDA, FlashInfer fa2/fa3 plans, jax-tvm-ffi installed):
 If any step cannot be done (no jax-tvm-ffi, a CPU or torch-backend plan, a FlashInfer whose wrapper no longer looks
 like 0.7's), :func:`why_not` says why and the ``auto`` route uses ``buffer_callback`` instead.
 
-Lifetime (issue 11 item 7): a compiled XLA executable may run a registered plan at any later time, and nothing
+Lifetime: a compiled XLA executable may run a registered plan at any later time, and nothing
 tells this module when the executable is gone, so the registry is a bounded cache. At most :data:`MAX_PLANS`
 registered plans (and their pooled FlashInfer wrappers: :attr:`mla_bridge.RaggedPlan.flashinfer_bytes`) are held,
 least recently registered first out (``$MLA_BRIDGE_JAX_MAX_PLANS``, default 16). An evicted plan is dropped only

@@ -32,7 +32,7 @@ much page-locked host memory, the indptr copies ``plan()`` makes, and for cutlas
 ``fmha_varlen_plan`` allocates per plan (three of 131072 int32 and one of SMs + 1: about 1.5 MiB, fixed by FlashInfer).
 The float workspace is the workspace's, shared by every plan.
 
-Host time per run (issue 13): a planned fa2/fa3 run with ``lse_layout="NH"`` calls FlashInfer's own
+Host time per run: a planned fa2/fa3 run with ``lse_layout="NH"`` calls FlashInfer's own
 ``module.ragged_run`` (the function ``wrapper.run`` ends in) with the argument list ``wrapper.run`` builds, recorded
 once per plan (:class:`DirectRun`), then converts the LSE to natural log with one in-place multiply by ln 2 (what
 ``run(..., lse_base="ln")`` does, bitwise): the same launch on the same arguments, without ``wrapper.run``'s

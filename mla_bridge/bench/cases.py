@@ -1,4 +1,4 @@
-"""The workloads: the issue's shapes on a GPU, tiny ones in quick/CPU mode."""
+"""The workloads: DeepSeek-sized shapes on a GPU, tiny ones in quick/CPU mode."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ class MainShape:
 @dataclass(frozen=True)
 class ContextCase:
     """``batch`` requests of ``context`` cached + ``new`` new tokens at ``heads`` heads; ``budgets`` are
-    (label, chunk_tokens). ``eager_ms_before``: eager mla_prefill per budget on the H200 before issue 13
-    (2026-12-01), the yardstick of the host-bound cases (graphed >= 2.5x faster, eager no slower)."""
+    (label, chunk_tokens). ``eager_ms_before``: eager mla_prefill per budget on the H200 before the
+    per-pass choice of the fused or separate path (``kv_impl="auto"``) and the host-time work on the run path (figures
+    and date in docs/results.md), the yardstick of the host-bound cases (graphed >= 2.5x faster, eager no slower)."""
 
     name: str
     batch: int
@@ -86,7 +87,7 @@ def main_shapes(quick: bool) -> list[MainShape]:
 
 def context_cases(quick: bool) -> list[ContextCase]:
     """Each long case with a chunk budget that holds all its context and one that needs 4 chunks; then the two
-    host-bound cases of issue 13 (many chunks; many short requests without context)."""
+    host-bound cases (many chunks; many short requests without context)."""
     if quick:
         return [
             ContextCase("4h 2x(96+32)", 2, 96, 32, (("all context", 192), ("4 chunks", 48)), 16, heads=4),

@@ -5,9 +5,9 @@ allocations), then ``repeats`` timed calls. Each timed call starts on an idle GP
 (:func:`mla_bridge.profiling.keep_gpu_busy`, about 3x the call's warm host time) while the host issues the call
 between two CUDA events: the events time the call's GPU work alone, ``perf_counter`` its host time alone (never a
 wait for earlier work), and a sample is the larger of the two: a loop of the call, host and GPU overlapped, takes at
-least each. Timing calls back to back instead mixes them up: on the H200 (2026-12-01) a host-bound hand-written
-pipeline issued after GPU-heavy paths showed 1.45 ms of events for 2.78 ms of host time per call (its start event
-fired late), and host times grew with waits on a full launch queue (15 ms for a 4.7 ms path). The events' median
+least each. Timing calls back to back instead mixes them up: on the H200 a host-bound path issued after GPU-heavy
+ones showed events shorter than its host time (its start event fired late), and host times grew with waits on a full
+launch queue (docs/results.md). The events' median
 is kept as ``gpu_ms``. On the CPU both are wall-clock times.
 """
 
@@ -118,7 +118,7 @@ class Row:
 
 @dataclass
 class Check:
-    """A target of the issue: ``value`` against ``target`` (``op`` "<=" or ">=" or "=="); ``passed`` is None when
+    """A performance target: ``value`` against ``target`` (``op`` "<=" or ">=" or "=="); ``passed`` is None when
     it could not be measured. ``applies`` is False in quick/CPU mode (the targets are for the H200)."""
 
     name: str
@@ -155,10 +155,9 @@ class Timing:
 
 def _rotated(order: Sequence[int], rep: int) -> list[int]:
     """``order`` started at position ``rep`` (mod its length): round ``rep`` of the interleaved timing, so that every
-    path takes every place in a round equally often (A B C, B C A, C A B, ...). Why: on the H200 (2026-12-01, fixed
-    order) the first path of each round, the host-bound 64 x 128 ``mla_prefill`` default, took 0.21-0.24 ms per call
-    in three runs where the fourth, running the same kernels, took 0.16-0.17: a cost of the place, not the path
-    (not measured again with the rotation)."""
+    path takes every place in a round equally often (A B C, B C A, C A B, ...). Why: on the H200, in a fixed
+    order, the first path of each round took about 1.3x the time of a later path running the same kernels: a cost
+    of the place, not the path (docs/results.md)."""
     k = rep % len(order) if order else 0
     return list(order[k:]) + list(order[:k])
 

@@ -11,7 +11,7 @@ is checked against the layer's time (within 5% on a GPU).
 
 The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call :mod:`mla_bridge.cache`'s
 ``fused_latent`` and ``gather_rows`` and the prepared weight's ``up_project``); keep them in step when it changes.
-FP8-cache rows (issue 12) time the same case with its cache quantized, beside the bf16-cache ones.
+FP8-cache rows time the same case with its cache quantized, beside the bf16-cache ones.
 """
 
 from __future__ import annotations
@@ -72,17 +72,17 @@ PATHS = (
 )
 #: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
 IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
-PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time within 5% (issue 10.2)
-#: FP8-cache rows (issue 12): the same case with its cache quantized (mla_bridge.cache.quantize_latent_cache);
+PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time within 5%
+#: FP8-cache rows: the same case with its cache quantized (mla_bridge.cache.quantize_latent_cache);
 #: the ratio to the bf16-cache row of the same run is the target (<= 1.02).
 FP8_TARGET = 1.02
 I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(PATHS.index("mla_prefill, FP8 cache"),
                                                                PATHS.index("mla_prefill, FP8 cache") + 4)
 #: The fused gather + up-projection kernel on every pass (mla_bridge.kv), eager and graphed; the separate path on
-#: every pass (the default before issue 13's per-pass choice, kv_impl="auto"), eager and graphed (a replay has no
+#: every pass (the default before the per-pass choice, kv_impl="auto"), eager and graphed (a replay has no
 #: host cost per launch: the GPU-faster choice, which the default graph makes too, :func:`mla_bridge.kv.pass_impl`).
 FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH, SEPARATE_KV_GRAPH = PATHS[-4:]
-#: Targets of issue 13 on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
+#: Targets on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
 #: cases against their eager figure before it (``ContextCase.eager_ms_before``).
 EAGER_TARGET, GRAPHED_TARGET, GRAPHED_SPEEDUP = 1.12, 1.05, 2.5
 
@@ -539,7 +539,8 @@ def _handwritten_item(ctx: Ctx, x: Inputs, budget: int, name: str, flops: float,
 def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict, attn_flops: float,
                   up_flops: float, meta: Callable[[int], dict]) -> list[Row]:
     """Sums of the phases run alone, and the targets: each mla_prefill path against (attention + GEMM alone) and
-    against the hand-written pipeline; on the host-bound cases, graphed and eager against eager before issue 13."""
+    against the hand-written pipeline; on the host-bound cases, graphed and eager against eager before the per-pass
+    choice (``ContextCase.eager_ms_before``)."""
     ok = lambda p: p in by_path and by_path[p].status == "ok"  # noqa: E731
     full, hand = by_path.get(PATHS[0]), by_path.get(PATHS[2])
     rows = []

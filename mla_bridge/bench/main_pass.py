@@ -134,8 +134,8 @@ def _flex(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     if ctx.over_budget():
         return [ctx.skipped(SECTION, shape.name, PATHS[3], f"time budget ({ctx.budget_s:.0f} s) spent", **meta)]
     if shape.equal:
-        # Flex's set-up costs seconds per shape eagerly on the CPU and a torch.compile per shape on a GPU (over two
-        # minutes each on the H200 on 2026-12-01, after the JAX section: six shapes read as a hang), so it runs on
+        # Flex's set-up costs seconds per shape eagerly on the CPU and a torch.compile per shape on a GPU (minutes
+        # each on the H200 after the JAX section: six shapes read as a hang), so it runs on
         # the ragged shape only, the one its document mask is for.
         return [ctx.skipped(SECTION, shape.name, PATHS[3], "run on the ragged shape only (a compile per shape)",
                             **meta)]

@@ -4,8 +4,8 @@ Every head's key reads the token's one shared RoPE key: ``dst[i, h, :] = src[i, 
 strided view into the ``[N, H, 320]`` key/value buffer) and ``src [N, rope]`` (the k_pe columns of the latent rows,
 or the new tokens' own ``k_pe``, any strides: a caller's k_pe may be a view with a last stride other than 1). An
 exact copy: no arithmetic, bitwise the torch ``copy_`` of an expanded view, which is the CPU's and the fallback
-path. Why a kernel: torch's ``copy_`` of the expanded view took 0.113 ms at 40000 rows x 16 heads on the H200
-(2026-12-01), about a fifth of write bandwidth, where 82 MB of writes take about 0.025 ms. Program ``(p, g)`` reads
+path. Why a kernel: torch's ``copy_`` of the expanded view reached about a fifth of write bandwidth on the
+H200 (docs/results.md). Program ``(p, g)`` reads
 rows ``[p * BLOCK_M, (p + 1) * BLOCK_M)`` once and writes them into heads ``[g * HEADS, (g + 1) * HEADS)``.
 
 Imported only by :mod:`mla_bridge.weights`, on first use: Triton is not needed on the CPU.

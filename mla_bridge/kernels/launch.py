@@ -3,9 +3,9 @@
 ``kernel[grid](*args, **constexprs)`` goes through Triton's ``JITFunction.run`` on every call: it binds and
 specializes every argument, builds the cache key, looks the compiled kernel up, reads the current device and stream
 through torch, and only then calls the compiled kernel's launcher. Measured on the H200's host (Triton 3.6, torch
-2.11, 2026-12-01, the merge kernel's 23 arguments): 36 us per launch through ``kernel[grid]``, 10 us through the
-compiled kernel's launcher with the stream handle read as below. A chunked prefill launches two such kernels per
-context chunk (the gather and the merge), so on a host-bound batch this is most of the difference to a
+2.11, the merge kernel's 23 arguments), a launch through the compiled kernel's launcher with the stream handle read as
+below costs under a third of one through ``kernel[grid]`` (docs/results.md). A chunked prefill launches two such
+kernels per context chunk (the gather and the merge), so on a host-bound batch this is most of the difference to a
 hand-written torch + FlashInfer pipeline.
 
 :func:`launch` keeps, per JIT function, the compiled kernel of each *specialization* it has seen, keyed on

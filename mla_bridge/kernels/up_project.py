@@ -22,15 +22,15 @@ Results: k_pe bitwise equal to the separate path; k_nope and v equal within the 
 sum taken in another order (cuBLAS and this kernel both accumulate in float32; the identity layout also adds 64 exact
 zeros). Program ``p`` computes rows tile ``p // (2H)`` and, for ``r = p % (2H)``, head ``r // 2``'s k part (``r``
 even, with the k_pe copy) or v part (``r`` odd): the ``2H`` programs that read one A tile run next to each other, so
-it is read from HBM once and from L2 after. Two alternatives were measured on the H200 (2026-12-01) and dropped:
-one program per head with two accumulators (0.58 against 0.44 ms at 40000 rows), and one program per head with one
-256-wide tile of v and k_nope (0.46 ms, no faster, and it failed the FP8-cache equality test on 5% of elements, with
-3 stages: see below).
+it is read from HBM once and from L2 after. Two alternatives were measured on the H200 and dropped
+(docs/results.md): one program per head with two accumulators (slower), and one program per head with one 256-wide
+tile of v and k_nope (no faster, and it failed the FP8-cache equality test on 5% of elements, with 3 stages: see
+below).
 
 **The FP8 path runs a software pipeline of at most** :data:`DEQUANT_MAX_STAGES` **(2) stages.** With an FP8 cache the
 A tile is loaded as bytes, dequantized in registers and fed to Hopper's asynchronous ``wgmma`` from registers (the
 bf16 path feeds it from shared memory). Compiled by Triton 3.6 with 3 stages (:data:`CONFIG`'s), this loop gave wrong
-k_nope / v on the H200 (2026-12-01). With the dequantization rounded on the bits, about 1 launch in 200 was wrong (16
+k_nope / v on the H200. With the dequantization rounded on the bits, about 1 launch in 200 was wrong (16
 of 3000 on one fixed input), each time in the 128 columns of 8 consecutive rows of one program's tile (the rows one
 warp's A-fragment register pair feeds), off by up to 30%, with every output written. With the native rounding (used
 here: 25-30% faster), every launch was wrong. With 2 stages or 1: no wrong launch in 3000 to 20000 per case. The

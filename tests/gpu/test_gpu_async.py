@@ -1,4 +1,4 @@
-"""Issue 11 on the GPU: correct when the GPU runs behind the host (FlashInfer fa3 / fa2, bf16, 192/128).
+"""Plan ownership on the GPU: correct when the GPU runs behind the host (FlashInfer fa3 / fa2, bf16, 192/128).
 
 Every test keeps the GPU busy with ``torch.cuda._sleep`` before it plans, so FlashInfer's asynchronous schedule
 copies (and the runs) are still queued while the host goes on: planning the next batch, dropping plans, growing the
@@ -84,11 +84,11 @@ def cases(backend):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 1: a pooled wrapper is never re-planned while the previous plan's copy or run is queued
+# a pooled wrapper is never re-planned while the previous plan's copy or run is queued
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item1a_drop_and_replan_while_the_gpu_is_busy(backend):
+def test_drop_and_replan_while_the_gpu_is_busy(backend):
     require(backend)
     a, b, c = cases(backend)
     ws = Workspace(dev())
@@ -104,7 +104,7 @@ def test_item1a_drop_and_replan_while_the_gpu_is_busy(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item1b_one_shot_calls_in_a_row(backend):
+def test_one_shot_calls_in_a_row(backend):
     require(backend)
     a, b, _ = cases(backend)
     torch.cuda._sleep(SLEEP)
@@ -115,7 +115,7 @@ def test_item1b_one_shot_calls_in_a_row(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item1c_vllm_step_plans_replaced_each_step(backend):
+def test_vllm_step_plans_replaced_each_step(backend):
     require(backend)
     adapters = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "adapters")
     if adapters not in sys.path:
@@ -136,11 +136,11 @@ def test_item1c_vllm_step_plans_replaced_each_step(backend):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 2: a run on another stream is ordered after its plan's copies
+# a run on another stream is ordered after its plan's copies
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item2_plan_on_default_stream_run_on_another(backend):
+def test_plan_on_default_stream_run_on_another(backend):
     require(backend)
     a, b, _ = cases(backend)
     ws = Workspace(dev())
@@ -154,12 +154,12 @@ def test_item2_plan_on_default_stream_run_on_another(backend):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 3: fa2 and cutlass ignore out's strides
+# fa2 and cutlass ignore out's strides
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("view", ["last_dim_slice", "head_slice"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item3_strided_out(backend, view):
+def test_strided_out(backend, view):
     require(backend)
     a = cases(backend)[1]
     t = a.qo[-1]
@@ -178,7 +178,7 @@ def test_item3_strided_out(backend, view):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item3_mla_prefill_into_a_strided_out(backend, ref):
+def test_mla_prefill_into_a_strided_out(backend, ref):
     require(backend)
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 0, 250], 16, dtype=BF16, device=dev())
@@ -194,10 +194,10 @@ def test_item3_mla_prefill_into_a_strided_out(backend, ref):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 4: fa2 plans running at once on two streams never share split-KV temporaries
+# fa2 plans running at once on two streams never share split-KV temporaries
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item4_two_fa2_plans_on_two_streams():
+def test_two_fa2_plans_on_two_streams():
     require("flashinfer-fa2")
     # Few queries over long keys: fa2 splits the keys and keeps partials in the float workspace.
     a = Case("flashinfer-fa2", [16], [8192], False, 4)
@@ -220,10 +220,10 @@ def test_item4_two_fa2_plans_on_two_streams():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 5: growing the float workspace under live plans
+# growing the float workspace under live plans
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_item5_growth_while_a_live_plan_is_queued():
+def test_growth_while_a_live_plan_is_queued():
     require("flashinfer-fa2")
     small = Case("flashinfer-fa2", [300, 700], [300, 700], True, 6)
     large = Case("flashinfer-fa2", [16] * 8, [8192] * 8, False, 7)
@@ -246,7 +246,7 @@ def test_item5_growth_while_a_live_plan_is_queued():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 8: a captured CUDA graph keeps its plan's wrapper
+# a captured CUDA graph keeps its plan's wrapper
 # ---------------------------------------------------------------------------------------------------------------
 
 def _captured(plan, case):
@@ -265,7 +265,7 @@ def _captured(plan, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item8_graph_replays_right_after_its_plan_is_dropped(backend):
+def test_graph_replays_right_after_its_plan_is_dropped(backend):
     require(backend)
     a, b, c = cases(backend)
     ws = Workspace(dev())
@@ -288,7 +288,7 @@ def test_item8_graph_replays_right_after_its_plan_is_dropped(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_item8_retain_for_graph_hands_the_wrapper_back(backend):
+def test_retain_for_graph_hands_the_wrapper_back(backend):
     """A user's own torch.cuda.graph registered after its capture. The capture belongs to the graph torch names for
     it (``CUDAGraph.get_currently_capturing_graph``); on a torch without that function no graph is named, and the
     wrapper stays retired for good (a registration cannot tell which capture it covers)."""
@@ -317,11 +317,11 @@ def test_item8_retain_for_graph_hands_the_wrapper_back(backend):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# item 9: PrefillPlan.build does not block the host on queued GPU work
+# PrefillPlan.build does not block the host on queued GPU work
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fuse", [True, False])
-def test_item9_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
+def test_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 3, 250], 16, dtype=BF16, device=dev())
     ws = Workspace(dev(), chunk_tokens=4096 if fuse else 128)  # 293 context tokens: fused, or three chunks
@@ -340,7 +340,7 @@ def test_item9_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
 
 
 @pytest.mark.parametrize("fuse", [True, False])
-def test_item9_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse):
+def test_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse):
     """A plan built on the default stream, run on a side stream kept busy, then dropped: torch's caching allocator
     must not hand its index tensors' memory to a new allocation on the build stream while the side stream's queued
     gather may still read it (PrefillPlan.order_on_current_stream marks them with record_stream; a chunked plan's are

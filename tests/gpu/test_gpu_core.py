@@ -2,7 +2,8 @@
 
 Marked ``gpu``: skipped (by tests/conftest.py) unless CUDA is available and FlashInfer imports. Run on the H200:
     .venv/bin/python -m pytest tests/gpu -q -m gpu
-Tolerances (issue 2): out within 2e-2, lse within 1e-2. Issue 6 cases keep their numbers in the test names.
+Tolerances: out within 2e-2, lse within 1e-2. The failure classes of tests/test_hardening.py have their GPU tests here,
+under like names.
 """
 
 from __future__ import annotations
@@ -193,12 +194,12 @@ def test_mla_prefill_each_backend(ref, v2_batch, backend):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# issue 6 on the GPU
+# failure classes on the GPU (their CPU side: tests/test_hardening.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("q_lens,c_lens,budget,fuse", [([2, 2], [3, 9], 4, False), ([2, 2, 2], [3, 0, 9], 4, False),
                                                        ([2, 2], [3, 9], 100, True)])
-def test_case02_nan_filled_buffers_gpu(ref, monkeypatch, q_lens, c_lens, budget, fuse):
+def test_nan_filled_buffers_gpu(ref, monkeypatch, q_lens, c_lens, budget, fuse):
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, q_lens, c_lens, 4, dtype=BF16, seed=2, device=dev())
     plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget), block_size=4,
@@ -224,7 +225,7 @@ def test_case02_nan_filled_buffers_gpu(ref, monkeypatch, q_lens, c_lens, budget,
     ref.assert_lse_close(lse, e_lse, atol=LSE_TOL)
 
 
-def test_case04_single_query_long_keys(ref):
+def test_single_query_long_keys(ref):
     """12 requests of one query over keys summing to 15500, 128 heads, 192/128, bf16, non-causal."""
     kv_lens = [1, 2899, 17, 1290, 3000, 640, 2, 2048, 999, 1500, 2600, 504]
     assert sum(kv_lens) == 15500
@@ -241,7 +242,7 @@ def test_case04_single_query_long_keys(ref):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("qo,kv", [([0, 1, 1, 2], [0, 3, 3, 8]), ([0, 0, 0, 0, 1], [0, 2, 2, 5, 6])])
-def test_case05_zero_length_queries_gpu(ref, qo, kv, causal):
+def test_zero_length_queries_gpu(ref, qo, kv, causal):
     q_lens = [b - a for a, b in zip(qo[:-1], qo[1:])]
     kv_lens = [b - a for a, b in zip(kv[:-1], kv[1:])]
     q, k, v = ragged_inputs(q_lens, kv_lens, 16, seed=5)
@@ -254,7 +255,7 @@ def test_case05_zero_length_queries_gpu(ref, qo, kv, causal):
 
 
 @pytest.mark.parametrize("heads", [1, 16])
-def test_case06_extreme_logit_gpu(heads):
+def test_extreme_logit_gpu(heads):
     """q.k = -524288 from 128 x (-64 * 64) (exact in bf16), sm_scale 192**-0.5, v = 1: out exactly 1."""
     q = torch.zeros(1, heads, 192, dtype=BF16, device=dev())
     k = torch.zeros(1, heads, 192, dtype=BF16, device=dev())
@@ -273,7 +274,7 @@ def test_case06_extreme_logit_gpu(heads):
 
 
 @pytest.mark.parametrize("form", ["mla_prefill", "ragged"])
-def test_case08_small_workspace_fa2(ref, form):
+def test_small_workspace_fa2(ref, form):
     """128 heads, 64 requests of 16 new tokens over 4096 context tokens each, a 16 MiB float workspace, fa2:
     either it grows and runs right (against the torch backend), or WorkspaceTooSmallError; never FlashInfer's
     "Buffer overflow"."""
@@ -313,7 +314,7 @@ def test_case08_small_workspace_fa2(ref, form):
 
 
 @pytest.mark.parametrize("heads", [1, 16, 64, 128, 256])
-def test_case09_merge_any_head_count_gpu(heads):
+def test_merge_any_head_count_gpu(heads):
     g = torch.Generator().manual_seed(heads)
     t = 37
     oa = torch.randn(t, heads, 128, generator=g).to(BF16).to(dev())

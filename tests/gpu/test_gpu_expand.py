@@ -1,4 +1,4 @@
-"""The Triton index expansion of PrefillPlan.build on the GPU (issue 13, item 5: host time of planning).
+"""The Triton index expansion of PrefillPlan.build on the GPU (host time of planning).
 
 :meth:`mla_bridge.plan.PrefillPlan._expand` makes every per-token index tensor of a fused plan (its placements; a
 chunked plan on CUDA makes none: its gathers read each pass's kv_indptr) from one page-locked run table copied to the

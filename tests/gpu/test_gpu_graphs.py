@@ -120,9 +120,9 @@ def test_warm_up_launches_the_kernels_the_capture_records(ref, monkeypatch):
 @pytest.mark.parametrize("layout", ["identity", "split"])
 def test_graphed_fp8_cache_takes_one_implementation_for_every_pass(ref, layout):
     """An FP8 cache through capture() and through capture_prefill (``PrefillLayer.kv_cache_scale``, which it lacked
-    before: found by a fresh-user trial): the default graph is bitwise eager "fused" for the identity layout and
+    before): the default graph is bitwise eager "fused" for the identity layout and
     "separate" for the split one on every pass, the new tokens' pass included (it was fused while the FP8 chunks were
-    separate, found by an earlier trial)."""
+    separate)."""
     from mla_bridge.cache import quantize_latent_cache
 
     dims = MLADims.deepseek_v2_lite()

@@ -1,4 +1,4 @@
-"""PrefillPlan.build's device index expansion on the GPU (issue 13, item 5): right while the GPU runs behind, no sync.
+"""PrefillPlan.build's device index expansion on the GPU: right while the GPU runs behind, no sync.
 
 The expansion copies one page-locked ``[2, runs]`` table with ``non_blocking=True`` and expands it with four kernels
 (arange, searchsorted, index_select, add). Each test keeps the GPU busy with ``torch.cuda._sleep`` first, so the copy

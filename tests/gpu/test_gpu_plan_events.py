@@ -1,5 +1,5 @@
-"""Issue 13, item 5 on the GPU: a pooled wrapper's CUDA events, made once and recorded again by its later plans, still
-order every run after its own plan's copies (FlashInfer fa3 / fa2, bf16, 192/128).
+"""Planning's host time on the GPU: a pooled wrapper's CUDA events, made once and recorded again by its later plans,
+still order every run after its own plan's copies (FlashInfer fa3 / fa2, bf16, 192/128).
 
 The GPU is kept busy (``torch.cuda._sleep``) before each plan, so FlashInfer's schedule copy is queued behind the
 sleep while the host plans on and queues the run on another stream; that stream waits on the plan's event, the same

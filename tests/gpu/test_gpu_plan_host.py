@@ -1,4 +1,4 @@
-"""PrefillPlan.build's chunked-schedule expansion on the GPU (issue 13, item 5, host time of planning).
+"""PrefillPlan.build's chunked-schedule expansion on the GPU (host time of planning).
 
 The chunked schedule's per-token indices (the context stream: each token's position in its request's context, then
 that request) are one expansion of the runs ``[c, c]``: one page-locked copy of the run table, then one Triton kernel

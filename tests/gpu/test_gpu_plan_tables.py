@@ -1,4 +1,4 @@
-"""The page-locked host tables of PrefillPlan.build's device expansions on the GPU (issue 13, item 5: host time).
+"""The page-locked host tables of PrefillPlan.build's device expansions on the GPU (host time).
 
 :func:`mla_bridge.plan._page_locked` allocates the table page-locked and fills it through numpy (instead of
 ``Tensor.pin_memory()``, which first asks the driver about the numpy memory, then copies through a torch op). The

@@ -1,4 +1,4 @@
-"""GPU tests of the run path's host-time changes (issue 13): FlashInfer's recorded direct run.
+"""GPU tests of the run path's host-time work: FlashInfer's recorded direct run.
 
 Marked ``gpu``: skipped unless CUDA is available and FlashInfer imports (tests/conftest.py). Run on the H200:
     python -m pytest tests/gpu/test_gpu_run_path.py -q -m gpu

@@ -1,4 +1,4 @@
-"""GPU tests of issue 10: the CUDA paths at any shape.
+"""GPU tests of the CUDA paths at any shape.
 
 Marked ``gpu`` (skipped without CUDA + FlashInfer). Run on the H200:
     python3 -m pytest tests/gpu/test_gpu_shapes.py -q -m gpu -rs
@@ -79,7 +79,7 @@ def test_default_bench_finishes_with_complete_json_and_plot(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- 2. phases
 @pytest.mark.parametrize("args,gpu_bound", [
-    (["--batch", "4", "--prompt-len", "10000"], True),  # the issue's case: 3.26 ms per layer, phases said 4.17 ms
+    (["--batch", "4", "--prompt-len", "10000"], True),  # phases once summed to 4.17 ms for a 3.26 ms layer
     # fused, 1.61 ms; on the H200 of 2026-12-01 partly host-bound: phases 1.379 ms (GPU time), layer 1.489 ms
     (["--batch", "4", "--prompt-len", "2000", "--context-lens", "8000,8000,8000,8000"], False),
     # 4 chunks, 1.91 ms eager against 1.73 ms from a CUDA graph: partly host-bound
@@ -160,7 +160,7 @@ def test_merge_over_32_bit_elements(monkeypatch):
     returned max error 3.25 out of place, 5.11 in place in the last rows; it is now handed pieces below 2**32. The
     Triton merge (the default on CUDA) indexes in int64 and merges all rows in one launch. Both, on the same inputs,
     out of place and in place. Needs about 35 GB (two inputs of 8.6 GB, an output, an in-place copy)."""
-    t, h, d = 262_208, 128, 128  # the issue's rows: 2**32 + 64 * 16384 elements
+    t, h, d = 262_208, 128, 128  # 2**32 + 64 * 16384 elements
     assert t * h * d > 2 ** 32
     oa, la, ob, lb = _partials(t, h, d, BF16, seed=1)
     check = torch.cat([torch.arange(0, 64), torch.arange(262_080, 262_208), torch.arange(t - 256, t)]).to(dev())

@@ -258,7 +258,7 @@ def test_auto_sends_large_gathered_passes_to_cublas(monkeypatch, fuse):
 def test_strided_k_pe_equals_contiguous_on_the_split_path():
     """A caller's k_pe with a last stride other than 1 (a view), on the chunked schedule's main pass (split layout:
     the broadcast kernel reads the new tokens' k_pe in place): bitwise the result of a contiguous k_pe. The k_pe
-    broadcast once assumed a unit last stride and read the wrong columns (found by a fresh-user trial)."""
+    broadcast once assumed a unit last stride and read the wrong columns."""
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(16, False, seed=31, chunk_tokens=1024)
     plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=False)
     weight = prepare_kv_b_proj(w, d)

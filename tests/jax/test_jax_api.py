@@ -165,7 +165,7 @@ def test_mla_prefill_eager_and_jit():
 @pytest.mark.parametrize("value", ["no", 1, 0, None])
 def test_mla_prefill_return_lse_must_be_a_bool_under_jit_too(value):
     """Eagerly the core refused a non-bool return_lse; under jax.jit (and in sharded_mla_prefill, eagerly too)
-    it was taken for its truthiness ("no" returned (out, lse), None returned out; found by a fresh-user trial)."""
+    it was taken for its truthiness ("no" returned (out, lse), None returned out)."""
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     rng = np.random.default_rng(3)
     args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
@@ -248,7 +248,7 @@ def test_traced_lengths_refused_by_build_plan():
 @pytest.mark.parametrize("delta", [-1, 1])
 @pytest.mark.parametrize("jit", [False, True])
 def test_off_by_one_rows_raise_before_running(monkeypatch, delta, jit):
-    """Issue 6 case 11 through the adapter: q has one row more/less than qo_indptr[-1] -> the core's error."""
+    """An off-by-one through the adapter: q has one row more/less than qo_indptr[-1] -> the core's error."""
     spy = _RunSpy(monkeypatch)
     q, k, v = _qkv(t=9 + delta)
     call = lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM)  # noqa: E731
@@ -367,7 +367,7 @@ def test_tvm_ffi_route_is_refused_on_cpu_and_auto_falls_back(monkeypatch):
 
 def test_out_of_range_block_table_under_jit_surfaces_the_real_message():
     """Block ids are traced: the core checks them when the call runs, inside XLA's buffer callback. The error used
-    to be XLA's prefix, then 12 lines of jax's dispatch stack, then the ValueError on the 13th (issue 9); now the
+    to be XLA's prefix, then 12 lines of jax's dispatch stack, then the ValueError on the 13th; now the
     stack is one frame and the message names the call and the argument."""
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     rng = np.random.default_rng(3)
@@ -388,7 +388,7 @@ def test_out_of_range_block_table_under_jit_surfaces_the_real_message():
 
 def test_a_bad_jit_route_from_the_environment_is_named(monkeypatch):
     """A bad $MLA_BRIDGE_JAX_JIT_ROUTE was reported as "jit_route must be one of ...", naming an argument the
-    caller never gave (found by a fresh-user trial); the message now names the variable."""
+    caller never gave; the message now names the variable."""
     q, k, v = _qkv()
     monkeypatch.setenv(mj.ENV_JIT_ROUTE, "AUTO")
     with pytest.raises(ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE \(jit_route not given\) must be one of .*'AUTO'"):
@@ -405,7 +405,7 @@ def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="jit_route must be one of"):
         mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM, jit_route="bogus")
-    # run_ragged too: its eager call took any jit_route (found by a fresh-user trial)
+    # run_ragged too: its eager call took any jit_route
     plan = mj.plan_ragged(QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
                           dtype=q.dtype)
     with pytest.raises(ValueError, match="jit_route must be one of"):
@@ -419,8 +419,7 @@ def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
 @pytest.mark.parametrize("raw", ["abc", "0", "-5", "2.5"])
 def test_a_bad_max_plans_variable_is_refused_by_name(raw, monkeypatch):
     """``$MLA_BRIDGE_JAX_MAX_PLANS`` (read at import): anything but a positive int is refused with the variable
-    named. Before, "abc" broke ``import mla_bridge_jax`` with int()'s bare message and 0 / -5 were taken as 1 (found
-    by a fresh-user trial)."""
+    named. Before, "abc" broke ``import mla_bridge_jax`` with int()'s bare message and 0 / -5 were taken as 1."""
     import subprocess
     import sys
 
@@ -450,8 +449,7 @@ def test_max_plans_variable_takes_positive_ints_and_defaults(monkeypatch):
 @pytest.mark.parametrize("dtype", [None, "bogus", 3])
 def test_a_dtype_that_is_not_one_is_refused_by_name_at_plan_time(dtype):
     """dtype=None planned float64 (numpy reads None as float64), refused only at run time ("q must have dtype
-    torch.float64 (the plan's)"); "bogus" raised numpy's "data type 'bogus' not understood", naming no argument
-    (found by a fresh-user trial)."""
+    torch.float64 (the plan's)"); "bogus" raised numpy's "data type 'bogus' not understood", naming no argument."""
     dims = MLADims(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                    softmax_scale=0.3)
     with pytest.raises(TypeError, match="^dtype must be a JAX, numpy or torch dtype"):

@@ -1,4 +1,4 @@
-"""DLPack across the adapter boundary, issue 6 case 10: views DLPack cannot pass as they are (a last-dim slice
+"""DLPack across the adapter boundary: views DLPack cannot pass as they are (a last-dim slice
 ``t[..., :128]``, a transposed tensor, a misaligned pointer) give correct values through one device copy, or a clear
 error -- never values read at the wrong strides."""
 

@@ -1,4 +1,4 @@
-"""Issue 11 item 7 on the CPU: the JAX adapter's plans live exactly as long as the compiled functions that can call
+"""Plan lifetime on the CPU: the JAX adapter's plans live exactly as long as the compiled functions that can call
 them, within a documented bound; an evicted plan is made again transparently, never read after it was freed.
 
 * buffer_callback route (the CPU jit route): plans made inside a trace (``ragged_prefill`` under ``jax.jit``) are

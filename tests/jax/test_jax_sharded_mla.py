@@ -1,5 +1,5 @@
-"""sharded_mla_prefill: heads split over 2 and 4 forced CPU devices equal the single-device mla_prefill (issue 15's
-CPU part; several GPUs were not available). XLA_FLAGS must be set before JAX starts: each check runs in a
+"""sharded_mla_prefill: heads split over 2 and 4 forced CPU devices equal the single-device mla_prefill (on the
+CPU; the same on several GPUs has not been run). XLA_FLAGS must be set before JAX starts: each check runs in a
 subprocess."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_head_sharding_matches_single_device(repo_root):
 
 
 def test_an_axis_the_mesh_lacks_is_named_with_the_mesh_axes():
-    """Was a bare ``KeyError: 'dp'`` (issue 9)."""
+    """Was a bare ``KeyError: 'dp'``."""
     import jax
     import jax.numpy as jnp
     import numpy as np

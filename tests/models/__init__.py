@@ -1,1 +1,1 @@
-"""Real models on both sides: mla_bridge against Hugging Face transformers' DeepSeek-V2/V3 attention (issue 14)."""
+"""Real models on both sides: mla_bridge against Hugging Face transformers' DeepSeek-V2/V3 attention."""

@@ -1,5 +1,5 @@
 """The JAX DeepSeek attention layer of examples/jax_deepseek_attention.py against transformers' own attention layer
-on the same checkpoint (issue 14, part 2): transformers (torch) = a JAX model through mla_bridge_jax.
+on the same checkpoint: transformers (torch) = a JAX model through mla_bridge_jax.
 
 The checkpoint (random weights at DeepSeek's published V2-Lite / V3 attention dims) is written by transformers; the
 JAX layer loads its weights from that model.safetensors, computes q / latents / YaRN RoPE itself, writes the new

@@ -1,4 +1,4 @@
-"""mla_bridge.mla_prefill against transformers' own DeepseekV2Attention / DeepseekV3Attention (issue 14, part 1).
+"""mla_bridge.mla_prefill against transformers' own DeepseekV2Attention / DeepseekV3Attention.
 
 The checkpoint is a random 1-layer model at DeepSeek's published attention dims (V2-Lite, V3) written by transformers'
 ``save_pretrained``; :class:`MLADims` is read from the config.json transformers wrote. Each request runs through
@@ -82,7 +82,7 @@ def test_mla_prefill_equals_transformers_attention(models, two_torch_threads, na
 
 @pytest.mark.parametrize("name", ["v2-lite", "v3"])
 def test_wrong_scale_would_show(models, two_torch_threads, name):
-    # Guards the tolerance: the plain 192**-0.5 scale (the issue-9 bug) is far outside 1e-4 on these layers.
+    # Guards the tolerance: the plain 192**-0.5 scale (YaRN's mscale left out) is far outside 1e-4 on these layers.
     model, dims = models(name)
     attn = model.model.layers[0].self_attn
     caps = _captured(model, PREFIX)

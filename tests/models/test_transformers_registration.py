@@ -1,4 +1,4 @@
-"""mla_bridge registered as a transformers attention function (adapters/mla_bridge_transformers; issue 14, part 3).
+"""mla_bridge registered as a transformers attention function (adapters/mla_bridge_transformers).
 
 A small random DeepSeek-V2 model (V2-Lite attention dims, 2 layers, dense MLPs), loaded twice from one checkpoint
 written by transformers: ``attn_implementation="eager"`` (the reference) and ``"mla_bridge"``. On the CPU in float32 the
@@ -444,7 +444,7 @@ def test_one_broadcast_mask_serves_calls_of_other_batch_sizes(two_torch_threads)
     """A ``[1, 1, Q, K]`` mask broadcasts to any batch; the layout kept for a mask object is the one made for the
     call's batch, query and key lengths. Before, it was kept by the mask object alone, so the same mask object
     handed to a call with another batch size reused the first call's lengths and the core refused the call
-    ("q has 12 tokens but qo_indptr[-1] = 8"; found by a fresh-user trial)."""
+    ("q has 12 tokens but qo_indptr[-1] = 8")."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
 
     module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1,
@@ -463,8 +463,7 @@ def test_one_broadcast_mask_serves_calls_of_other_batch_sizes(two_torch_threads)
 def test_a_forced_backend_is_obeyed_on_the_same_lengths(monkeypatch, two_torch_threads):
     """The adapter's plan is kept across calls of equal lengths; its key now holds the backend asked for
     (``MLA_BRIDGE_BACKEND``) and the workspace, as the core's PlanCache key does. Before, a backend forced between two
-    calls of equal lengths was ignored (the old plan ran), and obeyed only once the lengths changed (found by a
-    fresh-user trial)."""
+    calls of equal lengths was ignored (the old plan ran), and obeyed only once the lengths changed."""
     module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1,
                                    training=False)
     monkeypatch.delenv("MLA_BRIDGE_BACKEND", raising=False)

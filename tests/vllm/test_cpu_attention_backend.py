@@ -1,4 +1,4 @@
-"""The suite's vLLM set-up means the same on any x86 CPU, AMX or not (issue 9, item 1).
+"""The suite's vLLM set-up means the same on any x86 CPU, AMX or not.
 
 vLLM's CPU platform picks its AMX MLA attention backend (``AMX_MLA``, compiled ops only) whenever
 ``torch.cpu._is_amx_tile_supported()`` is True, unless ``CPU_MLA`` is named in ``AttentionConfig.backend``. The lean

@@ -63,7 +63,7 @@ def test_servable_answers_on_cpu():
 @pytest.mark.parametrize("capability", [None, (9, 0)])
 def test_servable_refuses_dtypes_no_plan_takes(dtype, capability):
     """vLLM's supports_dtype(torch.int8) on its CPU platform said True, though plan_ragged refuses every
-    non-floating dtype ("dtype must be a floating torch.dtype"; found by a fresh-user trial)."""
+    non-floating dtype ("dtype must be a floating torch.dtype")."""
     ok, why = servable(capability, dtype=dtype, head_dim_qk=192, head_dim_vo=128)
     assert not ok and "not a floating dtype" in why
 
