@@ -351,6 +351,8 @@ BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec("torch", None, "any device; bfloat16/float16/float32/float64 (blockwise float32 reference)",
                 _torch_why_not),
 )
+#: The names of the backends in the dispatch table, in priority order (what ``backend=`` and ``MLA_BRIDGE_BACKEND``
+#: accept, besides "auto").
 BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in BACKENDS)
 _BY_NAME = {spec.name: spec for spec in BACKENDS}
 

@@ -23,7 +23,6 @@ Queries are processed in blocks only to bound memory (each block's softmax still
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

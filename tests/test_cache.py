@@ -6,7 +6,6 @@ The rounding oracle here is independent of torch's float8 cast: the nearest of t
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

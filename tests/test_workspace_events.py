@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 
 import mla_bridge.dispatch as dispatch
 import mla_bridge.workspace as workspace_module

@@ -21,7 +21,7 @@ import contextlib
 import os
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 

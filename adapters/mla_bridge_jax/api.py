@@ -53,6 +53,8 @@ __all__ = ["ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare
 #: Routes a traced call can take: "buffer_callback" (any platform) and "tvm_ffi" (CUDA, FlashInfer fa2/fa3 plans,
 #: needs jax-tvm-ffi); "auto" picks tvm_ffi when it can serve, else buffer_callback.
 JIT_ROUTES = ("auto", "buffer_callback", "tvm_ffi")
+#: The environment variable choosing the route under ``jax.jit`` when ``jit_route`` is not given (one of
+#: :data:`JIT_ROUTES`).
 ENV_JIT_ROUTE = "MLA_BRIDGE_JAX_JIT_ROUTE"
 
 

@@ -215,7 +215,7 @@ class _Phases:
     def __init__(self, x: Inputs, plan: PrefillPlan):
         d = x.dims
         self.x, self.plan = x, plan
-        rank, e = d.kv_lora_rank, x.q.element_size()
+        e = x.q.element_size()
         self.out = torch.empty(x.num_tokens, d.num_heads, d.v_head_dim, dtype=plan.dtype, device=plan.device)
         self.lse = torch.empty(x.num_tokens, d.num_heads, dtype=torch.float32, device=plan.device)
         row_bytes = d.latent_dim * e

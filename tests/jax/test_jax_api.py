@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
 import mla_bridge  # noqa: E402
-from mla_bridge import MLADims, Workspace  # noqa: E402
+from mla_bridge import MLADims  # noqa: E402
 
 import mla_bridge_jax as mj  # noqa: E402
 
