@@ -169,8 +169,8 @@ def _shared_destination(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             continue
         for name, x, x_ptr in read:
             if x_ptr == ptr and _spans_intersect(dest, x):
-                return (f"{dest_name} shares memory with {name}: the kernel reads {name} while it writes "
-                        f"{dest_name}; pass an {dest_name} of its own")
+                why = "it writes both at once" if name == "out" else f"it reads {name} while it writes {dest_name}"
+                return f"{dest_name} shares memory with {name}: {why}; pass an {dest_name} of its own"
         read.append((dest_name, dest, ptr))  # lse against out too
     return None
 

@@ -796,6 +796,19 @@ def test_an_unexpected_error_has_its_own_exit_code_and_one_line(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("value", ["false", "0", "no", "off"])
+def test_mla_bridge_debug_set_to_a_false_word_prints_one_line(monkeypatch, capsys, value):
+    """MLA_BRIDGE_DEBUG=false (or 0, no, off) keeps the one-line report: before, any value but "" and "0" turned the
+    traceback on."""
+    import mla_bridge
+
+    monkeypatch.setattr(mla_bridge, "mla_prefill", _crash)
+    monkeypatch.setenv("MLA_BRIDGE_DEBUG", value)
+    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_exit_codes_are_distinct_and_documented(tmp_path, monkeypatch, capsys):
     """0 success, 1 the float64 check failed, 2 a usage error or a refused request, 3 an unexpected error: each as
     the help says (prefill's epilog and the top-level help)."""

@@ -220,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _unexpected(command: Optional[str], err: Exception, debug: bool) -> int:
     """Report an unexpected error on stderr (one line; the traceback first when ``debug`` or :data:`DEBUG_ENV` is
     set) and return its exit code, 3."""
-    debug = debug or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+    debug = debug or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
     if debug:
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     lines = str(err).strip().splitlines()
