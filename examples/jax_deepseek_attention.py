@@ -27,7 +27,6 @@ output after o_proj against transformers' own attention layer on the same checkp
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mla_bridge_jax as mj
+from mla_bridge_jax.models import rope_inv_freq  # plain, linear or YaRN RoPE, as transformers computes it
 from mla_bridge import MLADims
 
 __all__ = ["DeepseekAttentionConfig", "load_attention_weights", "rope_inv_freq", "apply_rope", "PagedLatentCache",
@@ -131,49 +131,6 @@ def load_attention_weights(folder: "str | os.PathLike", layer: int = 0, dtype: A
     if not params:
         raise ValueError(f"{folder}: no tensors named {prefix}* (is this a DeepSeek-V2/V3 checkpoint with that layer?)")
     return params
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def rope_inv_freq(cfg: DeepseekAttentionConfig) -> tuple[np.ndarray, float]:
-    """``(inv_freq [qk_rope_head_dim / 2] float32, attention_factor)``: plain RoPE, or YaRN as transformers 5
-    computes it (``modeling_rope_utils._compute_yarn_parameters``: the correction range from beta_fast / beta_slow,
-    truncated by default, a linear ramp between interpolated and extrapolated frequencies; the attention factor
-    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor)``)."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    if cfg.rope is None:
-        return (1.0 / pos_freqs).astype(np.float32), 1.0
-    r = cfg.rope
-    kind = r.get("rope_type", r.get("type"))
-    factor = float(r["factor"])
-    if kind == "linear":
-        return (1.0 / (factor * pos_freqs)).astype(np.float32), 1.0
-    if kind != "yarn":
-        raise NotImplementedError(f"RoPE type {kind!r}: this example implements default, linear and yarn")
-    mscale, mscale_all_dim = r.get("mscale"), r.get("mscale_all_dim")
-    attention_factor = r.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
-    beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
-    original = r["original_max_position_embeddings"]
-
-    def correction_dim(rotations):
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if r.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq.astype(np.float32), float(attention_factor)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attention_factor: float, layout: str):
