@@ -32,8 +32,9 @@ context token's latent, that key's k and v; in ``q``, its own row's logits. Ever
     context token reaches exactly its request's rows on every backend. Measured per backend and schedule by
     ``tests/gpu/test_gpu_nonfinite.py``.
   * An infinite k alone gives logits of +inf or -inf by the sign of q: -inf is a weight of 0 (the row stays finite);
-    +inf gives the row an lse of +inf, which the chunked schedule's merge reads as an empty partial (the convention
-    of :mod:`mla_bridge.merge`), so there that pass drops out of the row instead of making it non-finite.
+    +inf makes the row non-finite in every schedule: the chunked schedule's merges read a partial's lse of +inf as
+    an infinite logit, never as an empty partial (:func:`mla_bridge.merge.merge_planned_`; the passes mark an empty
+    row with -inf).
 """
 
 from __future__ import annotations
