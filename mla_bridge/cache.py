@@ -221,6 +221,8 @@ def quantize_latent_cache(latent: torch.Tensor, scale: Optional[Scale] = None
         raise TypeError(f"latent must be a floating tensor (bf16/fp16/float32/float64), got "
                         f"{latent.dtype if isinstance(latent, torch.Tensor) else type(latent).__name__}")
     x = latent.float()
+    s: Union[float, torch.Tensor]
+    scale_out: Union[float, torch.Tensor]
     if scale is None:
         a = x.abs()
         amax = torch.where(torch.isfinite(a), a, 0.0).amax() if a.numel() else a.new_zeros(())
@@ -364,7 +366,7 @@ class ChunkRows(NamedTuple):
 
     #: device bytes per row that :meth:`token_indices` holds at its peak (without ``indices``), an upper bound (three int64 vectors and a
     #: bool one: the positions, the requests, the gathered indptr values, the first-request mask)
-    INDEX_BYTES = 32
+    INDEX_BYTES = 32  # type: ignore[misc]  # a class constant, not a field (typing.NamedTuple keeps it so)
 
     def token_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(req_ids, positions)``: int64 ``[num_tokens]`` each, on ``kv_indptr``'s device: ``indices`` where given,

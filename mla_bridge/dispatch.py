@@ -200,7 +200,7 @@ def _checked_strides(strides: Any) -> Optional[tuple]:
     if isinstance(strides, (str, bytes)) or not isinstance(strides, Sequence) or len(strides) != 3:
         raise TypeError(f"strides must be None or (q, k, v) strides, each (stride_n, stride_h) or None, got "
                         f"{strides!r}")
-    out = []
+    out: list[Optional[tuple[int, int]]] = []
     for name, pair in zip("qkv", strides):
         if pair is None:
             out.append(None)
@@ -527,7 +527,7 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
                              f"({reason}); it supports {spec.supports}")
         return BackendChoice(spec.name, f"forced by {source}")
 
-    passed_over = []
+    passed_over: list[tuple[str, str]] = []
     for spec in BACKENDS:
         reason = spec.why_not(req)
         if reason is None:

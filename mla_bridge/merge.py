@@ -43,7 +43,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -227,7 +227,7 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
 
 
 def _choice(out_a: torch.Tensor, out_b: torch.Tensor) -> MergeChoice:
-    return select_merge(tuple(out_a.shape), out_a.dtype, out_a.device.type,
+    return select_merge(cast("tuple[int, int, int]", tuple(out_a.shape)), out_a.dtype, out_a.device.type,
                         contiguous=out_a.is_contiguous() and out_b.is_contiguous())
 
 

@@ -230,6 +230,44 @@ class PrefillPlan:
     place gathered context and new tokens into one key buffer.
     """
 
+    # What build sets (annotations only: no class attribute, so the properties' ``self.__dict__.get`` of the lazily
+    # made ones still sees them absent until made).
+    dims: MLADims
+    workspace: Workspace
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    query_lens: list[int]
+    context_lens: list[int]
+    qo_indptr: torch.Tensor
+    main_kv_indptr: torch.Tensor
+    fused: bool
+    main: RaggedPlan
+    chunks: list[ContextChunk]
+    ctx_req_ids: Optional[torch.Tensor]
+    ctx_positions: Optional[torch.Tensor]
+    ctx_dst: Optional[torch.Tensor]
+    new_dst: Optional[torch.Tensor]
+    _sizes: dict
+    _backend: Optional[str]
+    _requested: Optional[str]
+    _fuse_context: bool
+    _chunk_tokens: int
+    _key: Optional[tuple]
+    _num_tokens: int
+    _num_context_tokens: int
+    _num_gathered: int
+    _capability: Optional[tuple[int, int]]
+    _kv_row: int
+    _device_indices: list[torch.Tensor]
+    _streams_seen: set[int]
+    _ready: Optional[torch.cuda.Event]
+    _pinned_runs: torch.Tensor
+    _partial_rows: int
+    _offset_limit: tuple
+    _merge_steps: tuple[tuple, int]
+
     def __init__(self) -> None:  # use PrefillPlan.build
         raise TypeError("use PrefillPlan.build(query_lens, context_lens, dims=..., workspace=..., block_size=..., ...)")
 
@@ -442,6 +480,7 @@ class PrefillPlan:
         counting = int(ends[counting_runs - 1]) if counting_runs else 0  # tokens of the counting runs
         base[:] = firsts  # the output's value at token t is base[run] (+ t in a counting run)
         base[:counting_runs] -= ends[:counting_runs] - counts[:counting_runs]
+        out: "np.ndarray | torch.Tensor"
         if self.device.type == "cpu":
             out = np.repeat(base, counts)
             out[:counting] += np.arange(counting)
@@ -519,7 +558,10 @@ class PrefillPlan:
         device_kv = None if on_cpu else self._device_kv_indptrs(made)
         for i, ((kv_indptr, first, plan), (req_start, req_end, q_start, q_end), (part_row, merge_rows)) in enumerate(
                 zip(made, bounds, rounds)):
-            rows = ChunkRows(kv_indptr if on_cpu else device_kv[i], req_start, first, sizes[i])
+            # mypy drops ChunkRows's default for indices (it takes INDEX_BYTES in the class body for a bad field), and
+            # device_kv is a list wherever on_cpu is false
+            rows = ChunkRows(kv_indptr if on_cpu else device_kv[i],  # type: ignore[call-arg,index]
+                             req_start, first, sizes[i])
             chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first, plan, rows, part_row,
                                        merge_rows))
         return chunks
@@ -690,6 +732,7 @@ def _merge_rounds(rows: Sequence[tuple[int, int]]) -> list[tuple[int, Optional[t
                 j = last
                 out[j] = (out[j][0], (open_start, prev_end))
             open_start = q_start
+        assert open_start is not None  # set by the first chunk with rows (prev_end is None there), never reset
         out.append((q_start - open_start, None))
         prev_end, last = q_end, i
     if open_start is not None:

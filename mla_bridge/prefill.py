@@ -317,16 +317,20 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             if steps is not None:
                 running = torch.empty(plan.running_rows, dims.num_heads, dims.v_head_dim, dtype=torch.float32,
                                       device=plan.device)
+        assert part_lse is not None  # made with part_out
         part = slice(chunk.part_row, chunk.part_row + chunk.q_end - chunk.q_start)
         chunk.plan.run(q[chunk.q_start:chunk.q_end], k, v, out=part_out[part], lse=part_lse[part],
                        lse_base="log2")  # FlashInfer's base 2, unconverted
         if chunk.merge_rows is not None:
             hook("merge")
+            # merge: plan.chunks is non-empty; lse: partial_rows > 0 where a chunk merges (its rows are not empty)
+            assert merge is not None and lse is not None
             start, stop = chunk.merge_rows
             if steps is None:
                 merge_planned_(merge, out[start:stop], lse[start:stop], part_out[:stop - start],
                                part_lse[:stop - start], lse_b_base="log2")  # converted as read
                 continue
+            assert running is not None  # made with the partials wherever steps is
             for a, b, src, dst in steps[i]:
                 p, n = a - start, b - a
                 merge_planned_(merge, out[a:b] if src is None else running[src:src + n], lse[a:b],

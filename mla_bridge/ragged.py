@@ -35,7 +35,7 @@ INT32_MAX = 2 ** 31 - 1  # the largest token offset an int32 indptr holds
 _LOG2E = 1.0 / math.log(2.0)
 
 
-def indptr_from_lens(lens: "torch.Tensor | Sequence[int]", name: str = "lens") -> torch.Tensor:
+def indptr_from_lens(lens: "torch.Tensor | Sequence[int] | np.ndarray", name: str = "lens") -> torch.Tensor:
     """``[0, l0, l0+l1, ...]``: int32 CPU prefix sums ``[len(lens) + 1]`` of per-request lengths (ints or a tensor;
     a device tensor is copied to the host, a CPU one is read without a sync).
 
@@ -180,7 +180,7 @@ def _apart(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torc
     """:meth:`RaggedPlan.validate`'s fast test that :func:`_shared_destination` has nothing to say (tensors only):
     ``out`` has no stride 0 and each given destination lies in a storage of its own. False sends the call to the
     exact test (which takes a destination next to an input in one buffer)."""
-    read = (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+    read: tuple[int, ...] = (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
     if out is not None:
         ptr = out.untyped_storage().data_ptr()
         if ptr in read or 0 in out.stride():

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -132,6 +132,11 @@ class PreparedKVBProj:
     dims: MLADims
     layout: str
     weight: torch.Tensor
+    # Set per object by __post_init__ through object.__setattr__ (frozen), never as fields (ClassVar keeps them out of
+    # the dataclass's fields): the identity or split weight transposed for the GEMM (None for the checkpoint
+    # layout, which reaches _up_project only through its _gemm_form); the checkpoint layout's split form once made.
+    _weight_t: ClassVar[torch.Tensor]
+    _gemm: ClassVar[Optional["PreparedKVBProj"]]
 
     def __post_init__(self) -> None:
         checkpoint = self.layout == CHECKPOINT_LAYOUT
@@ -265,6 +270,7 @@ class PreparedKVBProj:
         broadcast = buf is None
         if broadcast:
             buf = torch.empty(n, h, vd + qk, dtype=latent.dtype, device=latent.device)
+        assert buf is not None  # given, or made just above
         gemm_cols = vd + d.qk_nope_head_dim
         # Each row block's operands as ONE view each (as_strided: a view op costs host time per layer): the block's
         # kv_c columns broadcast over heads (batch stride 0), and its [v | k_nope] columns of buf heads first

@@ -77,6 +77,7 @@ def current_stream(device: torch.device) -> tuple[int, Any]:
     stream's wrapper acts on its handle, the same value). Where torch has no such function (CPU builds, and so the
     tests' fake CUDA device) it asks ``torch.cuda.current_stream``."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream: Optional[torch.cuda.Stream]
     if raw is None:
         stream = torch.cuda.current_stream(device)
         return stream.cuda_stream, stream
@@ -147,7 +148,7 @@ class _Lease:
         self.owner: Optional[weakref.ref] = None
         self.plan_event: Any = None
         self.plan_stream: int = 0  # cuda_stream pointer of the stream plan() queued its copies on
-        self.run_events: dict[int, Any] = {}  # cuda_stream pointer -> event recorded after the last run there
+        self.run_events: dict[int | tuple[str, int], Any] = {}  # cuda_stream pointer -> event recorded after the last run there
         self.spare: list = []  # events whose last record has completed, to record again (see the class docstring)
         self.captured = False  # captured where no graph was named: never handed back by the pool again
         self.pending: dict[int, weakref.ref] = {}  # id -> graph that captured a run and is not registered (yet)
@@ -550,6 +551,7 @@ class Workspace:
                 what, size, available = match.group(1), int(match.group(2)), int(match.group(3))
                 buf = getattr(lease.wrapper, "_int_workspace_buffer", None) if lease is not None else None
                 if what not in _FLOAT_ALLOCATIONS and isinstance(buf, torch.Tensor) and what not in grown_int:
+                    assert lease is not None  # buf is lease.wrapper's
                     grown_int.add(what)
                     have = buf.numel() * buf.element_size()
                     need = have + max(0, size - available) + 4096

@@ -183,7 +183,7 @@ class DirectRun:
             if len(hits) != 1:
                 return None
             slots.append(hits[0])
-        live = []
+        live: list[tuple[int, str]] = []
         fw = None
         for name in (_FLOAT_ATTR,) + _LIVE_ATTRS:
             value = getattr(wrapper, name, None)
@@ -327,7 +327,7 @@ class FlashInferRaggedKernel:
     _direct: Any = None  # DirectRun once recorded, False where it cannot be (then wrapper.run)
 
     def _direct_run(self) -> Optional[DirectRun]:
-        direct = self._direct
+        direct: Any = self._direct
         if direct is None:
             if self._cuda and torch.cuda.is_current_stream_capturing():
                 return None  # recorded on an eager run, never while a graph captures
