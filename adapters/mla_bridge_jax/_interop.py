@@ -162,7 +162,8 @@ def torch_device_of(device: Any) -> torch.device:
 def default_torch_device() -> torch.device:
     """Where a traced call is planned at trace time: JAX's default device (``jax_default_device`` if set, else
     ``jax.devices()[0]``). A callback that runs on another device plans for that device on first use."""
-    dev = jax.config.jax_default_device
+    # a runtime option that jax's Config stub does not declare
+    dev = jax.config.jax_default_device  # type: ignore[attr-defined]
     if dev is None or isinstance(dev, str):
         dev = jax.devices(dev)[0] if isinstance(dev, str) else jax.devices()[0]
     return torch_device_of(dev)
@@ -271,7 +272,8 @@ def buffer_device(buf: Any) -> torch.device:
 
 
 _streams: dict[tuple[int, int], Any] = {}
-_synced = weakref.WeakKeyDictionary()  # plan -> set of devices whose prior torch work XLA's stream has waited for
+# plan -> the indices of the devices whose prior torch work XLA's stream has waited for
+_synced: weakref.WeakKeyDictionary[Any, set[int | None]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 

@@ -202,7 +202,7 @@ def _ragged_callback(plans: _Plans) -> Callable:
 
 def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional[str]):
     """Validate against ``plan`` now (host, trace time), then emit one custom call."""
-    plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))
+    plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))  # type: ignore[arg-type]  # q, k, v
     s = plan.spec
     out_types = (jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
                  jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads), jnp.float32))
@@ -361,7 +361,7 @@ def build_plan(query_lens: Any, context_lens: Any = None, *, dims: MLADims, bloc
     q_lens = host_values("query_lens", query_lens, where="build_plan")
     c_lens = None if context_lens is None else host_values("context_lens", context_lens, where="build_plan")
     q_lens = q_lens.tolist() if hasattr(q_lens, "tolist") else q_lens
-    c_lens = c_lens.tolist() if hasattr(c_lens, "tolist") else c_lens
+    c_lens = c_lens.tolist() if hasattr(c_lens, "tolist") else c_lens  # type: ignore[union-attr]  # None: no tolist
     if workspace is None:
         workspace = default_workspace(default_torch_device() if device is None else torch_device_of(device))
     return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size,
@@ -539,15 +539,17 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
     if not any(is_tracer(x) for x in args + ((kv_cache_scale,) if scale_array else ())):
         scale = to_torch("kv_cache_scale", kv_cache_scale) if scale_array else kv_cache_scale
         tensors = core_args(to_torch)
-        result = _core.mla_prefill(*tensors, plans.get(tensors[0].device, plan), return_lse=return_lse,
-                                   kv_cache_scale=scale)
+        # tensors: the six inputs before the plan (mypy cannot tell a list's length)
+        result = _core.mla_prefill(*tensors, plans.get(tensors[0].device, plan),  # type: ignore[call-arg]
+                                   return_lse=return_lse, kv_cache_scale=scale)
         order_xla_after_torch(tensors[0].device)  # nor the inputs (the cache, a raw weight) before the kernels ran
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
 
     proxies = core_args(lambda n, x: _proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype,
                                             plan.device))
     scale_proxy = _proxy(kv_cache_scale.shape, kv_cache_scale.dtype, plan.device, 1.0) if scale_array else kv_cache_scale
-    _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)
+    # proxies: the six inputs before the plan (mypy cannot tell a list's length)
+    _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)  # type: ignore[call-arg, misc]
     d, t = plan.dims, plan.num_tokens
     out_types = (jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
                  jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32))

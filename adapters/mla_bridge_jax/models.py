@@ -88,7 +88,8 @@ class DeepseekConfig:
                    kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
                    qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
                    rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-                   rope=None if kind in (None, "default") else dict(rope), dims=MLADims.from_hf_config(c))
+                   rope=None if kind in (None, "default") else dict(rope),  # type: ignore[arg-type]  # kind: a rope
+                   dims=MLADims.from_hf_config(c))
 
     @classmethod
     def from_hf_config(cls, path: "str | os.PathLike") -> "DeepseekConfig":
@@ -216,7 +217,7 @@ def _attention_fn(cfg: DeepseekConfig, attention: str, batch: int, new: int, pre
             out, _ = mj.run_ragged(plan, q.reshape(batch * new, h, -1), k.reshape(batch * total, h, -1),
                                    v.reshape(batch * total, h, d_v))
             return out.reshape(batch, new, h, d_v)
-        attend.plan = plan  # kept alive with the function
+        attend.plan = plan  # type: ignore[attr-defined]  # kept alive with the function
         return attend
     if attention in ("cudnn", "xla"):
         mask = None
@@ -306,7 +307,7 @@ def make_forward(cfg: DeepseekConfig, *, batch: int, seq_len: int, attention: st
         return _linear(params["lm_head"], x).astype(jnp.float32), latents
 
     jitted = jax.jit(forward)
-    jitted.attend = attend  # the plan lives as long as the function
+    jitted.attend = attend  # type: ignore[attr-defined]  # the plan lives as long as the function
     return jitted
 
 

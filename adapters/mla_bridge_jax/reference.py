@@ -106,6 +106,7 @@ def mla_attention(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weig
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     # One gather builds every request's key sequence: rows < num_slots are cache slots (context, through
     # block_table), rows >= num_slots are the new tokens.
+    index: Any  # the per-request parts, then their concatenation
     index, qo, kvp, start = [], [0], [0], 0
     for r, (n, c) in enumerate(zip(q_lens, c_lens)):
         pos = np.arange(c)

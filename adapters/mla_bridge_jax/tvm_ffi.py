@@ -169,7 +169,7 @@ void run(int64_t plan_id, tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::f
 
 _lock = threading.RLock()
 _shim_module: Any = None
-_targets: set[str] = set()
+_targets: set[tuple[str, str]] = set()
 _ids = itertools.count(1)
 _registered: "OrderedDict[int, Any]" = OrderedDict()  # plan id -> plan (LRU): keeps the plan and its wrapper alive
 _ids_of: dict[int, int] = {}  # id(plan) -> plan id, for registered plans
@@ -255,6 +255,7 @@ def _compiled_and_args(py_ragged_run: Callable, py_args: list) -> tuple[Any, lis
     recorded: list = []
     cells = []
     compiled = None
+    assert py_ragged_run.__closure__ is not None  # it has free variables (ragged_run_func among them)
     for name, cell in zip(code.co_freevars, py_ragged_run.__closure__):
         if name == "ragged_run_func":
             compiled = cell.cell_contents
@@ -435,6 +436,7 @@ def release(plan: Any) -> bool:
             return False
         del _registered[pid]
         _remake.pop(pid, None)
+        assert plan is not None  # the registered plan (mypy narrows plan to _registered.get's Optional)
         if plan.spec.device.type == "cuda":
             torch.cuda.synchronize(plan.spec.device)  # its queued runs finish before its wrapper is reused
         shim().drop_plan(pid)

@@ -362,6 +362,7 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if reason is not None:
         return _hand_back(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
+    assert layout is not None  # reason is None only where the layout was found
     q_rows, key_rows, q_lens, kv_lens, keys = layout
     sm_scale = float(scaling) if scaling is not None else d_qk ** -0.5
     sinks = kwargs.get("s_aux")
@@ -396,6 +397,7 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         else:
             out, lse = plan.run(q, k, v)
     if sinks is not None:  # one more key per head, of logit s_aux and value 0: a partial (out 0, LSE s_aux)
+        assert lse is not None  # both routes fill an LSE where there are sinks
         lse = lse.view(out.shape[:2])
         merge_attn_states_(out, lse, out.new_zeros(()).expand(out.shape),
                            sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape))

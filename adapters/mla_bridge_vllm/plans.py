@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dty
     On a CUDA device (``(major, minor)``) only a FlashInfer backend counts: the torch backend is a float32
     reference, far too slow to hand a serving engine, so it serves there only when forced with ``MLA_BRIDGE_BACKEND``.
     """
-    kw = dict(dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
+    kw: dict[str, Any] = dict(dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
     if dtype is not None and not dtype.is_floating_point:  # plan_ragged would refuse it on every backend
         return False, (f"{dtype} is not a floating dtype (mla_bridge runs float16, bfloat16 and, on the CPU, float32 "
                        f"and float64)")
@@ -107,8 +107,8 @@ class PrefillStepPlans:
                  workspace: Optional[Workspace] = None, backend: Optional[str] = None,
                  strides: Optional[Sequence] = None):
         ws = workspace if workspace is not None else default_workspace(device)
-        common = dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, sm_scale=sm_scale,
-                      dtype=dtype, workspace=ws, backend=backend, strides=strides)
+        common: dict[str, Any] = dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+                                      sm_scale=sm_scale, dtype=dtype, workspace=ws, backend=backend, strides=strides)
         self.main: RaggedPlan = plan_ragged(qo_indptr, qo_indptr, causal=True, **common)
         self.chunks: dict[int, RaggedPlan] = {
             c.index: plan_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks}

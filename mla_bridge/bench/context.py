@@ -288,7 +288,8 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     attn_flops, up_flops = x.flops()
     seq = x.num_context + x.num_tokens
     # display order pi: the mla_prefill variants (0, 0.2, 0.4, 0.6) first, then the schedule, peers and phases
-    meta = lambda pi: dict(seq_len=seq, heads=case.heads, order=(1, ci, pi))  # noqa: E731
+    meta: Callable[[float], dict[str, Any]] = lambda pi: dict(  # noqa: E731
+        seq_len=seq, heads=case.heads, order=(1, ci, pi))
     rows: list[Row] = []
     ws = Workspace(ctx.device, chunk_tokens=budget)
     try:
@@ -565,6 +566,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
                 ctx.check(f"context {name}: {path} / (attention + GEMM alone)", None, "<=", target,
                           "not measured: " + (row.note if row is not None else ""))
             continue
+        assert row is not None  # ok(path): a row of by_path
         if base is not None:
             ratio = row.ms / base
             row.extra["vs_attention_plus_gemm"] = ratio
@@ -574,6 +576,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
         elif target and long_case and case.context:
             ctx.check(f"context {name}: {path} / (attention + GEMM alone)", None, "<=", target, "phases not measured")
         if ok(PATHS[2]):
+            assert hand is not None  # ok(PATHS[2]): a row of by_path
             ratio = row.ms / hand.ms
             row.extra["vs_handwritten"] = ratio
             row.note += f"; {ratio:.3f}x hand-written"
@@ -590,9 +593,11 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     if case.eager_ms_before:
         before = case.eager_ms_before[bi]
         ctx.check(f"context {name}: graphed mla_prefill speedup over the H200 eager baseline ({before} ms)",
-                  before / graphed.ms if ok(PATHS[20]) else None, ">=", GRAPHED_SPEEDUP)
+                  before / graphed.ms if ok(PATHS[20]) else None,  # type: ignore[union-attr]  # ok: a row of by_path
+                  ">=", GRAPHED_SPEEDUP)
         ctx.check(f"context {name}: eager mla_prefill ms against the H200 eager baseline ({before} ms)",
-                  full.ms if ok(PATHS[0]) else None, "<=", before, "no slower")
+                  full.ms if ok(PATHS[0]) else None,  # type: ignore[union-attr]  # ok: a row of by_path
+                  "<=", before, "no slower")
     return rows
 
 
@@ -645,8 +650,9 @@ def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspac
     if raw is None:
         raw = measured[1]
     if core.status == raw.status == "ok":
-        core.extra["vs_raw"] = raw.ms / core.ms
-        core.note += f"; {raw.ms / core.ms:.3f}x raw"
+        # an ok row has its ms
+        core.extra["vs_raw"] = raw.ms / core.ms  # type: ignore[operator]
+        core.note += f"; {raw.ms / core.ms:.3f}x raw"  # type: ignore[operator]
     return [core, raw]
 
 
@@ -656,7 +662,7 @@ def jobs(ctx: Ctx) -> list[Job]:
         for bi, (label, _) in enumerate(case.budgets):
             ci = 10 * k + bi
             out.append(Job(SECTION, f"context {case.name}, {label}",
-                           lambda c, cs=case, b=bi, i=ci: _case_job(c, cs, b, i)))
+                           lambda c, cs=case, b=bi, i=ci: _case_job(c, cs, b, i)))  # type: ignore[misc]
     return out
 
 

@@ -7,7 +7,7 @@ import inspect
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,7 +38,8 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
     lse_a = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     lse_b = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     nbytes = 3 * tokens * heads * (d * out_a.element_size() + 4)
-    meta = lambda pi: dict(heads=heads, seq_len=tokens, order=(2, ci, pi))  # noqa: E731
+    meta: Callable[[int], dict[str, Any]] = lambda pi: dict(  # noqa: E731
+        heads=heads, seq_len=tokens, order=(2, ci, pi))
     acc_out, acc_lse = out_a.clone(), lse_a.clone()
     items = [(MERGE_PATHS[0], lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
               dict(nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0))),
@@ -67,7 +68,8 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
 
 
 def merge_jobs(ctx: Ctx) -> list[Job]:
-    return [Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i))
+    # mypy cannot infer a lambda with default arguments (each binds its loop values)
+    return [Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i))  # type: ignore[misc]
             for i, h in enumerate((16, 128))]
 
 
@@ -77,7 +79,7 @@ def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[R
     new, cached = 512, (2048 if with_context else 0)
     case = f"batch {batch}: {new} new" + (f" + {cached} cached" if cached else "") + " per request"
     path = "PrefillPlan.build host time"
-    meta = dict(heads=16, seq_len=batch * (new + cached), order=(3, ci, 0))
+    meta: dict[str, Any] = dict(heads=16, seq_len=batch * (new + cached), order=(3, ci, 0))
     ws = Workspace(ctx.device)
     q_lens, c_lens = [new] * batch, [cached] * batch
     in_flashinfer = [0.0]
@@ -90,7 +92,7 @@ def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[R
         finally:
             in_flashinfer[0] += time.perf_counter() - t0
 
-    ws.plan_with_growth = timed_plan  # this workspace only
+    ws.plan_with_growth = timed_plan  # type: ignore[method-assign, assignment]  # this workspace only, timed
 
     def build() -> Any:
         return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=64, dtype=ctx.dtype,
@@ -189,7 +191,7 @@ def plan_jobs(ctx: Ctx) -> list[Job]:
     for with_context in (False, True):
         for batch in (1, 16, 128):
             out.append(Job("plan", f"plan build batch {batch}" + (" with context" if with_context else ""),
-                           lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i)))
+                           lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i)))  # type: ignore[misc]
             ci += 1
     first = loop_case(ctx.quick)
     main_only = ContextCase(f"{first.batch}x{first.new} new, no context", first.batch, 0, first.new,
@@ -197,7 +199,7 @@ def plan_jobs(ctx: Ctx) -> list[Job]:
     loops = [(main_only, "no context", first.context)] + [(first, label, b) for label, b in first.budgets]
     for i, (case, label, budget) in enumerate(loops):
         out.append(Job("plan", f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else ""),
-                       lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k)))
+                       lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k)))  # type: ignore[misc]
     return out
 
 
@@ -254,7 +256,7 @@ def memory_jobs(ctx: Ctx) -> list[Job]:
         for bi, (label, _) in enumerate(case.budgets):
             ci = 10 * k + bi
             out.append(Job("memory", f"memory {case.name}, {label}",
-                           lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i)))
+                           lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i)))  # type: ignore[misc]
     return out
 
 

@@ -39,7 +39,7 @@ __all__ = ["jobs", "V2_LITE", "TtftCase", "ttft_cases", "build_transformers_mode
 
 SECTION = "ttft"
 #: DeepSeek-V2-Lite's published sizes (its config.json), the fields of a transformers ``DeepseekV2Config``.
-V2_LITE = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+V2_LITE: dict[str, Any] = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
                rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
                                                "mscale": 0.707, "mscale_all_dim": 0.707,
@@ -170,6 +170,7 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
             ctx.recover()
             state.error = err
     if state.model is None:
+        assert state.error is not None  # no model: its build failed
         return [ctx.skipped(SECTION, case.name, paths[0], "model not built: " + fmt_err(state.error, 160),
                             state.error, **_meta(case, ci, 0))]
     model = state.model
@@ -191,7 +192,8 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
                 except TypeError:
                     cache = DynamicCache()
                 model(input_ids=ids_all[:, :case.cached], past_key_values=cache, logits_to_keep=1)
-            prefix = [(layer.keys, layer.values) for layer in cache.layers]
+            # the layers of a DeepSeek-V2 cache are full-attention ones: keys and values
+            prefix = [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[union-attr]
     except Exception as err:  # noqa: BLE001
         ctx.recover()
         return [ctx.skipped(SECTION, case.name, p, "prefix prefill failed: " + fmt_err(err, 160), err,
@@ -269,8 +271,10 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
     for r in model_rows:
         if r.status != "ok" or noop is None or r.path.endswith("no-op"):
             continue
-        r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)
-        r.note = f"attention {r.ms - noop:.2f} ms, {100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"
+        # an ok row has its ms
+        r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)  # type: ignore[operator]
+        r.note = (f"attention {r.ms - noop:.2f} ms, "  # type: ignore[operator]
+                  f"{100 * (r.ms - noop) / r.ms:.0f}% of the TTFT")  # type: ignore[operator]
     ratio = sdpa / ours if sdpa and ours else None
     kept = None
     if sdpa and ours and sdpa_alone and kernel_alone and sdpa_alone > kernel_alone:
@@ -283,6 +287,7 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
                                                                      if kept is not None else "")
     for r in alone:
         if r.path.endswith("mla_bridge_attention") and r.status == "ok" and own is not None:
+            assert kernel_alone is not None  # own is set only with a kernel time
             r.extra.update(adapter_own_ms_per_layer=own, adapter_own_over_kernel=own * layers / kernel_alone)
             r.note = f"adapter's own {own * 1e3:.0f} us / layer ({100 * own * layers / kernel_alone:.1f}% of the kernel)"
     ctx.check(f"ttft {case.name}: transformers sdpa / mla_bridge", ratio, ">=", 1.0)
@@ -291,7 +296,8 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
                   "" if kept is not None else "needs both model and kernel times, the kernel faster")
     if case.name == ADAPTER_CASE:
         ctx.check(f"ttft {case.name}: adapter's own time / kernel time per layer",
-                  own * layers / kernel_alone if own is not None else None, "<=", 0.03)
+                  # own is set only with a kernel time
+                  own * layers / kernel_alone if own is not None else None, "<=", 0.03)  # type: ignore[operator]
 
 
 def _jax_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
@@ -334,9 +340,11 @@ def _release(state: _State) -> list[Row]:
 def jobs(ctx: Ctx) -> list[Job]:
     state = _State()
     cases = ttft_cases(ctx.quick)
-    out = [Job(SECTION, f"ttft transformers {c.name}", lambda cx, c=c, i=i: _transformers_job(cx, state, c, i))
+    # mypy cannot infer a lambda with default arguments (each binds its loop values)
+    out = [Job(SECTION, f"ttft transformers {c.name}",
+               lambda cx, c=c, i=i: _transformers_job(cx, state, c, i))  # type: ignore[misc]
            for i, c in enumerate(cases)]
-    out += [Job(SECTION, f"ttft JAX {c.name}", lambda cx, c=c, i=i: _jax_job(cx, state, c, i))
+    out += [Job(SECTION, f"ttft JAX {c.name}", lambda cx, c=c, i=i: _jax_job(cx, state, c, i))  # type: ignore[misc]
             for i, c in enumerate(cases)]
     out.append(Job(SECTION, "ttft: release the models", lambda cx: _release(state)))
     return out

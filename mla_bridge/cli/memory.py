@@ -47,7 +47,7 @@ class MemoryEstimate:
         parts = [f"{name} {_gib(b)}" for name, b in self.held.get(place, {}).items() if b]
         peaks = {n: b for n, b in self.peaks.get(place, {}).items() if b}
         if peaks:
-            name = max(peaks, key=peaks.get)
+            name = max(peaks, key=peaks.get)  # type: ignore[arg-type]  # get of its own keys: never None
             parts.append(f"peak of {name} {_gib(peaks[name])}")
         return ", ".join(parts)
 
@@ -153,6 +153,7 @@ def available_bytes(place: str, device) -> tuple[Optional[int], str]:
     it cannot be told (then nothing is refused)."""
     import torch
 
+    free: Optional[int]
     if place == "device" and torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free), f"free on {device} (torch.cuda.mem_get_info)"

@@ -11,6 +11,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .batch import _flops, _make_inputs, _resolve_device_dtype, _resolve_workload, _sample_requests
 from .checkpoint import load_kv_b_proj_weight
@@ -200,7 +201,7 @@ def cmd_prefill(args, console) -> int:
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        result = None
+        result: Any = None  # (out, lse) of the last layer once one ran
         for layer in range(args.layers):
             progress.update(task, description=f"layer {layer + 1}/{args.layers}")
             log.layer(layer, args.layers)

@@ -71,7 +71,7 @@ def chunk_rows(rows, rmask, indptr_ptr, n_req, req_start, first_start, steps):
     return req_start + lo, pos
 
 
-def chunk_row_args(rows, stand_in: torch.Tensor) -> tuple:
+def chunk_row_args(rows, stand_in: Optional[torch.Tensor]) -> tuple:
     """The kernels' five chunk-row arguments (indptr, requests, first request, its first position, search steps) of
     a :class:`mla_bridge.cache.ChunkRows` (``stand_in`` and zeros for None: a launch naming rows token by token)."""
     if rows is None:
@@ -163,7 +163,7 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
     lat = cache.shape[-1]
     dequant = scale is not None
     cache_arg = cache.view(torch.uint8) if dequant else cache  # FP8 bytes, reinterpreted in the kernel
-    n_ctx = rows.num_tokens if rows is not None else req_ids.shape[0]
+    n_ctx = rows.num_tokens if rows is not None else req_ids.shape[0]  # type: ignore[union-attr]  # no rows: req_ids
     n_new = 0 if new_dst is None else new_dst.shape[0]
     ctx_programs = cdiv(n_ctx, _BLOCK_M)
     grid = (ctx_programs + cdiv(n_new, _BLOCK_M),)
@@ -182,8 +182,10 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
         block_table, block_table.stride(0), block_table.stride(1),
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_programs,
         *chunk_row_args(rows, req_ids),
-        kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1), new_dst, n_new,
-        scale if scale_is_ptr else out, float(scale) if (dequant and not scale_is_ptr) else 1.0,
+        # k_pe comes with kv_c (set above when absent); scale is a float where not scale_is_ptr
+        kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1),  # type: ignore[union-attr]
+        new_dst, n_new, scale if scale_is_ptr else out,
+        float(scale) if (dequant and not scale_is_ptr) else 1.0,  # type: ignore[arg-type]
         ko, ko.stride(0), ko.stride(1), ko.shape[1]),
         dict(BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=next_power_of_2(lat), BLOCK_M=_BLOCK_M,
              HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,

@@ -56,7 +56,7 @@ def spec_key(args: Sequence[Any]) -> Optional[tuple]:
     launch: about 5 us for 24 arguments on this project's CPU machine): an int32-range int is 1, 16 (divisible by
     16) or 0; a wider one ``(divisible by 16, fits int64)`` (else uint64; None beyond); a tensor ``(dtype, 16-byte
     aligned)``."""
-    key = []
+    key: list[Any] = []
     push = key.append
     for a in args:
         t = type(a)

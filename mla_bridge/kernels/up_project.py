@@ -214,12 +214,15 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         out, out.stride(0), out.stride(1),
         w, w_row, w_head, w_nope, w_v,
         cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_table, block_table.stride(0), block_table.stride(-1),
+        # block_table comes with kv_cache and k_pe with kv_c (both set above when absent); kv_cache_scale is a float
+        # where not scale_is_ptr
+        block_table, block_table.stride(0), block_table.stride(-1),  # type: ignore[union-attr]
         req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_tiles,
         *chunk_row_args(rows, req_ids),
-        kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1),
+        kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1),  # type: ignore[union-attr]
         new_dst if new_dst is not None else kv_c, n_new,
-        kv_cache_scale if scale_is_ptr else out, float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0),
+        kv_cache_scale if scale_is_ptr else out,
+        float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0),  # type: ignore[arg-type]
         dict(H=h, BLOCK_SIZE=kv_cache.shape[1], RANK=rank, NOPE=nope, ROPE=rope, VD=vd,
              BLOCK_M=bm, BLOCK_N=max(16, next_power_of_2(max(nope, vd))), BLOCK_K=bk,
              BLOCK_R=max(16, next_power_of_2(rope)),
