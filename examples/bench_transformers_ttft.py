@@ -29,20 +29,46 @@ import time
 
 import torch
 
-V2_LITE = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
-               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
-               rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
-                                               "mscale": 0.707, "mscale_all_dim": 0.707,
-                                               "original_max_position_embeddings": 4096},
-               hidden_size=2048, intermediate_size=10944, vocab_size=102400, rms_norm_eps=1e-6)
+V2_LITE = dict(
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    max_position_embeddings=163840,
+    rope_theta=10000,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+    },
+    hidden_size=2048,
+    intermediate_size=10944,
+    vocab_size=102400,
+    rms_norm_eps=1e-6,
+)
 
 
 def build(folder: str, layers: int, quick: bool) -> None:
     """Write the random model to ``folder`` (``save_pretrained``)."""
     import transformers
 
-    fields = dict(V2_LITE, num_hidden_layers=layers, first_k_dense_replace=layers, n_routed_experts=4,
-                  num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64, tie_word_embeddings=False)
+    fields = dict(
+        V2_LITE,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     if quick:
         fields.update(hidden_size=256, intermediate_size=256, vocab_size=512)
     config = transformers.DeepseekV2Config(**fields)
@@ -72,8 +98,9 @@ def main(argv=None) -> list[dict]:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and prompts (CPU smoke run)")
-    parser.add_argument("--prompt-len", type=positive_int, default=None,
-                        help="tokens per prompt (default 10000; quick 64)")
+    parser.add_argument(
+        "--prompt-len", type=positive_int, default=None, help="tokens per prompt (default 10000; quick 64)"
+    )
     parser.add_argument("--batch", type=positive_int, nargs="+", default=[1, 4], help="batch sizes (default 1 4)")
     parser.add_argument("--layers", type=positive_int, default=4)
     parser.add_argument("--warmup", type=nonnegative_int, default=None, help="untimed runs first (default 2; quick 1)")
@@ -102,9 +129,12 @@ def main(argv=None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         build(folder, args.layers, args.quick)
-        models = {impl: transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=impl,
-                                                                          dtype=dtype).to(device).eval()
-                  for impl in impls}
+        models = {
+            impl: transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=impl, dtype=dtype)
+            .to(device)
+            .eval()
+            for impl in impls
+        }
         vocab = models["sdpa"].config.vocab_size
         for batch in args.batch:
             ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch)).to(device)
@@ -112,16 +142,26 @@ def main(argv=None) -> list[dict]:
             for impl in impls:
                 times, first = ttft(models[impl], ids, warmup, repeats)
                 result[impl] = (statistics.median(times), first)
-                rows.append(dict(batch=batch, prompt_len=prompt, layers=args.layers, attn_implementation=impl,
-                                 ttft_ms=statistics.median(times) * 1e3, runs_ms=[t * 1e3 for t in times],
-                                 device=str(torch.cuda.get_device_name() if device == "cuda" else "cpu"),
-                                 dtype=str(dtype).replace("torch.", "")))
+                rows.append(
+                    dict(
+                        batch=batch,
+                        prompt_len=prompt,
+                        layers=args.layers,
+                        attn_implementation=impl,
+                        ttft_ms=statistics.median(times) * 1e3,
+                        runs_ms=[t * 1e3 for t in times],
+                        device=str(torch.cuda.get_device_name() if device == "cuda" else "cpu"),
+                        dtype=str(dtype).replace("torch.", ""),
+                    )
+                )
             same = torch.equal(result["sdpa"][1], result[impls[1]][1])
             ratio = result["sdpa"][0] / result[impls[1]][0]
             rows[-1].update(ratio_sdpa_over_mla_bridge=ratio, same_first_token=same)
-            print(f"batch {batch} x {prompt} tokens, {args.layers} layers, {rows[-1]['dtype']} on {rows[-1]['device']}: "
-                  f"sdpa {result['sdpa'][0] * 1e3:.2f} ms, mla_bridge {result[impls[1]][0] * 1e3:.2f} ms, "
-                  f"ratio {ratio:.2f}x, same first token: {same}")
+            print(
+                f"batch {batch} x {prompt} tokens, {args.layers} layers, {rows[-1]['dtype']} on {rows[-1]['device']}: "
+                f"sdpa {result['sdpa'][0] * 1e3:.2f} ms, mla_bridge {result[impls[1]][0] * 1e3:.2f} ms, "
+                f"ratio {ratio:.2f}x, same first token: {same}"
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)

@@ -39,8 +39,14 @@ import mla_bridge_jax as mj
 from mla_bridge_jax.models import rope_inv_freq  # plain, linear or YaRN RoPE, as transformers computes it
 from mla_bridge import MLADims
 
-__all__ = ["DeepseekAttentionConfig", "load_attention_weights", "rope_inv_freq", "apply_rope", "PagedLatentCache",
-           "make_prefill_step"]
+__all__ = [
+    "DeepseekAttentionConfig",
+    "load_attention_weights",
+    "rope_inv_freq",
+    "apply_rope",
+    "PagedLatentCache",
+    "make_prefill_step",
+]
 
 
 @dataclass(frozen=True)
@@ -81,12 +87,21 @@ class DeepseekAttentionConfig:
             layout = "interleaved"
         else:
             layout = "interleaved_to_half" if c.get("rope_interleave", True) else "half"
-        return cls(hidden_size=c["hidden_size"], num_heads=c["num_attention_heads"], q_lora_rank=c.get("q_lora_rank"),
-                   kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
-                   qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-                   rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), attention_bias=bool(c.get("attention_bias", False)),
-                   rope_theta=theta, rope=None if kind in (None, "default") else dict(rope), rope_layout=layout,
-                   dims=MLADims.from_hf_config(c))
+        return cls(
+            hidden_size=c["hidden_size"],
+            num_heads=c["num_attention_heads"],
+            q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=c["kv_lora_rank"],
+            qk_nope_head_dim=c["qk_nope_head_dim"],
+            qk_rope_head_dim=c["qk_rope_head_dim"],
+            v_head_dim=c["v_head_dim"],
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(c.get("attention_bias", False)),
+            rope_theta=theta,
+            rope=None if kind in (None, "default") else dict(rope),
+            rope_layout=layout,
+            dims=MLADims.from_hf_config(c),
+        )
 
 
 def _safetensors_files(folder: str) -> dict[str, str]:
@@ -98,8 +113,16 @@ def _safetensors_files(folder: str) -> dict[str, str]:
     return {None: os.path.join(folder, "model.safetensors")}
 
 
-_PARAMS = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
-           "o_proj")
+_PARAMS = (
+    "q_proj",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+)
 
 
 def load_attention_weights(folder: "str | os.PathLike", layer: int = 0, dtype: Any = jnp.float32) -> dict:
@@ -125,7 +148,7 @@ def load_attention_weights(folder: "str | os.PathLike", layer: int = 0, dtype: A
     for file, names in wanted.items():
         with safe_open(file, framework="flax") as f:
             for k in names:
-                module, leaf = k[len(prefix):].rsplit(".", 1)
+                module, leaf = k[len(prefix) :].rsplit(".", 1)
                 if module in _PARAMS:
                     params.setdefault(module, {})[leaf] = jnp.asarray(f.get_tensor(k), dtype=dtype)
     if not params:
@@ -146,7 +169,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attentio
     sin = (jnp.sin(angle) * attention_factor).reshape(shape)
     xf = x.astype(jnp.float32)
     if layout == "half":
-        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2:]
+        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2 :]
     else:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]
     r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
@@ -235,8 +258,10 @@ def make_prefill_step(cfg: DeepseekAttentionConfig, plan, *, donate_cache: bool 
         if "q_proj" in params:
             q = _linear(params["q_proj"], hidden)
         else:
-            q = _linear(params["q_b_proj"],
-                        _rms_norm(params["q_a_layernorm"], _linear(params["q_a_proj"], hidden), cfg.rms_norm_eps))
+            q = _linear(
+                params["q_b_proj"],
+                _rms_norm(params["q_a_layernorm"], _linear(params["q_a_proj"], hidden), cfg.rms_norm_eps),
+            )
         q = q.reshape(t, h, nope + rope)
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor, cfg.rope_layout)
         q = jnp.concatenate([q[..., :nope], q_pe], axis=-1)
@@ -270,10 +295,18 @@ def _demo(folder: str, layer: int) -> None:
         key, sub = jax.random.split(key)
         hidden = jax.random.normal(sub, (sum(q_lens), cfg.hidden_size), dtype)
         positions = jnp.asarray(np.concatenate([np.arange(c, c + n) for c, n in zip(c_lens, q_lens)]), jnp.int32)
-        out, cache = step(params, hidden, positions, jnp.asarray(pages.slots(reqs, c_lens, q_lens)), cache,
-                          jnp.asarray(pages.block_table(reqs)))
-        print(f"step {step_no}: requests {reqs} new {q_lens} context {c_lens} -> out {out.shape}, "
-              f"norm {float(jnp.linalg.norm(out.astype(jnp.float32))):.4f}, backend {plan.backend.name}")
+        out, cache = step(
+            params,
+            hidden,
+            positions,
+            jnp.asarray(pages.slots(reqs, c_lens, q_lens)),
+            cache,
+            jnp.asarray(pages.block_table(reqs)),
+        )
+        print(
+            f"step {step_no}: requests {reqs} new {q_lens} context {c_lens} -> out {out.shape}, "
+            f"norm {float(jnp.linalg.norm(out.astype(jnp.float32))):.4f}, backend {plan.backend.name}"
+        )
 
 
 if __name__ == "__main__":

@@ -50,13 +50,22 @@ y = attention_layer(q, k, v)
 print("jit:", y.shape, "same as eager:", bool(jnp.array_equal(y, out.reshape(T, -1))))
 
 # 3. Plan once per batch, run per layer: the plan lives outside jit and is closed over.
-plan = mj.plan_ragged(qo_indptr, qo_indptr, num_heads=H, head_dim_qk=dims.head_dim_qk, head_dim_vo=dims.head_dim_vo,
-                      causal=True, sm_scale=dims.softmax_scale, dtype=jnp.bfloat16)
+plan = mj.plan_ragged(
+    qo_indptr,
+    qo_indptr,
+    num_heads=H,
+    head_dim_qk=dims.head_dim_qk,
+    head_dim_vo=dims.head_dim_vo,
+    causal=True,
+    sm_scale=dims.softmax_scale,
+    dtype=jnp.bfloat16,
+)
 layer = jax.jit(lambda q, k, v: mj.run_ragged(plan, q, k, v)[0])
 for _ in range(3):  # e.g. three layers
     out_layer = layer(q, k, v)
 
 # 4. Check against the pure-JAX float32 reference.
-ref_out, ref_lse = mj.reference.ragged_attention(q, k, v, qo_indptr, qo_indptr, causal=True,
-                                                 sm_scale=dims.softmax_scale)
+ref_out, ref_lse = mj.reference.ragged_attention(
+    q, k, v, qo_indptr, qo_indptr, causal=True, sm_scale=dims.softmax_scale
+)
 print("max |out - reference|:", float(jnp.max(jnp.abs(out_layer.astype(jnp.float32) - ref_out))))

@@ -30,8 +30,9 @@ block_size = 16
 workspace = Workspace(device)
 
 # Plan once per batch (host-side indptrs, the context-chunk schedule, FlashInfer's plan()).
-plan = PrefillPlan.build(query_lens, context_lens, dims=dims, workspace=workspace, block_size=block_size,
-                         device=device, dtype=dtype)
+plan = PrefillPlan.build(
+    query_lens, context_lens, dims=dims, workspace=workspace, block_size=block_size, device=device, dtype=dtype
+)
 print(plan, "| backend:", plan.backend.name, "-", plan.backend.reason)
 
 # The paged latent cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] = [.., 16, 576] and each
@@ -51,19 +52,24 @@ for layer in range(num_layers):
     kv_c = torch.randn(t, dims.kv_lora_rank, device=device, dtype=dtype)  # [T, 512] latent after the KV RMSNorm
     k_pe = torch.randn(t, dims.qk_rope_head_dim, device=device, dtype=dtype)  # [T, 64] RoPE key, shared by heads
     # kv_b_proj.weight as stored in the checkpoint: [16 * (128 + 128), 512]
-    w_kv_b = torch.randn(*dims.kv_b_proj_shape, device=device, dtype=dtype) * dims.kv_lora_rank ** -0.5
+    w_kv_b = torch.randn(*dims.kv_b_proj_shape, device=device, dtype=dtype) * dims.kv_lora_rank**-0.5
 
     # Every layer reuses the same plan: nothing is re-planned. lse is natural-log, [T, H].
     out, lse = mla_prefill(q, kv_c, k_pe, w_kv_b, kv_cache, block_table, plan, return_lse=True)
-    print(f"layer {layer}: out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)}, "
-          f"finite: {bool(torch.isfinite(out).all() and torch.isfinite(lse).all())}")
+    print(
+        f"layer {layer}: out {tuple(out.shape)} {out.dtype}, lse {tuple(lse.shape)}, "
+        f"finite: {bool(torch.isfinite(out).all() and torch.isfinite(lse).all())}"
+    )
 
 # Check the last layer's third request against an independent float64 computation from the paged cache.
 from mla_bridge.reference import reference_request  # noqa: E402
 
 r = 2
 a, b = sum(query_lens[:r]), sum(query_lens[: r + 1])
-ref_out, ref_lse = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], w_kv_b, kv_cache, block_table[r],
-                                     context_lens[r], dims)
-print(f"request {r} vs float64: max abs error out {(out[a:b].cpu().double() - ref_out).abs().max():.2e}, "
-      f"lse {(lse[a:b].cpu().double() - ref_lse).abs().max():.2e}")
+ref_out, ref_lse = reference_request(
+    q[a:b], kv_c[a:b], k_pe[a:b], w_kv_b, kv_cache, block_table[r], context_lens[r], dims
+)
+print(
+    f"request {r} vs float64: max abs error out {(out[a:b].cpu().double() - ref_out).abs().max():.2e}, "
+    f"lse {(lse[a:b].cpu().double() - ref_lse).abs().max():.2e}"
+)

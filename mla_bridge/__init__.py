@@ -18,8 +18,24 @@ from .workspace import Workspace, WorkspaceTooSmallError
 __version__ = "0.1.0"
 
 __all__ = [
-    "MLADims", "BackendChoice", "BACKEND_NAMES", "select_backend", "Workspace", "WorkspaceTooSmallError",
-    "RaggedPlan", "plan_ragged", "ragged_prefill", "merge_attn_states", "PrefillPlan", "PlanCache", "mla_prefill",
-    "PreparedKVBProj", "prepare_kv_b_proj", "PrefillGraph", "PrefillLayer", "capture_prefill", "quantize_latent_cache",
+    "MLADims",
+    "BackendChoice",
+    "BACKEND_NAMES",
+    "select_backend",
+    "Workspace",
+    "WorkspaceTooSmallError",
+    "RaggedPlan",
+    "plan_ragged",
+    "ragged_prefill",
+    "merge_attn_states",
+    "PrefillPlan",
+    "PlanCache",
+    "mla_prefill",
+    "PreparedKVBProj",
+    "prepare_kv_b_proj",
+    "PrefillGraph",
+    "PrefillLayer",
+    "capture_prefill",
+    "quantize_latent_cache",
     "__version__",
 ]

@@ -38,17 +38,33 @@ import torch
 
 from .weights import broadcast_heads
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "SUPPORTED_CACHE_DTYPES", "resolve_kv_cache_dtype", "is_fp8", "as_cache_view",
-           "check_kv_cache", "quantize_latent_cache", "dequantize_latent", "gather_impl", "gather_latent",
-           "gather_rows", "ChunkRows", "fused_latent", "cache_dtype_name"]
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "SUPPORTED_CACHE_DTYPES",
+    "resolve_kv_cache_dtype",
+    "is_fp8",
+    "as_cache_view",
+    "check_kv_cache",
+    "quantize_latent_cache",
+    "dequantize_latent",
+    "gather_impl",
+    "gather_latent",
+    "gather_rows",
+    "ChunkRows",
+    "fused_latent",
+    "cache_dtype_name",
+]
 
 #: The FP8 cache dtype (e4m3, finite-only "fn" variant, as vLLM's ``fp8`` / ``fp8_e4m3`` cache).
 FP8_DTYPE = torch.float8_e4m3fn
 #: Largest finite e4m3fn value; the computed scale is ``amax / FP8_MAX`` (vLLM's ``kFp8ScaleDivisor`` on NVIDIA).
 FP8_MAX = 448.0
 #: What a cache may hold, for error messages.
-SUPPORTED_CACHE_DTYPES = ("the plan's compute dtype (bfloat16, float16, float32)",
-                          "float8_e4m3fn (vLLM 'fp8' / 'fp8_e4m3') or its uint8 view, with one per-tensor kv_cache_scale")
+SUPPORTED_CACHE_DTYPES = (
+    "the plan's compute dtype (bfloat16, float16, float32)",
+    "float8_e4m3fn (vLLM 'fp8' / 'fp8_e4m3') or its uint8 view, with one per-tensor kv_cache_scale",
+)
 _SUPPORTED = "supported: " + "; ".join(SUPPORTED_CACHE_DTYPES)
 #: vLLM's fp8_ds_mla entry: 512 fp8 values + 4 float32 tile scales + 64 bf16 rope values.
 _DS_MLA_ENTRY_BYTES = 656
@@ -85,15 +101,18 @@ def resolve_kv_cache_dtype(kv_cache_dtype, compute_dtype: torch.dtype) -> torch.
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is unknown ({_SUPPORTED}; strings: 'auto', 'fp8')")
         kv_cache_dtype = dt
     if not isinstance(kv_cache_dtype, torch.dtype):
-        raise TypeError(f"kv_cache_dtype must be a torch.dtype or a string ('auto', 'fp8'), got "
-                        f"{type(kv_cache_dtype).__name__}")
+        raise TypeError(
+            f"kv_cache_dtype must be a torch.dtype or a string ('auto', 'fp8'), got {type(kv_cache_dtype).__name__}"
+        )
     if kv_cache_dtype in (FP8_DTYPE, torch.uint8):
         return FP8_DTYPE
     if kv_cache_dtype.is_floating_point and kv_cache_dtype.itemsize == 1:
         _refuse_fp8_variant(str(kv_cache_dtype))
     if kv_cache_dtype != compute_dtype:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} differs from the compute dtype {compute_dtype}: an "
-                         f"unquantized cache must hold the compute dtype ({_SUPPORTED})")
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype} differs from the compute dtype {compute_dtype}: an "
+            f"unquantized cache must hold the compute dtype ({_SUPPORTED})"
+        )
     return kv_cache_dtype
 
 
@@ -117,8 +136,9 @@ def as_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
         if kv_cache.dim() >= 1 and kv_cache.shape[-1] == _DS_MLA_ENTRY_BYTES:
             _refuse_fp8_variant(f"fp8_ds_mla (uint8 rows of {_DS_MLA_ENTRY_BYTES} bytes with tile scales)")
         return kv_cache.view(FP8_DTYPE)
-    if kv_cache.dtype == torch.float8_e5m2 or (kv_cache.dtype.is_floating_point and kv_cache.dtype.itemsize == 1
-                                                and kv_cache.dtype != FP8_DTYPE):
+    if kv_cache.dtype == torch.float8_e5m2 or (
+        kv_cache.dtype.is_floating_point and kv_cache.dtype.itemsize == 1 and kv_cache.dtype != FP8_DTYPE
+    ):
         _refuse_fp8_variant(str(kv_cache.dtype))
     return kv_cache
 
@@ -131,8 +151,9 @@ def _scale_value(kv_cache_scale: Scale, device: torch.device) -> Union[float, to
         if s.dtype != torch.float32:
             raise TypeError(f"kv_cache_scale must be a float32 tensor (vLLM's layer._k_scale), got {s.dtype}")
         if s.numel() != 1:
-            raise ValueError(f"kv_cache_scale must be 0-d or hold 1 element (one per-tensor scale), got shape "
-                             f"{list(s.shape)}")
+            raise ValueError(
+                f"kv_cache_scale must be 0-d or hold 1 element (one per-tensor scale), got shape {list(s.shape)}"
+            )
         if s.device != device:
             raise ValueError(f"kv_cache_scale is on {s.device}, but kv_cache is on {device}")
         s = s.reshape(())
@@ -144,11 +165,14 @@ def _scale_value(kv_cache_scale: Scale, device: torch.device) -> Union[float, to
     if isinstance(kv_cache_scale, bool) or not isinstance(kv_cache_scale, (int, float)):
         try:
             import numpy as np
+
             if not isinstance(kv_cache_scale, (np.floating, np.integer)):
                 raise TypeError
         except TypeError:
-            raise TypeError(f"kv_cache_scale must be a Python float or a 0-d/1-element float32 tensor, got "
-                            f"{type(kv_cache_scale).__name__}") from None
+            raise TypeError(
+                f"kv_cache_scale must be a Python float or a 0-d/1-element float32 tensor, got "
+                f"{type(kv_cache_scale).__name__}"
+            ) from None
     v = float(kv_cache_scale)
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"kv_cache_scale must be finite and > 0, got {v}")
@@ -158,8 +182,9 @@ def _scale_value(kv_cache_scale: Scale, device: torch.device) -> Union[float, to
     return v32
 
 
-def check_kv_cache(kv_cache: torch.Tensor, kv_cache_scale: Optional[Scale], cache_dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, Optional[Union[float, torch.Tensor]]]:
+def check_kv_cache(
+    kv_cache: torch.Tensor, kv_cache_scale: Optional[Scale], cache_dtype: torch.dtype
+) -> tuple[torch.Tensor, Optional[Union[float, torch.Tensor]]]:
     """Check a cache and its scale against the cache dtype a plan expects, on the host, before any kernel.
 
     Args:
@@ -179,24 +204,34 @@ def check_kv_cache(kv_cache: torch.Tensor, kv_cache_scale: Optional[Scale], cach
     """
     cache = as_cache_view(kv_cache)
     if cache.dtype != cache_dtype:
-        hint = (" (build the plan with kv_cache_dtype='fp8')" if is_fp8(cache.dtype)
-                else " (build the plan with kv_cache_dtype=None for an unquantized cache)" if is_fp8(cache_dtype)
-                else "")
-        raise TypeError(f"kv_cache must have dtype {cache_dtype} (the plan's kv_cache_dtype), got {kv_cache.dtype}"
-                        + hint)
+        hint = (
+            " (build the plan with kv_cache_dtype='fp8')"
+            if is_fp8(cache.dtype)
+            else " (build the plan with kv_cache_dtype=None for an unquantized cache)"
+            if is_fp8(cache_dtype)
+            else ""
+        )
+        raise TypeError(
+            f"kv_cache must have dtype {cache_dtype} (the plan's kv_cache_dtype), got {kv_cache.dtype}" + hint
+        )
     if is_fp8(cache.dtype):
         if kv_cache_scale is None:
-            raise ValueError("kv_cache_scale is required for an FP8 (float8_e4m3fn) kv_cache: the per-tensor scale "
-                             "its values were quantized with (vLLM's layer._k_scale)")
+            raise ValueError(
+                "kv_cache_scale is required for an FP8 (float8_e4m3fn) kv_cache: the per-tensor scale "
+                "its values were quantized with (vLLM's layer._k_scale)"
+            )
         return cache, _scale_value(kv_cache_scale, cache.device)
     if kv_cache_scale is not None:
-        raise ValueError(f"kv_cache_scale was given for a {cache.dtype} kv_cache: only an FP8 cache takes a scale "
-                         f"(applying one to an unquantized cache would scale every logit)")
+        raise ValueError(
+            f"kv_cache_scale was given for a {cache.dtype} kv_cache: only an FP8 cache takes a scale "
+            f"(applying one to an unquantized cache would scale every logit)"
+        )
     return cache, None
 
 
-def quantize_latent_cache(latent: torch.Tensor, scale: Optional[Scale] = None
-                          ) -> tuple[torch.Tensor, Union[float, torch.Tensor]]:
+def quantize_latent_cache(
+    latent: torch.Tensor, scale: Optional[Scale] = None
+) -> tuple[torch.Tensor, Union[float, torch.Tensor]]:
     """Quantize latent values (any shape, e.g. a whole ``[num_blocks, block_size, 576]`` cache) to FP8 e4m3.
 
     The rounding of vLLM's cache write (``concat_and_cache_mla`` with ``kv_cache_dtype="fp8"``):
@@ -218,8 +253,10 @@ def quantize_latent_cache(latent: torch.Tensor, scale: Optional[Scale] = None
         TypeError: ``latent`` not a floating tensor; ValueError / TypeError: a bad scale (see :func:`check_kv_cache`).
     """
     if not isinstance(latent, torch.Tensor) or not latent.dtype.is_floating_point or latent.dtype.itemsize == 1:
-        raise TypeError(f"latent must be a floating tensor (bf16/fp16/float32/float64), got "
-                        f"{latent.dtype if isinstance(latent, torch.Tensor) else type(latent).__name__}")
+        raise TypeError(
+            f"latent must be a floating tensor (bf16/fp16/float32/float64), got "
+            f"{latent.dtype if isinstance(latent, torch.Tensor) else type(latent).__name__}"
+        )
     x = latent.float()
     s: Union[float, torch.Tensor]
     scale_out: Union[float, torch.Tensor]
@@ -228,8 +265,9 @@ def quantize_latent_cache(latent: torch.Tensor, scale: Optional[Scale] = None
         amax = torch.where(torch.isfinite(a), a, 0.0).amax() if a.numel() else a.new_zeros(())
         # amax / 448 underflows float32 below about 6e-43: at least the smallest normal float32 then (a scale of 0
         # is refused everywhere), which quantizes those values to 0
-        scale_out = torch.where(amax > 0, (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny),
-                                torch.ones_like(amax))
+        scale_out = torch.where(
+            amax > 0, (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax)
+        )
         s = scale_out
     else:
         s = _scale_value(scale, latent.device)
@@ -266,13 +304,21 @@ def gather_impl(device: torch.device) -> str:
     if not triton_available():
         raise ValueError("MLA_BRIDGE_GATHER=triton, but Triton does not import here")
     if torch.device(device).type != "cuda" and not triton_interpreting():
-        raise ValueError(f"MLA_BRIDGE_GATHER=triton runs a Triton kernel: it needs a CUDA device, got {device} "
-                         f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
+        raise ValueError(
+            f"MLA_BRIDGE_GATHER=triton runs a Triton kernel: it needs a CUDA device, got {device} "
+            f"(TRITON_INTERPRET=1 runs it on the CPU, for development)"
+        )
     return "triton"
 
 
-def _torch_rows(cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,
-                scale, dtype: torch.dtype) -> torch.Tensor:
+def _torch_rows(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_ids: torch.Tensor,
+    positions: torch.Tensor,
+    scale,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """Cache rows ``[N, L]`` of (request, position) pairs, dequantized into ``dtype``; indexes the 3-D cache
     directly (advanced indexing through strides: no reshape, so a strided cache is not copied)."""
     bs = cache.shape[1]
@@ -294,9 +340,17 @@ def _split_off_k_pe(latent: torch.Tensor, k_pe_out: Optional[torch.Tensor]) -> t
     return latent[:, :rank]
 
 
-def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor, positions: torch.Tensor,
-                  *, dtype: torch.dtype, kv_cache_scale=None, impl: Optional[str] = None,
-                  k_pe_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_latent(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_ids: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    kv_cache_scale=None,
+    impl: Optional[str] = None,
+    k_pe_out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Latent rows ``[N, L]`` in ``dtype`` of the context tokens ``(req_ids[i], positions[i])`` (int64 device
     tensors), read through ``block_table`` and dequantized (FP8 caches) in the same pass.
 
@@ -310,6 +364,7 @@ def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: to
     impl = impl or gather_impl(kv_cache.device)
     if impl == "triton":
         from .kernels.gather import gather_latent_triton
+
         lat = kv_cache.shape[-1]
         width = lat if k_pe_out is None else lat - k_pe_out.shape[2]
         out = torch.empty(req_ids.shape[0], width, dtype=dtype, device=kv_cache.device)
@@ -318,9 +373,17 @@ def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: to
     return _split_off_k_pe(_torch_rows(kv_cache, block_table, req_ids, positions, kv_cache_scale, dtype), k_pe_out)
 
 
-def fused_latent(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 kv_cache_scale=None, *, impl: Optional[str] = None,
-                 k_pe_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fused_latent(
+    plan,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_cache_scale=None,
+    *,
+    impl: Optional[str] = None,
+    k_pe_out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The fused schedule's key latents ``[main_kv_indptr[-1], L]`` in the plan's dtype: each request's context
     rows (gathered, dequantized) followed by its new tokens' ``kv_c ++ k_pe`` (``k_pe`` as ``[T, rope]``).
     The new tokens come from the caller's full-precision ``kv_c`` / ``k_pe``, never re-read from the cache.
@@ -329,16 +392,31 @@ def fused_latent(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.T
     impl = impl or gather_impl(plan.device)
     if impl == "triton":
         from .kernels.gather import fused_latent_triton
+
         width = dims.latent_dim if k_pe_out is None else dims.kv_lora_rank
         latent = torch.empty(int(plan.main_kv_indptr[-1]), width, dtype=plan.dtype, device=plan.device)
-        fused_latent_triton(latent, kv_cache, block_table, plan.ctx_req_ids, plan.ctx_positions, plan.ctx_dst,
-                            kv_c, k_pe, plan.new_dst, kv_cache_scale, k_pe_out)
+        fused_latent_triton(
+            latent,
+            kv_cache,
+            block_table,
+            plan.ctx_req_ids,
+            plan.ctx_positions,
+            plan.ctx_dst,
+            kv_c,
+            k_pe,
+            plan.new_dst,
+            kv_cache_scale,
+            k_pe_out,
+        )
         return latent
     latent = torch.empty(int(plan.main_kv_indptr[-1]), dims.latent_dim, dtype=plan.dtype, device=plan.device)
-    latent.index_copy_(0, plan.ctx_dst, _torch_rows(kv_cache, block_table, plan.ctx_req_ids, plan.ctx_positions,
-                                                    kv_cache_scale, plan.dtype))
+    latent.index_copy_(
+        0,
+        plan.ctx_dst,
+        _torch_rows(kv_cache, block_table, plan.ctx_req_ids, plan.ctx_positions, kv_cache_scale, plan.dtype),
+    )
     latent[:, : dims.kv_lora_rank].index_copy_(0, plan.new_dst, kv_c)
-    latent[:, dims.kv_lora_rank:].index_copy_(0, plan.new_dst, k_pe)
+    latent[:, dims.kv_lora_rank :].index_copy_(0, plan.new_dst, k_pe)
     return _split_off_k_pe(latent, k_pe_out)
 
 
@@ -382,9 +460,16 @@ class ChunkRows(NamedTuple):
         return j.add_(self.req_start), positions
 
 
-def gather_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, rows: ChunkRows, *, dtype: torch.dtype,
-                kv_cache_scale=None, impl: Optional[str] = None,
-                k_pe_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_rows(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: ChunkRows,
+    *,
+    dtype: torch.dtype,
+    kv_cache_scale=None,
+    impl: Optional[str] = None,
+    k_pe_out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """:func:`gather_latent` of the rows of ``rows`` (a :class:`ChunkRows`): latent rows ``[rows.num_tokens, L]`` in
     ``dtype`` (``[rows.num_tokens, kv_lora_rank]`` with ``k_pe_out``). The Triton kernel reads the rows from
     ``rows.kv_indptr``, the torch path from :meth:`ChunkRows.token_indices`; bitwise equal results. ``kv_cache``,
@@ -392,12 +477,20 @@ def gather_rows(kv_cache: torch.Tensor, block_table: torch.Tensor, rows: ChunkRo
     impl = impl or gather_impl(kv_cache.device)
     if impl == "triton":
         from .kernels.gather import gather_latent_triton
+
         width = kv_cache.shape[-1] if k_pe_out is None else kv_cache.shape[-1] - k_pe_out.shape[2]
         out = torch.empty(rows.num_tokens, width, dtype=dtype, device=kv_cache.device)
         gather_latent_triton(out, kv_cache, block_table, None, None, kv_cache_scale, k_pe_out, width, rows=rows)
         return out
-    return gather_latent(kv_cache, block_table, *rows.token_indices(), dtype=dtype, kv_cache_scale=kv_cache_scale,
-                         impl="torch", k_pe_out=k_pe_out)
+    return gather_latent(
+        kv_cache,
+        block_table,
+        *rows.token_indices(),
+        dtype=dtype,
+        kv_cache_scale=kv_cache_scale,
+        impl="torch",
+        k_pe_out=k_pe_out,
+    )
 
 
 def gather_row_bytes(cache_dtype: torch.dtype, dtype: torch.dtype, latent_dim: int) -> int:

@@ -40,7 +40,7 @@ def softmax_scale_from_rope_scaling(head_dim_qk: int, rope_scaling: Mapping[str,
     DeepSeek), never the latent width 576 (a known bug). DeepSeek-V2-Lite gives 0.114722, DeepSeek-V3 0.135234,
     no scaling 0.0721688.
     """
-    scale = head_dim_qk ** -0.5
+    scale = head_dim_qk**-0.5
     if not rope_scaling:
         return scale
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
@@ -63,8 +63,9 @@ def _config_int(config: Mapping[str, Any], key: str, allow_zero: bool = False) -
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (0 if allow_zero else 1):
-        raise ValueError(f"config: {key} must be a {'non-negative' if allow_zero else 'positive'} integer, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"config: {key} must be a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}"
+        )
     return int(value)
 
 
@@ -76,8 +77,10 @@ def _rope_entry(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
         if value is not None and not isinstance(value, Mapping):
             raise ValueError(f"config: {name} must be a mapping or null, got {type(value).__name__}")
     if params and scaling and softmax_scale_from_rope_scaling(1, params) != softmax_scale_from_rope_scaling(1, scaling):
-        raise ValueError(f"config: rope_parameters {dict(params)} and rope_scaling {dict(scaling)} disagree on the "
-                         f"YaRN softmax factor; keep one of them")
+        raise ValueError(
+            f"config: rope_parameters {dict(params)} and rope_scaling {dict(scaling)} disagree on the "
+            f"YaRN softmax factor; keep one of them"
+        )
     return params or scaling
 
 
@@ -85,9 +88,28 @@ _FIELDS = ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_h
 
 #: The model types of transformers 5.25 whose attention is MLA (a ``kv_lora_rank`` latent up-projected by
 #: ``kv_b_proj``), each read by :meth:`MLADims.from_hf_config` (its text config for the multimodal ones).
-HF_MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k25", "youtu", "sarvam_mla", "axk1", "bailing_hybrid",
-                      "kimi_linear", "longcat_flash", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "hy_v4",
-                      "hy_v4_vl", "glm5_next", "mistral4", "mistral_large4", "minicpm3", "axk2", "dots3_note")
+HF_MLA_MODEL_TYPES = (
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k25",
+    "youtu",
+    "sarvam_mla",
+    "axk1",
+    "bailing_hybrid",
+    "kimi_linear",
+    "longcat_flash",
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "hy_v4",
+    "hy_v4_vl",
+    "glm5_next",
+    "mistral4",
+    "mistral_large4",
+    "minicpm3",
+    "axk2",
+    "dots3_note",
+)
 
 #: Model types (and their text configs) whose MLA attention sets ``self.scaling = qk_head_dim ** -0.5`` without
 #: ``yarn_apply_mscale`` (transformers 5.25: ``KimiLinearAttention``, ``Glm5NextTextAttention``,
@@ -102,12 +124,19 @@ def _layer_config(config: Mapping[str, Any], layer: Optional[int]) -> Mapping[st
     per_layer = config.get("per_layer_config") or {}
     layer_types = config.get("layer_types")
     rope = config.get("rope_parameters")
-    rope_by_type = (isinstance(rope, Mapping) and bool(rope) and isinstance(layer_types, (list, tuple))
-                    and all(isinstance(v, Mapping) for v in rope.values()) and set(rope) <= set(layer_types))
+    rope_by_type = (
+        isinstance(rope, Mapping)
+        and bool(rope)
+        and isinstance(layer_types, (list, tuple))
+        and all(isinstance(v, Mapping) for v in rope.values())
+        and set(rope) <= set(layer_types)
+    )
     if layer is None:
         if per_layer or rope_by_type:
-            raise ValueError("layer: this config is heterogeneous (per_layer_config / rope_parameters per layer "
-                             "type: attention dims differ by layer); pass layer=i, the decoder layer to read")
+            raise ValueError(
+                "layer: this config is heterogeneous (per_layer_config / rope_parameters per layer "
+                "type: attention dims differ by layer); pass layer=i, the decoder layer to read"
+            )
         return config
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0:
         raise ValueError(f"layer must be an int >= 0, got {layer!r}")
@@ -160,11 +189,12 @@ class MLADims:
             value = getattr(self, name)
             low = 0 if name == "qk_rope_head_dim" else 1  # a zero RoPE part (glm5_next) is MLA without k_pe
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ValueError(f"MLADims.{name} must be a {'non-negative' if low == 0 else 'positive'} int, "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"MLADims.{name} must be a {'non-negative' if low == 0 else 'positive'} int, got {value!r}"
+                )
             object.__setattr__(self, name, int(value))  # numpy integers become ints
         if self.softmax_scale is None:
-            object.__setattr__(self, "softmax_scale", self.head_dim_qk ** -0.5)
+            object.__setattr__(self, "softmax_scale", self.head_dim_qk**-0.5)
         scale = self.softmax_scale
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"MLADims.softmax_scale must be a positive finite float, got {scale!r}")
@@ -192,8 +222,9 @@ class MLADims:
         return (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
 
     @classmethod
-    def from_hf_config(cls, config: Union[str, os.PathLike, Mapping[str, Any], Any],
-                       layer: Optional[int] = None) -> "MLADims":
+    def from_hf_config(
+        cls, config: Union[str, os.PathLike, Mapping[str, Any], Any], layer: Optional[int] = None
+    ) -> "MLADims":
         """Read the MLA attention dims of a transformers / Hugging Face config: a path to ``config.json`` or its
         folder, the parsed dict, or a config object with ``to_dict()`` (``DeepseekV3Config``, ``Glm5NextConfig``...).
 
@@ -236,9 +267,11 @@ class MLADims:
                 if not isinstance(config, Mapping):
                     raise ValueError(f"config: {path} holds a JSON {type(config).__name__}, not an object")
             else:
-                raise TypeError("config must be a path to config.json or its folder (str or os.PathLike), the parsed "
-                                "config (a mapping), or a config object with to_dict() (e.g. transformers' "
-                                f"DeepseekV2Config); got {type(config).__name__}")
+                raise TypeError(
+                    "config must be a path to config.json or its folder (str or os.PathLike), the parsed "
+                    "config (a mapping), or a config object with to_dict() (e.g. transformers' "
+                    f"DeepseekV2Config); got {type(config).__name__}"
+                )
         outer_type = config.get("model_type")
         text = config.get("text_config")
         if config.get("kv_lora_rank") is None and isinstance(text, Mapping):
@@ -246,17 +279,23 @@ class MLADims:
         config = _layer_config(config, layer)
         missing = [k for k in _FIELDS if config.get(k) is None]
         if missing:
-            raise ValueError(f"config: missing MLA field(s) {missing}; not an MLA attention config (known MLA model "
-                             f"types: {', '.join(HF_MLA_MODEL_TYPES)})")
+            raise ValueError(
+                f"config: missing MLA field(s) {missing}; not an MLA attention config (known MLA model "
+                f"types: {', '.join(HF_MLA_MODEL_TYPES)})"
+            )
         ints = {k: _config_int(config, k, allow_zero=k == "qk_rope_head_dim") for k in _FIELDS}
         head_dim_qk = ints["qk_nope_head_dim"] + ints["qk_rope_head_dim"]
         if config.get("qk_head_dim") is not None and config["qk_head_dim"] != head_dim_qk:
-            raise ValueError(f"config: qk_head_dim {config['qk_head_dim']!r} contradicts qk_nope_head_dim "
-                             f"{ints['qk_nope_head_dim']} + qk_rope_head_dim {ints['qk_rope_head_dim']}")
+            raise ValueError(
+                f"config: qk_head_dim {config['qk_head_dim']!r} contradicts qk_nope_head_dim "
+                f"{ints['qk_nope_head_dim']} + qk_rope_head_dim {ints['qk_rope_head_dim']}"
+            )
         kv_heads = config.get("num_key_value_heads")
         if kv_heads is not None and kv_heads != ints["num_attention_heads"]:
-            raise ValueError(f"config: num_key_value_heads {kv_heads!r} differs from num_attention_heads "
-                             f"{ints['num_attention_heads']}; MLA up-projects one latent to every head")
+            raise ValueError(
+                f"config: num_key_value_heads {kv_heads!r} differs from num_attention_heads "
+                f"{ints['num_attention_heads']}; MLA up-projects one latent to every head"
+            )
         rope = _rope_entry(config)
         plain = bool({outer_type, config.get("model_type")} & set(PLAIN_SCALE_MODEL_TYPES))
         return cls(
@@ -265,7 +304,7 @@ class MLADims:
             qk_nope_head_dim=ints["qk_nope_head_dim"],
             qk_rope_head_dim=ints["qk_rope_head_dim"],
             v_head_dim=ints["v_head_dim"],
-            softmax_scale=head_dim_qk ** -0.5 if plain else softmax_scale_from_rope_scaling(head_dim_qk, rope),
+            softmax_scale=head_dim_qk**-0.5 if plain else softmax_scale_from_rope_scaling(head_dim_qk, rope),
         )
 
     @classmethod
@@ -302,34 +341,75 @@ _YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "origina
 # config.json (``mla-bridge prefill --checkpoint``, :meth:`MLADims.from_hf_config`) always wins.
 _PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite": {
-        "num_attention_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "num_attention_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_scaling": {**_YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
     },
     "deepseek-v3": {
-        "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "num_attention_heads": 128,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
     },
     "deepseek-v3.2": {
-        "num_attention_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "num_attention_heads": 128,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_scaling": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
     },
     "kimi-k2": {
-        "num_attention_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "rope_scaling": {"type": "yarn", "factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
-                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        "num_attention_heads": 64,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 64.0,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
     },
     "glm-4.7-flash": {
-        "num_attention_heads": 20, "kv_lora_rank": 512, "q_lora_rank": 768, "qk_nope_head_dim": 192,
-        "qk_rope_head_dim": 64, "v_head_dim": 256, "rope_scaling": None,
+        "num_attention_heads": 20,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 768,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "rope_scaling": None,
     },
     "glm-5": {
-        "num_attention_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_nope_head_dim": 192,
-        "qk_rope_head_dim": 64, "v_head_dim": 256, "rope_scaling": None,
+        "num_attention_heads": 64,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 2048,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "rope_scaling": None,
     },
     "mistral-large-3": {
-        "num_attention_heads": 64, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 64,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_scaling": None,
+        "num_attention_heads": 64,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_scaling": None,
     },
 }
 PRESETS = tuple(_PRESET_CONFIGS)

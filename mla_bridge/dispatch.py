@@ -58,10 +58,28 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["BackendChoice", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ENV_VAR", "Request", "select_backend",
-           "cutlass_work_items", "flashinfer_version", "head_dims_why_not", "FA3_HEAD_DIMS", "CUTLASS_HEAD_DIMS",
-           "FA2_HEAD_DIM_MULTIPLE", "FA2_MAX_HEAD_DIM", "FA2_HEAD_DIMS_VO", "TORCH_DTYPES", "device_capability",
-           "OFFSET_LIMITS", "tensor_extent", "pass_extents"]
+__all__ = [
+    "BackendChoice",
+    "BackendSpec",
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "ENV_VAR",
+    "Request",
+    "select_backend",
+    "cutlass_work_items",
+    "flashinfer_version",
+    "head_dims_why_not",
+    "FA3_HEAD_DIMS",
+    "CUTLASS_HEAD_DIMS",
+    "FA2_HEAD_DIM_MULTIPLE",
+    "FA2_MAX_HEAD_DIM",
+    "FA2_HEAD_DIMS_VO",
+    "TORCH_DTYPES",
+    "device_capability",
+    "OFFSET_LIMITS",
+    "tensor_extent",
+    "pass_extents",
+]
 
 ENV_VAR = "MLA_BRIDGE_BACKEND"
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
@@ -74,8 +92,8 @@ CUTLASS_MAJORS = (10, 11)
 # heads, 192/128, bf16): fa2 correct at 2.15e9 elements, wrong beyond 2**32 (4.43e9: the last request's rows off by
 # 3.5, i.e. 32-bit unsigned offsets); fa3 correct at 4.43e9 and 6.44e9. cutlass takes `int` strides and could not
 # be measured (no SM100 here): held to 2**31.
-CUTLASS_ELEMENT_LIMIT = 2 ** 31
-FA2_ELEMENT_LIMIT = 2 ** 32
+CUTLASS_ELEMENT_LIMIT = 2**31
+FA2_ELEMENT_LIMIT = 2**32
 #: Backends (:data:`BACKEND_NAMES`) whose kernels compute element offsets in 32 bits, and the extent
 #: (:func:`tensor_extent`) no q/k/v/out tensor of a pass they serve may reach. Backends not listed have no such limit.
 OFFSET_LIMITS = {"flashinfer-cutlass": CUTLASS_ELEMENT_LIMIT, "flashinfer-fa2": FA2_ELEMENT_LIMIT}
@@ -106,11 +124,15 @@ def head_dims_why_not(backend: str, head_dim_qk: Optional[int], head_dim_vo: Opt
     if backend == "fa2":
         for name, d in (("head_dim_qk", qk), ("head_dim_vo", vo)):
             if d is not None and (d <= 0 or d % FA2_HEAD_DIM_MULTIPLE or d > FA2_MAX_HEAD_DIM):
-                return (f"{name} {d} is not a multiple of {FA2_HEAD_DIM_MULTIPLE} up to {FA2_MAX_HEAD_DIM} "
-                        f"(fa2 prefill fails or is wrong at other head dims: flashinfer#4299)")
+                return (
+                    f"{name} {d} is not a multiple of {FA2_HEAD_DIM_MULTIPLE} up to {FA2_MAX_HEAD_DIM} "
+                    f"(fa2 prefill fails or is wrong at other head dims: flashinfer#4299)"
+                )
         if vo is not None and vo not in FA2_HEAD_DIMS_VO:
-            return (f"head_dim_vo {vo} is not one of {', '.join(map(str, FA2_HEAD_DIMS_VO))} (fa2's split-KV merge "
-                    f"dispatches only those; 96 failed there on the H200)")
+            return (
+                f"head_dim_vo {vo} is not one of {', '.join(map(str, FA2_HEAD_DIMS_VO))} (fa2's split-KV merge "
+                f"dispatches only those; 96 failed there on the H200)"
+            )
         return None
     table = {"fa3": FA3_HEAD_DIMS, "cutlass": CUTLASS_HEAD_DIMS}[backend]
     if qk is None or vo is None:
@@ -124,6 +146,7 @@ def head_dims_why_not(backend: str, head_dim_qk: Optional[int], head_dim_vo: Opt
 def _flashinfer_version_cached() -> Optional[str]:
     try:
         from importlib.metadata import PackageNotFoundError, version
+
         try:
             return version("flashinfer-python")
         except PackageNotFoundError:
@@ -175,17 +198,25 @@ def tensor_extent(tokens: int, heads: int, head_dim: int, strides: Optional[Sequ
     return (tokens - 1) * int(stride_n) + (heads - 1) * int(stride_h) + head_dim
 
 
-def pass_extents(num_qo_tokens: int, num_kv_tokens: int, num_heads: int, head_dim_qk: int, head_dim_vo: int,
-                 strides: Optional[Sequence] = None) -> tuple[tuple[str, int], ...]:
+def pass_extents(
+    num_qo_tokens: int,
+    num_kv_tokens: int,
+    num_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int,
+    strides: Optional[Sequence] = None,
+) -> tuple[tuple[str, int], ...]:
     """``(("q", extent), ("k", ...), ("v", ...), ("out", ...))``: the :func:`tensor_extent` of each tensor of one
     pass, q/k/v through ``strides`` (``(q, k, v)``, each ``(stride_n, stride_h)`` in elements or ``None`` for
     contiguous; ``None``: all contiguous), out as contiguous (fa2 and cutlass write it so whatever its strides; fa3
     has no offset limit)."""
     sq, sk, sv = strides if strides is not None else (None, None, None)
-    return (("q", tensor_extent(num_qo_tokens, num_heads, head_dim_qk, sq)),
-            ("k", tensor_extent(num_kv_tokens, num_heads, head_dim_qk, sk)),
-            ("v", tensor_extent(num_kv_tokens, num_heads, head_dim_vo, sv)),
-            ("out", tensor_extent(num_qo_tokens, num_heads, head_dim_vo)))
+    return (
+        ("q", tensor_extent(num_qo_tokens, num_heads, head_dim_qk, sq)),
+        ("k", tensor_extent(num_kv_tokens, num_heads, head_dim_qk, sk)),
+        ("v", tensor_extent(num_kv_tokens, num_heads, head_dim_vo, sv)),
+        ("out", tensor_extent(num_qo_tokens, num_heads, head_dim_vo)),
+    )
 
 
 def _checked_strides(strides: Any) -> Optional[tuple]:
@@ -198,17 +229,23 @@ def _checked_strides(strides: Any) -> Optional[tuple]:
     if strides is None:
         return None
     if isinstance(strides, (str, bytes)) or not isinstance(strides, Sequence) or len(strides) != 3:
-        raise TypeError(f"strides must be None or (q, k, v) strides, each (stride_n, stride_h) or None, got "
-                        f"{strides!r}")
+        raise TypeError(
+            f"strides must be None or (q, k, v) strides, each (stride_n, stride_h) or None, got {strides!r}"
+        )
     out: list[Optional[tuple[int, int]]] = []
     for name, pair in zip("qkv", strides):
         if pair is None:
             out.append(None)
             continue
-        if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
-                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in pair)):
-            raise TypeError(f"strides[{'qkv'.index(name)}] ({name}) must be (stride_n, stride_h) ints or None, got "
-                            f"{pair!r}")
+        if (
+            isinstance(pair, (str, bytes))
+            or not isinstance(pair, Sequence)
+            or len(pair) != 2
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in pair)
+        ):
+            raise TypeError(
+                f"strides[{'qkv'.index(name)}] ({name}) must be (stride_n, stride_h) ints or None, got {pair!r}"
+            )
         if min(int(x) for x in pair) < 0:
             raise ValueError(f"strides[{'qkv'.index(name)}] ({name}) must be non-negative, got {tuple(pair)}")
         out.append((int(pair[0]), int(pair[1])))
@@ -265,11 +302,14 @@ def _flashinfer_common(req: Request, element_limit: Optional[int]) -> Optional[s
     if req.out_dtype is not None and req.dtype is not None and req.out_dtype != req.dtype:
         return f"output dtype {req.out_dtype} differs from q's {req.dtype}"
     if element_limit is not None:
-        name, extent = _largest_extent(req.qo_indptr, req.kv_indptr, req.num_heads, req.head_dim_qk,
-                                       req.head_dim_vo, req.strides)
+        name, extent = _largest_extent(
+            req.qo_indptr, req.kv_indptr, req.num_heads, req.head_dim_qk, req.head_dim_vo, req.strides
+        )
         if extent >= element_limit:
-            return (f"a q/k/v tensor of {extent} elements reaches its offset limit ({element_limit}): {name}, "
-                    f"counted through its strides; split the batch")
+            return (
+                f"a q/k/v tensor of {extent} elements reaches its offset limit ({element_limit}): {name}, "
+                f"counted through its strides; split the batch"
+            )
     return None
 
 
@@ -278,8 +318,14 @@ def _largest_extent(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo, s
     lengths or sizes are unknown."""
     if qo_indptr is None or kv_indptr is None or num_heads is None or head_dim_qk is None:
         return "", 0
-    extents = pass_extents(int(qo_indptr[-1]), int(kv_indptr[-1]), num_heads, head_dim_qk,
-                           head_dim_vo if head_dim_vo is not None else head_dim_qk, strides)
+    extents = pass_extents(
+        int(qo_indptr[-1]),
+        int(kv_indptr[-1]),
+        num_heads,
+        head_dim_qk,
+        head_dim_vo if head_dim_vo is not None else head_dim_qk,
+        strides,
+    )
     return max(extents, key=lambda item: item[1])
 
 
@@ -297,8 +343,9 @@ def _cutlass_why_not(req: Request) -> Optional[str]:
         return reason
     if req.qo_indptr is not None and req.kv_indptr is not None:
         if req.causal:
-            for r, (qa, qb, ka, kb) in enumerate(zip(req.qo_indptr[:-1], req.qo_indptr[1:],
-                                                     req.kv_indptr[:-1], req.kv_indptr[1:])):
+            for r, (qa, qb, ka, kb) in enumerate(
+                zip(req.qo_indptr[:-1], req.qo_indptr[1:], req.kv_indptr[:-1], req.kv_indptr[1:])
+            ):
                 if qb - qa > kb - ka:
                     return f"causal request {r} has q_len {qb - qa} > kv_len {kb - ka}"
         if req.num_heads is not None:
@@ -338,18 +385,28 @@ def _torch_why_not(req: Request) -> Optional[str]:
 
 #: The capability table, SM100 first. Order is preference: the first row that can serve wins.
 BACKENDS: tuple[BackendSpec, ...] = (
-    BackendSpec("flashinfer-cutlass", "cutlass",
-                "SM100/SM103 (10.x, CUDA >= 12.8) and SM110 (11.x, CUDA >= 13.0); fp16/bf16 with out dtype == q dtype, "
-                "tensors reaching < 2**31 elements through their strides; "
-                "head dims 192/128, 128/128, 64/64; causal only with q_len <= kv_len; <= 131072 plan work items",
-                _cutlass_why_not),
-    BackendSpec("flashinfer-fa3", "fa3", "SM90 (9.x); fp16/bf16; head dims 64/64, 128/128, 256/256, 192/128",
-                _fa3_why_not),
-    BackendSpec("flashinfer-fa2", "fa2", "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors reaching "
-                "< 2**32 elements through their strides; head dims multiples of 64 "
-                "up to 256 (192/128 included)", _fa2_why_not),
-    BackendSpec("torch", None, "any device; bfloat16/float16/float32/float64 (blockwise float32 reference)",
-                _torch_why_not),
+    BackendSpec(
+        "flashinfer-cutlass",
+        "cutlass",
+        "SM100/SM103 (10.x, CUDA >= 12.8) and SM110 (11.x, CUDA >= 13.0); fp16/bf16 with out dtype == q dtype, "
+        "tensors reaching < 2**31 elements through their strides; "
+        "head dims 192/128, 128/128, 64/64; causal only with q_len <= kv_len; <= 131072 plan work items",
+        _cutlass_why_not,
+    ),
+    BackendSpec(
+        "flashinfer-fa3", "fa3", "SM90 (9.x); fp16/bf16; head dims 64/64, 128/128, 256/256, 192/128", _fa3_why_not
+    ),
+    BackendSpec(
+        "flashinfer-fa2",
+        "fa2",
+        "SM80 and newer (8.x, 9.x, 10.x, 12.x); fp16/bf16, tensors reaching "
+        "< 2**32 elements through their strides; head dims multiples of 64 "
+        "up to 256 (192/128 included)",
+        _fa2_why_not,
+    ),
+    BackendSpec(
+        "torch", None, "any device; bfloat16/float16/float32/float64 (blockwise float32 reference)", _torch_why_not
+    ),
 )
 #: The names of the backends in the dispatch table, in priority order (what ``backend=`` and ``MLA_BRIDGE_BACKEND``
 #: accept, besides "auto").
@@ -465,7 +522,9 @@ def select_backend(
         capability = (int(capability[0]), int(capability[1]))
     else:
         if device is None:
-            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            dev = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
         elif isinstance(device, torch.device):
             dev = device
         else:
@@ -481,16 +540,38 @@ def select_backend(
         source = ENV_VAR
     key = None
     if capability is None or capability[0] not in CUTLASS_MAJORS:
-        key = (device_type, capability, cuda_version, flashinfer, dtype, out_dtype, head_dim_qk, head_dim_vo, causal,
-               num_heads, requested, source,
-               _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo, strides))
+        key = (
+            device_type,
+            capability,
+            cuda_version,
+            flashinfer,
+            dtype,
+            out_dtype,
+            head_dim_qk,
+            head_dim_vo,
+            causal,
+            num_heads,
+            requested,
+            source,
+            _elements_key(qo_indptr, kv_indptr, num_heads, head_dim_qk, head_dim_vo, strides),
+        )
         choice = _CHOICES.get(key)
         if choice is not None:
             return choice
     req = Request(
-        device_type=device_type, capability=capability, cuda_version=cuda_version, flashinfer=flashinfer, dtype=dtype,
-        out_dtype=out_dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-        qo_indptr=_int_list(qo_indptr), kv_indptr=_int_list(kv_indptr), strides=strides,
+        device_type=device_type,
+        capability=capability,
+        cuda_version=cuda_version,
+        flashinfer=flashinfer,
+        dtype=dtype,
+        out_dtype=out_dtype,
+        head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        causal=causal,
+        num_heads=num_heads,
+        qo_indptr=_int_list(qo_indptr),
+        kv_indptr=_int_list(kv_indptr),
+        strides=strides,
     )
     choice = _walk_table(req, requested, source)
     if key is not None:
@@ -520,11 +601,15 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
     if requested is not None and requested != "auto":
         spec = _BY_NAME.get(requested)
         if spec is None:
-            raise ValueError(f"{source}: unknown backend {requested!r}; expected one of {list(BACKEND_NAMES)} or 'auto'")
+            raise ValueError(
+                f"{source}: unknown backend {requested!r}; expected one of {list(BACKEND_NAMES)} or 'auto'"
+            )
         reason = spec.why_not(req)
         if reason is not None:
-            raise ValueError(f"{source}: backend {requested!r} cannot serve this request on {_cap(capability)} "
-                             f"({reason}); it supports {spec.supports}")
+            raise ValueError(
+                f"{source}: backend {requested!r} cannot serve this request on {_cap(capability)} "
+                f"({reason}); it supports {spec.supports}"
+            )
         return BackendChoice(spec.name, f"forced by {source}")
 
     passed_over: list[tuple[str, str]] = []
@@ -533,8 +618,11 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
         if reason is None:
             why = f"first backend that serves {_cap(capability)}"
             if spec.name == "torch":
-                why = "fallback: no FlashInfer backend serves this request (" + "; ".join(
-                    f"{name}: {r}" for name, r in passed_over) + ")"
+                why = (
+                    "fallback: no FlashInfer backend serves this request ("
+                    + "; ".join(f"{name}: {r}" for name, r in passed_over)
+                    + ")"
+                )
             return BackendChoice(spec.name, why, tuple(passed_over))
         passed_over.append((spec.name, reason))
     raise ValueError("no backend serves this request (" + "; ".join(f"{name}: {r}" for name, r in passed_over) + ")")

@@ -200,8 +200,10 @@ class PrefillGraph:
         self.plans = ()
 
     def __repr__(self) -> str:
-        return (f"PrefillGraph(graphed={self.graphed}, plans={len(self.plans)}, device={self.device}, "
-                f"capture_ms={self.capture_ms:.3f}, memory_bytes={self.memory_bytes}, alive={self.alive})")
+        return (
+            f"PrefillGraph(graphed={self.graphed}, plans={len(self.plans)}, device={self.device}, "
+            f"capture_ms={self.capture_ms:.3f}, memory_bytes={self.memory_bytes}, alive={self.alive})"
+        )
 
 
 def _plan_device(plans: Sequence[Any]) -> torch.device:
@@ -293,9 +295,16 @@ class PrefillLayer:
     kv_cache_scale: Any = None
 
 
-def capture_prefill(plan: PrefillPlan, layers: Sequence[PrefillLayer], block_table: torch.Tensor, *,
-                    return_lse: bool = False, warmup: int = 2, pool: Any = None, kv_impl: Optional[str] = None
-                    ) -> PrefillGraph:
+def capture_prefill(
+    plan: PrefillPlan,
+    layers: Sequence[PrefillLayer],
+    block_table: torch.Tensor,
+    *,
+    return_lse: bool = False,
+    warmup: int = 2,
+    pool: Any = None,
+    kv_impl: Optional[str] = None,
+) -> PrefillGraph:
     """One graph over the prefill attention of every layer of ``plan``'s batch (layer order; each layer its own
     cache, weight and input buffers; ``block_table`` ``[batch, max_blocks]`` shared by all, as in serving).
 
@@ -320,7 +329,20 @@ def capture_prefill(plan: PrefillPlan, layers: Sequence[PrefillLayer], block_tab
             raise TypeError(f"layers[{i}] must be a PrefillLayer, got {type(layer).__name__}")
 
     def forward() -> list:
-        return [mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, return_lse=return_lse,
-                            kv_cache_scale=x.kv_cache_scale, kv_impl=kv_impl) for x in layers]
+        return [
+            mla_prefill(
+                x.q,
+                x.kv_c,
+                x.k_pe,
+                x.kv_b_proj,
+                x.kv_cache,
+                block_table,
+                plan,
+                return_lse=return_lse,
+                kv_cache_scale=x.kv_cache_scale,
+                kv_impl=kv_impl,
+            )
+            for x in layers
+        ]
 
     return capture(forward, plans=[plan], warmup=warmup, pool=pool)

@@ -56,9 +56,13 @@ def refuse_autograd(named: Sequence[tuple[str, Any]]) -> None:
         return
     name, kind = found
     if kind == "grad":
-        raise ValueError(f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
-                         f"backward (its gradient would be lost): run under torch.no_grad() or "
-                         f"torch.inference_mode(), or pass {name}.detach()")
-    raise ValueError(f"{name} carries a forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad), "
-                     f"but mla_bridge's kernels have no derivative (the tangent would be lost): pass "
-                     f"forward_ad.unpack_dual({name}).primal, or run under torch.inference_mode()")
+        raise ValueError(
+            f"{name} requires grad and autograd is recording, but mla_bridge's kernels have no "
+            f"backward (its gradient would be lost): run under torch.no_grad() or "
+            f"torch.inference_mode(), or pass {name}.detach()"
+        )
+    raise ValueError(
+        f"{name} carries a forward-mode tangent (torch.func.jvp / jacfwd, torch.autograd.forward_ad), "
+        f"but mla_bridge's kernels have no derivative (the tangent would be lost): pass "
+        f"forward_ad.unpack_dual({name}).primal, or run under torch.inference_mode()"
+    )

@@ -41,9 +41,21 @@ import torch
 from .cache import fused_latent, gather_rows
 from .weights import CHECKPOINT_LAYOUT, DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
-__all__ = ["kv_impl", "pass_impl", "KV_IMPLS", "KV_MODES", "FUSED_DTYPES", "AUTO_FUSED_DTYPES",
-           "SEPARATE_FROM_ROWS", "SEPARATE_FROM_ROWS_NEW", "SEPARATE_FROM_ROWS_FP8", "capture_rule",
-           "fused_schedule_kv", "new_tokens_kv", "chunk_kv"]
+__all__ = [
+    "kv_impl",
+    "pass_impl",
+    "KV_IMPLS",
+    "KV_MODES",
+    "FUSED_DTYPES",
+    "AUTO_FUSED_DTYPES",
+    "SEPARATE_FROM_ROWS",
+    "SEPARATE_FROM_ROWS_NEW",
+    "SEPARATE_FROM_ROWS_FP8",
+    "capture_rule",
+    "fused_schedule_kv",
+    "new_tokens_kv",
+    "chunk_kv",
+]
 
 #: The implementations a pass can use (module docstring).
 KV_IMPLS = ("fused", "separate")
@@ -108,35 +120,43 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
         TypeError: ``requested`` not a string.
     """
     if requested is not None and not isinstance(requested, str):
-        raise TypeError(f"kv_impl must be a string ({', '.join(KV_IMPLS)} or 'auto') or None, got "
-                        f"{type(requested).__name__}")
+        raise TypeError(
+            f"kv_impl must be a string ({', '.join(KV_IMPLS)} or 'auto') or None, got {type(requested).__name__}"
+        )
     where = "kv_impl" if requested is not None else "MLA_BRIDGE_KV"
     raw = requested if requested is not None else os.environ.get("MLA_BRIDGE_KV", "")
     choice = raw.strip().lower()
     if (requested is None and choice == "") or choice == "auto":
         from .kernels import triton_available
+
         usable = dtype is None or dtype in AUTO_FUSED_DTYPES
         return "auto" if usable and torch.device(device).type == "cuda" and triton_available() else "separate"
     if choice not in KV_IMPLS:
         raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {raw!r}")
     if choice == "fused":
         from .kernels import triton_available, triton_interpreting
+
         if dtype is not None and dtype not in FUSED_DTYPES:
             raise ValueError(f"{where} 'fused' computes bfloat16, float16 or float32, got {dtype}; use 'separate'")
         on_cpu = torch.device(device).type != "cuda"
         if on_cpu and not triton_interpreting():
-            raise ValueError(f"{where} 'fused' runs a Triton kernel: it needs a CUDA device, got {device} "
-                             f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
+            raise ValueError(
+                f"{where} 'fused' runs a Triton kernel: it needs a CUDA device, got {device} "
+                f"(TRITON_INTERPRET=1 runs it on the CPU, for development)"
+            )
         if not triton_available():
             raise ValueError(f"{where} 'fused' needs Triton, which does not import here; use 'separate'")
         if on_cpu and dtype == torch.bfloat16:
-            raise ValueError(f"{where} 'fused' under TRITON_INTERPRET=1 cannot run bfloat16 (the interpreter's "
-                             f"bfloat16 tl.dot is wrong); use float16 or float32 on the CPU")
+            raise ValueError(
+                f"{where} 'fused' under TRITON_INTERPRET=1 cannot run bfloat16 (the interpreter's "
+                f"bfloat16 tl.dot is wrong); use float16 or float32 on the CPU"
+            )
     return choice
 
 
-def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT,
-              capturing: bool = False) -> str:
+def pass_impl(
+    mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT, capturing: bool = False
+) -> str:
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
     weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto" for a pass a CUDA graph will replay
     (``capturing``, inside :func:`capture_rule`: a replay pays no host time per launch), the implementation that is
@@ -182,12 +202,12 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     if layout == CHECKPOINT_LAYOUT:  # a raw weight read in place: its separate passes take the split form
         layout = "split"
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} (or {CHECKPOINT_LAYOUT!r}, taken as 'split'), got "
-                         f"{layout!r}")
+        raise ValueError(
+            f"layout must be one of {LAYOUTS} (or {CHECKPOINT_LAYOUT!r}, taken as 'split'), got {layout!r}"
+        )
     for name, flag in (("gathered", gathered), ("kv_cache_fp8", kv_cache_fp8), ("capturing", capturing)):
         if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r} ({type(flag).__module__}."
-                            f"{type(flag).__qualname__})")
+            raise TypeError(f"{name} must be a bool, got {flag!r} ({type(flag).__module__}.{type(flag).__qualname__})")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be an int >= 0 (key rows of the pass), got {rows!r}")
     if mode != "auto":
@@ -201,8 +221,15 @@ def pass_impl(mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layo
     return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"
 
 
-def _pass_impl(impl: Optional[str], device: torch.device, dtype: torch.dtype, gathered: bool, kv_cache_fp8: bool,
-               rows: int, layout: str) -> str:
+def _pass_impl(
+    impl: Optional[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    gathered: bool,
+    kv_cache_fp8: bool,
+    rows: int,
+    layout: str,
+) -> str:
     """:func:`pass_impl` of the caller's choice ``impl`` (:func:`kv_impl`'s answer; None: asked here), told whether the
     call runs inside :func:`capture_rule` (read only when the answer depends on it: "auto", on CUDA)."""
     mode = impl or kv_impl(device, None, dtype)
@@ -220,12 +247,21 @@ def _split_buffer(n: int, weight: PreparedKVBProj, device: torch.device):
 def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torch.device):
     d = weight.dims
     out = torch.empty(n, d.num_heads, d.head_dim_qk + d.v_head_dim, dtype=dtype, device=device)
-    return out, out[..., : d.head_dim_qk], out[..., d.head_dim_qk:]
+    return out, out[..., : d.head_dim_qk], out[..., d.head_dim_qk :]
 
 
-def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                      kv_cache_scale, weight: PreparedKVBProj, hook: Hook, impl: Optional[str] = None,
-                      gather: Optional[str] = None):
+def fused_schedule_kv(
+    plan,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_cache_scale,
+    weight: PreparedKVBProj,
+    hook: Hook,
+    impl: Optional[str] = None,
+    gather: Optional[str] = None,
+):
     """k, v of the fused schedule's one pass: ``main_kv_indptr[-1]`` keys, each request's context rows (placed by
     ``plan.ctx_dst``) followed by its new tokens (``plan.new_dst``). ``kv_cache`` / ``kv_cache_scale`` as checked by
     :func:`mla_bridge.cache.check_kv_cache`; ``k_pe`` ``[T, rope]``. Calls ``hook("gather")`` before a separate gather
@@ -237,10 +273,21 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     if _pass_impl(impl, plan.device, plan.dtype, True, kv_cache_scale is not None, keys, weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
+
         out, k, v = _kv_buffer(keys, weight, plan.dtype, plan.device)
-        up_project_triton(out, weight, kv_cache=kv_cache, block_table=block_table, req_ids=plan.ctx_req_ids,
-                          positions=plan.ctx_positions, ctx_dst=plan.ctx_dst, kv_c=kv_c, k_pe=k_pe,
-                          new_dst=plan.new_dst, kv_cache_scale=kv_cache_scale)
+        up_project_triton(
+            out,
+            weight,
+            kv_cache=kv_cache,
+            block_table=block_table,
+            req_ids=plan.ctx_req_ids,
+            positions=plan.ctx_positions,
+            ctx_dst=plan.ctx_dst,
+            kv_c=kv_c,
+            k_pe=k_pe,
+            new_dst=plan.new_dst,
+            kv_cache_scale=kv_cache_scale,
+        )
         return k, v
     hook("gather")
     weight = weight._gemm_form()
@@ -250,14 +297,16 @@ def fused_schedule_kv(plan, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: to
     return weight._up_project(latent, buf=buf)
 
 
-def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBProj, hook: Hook,
-                  impl: Optional[str] = None):
+def new_tokens_kv(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBProj, hook: Hook, impl: Optional[str] = None
+):
     """k, v of the new tokens alone (the chunked schedule's main pass): ``kv_c`` ``[T, rank]``, ``k_pe`` ``[T, rope]``.
     Hooks as :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they
     are, the identity layout after concatenating them)."""
     if _pass_impl(impl, kv_c.device, kv_c.dtype, False, False, kv_c.shape[0], weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
+
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
         up_project_triton(out, weight, kv_c=kv_c, k_pe=k_pe)
         return k, v
@@ -265,22 +314,34 @@ def new_tokens_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBPro
     return weight._gemm_form()._up_project(kv_c, k_pe)
 
 
-def chunk_kv(chunk, kv_cache: torch.Tensor, block_table: torch.Tensor, kv_cache_scale, weight: PreparedKVBProj,
-             dtype: torch.dtype, hook: Hook, impl: Optional[str] = None, gather: Optional[str] = None):
+def chunk_kv(
+    chunk,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_cache_scale,
+    weight: PreparedKVBProj,
+    dtype: torch.dtype,
+    hook: Hook,
+    impl: Optional[str] = None,
+    gather: Optional[str] = None,
+):
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows in
     order, named by ``chunk.rows`` (:class:`mla_bridge.cache.ChunkRows`). Hooks as :func:`fused_schedule_kv`."""
     rows = chunk.num_tokens
     if _pass_impl(impl, kv_cache.device, dtype, True, kv_cache_scale is not None, rows, weight.gemm_layout) == "fused":
         hook("up-projection")
         from .kernels.up_project import up_project_triton
+
         out, k, v = _kv_buffer(rows, weight, dtype, kv_cache.device)
-        up_project_triton(out, weight, kv_cache=kv_cache, block_table=block_table, rows=chunk.rows,
-                          kv_cache_scale=kv_cache_scale)
+        up_project_triton(
+            out, weight, kv_cache=kv_cache, block_table=block_table, rows=chunk.rows, kv_cache_scale=kv_cache_scale
+        )
         return k, v
     hook("gather")
     weight = weight._gemm_form()
     buf, k_pe_out = _split_buffer(rows, weight, kv_cache.device)
-    latent = gather_rows(kv_cache, block_table, chunk.rows, dtype=dtype, kv_cache_scale=kv_cache_scale, impl=gather,
-                         k_pe_out=k_pe_out)
+    latent = gather_rows(
+        kv_cache, block_table, chunk.rows, dtype=dtype, kv_cache_scale=kv_cache_scale, impl=gather, k_pe_out=k_pe_out
+    )
     hook("up-projection")
     return weight._up_project(latent, buf=buf)

@@ -51,8 +51,17 @@ from .dispatch import flashinfer_version
 from .inference import refuse_autograd
 from .kernels import triton_available, triton_interpreting
 
-__all__ = ["merge_attn_states", "merge_attn_states_", "select_merge", "MergeChoice", "FLASHINFER_MERGE_HEAD_DIMS",
-           "FLASHINFER_MERGE_ELEMENT_LIMIT", "TORCH_MERGE_PIECE_ELEMENTS", "MERGE_ENV", "MERGE_IMPLS"]
+__all__ = [
+    "merge_attn_states",
+    "merge_attn_states_",
+    "select_merge",
+    "MergeChoice",
+    "FLASHINFER_MERGE_HEAD_DIMS",
+    "FLASHINFER_MERGE_ELEMENT_LIMIT",
+    "TORCH_MERGE_PIECE_ELEMENTS",
+    "MERGE_ENV",
+    "MERGE_IMPLS",
+]
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -63,10 +72,10 @@ TRITON_MERGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: Head dims FlashInfer 0.7.4's merge dispatches (``DISPATCH_HEAD_DIM`` in ``include/flashinfer/utils.cuh``).
 FLASHINFER_MERGE_HEAD_DIMS = (64, 128, 256, 512)
 #: FlashInfer's merge computes element offsets in 32 bits: every piece it is handed holds fewer elements than this.
-FLASHINFER_MERGE_ELEMENT_LIMIT = 2 ** 32
+FLASHINFER_MERGE_ELEMENT_LIMIT = 2**32
 #: The torch merge works in float32 temporaries (about 4 copies of the piece): on CUDA it runs in row pieces of at
 #: most this many elements, so that a merge of any size needs bounded extra memory (2 GiB of float32 per copy).
-TORCH_MERGE_PIECE_ELEMENTS = 2 ** 29
+TORCH_MERGE_PIECE_ELEMENTS = 2**29
 #: The environment variable forcing a merge implementation (one of :data:`MERGE_IMPLS`, or "auto"/unset).
 MERGE_ENV = "MLA_BRIDGE_MERGE"
 MERGE_IMPLS = ("triton", "flashinfer", "torch")
@@ -113,8 +122,15 @@ def _forced_merge() -> Optional[str]:
     return forced
 
 
-def select_merge(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, *, contiguous: bool = True,
-                 flashinfer: Optional[bool] = None, triton: Optional[bool] = None) -> MergeChoice:
+def select_merge(
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device_type: str,
+    *,
+    contiguous: bool = True,
+    flashinfer: Optional[bool] = None,
+    triton: Optional[bool] = None,
+) -> MergeChoice:
     """Which merge serves partials of ``shape = (T, H, D)`` (the one routing rule; see the module docstring).
 
     Args:
@@ -137,20 +153,31 @@ def select_merge(shape: tuple[int, int, int], dtype: torch.dtype, device_type: s
     """
     forced = _forced_merge()
     if forced == "triton" and device_type != "cuda" and not triton_interpreting():
-        raise ValueError(f"{MERGE_ENV}=triton runs a Triton kernel: it needs a CUDA device, got {device_type} "
-                         f"(TRITON_INTERPRET=1 runs it on the CPU, for development)")
+        raise ValueError(
+            f"{MERGE_ENV}=triton runs a Triton kernel: it needs a CUDA device, got {device_type} "
+            f"(TRITON_INTERPRET=1 runs it on the CPU, for development)"
+        )
     if flashinfer is None:
         flashinfer = flashinfer_version() is not None
     if triton is None:
-        triton = (device_type == "cuda" or forced == "triton") and forced not in ("torch", "flashinfer") \
+        triton = (
+            (device_type == "cuda" or forced == "triton")
+            and forced not in ("torch", "flashinfer")
             and triton_available()
-    return _select(tuple(map(int, shape)), dtype, device_type, bool(contiguous), bool(flashinfer), bool(triton),
-                   forced)
+        )
+    return _select(tuple(map(int, shape)), dtype, device_type, bool(contiguous), bool(flashinfer), bool(triton), forced)
 
 
 @functools.lru_cache(maxsize=1024)
-def _select(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, contiguous: bool, flashinfer: bool,
-            triton: bool, forced: Optional[str]) -> MergeChoice:
+def _select(
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device_type: str,
+    contiguous: bool,
+    flashinfer: bool,
+    triton: bool,
+    forced: Optional[str],
+) -> MergeChoice:
     t, h, d = shape
     row = max(1, h * d)
     torch_rows = _torch_rows(t, h, d, device_type)
@@ -169,10 +196,14 @@ def _select(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, c
             raise ValueError(f"{MERGE_ENV}=triton: the Triton merge takes float16/bfloat16/float32, got {dtype}")
         return MergeChoice("triton", f"forced by {MERGE_ENV}=triton", max(1, t))
     if forced is None and device_type == "cuda" and triton and dtype in TRITON_MERGE_DTYPES:
-        return MergeChoice("triton", "mla_bridge's Triton merge (one launch, natural-log LSE, int64 offsets)",
-                           max(1, t))
-    why_not_triton = "" if forced is not None or device_type != "cuda" or dtype not in TRITON_MERGE_DTYPES \
+        return MergeChoice(
+            "triton", "mla_bridge's Triton merge (one launch, natural-log LSE, int64 offsets)", max(1, t)
+        )
+    why_not_triton = (
+        ""
+        if forced is not None or device_type != "cuda" or dtype not in TRITON_MERGE_DTYPES
         else "Triton does not import; "
+    )
     if device_type != "cuda":
         return use_torch(f"FlashInfer's merge needs CUDA, got {device_type}")
     if not flashinfer:
@@ -180,8 +211,9 @@ def _select(shape: tuple[int, int, int], dtype: torch.dtype, device_type: str, c
     if dtype not in _HALF:
         return use_torch(f"FlashInfer's merge takes float16/bfloat16, got {dtype}")
     if d not in FLASHINFER_MERGE_HEAD_DIMS:
-        return use_torch(why_not_triton + f"head_dim {d} not in FlashInfer's merge head dims "
-                         f"{list(FLASHINFER_MERGE_HEAD_DIMS)}")
+        return use_torch(
+            why_not_triton + f"head_dim {d} not in FlashInfer's merge head dims {list(FLASHINFER_MERGE_HEAD_DIMS)}"
+        )
     if not contiguous:
         return use_torch(why_not_triton + "out_a / out_b not contiguous")
     rows = (FLASHINFER_MERGE_ELEMENT_LIMIT - 1) // row  # each piece: rows * h * d < 2**32
@@ -227,8 +259,12 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
 
 
 def _choice(out_a: torch.Tensor, out_b: torch.Tensor) -> MergeChoice:
-    return select_merge(cast("tuple[int, int, int]", tuple(out_a.shape)), out_a.dtype, out_a.device.type,
-                        contiguous=out_a.is_contiguous() and out_b.is_contiguous())
+    return select_merge(
+        cast("tuple[int, int, int]", tuple(out_a.shape)),
+        out_a.dtype,
+        out_a.device.type,
+        contiguous=out_a.is_contiguous() and out_b.is_contiguous(),
+    )
 
 
 def _as_base2(lse: torch.Tensor) -> torch.Tensor:
@@ -236,8 +272,9 @@ def _as_base2(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(lse == float("inf"), float("-inf"), lse).mul_(_LOG2E).contiguous()
 
 
-def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
-                       lse_b_base: str = "ln") -> None:
+def merge_attn_states_(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *, lse_b_base: str = "ln"
+) -> None:
     """In-place merge: ``(out, lse) <- merge((out, lse), (out_b, lse_b))``. Same conventions as
     :func:`merge_attn_states`; ``out`` and ``lse`` must be writable (``lse`` contiguous). On CUDA with Triton this is
     one kernel launch (:mod:`mla_bridge.kernels.merge`); ``out`` / ``out_b`` may have any strides.
@@ -258,8 +295,10 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
     if not lse.is_contiguous():
         raise ValueError("lse must be contiguous to be merged in place")
     if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
-        raise ValueError(f"out must not overlap itself to be merged in place (an expanded view: shape "
-                         f"{list(out.shape)}, strides {list(out.stride())}); pass a tensor of its own")
+        raise ValueError(
+            f"out must not overlap itself to be merged in place (an expanded view: shape "
+            f"{list(out.shape)}, strides {list(out.stride())}); pass a tensor of its own"
+        )
     if lse_b_base != "ln" and lse_b_base != "log2":
         raise ValueError(f"lse_b_base must be 'ln' (natural log) or 'log2', got {lse_b_base!r}")
     log2 = lse_b_base == "log2"
@@ -279,8 +318,11 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
 
             g = choice.heads_per_row
             s = _as_base2(lse[r])
-            s_b = torch.where(lse_b[r] == float("inf"), float("-inf"), lse_b[r]).contiguous() if log2 \
+            s_b = (
+                torch.where(lse_b[r] == float("inf"), float("-inf"), lse_b[r]).contiguous()
+                if log2
                 else _as_base2(lse_b[r])
+            )
             merge_state_in_place(out[r].view(-1, g, d), s.view(-1, g), out_b[r].view(-1, g, d), s_b.view(-1, g))
             torch.mul(s, _LN2, out=lse[r])
         else:
@@ -289,8 +331,16 @@ def merge_attn_states_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor
             lse[r].copy_(new_lse)
 
 
-def merge_planned_(choice: MergeChoice, out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor, *, lse_b_base: str = "ln", dst: Optional[torch.Tensor] = None) -> None:
+def merge_planned_(
+    choice: MergeChoice,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    lse_b_base: str = "ln",
+    dst: Optional[torch.Tensor] = None,
+) -> None:
     """:func:`merge_attn_states_` for partials whose shapes, dtypes, devices and layout the caller guarantees
     (:func:`mla_bridge.mla_prefill`: the plan fixes every one of them, and ``out`` / ``lse`` are its own contiguous
     row slices), with ``choice`` = :func:`select_merge` of ``(1, H, D)`` in ``out_b``'s dtype made once per call.
@@ -329,8 +379,9 @@ def merge_planned_(choice: MergeChoice, out: torch.Tensor, lse: torch.Tensor, ou
         lse[r].copy_(new_lse)
 
 
-def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attn_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention partials over disjoint key sets (the kernel: :func:`select_merge`).
 
     Args:
@@ -375,14 +426,16 @@ def _merge_piece(choice: MergeChoice, out_a, lse_a, out_b, lse_b) -> tuple[torch
 
         t, h, d = out_a.shape
         g = choice.heads_per_row
-        v, s = merge_state(out_a.view(-1, g, d), _as_base2(lse_a).view(-1, g), out_b.view(-1, g, d),
-                           _as_base2(lse_b).view(-1, g))
+        v, s = merge_state(
+            out_a.view(-1, g, d), _as_base2(lse_a).view(-1, g), out_b.view(-1, g, d), _as_base2(lse_b).view(-1, g)
+        )
         return v.view(t, h, d), s.view(t, h).mul_(_LN2)
     return _merge_torch(out_a, lse_a, out_b, lse_b)
 
 
-def _merge_torch(out_a, lse_a, out_b, lse_b, dtype: Optional[torch.dtype] = None, inf_empty: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_torch(
+    out_a, lse_a, out_b, lse_b, dtype: Optional[torch.dtype] = None, inf_empty: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 merge; out returned in ``dtype`` (default out_a's), lse float32. ``inf_empty``: an LSE of +inf
     marks an empty partial (else it is an infinite logit: the merged row comes out non-finite)."""
     neg_inf = torch.tensor(float("-inf"), device=lse_a.device)

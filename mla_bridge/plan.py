@@ -77,8 +77,9 @@ class ContextChunk:
     def spans(self) -> tuple[tuple[int, int, int], ...]:
         kv = self.kv_indptr.tolist()
         starts = [self.first_start] + [0] * (len(kv) - 2)
-        return tuple((r, s, s + b - a) for r, s, a, b in zip(range(self.req_start, self.req_end), starts, kv, kv[1:])
-                     if b > a)
+        return tuple(
+            (r, s, s + b - a) for r, s, a, b in zip(range(self.req_start, self.req_end), starts, kv, kv[1:]) if b > a
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -151,6 +152,7 @@ def _lengths(name: str, values: Sequence[int]) -> list[int]:
         if isinstance(v, bool) or not isinstance(v, int):
             try:
                 import numpy as np
+
                 if not isinstance(v, np.integer):
                     raise TypeError
                 v = int(v)
@@ -169,8 +171,9 @@ def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> tuple[int, int]:
     for name, lens in (("query_lens", q_lens), ("context_lens", c_lens)):
         total = sum(lens)
         if total > INT32_MAX:
-            raise ValueError(f"{name} sum to {total} tokens, beyond what an int32 indptr holds "
-                             f"(2**31 - 1 = {INT32_MAX} tokens)")
+            raise ValueError(
+                f"{name} sum to {total} tokens, beyond what an int32 indptr holds (2**31 - 1 = {INT32_MAX} tokens)"
+            )
         totals.append(total)
     return totals[0], totals[1]
 
@@ -185,7 +188,7 @@ CHUNK_HOST_BYTES = 1024
 
 
 def _bytes_text(n: int) -> str:
-    return f"{n} bytes" if n < 2 ** 20 else f"{n / 2 ** 20:.1f} MiB" if n < 2 ** 30 else f"{n / 2 ** 30:.1f} GiB"
+    return f"{n} bytes" if n < 2**20 else f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
 
 
 def _check_chunk_count(total_context: int, chunk_tokens: int) -> None:
@@ -202,7 +205,8 @@ def _check_chunk_count(total_context: int, chunk_tokens: int) -> None:
             f"{chunk_tokens} tokens, more than a plan holds ({MAX_CONTEXT_CHUNKS}, MAX_CONTEXT_CHUNKS); they would take "
             f"about {_bytes_text(chunks * CHUNK_HOST_BYTES)} of host memory ({CHUNK_HOST_BYTES} bytes each) and "
             f"{chunks} passes per layer. Raise the workspace's chunk budget (Workspace(chunk_tokens=...)) to "
-            f"chunk_tokens >= {-(-total_context // MAX_CONTEXT_CHUNKS)}")
+            f"chunk_tokens >= {-(-total_context // MAX_CONTEXT_CHUNKS)}"
+        )
 
 
 def _check_fuse_context(fuse_context) -> None:
@@ -272,10 +276,20 @@ class PrefillPlan:
         raise TypeError("use PrefillPlan.build(query_lens, context_lens, dims=..., workspace=..., block_size=..., ...)")
 
     @classmethod
-    def build(cls, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
-              workspace: Workspace, block_size: int, device: "torch.device | str | None" = None,
-              dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None,
-              fuse_context: bool = True, kv_cache_dtype=None) -> "PrefillPlan":
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Optional[Sequence[int]] = None,
+        *,
+        dims: MLADims,
+        workspace: Workspace,
+        block_size: int,
+        device: "torch.device | str | None" = None,
+        dtype: torch.dtype = torch.bfloat16,
+        backend: Optional[str] = None,
+        fuse_context: bool = True,
+        kv_cache_dtype=None,
+    ) -> "PrefillPlan":
         """Plan a batch once: indptrs, the context-chunk schedule, and one :class:`RaggedPlan` per pass.
 
         Args:
@@ -330,9 +344,14 @@ class PrefillPlan:
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
         # Every pass shares these sizes: checked once here, before any index tensor or plan is made.
-        self._sizes = _checked_plan_sizes(num_heads=dims.num_heads, head_dim_qk=dims.head_dim_qk,
-                                          head_dim_vo=dims.head_dim_vo, sm_scale=dims.softmax_scale, dtype=dtype,
-                                          workspace=workspace)
+        self._sizes = _checked_plan_sizes(
+            num_heads=dims.num_heads,
+            head_dim_qk=dims.head_dim_qk,
+            head_dim_vo=dims.head_dim_vo,
+            sm_scale=dims.softmax_scale,
+            dtype=dtype,
+            workspace=workspace,
+        )
         self._backend = backend
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype
         self.query_lens, self.context_lens = q_lens, c_lens
@@ -357,8 +376,11 @@ class PrefillPlan:
         # 32-bit offset limit (mla_bridge.dispatch.OFFSET_LIMITS), so fusing never changes which backend serves the
         # main pass.
         self._kv_row = dims.num_heads * (dims.head_dim_qk + dims.head_dim_vo)  # elements per key token
-        self.fused = (fuse_context and 0 < self._num_gathered <= workspace.chunk_tokens
-                      and fused_keys * self._kv_row < min(OFFSET_LIMITS.values()))
+        self.fused = (
+            fuse_context
+            and 0 < self._num_gathered <= workspace.chunk_tokens
+            and fused_keys * self._kv_row < min(OFFSET_LIMITS.values())
+        )
         self.chunks = []
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         self._device_indices = []
@@ -372,8 +394,9 @@ class PrefillPlan:
             _check_chunk_count(total_context, workspace.chunk_tokens)  # before any chunk or pass is made
             kv_host, self.main_kv_indptr = qo_host, self.qo_indptr  # keys = queries; neither is ever written
             self.chunks = self._plan_chunks(qo, qo_host)
-        self.main = self._plan_pass(qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new,
-                                    self.qo_indptr, self.main_kv_indptr)
+        self.main = self._plan_pass(
+            qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new, self.qo_indptr, self.main_kv_indptr
+        )
         self._streams_seen, self._ready = set(), None
         if self._device_indices:
             ptr, stream = current_stream(dev)
@@ -418,15 +441,31 @@ class PrefillPlan:
             t.record_stream(stream)
         self._streams_seen.add(ptr)
 
-    def _plan_pass(self, qo: np.ndarray, kv: np.ndarray, causal: bool, num_qo_tokens: int, num_kv_tokens: int,
-                   qo_indptr: Optional[torch.Tensor] = None, kv_indptr: Optional[torch.Tensor] = None) -> RaggedPlan:
+    def _plan_pass(
+        self,
+        qo: np.ndarray,
+        kv: np.ndarray,
+        causal: bool,
+        num_qo_tokens: int,
+        num_kv_tokens: int,
+        qo_indptr: Optional[torch.Tensor] = None,
+        kv_indptr: Optional[torch.Tensor] = None,
+    ) -> RaggedPlan:
         """One pass's :class:`RaggedPlan`: int32 indptrs ``qo``, ``kv`` made here from checked lengths (their last
         entries, the token counts, known here; ``qo_indptr`` / ``kv_indptr``: the tensors viewing them where made
         already), sizes checked and the device's capability read once in :meth:`build`."""
-        return _plan_checked(torch.from_numpy(qo) if qo_indptr is None else qo_indptr,
-                             torch.from_numpy(kv) if kv_indptr is None else kv_indptr, causal=causal,
-                             backend=self._backend, num_qo_tokens=num_qo_tokens, num_kv_tokens=num_kv_tokens,
-                             host=(qo, kv), capability=self._capability, strides=self._kv_strides(), **self._sizes)
+        return _plan_checked(
+            torch.from_numpy(qo) if qo_indptr is None else qo_indptr,
+            torch.from_numpy(kv) if kv_indptr is None else kv_indptr,
+            causal=causal,
+            backend=self._backend,
+            num_qo_tokens=num_qo_tokens,
+            num_kv_tokens=num_kv_tokens,
+            host=(qo, kv),
+            capability=self._capability,
+            strides=self._kv_strides(),
+            **self._sizes,
+        )
 
     def _kv_strides(self) -> tuple:
         """The ``(q, k, v)`` strides every pass is planned with (:func:`mla_bridge.select_backend`): q as the caller's
@@ -447,9 +486,17 @@ class PrefillPlan:
         if self.device.type != "cuda" or step * self._kv_row < min(OFFSET_LIMITS.values()):
             return step
         s = self._sizes
-        choice = select_backend(self.device, capability=self._capability, dtype=s["dtype"], out_dtype=s["dtype"],
-                                head_dim_qk=s["head_dim_qk"], head_dim_vo=s["head_dim_vo"], causal=False,
-                                num_heads=s["num_heads"], requested=self._backend)
+        choice = select_backend(
+            self.device,
+            capability=self._capability,
+            dtype=s["dtype"],
+            out_dtype=s["dtype"],
+            head_dim_qk=s["head_dim_qk"],
+            head_dim_vo=s["head_dim_vo"],
+            causal=False,
+            num_heads=s["num_heads"],
+            requested=self._backend,
+        )
         limit = OFFSET_LIMITS.get(choice.name)
         return step if limit is None else max(1, min(step, (limit - 1) // self._kv_row))
 
@@ -501,7 +548,8 @@ class PrefillPlan:
         flat = self._expand(counts, firsts, counting_runs=3 * b)
         n_ctx, n_new = self._num_gathered, self._num_tokens
         self.ctx_positions, self.ctx_dst, self.new_dst, self.ctx_req_ids = flat.split_with_sizes(
-            [n_ctx, n_ctx, n_new, n_ctx])
+            [n_ctx, n_ctx, n_new, n_ctx]
+        )
 
     def _plan_chunks(self, qo_list: list[int], qo_all: np.ndarray) -> list[ContextChunk]:
         """The chunks of :func:`schedule_context_chunks`, with O(1) numpy calls plus O(1) work per chunk: all context
@@ -540,7 +588,7 @@ class PrefillPlan:
         for start, size, (req_start, req_end, q_start, q_end) in zip(starts, sizes, bounds):
             # The chunk's keys: the stream's [start, start + size) cut at its requests' edges (only the first
             # request begins before the chunk, only the last ends after it).
-            kv = cum[req_start:req_end + 1] - start
+            kv = cum[req_start : req_end + 1] - start
             kv[0], kv[-1] = 0, size
             plan = None
             if q_end > q_start:
@@ -548,8 +596,14 @@ class PrefillPlan:
                 key = (kv.tobytes(), tuple(q_lens[req_start:req_end]))
                 plan = plans.get(key)
                 if plan is None:
-                    plan = plans[key] = self._plan_pass(qo_all[req_start:req_end + 1] - q_start, kv, False,
-                                                        q_end - q_start, size, kv_indptr=torch.from_numpy(kv))
+                    plan = plans[key] = self._plan_pass(
+                        qo_all[req_start : req_end + 1] - q_start,
+                        kv,
+                        False,
+                        q_end - q_start,
+                        size,
+                        kv_indptr=torch.from_numpy(kv),
+                    )
                 kv_indptr = plan.kv_indptr  # equal values: the first chunk of this shape's tensor
             else:
                 kv_indptr = torch.from_numpy(kv)
@@ -557,13 +611,19 @@ class PrefillPlan:
         chunks = []
         device_kv = None if on_cpu else self._device_kv_indptrs(made)
         for i, ((kv_indptr, first, plan), (req_start, req_end, q_start, q_end), (part_row, merge_rows)) in enumerate(
-                zip(made, bounds, rounds)):
+            zip(made, bounds, rounds)
+        ):
             # mypy drops ChunkRows's default for indices (it takes INDEX_BYTES in the class body for a bad field), and
             # device_kv is a list wherever on_cpu is false
-            rows = ChunkRows(kv_indptr if on_cpu else device_kv[i],  # type: ignore[call-arg,index]
-                             req_start, first, sizes[i])
-            chunks.append(ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first, plan, rows, part_row,
-                                       merge_rows))
+            rows = ChunkRows(
+                kv_indptr if on_cpu else device_kv[i],  # type: ignore[call-arg,index]
+                req_start,
+                first,
+                sizes[i],
+            )
+            chunks.append(
+                ContextChunk(req_start, req_end, q_start, q_end, kv_indptr, first, plan, rows, part_row, merge_rows)
+            )
         return chunks
 
     def _device_kv_indptrs(self, made: list) -> list:
@@ -594,9 +654,19 @@ class PrefillPlan:
         for as they were at :meth:`build`): what :class:`PlanCache` keys it by. Made on first use and kept."""
         key = self._key
         if key is None:
-            key = self._key = _plan_key(self.query_lens, self.context_lens, self.dims, self.workspace,
-                                        self.block_size, self.device, self.dtype, self._requested, self._fuse_context,
-                                        self.kv_cache_dtype, self._chunk_tokens)
+            key = self._key = _plan_key(
+                self.query_lens,
+                self.context_lens,
+                self.dims,
+                self.workspace,
+                self.block_size,
+                self.device,
+                self.dtype,
+                self._requested,
+                self._fuse_context,
+                self.kv_cache_dtype,
+                self._chunk_tokens,
+            )
         return key
 
     @property
@@ -635,8 +705,9 @@ class PrefillPlan:
         :attr:`num_tokens`)."""
         rows = self.__dict__.get("_partial_rows")
         if rows is None:
-            rows = self._partial_rows = max((c.merge_rows[1] - c.merge_rows[0] for c in self.chunks
-                                             if c.merge_rows is not None), default=0)
+            rows = self._partial_rows = max(
+                (c.merge_rows[1] - c.merge_rows[0] for c in self.chunks if c.merge_rows is not None), default=0
+            )
         return rows
 
     @property
@@ -648,8 +719,9 @@ class PrefillPlan:
         found = self.__dict__.get("_offset_limit")
         if found is None:
             passes = [self.main] + [c.plan for c in self.chunks if c.plan is not None]
-            limits = [(OFFSET_LIMITS[p.backend.name], p.backend.name) for p in passes
-                      if p.backend.name in OFFSET_LIMITS]
+            limits = [
+                (OFFSET_LIMITS[p.backend.name], p.backend.name) for p in passes if p.backend.name in OFFSET_LIMITS
+            ]
             found = self._offset_limit = min(limits) if limits else (None, None)
         return found
 
@@ -692,8 +764,9 @@ class PrefillPlan:
     def _merge_schedule(self) -> tuple:
         made = self.__dict__.get("_merge_steps")
         if made is None:
-            made = self._merge_steps = _merge_steps([c.merge_rows for c in self.chunks],
-                                                    running=self.dtype.itemsize < 4)
+            made = self._merge_steps = _merge_steps(
+                [c.merge_rows for c in self.chunks], running=self.dtype.itemsize < 4
+            )
         return made
 
     @property
@@ -703,9 +776,11 @@ class PrefillPlan:
         return 1 + len({id(c.plan) for c in self.chunks if c.plan is not None})
 
     def __repr__(self) -> str:
-        return (f"PrefillPlan(batch={self.batch_size}, new_tokens={self.num_tokens}, "
-                f"context_tokens={self.num_context_tokens}, fused={self.fused}, chunks={len(self.chunks)}, "
-                f"backend={self.backend.name!r})")
+        return (
+            f"PrefillPlan(batch={self.batch_size}, new_tokens={self.num_tokens}, "
+            f"context_tokens={self.num_context_tokens}, fused={self.fused}, chunks={len(self.chunks)}, "
+            f"backend={self.backend.name!r})"
+        )
 
 
 def _merge_rounds(rows: Sequence[tuple[int, int]]) -> list[tuple[int, Optional[tuple[int, int]]]]:
@@ -766,8 +841,12 @@ def _merge_steps(merge_rows: Sequence[Optional[tuple[int, int]]], running: bool)
         before = min(e, max(s, merges[k - 1][1])) if k else s  # [s, before): read from the running out
         again = max(s, min(e, merges[k + 1][0])) if k + 1 < len(merges) else e  # [again, e): written to it
         cuts = sorted({s, before, again, e})
-        out.append(tuple((lo, hi, lo - s if lo < before else None, lo - again if lo >= again else None)
-                         for lo, hi in zip(cuts, cuts[1:])))
+        out.append(
+            tuple(
+                (lo, hi, lo - s if lo < before else None, lo - again if lo >= again else None)
+                for lo, hi in zip(cuts, cuts[1:])
+            )
+        )
         width = max(width, e - again)
         k += 1
     return tuple(out), width
@@ -800,8 +879,9 @@ def _expand_impl(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton_available() else "torch"
 
 
-def _expand_on_device(table: np.ndarray, total: int, counting: int,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _expand_on_device(
+    table: np.ndarray, total: int, counting: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The device half of :meth:`PrefillPlan._expand` in torch ops (the fallback where Triton does not import): one
     copy and four kernels whatever the batch. From ``table`` (int64 ``[2, runs]``: where each run ends in the output,
     and its base value), the int64 ``[total]`` output ``out[t] = base[run holding t] + (t if t < counting else 0)`` on
@@ -816,8 +896,9 @@ def _expand_on_device(table: np.ndarray, total: int, counting: int,
     return out, host
 
 
-def _expand_on_device_triton(table: np.ndarray, total: int, counting: int,
-                             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _expand_on_device_triton(
+    table: np.ndarray, total: int, counting: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_expand_on_device` with ONE Triton kernel for the four torch ones (:func:`_launch_expand`): the same
     copy of the page-locked table, then an output allocation and a launch on the current stream."""
     host = _page_locked(table)
@@ -838,16 +919,37 @@ def _requested_backend(backend: Optional[str]) -> Optional[str]:
     return backend if backend is not None else (os.environ.get(ENV_VAR) or None)
 
 
-def _plan_key(q_lens: list, c_lens: list, dims: MLADims, workspace: Workspace, block_size: int, device: torch.device,
-              dtype: torch.dtype, requested: Optional[str], fuse_context: bool, kv_cache_dtype: torch.dtype,
-              chunk_tokens: int) -> tuple:
+def _plan_key(
+    q_lens: list,
+    c_lens: list,
+    dims: MLADims,
+    workspace: Workspace,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    requested: Optional[str],
+    fuse_context: bool,
+    kv_cache_dtype: torch.dtype,
+    chunk_tokens: int,
+) -> tuple:
     """Everything a :class:`PrefillPlan` depends on, hashable: per-request query and context lengths, dims (sizes and
     softmax scale), dtype, the cache dtype (resolved: ``"fp8"`` and ``torch.uint8`` are one key), block size, the chunk
     budget (``chunk_tokens``: ``workspace.chunk_tokens`` when the plan is made or asked for), the backend asked for
     (``requested``: :func:`_requested_backend`), the schedule switch, the workspace (by identity: a plan holds its
     wrappers) and the device."""
-    return (tuple(q_lens), tuple(c_lens), dims, dtype, kv_cache_dtype, block_size, chunk_tokens, requested,
-            bool(fuse_context), id(workspace), device)
+    return (
+        tuple(q_lens),
+        tuple(c_lens),
+        dims,
+        dtype,
+        kv_cache_dtype,
+        block_size,
+        chunk_tokens,
+        requested,
+        bool(fuse_context),
+        id(workspace),
+        device,
+    )
 
 
 class PlanCache:
@@ -878,10 +980,20 @@ class PlanCache:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
-    def get(self, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *, dims: MLADims,
-            workspace: Workspace, block_size: int, device: "torch.device | str | None" = None,
-            dtype: torch.dtype = torch.bfloat16, backend: Optional[str] = None,
-            fuse_context: bool = True, kv_cache_dtype=None) -> PrefillPlan:
+    def get(
+        self,
+        query_lens: Sequence[int],
+        context_lens: Optional[Sequence[int]] = None,
+        *,
+        dims: MLADims,
+        workspace: Workspace,
+        block_size: int,
+        device: "torch.device | str | None" = None,
+        dtype: torch.dtype = torch.bfloat16,
+        backend: Optional[str] = None,
+        fuse_context: bool = True,
+        kv_cache_dtype=None,
+    ) -> PrefillPlan:
         """The plan of :meth:`PrefillPlan.build` for these arguments: a kept one whose key is equal, else a new one
         (kept). Same arguments and errors as :meth:`PrefillPlan.build`."""
         q_lens = _lengths("query_lens", query_lens)
@@ -892,17 +1004,37 @@ class PlanCache:
         block_size = _positive_int("block_size", block_size)
         if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
             dev = workspace.device if device is None else _checked_device(device)
-            key = _plan_key(q_lens, c_lens, dims, workspace, block_size, dev, dtype, _requested_backend(backend),
-                            fuse_context, resolve_kv_cache_dtype(kv_cache_dtype, dtype), workspace.chunk_tokens)
+            key = _plan_key(
+                q_lens,
+                c_lens,
+                dims,
+                workspace,
+                block_size,
+                dev,
+                dtype,
+                _requested_backend(backend),
+                fuse_context,
+                resolve_kv_cache_dtype(kv_cache_dtype, dtype),
+                workspace.chunk_tokens,
+            )
             with self._lock:  # another thread's eviction must not come between the look-up and the reordering
                 plan = self._plans.get(key)
                 if plan is not None:
                     self._plans.move_to_end(key)
                     self.hits += 1
                     return plan
-        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size, device=device,
-                                 dtype=dtype, backend=backend, fuse_context=fuse_context,
-                                 kv_cache_dtype=kv_cache_dtype)  # outside the lock: FlashInfer plans take time
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=dims,
+            workspace=workspace,
+            block_size=block_size,
+            device=device,
+            dtype=dtype,
+            backend=backend,
+            fuse_context=fuse_context,
+            kv_cache_dtype=kv_cache_dtype,
+        )  # outside the lock: FlashInfer plans take time
         if key is not None:  # the plan's key: the same arguments, read at the same moment (not made twice)
             plan._key = key
         key = plan.key

@@ -54,16 +54,37 @@ from .plan import PrefillPlan
 from .ragged import _not_a_bool, _offsets_why_not, shares_memory
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
-__all__ = ["mla_prefill", "validate_prefill_inputs", "up_projection_weight", "prefill_memory_bytes", "kernel_choices",
-           "ENV_SWITCHES"]
+__all__ = [
+    "mla_prefill",
+    "validate_prefill_inputs",
+    "up_projection_weight",
+    "prefill_memory_bytes",
+    "kernel_choices",
+    "ENV_SWITCHES",
+]
 
 #: The environment switches of mla_bridge's kernel choices (each read by its own chooser, per call).
-ENV_SWITCHES = ("MLA_BRIDGE_BACKEND", "MLA_BRIDGE_KV", "MLA_BRIDGE_GATHER", "MLA_BRIDGE_MERGE",
-                "MLA_BRIDGE_FLASHINFER_DIRECT", "MLA_BRIDGE_TRITON_LAUNCH")
+ENV_SWITCHES = (
+    "MLA_BRIDGE_BACKEND",
+    "MLA_BRIDGE_KV",
+    "MLA_BRIDGE_GATHER",
+    "MLA_BRIDGE_MERGE",
+    "MLA_BRIDGE_FLASHINFER_DIRECT",
+    "MLA_BRIDGE_TRITON_LAUNCH",
+)
 
 
-def validate_prefill_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan: PrefillPlan,
-                            out: Optional[torch.Tensor] = None, kv_cache_scale=None) -> torch.Tensor:
+def validate_prefill_inputs(
+    q,
+    kv_c,
+    k_pe,
+    kv_b_proj_weight,
+    kv_cache,
+    block_table,
+    plan: PrefillPlan,
+    out: Optional[torch.Tensor] = None,
+    kv_cache_scale=None,
+) -> torch.Tensor:
     """Check every :func:`mla_prefill` input against ``plan`` on the host; returns ``k_pe`` as ``[T, rope]``.
     ``kv_b_proj_weight`` may be raw or a :class:`mla_bridge.PreparedKVBProj` (checked for the plan's dims, dtype and
     device by :func:`mla_bridge.weights.as_prepared`).
@@ -112,14 +133,19 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
         if x.dtype != plan.dtype and name not in ("block_table", "kv_cache"):
             raise TypeError(f"{name} must have dtype {plan.dtype} (the plan's), got {x.dtype}")
     # no backward: a gradient would be lost (on CUDA silently); the scale and a prepared weight's tensor too
-    refuse_autograd(named + ((("kv_b_proj_weight.weight", kv_b_proj_weight.weight),) if prepared else ())
-                     + (("kv_cache_scale", kv_cache_scale),))
+    refuse_autograd(
+        named
+        + ((("kv_b_proj_weight.weight", kv_b_proj_weight.weight),) if prepared else ())
+        + (("kv_cache_scale", kv_cache_scale),)
+    )
     checked_cache, scale = check_kv_cache(kv_cache, kv_cache_scale, plan.kv_cache_dtype)
     if q.dim() != 3 or q.shape[0] != t:
         raise ValueError(f"q must be [T={t} (qo_indptr[-1]), H, head_dim_qk], got {list(q.shape)}")
     if q.shape[1:] != (d.num_heads, d.head_dim_qk):
-        raise ValueError(f"q must be [T, H={d.num_heads}, head_dim_qk={d.head_dim_qk}] (qk_nope_head_dim "
-                         f"{d.qk_nope_head_dim} + qk_rope_head_dim {d.qk_rope_head_dim}), got {list(q.shape)}")
+        raise ValueError(
+            f"q must be [T, H={d.num_heads}, head_dim_qk={d.head_dim_qk}] (qk_nope_head_dim "
+            f"{d.qk_nope_head_dim} + qk_rope_head_dim {d.qk_rope_head_dim}), got {list(q.shape)}"
+        )
     if not q.is_contiguous():  # the passes were planned for a contiguous q: a strided one must reach no farther
         limit, backend = plan.offset_limit
         reason = None if limit is None else _offsets_why_not("q", q, limit, backend)
@@ -130,31 +156,43 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
         k_pe = k_pe.squeeze(1)
     if k_pe.shape != (t, d.qk_rope_head_dim):
-        raise ValueError(f"k_pe must be [T={t}, qk_rope_head_dim={d.qk_rope_head_dim}] or "
-                         f"[T, 1, {d.qk_rope_head_dim}], got {list(k_pe.shape)}")
+        raise ValueError(
+            f"k_pe must be [T={t}, qk_rope_head_dim={d.qk_rope_head_dim}] or "
+            f"[T, 1, {d.qk_rope_head_dim}], got {list(k_pe.shape)}"
+        )
     if not prepared and kv_b_proj_weight.shape != d.kv_b_proj_shape:
-        raise ValueError(f"kv_b_proj_weight must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = "
-                         f"{list(d.kv_b_proj_shape)}, got {list(kv_b_proj_weight.shape)}")
+        raise ValueError(
+            f"kv_b_proj_weight must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = "
+            f"{list(d.kv_b_proj_shape)}, got {list(kv_b_proj_weight.shape)}"
+        )
     if kv_cache.dim() != 3 or kv_cache.shape[1:] != (plan.block_size, d.latent_dim):
-        raise ValueError(f"kv_cache must be [num_blocks, block_size={plan.block_size}, "
-                         f"kv_lora_rank+qk_rope_head_dim={d.latent_dim}], got {list(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [num_blocks, block_size={plan.block_size}, "
+            f"kv_lora_rank+qk_rope_head_dim={d.latent_dim}], got {list(kv_cache.shape)}"
+        )
     if block_table.dtype not in _BLOCK_ID_DTYPES:
-        raise TypeError(f"block_table must hold integer block ids (int32 / int64, or int8 / int16 / uint8), got "
-                        f"{block_table.dtype}")
+        raise TypeError(
+            f"block_table must hold integer block ids (int32 / int64, or int8 / int16 / uint8), got {block_table.dtype}"
+        )
     if block_table.dim() != 2 or block_table.shape[0] != plan.batch_size:
-        raise ValueError(f"block_table must be [num_requests={plan.batch_size}, max_blocks], "
-                         f"got {list(block_table.shape)}")
+        raise ValueError(
+            f"block_table must be [num_requests={plan.batch_size}, max_blocks], got {list(block_table.shape)}"
+        )
     capacity = kv_cache.shape[0] * plan.block_size
     longest = max(plan.context_lens, default=0)  # per layer: the per-request loop (and its messages) only on failure
     ok = longest <= capacity and -(-longest // plan.block_size) <= block_table.shape[1]
     for r, c in enumerate(() if ok else plan.context_lens):
         if c > capacity:
-            raise ValueError(f"context_lens[{r}] = {c} tokens is longer than the cache ({kv_cache.shape[0]} blocks "
-                             f"x {plan.block_size})")
+            raise ValueError(
+                f"context_lens[{r}] = {c} tokens is longer than the cache ({kv_cache.shape[0]} blocks "
+                f"x {plan.block_size})"
+            )
         blocks = -(-c // plan.block_size)
         if blocks > block_table.shape[1]:
-            raise ValueError(f"block_table row {r} has {block_table.shape[1]} blocks, too short for "
-                             f"context_lens[{r}] = {c} ({blocks} blocks of {plan.block_size})")
+            raise ValueError(
+                f"block_table row {r} has {block_table.shape[1]} blocks, too short for "
+                f"context_lens[{r}] = {c} ({blocks} blocks of {plan.block_size})"
+            )
     if block_table.device.type == "cpu" and plan.num_context_tokens:
         for r, c in enumerate(plan.context_lens):
             ids = block_table[r, : -(-c // plan.block_size)]
@@ -164,15 +202,25 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
         raise ValueError(f"out must be [T={t}, H={d.num_heads}, v_head_dim={d.v_head_dim}], got {list(out.shape)}")
     if out is not None:
         if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
-            raise ValueError(f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a "
-                             f"tensor of its own")
+            raise ValueError(
+                f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a "
+                f"tensor of its own"
+            )
         weight = kv_b_proj_weight.weight if prepared else kv_b_proj_weight  # read in place by every pass
-        for name, x in (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache),
-                        ("block_table", block_table), ("kv_b_proj_weight", weight)):
+        for name, x in (
+            ("q", q),
+            ("kv_c", kv_c),
+            ("k_pe", k_pe),
+            ("kv_cache", kv_cache),
+            ("block_table", block_table),
+            ("kv_b_proj_weight", weight),
+        ):
             if shares_memory(out, x):
-                raise ValueError(f"out shares memory with {name}: mla_prefill reads {name} after it starts writing "
-                                 f"out (every context chunk reads q, its cache rows and the weight again); pass an "
-                                 f"out of its own")
+                raise ValueError(
+                    f"out shares memory with {name}: mla_prefill reads {name} after it starts writing "
+                    f"out (every context chunk reads q, its cache rows and the weight again); pass an "
+                    f"out of its own"
+                )
     return k_pe, checked_cache, scale
 
 
@@ -199,20 +247,33 @@ def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Opti
     device = torch.device(device)
     launch = launch_mode()
     direct = direct_enabled()  # read (and a bad value refused) even where FlashInfer is missing
-    return {"kv": _kv.kv_impl(device, kv_impl, dtype), "gather": gather_impl(device),
-            "merge": select_merge((1, dims.num_heads, dims.v_head_dim), dtype, device.type).name,
-            "triton_launch": launch if device.type == "cuda" and triton_available() else None,
-            "flashinfer_direct": direct if flashinfer_version() else None}
+    return {
+        "kv": _kv.kv_impl(device, kv_impl, dtype),
+        "gather": gather_impl(device),
+        "merge": select_merge((1, dims.num_heads, dims.v_head_dim), dtype, device.type).name,
+        "triton_launch": launch if device.type == "cuda" and triton_available() else None,
+        "flashinfer_direct": direct if flashinfer_version() else None,
+    }
 
 
 PhaseHook = Callable[[str], None]
 
 
-def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                kv_b_proj_weight: "torch.Tensor | PreparedKVBProj",
-                kv_cache: torch.Tensor, block_table: torch.Tensor, plan: PrefillPlan, *,
-                out: Optional[torch.Tensor] = None, return_lse: bool = False, phase_hook: Optional[PhaseHook] = None,
-                kv_cache_scale=None, kv_impl: Optional[str] = None):
+def mla_prefill(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_proj_weight: "torch.Tensor | PreparedKVBProj",
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    plan: PrefillPlan,
+    *,
+    out: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    phase_hook: Optional[PhaseHook] = None,
+    kv_cache_scale=None,
+    kv_impl: Optional[str] = None,
+):
     """MLA prefill attention for one layer: each request's new tokens over its whole sequence (context + new,
     causal among the new tokens).
 
@@ -268,17 +329,22 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     if not isinstance(return_lse, bool):
         raise _not_a_bool("return_lse", return_lse)
     if phase_hook is not None and not callable(phase_hook):
-        raise TypeError(f"phase_hook must be callable (called with each phase's name) or None, got "
-                        f"{type(phase_hook).__name__}")
-    k_pe, kv_cache, scale = _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out,
-                                            kv_cache_scale)
+        raise TypeError(
+            f"phase_hook must be callable (called with each phase's name) or None, got {type(phase_hook).__name__}"
+        )
+    k_pe, kv_cache, scale = _checked_inputs(
+        q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale
+    )
     impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
     # the other kernels of this call, chosen once, now: an environment switch that cannot serve is refused here,
     # before anything is allocated or written (not after the main pass has written out); the gather choice is
     # handed to every pass
     gather = gather_impl(plan.device) if plan.num_context_tokens and impl != "fused" else None
-    merge = select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type) \
-        if plan.chunks else None
+    merge = (
+        select_merge((1, plan.dims.num_heads, plan.dims.v_head_dim), plan.dtype, plan.device.type)
+        if plan.chunks
+        else None
+    )
     launch_mode()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
     direct_enabled()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
     hook = phase_hook if phase_hook is not None else (lambda name: None)
@@ -286,8 +352,11 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     if out is None:
         out = torch.empty(t, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
     # the LSE only where it is returned or merged into (no buffer, no kernel writing it, no base conversion)
-    lse = torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device) \
-        if return_lse or plan.partial_rows else None
+    lse = (
+        torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device)
+        if return_lse or plan.partial_rows
+        else None
+    )
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight: taken as it is (no copy)
@@ -315,28 +384,41 @@ def mla_prefill(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
             part_out = torch.empty(n, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
             part_lse = torch.empty(n, dims.num_heads, dtype=torch.float32, device=plan.device)
             if steps is not None:
-                running = torch.empty(plan.running_rows, dims.num_heads, dims.v_head_dim, dtype=torch.float32,
-                                      device=plan.device)
+                running = torch.empty(
+                    plan.running_rows, dims.num_heads, dims.v_head_dim, dtype=torch.float32, device=plan.device
+                )
         assert part_lse is not None  # made with part_out
         part = slice(chunk.part_row, chunk.part_row + chunk.q_end - chunk.q_start)
-        chunk.plan.run(q[chunk.q_start:chunk.q_end], k, v, out=part_out[part], lse=part_lse[part],
-                       lse_base="log2")  # FlashInfer's base 2, unconverted
+        chunk.plan.run(
+            q[chunk.q_start : chunk.q_end], k, v, out=part_out[part], lse=part_lse[part], lse_base="log2"
+        )  # FlashInfer's base 2, unconverted
         if chunk.merge_rows is not None:
             hook("merge")
             # merge: plan.chunks is non-empty; lse: partial_rows > 0 where a chunk merges (its rows are not empty)
             assert merge is not None and lse is not None
             start, stop = chunk.merge_rows
             if steps is None:
-                merge_planned_(merge, out[start:stop], lse[start:stop], part_out[:stop - start],
-                               part_lse[:stop - start], lse_b_base="log2")  # converted as read
+                merge_planned_(
+                    merge,
+                    out[start:stop],
+                    lse[start:stop],
+                    part_out[: stop - start],
+                    part_lse[: stop - start],
+                    lse_b_base="log2",
+                )  # converted as read
                 continue
             assert running is not None  # made with the partials wherever steps is
             for a, b, src, dst in steps[i]:
                 p, n = a - start, b - a
-                merge_planned_(merge, out[a:b] if src is None else running[src:src + n], lse[a:b],
-                               part_out[p:p + n], part_lse[p:p + n], lse_b_base="log2",
-                               dst=None if src is None and dst is None else out[a:b] if dst is None
-                               else running[dst:dst + n])
+                merge_planned_(
+                    merge,
+                    out[a:b] if src is None else running[src : src + n],
+                    lse[a:b],
+                    part_out[p : p + n],
+                    part_lse[p : p + n],
+                    lse_b_base="log2",
+                    dst=None if src is None and dst is None else out[a:b] if dst is None else running[dst : dst + n],
+                )
     hook("end")
     return (out, lse) if return_lse else out
 

@@ -32,11 +32,13 @@ import torch
 
 __all__ = ["PhaseTimer", "PhaseTimes", "time_phases", "keep_gpu_busy", "METHOD_CUDA", "METHOD_CPU"]
 
-METHOD_CUDA = ("CUDA events at mla_prefill's phase boundaries (phase_hook) on the current stream, the GPU kept busy "
-               "(torch.cuda._sleep) before the timed layers so that the host runs ahead and the events measure GPU "
-               "time only; mean over the timed layers. host_ms: time.perf_counter between the same boundaries (host "
-               "time to issue each phase). gap_ms: extra time of each phase in one more layer started on an idle GPU "
-               "(the GPU waiting for the host), reported apart")
+METHOD_CUDA = (
+    "CUDA events at mla_prefill's phase boundaries (phase_hook) on the current stream, the GPU kept busy "
+    "(torch.cuda._sleep) before the timed layers so that the host runs ahead and the events measure GPU "
+    "time only; mean over the timed layers. host_ms: time.perf_counter between the same boundaries (host "
+    "time to issue each phase). gap_ms: extra time of each phase in one more layer started on an idle GPU "
+    "(the GPU waiting for the host), reported apart"
+)
 METHOD_CPU = "time.perf_counter at mla_prefill's phase boundaries (phase_hook); mean over the timed layers"
 
 #: Cycles of ``torch.cuda._sleep`` per millisecond, for a GPU clock of at most 2 GHz (a slower clock sleeps longer,
@@ -132,9 +134,14 @@ def _mean(per_layer: list[dict], index: int) -> dict:
     return {k: statistics.fmean(per.get(k, (0.0, 0.0, 0))[index] for per in per_layer) for k in labels}
 
 
-def time_phases(run_layer: Callable[[Callable[[str], None]], Any], device: Any, *, layers: int = 3,
-                labels: Optional[Mapping[str, str]] = None, busy_ms: Optional[float] = None
-                ) -> tuple[PhaseTimes, Any]:
+def time_phases(
+    run_layer: Callable[[Callable[[str], None]], Any],
+    device: Any,
+    *,
+    layers: int = 3,
+    labels: Optional[Mapping[str, str]] = None,
+    busy_ms: Optional[float] = None,
+) -> tuple[PhaseTimes, Any]:
     """Time the phases of ``run_layer(phase_hook)`` (one ``mla_prefill`` layer calling the hook it is given).
 
     The caller warms up first (JIT compiles, first allocations). Runs ``layers`` timed layers with the GPU kept busy
@@ -174,8 +181,10 @@ def time_phases(run_layer: Callable[[Callable[[str], None]], Any], device: Any, 
     ahead = timer.first_event_pending()
     per_layer = timer.layers()
     if len(per_layer) != layers:
-        raise RuntimeError(f"run_layer must call its hook through to 'end' once per call; got {len(per_layer)} "
-                           f"finished layers of {layers}")
+        raise RuntimeError(
+            f"run_layer must call its hook through to 'end' once per call; got {len(per_layer)} "
+            f"finished layers of {layers}"
+        )
     phases, host = _mean(per_layer, 0), _mean(per_layer, 1)
     passes = {k: int(round(v)) for k, v in _mean(per_layer, 2).items()}
     gap: dict = {}
@@ -184,7 +193,15 @@ def time_phases(run_layer: Callable[[Callable[[str], None]], Any], device: Any, 
         (idle_per,) = idle.layers()
         gap = {k: idle_per.get(k, (0.0,))[0] - phases[k] for k in phases}
         idle_ms = sum(v[0] for v in idle_per.values())
-    return PhaseTimes(phases_ms=phases, host_ms=host, gap_ms=gap, passes=passes, sum_ms=sum(phases.values()),
-                      idle_layer_ms=idle_ms, layers=layers, host_ran_ahead=ahead,
-                      method=METHOD_CUDA if cuda else METHOD_CPU,
-                      samples_ms=[sum(v[0] for v in per.values()) for per in per_layer]), result
+    return PhaseTimes(
+        phases_ms=phases,
+        host_ms=host,
+        gap_ms=gap,
+        passes=passes,
+        sum_ms=sum(phases.values()),
+        idle_layer_ms=idle_ms,
+        layers=layers,
+        host_ran_ahead=ahead,
+        method=METHOD_CUDA if cuda else METHOD_CPU,
+        samples_ms=[sum(v[0] for v in per.values()) for per in per_layer],
+    ), result

@@ -27,11 +27,19 @@ from .dispatch import OFFSET_LIMITS, TORCH_DTYPES, BackendChoice, select_backend
 from .inference import forward_ad_active, refuse_autograd
 from .workspace import Workspace, default_workspace
 
-__all__ = ["RaggedPlan", "RaggedSpec", "plan_ragged", "ragged_prefill", "as_host_indptr", "as_sm_scale", "indptr_from_lens"]
+__all__ = [
+    "RaggedPlan",
+    "RaggedSpec",
+    "plan_ragged",
+    "ragged_prefill",
+    "as_host_indptr",
+    "as_sm_scale",
+    "indptr_from_lens",
+]
 
 IndptrLike = Union[torch.Tensor, Sequence[int]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-INT32_MAX = 2 ** 31 - 1  # the largest token offset an int32 indptr holds
+INT32_MAX = 2**31 - 1  # the largest token offset an int32 indptr holds
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -48,8 +56,9 @@ def indptr_from_lens(lens: "torch.Tensor | Sequence[int] | np.ndarray", name: st
     out = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(np.asarray(lens, dtype=np.int64), out=out[1:])
     if out[-1] > INT32_MAX:
-        raise ValueError(f"{name} sum to {int(out[-1])} tokens, beyond what an int32 indptr holds "
-                         f"(2**31 - 1 = {INT32_MAX} tokens)")
+        raise ValueError(
+            f"{name} sum to {int(out[-1])} tokens, beyond what an int32 indptr holds (2**31 - 1 = {INT32_MAX} tokens)"
+        )
     return torch.from_numpy(out.astype(np.int32))
 
 
@@ -78,9 +87,11 @@ def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:
     diffs = np.diff(arr)
     if diffs.size and diffs.min() < 0:
         r = int(np.argmax(diffs < 0))
-        raise ValueError(f"{name} must be non-decreasing, but {name}[{r + 1}]={int(arr[r + 1])} < "
-                         f"{name}[{r}]={int(arr[r])} (a negative length)")
-    if arr[-1] > 2 ** 31 - 1:
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{r + 1}]={int(arr[r + 1])} < "
+            f"{name}[{r}]={int(arr[r])} (a negative length)"
+        )
+    if arr[-1] > 2**31 - 1:
         raise ValueError(f"{name}[-1]={int(arr[-1])} does not fit in int32")
     return torch.from_numpy(arr.astype(np.int32))
 
@@ -143,8 +154,9 @@ def _spans_intersect(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _shared_destination(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor],
-                        lse: Optional[torch.Tensor]) -> Optional[str]:
+def _shared_destination(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor], lse: Optional[torch.Tensor]
+) -> Optional[str]:
     """The error for destinations a kernel cannot write while it reads its inputs, or None: an ``out`` that
     overlaps itself (an expanded view), an ``out`` / ``lse`` that shares memory with q, k or v (:func:`shares_memory`;
     every kernel reads them while writing: FlashInfer's tiles run at once, the torch backend reads a later request's
@@ -153,8 +165,7 @@ def _shared_destination(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     byte ranges are compared only within one storage: a few attribute reads per tensor."""
     T = torch.Tensor
     if isinstance(out, T) and 0 in out.stride() and any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
-        return (f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a tensor of "
-                f"its own")
+        return f"out must not overlap itself (an expanded view: strides {list(out.stride())}); pass a tensor of its own"
     read = []
     for name, x in (("q", q), ("k", k), ("v", v)):
         if isinstance(x, T) and x.numel():
@@ -175,12 +186,17 @@ def _shared_destination(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     return None
 
 
-def _apart(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor],
-           lse: Optional[torch.Tensor]) -> bool:
+def _apart(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor], lse: Optional[torch.Tensor]
+) -> bool:
     """:meth:`RaggedPlan.validate`'s fast test that :func:`_shared_destination` has nothing to say (tensors only):
     ``out`` has no stride 0 and each given destination lies in a storage of its own. False sends the call to the
     exact test (which takes a destination next to an input in one buffer)."""
-    read: tuple[int, ...] = (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+    read: tuple[int, ...] = (
+        q.untyped_storage().data_ptr(),
+        k.untyped_storage().data_ptr(),
+        v.untyped_storage().data_ptr(),
+    )
     if out is not None:
         ptr = out.untyped_storage().data_ptr()
         if ptr in read or 0 in out.stride():
@@ -220,10 +236,16 @@ def _offsets_why_not(name: str, x: torch.Tensor, limit: int, backend: str) -> Op
     extent = _extent(x) if strided else x.numel()
     if extent < limit:
         return None
-    how = (f"pass {name} contiguous, or plan with strides= so that the dispatch routes the pass to a backend that "
-           f"addresses it" if strided else "split the batch")
-    return (f"{name} reaches {extent} elements through its strides {list(x.stride())} (shape {list(x.shape)}), past "
-            f"the 32-bit element offsets of {backend}, the backend this plan was made for (limit {limit}): {how}")
+    how = (
+        f"pass {name} contiguous, or plan with strides= so that the dispatch routes the pass to a backend that "
+        f"addresses it"
+        if strided
+        else "split the batch"
+    )
+    return (
+        f"{name} reaches {extent} elements through its strides {list(x.stride())} (shape {list(x.shape)}), past "
+        f"the 32-bit element offsets of {backend}, the backend this plan was made for (limit {limit}): {how}"
+    )
 
 
 class _RunShapes:
@@ -273,8 +295,11 @@ class RaggedPlan:
         workspace is then the workspace's region for ``key``, so those runs never share split-KV temporaries with
         runs queued through :meth:`run`. The caller keeps this plan alive for as long as such runs may be queued,
         and waits for them (or the device) before dropping it."""
-        return None if self._kernel is None or not hasattr(self._kernel, "external_wrapper") \
+        return (
+            None
+            if self._kernel is None or not hasattr(self._kernel, "external_wrapper")
             else self._kernel.external_wrapper(key)
+        )
 
     def retain_for_graph(self, graph: Any, *, stream: Any = None) -> Any:
         """Keep this plan's FlashInfer wrapper (schedule buffers, plan info, fa2 float workspace) out of the pool for
@@ -346,8 +371,15 @@ class RaggedPlan:
             shapes = self._run_shapes = _RunShapes(self.spec, self.backend.is_flashinfer, self.backend.name)
         return shapes
 
-    def validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None,
-                 lse: Optional[torch.Tensor] = None, lse_layout: str = "NH") -> None:
+    def validate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        lse_layout: str = "NH",
+    ) -> None:
         """Check q/k/v/out/lse against the plan (see the module docstring for shapes).
 
         Raises:
@@ -370,20 +402,54 @@ class RaggedPlan:
         lse_shape = c.lse.get(lse_layout) if isinstance(lse_layout, str) else None
         T = torch.Tensor
         dt, dev = c.dtype, c.device
-        if (lse_shape is not None and isinstance(q, T) and isinstance(k, T) and isinstance(v, T)
-                and q.shape == c.q and k.shape == c.k and v.shape == c.v
-                and q.dtype == dt and k.dtype == dt and v.dtype == dt
-                and q.device == dev and k.device == dev and v.device == dev
-                and (out is None or (isinstance(out, T) and out.shape == c.out and out.dtype == dt
-                                     and out.device == dev and (not c.flashinfer or _kernel_ready(out))))
-                and (lse is None or (isinstance(lse, T) and lse.shape == lse_shape and lse.dtype == torch.float32
-                                     and lse.device == dev and lse.is_contiguous()))
-                and not ((q.requires_grad or k.requires_grad or v.requires_grad
-                          or (out is not None and out.requires_grad) or (lse is not None and lse.requires_grad))
-                         and torch.is_grad_enabled())
-                and not forward_ad_active()
-                and ((out is None and lse is None) or _apart(q, k, v, out, lse))
-                and (c.limit is None or _within(c.limit, q, k, v))):
+        if (
+            lse_shape is not None
+            and isinstance(q, T)
+            and isinstance(k, T)
+            and isinstance(v, T)
+            and q.shape == c.q
+            and k.shape == c.k
+            and v.shape == c.v
+            and q.dtype == dt
+            and k.dtype == dt
+            and v.dtype == dt
+            and q.device == dev
+            and k.device == dev
+            and v.device == dev
+            and (
+                out is None
+                or (
+                    isinstance(out, T)
+                    and out.shape == c.out
+                    and out.dtype == dt
+                    and out.device == dev
+                    and (not c.flashinfer or _kernel_ready(out))
+                )
+            )
+            and (
+                lse is None
+                or (
+                    isinstance(lse, T)
+                    and lse.shape == lse_shape
+                    and lse.dtype == torch.float32
+                    and lse.device == dev
+                    and lse.is_contiguous()
+                )
+            )
+            and not (
+                (
+                    q.requires_grad
+                    or k.requires_grad
+                    or v.requires_grad
+                    or (out is not None and out.requires_grad)
+                    or (lse is not None and lse.requires_grad)
+                )
+                and torch.is_grad_enabled()
+            )
+            and not forward_ad_active()
+            and ((out is None and lse is None) or _apart(q, k, v, out, lse))
+            and (c.limit is None or _within(c.limit, q, k, v))
+        ):
             return
         self._validate_named(q, k, v, out, lse, lse_layout)
 
@@ -404,8 +470,10 @@ class RaggedPlan:
         if out is not None:
             _check_tensor("out", out, (t, h, s.head_dim_vo), s.dtype, s.device)
             if self.backend.is_flashinfer and not _kernel_ready(out):
-                raise ValueError(f"out must have a unit last stride and 16-byte aligned strides for "
-                                 f"{self.backend.name}, got strides {out.stride()}")
+                raise ValueError(
+                    f"out must have a unit last stride and 16-byte aligned strides for "
+                    f"{self.backend.name}, got strides {out.stride()}"
+                )
         if lse is not None:
             _check_tensor("lse", lse, (t, h) if lse_layout == "NH" else (h, t), torch.float32, s.device)
             if not lse.is_contiguous():
@@ -420,9 +488,18 @@ class RaggedPlan:
                 if reason is not None:
                     raise ValueError(reason)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-            lse: Optional[torch.Tensor] = None, lse_layout: str = "NH", lse_base: str = "ln",
-            return_lse: bool = True):
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        lse_layout: str = "NH",
+        lse_base: str = "ln",
+        return_lse: bool = True,
+    ):
         """Attention for this plan's batch: ``(out [T, H, head_dim_vo], lse)``, or ``out`` alone with
         ``return_lse=False``; no re-planning.
 
@@ -479,9 +556,11 @@ class RaggedPlan:
 
     def __repr__(self) -> str:
         s = self.spec
-        return (f"RaggedPlan(backend={self.backend.name!r}, batch={s.batch_size}, q_tokens={s.num_qo_tokens}, "
-                f"kv_tokens={s.num_kv_tokens}, heads={s.num_heads}, dims={s.head_dim_qk}/{s.head_dim_vo}, "
-                f"causal={s.causal}, dtype={s.dtype})")
+        return (
+            f"RaggedPlan(backend={self.backend.name!r}, batch={s.batch_size}, q_tokens={s.num_qo_tokens}, "
+            f"kv_tokens={s.num_kv_tokens}, heads={s.num_heads}, dims={s.head_dim_qk}/{s.head_dim_vo}, "
+            f"causal={s.causal}, dtype={s.dtype})"
+        )
 
 
 def _not_a_bool(name: str, value: Any) -> TypeError:
@@ -507,8 +586,10 @@ def as_sm_scale(sm_scale: Any) -> float:
         except Exception:  # noqa: BLE001 - a tracer, a string, a tensor of several elements...
             value = None
     if value is None or not (0 < value <= _FLOAT32_MAX):
-        raise ValueError(f"sm_scale must be a positive finite float (a static value, not a traced one; at most "
-                         f"{_FLOAT32_MAX:.3g}), got {sm_scale!r}")
+        raise ValueError(
+            f"sm_scale must be a positive finite float (a static value, not a traced one; at most "
+            f"{_FLOAT32_MAX:.3g}), got {sm_scale!r}"
+        )
     return value
 
 
@@ -523,9 +604,20 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int, head_dim_qk: int, head_dim_vo: int,
-                causal: bool, sm_scale: float, dtype: torch.dtype, workspace: Workspace,
-                backend: Optional[str] = None, strides: Optional[Sequence] = None) -> RaggedPlan:
+def plan_ragged(
+    qo_indptr: IndptrLike,
+    kv_indptr: IndptrLike,
+    *,
+    num_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int,
+    causal: bool,
+    sm_scale: float,
+    dtype: torch.dtype,
+    workspace: Workspace,
+    backend: Optional[str] = None,
+    strides: Optional[Sequence] = None,
+) -> RaggedPlan:
     """Plan a ragged attention batch once (FlashInfer's ``plan`` step); run it per layer with :meth:`RaggedPlan.run`.
 
     Args:
@@ -551,19 +643,27 @@ def plan_ragged(qo_indptr: IndptrLike, kv_indptr: IndptrLike, *, num_heads: int,
         WorkspaceTooSmallError: FlashInfer's plan needs more float workspace than the workspace may grow to.
     """
     if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool (True: the main pass's bottom-right causal mask; False: none), got "
-                        f"{causal!r}")
+        raise TypeError(
+            f"causal must be a bool (True: the main pass's bottom-right causal mask; False: none), got {causal!r}"
+        )
     qo = as_host_indptr("qo_indptr", qo_indptr)
     kv = as_host_indptr("kv_indptr", kv_indptr)
     if qo.numel() != kv.numel():
         raise ValueError(f"qo_indptr has {qo.numel()} entries but kv_indptr has {kv.numel()}; both are [batch + 1]")
-    sizes = _checked_plan_sizes(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-                                sm_scale=sm_scale, dtype=dtype, workspace=workspace)
+    sizes = _checked_plan_sizes(
+        num_heads=num_heads,
+        head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        sm_scale=sm_scale,
+        dtype=dtype,
+        workspace=workspace,
+    )
     return _plan_checked(qo, kv, causal=bool(causal), backend=backend, strides=strides, **sizes)
 
 
-def _checked_plan_sizes(*, num_heads: int, head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype,
-                        workspace: Workspace) -> dict:
+def _checked_plan_sizes(
+    *, num_heads: int, head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype, workspace: Workspace
+) -> dict:
     """:func:`plan_ragged`'s checks of everything but the indptrs, as the keyword arguments of :func:`_plan_checked`
     (sizes as ints, ``sm_scale`` as a float). A caller that plans several passes of one batch checks once.
 
@@ -575,20 +675,44 @@ def _checked_plan_sizes(*, num_heads: int, head_dim_qk: int, head_dim_vo: int, s
     head_dim_vo = _positive_int("head_dim_vo", head_dim_vo)
     sm_scale = as_sm_scale(sm_scale)
     if not isinstance(dtype, torch.dtype) or dtype not in TORCH_DTYPES:
-        raise TypeError(f"dtype (of q, k, v and out) must be one of bfloat16, float16, float32, float64, got {dtype!r}"
-                        + (" (an FP8 paged latent cache is PrefillPlan's kv_cache_dtype)"
-                           if isinstance(dtype, torch.dtype) and dtype.is_floating_point else ""))
+        raise TypeError(
+            f"dtype (of q, k, v and out) must be one of bfloat16, float16, float32, float64, got {dtype!r}"
+            + (
+                " (an FP8 paged latent cache is PrefillPlan's kv_cache_dtype)"
+                if isinstance(dtype, torch.dtype) and dtype.is_floating_point
+                else ""
+            )
+        )
     if not isinstance(workspace, Workspace):
         raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-    return dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, sm_scale=sm_scale, dtype=dtype,
-                workspace=workspace)
+    return dict(
+        num_heads=num_heads,
+        head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        sm_scale=sm_scale,
+        dtype=dtype,
+        workspace=workspace,
+    )
 
 
-def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: Optional[str], num_heads: int,
-                  head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype, workspace: Workspace,
-                  num_qo_tokens: Optional[int] = None, num_kv_tokens: Optional[int] = None,
-                  host: Optional[tuple] = None, capability: Optional[tuple[int, int]] = None,
-                  strides: Optional[Sequence] = None) -> RaggedPlan:
+def _plan_checked(
+    qo: torch.Tensor,
+    kv: torch.Tensor,
+    *,
+    causal: bool,
+    backend: Optional[str],
+    num_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int,
+    sm_scale: float,
+    dtype: torch.dtype,
+    workspace: Workspace,
+    num_qo_tokens: Optional[int] = None,
+    num_kv_tokens: Optional[int] = None,
+    host: Optional[tuple] = None,
+    capability: Optional[tuple[int, int]] = None,
+    strides: Optional[Sequence] = None,
+) -> RaggedPlan:
     """:func:`plan_ragged` past its checks: the backend choice and the kernel's plan, nothing re-validated.
 
     For indptrs that are valid by construction -- int32 CPU tensors of equal length, starting at 0, non-decreasing,
@@ -607,16 +731,37 @@ def _plan_checked(qo: torch.Tensor, kv: torch.Tensor, *, causal: bool, backend: 
     if num_kv_tokens is not None:
         spec.__dict__["num_kv_tokens"] = num_kv_tokens
     qo_host, kv_host = host if host is not None else (qo.numpy(), kv.numpy())  # lists made only if read
-    choice = select_backend(workspace.device, capability=capability, dtype=dtype, out_dtype=dtype,
-                            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, causal=causal, num_heads=num_heads,
-                            qo_indptr=qo_host, kv_indptr=kv_host, requested=backend, strides=strides)
+    choice = select_backend(
+        workspace.device,
+        capability=capability,
+        dtype=dtype,
+        out_dtype=dtype,
+        head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        causal=causal,
+        num_heads=num_heads,
+        qo_indptr=qo_host,
+        kv_indptr=kv_host,
+        requested=backend,
+        strides=strides,
+    )
     return RaggedPlan(spec, choice, workspace)
 
 
-def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: IndptrLike, kv_indptr: IndptrLike, *,
-                   causal: bool, sm_scale: float, backend: Optional[str] = None,
-                   workspace: Optional[Workspace] = None, out: Optional[torch.Tensor] = None,
-                   lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ragged_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qo_indptr: IndptrLike,
+    kv_indptr: IndptrLike,
+    *,
+    causal: bool,
+    sm_scale: float,
+    backend: Optional[str] = None,
+    workspace: Optional[Workspace] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One-shot ragged attention: :func:`plan_ragged` + :meth:`RaggedPlan.run` (plan per call: use the two-step form
     in a layer loop). Shapes and conventions as in the module docstring; ``workspace`` defaults to the device's
     shared one (:func:`mla_bridge.workspace.default_workspace`). The tensors are at hand when the pass is planned, so
@@ -645,7 +790,17 @@ def ragged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr:
         workspace = default_workspace(q.device)
     # what the kernel will read: a tensor it reads in place through its strides, another one copied contiguous
     strides = tuple(None if x.is_contiguous() or not _kernel_ready(x) else tuple(x.stride()[:2]) for x in (q, k, v))
-    plan = plan_ragged(qo_indptr, kv_indptr, num_heads=q.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[2],
-                       causal=causal, sm_scale=sm_scale, dtype=q.dtype, workspace=workspace, backend=backend,
-                       strides=None if strides == (None, None, None) else strides)
+    plan = plan_ragged(
+        qo_indptr,
+        kv_indptr,
+        num_heads=q.shape[1],
+        head_dim_qk=q.shape[2],
+        head_dim_vo=v.shape[2],
+        causal=causal,
+        sm_scale=sm_scale,
+        dtype=q.dtype,
+        workspace=workspace,
+        backend=backend,
+        strides=None if strides == (None, None, None) else strides,
+    )
     return plan.run(q, k, v, out=out, lse=lse)

@@ -34,8 +34,9 @@ __all__ = ["gather_context_latent", "reference_request", "max_abs_error", "max_e
 _SCORE_ELEMS = 1 << 25
 
 
-def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int,
-                          kv_cache_scale=None) -> torch.Tensor:
+def gather_context_latent(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int, kv_cache_scale=None
+) -> torch.Tensor:
     """The first ``context_len`` latent tokens of one request, ``[context_len, latent_dim]``: in the cache's dtype,
     or for an FP8 cache (``float8_e4m3fn`` / uint8 view, ``kv_cache_scale`` required) float64 ``stored * scale``.
 
@@ -51,8 +52,10 @@ def gather_context_latent(kv_cache: torch.Tensor, block_table_row: torch.Tensor,
     """
     held = block_table_row.shape[0] * kv_cache.shape[1]
     if not 0 <= context_len <= held:
-        raise ValueError(f"context_len must be in [0, {held}] (block_table_row's {block_table_row.shape[0]} blocks of "
-                         f"{kv_cache.shape[1]} tokens), got {context_len}")
+        raise ValueError(
+            f"context_len must be in [0, {held}] (block_table_row's {block_table_row.shape[0]} blocks of "
+            f"{kv_cache.shape[1]} tokens), got {context_len}"
+        )
     if kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn):
         if kv_cache_scale is None:
             raise ValueError("kv_cache_scale is required for an FP8 kv_cache")
@@ -75,10 +78,20 @@ def _gather_rows(kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_
     return torch.cat(rows, dim=0)
 
 
-def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_b_proj_weight: torch.Tensor,
-                      kv_cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int, dims: MLADims,
-                      *, score_elems: int = _SCORE_ELEMS, device: "torch.device | str | None" = None,
-                      kv_cache_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_request(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_b_proj_weight: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    context_len: int,
+    dims: MLADims,
+    *,
+    score_elems: int = _SCORE_ELEMS,
+    device: "torch.device | str | None" = None,
+    kv_cache_scale=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA prefill of ONE request over its whole sequence, in float64.
 
     Args:
@@ -99,7 +112,13 @@ def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
     """
     dev = torch.device(q.device if device is None else device)
     f64 = torch.float64
-    r, rope, nope, dv, h = dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim, dims.num_heads
+    r, rope, nope, dv, h = (
+        dims.kv_lora_rank,
+        dims.qk_rope_head_dim,
+        dims.qk_nope_head_dim,
+        dims.v_head_dim,
+        dims.num_heads,
+    )
     q = q.to(dev, f64)
     new_latent = torch.cat([kv_c.to(dev, f64), k_pe.reshape(k_pe.shape[0], rope).to(dev, f64)], dim=1)
     ctx_latent = gather_context_latent(kv_cache, block_table_row.to("cpu"), context_len, kv_cache_scale).to(dev, f64)
@@ -123,7 +142,7 @@ def reference_request(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, k
         scores.mul_(dims.softmax_scale)
         # Query i sees keys j <= context_len + i: only the block's last (i1 - i0) key columns hold masked pairs.
         hidden = torch.ones(i1 - i0, i1 - i0, dtype=torch.bool, device=dev).triu_(1)
-        scores[:, :, context_len + i0:].masked_fill_(hidden, float("-inf"))
+        scores[:, :, context_len + i0 :].masked_fill_(hidden, float("-inf"))
         row_max = scores.amax(dim=-1, keepdim=True)  # finite: every query sees at least itself
         p = scores.sub_(row_max).exp_()  # softmax numerator, over the full key row
         denom = p.sum(dim=-1)  # [H, b]

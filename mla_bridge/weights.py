@@ -42,9 +42,19 @@ import torch
 from .dims import MLADims
 from .inference import refuse_autograd
 
-__all__ = ["PreparedKVBProj", "prepare_kv_b_proj", "up_projection_weight", "as_prepared", "broadcast_heads",
-           "prepared_weight_elements", "prepared_weight_shape", "LAYOUTS", "DEFAULT_LAYOUT", "CHECKPOINT_LAYOUT",
-           "SPLIT_GEMM_ROWS"]
+__all__ = [
+    "PreparedKVBProj",
+    "prepare_kv_b_proj",
+    "up_projection_weight",
+    "as_prepared",
+    "broadcast_heads",
+    "prepared_weight_elements",
+    "prepared_weight_shape",
+    "LAYOUTS",
+    "DEFAULT_LAYOUT",
+    "CHECKPOINT_LAYOUT",
+    "SPLIT_GEMM_ROWS",
+]
 
 #: The up-projection layouts (see the module docstring).
 LAYOUTS = ("identity", "split")
@@ -79,8 +89,10 @@ def _check_raw(kv_b_proj_weight: torch.Tensor, dims: MLADims, name: str = "kv_b_
     if kv_b_proj_weight.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {kv_b_proj_weight.layout}")
     if tuple(kv_b_proj_weight.shape) != dims.kv_b_proj_shape:
-        raise ValueError(f"{name} must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = "
-                         f"{list(dims.kv_b_proj_shape)}, got {list(kv_b_proj_weight.shape)}")
+        raise ValueError(
+            f"{name} must be [H*(qk_nope_head_dim+v_head_dim), kv_lora_rank] = "
+            f"{list(dims.kv_b_proj_shape)}, got {list(kv_b_proj_weight.shape)}"
+        )
 
 
 def up_projection_weight(kv_b_proj_weight: torch.Tensor, dims: MLADims) -> torch.Tensor:
@@ -102,8 +114,8 @@ def up_projection_weight(kv_b_proj_weight: torch.Tensor, dims: MLADims) -> torch
     w = kv_b_proj_weight.reshape(h, nope + vd, r)
     aug = kv_b_proj_weight.new_zeros(h, nope + rope + vd, r + rope)
     aug[:, :nope, :r] = w[:, :nope]
-    aug[:, nope + rope:, :r] = w[:, nope:]
-    aug[:, nope:nope + rope, r:] = torch.eye(rope, dtype=aug.dtype, device=aug.device)
+    aug[:, nope + rope :, :r] = w[:, nope:]
+    aug[:, nope : nope + rope, r:] = torch.eye(rope, dtype=aug.dtype, device=aug.device)
     return aug.view(h * (nope + rope + vd), r + rope)
 
 
@@ -149,14 +161,23 @@ class PreparedKVBProj:
         # number of rows apart; a weight made otherwise (prepare_kv_b_proj's are contiguous) would be read wrong there
         st = self.weight.stride()
         if st[-1] != 1 or (self.layout == "split" and (st[1] <= 0 or st[0] % st[1])):
-            what = ("unit stride along kv_lora_rank" if checkpoint else "unit stride along its last dim" +
-                    (" and a head stride that is a multiple of its row stride" if self.layout == "split" else ""))
-            raise ValueError(f"a {self.layout!r} weight must have {what}, got strides {list(st)}"
-                             + ("" if checkpoint else " (prepare_kv_b_proj makes it contiguous)"))
+            what = (
+                "unit stride along kv_lora_rank"
+                if checkpoint
+                else "unit stride along its last dim"
+                + (" and a head stride that is a multiple of its row stride" if self.layout == "split" else "")
+            )
+            raise ValueError(
+                f"a {self.layout!r} weight must have {what}, got strides {list(st)}"
+                + ("" if checkpoint else " (prepare_kv_b_proj makes it contiguous)")
+            )
         # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path); the
         # checkpoint layout's GEMM form is made on first use (_gemm_form)
-        object.__setattr__(self, "_weight_t", None if checkpoint else self.weight.t() if self.layout == "identity"
-                           else self.weight.transpose(1, 2))
+        object.__setattr__(
+            self,
+            "_weight_t",
+            None if checkpoint else self.weight.t() if self.layout == "identity" else self.weight.transpose(1, 2),
+        )
         object.__setattr__(self, "_gemm", None)  # the checkpoint layout's split form, once made (never self: no cycle)
 
     @property
@@ -209,8 +230,9 @@ class PreparedKVBProj:
             return w, w.stride(1), w.stride(0) // w.stride(1), vd, 0
         return w, w.stride(0), nope + vd, 0, nope  # checkpoint [H * (nope + vd), rank]: k_nope rows, then v rows
 
-    def up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def up_project(
+        self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent rows -> ``(k [N, H, qk_nope_head_dim + qk_rope_head_dim], v [N, H, v_head_dim])``: two strided views
         of one ``[N, H, 320]`` buffer, read by the attention kernels through their strides (no copy).
 
@@ -236,12 +258,16 @@ class PreparedKVBProj:
             if x.device != self.device:
                 raise ValueError(f"{name} is on {x.device}, but the weight is on {self.device}")
         if latent.dim() != 2 or latent.shape[1] != width:
-            what = (f"kv_lora_rank + qk_rope_head_dim={width}]" if k_pe is None else
-                    f"kv_lora_rank={width}] when k_pe is given")
+            what = (
+                f"kv_lora_rank + qk_rope_head_dim={width}]"
+                if k_pe is None
+                else f"kv_lora_rank={width}] when k_pe is given"
+            )
             raise ValueError(f"latent must be [N, {what}, got {list(latent.shape)}")
         if k_pe is not None and tuple(k_pe.shape) != (latent.shape[0], d.qk_rope_head_dim):
-            raise ValueError(f"k_pe must be [N={latent.shape[0]}, qk_rope_head_dim={d.qk_rope_head_dim}], got "
-                             f"{list(k_pe.shape)}")
+            raise ValueError(
+                f"k_pe must be [N={latent.shape[0]}, qk_rope_head_dim={d.qk_rope_head_dim}], got {list(k_pe.shape)}"
+            )
         refuse_autograd(named + (("weight", self.weight),))
         return self._per_call()._gemm_form()._up_project(latent, k_pe)
 
@@ -251,10 +277,11 @@ class PreparedKVBProj:
         (:func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``) before :meth:`_up_project` with ``buf``."""
         d = self.dims
         buf = torch.empty(n, d.num_heads, d.v_head_dim + d.head_dim_qk, dtype=self.dtype, device=device)
-        return buf, buf[:, :, d.v_head_dim + d.qk_nope_head_dim:]
+        return buf, buf[:, :, d.v_head_dim + d.qk_nope_head_dim :]
 
-    def _up_project(self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None,
-                    buf: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _up_project(
+        self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None, buf: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`up_project` past its checks (``mla_prefill`` validated its inputs once per layer), on a weight of the
         identity or split layout (the separate path takes :meth:`_gemm_form`). ``buf`` (split layout): a
         :meth:`_split_buffer` whose k_pe columns are written already; then ``latent`` needs only its first
@@ -279,16 +306,20 @@ class PreparedKVBProj:
         o_row = h * (vd + qk)
         for start in range(0, n, SPLIT_GEMM_ROWS):
             rows = min(n - start, SPLIT_GEMM_ROWS)
-            torch.bmm(latent.as_strided((h, rows, r), (0, a_row, a_col), latent.storage_offset() + start * a_row),
-                      self._weight_t, out=buf.as_strided((h, rows, gemm_cols), (vd + qk, o_row, 1),
-                                                         buf.storage_offset() + start * o_row))
+            torch.bmm(
+                latent.as_strided((h, rows, r), (0, a_row, a_col), latent.storage_offset() + start * a_row),
+                self._weight_t,
+                out=buf.as_strided((h, rows, gemm_cols), (vd + qk, o_row, 1), buf.storage_offset() + start * o_row),
+            )
         if broadcast:
             broadcast_heads(buf[:, :, gemm_cols:], latent[:, r:] if k_pe is None else k_pe)
         return buf[..., vd:], buf[..., :vd]
 
     def __repr__(self) -> str:
-        return (f"PreparedKVBProj(layout={self.layout!r}, heads={self.dims.num_heads}, "
-                f"weight={list(self.weight.shape)}, dtype={self.dtype}, device={self.device})")
+        return (
+            f"PreparedKVBProj(layout={self.layout!r}, heads={self.dims.num_heads}, "
+            f"weight={list(self.weight.shape)}, dtype={self.dtype}, device={self.device})"
+        )
 
 
 def prepared_weight_shape(dims: MLADims, layout: Optional[str] = None) -> tuple[int, ...]:
@@ -318,13 +349,15 @@ def broadcast_heads(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     if dst.is_cuda and triton_available():
         from .kernels.broadcast import broadcast_heads_triton
+
         broadcast_heads_triton(dst, src)
     else:
         dst.copy_(src.unsqueeze(1).expand_as(dst))
 
 
-def prepare_kv_b_proj(kv_b_proj_weight: torch.Tensor, dims: MLADims, *, layout: Optional[str] = None
-                      ) -> PreparedKVBProj:
+def prepare_kv_b_proj(
+    kv_b_proj_weight: torch.Tensor, dims: MLADims, *, layout: Optional[str] = None
+) -> PreparedKVBProj:
     """Prepare one layer's ``kv_b_proj.weight`` once (at load time) for every later :func:`mla_bridge.mla_prefill`.
 
     Args:
@@ -351,8 +384,13 @@ def prepare_kv_b_proj(kv_b_proj_weight: torch.Tensor, dims: MLADims, *, layout: 
     return PreparedKVBProj(dims, layout, weight)
 
 
-def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADims, dtype: torch.dtype,
-                device: torch.device, name: str = "kv_b_proj_weight") -> PreparedKVBProj:
+def as_prepared(
+    kv_b_proj_weight: "torch.Tensor | PreparedKVBProj",
+    dims: MLADims,
+    dtype: torch.dtype,
+    device: torch.device,
+    name: str = "kv_b_proj_weight",
+) -> PreparedKVBProj:
     """What ``mla_prefill`` up-projects with: a :class:`PreparedKVBProj` checked against the plan's dims, dtype and
     device, or a raw weight checked the same way and taken as it is (:data:`CHECKPOINT_LAYOUT`: no copy; its split
     form is made where a separate pass first needs it, so at most once per call); a raw weight whose rows are not at
@@ -366,18 +404,22 @@ def as_prepared(kv_b_proj_weight: "torch.Tensor | PreparedKVBProj", dims: MLADim
     if isinstance(kv_b_proj_weight, PreparedKVBProj):
         p = kv_b_proj_weight
         if _shape_key(p.dims) != _shape_key(dims):
-            raise ValueError(f"{name} was prepared for {p.dims.num_heads} heads, kv_lora_rank {p.dims.kv_lora_rank}, "
-                             f"qk_nope/rope/v {p.dims.qk_nope_head_dim}/{p.dims.qk_rope_head_dim}/{p.dims.v_head_dim}, "
-                             f"but the plan has {dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, "
-                             f"{dims.qk_nope_head_dim}/{dims.qk_rope_head_dim}/{dims.v_head_dim}")
+            raise ValueError(
+                f"{name} was prepared for {p.dims.num_heads} heads, kv_lora_rank {p.dims.kv_lora_rank}, "
+                f"qk_nope/rope/v {p.dims.qk_nope_head_dim}/{p.dims.qk_rope_head_dim}/{p.dims.v_head_dim}, "
+                f"but the plan has {dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, "
+                f"{dims.qk_nope_head_dim}/{dims.qk_rope_head_dim}/{dims.v_head_dim}"
+            )
         if p.dtype != dtype:
             raise TypeError(f"{name} must have dtype {dtype} (the plan's), got a PreparedKVBProj of {p.dtype}")
         if p.device != device:
             raise ValueError(f"{name} is on {p.device}, but the plan is on {device}")
         return p._per_call()
     if not isinstance(kv_b_proj_weight, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or a PreparedKVBProj (mla_bridge.prepare_kv_b_proj), "
-                        f"got {type(kv_b_proj_weight).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Tensor or a PreparedKVBProj (mla_bridge.prepare_kv_b_proj), "
+            f"got {type(kv_b_proj_weight).__name__}"
+        )
     if kv_b_proj_weight.device != device:
         raise ValueError(f"{name} is on {kv_b_proj_weight.device}, but the plan is on {device}")
     if kv_b_proj_weight.dtype != dtype:

@@ -24,8 +24,15 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
-__all__ = ["Workspace", "WorkspaceTooSmallError", "default_workspace", "capture_owner", "DEFAULT_FLOAT_WORKSPACE_BYTES",
-           "DEFAULT_CHUNK_TOKENS", "MIN_INT_WORKSPACE_BYTES"]
+__all__ = [
+    "Workspace",
+    "WorkspaceTooSmallError",
+    "default_workspace",
+    "capture_owner",
+    "DEFAULT_FLOAT_WORKSPACE_BYTES",
+    "DEFAULT_CHUNK_TOKENS",
+    "MIN_INT_WORKSPACE_BYTES",
+]
 
 #: FlashInfer's recommended float workspace (its docstring: "The recommended size is 128MB").
 DEFAULT_FLOAT_WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -60,7 +67,8 @@ class WorkspaceTooSmallError(RuntimeError):
         super().__init__(
             f"Workspace: FlashInfer's plan needs at least {needed_bytes} bytes of float workspace ({what}), more than "
             f"max_float_workspace_bytes={limit_bytes}; construct Workspace(..., max_float_workspace_bytes=...) larger, "
-            f"or split the batch")
+            f"or split the batch"
+        )
 
 
 #: one torch.cuda.Stream object per (device index, raw stream handle) seen by :func:`current_stream`
@@ -105,8 +113,10 @@ def _checked_device(device: "torch.device | str") -> torch.device:
         return torch.device("cpu")  # "cpu:0" is the CPU too: tensors made on it report plain "cpu"
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {dev}: CUDA is not available here (torch {torch.__version__}, "
-                             f"CUDA build: {torch.version.cuda or 'none'})")
+            raise ValueError(
+                f"device {dev}: CUDA is not available here (torch {torch.__version__}, "
+                f"CUDA build: {torch.version.cuda or 'none'})"
+            )
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
             raise ValueError(f"device {dev}: only {torch.cuda.device_count()} CUDA device(s)")
@@ -139,8 +149,21 @@ class _Lease:
     (``cudaStreamWaitEvent`` takes the event's state when it is called), and ``query`` reads the latest record.
     """
 
-    __slots__ = ("wrapper", "backend", "owner", "plan_event", "plan_stream", "run_events", "spare", "captured",
-                 "pending", "graph_holds", "registered", "last_acquired", "__weakref__")
+    __slots__ = (
+        "wrapper",
+        "backend",
+        "owner",
+        "plan_event",
+        "plan_stream",
+        "run_events",
+        "spare",
+        "captured",
+        "pending",
+        "graph_holds",
+        "registered",
+        "last_acquired",
+        "__weakref__",
+    )
 
     def __init__(self, wrapper: Any, backend: str):
         self.wrapper = wrapper
@@ -148,7 +171,9 @@ class _Lease:
         self.owner: Optional[weakref.ref] = None
         self.plan_event: Any = None
         self.plan_stream: int = 0  # cuda_stream pointer of the stream plan() queued its copies on
-        self.run_events: dict[int | tuple[str, int], Any] = {}  # cuda_stream pointer -> event recorded after the last run there
+        self.run_events: dict[
+            int | tuple[str, int], Any
+        ] = {}  # cuda_stream pointer -> event recorded after the last run there
         self.spare: list = []  # events whose last record has completed, to record again (see the class docstring)
         self.captured = False  # captured where no graph was named: never handed back by the pool again
         self.pending: dict[int, weakref.ref] = {}  # id -> graph that captured a run and is not registered (yet)
@@ -235,8 +260,12 @@ _BURIED_LOCK = threading.Lock()
 
 def _bury(slots: dict[str, list[_Lease]]) -> None:
     # A finalizer: no CUDA call here (it may run while a stream captures); _sweep_buried queries later.
-    keep = [lease for leases in slots.values() for lease in leases
-            if lease.graphed() or lease.plan_event is not None or lease.run_events]
+    keep = [
+        lease
+        for leases in slots.values()
+        for lease in leases
+        if lease.graphed() or lease.plan_event is not None or lease.run_events
+    ]
     if keep:
         with _BURIED_LOCK:
             _BURIED.extend(keep)
@@ -290,12 +319,20 @@ class Workspace:
         ValueError: a size that is not a positive int; a device that is not cpu or an existing CUDA device.
     """
 
-    def __init__(self, device: "torch.device | str" = "cpu", *, float_workspace_bytes: int = DEFAULT_FLOAT_WORKSPACE_BYTES,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 max_float_workspace_bytes: int = DEFAULT_MAX_FLOAT_WORKSPACE_BYTES,
-                 max_idle_wrappers: int = DEFAULT_MAX_IDLE_WRAPPERS):
-        for name, value in (("float_workspace_bytes", float_workspace_bytes), ("chunk_tokens", chunk_tokens),
-                            ("max_float_workspace_bytes", max_float_workspace_bytes)):
+    def __init__(
+        self,
+        device: "torch.device | str" = "cpu",
+        *,
+        float_workspace_bytes: int = DEFAULT_FLOAT_WORKSPACE_BYTES,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        max_float_workspace_bytes: int = DEFAULT_MAX_FLOAT_WORKSPACE_BYTES,
+        max_idle_wrappers: int = DEFAULT_MAX_IDLE_WRAPPERS,
+    ):
+        for name, value in (
+            ("float_workspace_bytes", float_workspace_bytes),
+            ("chunk_tokens", chunk_tokens),
+            ("max_float_workspace_bytes", max_float_workspace_bytes),
+        ):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
                 raise ValueError(f"Workspace: {name} must be a positive int, got {value!r}")
         float_workspace_bytes, chunk_tokens = int(float_workspace_bytes), int(chunk_tokens)  # numpy ints too
@@ -398,7 +435,9 @@ class Workspace:
                         idle.append(slot)
             if len(idle) > self.max_idle_wrappers:
                 idle.sort(key=lambda s: s.last_acquired, reverse=True)  # keep the most recently used
-                drop = {id(s) for s in idle[self.max_idle_wrappers:] if now - s.last_acquired > IDLE_AFTER_ACQUISITIONS}
+                drop = {
+                    id(s) for s in idle[self.max_idle_wrappers :] if now - s.last_acquired > IDLE_AFTER_ACQUISITIONS
+                }
                 if drop:
                     slots[:] = [s for s in slots if id(s) not in drop]
             if lease is None:
@@ -435,8 +474,9 @@ class Workspace:
 
     def _set_int_workspace(self, wrapper: Any, nbytes: int) -> None:
         wrapper._int_workspace_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        wrapper._pin_memory_int_workspace_buffer = torch.empty(nbytes, dtype=torch.uint8,
-                                                               pin_memory=self.device.type == "cuda")
+        wrapper._pin_memory_int_workspace_buffer = torch.empty(
+            nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+        )
 
     def acquire_wrapper(self, backend: str, owner: object, factory: Callable[[torch.Tensor, str], Any]) -> Any:
         """The wrapper of :meth:`acquire` (held by ``owner`` until it is garbage collected)."""
@@ -449,7 +489,7 @@ class Workspace:
         with self._lock:
             for slots in self._slots.values():
                 idle = sorted((s for s in slots if s.free()), key=lambda s: s.last_acquired, reverse=True)
-                drop = {id(s) for s in idle[self.max_idle_wrappers:]}
+                drop = {id(s) for s in idle[self.max_idle_wrappers :]}
                 freed += len(drop)
                 slots[:] = [s for s in slots if id(s) not in drop]
         return freed
@@ -590,8 +630,10 @@ class Workspace:
 
     def __repr__(self) -> str:
         pooled = sum(len(s) for s in self._slots.values())
-        return (f"Workspace(device={self.device}, float_workspace_bytes={self.float_workspace_bytes}, "
-                f"chunk_tokens={self.chunk_tokens}, wrappers={pooled})")
+        return (
+            f"Workspace(device={self.device}, float_workspace_bytes={self.float_workspace_bytes}, "
+            f"chunk_tokens={self.chunk_tokens}, wrappers={pooled})"
+        )
 
 
 _DEFAULT_WORKSPACES: dict[torch.device, Workspace] = {}

@@ -107,12 +107,14 @@ class _CountOps(TorchDispatchMode):
 def _counting(counts: collections.Counter) -> None:
     """Count every CUDA runtime stand-in of the fake device, the page-locked tables and ``Tensor.to`` (a script: not
     undone)."""
+
     def counted(owner, name, label):
         fn = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
             counts[label] += 1
             return fn(*args, **kwargs)
+
         setattr(owner, name, wrapper)
 
     for name in ("get_device_capability", "is_current_stream_capturing", "current_stream"):
@@ -167,8 +169,10 @@ def _print_times(ws: Workspace, dims: MLADims, repeats: int, impls: tuple = (), 
             in_plan = statistics.median(plans)
             ratio = f", own / FlashInfer plan() {own / in_plan:.3f}" if impl and in_plan > 0 else ""
             label = f"[{impl}] " if impl else ""
-            print(f"B={b:<3} C={c:<4} {label}build {statistics.median(builds):.3f} ms, own {own:.3f} ms{ratio}  "
-                  f"({sched}, {plan.num_plans} plan(s), {plan.backend.name})")
+            print(
+                f"B={b:<3} C={c:<4} {label}build {statistics.median(builds):.3f} ms, own {own:.3f} ms{ratio}  "
+                f"({sched}, {plan.num_plans} plan(s), {plan.backend.name})"
+            )
 
 
 def main() -> None:
@@ -176,12 +180,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--profile", default=None, help="B,C: cProfile 200 builds of that case")
     p.add_argument("--count", action="store_true", help="count the CUDA-side calls of one build per case")
-    p.add_argument("--expand", choices=("triton", "torch"), default="triton",
-                   help="the device half of the index expansion on the fake device (default triton: what a GPU "
-                        "with Triton runs)")
-    p.add_argument("--device", choices=("fake", "cuda"), default="fake",
-                   help="fake: the CPU tests' fake SM90 device (default); cuda: the real GPU (FlashInfer's plan() "
-                        "runs and is timed apart; both device halves of the expansion, triton and torch, alternating)")
+    p.add_argument(
+        "--expand",
+        choices=("triton", "torch"),
+        default="triton",
+        help="the device half of the index expansion on the fake device (default triton: what a GPU with Triton runs)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("fake", "cuda"),
+        default="fake",
+        help="fake: the CPU tests' fake SM90 device (default); cuda: the real GPU (FlashInfer's plan() "
+        "runs and is timed apart; both device halves of the expansion, triton and torch, alternating)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     dims = MLADims.deepseek_v2_lite()
@@ -214,8 +225,10 @@ def main() -> None:
         ws = Workspace("cuda:0")
         for b, c in CASES:
             got = count_calls(ws, dims, b, c, counts)
-            print(f"B={b:<3} C={c:<4} CUDA-side calls per build: {sum(got.values())}  "
-                  + ", ".join(f"{k} {v}" for k, v in sorted(got.items())))
+            print(
+                f"B={b:<3} C={c:<4} CUDA-side calls per build: {sum(got.values())}  "
+                + ", ".join(f"{k} {v}" for k, v in sorted(got.items()))
+            )
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def _no_backend_env(monkeypatch):
 # float64 references
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def cumsum0(lens: Sequence[int]) -> list[int]:
     out = [0]
     for n in lens:
@@ -82,8 +83,9 @@ def dense_attention(q, k, v, sm_scale: float, mask=None):
         scores = scores.masked_fill(~mask.to(scores.device).unsqueeze(0), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where nothing is visible
     finite = torch.isfinite(lse)
-    p = torch.where(finite.unsqueeze(-1), torch.exp(scores - torch.where(finite, lse, 0.0).unsqueeze(-1)),
-                    torch.zeros_like(scores))
+    p = torch.where(
+        finite.unsqueeze(-1), torch.exp(scores - torch.where(finite, lse, 0.0).unsqueeze(-1)), torch.zeros_like(scores)
+    )
     out = torch.einsum("hqk,khd->qhd", p, v)
     return out, lse.t().contiguous()
 
@@ -124,8 +126,18 @@ class MLABatch(types.SimpleNamespace):
     """Random inputs of one MLA prefill batch with its paged cache (see :func:`make_mla_batch`)."""
 
 
-def make_mla_batch(dims, query_lens, context_lens, block_size, *, dtype=torch.float32, seed=0, shuffle=True,
-                   spare_blocks=3, device="cpu"):
+def make_mla_batch(
+    dims,
+    query_lens,
+    context_lens,
+    block_size,
+    *,
+    dtype=torch.float32,
+    seed=0,
+    shuffle=True,
+    spare_blocks=3,
+    device="cpu",
+):
     """New tokens' q / kv_c / k_pe, kv_b_proj weight, and a paged latent cache holding each request's context.
 
     Blocks are assigned in a random order (``shuffle``); spare blocks, the unused tail of each request's last
@@ -138,7 +150,7 @@ def make_mla_batch(dims, query_lens, context_lens, block_size, *, dtype=torch.fl
     q = torch.randn(t, h, dims.head_dim_qk, generator=g)
     kv_c = torch.randn(t, rank, generator=g)
     k_pe = torch.randn(t, rope, generator=g)
-    w = torch.randn(dims.kv_b_proj_shape, generator=g) * rank ** -0.5
+    w = torch.randn(dims.kv_b_proj_shape, generator=g) * rank**-0.5
     ctx_latent = [torch.randn(c, dims.latent_dim, generator=g) for c in context_lens]
     blocks_per_req = [-(-c // block_size) for c in context_lens]
     num_blocks = sum(blocks_per_req) + spare_blocks
@@ -153,11 +165,21 @@ def make_mla_batch(dims, query_lens, context_lens, block_size, *, dtype=torch.fl
             nxt += 1
             table[r, b] = blk
             n = min(block_size, c - b * block_size)
-            cache[blk, :n] = ctx_latent[r][b * block_size: b * block_size + n]
+            cache[blk, :n] = ctx_latent[r][b * block_size : b * block_size + n]
     cast = lambda x: x.to(dtype=dtype, device=device)  # noqa: E731
-    return MLABatch(q=cast(q), kv_c=cast(kv_c), k_pe=cast(k_pe), w=cast(w), cache=cast(cache),
-                    block_table=table.to(device), ctx_latent=[cast(x) for x in ctx_latent],
-                    query_lens=list(query_lens), context_lens=list(context_lens), block_size=block_size, dims=dims)
+    return MLABatch(
+        q=cast(q),
+        kv_c=cast(kv_c),
+        k_pe=cast(k_pe),
+        w=cast(w),
+        cache=cast(cache),
+        block_table=table.to(device),
+        ctx_latent=[cast(x) for x in ctx_latent],
+        query_lens=list(query_lens),
+        context_lens=list(context_lens),
+        block_size=block_size,
+        dims=dims,
+    )
 
 
 def mla_reference(batch: MLABatch, *, use_cache: bool = True):
@@ -182,7 +204,7 @@ def mla_reference(batch: MLABatch, *, use_cache: bool = True):
             ctx = torch.stack(rows) if rows else torch.zeros(0, d.latent_dim, dtype=torch.float64)
         else:
             ctx = batch.ctx_latent[r].double().cpu()
-        new = torch.cat([batch.kv_c[qo[r]:qo[r + 1]].double().cpu(), batch.k_pe[qo[r]:qo[r + 1]].double().cpu()], 1)
+        new = torch.cat([batch.kv_c[qo[r] : qo[r + 1]].double().cpu(), batch.k_pe[qo[r] : qo[r + 1]].double().cpu()], 1)
         latent = torch.cat([ctx, new], 0)  # [c + n, rank + rope]
         kv = (latent[:, :rank] @ w.t()).view(-1, h, nope + vdim)
         k = torch.cat([kv[..., :nope], latent[:, rank:].unsqueeze(1).expand(-1, h, -1)], -1)
@@ -190,9 +212,9 @@ def mla_reference(batch: MLABatch, *, use_cache: bool = True):
         mask = torch.zeros(n, c + n, dtype=torch.bool)
         mask[:, :c] = True
         for i in range(n):
-            mask[i, c:c + i + 1] = True
-        o, s = dense_attention(batch.q[qo[r]:qo[r + 1]].double().cpu(), k, v, d.softmax_scale, mask)
-        out[qo[r]:qo[r + 1]], lse[qo[r]:qo[r + 1]] = o, s
+            mask[i, c : c + i + 1] = True
+        o, s = dense_attention(batch.q[qo[r] : qo[r + 1]].double().cpu(), k, v, d.softmax_scale, mask)
+        out[qo[r] : qo[r + 1]], lse[qo[r] : qo[r + 1]] = o, s
     return out, lse
 
 
@@ -218,9 +240,16 @@ def assert_out_close(actual, expected, atol, rtol=0.0):
 def ref():
     """The float64 references and input builders, as one namespace."""
     return types.SimpleNamespace(
-        TINY=TINY, cumsum0=cumsum0, dense_attention=dense_attention, bottom_right_mask=bottom_right_mask,
-        ragged_reference=ragged_reference, make_ragged=make_ragged, make_mla_batch=make_mla_batch,
-        mla_reference=mla_reference, assert_lse_close=assert_lse_close, assert_out_close=assert_out_close,
+        TINY=TINY,
+        cumsum0=cumsum0,
+        dense_attention=dense_attention,
+        bottom_right_mask=bottom_right_mask,
+        ragged_reference=ragged_reference,
+        make_ragged=make_ragged,
+        make_mla_batch=make_mla_batch,
+        mla_reference=mla_reference,
+        assert_lse_close=assert_lse_close,
+        assert_out_close=assert_out_close,
         log=math.log,
     )
 
@@ -228,6 +257,7 @@ def ref():
 @pytest.fixture
 def tiny_dims():
     from mla_bridge import MLADims
+
     return MLADims(**TINY)
 
 
@@ -266,8 +296,20 @@ def triton_interpreted():
         if torch.cuda.is_available():
             pytest.skip(f"on a GPU machine the compiled kernel is tested in {gpu_tests}")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        res = subprocess.run([sys.executable, "-c", _INTERPRETED, root, os.path.join(root, "adapters"), target,
-                              *(f"{k}={v}" for k, v in env.items())], capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _INTERPRETED,
+                root,
+                os.path.join(root, "adapters"),
+                target,
+                *(f"{k}={v}" for k, v in env.items()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         return res.stdout
 

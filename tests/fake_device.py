@@ -11,8 +11,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Stream", "Event", "TorchOnCPU", "install_runtime", "install_planning", "page_locked_on_cpu",
-           "expand_kernel_on_cpu", "indptrs_on_cpu"]
+__all__ = [
+    "Stream",
+    "Event",
+    "TorchOnCPU",
+    "install_runtime",
+    "install_planning",
+    "page_locked_on_cpu",
+    "expand_kernel_on_cpu",
+    "indptrs_on_cpu",
+]
 
 
 class Stream:
@@ -48,8 +56,13 @@ class TorchOnCPU:
         return torch.empty(*args, **kwargs)
 
 
-def install_runtime(setattr: Callable, capability: Callable, current_stream: Callable, event_class: type,
-                    capturing: Callable = lambda: False) -> None:
+def install_runtime(
+    setattr: Callable,
+    capability: Callable,
+    current_stream: Callable,
+    event_class: type,
+    capturing: Callable = lambda: False,
+) -> None:
     """torch reports one CUDA device of ``capability()`` (CUDA 12.8), ``torch.cuda.current_stream`` returns
     ``current_stream()``, ``torch.cuda.Event`` is ``event_class``, ``is_current_stream_capturing`` returns
     ``capturing()``, and mla_bridge.workspace allocates on the CPU. The caller adds its FlashInfer wrapper stand-in."""
@@ -89,8 +102,9 @@ def indptrs_on_cpu(indptrs: list, device) -> list:
     return [torch.from_numpy(a.astype("int32", copy=True)) for a in indptrs]
 
 
-def install_planning(setattr: Callable, wrapper_class: type, tables: Optional[list] = None,
-                     expand: str = "torch") -> None:
+def install_planning(
+    setattr: Callable, wrapper_class: type, tables: Optional[list] = None, expand: str = "torch"
+) -> None:
     """A fake SM90 device with FlashInfer 0.7.4 for planning: every CUDA branch of ``PrefillPlan.build`` runs, the
     FlashInfer wrapper is ``wrapper_class(float_buffer, backend)``, and the device half of the index expansion that
     ``expand`` names (``"torch"``: its torch ops; ``"triton"``: its one kernel, as :func:`expand_kernel_on_cpu`) runs

@@ -103,8 +103,9 @@ class StandInWrapper:
         self.gpu.log.append(("plan", self, self.schedule))
 
     def run(self, q, k, v, out=None, lse=None, **kwargs):
-        self.gpu.log.append(("run", self, self.gpu.current.cuda_stream, self._float_workspace_buffer, self.schedule,
-                             out.data_ptr()))
+        self.gpu.log.append(
+            ("run", self, self.gpu.current.cuda_stream, self._float_workspace_buffer, self.schedule, out.data_ptr())
+        )
         vals = q[..., : out.shape[-1]].float() + 1
         if self.backend in ("fa2", "cutlass"):
             contiguous = torch.empty(out.shape).stride()
@@ -139,16 +140,27 @@ def graph_class(gpu: FakeGPU) -> type:
         @staticmethod
         def get_currently_capturing_graph():
             if not gpu.capturing or gpu.capturing_graph is None:
-                raise RuntimeError("get_currently_capturing_graph() can be used only between capture_begin() and "
-                                   "capture_end()")
+                raise RuntimeError(
+                    "get_currently_capturing_graph() can be used only between capture_begin() and capture_end()"
+                )
             return gpu.capturing_graph
 
     return CUDAGraph
 
 
 def plan(ws, qo, backend=None, causal=True):
-    return plan_ragged(qo, qo, num_heads=H, head_dim_qk=DQK, head_dim_vo=DVO, causal=causal, sm_scale=0.1, dtype=BF16,
-                       workspace=ws, backend=backend)
+    return plan_ragged(
+        qo,
+        qo,
+        num_heads=H,
+        head_dim_qk=DQK,
+        head_dim_vo=DVO,
+        causal=causal,
+        sm_scale=0.1,
+        dtype=BF16,
+        workspace=ws,
+        backend=backend,
+    )
 
 
 def tensors(t, seed=0):
@@ -173,6 +185,7 @@ def wrapper_of(p):
 # ---------------------------------------------------------------------------------------------------------------
 # a pooled wrapper is re-planned before the previous plan's queued work ran
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_dropped_plan_keeps_its_wrapper_until_the_gpu_is_done(gpu):
     ws = Workspace("cuda:0")
@@ -236,6 +249,7 @@ def test_event_recorded_after_plan_and_after_each_run_on_its_stream(gpu):
 # runs on another stream are ordered after the plan's copies
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_run_on_another_stream_waits_for_the_plan(gpu):
     ws = Workspace("cuda:0")
     p = plan(ws, [0, 4])
@@ -274,8 +288,10 @@ def test_held_until_every_stream_it_ran_on_is_done(gpu):
 # fa2 and cutlass ignore out's strides
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend,capability", [("flashinfer-fa2", (9, 0)), ("flashinfer-cutlass", (10, 0)),
-                                                ("flashinfer-fa3", (9, 0))])
+
+@pytest.mark.parametrize(
+    "backend,capability", [("flashinfer-fa2", (9, 0)), ("flashinfer-cutlass", (10, 0)), ("flashinfer-fa3", (9, 0))]
+)
 @pytest.mark.parametrize("view", ["last_dim_slice", "head_slice"])
 def test_strided_out_is_written_at_its_strides(gpu, backend, capability, view):
     gpu.capability = capability
@@ -310,6 +326,7 @@ def test_contiguous_out_is_written_directly(gpu):
 # plans that may run at once never share a float-workspace region (fa2)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_fa2_runs_on_two_streams_get_two_float_regions(gpu):
     ws = Workspace("cuda:0")
     a = plan(ws, [0, 4], backend="flashinfer-fa2")
@@ -341,8 +358,10 @@ def test_fa3_runs_use_no_extra_float_memory(gpu):
 # growth re-buffers free wrappers only
 # ---------------------------------------------------------------------------------------------------------------
 
-OVERFLOW = ("Buffer overflow when allocating memory for batch_prefill_tmp_v with size 5000 and alignment 16, "
-            "but only 100 bytes available in AlignedAllocator. Increase the workspace buffer size.")
+OVERFLOW = (
+    "Buffer overflow when allocating memory for batch_prefill_tmp_v with size 5000 and alignment 16, "
+    "but only 100 bytes available in AlignedAllocator. Increase the workspace buffer size."
+)
 
 
 def test_growth_leaves_live_plans_buffers_alone(gpu, monkeypatch):
@@ -381,6 +400,7 @@ def test_growth_leaves_live_plans_buffers_alone(gpu, monkeypatch):
 # the pool is locked (check-then-act race)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_threads_never_share_a_wrapper(gpu):
     ws = Workspace("cpu")  # a CPU workspace: no events involved, the pool logic alone
     factory = lambda buf, backend: object()  # noqa: E731
@@ -414,6 +434,7 @@ def test_threads_never_share_a_wrapper(gpu):
 # ---------------------------------------------------------------------------------------------------------------
 # a run captured into a CUDA graph keeps its wrapper
 # ---------------------------------------------------------------------------------------------------------------
+
 
 class Graph:
     pass
@@ -486,6 +507,7 @@ def test_captured_without_owner_is_never_reused(gpu):
 # idle wrappers above a small bound are freed
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_idle_wrappers_above_the_bound_are_freed(gpu):
     ws = Workspace("cuda:0", max_idle_wrappers=3)
     burst = [plan(ws, [0, 4]) for _ in range(20)]
@@ -535,6 +557,7 @@ def test_busy_wrappers_are_never_freed(gpu):
 # the vLLM adapter's per-step plans
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
     plans_mod = pytest.importorskip("mla_bridge_vllm.plans")
     from mla_bridge.ragged import indptr_from_lens
@@ -544,8 +567,17 @@ def test_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
     def step(q_lens, ctx_lens):
         qo = indptr_from_lens(q_lens)
         chunk = plans_mod.ChunkIndptrs(0, qo, indptr_from_lens(ctx_lens))
-        return plans_mod.PrefillStepPlans(qo, [chunk], num_heads=H, head_dim_qk=DQK, head_dim_vo=DVO, sm_scale=0.1,
-                                          dtype=BF16, device="cuda:0", workspace=ws)
+        return plans_mod.PrefillStepPlans(
+            qo,
+            [chunk],
+            num_heads=H,
+            head_dim_qk=DQK,
+            head_dim_vo=DVO,
+            sm_scale=0.1,
+            dtype=BF16,
+            device="cuda:0",
+            workspace=ws,
+        )
 
     seen = []
     plans = None

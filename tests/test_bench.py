@@ -23,13 +23,38 @@ from mla_bridge.bench.common import DEFAULT_SECTIONS
 from mla_bridge.bench.common import Ctx, Row, attention_flops, causal_pairs
 
 ROW_FIELDS = {f.name for f in dataclasses.fields(Row)} - {"order"}
-ENV_FIELDS = {"date", "device", "gpu", "gpu_capability", "driver", "torch", "cuda", "flashinfer", "python", "dtype",
-              "mode"}
+ENV_FIELDS = {
+    "date",
+    "device",
+    "gpu",
+    "gpu_capability",
+    "driver",
+    "torch",
+    "cuda",
+    "flashinfer",
+    "python",
+    "dtype",
+    "mode",
+}
 FAKE_JAX_ROWS = [
-    {"case": "tiny 2x32", "impl": "torch core (RaggedPlan.run)", "backend": "torch", "ms": 0.5, "tflops": 0.001,
-     "vs_torch": 1.0, "note": ""},
-    {"case": "tiny 2x32", "impl": "jax jit (tvm_ffi)", "backend": "torch", "ms": None, "tflops": None,
-     "vs_torch": None, "note": "skipped: not implemented"},
+    {
+        "case": "tiny 2x32",
+        "impl": "torch core (RaggedPlan.run)",
+        "backend": "torch",
+        "ms": 0.5,
+        "tflops": 0.001,
+        "vs_torch": 1.0,
+        "note": "",
+    },
+    {
+        "case": "tiny 2x32",
+        "impl": "jax jit (tvm_ffi)",
+        "backend": "torch",
+        "ms": None,
+        "tflops": None,
+        "vs_torch": None,
+        "note": "skipped: not implemented",
+    },
 ]
 
 
@@ -46,8 +71,17 @@ def _quiet_console():
 
 
 def _ctx():
-    return Ctx(device=torch.device("cpu"), quick=True, repeats=1, warmup=0, seed=0, backend=None, skip=set(),
-               budget_s=None, console=_quiet_console())
+    return Ctx(
+        device=torch.device("cpu"),
+        quick=True,
+        repeats=1,
+        warmup=0,
+        seed=0,
+        backend=None,
+        skip=set(),
+        budget_s=None,
+        console=_quiet_console(),
+    )
 
 
 def _fake_jax_module(calls: list):
@@ -71,12 +105,12 @@ def cpu_run(tmp_path_factory):
         mp.setitem(sys.modules, "mla_bridge_jax.bench", _fake_jax_module(calls))
         mp.delenv("MLA_BRIDGE_BACKEND", raising=False)
         # flex_attention's eager set-up costs seconds on a CPU: its own (slow) test below runs it.
-        args = _parse(["--device", "cpu", "--skip", "flex", "--json", str(out / "bench.json"),
-                       "--plot", str(out / "bench.png")])
+        args = _parse(
+            ["--device", "cpu", "--skip", "flex", "--json", str(out / "bench.json"), "--plot", str(out / "bench.png")]
+        )
         rc = run(args, console=console)
     data = json.loads((out / "bench.json").read_text())
-    return types.SimpleNamespace(rc=rc, data=data, png=out / "bench.png", calls=calls,
-                                 text=console.file.getvalue())
+    return types.SimpleNamespace(rc=rc, data=data, png=out / "bench.png", calls=calls, text=console.file.getvalue())
 
 
 def test_cpu_run_succeeds_and_prints_tables(cpu_run):
@@ -120,15 +154,25 @@ def test_gpu_targets_are_printed_with_their_result():
     from mla_bridge.bench.report import render
 
     console = _quiet_console()
-    env = dict(gpu="NVIDIA H200", torch="2.11", cuda="13.0", flashinfer="0.7.4", dtype="bfloat16", mode="full",
-               date="2026-12-04T12:00:00+00:00")
-    checks = [Check("context 4x(8000+2000), 4 chunks: mla_prefill / (attention + GEMM alone)", 1.09, 1.12, "<=",
-                    True, True),
-              Check("merge 16 heads: merge_attn_states GB/s", 2400.0, 2500.0, ">=", False, True),
-              Check("plan: PrefillPlan.build host ms, batch 128", None, 1.0, "<=", None, True),
-              Check("quick-mode only", 1.0, 2.0, "<=", True, False)]
-    rows = [Row("main", "16h 1x10000", "mla_bridge RaggedPlan.run", ms=0.73, tflops=704.0),
-            Row("main", "16h 1x10000", "raw FlashInfer wrapper.run", status="skipped", note="needs X", applies=False)]
+    env = dict(
+        gpu="NVIDIA H200",
+        torch="2.11",
+        cuda="13.0",
+        flashinfer="0.7.4",
+        dtype="bfloat16",
+        mode="full",
+        date="2026-12-04T12:00:00+00:00",
+    )
+    checks = [
+        Check("context 4x(8000+2000), 4 chunks: mla_prefill / (attention + GEMM alone)", 1.09, 1.12, "<=", True, True),
+        Check("merge 16 heads: merge_attn_states GB/s", 2400.0, 2500.0, ">=", False, True),
+        Check("plan: PrefillPlan.build host ms, batch 128", None, 1.0, "<=", None, True),
+        Check("quick-mode only", 1.0, 2.0, "<=", True, False),
+    ]
+    rows = [
+        Row("main", "16h 1x10000", "mla_bridge RaggedPlan.run", ms=0.73, tflops=704.0),
+        Row("main", "16h 1x10000", "raw FlashInfer wrapper.run", status="skipped", note="needs X", applies=False),
+    ]
     render(console, rows, checks, env, {})
     text = console.file.getvalue()
     assert "Targets (GPU, full mode)" in text
@@ -171,8 +215,13 @@ def test_main_section_paths(cpu_run):
     by_path: dict = {}
     for r in rows:
         by_path.setdefault(r["path"], []).append(r)
-    assert set(by_path) == {"mla_bridge RaggedPlan.run", "raw FlashInfer wrapper.run", "torch SDPA (dense)",
-                            "flex_attention (doc-causal)", "mla_bridge torch backend"}
+    assert set(by_path) == {
+        "mla_bridge RaggedPlan.run",
+        "raw FlashInfer wrapper.run",
+        "torch SDPA (dense)",
+        "flex_attention (doc-causal)",
+        "mla_bridge torch backend",
+    }
     assert all(r["status"] == "ok" for r in by_path["mla_bridge RaggedPlan.run"])
     assert all(r["status"] == "skipped" for r in by_path["raw FlashInfer wrapper.run"])  # no CUDA here
     ragged = [r for r in by_path["torch SDPA (dense)"] if "mixed" in r["case"]]
@@ -185,9 +234,16 @@ def test_main_section_paths(cpu_run):
 def test_context_section_splits_phases(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "context"]
     paths = {r["path"] for r in rows}
-    for p in ("mla_prefill", "hand-written pipeline", "phase: gather by block_table",
-              "phase: up-projection GEMM alone", "phase: attention kernels alone", "phase: merge",
-              "attention + GEMM alone", "context pass: RaggedPlan.run"):
+    for p in (
+        "mla_prefill",
+        "hand-written pipeline",
+        "phase: gather by block_table",
+        "phase: up-projection GEMM alone",
+        "phase: attention kernels alone",
+        "phase: merge",
+        "attention + GEMM alone",
+        "context pass: RaggedPlan.run",
+    ):
         assert p in paths
     full = [r for r in rows if r["path"] == "mla_prefill"]
     assert len(full) == 6  # 2 long cases x 2 chunk budgets + 2 host-bound cases
@@ -197,9 +253,12 @@ def test_context_section_splits_phases(cpu_run):
 
 def test_context_section_prepared_split_and_graphed_paths(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "context"]
-    for path in ("mla_prefill, raw weight (read in place; rearranged per call for cuBLAS passes)",
-                 "mla_prefill, identity layout (one GEMM with an identity block)", "mla_prefill, CUDA graph replay",
-                 "mla_prefill, identity layout, CUDA graph replay"):
+    for path in (
+        "mla_prefill, raw weight (read in place; rearranged per call for cuBLAS passes)",
+        "mla_prefill, identity layout (one GEMM with an identity block)",
+        "mla_prefill, CUDA graph replay",
+        "mla_prefill, identity layout, CUDA graph replay",
+    ):
         got = [r for r in rows if r["path"] == path]
         assert len(got) == 6 and all(r["status"] == "ok" and r["ms"] > 0 and r["tflops"] for r in got), path
     graphed = [r for r in rows if r["path"] == "mla_prefill, CUDA graph replay"]
@@ -210,8 +269,10 @@ def test_context_section_prepared_split_and_graphed_paths(cpu_run):
     assert "context 4h 2x(96+32), all context: mla_prefill, CUDA graph replay / (attention + GEMM alone)" in names
     assert not any(n.startswith("context 4h 8x16 new") and "attention + GEMM" in n for n in names)  # no phases
     # the kv_impl-forced paths need CUDA and Triton: a skipped row each per case, the graphed separate one included
-    for path in ("mla_prefill, gather + cuBLAS GEMM on every pass (kv_impl='separate')",
-                 "mla_prefill, gather + cuBLAS GEMM on every pass, CUDA graph replay"):
+    for path in (
+        "mla_prefill, gather + cuBLAS GEMM on every pass (kv_impl='separate')",
+        "mla_prefill, gather + cuBLAS GEMM on every pass, CUDA graph replay",
+    ):
         got = [r for r in rows if r["path"] == path]
         assert len(got) == 6 and all(r["status"] == "skipped" for r in got), path
 
@@ -274,13 +335,22 @@ def _h200_like_rows() -> list:
     for i, case in enumerate(("16h 1x10000", "16h 4x10000", "128h 1x10000", "16h mixed 24 (37..9000, 111057 tok)")):
         for j, path in enumerate(M.PATHS):
             rows.append(Row("main", case, path, ms=1.0, tflops=700.0 - 50 * j, order=(0, i, j)))
-        rows.append(Row("main", case, M.PATHS[1] + " x", status="skipped", note="needs CUDA", applies=False,
-                        order=(0, i, 9)))
+        rows.append(
+            Row("main", case, M.PATHS[1] + " x", status="skipped", note="needs CUDA", applies=False, order=(0, i, 9))
+        )
     kv_paths = (C.FUSED_KV_PATH, C.FUSED_KV_GRAPH, C.SEPARATE_KV_PATH, C.SEPARATE_KV_GRAPH)
     for i, case in enumerate(("4x(8000+2000), all context", "4x(8000+2000), 4 chunks", "64x128 new, no context")):
         for j, path in enumerate((C.PATHS[0], C.PATHS[20], C.PATHS[2]) + kv_paths + C.PATHS[3:8]):
-            rows.append(Row("context", case, path, ms=1.0 + j / 10, order=(1, i, j),
-                            extra={"vs_attention_plus_gemm": 1.0 + j / 100}))
+            rows.append(
+                Row(
+                    "context",
+                    case,
+                    path,
+                    ms=1.0 + j / 10,
+                    order=(1, i, j),
+                    extra={"vs_attention_plus_gemm": 1.0 + j / 100},
+                )
+            )
     return rows
 
 
@@ -297,8 +367,10 @@ def test_plot_panels_are_small_multiples_with_few_series():
     assert titles[0].startswith("Main pass") and "attention + GEMM" in titles[1] and "k/v path" in titles[2]
     assert "hand-written" in titles[3]
     assert [len(p["series"]) for p in panels] == [5, 2, 4, 3]
-    assert [label for label, _ in panels[0]["series"]][:2] == ["mla_bridge (RaggedPlan.run)",
-                                                               "raw FlashInfer (wrapper.run)"]
+    assert [label for label, _ in panels[0]["series"]][:2] == [
+        "mla_bridge (RaggedPlan.run)",
+        "raw FlashInfer (wrapper.run)",
+    ]
     assert [label for label, _ in panels[1]["series"]] == ["eager", "CUDA graph replay"]
     assert [t for t, _ in panels[1]["targets"]] == [1.12, 1.05]
     assert panels[0]["cases"][0] == "16h 1x10000" and len(panels[0]["cases"]) == 4
@@ -311,9 +383,18 @@ def test_plot_legends_sit_outside_the_axes_and_the_title_names_machine_date_vers
 
     from mla_bridge.bench.report import plot_figure
 
-    env = dict(gpu="NVIDIA H200", gpu_capability="9.0", mode="full", dtype="bfloat16",
-               date="2026-12-04T12:34:56+00:00", mla_bridge="0.1.0", torch="2.11.0+cu130", cuda="13.0",
-               flashinfer="0.7.4", driver="580.159.04")
+    env = dict(
+        gpu="NVIDIA H200",
+        gpu_capability="9.0",
+        mode="full",
+        dtype="bfloat16",
+        date="2026-12-04T12:34:56+00:00",
+        mla_bridge="0.1.0",
+        torch="2.11.0+cu130",
+        cuda="13.0",
+        flashinfer="0.7.4",
+        driver="580.159.04",
+    )
     fig = plot_figure(_h200_like_rows(), {"matmul_tflops": 790.0}, env)
     try:
         fig.canvas.draw()
@@ -327,8 +408,15 @@ def test_plot_legends_sit_outside_the_axes_and_the_title_names_machine_date_vers
             labels = [t.get_text() for t in ax.get_yticklabels()]
             assert labels and all(labels)
         title = fig._suptitle.get_text()
-        for part in ("NVIDIA H200", "2026-12-04 12:34 UTC", "torch 2.11.0+cu130", "CUDA 13.0", "FlashInfer 0.7.4",
-                     "mla_bridge 0.1.0", "bfloat16"):
+        for part in (
+            "NVIDIA H200",
+            "2026-12-04 12:34 UTC",
+            "torch 2.11.0+cu130",
+            "CUDA 13.0",
+            "FlashInfer 0.7.4",
+            "mla_bridge 0.1.0",
+            "bfloat16",
+        ):
             assert part in title, part
     finally:
         plt.close(fig)
@@ -348,8 +436,13 @@ def test_plot_is_drawn_again_from_a_json(cpu_run, tmp_path):
 @pytest.mark.slow
 def test_flex_attention_row_on_cpu(tmp_path):
     path = tmp_path / "b.json"
-    assert run(_parse(["--device", "cpu", "--sections", "main", "--skip", "sdpa,torch", "--json", str(path)]),
-               console=_quiet_console()) == 0
+    assert (
+        run(
+            _parse(["--device", "cpu", "--sections", "main", "--skip", "sdpa,torch", "--json", str(path)]),
+            console=_quiet_console(),
+        )
+        == 0
+    )
     rows = [r for r in json.loads(path.read_text())["rows"] if r["path"] == "flex_attention (doc-causal)"]
     ok = [r for r in rows if r["status"] == "ok"]
     assert len(ok) == 1 and "mixed" in ok[0]["case"] and ok[0]["tflops"] > 0  # the ragged shape; others noted
@@ -358,8 +451,10 @@ def test_flex_attention_row_on_cpu(tmp_path):
 
 def test_sections_flag_picks_sections(tmp_path):
     path = tmp_path / "b.json"
-    rc = run(_parse(["--device", "cpu", "--sections", "merge,4", "--layers", "2", "--json", str(path)]),
-             console=_quiet_console())
+    rc = run(
+        _parse(["--device", "cpu", "--sections", "merge,4", "--layers", "2", "--json", str(path)]),
+        console=_quiet_console(),
+    )
     assert rc == 0
     d = json.loads(path.read_text())
     assert d["sections"] == ["merge", "plan"]
@@ -396,8 +491,13 @@ def test_a_failing_path_becomes_a_skipped_row_and_the_others_are_timed():
     def bad():
         raise RuntimeError("kernel failed to launch")
 
-    rows = ctx.measure_many("main", "case", [("good", good, dict(flops=1e9, note="n")),
-                                             ("bad", bad, dict(flops=1e9, note="n", heads=4))], repeats=3, warmup=1)
+    rows = ctx.measure_many(
+        "main",
+        "case",
+        [("good", good, dict(flops=1e9, note="n")), ("bad", bad, dict(flops=1e9, note="n", heads=4))],
+        repeats=3,
+        warmup=1,
+    )
     assert [r.path for r in rows] == ["good", "bad"]
     assert rows[0].status == "ok" and rows[0].repeats == 3 and rows[0].tflops > 0 and calls["good"] == 4
     assert rows[1].status == "skipped" and "kernel failed to launch" in rows[1].error and rows[1].heads == 4
@@ -427,8 +527,20 @@ class _FakeWrapper:
         assert kv_layout == "NHD"
         self.backend = backend
 
-    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False,
-             sm_scale=None, q_data_type=None, kv_data_type=None, o_data_type=None):
+    def plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo=None,
+        causal=False,
+        sm_scale=None,
+        q_data_type=None,
+        kv_data_type=None,
+        o_data_type=None,
+    ):
         assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
         self.qo, self.kv = qo_indptr.tolist(), kv_indptr.tolist()
         self.causal, self.sm_scale = causal, sm_scale
@@ -458,8 +570,6 @@ def fake_flashinfer(monkeypatch):
     return fi
 
 
-
-
 @pytest.mark.parametrize("budget_index", [0, 1])
 def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index):
     from mla_bridge.bench.cases import context_cases
@@ -471,8 +581,14 @@ def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index)
     x = make_inputs(ctx, case, 0)
     assert handwritten_backend(ctx) == "fa2"  # not SM90
     layer = handwritten_pipeline(ctx, x, budget)
-    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=Workspace("cpu", chunk_tokens=budget),
-                             block_size=case.block_size, dtype=ctx.dtype)
+    plan = PrefillPlan.build(
+        x.q_lens,
+        x.c_lens,
+        dims=x.dims,
+        workspace=Workspace("cpu", chunk_tokens=budget),
+        block_size=case.block_size,
+        dtype=ctx.dtype,
+    )
     want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan)
     torch.testing.assert_close(layer(), want, atol=2e-5, rtol=2e-5)
 
@@ -486,8 +602,14 @@ def test_isolated_phases_are_mla_prefills_steps(budget_index):
     case = context_cases(True)[1]
     _, budget = case.budgets[budget_index]
     x = make_inputs(ctx, case, 1)
-    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=Workspace("cpu", chunk_tokens=budget),
-                             block_size=case.block_size, dtype=ctx.dtype)
+    plan = PrefillPlan.build(
+        x.q_lens,
+        x.c_lens,
+        dims=x.dims,
+        workspace=Workspace("cpu", chunk_tokens=budget),
+        block_size=case.block_size,
+        dtype=ctx.dtype,
+    )
     want, want_lse = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, return_lse=True)
     ph = _Phases(x, plan)  # runs the attention once into ph.out / ph.lse
     ph.merge()
@@ -512,8 +634,7 @@ def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monk
     case = context_cases(True)[1]
     x = bench_context.make_inputs(ctx, case, 1)
     ws = Workspace("cpu", chunk_tokens=case.budgets[1][1])
-    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
-                             dtype=ctx.dtype)
+    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype)
     assert not plan.fused and plan.chunks
     plan.chunks = [dataclasses.replace(c, rows=c.rows._replace(indices=None)) for c in plan.chunks]
     calls = []
@@ -522,6 +643,7 @@ def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monk
         def wrapped(*args, **kwargs):
             calls.append(name)
             return fn(*args, **kwargs)
+
         return wrapped
 
     for mod in (kv_mod, bench_context):
@@ -583,19 +705,33 @@ def test_ttft_section_quick_on_the_cpu(tmp_path):
     from mla_bridge.bench.ttft import ttft_cases
 
     path = tmp_path / "ttft.json"
-    assert run(_parse(["--device", "cpu", "--sections", "ttft", "--repeats", "1", "--warmup", "0", "--json",
-                       str(path)]), console=_quiet_console()) == 0
+    assert (
+        run(
+            _parse(["--device", "cpu", "--sections", "ttft", "--repeats", "1", "--warmup", "0", "--json", str(path)]),
+            console=_quiet_console(),
+        )
+        == 0
+    )
     d = json.loads(path.read_text())
     assert d["sections"] == ["ttft"] and d["complete"] is True
     rows = [r for r in d["rows"] if r["section"] == "ttft"]
     for case in ttft_cases(quick=True):
         mine = {r["path"]: r for r in rows if r["case"] == case.name}
-        for p in ("transformers sdpa", "transformers mla_bridge", "transformers, attention a no-op",
-                  "attention alone x layers: transformers sdpa_attention_forward",
-                  "attention alone x layers: mla_bridge_attention", "attention alone x layers: kernel calls only"):
+        for p in (
+            "transformers sdpa",
+            "transformers mla_bridge",
+            "transformers, attention a no-op",
+            "attention alone x layers: transformers sdpa_attention_forward",
+            "attention alone x layers: mla_bridge_attention",
+            "attention alone x layers: kernel calls only",
+        ):
             assert mine[p]["status"] == "ok" and mine[p]["ms"] > 0, (case, p, mine.get(p))
         ours = mine["transformers mla_bridge"]
-        assert ours["extra"]["ratio_sdpa_over_mla_bridge"] == pytest.approx(mine["transformers sdpa"]["ms"] / ours["ms"])
-        assert ours["extra"]["attention_ms"] == pytest.approx(ours["ms"] - mine["transformers, attention a no-op"]["ms"])
+        assert ours["extra"]["ratio_sdpa_over_mla_bridge"] == pytest.approx(
+            mine["transformers sdpa"]["ms"] / ours["ms"]
+        )
+        assert ours["extra"]["attention_ms"] == pytest.approx(
+            ours["ms"] - mine["transformers, attention a no-op"]["ms"]
+        )
         jax_rows = [r for p, r in mine.items() if "JAX" in p]
         assert jax_rows and all(r["status"] == "ok" or r["note"] for r in jax_rows)

@@ -16,9 +16,19 @@ F8 = torch.float8_e4m3fn
 
 
 # ------------------------------------------------------------------------------------------------ dtype rules
-@pytest.mark.parametrize("given,expected", [(None, torch.bfloat16), ("auto", torch.bfloat16), ("fp8", F8),
-                                            ("fp8_e4m3", F8), (F8, F8), (torch.uint8, F8),
-                                            (torch.bfloat16, torch.bfloat16), ("bfloat16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        (None, torch.bfloat16),
+        ("auto", torch.bfloat16),
+        ("fp8", F8),
+        ("fp8_e4m3", F8),
+        (F8, F8),
+        (torch.uint8, F8),
+        (torch.bfloat16, torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+    ],
+)
 def test_resolve_kv_cache_dtype(given, expected):
     assert C.resolve_kv_cache_dtype(given, torch.bfloat16) == expected
 
@@ -85,7 +95,7 @@ def _e4m3_oracle(x: torch.Tensor) -> torch.Tensor:
     xd = x.double().clamp(-448.0, 448.0).reshape(-1, 1)
     dist = (xd - vals).abs()
     best = dist.min(dim=1, keepdim=True).values
-    cand = (dist == best)
+    cand = dist == best
     # among ties (two neighbours of one sign) the even byte; between +0 and -0 the sign of x
     sign_match = (codes >= 128) == torch.signbit(xd)
     score = cand.double() * 4 + sign_match.double() * 2 + (codes % 2 == 0).double()
@@ -99,7 +109,7 @@ def test_quantize_rounds_as_vllms_cache_write():
     scale = 0.03125 * 1.37
     x = torch.randn(4000, generator=g) * 4
     # exact ties between two e4m3 neighbours (1.0 and 1.125: 1.0625; 1.125 and 1.25: 1.1875), beyond 448, inf
-    special = torch.tensor([1.0625, 1.1875, -1.0625, 500.0, -1e9, float("inf"), float("-inf"), 0.0, 2 ** -10]) * scale
+    special = torch.tensor([1.0625, 1.1875, -1.0625, 500.0, -1e9, float("inf"), float("-inf"), 0.0, 2**-10]) * scale
     x = torch.cat([x, special.float()])
     q, s = C.quantize_latent_cache(x, scale)
     assert s == scale and q.dtype == F8
@@ -158,10 +168,15 @@ def _table_case(block_size, seed=0, fp8=True, strided=False):
 def test_torch_gather_reads_through_block_table(block_size, strided):
     cache, s, table, req, pos = _table_case(block_size, fp8=True, strided=strided)
     assert cache.is_contiguous() == (not strided)
-    got = C.gather_latent(cache, table, req, pos, dtype=torch.bfloat16, kv_cache_scale=C._scale_value(s, cache.device),
-                          impl="torch")
-    want = torch.stack([(cache[int(table[r, p // block_size]), p % block_size].float() * float(s)).to(torch.bfloat16)
-                        for r, p in zip(req.tolist(), pos.tolist())])
+    got = C.gather_latent(
+        cache, table, req, pos, dtype=torch.bfloat16, kv_cache_scale=C._scale_value(s, cache.device), impl="torch"
+    )
+    want = torch.stack(
+        [
+            (cache[int(table[r, p // block_size]), p % block_size].float() * float(s)).to(torch.bfloat16)
+            for r, p in zip(req.tolist(), pos.tolist())
+        ]
+    )
     assert torch.equal(got, want)
 
 
@@ -200,9 +215,9 @@ def interpreted_gather_cases() -> str:
         for fp8 in (True, False):
             for strided in (False, True):
                 cache, s, table, req, pos = _table_case(block_size, seed=block_size, fp8=fp8, strided=strided)
-                for dtype in ((torch.bfloat16, torch.float32) if fp8 else (torch.float32,)):
+                for dtype in (torch.bfloat16, torch.float32) if fp8 else (torch.float32,):
                     c = cache if fp8 else cache.to(dtype)
-                    for scale in ((C._scale_value(s, c.device), float(s)) if fp8 else (None,)):
+                    for scale in (C._scale_value(s, c.device), float(s)) if fp8 else (None,):
                         a = C.gather_latent(c, table, req, pos, dtype=dtype, kv_cache_scale=scale, impl="torch")
                         b = C.gather_latent(c, table, req, pos, dtype=dtype, kv_cache_scale=scale, impl="triton")
                         assert torch.equal(a, b), (block_size, fp8, strided, dtype)
@@ -210,9 +225,16 @@ def interpreted_gather_cases() -> str:
                         t, lat, rank = 5, c.shape[-1], 32
                         n_ctx = req.shape[0]
                         perm = torch.randperm(n_ctx + t, generator=torch.Generator().manual_seed(n))
-                        plan = SimpleNamespace(dims=SimpleNamespace(latent_dim=lat, kv_lora_rank=rank), dtype=dtype,
-                                               device=c.device, main_kv_indptr=[0, n_ctx + t], ctx_req_ids=req,
-                                               ctx_positions=pos, ctx_dst=perm[:n_ctx], new_dst=perm[n_ctx:])
+                        plan = SimpleNamespace(
+                            dims=SimpleNamespace(latent_dim=lat, kv_lora_rank=rank),
+                            dtype=dtype,
+                            device=c.device,
+                            main_kv_indptr=[0, n_ctx + t],
+                            ctx_req_ids=req,
+                            ctx_positions=pos,
+                            ctx_dst=perm[:n_ctx],
+                            new_dst=perm[n_ctx:],
+                        )
                         kv_c = torch.randn(t, rank).to(dtype)
                         k_pe = torch.randn(t, 1, lat - rank).to(dtype)[:, 0]
                         a = C.fused_latent(plan, kv_c, k_pe, c, table, scale, impl="torch")
@@ -224,19 +246,36 @@ def interpreted_gather_cases() -> str:
                             got = {}
                             for impl in ("torch", "triton"):
                                 buf = torch.full((rows, 3, 2 * (lat - rank) + 5), 7.0, dtype=dtype)
-                                k_pe_out = buf[:, :, 3:3 + lat - rank]
-                                got[impl] = (C.fused_latent(plan, kv_c, k_pe, c, table, scale, impl=impl,
-                                                            k_pe_out=k_pe_out) if fused else
-                                             C.gather_latent(c, table, req, pos, dtype=dtype, kv_cache_scale=scale,
-                                                             impl=impl, k_pe_out=k_pe_out), buf)
+                                k_pe_out = buf[:, :, 3 : 3 + lat - rank]
+                                got[impl] = (
+                                    C.fused_latent(plan, kv_c, k_pe, c, table, scale, impl=impl, k_pe_out=k_pe_out)
+                                    if fused
+                                    else C.gather_latent(
+                                        c,
+                                        table,
+                                        req,
+                                        pos,
+                                        dtype=dtype,
+                                        kv_cache_scale=scale,
+                                        impl=impl,
+                                        k_pe_out=k_pe_out,
+                                    ),
+                                    buf,
+                                )
                             (la, ba), (lb, bb) = got["torch"], got["triton"]
-                            full = a if fused else C.gather_latent(c, table, req, pos, dtype=dtype,
-                                                                   kv_cache_scale=scale, impl="torch")
+                            full = (
+                                a
+                                if fused
+                                else C.gather_latent(
+                                    c, table, req, pos, dtype=dtype, kv_cache_scale=scale, impl="torch"
+                                )
+                            )
                             assert la.shape == lb.shape == (rows, rank) and torch.equal(la, lb), ("kv_c", fused)
                             assert torch.equal(lb, full[:, :rank]) and torch.equal(ba, bb), ("k_pe_out", fused)
-                            assert torch.equal(bb[:, :, 3:3 + lat - rank],
-                                               full[:, None, rank:].expand(rows, 3, lat - rank))
-                            assert (bb[:, :, :3] == 7).all() and (bb[:, :, 3 + lat - rank:] == 7).all()
+                            assert torch.equal(
+                                bb[:, :, 3 : 3 + lat - rank], full[:, None, rank:].expand(rows, 3, lat - rank)
+                            )
+                            assert (bb[:, :, :3] == 7).all() and (bb[:, :, 3 + lat - rank :] == 7).all()
                         n += 1
     return f"ok {n}"
 
@@ -266,10 +305,24 @@ def _chunk_plans():
     from mla_bridge import MLADims, PrefillPlan, Workspace
 
     d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    cases = [([1, 2, 1, 3, 1, 2, 1, 1, 2, 1], [3, 0, 5, 0, 0, 7, 2, 0, 4, 1], 19),
-             ([2, 3, 1], [17, 4, 9], 5), ([1] * 12, [1, 0] * 6, 64), ([4], [33], 8)]
-    return d, [PrefillPlan.build(q, c, dims=d, workspace=Workspace("cpu", chunk_tokens=k), block_size=4,
-                                 dtype=torch.float32, fuse_context=False) for q, c, k in cases]
+    cases = [
+        ([1, 2, 1, 3, 1, 2, 1, 1, 2, 1], [3, 0, 5, 0, 0, 7, 2, 0, 4, 1], 19),
+        ([2, 3, 1], [17, 4, 9], 5),
+        ([1] * 12, [1, 0] * 6, 64),
+        ([4], [33], 8),
+    ]
+    return d, [
+        PrefillPlan.build(
+            q,
+            c,
+            dims=d,
+            workspace=Workspace("cpu", chunk_tokens=k),
+            block_size=4,
+            dtype=torch.float32,
+            fuse_context=False,
+        )
+        for q, c, k in cases
+    ]
 
 
 def _rows_of(chunk) -> "C.ChunkRows":
@@ -314,21 +367,29 @@ def interpreted_chunk_rows_cases() -> str:
             for c in plan.chunks:
                 rows, (req, pos) = _rows_of(c), c.token_indices()
                 want = C.gather_latent(cache, table, req, pos, dtype=torch.float32, kv_cache_scale=scale, impl="torch")
-                assert torch.equal(C.gather_rows(cache, table, rows, dtype=torch.float32, kv_cache_scale=scale,
-                                                 impl="triton"), want)
+                assert torch.equal(
+                    C.gather_rows(cache, table, rows, dtype=torch.float32, kv_cache_scale=scale, impl="triton"), want
+                )
                 k_pe_out = torch.full((c.num_tokens, 3, d.qk_rope_head_dim), 7.0)
                 out = torch.empty(c.num_tokens, d.kv_lora_rank)
                 gather_latent_triton(out, cache, table, None, None, scale, k_pe_out, d.kv_lora_rank, rows=rows)
-                assert torch.equal(out, want[:, :d.kv_lora_rank])
-                assert torch.equal(k_pe_out, want[:, None, d.kv_lora_rank:].expand_as(k_pe_out))
+                assert torch.equal(out, want[:, : d.kv_lora_rank])
+                assert torch.equal(k_pe_out, want[:, None, d.kv_lora_rank :].expand_as(k_pe_out))
                 for layout in ("identity", "split"):
                     w = prepare_kv_b_proj(torch.randn(*d.kv_b_proj_shape, generator=g) * 0.2, d, layout=layout)
                     got = {}
                     for by_rows in (False, True):
                         buf = torch.full((c.num_tokens, d.num_heads, d.head_dim_qk + d.v_head_dim), 7.0)
-                        up_project_triton(buf, w, kv_cache=cache, block_table=table, req_ids=None if by_rows else req,
-                                          positions=None if by_rows else pos, rows=rows if by_rows else None,
-                                          kv_cache_scale=scale)
+                        up_project_triton(
+                            buf,
+                            w,
+                            kv_cache=cache,
+                            block_table=table,
+                            req_ids=None if by_rows else req,
+                            positions=None if by_rows else pos,
+                            rows=rows if by_rows else None,
+                            kv_cache_scale=scale,
+                        )
                         got[by_rows] = buf
                     assert torch.equal(got[True], got[False]) and not (got[True] == 7.0).any()
                 n += 1
@@ -338,14 +399,21 @@ def interpreted_chunk_rows_cases() -> str:
     c = plans[0].chunks[0]
     buf = torch.empty(c.num_tokens, d.num_heads, d.head_dim_qk + d.v_head_dim)
     with pytest.raises(ValueError, match="not both"):
-        up_project_triton(buf, w, kv_cache=cache, block_table=table, req_ids=c.token_indices()[0],
-                          positions=c.token_indices()[1],
-                          rows=_rows_of(c))
+        up_project_triton(
+            buf,
+            w,
+            kv_cache=cache,
+            block_table=table,
+            req_ids=c.token_indices()[0],
+            positions=c.token_indices()[1],
+            rows=_rows_of(c),
+        )
     with pytest.raises(ValueError, match="need kv_cache and block_table"):
         up_project_triton(buf, w, rows=_rows_of(c))
     with pytest.raises(ValueError, match="not both"):
-        gather_latent_triton(torch.empty(c.num_tokens, d.latent_dim), cache, table, *c.token_indices(),
-                             rows=_rows_of(c))
+        gather_latent_triton(
+            torch.empty(c.num_tokens, d.latent_dim), cache, table, *c.token_indices(), rows=_rows_of(c)
+        )
     return f"ok {n}"
 
 

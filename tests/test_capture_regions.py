@@ -28,8 +28,18 @@ import torch
 import mla_bridge.dispatch as dispatch
 from mla_bridge import Workspace
 from mla_bridge.backends import flashinfer as fi_backend
-from tests.test_async_safety import (DVO, FakeGPU, H, StandInWrapper, graph_class, make_event_class, plan, run, tensors,
-                                     wrapper_of)
+from tests.test_async_safety import (
+    DVO,
+    FakeGPU,
+    H,
+    StandInWrapper,
+    graph_class,
+    make_event_class,
+    plan,
+    run,
+    tensors,
+    wrapper_of,
+)
 
 FA2 = "flashinfer-fa2"
 
@@ -71,8 +81,15 @@ class DirectStandIn:
         self.on_read = self.on_write = None
 
         def ragged_run(fw, iw, info, q, k, v, qo, kv, out, lse, *rest):
-            gpu.launches.append(dict(thread=threading.get_ident(), stream=gpu.current.cuda_stream, fw=fw,
-                                     capturing=gpu.capturing, planned=self.planned_bytes))
+            gpu.launches.append(
+                dict(
+                    thread=threading.get_ident(),
+                    stream=gpu.current.cuda_stream,
+                    fw=fw,
+                    capturing=gpu.capturing,
+                    planned=self.planned_bytes,
+                )
+            )
             out.copy_(q[..., :DVO].float() + 1)
             if lse is not None:
                 lse.fill_(0.5)
@@ -99,8 +116,22 @@ class DirectStandIn:
 
     def run(self, q, k, v, out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH"):
         nh = lse if lse_layout == "NH" or not return_lse else torch.empty(q.shape[0], q.shape[1])
-        run_args = [self._float_workspace_buffer, self._int_workspace_buffer, self._plan_info, q, k, v,
-                    self._qo_indptr_buf, self._kv_indptr_buf, out, nh, 0, 0, -1, None]
+        run_args = [
+            self._float_workspace_buffer,
+            self._int_workspace_buffer,
+            self._plan_info,
+            q,
+            k,
+            v,
+            self._qo_indptr_buf,
+            self._kv_indptr_buf,
+            out,
+            nh,
+            0,
+            0,
+            -1,
+            None,
+        ]
         self._cached_module.ragged_run(*run_args)
         if return_lse:
             if lse_base == "ln":
@@ -165,6 +196,7 @@ def capture(gpu, p, t, graph=None):
 # a captured run's float region: the plan's size, one per capture, not kept by the wrapper
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_a_capture_after_growth_gets_a_region_the_plan_fits_in(gpu):
     """A pooled wrapper captured once, handed back, then planned again on a grown workspace and captured again: the
     second capture's region is at least the size its plan was laid out against (before: the first capture's region,
@@ -223,6 +255,7 @@ def test_a_capture_of_fa3_allocates_no_region(gpu):
 # the region of the calling stream, whatever another thread does meanwhile
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("lse_layout", ["NH", "HN"])
 def test_two_threads_running_one_plan_get_their_own_streams_regions(gpu, lse_layout):
     """Thread A runs a plan on stream 2; while A's launch is being built, thread B runs the same plan on stream 3.
@@ -277,7 +310,8 @@ def test_two_threads_running_one_plan_get_their_own_streams_regions(gpu, lse_lay
     assert sorted(x["stream"] for x in launches) == [2, 3]
     for x in launches:
         assert x["fw"] is ws.float_region(x["stream"]), (
-            f"a launch on stream {x['stream']} was handed another stream's float region")
+            f"a launch on stream {x['stream']} was handed another stream's float region"
+        )
 
 
 def test_the_attribute_is_never_left_pointing_at_a_stream_region(gpu):
@@ -301,6 +335,7 @@ def test_the_attribute_is_never_left_pointing_at_a_stream_region(gpu):
 # registered graphs and captures nobody registered
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("own", ["unnamed", "named"])
 def test_releasing_a_registered_graph_keeps_a_wrapper_another_capture_replays(gpu, own):
     """The user captures a plan into a graph of their own and never registers it; a second graph of the same plan is
@@ -321,7 +356,8 @@ def test_releasing_a_registered_graph_keeps_a_wrapper_another_capture_replays(gp
     gpu.finish()
     gc.collect()
     assert all(wrapper_of(plan(ws, [0, 4], backend=FA2)) is not w for _ in range(3)), (
-        "the wrapper a user's own graph replays went back to the pool")
+        "the wrapper a user's own graph replays went back to the pool"
+    )
     assert any(s.wrapper is w for s in ws._slots["fa2"])  # kept, not freed
 
 

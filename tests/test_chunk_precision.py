@@ -24,7 +24,7 @@ V2 = MLADims.deepseek_v2_lite()
 
 
 def bound(fused_err: float, ref_out: torch.Tensor) -> float:
-    return max(1.5 * fused_err, 2.0 ** -8 * float(ref_out.abs().max()))
+    return max(1.5 * fused_err, 2.0**-8 * float(ref_out.abs().max()))
 
 
 def max_err(out: torch.Tensor, ref_out: torch.Tensor) -> float:
@@ -32,10 +32,18 @@ def max_err(out: torch.Tensor, ref_out: torch.Tensor) -> float:
 
 
 def run(batch, chunk_tokens: int, fuse: bool, dtype=BF16):
-    plan = PrefillPlan.build(batch.query_lens, batch.context_lens, dims=batch.dims, block_size=batch.block_size,
-                             workspace=Workspace("cpu", chunk_tokens=chunk_tokens), dtype=dtype, fuse_context=fuse)
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True)
+    plan = PrefillPlan.build(
+        batch.query_lens,
+        batch.context_lens,
+        dims=batch.dims,
+        block_size=batch.block_size,
+        workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+        dtype=dtype,
+        fuse_context=fuse,
+    )
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     return plan, out, lse
 
 
@@ -99,7 +107,7 @@ def partials_merged_once(batch, plan, weight):
     for c in plan.chunks:
         if c.plan is not None:
             k, v = KV.chunk_kv(c, batch.cache, batch.block_table, None, weight, plan.dtype, nothing, "separate")
-            o, lse2 = c.plan.run(batch.q[c.q_start:c.q_end], k, v, lse_base="log2")
+            o, lse2 = c.plan.run(batch.q[c.q_start : c.q_end], k, v, lse_base="log2")
             parts.append((c.q_start, c.q_end, o, lse2 * math.log(2.0)))  # the float32 multiply of the merges
     total = parts[0][3].double().cpu().clone()
     for a, b, _, lse in parts[1:]:
@@ -131,11 +139,27 @@ def test_chunked_out_is_its_partials_merged_and_rounded_once(chunk_tokens):
     dims = MLADims(num_heads=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     for q_lens, c_lens in (([64], [512]), ([24, 8, 0, 16, 32], [200, 0, 40, 150, 120])):
         batch = make_mla_batch(dims, q_lens, c_lens, 16, dtype=BF16, seed=7)
-        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, block_size=16, dtype=BF16, fuse_context=False,
-                                 workspace=Workspace("cpu", chunk_tokens=chunk_tokens))
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=dims,
+            block_size=16,
+            dtype=BF16,
+            fuse_context=False,
+            workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+        )
         weight = prepare_kv_b_proj(batch.w, dims)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, batch.cache, batch.block_table, plan,
-                               return_lse=True, kv_impl="separate")
+        out, lse = mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            weight,
+            batch.cache,
+            batch.block_table,
+            plan,
+            return_lse=True,
+            kv_impl="separate",
+        )
         want, want_lse = partials_merged_once(batch, plan, weight)
         assert_rounded_once(out, want)
         torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-6)
@@ -165,8 +189,15 @@ def test_merge_steps_random_schedules():
         c_lens = [rng.choice([0, 1, 6, 17, 40]) for _ in range(b)]
         if not sum(c_lens):
             continue
-        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, block_size=4, dtype=BF16, fuse_context=False,
-                                 workspace=Workspace("cpu", chunk_tokens=rng.randint(1, 30)))
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=dims,
+            block_size=4,
+            dtype=BF16,
+            fuse_context=False,
+            workspace=Workspace("cpu", chunk_tokens=rng.randint(1, 30)),
+        )
         merges_of = [0] * plan.num_tokens
         for c in plan.chunks:
             if c.merge_rows is not None:
@@ -201,8 +232,15 @@ def test_merge_steps_of_a_split_request_and_the_bench_bytes():
     the bench's merge phase counts the float32 bytes they move."""
     from mla_bridge.bench.context import merge_phase_bytes
 
-    plan = PrefillPlan.build([100, 50], [300, 0], dims=V2, workspace=Workspace("cpu", chunk_tokens=128),
-                             block_size=16, dtype=BF16, fuse_context=False)
+    plan = PrefillPlan.build(
+        [100, 50],
+        [300, 0],
+        dims=V2,
+        workspace=Workspace("cpu", chunk_tokens=128),
+        block_size=16,
+        dtype=BF16,
+        fuse_context=False,
+    )
     assert plan.merge_steps == (((0, 100, None, 0),), ((0, 100, 0, 0),), ((0, 100, 0, None),))
     assert plan.running_rows == 100
     row = 16 * 128

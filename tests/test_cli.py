@@ -18,9 +18,32 @@ from mla_bridge.cli import CLIError, load_kv_b_proj_weight, main
 from mla_bridge.reference import reference_request
 
 PREFILL_FIELDS = {
-    "model", "dims", "weight", "device", "device_name", "dtype", "backend", "backend_reason", "passed_over",
-    "query_lens", "context_lens", "block_size", "chunk_tokens", "schedule", "num_chunks", "num_merges", "num_plans",
-    "layers", "timing_method", "timings_ms", "flops", "tflops", "peak_extra_memory_bytes", "check", "seed", "kernels",
+    "model",
+    "dims",
+    "weight",
+    "device",
+    "device_name",
+    "dtype",
+    "backend",
+    "backend_reason",
+    "passed_over",
+    "query_lens",
+    "context_lens",
+    "block_size",
+    "chunk_tokens",
+    "schedule",
+    "num_chunks",
+    "num_merges",
+    "num_plans",
+    "layers",
+    "timing_method",
+    "timings_ms",
+    "flops",
+    "tflops",
+    "peak_extra_memory_bytes",
+    "check",
+    "seed",
+    "kernels",
 }
 
 
@@ -32,14 +55,25 @@ def run_json(tmp_path, *argv):
 
 # ----------------------------------------------------------------------------------------------------- prefill
 
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_prefill_counts_only_the_context_its_passes_read(tmp_path, capsys, fuse):
     """A request without new tokens beside one of 1 new token: its 6000 cached tokens are not read (fused) or sit in
     chunks that are skipped (chunked), so they are no up-projection FLOPs. Before, they were counted (251 GFLOP for
     60000 such tokens, an impossible TFLOP/s, and the count skipped the warm-up layer), and the fused schedule
     gathered them."""
-    rc, res = run_json(tmp_path, "--prompt-lens", "1,0", "--context-lens", "0,6000", "--chunk-tokens", "4096",
-                       "--layers", "1", *([] if fuse else ["--no-fuse"]))
+    rc, res = run_json(
+        tmp_path,
+        "--prompt-lens",
+        "1,0",
+        "--context-lens",
+        "0,6000",
+        "--chunk-tokens",
+        "4096",
+        "--layers",
+        "1",
+        *([] if fuse else ["--no-fuse"]),
+    )
     assert rc == 0 and res["check"]["passed"] is True
     assert res["flops"]["up_projection"] == 2 * 1 * 512 * 16 * 256  # the new token alone
     # nothing to fuse or chunk: the only context is unattended (the JSON says what the table says)
@@ -49,8 +83,19 @@ def test_prefill_counts_only_the_context_its_passes_read(tmp_path, capsys, fuse)
 
 
 def test_prefill_json_fields_and_error(tmp_path, capsys):
-    rc, res = run_json(tmp_path, "--prompt-lens", "5,9,1", "--context-lens", "0,70,3", "--block-size", "16",
-                       "--layers", "2", "--check-requests", "3")
+    rc, res = run_json(
+        tmp_path,
+        "--prompt-lens",
+        "5,9,1",
+        "--context-lens",
+        "0,70,3",
+        "--block-size",
+        "16",
+        "--layers",
+        "2",
+        "--check-requests",
+        "3",
+    )
     assert rc == 0
     assert PREFILL_FIELDS <= set(res)
     assert res["device"] == "cpu" and res["dtype"] == "float32" and res["backend"] == "torch"
@@ -71,14 +116,34 @@ def test_prefill_json_fields_and_error(tmp_path, capsys):
     assert check["passed"] is True
     assert check["max_abs_err_out"] < 1e-4 and check["max_abs_err_lse"] < 1e-4
     text = capsys.readouterr().out
-    for words in ("backend", "torch", "passed over", "schedule", "time per layer", "TFLOP/s", "max abs error out",
-                  "PASS", "n/a on CPU"):
+    for words in (
+        "backend",
+        "torch",
+        "passed over",
+        "schedule",
+        "time per layer",
+        "TFLOP/s",
+        "max abs error out",
+        "PASS",
+        "n/a on CPU",
+    ):
         assert words in text, words
 
 
 def test_prefill_chunked_schedule_merges(tmp_path):
-    rc, res = run_json(tmp_path, "--prompt-lens", "4,6", "--context-lens", "50,23", "--block-size", "8",
-                       "--chunk-tokens", "32", "--check-requests", "2")
+    rc, res = run_json(
+        tmp_path,
+        "--prompt-lens",
+        "4,6",
+        "--context-lens",
+        "50,23",
+        "--block-size",
+        "8",
+        "--chunk-tokens",
+        "32",
+        "--check-requests",
+        "2",
+    )
     assert rc == 0
     assert res["schedule"] == "chunked" and res["num_chunks"] == 3  # 73 context tokens in chunks of <= 32
     assert res["num_merges"] == 3  # every chunk shares a request's rows with the one before: a round each
@@ -97,8 +162,19 @@ def test_prefill_no_fuse_and_no_context(tmp_path):
 
 
 def test_prefill_bfloat16_on_cpu(tmp_path):
-    rc, res = run_json(tmp_path, "--prompt-lens", "6", "--context-lens", "10", "--block-size", "4", "--dtype",
-                       "bfloat16", "--check-requests", "1")
+    rc, res = run_json(
+        tmp_path,
+        "--prompt-lens",
+        "6",
+        "--context-lens",
+        "10",
+        "--block-size",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--check-requests",
+        "1",
+    )
     assert rc == 0 and res["dtype"] == "bfloat16"
     assert res["check"]["max_abs_err_out"] < 2e-2 and res["check"]["max_abs_err_lse"] < 1e-2
 
@@ -107,14 +183,23 @@ def test_prefill_bfloat16_error_does_not_grow_with_the_chunk_count(tmp_path):
     """bf16, one request of 16 new + 512 cached tokens at 4-token chunks (128 merges of the same rows): the error
     stays within 1.5x the fused schedule's (or 2**-8 x max |ref|), and the check passes. Before, each merge rounded
     the running out to bf16: 3e-2 against 4.8e-3 fused (at 2-token chunks 9.1e-2, and the check failed, exit 1)."""
-    common = ("--dtype", "bfloat16", "--prompt-lens", "16", "--context-lens", "512", "--check-requests", "1",
-              "--no-breakdown")
+    common = (
+        "--dtype",
+        "bfloat16",
+        "--prompt-lens",
+        "16",
+        "--context-lens",
+        "512",
+        "--check-requests",
+        "1",
+        "--no-breakdown",
+    )
     rc, fused = run_json(tmp_path, *common)
     assert rc == 0 and fused["schedule"] == "fused"
     rc, res = run_json(tmp_path, *common, "--no-fuse", "--chunk-tokens", "4")
     assert res["num_chunks"] == 128 and res["num_merges"] == 128
     err, ref_max = res["check"]["max_abs_err_out"], res["check"]["requests"][0]["max_abs_ref_out"]
-    assert err <= max(1.5 * fused["check"]["max_abs_err_out"], 2.0 ** -8 * ref_max), (err, fused["check"])
+    assert err <= max(1.5 * fused["check"]["max_abs_err_out"], 2.0**-8 * ref_max), (err, fused["check"])
     assert rc == 0 and res["check"]["passed"] is True
 
 
@@ -150,30 +235,34 @@ def test_defaults_are_the_demo_batch_and_seed_workloads_in_help(capsys):
 
 # ----------------------------------------------------------------------------------------------------- bad args
 
-@pytest.mark.parametrize("argv, flag", [
-    (["prefill", "--block-size", "0"], "--block-size"),
-    (["prefill", "--prompt-lens", "a,b"], "--prompt-lens"),
-    (["prefill", "--prompt-lens", "4,-1"], "--prompt-lens"),
-    (["prefill", "--prompt-lens", "4", "--batch", "2"], "--prompt-lens"),
-    (["prefill", "--context-lens", "1,2,3"], "--context-lens"),
-    (["prefill", "--prompt-len", "0"], "--prompt-len"),
-    (["prefill", "--model", "llama"], "--model"),
-    (["prefill", "--dtype", "float8"], "--dtype"),
-    (["prefill", "--layers", "0"], "--layers"),
-    (["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4"], "--backend"),
-    (["prefill", "--backend", "cudnn"], "--backend"),
-    (["prefill", "--device", "tpu"], "--device"),
-    (["prefill", "--layer", "3"], "--layer"),
-    (["prefill", "--checkpoint", "/nonexistent/ckpt", "--layer", "0"], "--checkpoint"),
-    (["prefill", "--checkpoint", "/nonexistent/ckpt"], "--layer"),
-    (["frobnicate"], "frobnicate"),
-    (["prefill", "--json", "/"], "--json"),  # a folder: refused when parsed, not after the run
-    (["prefill", "--json", "/nonexistent-folder/out.json"], "--json"),
-    (["bench", "--repeats", "0"], "--repeats"),
-    (["bench", "--layers", "0"], "--layers"),
-    (["bench", "--budget-s", "-5"], "--budget-s"),
-    (["bench", "--json", "/"], "--json"),
-])
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["prefill", "--block-size", "0"], "--block-size"),
+        (["prefill", "--prompt-lens", "a,b"], "--prompt-lens"),
+        (["prefill", "--prompt-lens", "4,-1"], "--prompt-lens"),
+        (["prefill", "--prompt-lens", "4", "--batch", "2"], "--prompt-lens"),
+        (["prefill", "--context-lens", "1,2,3"], "--context-lens"),
+        (["prefill", "--prompt-len", "0"], "--prompt-len"),
+        (["prefill", "--model", "llama"], "--model"),
+        (["prefill", "--dtype", "float8"], "--dtype"),
+        (["prefill", "--layers", "0"], "--layers"),
+        (["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4"], "--backend"),
+        (["prefill", "--backend", "cudnn"], "--backend"),
+        (["prefill", "--device", "tpu"], "--device"),
+        (["prefill", "--layer", "3"], "--layer"),
+        (["prefill", "--checkpoint", "/nonexistent/ckpt", "--layer", "0"], "--checkpoint"),
+        (["prefill", "--checkpoint", "/nonexistent/ckpt"], "--layer"),
+        (["frobnicate"], "frobnicate"),
+        (["prefill", "--json", "/"], "--json"),  # a folder: refused when parsed, not after the run
+        (["prefill", "--json", "/nonexistent-folder/out.json"], "--json"),
+        (["bench", "--repeats", "0"], "--repeats"),
+        (["bench", "--layers", "0"], "--layers"),
+        (["bench", "--budget-s", "-5"], "--budget-s"),
+        (["bench", "--json", "/"], "--json"),
+    ],
+)
 def test_bad_arguments_exit_nonzero_naming_the_flag(argv, flag, capsys):
     rc = main(argv)
     assert rc != 0
@@ -199,10 +288,18 @@ def test_env_backend_that_cannot_serve(monkeypatch, capsys, value):
     assert "MLA_BRIDGE_BACKEND" in captured.err and "planning" not in captured.out + captured.err
 
 
-@pytest.mark.parametrize("env,value", [("MLA_BRIDGE_KV", "bogus"), ("MLA_BRIDGE_KV", "fused"),
-                                       ("MLA_BRIDGE_MERGE", "bogus"), ("MLA_BRIDGE_MERGE", "triton"),
-                                       ("MLA_BRIDGE_GATHER", "bogus"), ("MLA_BRIDGE_TRITON_LAUNCH", "bogus"),
-                                       ("MLA_BRIDGE_FLASHINFER_DIRECT", "false")])
+@pytest.mark.parametrize(
+    "env,value",
+    [
+        ("MLA_BRIDGE_KV", "bogus"),
+        ("MLA_BRIDGE_KV", "fused"),
+        ("MLA_BRIDGE_MERGE", "bogus"),
+        ("MLA_BRIDGE_MERGE", "triton"),
+        ("MLA_BRIDGE_GATHER", "bogus"),
+        ("MLA_BRIDGE_TRITON_LAUNCH", "bogus"),
+        ("MLA_BRIDGE_FLASHINFER_DIRECT", "false"),
+    ],
+)
 def test_env_kernel_switch_that_cannot_serve_exits_2_before_work(monkeypatch, capsys, env, value):
     """Exit 2 naming the switch, before planning (was a traceback and exit 1, the exit code of a failed check)."""
     import mla_bridge.plan as plan_mod
@@ -210,8 +307,10 @@ def test_env_kernel_switch_that_cannot_serve_exits_2_before_work(monkeypatch, ca
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv(env, value)
     monkeypatch.setattr(plan_mod.PrefillPlan, "build", classmethod(lambda cls, *a, **k: pytest.fail("planned")))
-    assert main(["prefill", "--device", "cpu", "--prompt-lens", "3,4", "--context-lens", "5,100",
-                 "--chunk-tokens", "32"]) == 2
+    assert (
+        main(["prefill", "--device", "cpu", "--prompt-lens", "3,4", "--context-lens", "5,100", "--chunk-tokens", "32"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert env in err and "Traceback" not in err
 
@@ -233,12 +332,18 @@ def test_prefill_reports_its_kernels_and_times_plans_without_gc(tmp_path, monkey
     from mla_bridge.dispatch import flashinfer_version
 
     direct = True if flashinfer_version() else None  # None where FlashInfer is not installed: no fa2/fa3 run
-    assert rc == 0 and data["kernels"] == {"kv": "separate", "gather": "torch", "merge": "torch",
-                                              "triton_launch": None, "flashinfer_direct": direct}
+    assert rc == 0 and data["kernels"] == {
+        "kv": "separate",
+        "gather": "torch",
+        "merge": "torch",
+        "triton_launch": None,
+        "flashinfer_direct": direct,
+    }
     assert seen == [False, False] and gc.isenabled()  # a collection inside a timed build read as planning time
 
 
 # ----------------------------------------------------------------------------------------------------- info, bench
+
 
 def test_info(tmp_path, capsys, monkeypatch):
     from mla_bridge.prefill import ENV_SWITCHES
@@ -324,9 +429,15 @@ def test_info_reports_the_dtype_each_path_uses(tmp_path, capsys, monkeypatch):
     assert default_dtype("cuda") == "bfloat16" and default_dtype("cpu") == "float32"
 
 
-@pytest.mark.parametrize("argv,module", [(["info"], "rich"), (["prefill", "--device", "cpu"], "rich"),
-                                         (["bench", "--plot", "x.png"], "matplotlib"),
-                                         (["prefill", "--checkpoint", "/nowhere", "--layer", "0"], "safetensors")])
+@pytest.mark.parametrize(
+    "argv,module",
+    [
+        (["info"], "rich"),
+        (["prefill", "--device", "cpu"], "rich"),
+        (["bench", "--plot", "x.png"], "matplotlib"),
+        (["prefill", "--checkpoint", "/nowhere", "--layer", "0"], "safetensors"),
+    ],
+)
 def test_a_missing_cli_extra_is_named_before_any_work(argv, module, monkeypatch, capsys):
     """Without the cli extra the command stops with exit 2 and one line naming the package and the extra (no
     traceback); --help still works."""
@@ -363,8 +474,14 @@ def test_bench_missing_module(monkeypatch, capsys):
 # ----------------------------------------------------------------------------------------------------- checkpoints
 
 TINY_CONFIG = {
-    "model_type": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 2, "kv_lora_rank": 32,
-    "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "model_type": "deepseek_v2",
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "kv_lora_rank": 32,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
     "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707},
 }
 WEIGHT = "model.layers.{}.self_attn.kv_b_proj.weight"
@@ -387,21 +504,35 @@ def write_checkpoint(root, tensors_per_shard, config=TINY_CONFIG, index=True):
 
 def tiny_weight(seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2 * (16 + 16), 32, generator=g) * 32 ** -0.5
+    return torch.randn(2 * (16 + 16), 32, generator=g) * 32**-0.5
 
 
 def test_checkpoint_bf16_sharded_through_index(tmp_path):
     w0, w1 = tiny_weight(0).bfloat16(), tiny_weight(1).bfloat16()
-    ckpt = write_checkpoint(tmp_path / "ckpt", [
-        {WEIGHT.format(0): w0, "model.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.bfloat16)},
-        {WEIGHT.format(1): w1},
-    ])
+    ckpt = write_checkpoint(
+        tmp_path / "ckpt",
+        [
+            {WEIGHT.format(0): w0, "model.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.bfloat16)},
+            {WEIGHT.format(1): w1},
+        ],
+    )
     dims = MLADims.from_hf_config(TINY_CONFIG)
     loaded, where = load_kv_b_proj_weight(ckpt, 1, dims, TINY_CONFIG)
     assert loaded.dtype == torch.bfloat16 and torch.equal(loaded, w1)
     assert "model-00002-of-00002.safetensors" in where
-    rc, res = run_json(tmp_path, "--checkpoint", str(ckpt), "--layer", "1", "--prompt-lens", "6,3",
-                       "--context-lens", "5,0", "--block-size", "4")
+    rc, res = run_json(
+        tmp_path,
+        "--checkpoint",
+        str(ckpt),
+        "--layer",
+        "1",
+        "--prompt-lens",
+        "6,3",
+        "--context-lens",
+        "5,0",
+        "--block-size",
+        "4",
+    )
     assert rc == 0
     assert res["dims"]["num_heads"] == 2 and res["dims"]["kv_lora_rank"] == 32
     assert res["dims"]["softmax_scale"] == pytest.approx(dims.softmax_scale)
@@ -413,14 +544,26 @@ def test_checkpoint_fp8_dequantized_with_block_scales(tmp_path):
     w8 = tiny_weight(2).to(torch.float8_e4m3fn)
     scale = torch.rand(4, 2, generator=torch.Generator().manual_seed(3)) + 0.5  # [64/16, 32/16] blocks of 16x16
     config = {**TINY_CONFIG, "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
-    ckpt = write_checkpoint(tmp_path / "ckpt", [{WEIGHT.format(0): w8, WEIGHT.format(0) + "_scale_inv": scale}],
-                            config=config, index=False)
+    ckpt = write_checkpoint(
+        tmp_path / "ckpt", [{WEIGHT.format(0): w8, WEIGHT.format(0) + "_scale_inv": scale}], config=config, index=False
+    )
     loaded, where = load_kv_b_proj_weight(ckpt, 0, MLADims.from_hf_config(config), config)
     expected = w8.float() * scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
     assert loaded.dtype == torch.float32 and torch.equal(loaded, expected)
     assert "dequantized" in where and "16x16" in where
-    rc, res = run_json(tmp_path, "--checkpoint", str(ckpt), "--layer", "0", "--prompt-lens", "5",
-                       "--context-lens", "7", "--block-size", "4")
+    rc, res = run_json(
+        tmp_path,
+        "--checkpoint",
+        str(ckpt),
+        "--layer",
+        "0",
+        "--prompt-lens",
+        "5",
+        "--context-lens",
+        "7",
+        "--block-size",
+        "4",
+    )
     assert rc == 0 and res["check"]["passed"] and "dequantized" in res["weight"]
 
 
@@ -460,6 +603,7 @@ def test_checkpoint_errors_name_the_flag(tmp_path, capsys):
 
 # ----------------------------------------------------------------------------------------------------- reference
 
+
 @pytest.mark.parametrize("score_elems", [1 << 25, 37])  # one block, and many small query blocks
 def test_reference_matches_the_suites_float64_reference(ref, tiny_dims, score_elems):
     batch = ref.make_mla_batch(tiny_dims, [7, 1, 12, 5], [0, 9, 33, 16], 8)
@@ -467,8 +611,17 @@ def test_reference_matches_the_suites_float64_reference(ref, tiny_dims, score_el
     qo = ref.cumsum0(batch.query_lens)
     for r in range(4):
         a, b = qo[r], qo[r + 1]
-        out, lse = reference_request(batch.q[a:b], batch.kv_c[a:b], batch.k_pe[a:b], batch.w, batch.cache,
-                                     batch.block_table[r], batch.context_lens[r], tiny_dims, score_elems=score_elems)
+        out, lse = reference_request(
+            batch.q[a:b],
+            batch.kv_c[a:b],
+            batch.k_pe[a:b],
+            batch.w,
+            batch.cache,
+            batch.block_table[r],
+            batch.context_lens[r],
+            tiny_dims,
+            score_elems=score_elems,
+        )
         assert out.dtype == torch.float64 and lse.shape == (b - a, tiny_dims.num_heads)
         torch.testing.assert_close(out, out_ref[a:b], atol=1e-12, rtol=0)
         torch.testing.assert_close(lse, lse_ref[a:b], atol=1e-12, rtol=0)
@@ -571,8 +724,14 @@ def test_memory_estimate_parts(tiny_dims):
 
     q_lens, c_lens, bs = [5, 9, 1], [0, 70, 300], 16
     for budget, fused in ((4096, True), (64, False)):
-        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=budget),
-                                 block_size=bs, dtype=torch.float32)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=tiny_dims,
+            workspace=Workspace("cpu", chunk_tokens=budget),
+            block_size=bs,
+            dtype=torch.float32,
+        )
         assert plan.fused is fused
         est = estimate_run_memory(tiny_dims, q_lens, c_lens, bs, torch.float32, "cpu", [1], plan=plan)
         held = est.held["device"]
@@ -613,7 +772,9 @@ def test_bench_plot_format_is_checked_before_any_work(name, tmp_path, capsys):
     path = tmp_path / name
     assert main(["bench", "--sections", "merge", "--plot", str(path)]) == 2
     captured = capsys.readouterr()
-    assert "--plot" in captured.err and f"cannot write '{path.suffix}' images" in captured.err and ".svg" in captured.err
+    assert (
+        "--plot" in captured.err and f"cannot write '{path.suffix}' images" in captured.err and ".svg" in captured.err
+    )
     assert captured.out == "" and list(tmp_path.iterdir()) == []
 
 
@@ -638,8 +799,10 @@ def test_output_file_leaves_nothing_behind(tmp_path):
 
 def test_a_run_refused_after_parsing_leaves_no_output_file(tmp_path, capsys):
     path = tmp_path / "out.json"
-    assert main(["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4",
-                 "--json", str(path)]) == 2
+    assert (
+        main(["prefill", "--device", "cpu", "--backend", "flashinfer-fa2", "--prompt-lens", "4", "--json", str(path)])
+        == 2
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -663,9 +826,29 @@ def test_ctrl_c_on_the_real_command(tmp_path):
 
     path = tmp_path / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "mla_bridge.cli", "prefill", "--device", "cpu", "--prompt-len",
-                             "3000", "--batch", "1", "--layers", "50", "--no-breakdown", "--json", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mla_bridge.cli",
+            "prefill",
+            "--device",
+            "cpu",
+            "--prompt-len",
+            "3000",
+            "--batch",
+            "1",
+            "--layers",
+            "50",
+            "--no-breakdown",
+            "--json",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     for line in proc.stdout:  # stdout is a pipe: the command logs a line per phase
         if "layer 1/50" in line:
             break
@@ -677,10 +860,31 @@ def test_ctrl_c_on_the_real_command(tmp_path):
 
 
 def test_piped_output_logs_a_line_per_phase_and_layer_group(capsys):
-    assert main(["prefill", "--device", "cpu", "--prompt-lens", "8,4", "--context-lens", "16", "--layers", "30",
-                 "--check-requests", "1", "--block-size", "16"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mla-bridge prefill: ")
-             and line.endswith(" s)")]
+    assert (
+        main(
+            [
+                "prefill",
+                "--device",
+                "cpu",
+                "--prompt-lens",
+                "8,4",
+                "--context-lens",
+                "16",
+                "--layers",
+                "30",
+                "--check-requests",
+                "1",
+                "--block-size",
+                "16",
+            ]
+        )
+        == 0
+    )
+    lines = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("mla-bridge prefill: ") and line.endswith(" s)")
+    ]
     names = [line.split(": ", 1)[1].rsplit(" (", 1)[0] for line in lines]
     layers = [n for n in names if n.startswith("layer ")]
     assert names[0].startswith("planning 2 request(s), 12 new + 32 context tokens")
@@ -698,6 +902,7 @@ def test_cuda_run_that_cannot_fit_is_refused_against_the_gpus_free_memory(capsys
 
 
 # --------------------------------------------------------------------------- inputs that once crashed or were misread
+
 
 def test_device_cpu_with_an_index_is_the_cpu(tmp_path):
     """--device cpu:0 crashed with 'kv_b_proj_weight is on cpu, but the plan is on cpu:0' (exit 1)."""
@@ -745,9 +950,18 @@ def test_corrupt_safetensors_is_a_clear_error(tmp_path, capsys):
     """A model.safetensors that is not safetensors raised SafetensorError with a traceback (exit 1)."""
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({
-        "num_attention_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-        "v_head_dim": 128, "num_hidden_layers": 1}))
+    (ckpt / "config.json").write_text(
+        json.dumps(
+            {
+                "num_attention_heads": 16,
+                "kv_lora_rank": 512,
+                "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64,
+                "v_head_dim": 128,
+                "num_hidden_layers": 1,
+            }
+        )
+    )
     (ckpt / "model.safetensors").write_text("garbage")
     assert main(["prefill", "--device", "cpu", "--checkpoint", str(ckpt), "--layer", "0", "--prompt-lens", "4"]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
@@ -766,6 +980,7 @@ def test_json_write_failure_is_one_line_and_a_link_is_followed(tmp_path, capsys)
 
 
 # ----------------------------------------------------------------------------------------------------- exit codes
+
 
 def _crash(*args, **kwargs):
     raise RuntimeError("index 7 is out of bounds\nsecond line of the message")
@@ -827,8 +1042,10 @@ def test_exit_codes_are_distinct_and_documented(tmp_path, monkeypatch, capsys):
         assert main(argv) == 0
         text = " ".join(capsys.readouterr().out.split())
         assert "exit codes: 0 success; 1 " in text and "; 2 " in text and "; 130 interrupted" in text
-        assert "3 an unexpected error (a bug or a failure of the environment: one line; the traceback with --debug " \
-               "or MLA_BRIDGE_DEBUG=1)" in text
+        assert (
+            "3 an unexpected error (a bug or a failure of the environment: one line; the traceback with --debug "
+            "or MLA_BRIDGE_DEBUG=1)" in text
+        )
 
 
 @pytest.mark.parametrize("command", [["info"], ["bench", "--quick", "--sections", "merge"]])

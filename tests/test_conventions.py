@@ -12,8 +12,7 @@ import torch
 
 from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
 
-DIMS = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-               softmax_scale=0.2)
+DIMS = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, softmax_scale=0.2)
 
 
 def _inputs(q_lens, c_lens, block_size, seed=0):
@@ -39,14 +38,16 @@ def test_block_table_entries_past_the_used_blocks_are_never_read(fuse):
     q_lens, c_lens, bs = [5, 3, 4], [9, 0, 16], 4
     q, kv_c, k_pe, w, cache, table, blocks = _inputs(q_lens, c_lens, bs)
     ws = Workspace("cpu", chunk_tokens=64 if fuse else 8)  # fused: one pass; else 25 context tokens in 4 chunks
-    plan = PrefillPlan.build(q_lens, c_lens, dims=DIMS, workspace=ws, block_size=bs, dtype=torch.float32,
-                             fuse_context=fuse)
+    plan = PrefillPlan.build(
+        q_lens, c_lens, dims=DIMS, workspace=ws, block_size=bs, dtype=torch.float32, fuse_context=fuse
+    )
     assert plan.fused == fuse and (fuse or len(plan.chunks) >= 3)
     out, lse = mla_prefill(q, kv_c, k_pe, w, cache, table, plan, return_lse=True)
     garbage = table.clone()
     for r, n in enumerate(blocks):
-        garbage[r, n:] = torch.tensor([-1, 2 ** 31 - 1, -(2 ** 31), cache.shape[0]] * 4, dtype=torch.int32)[
-            : garbage.shape[1] - n]
+        garbage[r, n:] = torch.tensor([-1, 2**31 - 1, -(2**31), cache.shape[0]] * 4, dtype=torch.int32)[
+            : garbage.shape[1] - n
+        ]
     out2, lse2 = mla_prefill(q, kv_c, k_pe, w, cache, garbage, plan, return_lse=True)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     assert bool(torch.isfinite(out).all())
@@ -55,8 +56,7 @@ def test_block_table_entries_past_the_used_blocks_are_never_read(fuse):
 def test_a_used_block_id_out_of_range_is_refused_on_the_cpu():
     q_lens, c_lens, bs = [2], [5], 4
     q, kv_c, k_pe, w, cache, table, _ = _inputs(q_lens, c_lens, bs)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=DIMS, workspace=Workspace("cpu"), block_size=bs,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(q_lens, c_lens, dims=DIMS, workspace=Workspace("cpu"), block_size=bs, dtype=torch.float32)
     table[0, 1] = -1  # the second of the two used blocks
     with pytest.raises(ValueError, match="block_table row 0"):
         mla_prefill(q, kv_c, k_pe, w, cache, table, plan)
@@ -67,12 +67,11 @@ def test_kv_b_proj_rows_are_k_nope_then_v_per_head():
     v = kv_c @ W_v(h).T with W_k_nope(h) = rows h*(n+v) .. h*(n+v)+n-1 and W_v(h) the next v_head_dim rows."""
     q_lens = [6]
     q, kv_c, k_pe, w, cache, table, _ = _inputs(q_lens, [0], 4)
-    plan = PrefillPlan.build(q_lens, [0], dims=DIMS, workspace=Workspace("cpu"), block_size=4,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(q_lens, [0], dims=DIMS, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32)
     out = mla_prefill(q, kv_c, k_pe, w, cache, table, plan)
     d = DIMS
     per_head = w.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
-    w_k, w_v = per_head[:, : d.qk_nope_head_dim], per_head[:, d.qk_nope_head_dim:]
+    w_k, w_v = per_head[:, : d.qk_nope_head_dim], per_head[:, d.qk_nope_head_dim :]
     k_nope = torch.einsum("tc,hnc->thn", kv_c, w_k)
     k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, d.num_heads, -1)], dim=-1)
     v = torch.einsum("tc,hvc->thv", kv_c, w_v)

@@ -41,27 +41,31 @@ def passed(choice: BackendChoice) -> dict:
 # the capability rows
 # --------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cap,cuda,expected", [
-    ((10, 0), (12, 8), "flashinfer-cutlass"),
-    ((10, 3), (12, 8), "flashinfer-cutlass"),
-    ((10, 0), (13, 0), "flashinfer-cutlass"),
-    ((11, 0), (13, 0), "flashinfer-cutlass"),
-    ((11, 0), (12, 8), "flashinfer-fa2"),  # SM110 needs CUDA 13.0
-    ((10, 0), (12, 4), "flashinfer-fa2"),  # SM100 needs CUDA 12.8
-    ((9, 0), (12, 8), "flashinfer-fa3"),
-    ((9, 0), (12, 4), "flashinfer-fa3"),
-    ((8, 0), (12, 8), "flashinfer-fa2"),
-    ((8, 6), (12, 8), "flashinfer-fa2"),
-    ((8, 9), (12, 8), "flashinfer-fa2"),
-    ((12, 0), (12, 8), "flashinfer-fa2"),
-    ((7, 5), (12, 8), "torch"),
-])
+
+@pytest.mark.parametrize(
+    "cap,cuda,expected",
+    [
+        ((10, 0), (12, 8), "flashinfer-cutlass"),
+        ((10, 3), (12, 8), "flashinfer-cutlass"),
+        ((10, 0), (13, 0), "flashinfer-cutlass"),
+        ((11, 0), (13, 0), "flashinfer-cutlass"),
+        ((11, 0), (12, 8), "flashinfer-fa2"),  # SM110 needs CUDA 13.0
+        ((10, 0), (12, 4), "flashinfer-fa2"),  # SM100 needs CUDA 12.8
+        ((9, 0), (12, 8), "flashinfer-fa3"),
+        ((9, 0), (12, 4), "flashinfer-fa3"),
+        ((8, 0), (12, 8), "flashinfer-fa2"),
+        ((8, 6), (12, 8), "flashinfer-fa2"),
+        ((8, 9), (12, 8), "flashinfer-fa2"),
+        ((12, 0), (12, 8), "flashinfer-fa2"),
+        ((7, 5), (12, 8), "torch"),
+    ],
+)
 def test_capability_rows(fi, cap, cuda, expected):
     choice = select_backend(capability=cap, cuda_version=cuda, **MLA)
     assert choice.name == expected
     order = list(BACKEND_NAMES)
     # Every row before the winner was passed over, with a reason, in table order.
-    assert [name for name, _ in choice.passed_over] == order[:order.index(expected)]
+    assert [name for name, _ in choice.passed_over] == order[: order.index(expected)]
     assert all(reason for _, reason in choice.passed_over)
     assert choice.reason
 
@@ -70,8 +74,9 @@ def test_table_order_is_sm100_first():
     assert BACKEND_NAMES == ("flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2", "torch")
 
 
-@pytest.mark.parametrize("cap,cuda,needed", [((11, 0), (12, 8), "13.0"), ((10, 0), (12, 4), "12.8"),
-                                             ((10, 0), None, "12.8")])
+@pytest.mark.parametrize(
+    "cap,cuda,needed", [((11, 0), (12, 8), "13.0"), ((10, 0), (12, 4), "12.8"), ((10, 0), None, "12.8")]
+)
 def test_cuda_version_reason(fi, cap, cuda, needed):
     choice = select_backend(capability=cap, cuda_version=cuda, **MLA)
     assert needed in passed(choice)["flashinfer-cutlass"]
@@ -86,8 +91,10 @@ def test_cuda_version_read_from_torch(fi, monkeypatch):
     assert select_backend(capability=(10, 0), **MLA).name == "flashinfer-fa2"
 
 
-@pytest.mark.parametrize("name,fi_name", [("flashinfer-cutlass", "cutlass"), ("flashinfer-fa3", "fa3"),
-                                          ("flashinfer-fa2", "fa2"), ("torch", None)])
+@pytest.mark.parametrize(
+    "name,fi_name",
+    [("flashinfer-cutlass", "cutlass"), ("flashinfer-fa3", "fa3"), ("flashinfer-fa2", "fa2"), ("torch", None)],
+)
 def test_flashinfer_backend_strings(name, fi_name):
     choice = BackendChoice(name, "test")
     assert choice.flashinfer_backend == fi_name
@@ -138,6 +145,7 @@ def test_fp16_is_flashinfer(fi):
 # cutlass passed over
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_cutlass_passed_over_for_256_head_dims(fi):
     choice = select_backend(capability=(10, 0), cuda_version=(12, 8), dtype=BF16, head_dim_qk=256, head_dim_vo=256)
     assert choice.name == "flashinfer-fa2"
@@ -146,8 +154,9 @@ def test_cutlass_passed_over_for_256_head_dims(fi):
 
 @pytest.mark.parametrize("dims", [(192, 128), (128, 128), (64, 64)])
 def test_cutlass_head_dims_served(fi, dims):
-    choice = select_backend(capability=(10, 0), cuda_version=(12, 8), dtype=BF16, head_dim_qk=dims[0],
-                            head_dim_vo=dims[1])
+    choice = select_backend(
+        capability=(10, 0), cuda_version=(12, 8), dtype=BF16, head_dim_qk=dims[0], head_dim_vo=dims[1]
+    )
     assert choice.name == "flashinfer-cutlass"
 
 
@@ -171,14 +180,25 @@ def test_cutlass_passed_over_for_causal_q_longer_than_kv(fi):
     assert select_backend(causal=True, qo_indptr=[0, 3], kv_indptr=[0, 3], **common).name == "flashinfer-cutlass"
 
 
-@pytest.mark.parametrize("num_requests,q_len,heads", [(1024, 1, 128), (1025, 1, 128), (1, 256 * 1024, 1),
-                                                      (1, 256 * 1024 + 1, 1), (4, 300, 16384)])
+@pytest.mark.parametrize(
+    "num_requests,q_len,heads",
+    [(1024, 1, 128), (1025, 1, 128), (1, 256 * 1024, 1), (1, 256 * 1024 + 1, 1), (4, 300, 16384)],
+)
 def test_cutlass_work_items(fi, num_requests, q_len, heads):
     qo = [i * q_len for i in range(num_requests + 1)]
     items = num_requests * math.ceil(q_len / 256) * heads
     assert cutlass_work_items(qo, heads) == items
-    choice = select_backend(capability=(10, 0), cuda_version=(12, 8), num_heads=heads, causal=False, qo_indptr=qo,
-                            kv_indptr=qo, dtype=BF16, head_dim_qk=64, head_dim_vo=64)
+    choice = select_backend(
+        capability=(10, 0),
+        cuda_version=(12, 8),
+        num_heads=heads,
+        causal=False,
+        qo_indptr=qo,
+        kv_indptr=qo,
+        dtype=BF16,
+        head_dim_qk=64,
+        head_dim_vo=64,
+    )
     if items > 131072:
         assert choice.name == "flashinfer-fa2"
         assert str(items) in passed(choice)["flashinfer-cutlass"] and "131072" in passed(choice)["flashinfer-cutlass"]
@@ -194,35 +214,48 @@ def test_work_items_count_empty_requests_as_zero_tiles():
 # head dims: what each kernel really supports (flashinfer#4299 / PR #4312, is_fa3_prefill_head_dim_supported)
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_head_dim_16_four_heads_is_torch_with_reason(fi):
     """vLLM's CPU-backend test shape: fa2 failed inside FlashInfer ("Invalid configuration : NUM_MMA_Q=1
     NUM_MMA_D_QK=1"); no FlashInfer row may take it."""
     for cap in [(8, 0), (9, 0), (10, 0)]:
-        choice = select_backend(capability=cap, cuda_version=(12, 8), dtype=BF16, head_dim_qk=16, head_dim_vo=16,
-                                num_heads=4, causal=True, qo_indptr=[0, 5, 9], kv_indptr=[0, 5, 9])
+        choice = select_backend(
+            capability=cap,
+            cuda_version=(12, 8),
+            dtype=BF16,
+            head_dim_qk=16,
+            head_dim_vo=16,
+            num_heads=4,
+            causal=True,
+            qo_indptr=[0, 5, 9],
+            kv_indptr=[0, 5, 9],
+        )
         assert choice.name == "torch", cap
         assert "multiple of 64" in passed(choice)["flashinfer-fa2"]
         assert "fallback" in choice.reason and "flashinfer-fa2: head_dim_qk 16" in choice.reason
 
 
-@pytest.mark.parametrize("dims,sm90,sm80", [
-    ((192, 128), "flashinfer-fa3", "flashinfer-fa2"),
-    ((128, 128), "flashinfer-fa3", "flashinfer-fa2"),
-    ((64, 64), "flashinfer-fa3", "flashinfer-fa2"),
-    ((256, 256), "flashinfer-fa3", "flashinfer-fa2"),
-    ((192, 192), "torch", "torch"),  # fa3 takes only 192/128 at 192; fa2's split-KV merge has no v head dim 192
-    ((128, 64), "flashinfer-fa2", "flashinfer-fa2"),
-    ((16, 16), "torch", "torch"),
-    ((32, 32), "torch", "torch"),
-    ((48, 48), "torch", "torch"),
-    ((80, 80), "torch", "torch"),
-    ((96, 96), "torch", "torch"),
-    ((72, 72), "torch", "torch"),  # not a multiple of 16: fa2 silently returned wrong columns (flashinfer#4299)
-    ((160, 160), "torch", "torch"),
-    ((320, 320), "torch", "torch"),
-    ((512, 512), "torch", "torch"),
-    ((192, 96), "torch", "torch"),
-])
+@pytest.mark.parametrize(
+    "dims,sm90,sm80",
+    [
+        ((192, 128), "flashinfer-fa3", "flashinfer-fa2"),
+        ((128, 128), "flashinfer-fa3", "flashinfer-fa2"),
+        ((64, 64), "flashinfer-fa3", "flashinfer-fa2"),
+        ((256, 256), "flashinfer-fa3", "flashinfer-fa2"),
+        ((192, 192), "torch", "torch"),  # fa3 takes only 192/128 at 192; fa2's split-KV merge has no v head dim 192
+        ((128, 64), "flashinfer-fa2", "flashinfer-fa2"),
+        ((16, 16), "torch", "torch"),
+        ((32, 32), "torch", "torch"),
+        ((48, 48), "torch", "torch"),
+        ((80, 80), "torch", "torch"),
+        ((96, 96), "torch", "torch"),
+        ((72, 72), "torch", "torch"),  # not a multiple of 16: fa2 silently returned wrong columns (flashinfer#4299)
+        ((160, 160), "torch", "torch"),
+        ((320, 320), "torch", "torch"),
+        ((512, 512), "torch", "torch"),
+        ((192, 96), "torch", "torch"),
+    ],
+)
 def test_head_dim_rows(fi, dims, sm90, sm80):
     kw = dict(cuda_version=(12, 8), dtype=BF16, head_dim_qk=dims[0], head_dim_vo=dims[1])
     assert select_backend(capability=(9, 0), **kw).name == sm90
@@ -233,8 +266,14 @@ def test_head_dim_rows(fi, dims, sm90, sm80):
 @pytest.mark.parametrize("dims", [(96, 96), (16, 16), (192, 96)])
 def test_forced_fa2_refuses_head_dims_it_gets_wrong(fi, dims):
     with pytest.raises(ValueError, match="multiple of 64.*4299"):
-        select_backend(capability=(8, 0), cuda_version=(12, 8), requested="flashinfer-fa2", dtype=BF16,
-                       head_dim_qk=dims[0], head_dim_vo=dims[1])
+        select_backend(
+            capability=(8, 0),
+            cuda_version=(12, 8),
+            requested="flashinfer-fa2",
+            dtype=BF16,
+            head_dim_qk=dims[0],
+            head_dim_vo=dims[1],
+        )
 
 
 def test_head_dims_why_not_table():
@@ -253,6 +292,7 @@ def test_head_dims_why_not_table():
 # forcing a backend
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_env_override(fi, monkeypatch):
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")
     choice = select_backend(capability=(9, 0), cuda_version=(12, 8), **MLA)
@@ -265,15 +305,27 @@ def test_env_override(fi, monkeypatch):
     assert select_backend(capability=(9, 0), cuda_version=(12, 8), **MLA).name == "flashinfer-fa3"
     # An explicit request wins over the environment.
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")
-    assert select_backend(capability=(9, 0), cuda_version=(12, 8), requested="flashinfer-fa3", **MLA).name == "flashinfer-fa3"
+    assert (
+        select_backend(capability=(9, 0), cuda_version=(12, 8), requested="flashinfer-fa3", **MLA).name
+        == "flashinfer-fa3"
+    )
     assert select_backend(capability=(9, 0), cuda_version=(12, 8), requested="auto", **MLA).name == "flashinfer-fa3"
 
 
 def test_env_override_reaches_plan_ragged(monkeypatch):
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", "flashinfer-fa2")
     with pytest.raises(ValueError, match="MLA_BRIDGE_BACKEND.*flashinfer-fa2.*no CUDA device"):
-        plan_ragged([0, 1], [0, 1], num_heads=1, head_dim_qk=16, head_dim_vo=16, causal=False, sm_scale=0.25,
-                    dtype=torch.float32, workspace=Workspace("cpu"))
+        plan_ragged(
+            [0, 1],
+            [0, 1],
+            num_heads=1,
+            head_dim_qk=16,
+            head_dim_vo=16,
+            causal=False,
+            sm_scale=0.25,
+            dtype=torch.float32,
+            workspace=Workspace("cpu"),
+        )
 
 
 def test_env_override_invalid(fi, monkeypatch):
@@ -285,14 +337,22 @@ def test_env_override_invalid(fi, monkeypatch):
         select_backend(capability=(9, 0), cuda_version=(12, 8), **MLA)
 
 
-@pytest.mark.parametrize("requested,cap,kwargs,says", [
-    ("flashinfer-fa3", (8, 0), {}, r"capability 8\.0.*SM90"),
-    ("flashinfer-fa3", (10, 0), {}, r"capability 10\.0.*SM90"),
-    ("flashinfer-cutlass", (9, 0), {}, r"capability 9\.0.*SM100"),
-    ("flashinfer-fa2", (7, 5), {}, r"capability 7\.5.*SM80"),
-    ("flashinfer-fa2", (9, 0), {"dtype": torch.float32}, r"capability 9\.0.*float16/bfloat16.*supports"),
-    ("flashinfer-cutlass", (10, 0), {"head_dim_qk": 256, "head_dim_vo": 256}, r"capability 10\.0.*256/256.*supports"),
-])
+@pytest.mark.parametrize(
+    "requested,cap,kwargs,says",
+    [
+        ("flashinfer-fa3", (8, 0), {}, r"capability 8\.0.*SM90"),
+        ("flashinfer-fa3", (10, 0), {}, r"capability 10\.0.*SM90"),
+        ("flashinfer-cutlass", (9, 0), {}, r"capability 9\.0.*SM100"),
+        ("flashinfer-fa2", (7, 5), {}, r"capability 7\.5.*SM80"),
+        ("flashinfer-fa2", (9, 0), {"dtype": torch.float32}, r"capability 9\.0.*float16/bfloat16.*supports"),
+        (
+            "flashinfer-cutlass",
+            (10, 0),
+            {"head_dim_qk": 256, "head_dim_vo": 256},
+            r"capability 10\.0.*256/256.*supports",
+        ),
+    ],
+)
 def test_forced_backend_that_cannot_serve(fi, requested, cap, kwargs, says):
     args = dict(MLA, **kwargs)
     with pytest.raises(ValueError, match=says):
@@ -309,8 +369,18 @@ def test_unknown_backend_name(fi):
     with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
         select_backend(capability=(10, 0), cuda_version=(12, 8), requested="cudnn", **MLA)
     with pytest.raises(ValueError, match="unknown backend"):
-        plan_ragged([0, 1], [0, 1], num_heads=1, head_dim_qk=16, head_dim_vo=16, causal=False, sm_scale=0.25,
-                    dtype=torch.float32, workspace=Workspace("cpu"), backend="fa3")
+        plan_ragged(
+            [0, 1],
+            [0, 1],
+            num_heads=1,
+            head_dim_qk=16,
+            head_dim_vo=16,
+            causal=False,
+            sm_scale=0.25,
+            dtype=torch.float32,
+            workspace=Workspace("cpu"),
+            backend="fa3",
+        )
 
 
 def test_torch_forced_on_any_capability(fi):
@@ -323,6 +393,7 @@ def test_torch_forced_on_any_capability(fi):
 # the SM100 wrapper contract (FlashInfer's wrapper replaced by a recording fake)
 # --------------------------------------------------------------------------------------------------------------
 
+
 class FakeWrapper:
     """Stands in for flashinfer.BatchPrefillWithRaggedKVCacheWrapper; records calls bound to the real signatures."""
 
@@ -330,6 +401,7 @@ class FakeWrapper:
 
     def __init__(self, *args, **kwargs):
         import flashinfer
+
         real = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper
         self.init = inspect.signature(real.__init__).bind(self, *args, **kwargs)
         self.init.apply_defaults()
@@ -341,12 +413,18 @@ class FakeWrapper:
 
     def plan(self, *args, **kwargs):
         import flashinfer
-        bound = inspect.signature(flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper.plan).bind(self, *args, **kwargs)
+
+        bound = inspect.signature(flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper.plan).bind(
+            self, *args, **kwargs
+        )
         self.plans.append((bound.arguments, dict(kwargs)))
 
     def run(self, q, k, v, *args, **kwargs):
         import flashinfer
-        bound = inspect.signature(flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper.run).bind(self, q, k, v, *args, **kwargs)
+
+        bound = inspect.signature(flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper.run).bind(
+            self, q, k, v, *args, **kwargs
+        )
         self.runs.append(bound.arguments)
         return kwargs.get("out"), kwargs.get("lse")
 
@@ -375,8 +453,17 @@ def fake_sm100(monkeypatch, fake_flashinfer):
 
 
 def plan_mla(ws, qo, kv, causal=True, heads=16, scale=0.1147):
-    return plan_ragged(qo, kv, num_heads=heads, head_dim_qk=192, head_dim_vo=128, causal=causal, sm_scale=scale,
-                       dtype=BF16, workspace=ws)
+    return plan_ragged(
+        qo,
+        kv,
+        num_heads=heads,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=causal,
+        sm_scale=scale,
+        dtype=BF16,
+        workspace=ws,
+    )
 
 
 def test_sm100_wrapper_built_and_planned_for_cutlass(fake_sm100):
@@ -388,7 +475,7 @@ def test_sm100_wrapper_built_and_planned_for_cutlass(fake_sm100):
     assert w.init.arguments["kv_layout"] == "NHD"
     assert w.init.arguments["float_workspace_buffer"] is fake_sm100
     assert w.init.arguments["use_cuda_graph"] is False
-    (args, kwargs), = w.plans
+    ((args, kwargs),) = w.plans
     for name, values in (("qo_indptr", [0, 3, 3, 8]), ("kv_indptr", [0, 5, 5, 12])):
         t = args[name]
         assert isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type == "cpu", name
@@ -416,12 +503,21 @@ def test_sm100_run_contract(fake_flashinfer):
     from mla_bridge.ragged import RaggedSpec
 
     ws = Workspace("cpu", float_workspace_bytes=4096)
-    spec = RaggedSpec(torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32), 16,
-                      192, 128, False, 0.1352, BF16, torch.device("cpu"))
+    spec = RaggedSpec(
+        torch.tensor([0, 2, 5], dtype=torch.int32),
+        torch.tensor([0, 4, 9], dtype=torch.int32),
+        16,
+        192,
+        128,
+        False,
+        0.1352,
+        BF16,
+        torch.device("cpu"),
+    )
     kernel = FlashInferRaggedKernel(BackendChoice("flashinfer-cutlass", "test"), ws, spec)
     (w,) = FakeWrapper.instances
     assert w.init.arguments["backend"] == "cutlass" and w.init.arguments["kv_layout"] == "NHD"
-    (args, _), = w.plans
+    ((args, _),) = w.plans
     assert args["causal"] is False and args["sm_scale"] == pytest.approx(0.1352)
     q = torch.zeros(5, 16, 192, dtype=BF16)
     k = torch.zeros(9, 16, 192, dtype=BF16)
@@ -517,14 +613,26 @@ def test_no_backend_serves_a_dtype_nothing_computes(dtype):
     from mla_bridge import Workspace, plan_ragged
 
     for kw in (dict(device="cpu"), dict(capability=(9, 0))):
-        with pytest.raises(ValueError, match=r"no backend serves this request \(.*torch: computes bfloat16, "
-                                             r"float16, float32 or float64 q/k/v, got " + str(dtype).replace(".", r"\.")):
+        with pytest.raises(
+            ValueError,
+            match=r"no backend serves this request \(.*torch: computes bfloat16, "
+            r"float16, float32 or float64 q/k/v, got " + str(dtype).replace(".", r"\."),
+        ):
             select_backend(dtype=dtype, **kw)
     with pytest.raises(ValueError, match="backend 'torch' cannot serve"):
         select_backend("cpu", dtype=dtype, requested="torch")
     with pytest.raises(TypeError, match="dtype .* must be one of bfloat16, float16, float32, float64") as err:
-        plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=True, sm_scale=0.5, dtype=dtype,
-                    workspace=Workspace("cpu"))
+        plan_ragged(
+            [0, 2],
+            [0, 2],
+            num_heads=2,
+            head_dim_qk=8,
+            head_dim_vo=8,
+            causal=True,
+            sm_scale=0.5,
+            dtype=dtype,
+            workspace=Workspace("cpu"),
+        )
     assert ("kv_cache_dtype" in str(err.value)) == (dtype.itemsize == 1 and dtype.is_floating_point)
     for ok in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         assert select_backend("cpu", dtype=ok).name == "torch"

@@ -34,8 +34,16 @@ def fp8_batch(ref, dims, q_lens, c_lens, block_size, seed=0, dtype=torch.float32
 
 
 def plan_for(dims, q_lens, c_lens, block_size, chunk_tokens, fuse=True, dtype=torch.float32, kv_cache_dtype="fp8"):
-    return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
-                             block_size=block_size, dtype=dtype, fuse_context=fuse, kv_cache_dtype=kv_cache_dtype)
+    return PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+        block_size=block_size,
+        dtype=dtype,
+        fuse_context=fuse,
+        kv_cache_dtype=kv_cache_dtype,
+    )
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -46,8 +54,17 @@ def test_fp8_cache_equals_float64_over_the_dequantized_cache(ref, tiny_dims, blo
     assert torch.isnan(batch.cache.float()).any()  # the poison survives quantization (e4m3fn has NaN)
     plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, budget, fuse)
     assert plan.fused == (fuse and budget >= sum(CONTEXT_LENS)) and plan.kv_cache_dtype == F8
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True, kv_cache_scale=batch.scale)
+    out, lse = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        plan,
+        return_lse=True,
+        kv_cache_scale=batch.scale,
+    )
     exp_out, exp_lse = ref.mla_reference(deq)
     ref.assert_out_close(out, exp_out, atol=ATOL)
     ref.assert_lse_close(lse, exp_lse, atol=ATOL)
@@ -57,11 +74,13 @@ def test_scale_forms_and_uint8_view_give_identical_results(ref, tiny_dims):
     batch, deq = fp8_batch(ref, tiny_dims, [3, 2], [13, 6], 4, seed=3)
     s = float(batch.scale)
     plan = plan_for(tiny_dims, [3, 2], [13, 6], 4, 5, fuse=False)
-    base = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                       kv_cache_scale=batch.scale)
+    base = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, kv_cache_scale=batch.scale
+    )
     for cache, scale in ((batch.cache, s), (batch.cache, torch.tensor([s])), (batch.cache.view(torch.uint8), s)):
-        got = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan,
-                          kv_cache_scale=scale)
+        got = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan, kv_cache_scale=scale
+        )
         assert torch.equal(got, base)
     plan_u8 = plan_for(tiny_dims, [3, 2], [13, 6], 4, 5, fuse=False, kv_cache_dtype=torch.uint8)
     assert plan_u8.kv_cache_dtype == F8
@@ -72,10 +91,19 @@ def test_scale_matters(ref, tiny_dims):
     """Guards the tests above: a wrong scale changes the result (so the scale is really applied)."""
     batch, _ = fp8_batch(ref, tiny_dims, [3], [10], 4, seed=6)
     plan = plan_for(tiny_dims, [3], [10], 4, 100)
-    a = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                    kv_cache_scale=batch.scale)
-    b = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                    kv_cache_scale=2 * float(batch.scale))
+    a = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, kv_cache_scale=batch.scale
+    )
+    b = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        plan,
+        kv_cache_scale=2 * float(batch.scale),
+    )
     assert (a - b).abs().max() > 1e-2
 
 
@@ -85,8 +113,9 @@ def test_quantization_error_against_the_unquantized_cache(ref, tiny_dims):
     q_lens, c_lens = [4, 3], [40, 25]
     batch, deq = fp8_batch(ref, tiny_dims, q_lens, c_lens, 16, seed=11)
     plan = plan_for(tiny_dims, q_lens, c_lens, 16, 100)
-    out = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                      kv_cache_scale=batch.scale)
+    out = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, kv_cache_scale=batch.scale
+    )
     unq = copy.copy(batch)
     unq.cache = batch.latent_cache * 3.0
     exp_unq = ref.mla_reference(unq)[0]
@@ -100,8 +129,17 @@ def test_bf16_plan_with_fp8_cache(ref, tiny_dims):
     batch, deq = fp8_batch(ref, tiny_dims, q_lens, c_lens, 4, seed=12, dtype=torch.bfloat16, gain=1.0)
     for chunk, fuse in ((8, False), (100, True)):
         plan = plan_for(tiny_dims, q_lens, c_lens, 4, chunk, fuse, dtype=torch.bfloat16)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True, kv_cache_scale=batch.scale)
+        out, lse = mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            batch.cache,
+            batch.block_table,
+            plan,
+            return_lse=True,
+            kv_cache_scale=batch.scale,
+        )
         assert out.dtype == torch.bfloat16
         exp_out, exp_lse = ref.mla_reference(deq)
         ref.assert_out_close(out, exp_out, atol=3e-2)  # the bf16 tolerance of tests/test_prefill.py
@@ -113,8 +151,17 @@ def test_reference_request_dequantizes_the_same_bytes(ref, tiny_dims):
     batch, deq = fp8_batch(ref, tiny_dims, q_lens, c_lens, 8, seed=13)
     exp_out, exp_lse = ref.mla_reference(deq)
     for cache in (batch.cache, batch.cache.view(torch.uint8)):
-        out, lse = R.reference_request(batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table[0], 21,
-                                       tiny_dims, kv_cache_scale=batch.scale)
+        out, lse = R.reference_request(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            cache,
+            batch.block_table[0],
+            21,
+            tiny_dims,
+            kv_cache_scale=batch.scale,
+        )
         torch.testing.assert_close(out, exp_out, atol=1e-12, rtol=0)
         torch.testing.assert_close(lse, exp_lse, atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="kv_cache_scale is required"):
@@ -141,8 +188,17 @@ def test_real_dims_deepseek_v2_lite_fp8(ref):
     exp_out, exp_lse = ref.mla_reference(deq)
     for chunk, fuse in ((7, False), (64, True)):
         plan = plan_for(dims, q_lens, c_lens, 16, chunk, fuse)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True, kv_cache_scale=batch.scale)
+        out, lse = mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            batch.cache,
+            batch.block_table,
+            plan,
+            return_lse=True,
+            kv_cache_scale=batch.scale,
+        )
         ref.assert_out_close(out, exp_out, atol=1e-4)
         ref.assert_lse_close(lse, exp_lse, atol=1e-4)
 
@@ -153,8 +209,17 @@ def _refused(ref, dims, exc, match, *, plan_dtype="fp8", cache=None, scale="ok")
     plan = plan_for(dims, [2, 1], [5, 3], 4, 100, kv_cache_dtype=plan_dtype)
     out = torch.full((3, dims.num_heads, dims.v_head_dim), 7.0)
     with pytest.raises(exc, match=match):
-        mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache if cache is None else cache,
-                    batch.block_table, plan, out=out, kv_cache_scale=batch.scale if scale == "ok" else scale)
+        mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            batch.cache if cache is None else cache,
+            batch.block_table,
+            plan,
+            out=out,
+            kv_cache_scale=batch.scale if scale == "ok" else scale,
+        )
     assert (out == 7.0).all()  # nothing written
 
 
@@ -208,8 +273,24 @@ def test_cli_kv_cache_dtype_fp8(tmp_path, capsys, extra, schedule):
     from mla_bridge.cli import main
 
     path = tmp_path / "out.json"
-    argv = ["prefill", "--device", "cpu", "--prompt-lens", "4,6", "--context-lens", "50,23", "--block-size", "8",
-            "--check-requests", "2", "--kv-cache-dtype", "fp8", "--json", str(path), *extra]
+    argv = [
+        "prefill",
+        "--device",
+        "cpu",
+        "--prompt-lens",
+        "4,6",
+        "--context-lens",
+        "50,23",
+        "--block-size",
+        "8",
+        "--check-requests",
+        "2",
+        "--kv-cache-dtype",
+        "fp8",
+        "--json",
+        str(path),
+        *extra,
+    ]
     assert main(argv) == 0
     res = json.loads(path.read_text())
     kv = res["kv_cache"]
@@ -223,8 +304,24 @@ def test_cli_kv_cache_dtype_fp8(tmp_path, capsys, extra, schedule):
     text = capsys.readouterr().out
     for words in ("fp8_e4m3", "kv_cache_scale", "fp8 quantization error", "PASS", "dequantized"):
         assert words in text, words
-    assert main(["prefill", "--device", "cpu", "--prompt-lens", "4", "--context-lens", "8", "--block-size", "8",
-                 "--json", str(path)]) == 0
+    assert (
+        main(
+            [
+                "prefill",
+                "--device",
+                "cpu",
+                "--prompt-lens",
+                "4",
+                "--context-lens",
+                "8",
+                "--block-size",
+                "8",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     res = json.loads(path.read_text())
     assert res["kv_cache"] == {"dtype": "float32", "scale": None, "bytes": 2 * 8 * 576 * 4, "quantization": None}
 

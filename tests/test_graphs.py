@@ -10,8 +10,16 @@ import weakref
 import pytest
 import torch
 
-from mla_bridge import (BackendChoice, MLADims, PrefillPlan, RaggedPlan, Workspace, mla_prefill, plan_ragged,
-                        prepare_kv_b_proj)
+from mla_bridge import (
+    BackendChoice,
+    MLADims,
+    PrefillPlan,
+    RaggedPlan,
+    Workspace,
+    mla_prefill,
+    plan_ragged,
+    prepare_kv_b_proj,
+)
 from mla_bridge.backends import flashinfer as fi_backend
 from mla_bridge.graphs import PrefillGraph, PrefillLayer, capture, capture_prefill
 from mla_bridge.ragged import RaggedSpec
@@ -30,23 +38,32 @@ def _layers(ref, dims, seed):
         cache = batch.cache.clone()
         live = ~torch.isnan(cache)
         cache[live] = torch.randn(int(live.sum()), generator=g)  # the poisoned (NaN) slots stay poisoned
-        w = torch.randn(dims.kv_b_proj_shape, generator=g) * dims.kv_lora_rank ** -0.5
-        layers.append(PrefillLayer(torch.randn(batch.q.shape, generator=g), torch.randn(batch.kv_c.shape, generator=g),
-                                   torch.randn(batch.k_pe.shape, generator=g), prepare_kv_b_proj(w, dims), cache))
+        w = torch.randn(dims.kv_b_proj_shape, generator=g) * dims.kv_lora_rank**-0.5
+        layers.append(
+            PrefillLayer(
+                torch.randn(batch.q.shape, generator=g),
+                torch.randn(batch.kv_c.shape, generator=g),
+                torch.randn(batch.k_pe.shape, generator=g),
+                prepare_kv_b_proj(w, dims),
+                cache,
+            )
+        )
     return layers, batch.block_table
 
 
 def _eager(layers, block_table, plan):
-    return [mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, return_lse=True)
-            for x in layers]
+    return [
+        mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, return_lse=True) for x in layers
+    ]
 
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_cpu_graph_runs_eagerly_with_identical_results(ref, tiny_dims, fuse):
     layers, table = _layers(ref, tiny_dims, seed=1)
     ws = Workspace("cpu", chunk_tokens=1000 if fuse else 16)
-    plan = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=ws, block_size=8,
-                             dtype=torch.float32, fuse_context=fuse)
+    plan = PrefillPlan.build(
+        QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=ws, block_size=8, dtype=torch.float32, fuse_context=fuse
+    )
     assert plan.fused == fuse and (fuse or len(plan.chunks) > 1)
     graph = capture_prefill(plan, layers, table, return_lse=True)
     assert isinstance(graph, PrefillGraph) and not graph.graphed and graph.outputs is None
@@ -69,8 +86,17 @@ def test_cpu_graph_runs_eagerly_with_identical_results(ref, tiny_dims, fuse):
 
 def test_cpu_graph_of_ragged_plan_run(ref):
     q, k, v, qo, kv = ref.make_ragged([5, 3], [9, 3], 4, 24, 16, seed=2)
-    plan = plan_ragged(qo, kv, num_heads=4, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.2,
-                       dtype=torch.float32, workspace=Workspace("cpu"))
+    plan = plan_ragged(
+        qo,
+        kv,
+        num_heads=4,
+        head_dim_qk=24,
+        head_dim_vo=16,
+        causal=True,
+        sm_scale=0.2,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
     out = torch.empty(8, 4, 16)
     lse = torch.empty(8, 4)
     graph = capture(lambda: plan.run(q, k, v, out=out, lse=lse), plans=[plan])
@@ -81,8 +107,9 @@ def test_cpu_graph_of_ragged_plan_run(ref):
 
 def test_bad_arguments(ref, tiny_dims):
     layers, table = _layers(ref, tiny_dims, seed=3)
-    plan = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=Workspace("cpu"), block_size=8,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(
+        QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=Workspace("cpu"), block_size=8, dtype=torch.float32
+    )
     with pytest.raises(ValueError, match="^plans must name at least one"):
         capture(lambda: None, plans=[])
     with pytest.raises(TypeError, match=r"^plans\[0\] must be a PrefillPlan or a RaggedPlan"):
@@ -121,8 +148,17 @@ class StandInWrapper:
 
 
 def _fa2_plan(ws):
-    spec = RaggedSpec(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 4, 24, 16,
-                      True, 0.1, torch.bfloat16, torch.device("cpu"))
+    spec = RaggedSpec(
+        torch.tensor([0, 4], dtype=torch.int32),
+        torch.tensor([0, 4], dtype=torch.int32),
+        4,
+        24,
+        16,
+        True,
+        0.1,
+        torch.bfloat16,
+        torch.device("cpu"),
+    )
     return RaggedPlan(spec, BackendChoice("flashinfer-fa2", "stand-in"), ws)
 
 
@@ -166,8 +202,9 @@ def test_graph_keeps_its_plan_wrapper_and_workspace(monkeypatch):
 def test_chunks_sharing_a_plan_register_it_once(ref, tiny_dims, monkeypatch):
     registered = []
     monkeypatch.setattr(RaggedPlan, "retain_for_graph", lambda plan, graph, **kw: registered.append(plan))
-    plan = PrefillPlan.build([2] * 6, [8] * 6, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=16),
-                             block_size=8, dtype=torch.float32)
+    plan = PrefillPlan.build(
+        [2] * 6, [8] * 6, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=16), block_size=8, dtype=torch.float32
+    )
     assert len(plan.chunks) == 3 and plan.num_plans == 2
     capture(lambda: None, plans=[plan])
     assert registered == [plan.main, plan.chunks[0].plan]
@@ -195,16 +232,24 @@ def test_capture_prefill_takes_an_fp8_cache_with_its_scale(ref, tiny_dims, tenso
     from mla_bridge import quantize_latent_cache
 
     layers, table = _layers(ref, tiny_dims, seed=4)
-    plan = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=16),
-                             block_size=8, dtype=torch.float32, kv_cache_dtype="fp8")
+    plan = PrefillPlan.build(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=16),
+        block_size=8,
+        dtype=torch.float32,
+        kv_cache_dtype="fp8",
+    )
     fp8 = []
     for x in layers:
         cache8, scale = quantize_latent_cache(x.kv_cache)
         fp8.append(PrefillLayer(x.q, x.kv_c, x.k_pe, x.kv_b_proj, cache8, scale if tensor_scale else float(scale)))
     got = capture_prefill(plan, fp8, table, return_lse=True).replay()
     for (o, s), x in zip(got, fp8):
-        eo, es = mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, table, plan, return_lse=True,
-                             kv_cache_scale=x.kv_cache_scale)
+        eo, es = mla_prefill(
+            x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, table, plan, return_lse=True, kv_cache_scale=x.kv_cache_scale
+        )
         assert torch.equal(o, eo) and torch.equal(s, es)
     assert PrefillLayer(*layers[0].__dict__.values()).kv_cache_scale is None  # unquantized caches need none
 
@@ -262,8 +307,11 @@ def test_replay_on_another_stream_keeps_what_it_reads_until_it_ran(monkeypatch, 
     plan = PrefillPlan.build([3, 4, 2], [10, 7, 0], dims=dims, workspace=ws, block_size=4, dtype=dtype)
     assert plan.fused == fuse and plan._device_indices
     assert plan.backend.is_flashinfer == (dtype == torch.bfloat16)
-    leases = [rp._kernel.lease for rp in (plan.main, *(c.plan for c in plan.chunks if c.plan is not None))
-              if hasattr(rp._kernel, "lease")]
+    leases = [
+        rp._kernel.lease
+        for rp in (plan.main, *(c.plan for c in plan.chunks if c.plan is not None))
+        if hasattr(rp._kernel, "lease")
+    ]
     assert len(leases) == (0 if dtype == torch.float32 else plan.num_plans)
     graph = PrefillGraph(lambda: None, [plan], plan.device)  # what capture() makes, with a stand-in CUDA graph
     graph.graphed, graph._graph = True, _Replayer(current)

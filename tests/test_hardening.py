@@ -13,8 +13,16 @@ import pytest
 import torch
 
 import mla_bridge.dispatch as dispatch
-from mla_bridge import (PrefillPlan, Workspace, WorkspaceTooSmallError, merge_attn_states, mla_prefill, plan_ragged,
-                        ragged_prefill, select_backend)
+from mla_bridge import (
+    PrefillPlan,
+    Workspace,
+    WorkspaceTooSmallError,
+    merge_attn_states,
+    mla_prefill,
+    plan_ragged,
+    ragged_prefill,
+    select_backend,
+)
 from mla_bridge.merge import merge_attn_states_
 
 ATOL = 3e-5
@@ -23,10 +31,18 @@ NEG_INF = float("-inf")
 
 def run_prefill(ref, dims, q_lens, c_lens, block_size, chunk_tokens, fuse, seed=0):
     batch = ref.make_mla_batch(dims, q_lens, c_lens, block_size, seed=seed)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
-                             block_size=block_size, dtype=torch.float32, fuse_context=fuse)
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+        block_size=block_size,
+        dtype=torch.float32,
+        fuse_context=fuse,
+    )
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     return batch, plan, out, lse
 
 
@@ -35,8 +51,8 @@ def main_pass_alone(batch, rows):
     d = batch.dims
     q, kv_c, k_pe = batch.q[rows], batch.kv_c[rows], batch.k_pe[rows]
     kv = (kv_c @ batch.w.t()).view(-1, d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
-    k = torch.cat([kv[..., :d.qk_nope_head_dim], k_pe.unsqueeze(1).expand(-1, d.num_heads, -1)], -1)
-    v = kv[..., d.qk_nope_head_dim:].contiguous()
+    k = torch.cat([kv[..., : d.qk_nope_head_dim], k_pe.unsqueeze(1).expand(-1, d.num_heads, -1)], -1)
+    v = kv[..., d.qk_nope_head_dim :].contiguous()
     n = q.shape[0]
     return ragged_prefill(q, k, v, [0, n], [0, n], causal=True, sm_scale=d.softmax_scale, backend="torch")
 
@@ -44,6 +60,7 @@ def main_pass_alone(batch, rows):
 # ---------------------------------------------------------------------------------------------------------------
 # both partials empty
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_merge_of_two_empties_is_zero_minus_inf():
     out = torch.zeros(2, 3, 8)
@@ -83,6 +100,7 @@ def test_request_with_no_keys_inside_a_chunk(ref, tiny_dims):
 # rows with no keys in a later chunk, buffers not zeroed (every torch.empty is NaN-filled)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def nan_empty(monkeypatch):
     """Make every floating torch.empty (mla_bridge.prefill / ragged / backends all call it) return NaN."""
@@ -100,17 +118,28 @@ def nan_empty(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("q_lens,c_lens,budget,fuse", [
-    ([2, 2], [3, 9], 4, False),  # request 0 has keys only in the first chunk
-    ([2, 2, 2], [3, 0, 9], 4, False),  # request 1 has no key inside the first chunk
-    ([2, 2], [3, 9], 100, True),  # fused schedule: one NaN-filled latent buffer for context + new
-])
+@pytest.mark.parametrize(
+    "q_lens,c_lens,budget,fuse",
+    [
+        ([2, 2], [3, 9], 4, False),  # request 0 has keys only in the first chunk
+        ([2, 2, 2], [3, 0, 9], 4, False),  # request 1 has no key inside the first chunk
+        ([2, 2], [3, 9], 100, True),  # fused schedule: one NaN-filled latent buffer for context + new
+    ],
+)
 def test_nan_filled_buffers(ref, tiny_dims, nan_empty, monkeypatch, q_lens, c_lens, budget, fuse):
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=2)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=budget),
-                             block_size=4, dtype=torch.float32, fuse_context=fuse)
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=budget),
+        block_size=4,
+        dtype=torch.float32,
+        fuse_context=fuse,
+    )
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     assert len(nan_empty) >= 3, "the NaN-filled torch.empty was not used: the test would prove nothing"
     monkeypatch.undo()
     exp_out, exp_lse = ref.mla_reference(batch)
@@ -134,6 +163,7 @@ def test_nan_filled_ragged_buffers(ref, nan_empty, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # LSE base and layout
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_merge_value_is_natural_log():
     """Partition sums 2 and 8 (lse ln 2, ln 8), values 1 and 0, 1 head, d 1: merged value 2 / 10 = 0.2."""
@@ -161,8 +191,17 @@ def test_lse_of_a_pass_is_natural_log(ref):
 @pytest.mark.parametrize("causal", [False, True])
 def test_hn_layout_with_t_not_h(ref, causal):
     q, k, v, qo, kv = ref.make_ragged([3, 4], [5, 4], 5, 24, 16, seed=4)  # T = 7, H = 5
-    plan = plan_ragged(qo, kv, num_heads=5, head_dim_qk=24, head_dim_vo=16, causal=causal, sm_scale=0.2,
-                       dtype=torch.float32, workspace=Workspace("cpu"))
+    plan = plan_ragged(
+        qo,
+        kv,
+        num_heads=5,
+        head_dim_qk=24,
+        head_dim_vo=16,
+        causal=causal,
+        sm_scale=0.2,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
     _, lse_hn = plan.run(q, k, v, lse_layout="HN")
     assert lse_hn.shape == (5, 7)
     _, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=0.2)
@@ -175,13 +214,14 @@ def test_hn_layout_with_t_not_h(ref, causal):
 # one query per request over long keys (CPU sized; the GPU test runs 128 heads at 192/128)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_single_query_long_keys_cpu(ref):
     kv_lens = [1, 2899, 17, 1290, 3000, 640, 2, 2048, 999, 1500, 2600, 504]  # 15500 keys
     assert sum(kv_lens) == 15500
     q, k, v, qo, kv = ref.make_ragged([1] * 12, kv_lens, 8, 24, 16, seed=5)
     assert qo == list(range(13))
-    out, lse = ragged_prefill(q, k, v, qo, kv, causal=False, sm_scale=24 ** -0.5, backend="torch")
-    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=False, sm_scale=24 ** -0.5)
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=False, sm_scale=24**-0.5, backend="torch")
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=False, sm_scale=24**-0.5)
     ref.assert_out_close(out, exp_out, atol=ATOL)
     ref.assert_lse_close(lse, exp_lse, atol=ATOL)
 
@@ -189,6 +229,7 @@ def test_single_query_long_keys_cpu(ref):
 # ---------------------------------------------------------------------------------------------------------------
 # zero-length queries in a batch
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("qo,kv", [([0, 1, 1, 2], [0, 3, 3, 8]), ([0, 0, 0, 0, 1], [0, 2, 2, 5, 6])])
@@ -218,6 +259,7 @@ def test_zero_length_queries_in_mla_prefill(ref, tiny_dims, q_lens, c_lens, fuse
 # extreme logits
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [1, 4])
 def test_extreme_logit(dtype, heads):
@@ -229,9 +271,9 @@ def test_extreme_logit(dtype, heads):
     v = torch.ones(1, heads, 128)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     assert (q[0, 0].double() @ k[0, 0].double()).item() == -524288.0
-    out, lse = ragged_prefill(q, k, v, [0, 1], [0, 1], causal=True, sm_scale=192 ** -0.5, backend="torch")
+    out, lse = ragged_prefill(q, k, v, [0, 1], [0, 1], causal=True, sm_scale=192**-0.5, backend="torch")
     assert torch.equal(out, torch.ones_like(out))  # exactly v: a finite "-inf" sentinel would give 0
-    expected = -524288.0 * 192 ** -0.5  # -37837.23 (-37837.6 was the first estimate, within 1e-3 relative)
+    expected = -524288.0 * 192**-0.5  # -37837.23 (-37837.6 was the first estimate, within 1e-3 relative)
     assert torch.allclose(lse.double(), torch.full((1, heads), -37837.6, dtype=torch.float64), rtol=1e-3, atol=0)
     assert torch.allclose(lse.double(), torch.full((1, heads), expected, dtype=torch.float64), rtol=1e-5, atol=0)
 
@@ -243,7 +285,7 @@ def test_extreme_logits_mixed_with_normal_ones(ref):
     k = torch.zeros(3, 1, 192)
     k[0, :, :128] = 64.0
     v = torch.tensor([100.0, 1.0, 3.0]).view(3, 1, 1).expand(3, 1, 128).contiguous()
-    out, lse = ragged_prefill(q, k, v, [0, 1], [0, 3], causal=False, sm_scale=192 ** -0.5, backend="torch")
+    out, lse = ragged_prefill(q, k, v, [0, 1], [0, 3], causal=False, sm_scale=192**-0.5, backend="torch")
     torch.testing.assert_close(out, torch.full((1, 1, 128), 2.0))
     assert lse.item() == pytest.approx(math.log(2.0), abs=1e-6)
 
@@ -251,6 +293,7 @@ def test_extreme_logits_mixed_with_normal_ones(ref):
 # ---------------------------------------------------------------------------------------------------------------
 # 32-bit offsets (dispatch level on the CPU; no 14 GB tensors here)
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def fi(monkeypatch):
@@ -261,19 +304,22 @@ MLA7 = dict(dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128, num_heads=12
 
 
 def test_int32_offsets_element_counts():
-    assert 87382 * 128 * 192 == 2_147_500_032 >= 2 ** 31
-    assert 87381 * 128 * 192 < 2 ** 31
-    assert 174763 * 128 * 192 >= 2 ** 32 > 174762 * 128 * 192
+    assert 87382 * 128 * 192 == 2_147_500_032 >= 2**31
+    assert 87381 * 128 * 192 < 2**31
+    assert 174763 * 128 * 192 >= 2**32 > 174762 * 128 * 192
 
 
-@pytest.mark.parametrize("t,cap,expected,limit", [
-    (87381, (10, 0), "flashinfer-cutlass", None),
-    (87382, (10, 0), "flashinfer-fa2", str(2 ** 31)),  # cutlass is held to 2**31 (int strides)
-    (87382, (8, 0), "flashinfer-fa2", None),  # fa2: measured correct up to 2**32 elements
-    (174763, (8, 0), "torch", str(2 ** 32)),  # fa2 wrong past 2**32: refused
-    (174763, (10, 0), "torch", str(2 ** 31)),
-    (87382, (9, 0), "flashinfer-fa3", None),  # fa3: measured correct at 6.4e9 elements
-])
+@pytest.mark.parametrize(
+    "t,cap,expected,limit",
+    [
+        (87381, (10, 0), "flashinfer-cutlass", None),
+        (87382, (10, 0), "flashinfer-fa2", str(2**31)),  # cutlass is held to 2**31 (int strides)
+        (87382, (8, 0), "flashinfer-fa2", None),  # fa2: measured correct up to 2**32 elements
+        (174763, (8, 0), "torch", str(2**32)),  # fa2 wrong past 2**32: refused
+        (174763, (10, 0), "torch", str(2**31)),
+        (87382, (9, 0), "flashinfer-fa3", None),  # fa3: measured correct at 6.4e9 elements
+    ],
+)
 def test_int32_offset_limits_in_dispatch(fi, t, cap, expected, limit):
     choice = select_backend(capability=cap, cuda_version=(12, 8), qo_indptr=[0, t], kv_indptr=[0, t], **MLA7)
     assert choice.name == expected
@@ -282,21 +328,31 @@ def test_int32_offset_limits_in_dispatch(fi, t, cap, expected, limit):
         assert limit in reasons and str(t * 128 * 192) in reasons
 
 
-@pytest.mark.parametrize("t,cap,forced", [(87382, (10, 0), "flashinfer-cutlass"), (174763, (8, 0), "flashinfer-fa2"),
-                                          (174763, (9, 0), "flashinfer-fa2")])
+@pytest.mark.parametrize(
+    "t,cap,forced",
+    [(87382, (10, 0), "flashinfer-cutlass"), (174763, (8, 0), "flashinfer-fa2"), (174763, (9, 0), "flashinfer-fa2")],
+)
 def test_int32_offsets_forced_backend_refused_before_any_kernel(fi, t, cap, forced):
     with pytest.raises(ValueError, match=rf"{forced}.*offset limit"):
-        select_backend(capability=cap, cuda_version=(12, 8), qo_indptr=[0, t], kv_indptr=[0, t], requested=forced,
-                       **MLA7)
+        select_backend(
+            capability=cap, cuda_version=(12, 8), qo_indptr=[0, t], kv_indptr=[0, t], requested=forced, **MLA7
+        )
 
 
-@pytest.mark.parametrize("cap,limit,name", [((10, 0), 2 ** 31, "flashinfer-cutlass"), ((8, 0), 2 ** 32, "flashinfer-fa2")])
+@pytest.mark.parametrize("cap,limit,name", [((10, 0), 2**31, "flashinfer-cutlass"), ((8, 0), 2**32, "flashinfer-fa2")])
 def test_int32_offset_limit_is_exclusive(fi, cap, limit, name):
     """128/128 dims and 128 heads hit the limits exactly: a tensor of exactly the limit is refused, one row less
     is served."""
     t = limit // (128 * 128)
-    common = dict(capability=cap, cuda_version=(12, 8), dtype=torch.bfloat16, head_dim_qk=128, head_dim_vo=128,
-                  num_heads=128, causal=False)
+    common = dict(
+        capability=cap,
+        cuda_version=(12, 8),
+        dtype=torch.bfloat16,
+        head_dim_qk=128,
+        head_dim_vo=128,
+        num_heads=128,
+        causal=False,
+    )
     assert select_backend(qo_indptr=[0, t - 1], kv_indptr=[0, t - 1], **common).name == name
     choice = select_backend(qo_indptr=[0, t], kv_indptr=[0, t], **common)
     assert choice.name != name and str(limit) in dict(choice.passed_over)[name]
@@ -304,10 +360,11 @@ def test_int32_offset_limit_is_exclusive(fi, cap, limit, name):
 
 def test_int32_offsets_kv_side_counts_too(fi):
     """A short q over a long k: the k tensor is what crosses the limit."""
-    choice = select_backend(capability=(10, 0), cuda_version=(12, 8), qo_indptr=[0, 1], kv_indptr=[0, 87382],
-                            **dict(MLA7, causal=False))
+    choice = select_backend(
+        capability=(10, 0), cuda_version=(12, 8), qo_indptr=[0, 1], kv_indptr=[0, 87382], **dict(MLA7, causal=False)
+    )
     assert choice.name == "flashinfer-fa2"
-    assert str(2 ** 31) in dict(choice.passed_over)["flashinfer-cutlass"]
+    assert str(2**31) in dict(choice.passed_over)["flashinfer-cutlass"]
 
 
 def test_fused_schedule_stays_under_2_31(tiny_dims):
@@ -315,22 +372,25 @@ def test_fused_schedule_stays_under_2_31(tiny_dims):
     2**31 elements, so fusing never changes the backend; the chunked schedule bounds each pass by chunk_tokens. k and
     v are views of one [keys, H, 192 + 128] buffer: 320 elements per head and key, not 192."""
     from mla_bridge import MLADims
+
     dims = MLADims.deepseek_v3()  # 128 heads x (192 + 128)
     per_token = 128 * 320
-    limit_tokens = -(-2 ** 31 // per_token)  # 52429
+    limit_tokens = -(-(2**31) // per_token)  # 52429
     ws = Workspace("cpu", chunk_tokens=200_000)
     small = PrefillPlan.build([1], [limit_tokens - 2], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
     big = PrefillPlan.build([1], [limit_tokens - 1], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
     assert small.fused and not big.fused
-    assert (limit_tokens - 1) * per_token < 2 ** 31 <= limit_tokens * per_token
+    assert (limit_tokens - 1) * per_token < 2**31 <= limit_tokens * per_token
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # workspace too small (FlashInfer's "Buffer overflow" must never reach the user)
 # ---------------------------------------------------------------------------------------------------------------
 
-OVERFLOW = ("Buffer overflow when allocating memory for batch_prefill_tmp_v with size {size} and alignment 16, "
-            "but only {avail} bytes available in AlignedAllocator. Increase the workspace buffer size.")
+OVERFLOW = (
+    "Buffer overflow when allocating memory for batch_prefill_tmp_v with size {size} and alignment 16, "
+    "but only {avail} bytes available in AlignedAllocator. Increase the workspace buffer size."
+)
 
 
 class GrowWrapper:
@@ -356,6 +416,7 @@ def failing_plan(times, size=123, avail=45):
 
 def test_workspace_grows_on_overflow():
     ws = Workspace("cpu", float_workspace_bytes=1024, max_float_workspace_bytes=1 << 20)
+
     class Owner:
         pass
 
@@ -373,7 +434,7 @@ def test_workspace_grows_on_overflow():
     # Growth under a live plan: only the free wrapper is re-buffered (keeping its own int buffer); the live plan's
     # wrapper keeps the buffers its queued work reads until it is free again.
     assert wrappers[0].resets == [] and old_buf.numel() == 1024
-    (buf, int_buf), = wrappers[1].resets
+    ((buf, int_buf),) = wrappers[1].resets
     assert buf is ws.float_workspace and int_buf is wrappers[1]._int_workspace_buffer
 
 
@@ -446,8 +507,17 @@ def test_flashinfer_kernel_plans_through_growth(monkeypatch):
 
     monkeypatch.setattr(fi_backend, "new_wrapper", lambda buf, backend: Wrapper(buf, backend))
     ws = Workspace("cpu", float_workspace_bytes=2048, max_float_workspace_bytes=1 << 20)
-    spec = RaggedSpec(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 128, 192, 128,
-                      True, 0.1, torch.bfloat16, torch.device("cpu"))
+    spec = RaggedSpec(
+        torch.tensor([0, 4], dtype=torch.int32),
+        torch.tensor([0, 4], dtype=torch.int32),
+        128,
+        192,
+        128,
+        True,
+        0.1,
+        torch.bfloat16,
+        torch.device("cpu"),
+    )
     fi_backend.FlashInferRaggedKernel(BackendChoice("flashinfer-fa2", "test"), ws, spec)
     (w,) = made
     assert w.backend == "fa2" and len(w.resets) == 1 and ws.float_workspace_bytes == 2048 + 4900 + 4096
@@ -459,6 +529,7 @@ def test_flashinfer_kernel_plans_through_growth(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 # merge at any head count (CPU; the GPU test covers FlashInfer's merge_state)
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("heads", [1, 16, 64, 128, 256])
 def test_merge_any_head_count_cpu(heads):
@@ -483,6 +554,7 @@ def test_merge_any_head_count_cpu(heads):
 # off-by-one between q's rows and qo_indptr[-1], either direction: clear error, nothing runs
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("delta", [-1, 1])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_ragged_off_by_one_rows_are_refused(ref, which, delta):
@@ -495,8 +567,18 @@ def test_ragged_off_by_one_rows_are_refused(ref, which, delta):
     indptr = "qo_indptr" if which == "q" else "kv_indptr"
     want = 5 if which == "q" else 7
     with pytest.raises(ValueError, match=rf"^{which} has {want + delta} tokens but {indptr}\[-1\] = {want}"):
-        ragged_prefill(tensors["q"], tensors["k"], tensors["v"], qo, kv, causal=True, sm_scale=0.2, backend="torch",
-                       out=out, lse=lse)
+        ragged_prefill(
+            tensors["q"],
+            tensors["k"],
+            tensors["v"],
+            qo,
+            kv,
+            causal=True,
+            sm_scale=0.2,
+            backend="torch",
+            out=out,
+            lse=lse,
+        )
     assert torch.equal(out, torch.full((5, 2, 16), 7.0)) and torch.equal(lse, torch.full((5, 2), 7.0))
 
 
@@ -505,8 +587,9 @@ def test_ragged_off_by_one_rows_are_refused(ref, which, delta):
 def test_prefill_off_by_one_rows_are_refused(ref, tiny_dims, which, delta, monkeypatch):
     q_lens, c_lens = [3, 2], [5, 6]
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=12)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(
+        q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4, dtype=torch.float32
+    )
     args = dict(q=batch.q, kv_c=batch.kv_c, k_pe=batch.k_pe)
     x = args[which]
     args[which] = torch.randn(x.shape[0] + delta, *x.shape[1:])

@@ -21,8 +21,11 @@ def test_default_is_auto_on_cuda_with_triton_else_separate(monkeypatch):
     assert KV.kv_impl(torch.device("cuda")) == KV.kv_impl(torch.device("cuda"), " AUTO ") == "auto"
     # float32 / float64 batches keep the separate path (float64 is beyond the fused kernel: it accumulates in float32)
     for dtype in (torch.float32, torch.float64):
-        assert KV.kv_impl(torch.device("cuda"), None, dtype) == KV.kv_impl(torch.device("cuda"), "auto", dtype) \
+        assert (
+            KV.kv_impl(torch.device("cuda"), None, dtype)
+            == KV.kv_impl(torch.device("cuda"), "auto", dtype)
             == "separate"
+        )
     assert KV.kv_impl(torch.device("cuda"), None, torch.float16) == "auto"
     monkeypatch.setattr(K, "triton_available", lambda: False)
     assert KV.kv_impl(torch.device("cuda")) == KV.kv_impl(torch.device("cuda"), "auto") == "separate"
@@ -97,8 +100,9 @@ def test_a_raw_weight_is_chosen_for_as_the_split_layout():
     for capturing in (False, True):
         for gathered, fp8 in ((False, False), (True, False), (True, True)):
             for rows in (0, 1024, KV.SEPARATE_FROM_ROWS, KV.SEPARATE_FROM_ROWS_NEW):
-                assert KV.pass_impl("auto", gathered, fp8, rows, CHECKPOINT_LAYOUT, capturing) == \
-                    KV.pass_impl("auto", gathered, fp8, rows, "split", capturing)
+                assert KV.pass_impl("auto", gathered, fp8, rows, CHECKPOINT_LAYOUT, capturing) == KV.pass_impl(
+                    "auto", gathered, fp8, rows, "split", capturing
+                )
     with pytest.raises(ValueError, match="layout must be one of"):
         KV.pass_impl("auto", True, False, 0, "packed")
 
@@ -166,19 +170,29 @@ def test_auto_case_and_type_rules(monkeypatch):
         KV.kv_impl(torch.device("cuda"), "fused")
 
 
-@pytest.mark.parametrize("env,value,match", [("MLA_BRIDGE_GATHER", "cuda", "MLA_BRIDGE_GATHER"),
-                                             ("MLA_BRIDGE_MERGE", "bogus", "MLA_BRIDGE_MERGE"),
-                                             ("MLA_BRIDGE_MERGE", "triton", "needs a CUDA device"),
-                                             ("MLA_BRIDGE_KV", "cublas", "MLA_BRIDGE_KV"),
-                                             ("MLA_BRIDGE_TRITON_LAUNCH", "fast", "MLA_BRIDGE_TRITON_LAUNCH"),
-                                             ("MLA_BRIDGE_FLASHINFER_DIRECT", "off", "MLA_BRIDGE_FLASHINFER_DIRECT")])
-def test_mla_prefill_refuses_a_switch_that_cannot_serve_before_writing(monkeypatch, tiny_dims, ref, env, value,
-                                                                       match):
+@pytest.mark.parametrize(
+    "env,value,match",
+    [
+        ("MLA_BRIDGE_GATHER", "cuda", "MLA_BRIDGE_GATHER"),
+        ("MLA_BRIDGE_MERGE", "bogus", "MLA_BRIDGE_MERGE"),
+        ("MLA_BRIDGE_MERGE", "triton", "needs a CUDA device"),
+        ("MLA_BRIDGE_KV", "cublas", "MLA_BRIDGE_KV"),
+        ("MLA_BRIDGE_TRITON_LAUNCH", "fast", "MLA_BRIDGE_TRITON_LAUNCH"),
+        ("MLA_BRIDGE_FLASHINFER_DIRECT", "off", "MLA_BRIDGE_FLASHINFER_DIRECT"),
+    ],
+)
+def test_mla_prefill_refuses_a_switch_that_cannot_serve_before_writing(monkeypatch, tiny_dims, ref, env, value, match):
     """The chunked schedule writes out in its main pass before the first chunk gathers and merges: a bad gather or
     merge switch must be refused before that, not after (the output would be half-written)."""
     b = ref.make_mla_batch(tiny_dims, [3, 2], [9, 7], 4)
-    plan = PrefillPlan.build(b.query_lens, b.context_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4),
-                             block_size=4, dtype=torch.float32)
+    plan = PrefillPlan.build(
+        b.query_lens,
+        b.context_lens,
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=4),
+        block_size=4,
+        dtype=torch.float32,
+    )
     assert plan.chunks and not plan.fused
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv(env, value)
@@ -191,8 +205,9 @@ def test_mla_prefill_refuses_a_switch_that_cannot_serve_before_writing(monkeypat
 def test_mla_prefill_refuses_a_bad_kv_impl_before_writing(tiny_dims, ref, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # interpreted, "fused" runs on the CPU (a developer's run)
     b = ref.make_mla_batch(tiny_dims, [3, 2], [5, 0], 4)
-    plan = PrefillPlan.build(b.query_lens, b.context_lens, dims=tiny_dims, workspace=Workspace("cpu"), block_size=4,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(
+        b.query_lens, b.context_lens, dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32
+    )
     out = torch.full((plan.num_tokens, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
     with pytest.raises(ValueError, match="kv_impl must be one of"):
         mla_prefill(b.q, b.kv_c, b.k_pe, b.w, b.cache, b.block_table, plan, out=out, kv_impl="triton")
@@ -220,7 +235,7 @@ def interpreted_cases() -> str:
     for dtype in (torch.float32, torch.float16):
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         for layout in ("identity", "split"):
-            for fp8 in ((False, True) if dtype == torch.float32 else (False,)):
+            for fp8 in (False, True) if dtype == torch.float32 else (False,):
                 g = torch.Generator().manual_seed(n)
                 nb = 22
                 lat = torch.randn(nb, bs, d.latent_dim, generator=g)
@@ -231,26 +246,33 @@ def interpreted_cases() -> str:
                         used[table[r, p // bs], p % bs] = True
                 lat[~used] = float("nan")
                 raw, s = quantize_latent_cache(lat) if fp8 else (lat.to(dtype), None)
-                w = prepare_kv_b_proj((torch.randn(*d.kv_b_proj_shape, generator=g) * 0.2).to(dtype), d,
-                                      layout=layout)
+                w = prepare_kv_b_proj((torch.randn(*d.kv_b_proj_shape, generator=g) * 0.2).to(dtype), d, layout=layout)
                 t = sum(q_lens)
                 kv_c = torch.randn(t, d.kv_lora_rank, generator=g).to(dtype)
                 k_pe = torch.randn(t, d.qk_rope_head_dim, generator=g).to(dtype)
                 q = torch.randn(t, d.num_heads, d.head_dim_qk, generator=g).to(dtype)
                 for fuse in (True, False):
-                    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=40 if fuse else 5),
-                                             block_size=bs, dtype=dtype, fuse_context=fuse,
-                                             kv_cache_dtype="fp8" if fp8 else None)
+                    plan = PrefillPlan.build(
+                        q_lens,
+                        c_lens,
+                        dims=d,
+                        workspace=Workspace("cpu", chunk_tokens=40 if fuse else 5),
+                        block_size=bs,
+                        dtype=dtype,
+                        fuse_context=fuse,
+                        kv_cache_dtype="fp8" if fp8 else None,
+                    )
                     assert plan.fused == fuse
                     cache, scale = check_kv_cache(raw, s, plan.kv_cache_dtype)
-                    for sc in ((scale, float(scale)) if fp8 else (None,)):
+                    for sc in (scale, float(scale)) if fp8 else (None,):
                         got = {}
                         for impl in ("separate", "fused"):
                             if plan.fused:
                                 got[impl] = [KV.fused_schedule_kv(plan, kv_c, k_pe, cache, table, sc, w, nothing, impl)]
                             else:
                                 got[impl] = [KV.new_tokens_kv(kv_c, k_pe, w, nothing, impl)] + [
-                                    KV.chunk_kv(c, cache, table, sc, w, dtype, nothing, impl) for c in plan.chunks]
+                                    KV.chunk_kv(c, cache, table, sc, w, dtype, nothing, impl) for c in plan.chunks
+                                ]
                         assert len(got["fused"]) == (1 if fuse else 1 + len(plan.chunks)) >= (1 if fuse else 3)
                         for i, ((ka, va), (kb, vb)) in enumerate(zip(got["separate"], got["fused"])):
                             assert not torch.isnan(kb).any() and not torch.isnan(vb).any(), "an unused slot was read"
@@ -261,8 +283,10 @@ def interpreted_cases() -> str:
                                 assert err <= tol * max(1.0, a.float().abs().max().item()), (dtype, layout, fp8, err)
                         n += 1
                     if dtype == torch.float32:
-                        o = {i: mla_prefill(q, kv_c, k_pe, w, raw, table, plan, kv_cache_scale=s, kv_impl=i)
-                             for i in ("separate", "fused")}
+                        o = {
+                            i: mla_prefill(q, kv_c, k_pe, w, raw, table, plan, kv_cache_scale=s, kv_impl=i)
+                            for i in ("separate", "fused")
+                        }
                         torch.testing.assert_close(o["fused"], o["separate"], atol=1e-5, rtol=1e-5)
     return f"ok {n}"
 
@@ -273,8 +297,10 @@ def test_fused_kernel_equals_separate_path_interpreted(triton_interpreted):
     assert out.strip().startswith("ok ") and int(out.split()[-1]) == 16, out
 
 
-@pytest.mark.parametrize("value,interpreting", [("1", True), ("true", True), ("Yes", True), ("on", True),
-                                                ("0", False), ("", False), ("false", False)])
+@pytest.mark.parametrize(
+    "value,interpreting",
+    [("1", True), ("true", True), ("Yes", True), ("on", True), ("0", False), ("", False), ("false", False)],
+)
 def test_triton_interpret_read_as_triton_reads_it(monkeypatch, value, interpreting):
     """TRITON_INTERPRET=true interprets in Triton (getenv_bool); the choosers used to accept only "1"."""
     import mla_bridge.kernels as K
@@ -293,20 +319,26 @@ def test_pass_impl_names_a_bad_mode_or_layout():
     bad_mode = r"^mode must be one of \('auto', 'fused', 'separate'\) \(what kv_impl answers\), got 'bogus'"
     with pytest.raises(ValueError, match=bad_mode):
         KV.pass_impl("bogus", True, False)
-    with pytest.raises(ValueError, match=r"^layout must be one of \('identity', 'split'\) "
-                                         r"\(or 'checkpoint', taken as 'split'\), got 'splt'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^layout must be one of \('identity', 'split'\) "
+        r"\(or 'checkpoint', taken as 'split'\), got 'splt'",
+    ):
         KV.pass_impl("auto", True, False, 10, "splt")
     # the layout left out is the default one (split): a large gathered pass goes to cuBLAS
     assert KV.pass_impl("auto", True, False, KV.SEPARATE_FROM_ROWS) == "separate"
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(gathered="no"), "gathered must be a bool"),
-    (dict(kv_cache_fp8=1), "kv_cache_fp8 must be a bool"),
-    (dict(rows=-5), "rows must be an int >= 0"),
-    (dict(rows="100"), "rows must be an int >= 0"),
-    (dict(rows=2.0), "rows must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(gathered="no"), "gathered must be a bool"),
+        (dict(kv_cache_fp8=1), "kv_cache_fp8 must be a bool"),
+        (dict(rows=-5), "rows must be an int >= 0"),
+        (dict(rows="100"), "rows must be an int >= 0"),
+        (dict(rows=2.0), "rows must be an int >= 0"),
+    ],
+)
 def test_pass_impl_names_a_bad_argument(kwargs, match):
     args = dict(mode="auto", gathered=True, kv_cache_fp8=False, rows=10)
     args.update(kwargs)
@@ -339,15 +371,18 @@ def interpreted_raw_weight_cases() -> str:
         q = torch.randn(t, d.num_heads, d.head_dim_qk, generator=g).to(dtype)
         for fuse in (True, False):
             ws = Workspace("cpu", chunk_tokens=40 if fuse else 16)
-            plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=bs, dtype=dtype,
-                                     fuse_context=fuse)
+            plan = PrefillPlan.build(
+                q_lens, c_lens, dims=d, workspace=ws, block_size=bs, dtype=dtype, fuse_context=fuse
+            )
             got = []
             for weight in (raw, split):
                 if plan.fused:
                     got.append([KV.fused_schedule_kv(plan, kv_c, k_pe, cache, table, None, weight, nothing, "fused")])
                 else:
-                    got.append([KV.new_tokens_kv(kv_c, k_pe, weight, nothing, "fused")] + [
-                        KV.chunk_kv(c, cache, table, None, weight, dtype, nothing, "fused") for c in plan.chunks])
+                    got.append(
+                        [KV.new_tokens_kv(kv_c, k_pe, weight, nothing, "fused")]
+                        + [KV.chunk_kv(c, cache, table, None, weight, dtype, nothing, "fused") for c in plan.chunks]
+                    )
             assert len(got[0]) == (1 if fuse else 1 + len(plan.chunks)) >= (1 if fuse else 3)
             for (ka, va), (kb, vb) in zip(*got):
                 assert torch.equal(ka, kb) and torch.equal(va, vb), (dtype, fuse)

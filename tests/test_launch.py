@@ -46,6 +46,7 @@ class _JitFn:
         def run(*args, **kwargs):
             self.jit.append((grid, args, kwargs))
             return _Compiled(self, next(self._tags))
+
         return run
 
 
@@ -77,9 +78,23 @@ def test_second_launch_of_a_specialization_calls_the_compiled_kernel_directly(di
     assert tag == 0 and call == (5, 2, 1, 1234, "function-0", "metadata-0", None, None, None, x, 200, 33, 64, 7)
 
 
-@pytest.mark.parametrize("change", ["misaligned pointer", "other dtype", "int becomes 1", "int divisible by 16",
-                                    "int beyond int32", "int beyond int64", "other constexpr", "constexpr True for 1",
-                                    "other option", "option 0 for False", "other device", "TRITON_DEBUG set"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "misaligned pointer",
+        "other dtype",
+        "int becomes 1",
+        "int divisible by 16",
+        "int beyond int32",
+        "int beyond int64",
+        "other constexpr",
+        "constexpr True for 1",
+        "other option",
+        "option 0 for False",
+        "other device",
+        "TRITON_DEBUG set",
+    ],
+)
 def test_another_specialization_goes_through_triton(direct, change, monkeypatch):
     fn = _JitFn()
     base = torch.zeros(64, dtype=torch.float32)
@@ -96,9 +111,9 @@ def test_another_specialization_goes_through_triton(direct, change, monkeypatch)
     elif change == "int divisible by 16":
         new_args[2] = 32
     elif change == "int beyond int32":
-        new_args[1] = 2 ** 31 + 5
+        new_args[1] = 2**31 + 5
     elif change == "int beyond int64":
-        new_args[1] = 2 ** 63 + 5  # uint64 for Triton
+        new_args[1] = 2**63 + 5  # uint64 for Triton
     elif change == "option 0 for False":
         new_opt["enable_fp_fusion"] = 0
     elif change == "other device":
@@ -136,7 +151,7 @@ def test_hooks_env_and_cpu_tensors_keep_triton_path(direct, monkeypatch):
     launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
     launch(fn, (1,), (x, object(), 5), dict(BLOCK=16))  # an argument of a kind the key does not cover
     monkeypatch.setattr(launch_mod, "_on_cuda", lambda args: True)
-    launch(fn, (1,), (x, 2 ** 64, 5), dict(BLOCK=16))  # beyond uint64: Triton's own OverflowError, not ours
+    launch(fn, (1,), (x, 2**64, 5), dict(BLOCK=16))  # beyond uint64: Triton's own OverflowError, not ours
     fn.pre_run_hooks = [print]  # a kernel with pre-run hooks: Triton runs them on every launch
     for _ in range(2):
         launch(fn, (1,), (x, 3, 5), dict(BLOCK=16))
@@ -154,6 +169,7 @@ def test_missing_constexpr_or_unusable_kernel_keeps_triton_path(direct):
             def run(*args, **kwargs):
                 self.jit.append(args)
                 return None  # the interpreter returns no compiled kernel
+
             return run
 
     fi = _Interpreted()
@@ -177,10 +193,35 @@ def test_key_is_at_least_as_fine_as_tritons():
     from triton.backends.compiler import BaseBackend
 
     buf = torch.zeros(64, dtype=torch.bfloat16)
-    values = [buf, buf[1:], buf[8:], torch.zeros(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.float32),
-              0, 1, 2, 15, 16, 17, 32, -1, -16, 2 ** 31 - 1, 2 ** 31, 2 ** 32, -2 ** 31, -2 ** 31 - 1, 2 ** 63,
-              2 ** 64 - 16, 0.5, 1.0, True, False, None]
-    for refused in (2 ** 64, 2 ** 70, -2 ** 63 - 16):
+    values = [
+        buf,
+        buf[1:],
+        buf[8:],
+        torch.zeros(4, dtype=torch.uint8),
+        torch.zeros(4, dtype=torch.float32),
+        0,
+        1,
+        2,
+        15,
+        16,
+        17,
+        32,
+        -1,
+        -16,
+        2**31 - 1,
+        2**31,
+        2**32,
+        -(2**31),
+        -(2**31) - 1,
+        2**63,
+        2**64 - 16,
+        0.5,
+        1.0,
+        True,
+        False,
+        None,
+    ]
+    for refused in (2**64, 2**70, -(2**63) - 16):
         with pytest.raises(OverflowError):
             native_specialize_impl(BaseBackend, refused, False, True, True)
         assert spec_key([refused]) is None  # launched through kernel[grid], which raises Triton's own error

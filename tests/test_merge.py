@@ -145,18 +145,23 @@ def test_merging_partials_equals_attention_over_all_keys(ref):
     assert torch.equal(big_out[:2], torch.zeros(2, 3, 8)) and torch.equal(big_out[7:], torch.zeros(1, 3, 8))
 
 
-@pytest.mark.parametrize("bad,exc,name", [
-    (dict(out_b=torch.zeros(2, 3, 5)), ValueError, "out_b"),
-    (dict(lse_a=torch.zeros(3, 2)), ValueError, "lse_a"),
-    (dict(lse_b=torch.zeros(2, 3, 1)), ValueError, "lse_b"),
-    (dict(lse_a=torch.zeros(2, 3, dtype=torch.float64)), TypeError, "lse_a"),
-    (dict(out_b=torch.zeros(2, 3, 4, dtype=torch.float64)), TypeError, "out_b"),
-    (dict(out_a=torch.zeros(2, 3)), ValueError, "out_a"),
-    (dict(out_b=[0.0]), TypeError, "out_b"),
-    (dict(lse_b=torch.zeros(2, 3, device="meta")), ValueError, "lse_b"),
-])
+@pytest.mark.parametrize(
+    "bad,exc,name",
+    [
+        (dict(out_b=torch.zeros(2, 3, 5)), ValueError, "out_b"),
+        (dict(lse_a=torch.zeros(3, 2)), ValueError, "lse_a"),
+        (dict(lse_b=torch.zeros(2, 3, 1)), ValueError, "lse_b"),
+        (dict(lse_a=torch.zeros(2, 3, dtype=torch.float64)), TypeError, "lse_a"),
+        (dict(out_b=torch.zeros(2, 3, 4, dtype=torch.float64)), TypeError, "out_b"),
+        (dict(out_a=torch.zeros(2, 3)), ValueError, "out_a"),
+        (dict(out_b=[0.0]), TypeError, "out_b"),
+        (dict(lse_b=torch.zeros(2, 3, device="meta")), ValueError, "lse_b"),
+    ],
+)
 def test_bad_inputs(bad, exc, name):
-    args = dict(out_a=torch.zeros(2, 3, 4), lse_a=torch.zeros(2, 3), out_b=torch.zeros(2, 3, 4), lse_b=torch.zeros(2, 3))
+    args = dict(
+        out_a=torch.zeros(2, 3, 4), lse_a=torch.zeros(2, 3), out_b=torch.zeros(2, 3, 4), lse_b=torch.zeros(2, 3)
+    )
     args.update(bad)
     with pytest.raises(exc, match=name):
         merge_attn_states(**args)
@@ -176,15 +181,22 @@ def test_merge_refuses_inputs_requiring_grad_while_autograd_records(name):
     (mla_bridge.inference.refuse_autograd), and nothing is written. It was not: on the CPU the torch merge
     differentiated it, on CUDA the gradient was lost. Under torch.no_grad() the same tensors merge to the plain result."""
     g = torch.Generator().manual_seed(2)
-    args = dict(out_a=torch.randn(2, 3, 4, generator=g), lse_a=torch.randn(2, 3, generator=g),
-                out_b=torch.randn(2, 3, 4, generator=g), lse_b=torch.randn(2, 3, generator=g))
+    args = dict(
+        out_a=torch.randn(2, 3, 4, generator=g),
+        lse_a=torch.randn(2, 3, generator=g),
+        out_b=torch.randn(2, 3, 4, generator=g),
+        lse_b=torch.randn(2, 3, generator=g),
+    )
     want = merge_attn_states(**args)
     args[name] = args[name].clone().requires_grad_(True)
     with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording.*torch.no_grad\(\)"):
         merge_attn_states(**args)
     in_place = {"out_a": "out", "lse_a": "lse"}.get(name, name)
-    out, lse = (args["out_a"] * 1, args["lse_a"] * 1) if name in ("out_a", "lse_a") else \
-        (args["out_a"].clone(), args["lse_a"].clone())
+    out, lse = (
+        (args["out_a"] * 1, args["lse_a"] * 1)
+        if name in ("out_a", "lse_a")
+        else (args["out_a"].clone(), args["lse_a"].clone())
+    )
     before = out.detach().clone(), lse.detach().clone()
     with pytest.raises(ValueError, match=rf"^{in_place} requires grad and autograd is recording"):
         merge_attn_states_(out, lse, args["out_b"], args["lse_b"])
@@ -208,7 +220,9 @@ def test_nan_partial_stays_nan_in_the_torch_merge():
     lse = torch.tensor([[float("nan")], [0.0]])
     merged, merged_lse = merge_attn_states(out, lse, out * 2, torch.zeros(2, 1))
     assert torch.isnan(merged_lse[0]).all() and torch.isnan(merged[0]).all()
-    assert torch.allclose(merged[1], torch.full((1, 4), 1.5)) and torch.allclose(merged_lse[1], torch.log(torch.tensor(2.0)))
+    assert torch.allclose(merged[1], torch.full((1, 4), 1.5)) and torch.allclose(
+        merged_lse[1], torch.log(torch.tensor(2.0))
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -236,12 +250,15 @@ def test_torch_merge_for_other_head_dims(d):
     assert f"head_dim {d}" in c.reason and "64, 128, 256, 512" in c.reason
 
 
-@pytest.mark.parametrize("kw,why", [
-    (dict(dtype=torch.float32), "float16/bfloat16"),
-    (dict(device_type="cpu"), "CUDA"),
-    (dict(flashinfer=False), "not installed"),
-    (dict(contiguous=False), "contiguous"),
-])
+@pytest.mark.parametrize(
+    "kw,why",
+    [
+        (dict(dtype=torch.float32), "float16/bfloat16"),
+        (dict(device_type="cpu"), "CUDA"),
+        (dict(flashinfer=False), "not installed"),
+        (dict(contiguous=False), "contiguous"),
+    ],
+)
 def test_torch_merge_reasons(kw, why):
     args = dict(shape=(10, 8, 128), dtype=BF16, device_type="cuda", flashinfer=True, triton=False)
     args.update(kw)
@@ -313,16 +330,25 @@ def fake_flashinfer_merge(monkeypatch):
     import sys
     import types
 
-    limit = 3 * 2 ** 14
+    limit = 3 * 2**14
     fake = _FakeCascade(limit)
     mod = types.ModuleType("flashinfer.cascade")
     mod.merge_state, mod.merge_state_in_place = fake.merge_state, fake.merge_state_in_place
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     monkeypatch.setitem(sys.modules, "flashinfer.cascade", mod)
     monkeypatch.setattr(merge_mod, "FLASHINFER_MERGE_ELEMENT_LIMIT", limit)
-    monkeypatch.setattr(merge_mod, "_choice", lambda a, b: select_merge(
-        tuple(a.shape), a.dtype, "cuda", contiguous=a.is_contiguous() and b.is_contiguous(), flashinfer=True,
-        triton=False))
+    monkeypatch.setattr(
+        merge_mod,
+        "_choice",
+        lambda a, b: select_merge(
+            tuple(a.shape),
+            a.dtype,
+            "cuda",
+            contiguous=a.is_contiguous() and b.is_contiguous(),
+            flashinfer=True,
+            triton=False,
+        ),
+    )
     return fake
 
 
@@ -372,14 +398,17 @@ def test_triton_merge_first_on_cuda(dtype, shape, contiguous):
     assert c.name == "triton" and c.rows_per_piece == shape[0], c
 
 
-@pytest.mark.parametrize("kw,name,why", [
-    (dict(device_type="cpu"), "torch", "CUDA"),
-    (dict(dtype=torch.float64), "torch", "float16/bfloat16"),
-    (dict(shape=(0, 16, 128)), "torch", "nothing to merge"),
-    (dict(triton=False), "flashinfer", "Triton does not import"),
-    (dict(triton=False, shape=(10, 16, 96)), "torch", "Triton does not import; head_dim 96"),
-    (dict(triton=False, flashinfer=False), "torch", "Triton does not import; flashinfer-python"),
-])
+@pytest.mark.parametrize(
+    "kw,name,why",
+    [
+        (dict(device_type="cpu"), "torch", "CUDA"),
+        (dict(dtype=torch.float64), "torch", "float16/bfloat16"),
+        (dict(shape=(0, 16, 128)), "torch", "nothing to merge"),
+        (dict(triton=False), "flashinfer", "Triton does not import"),
+        (dict(triton=False, shape=(10, 16, 96)), "torch", "Triton does not import; head_dim 96"),
+        (dict(triton=False, flashinfer=False), "torch", "Triton does not import; flashinfer-python"),
+    ],
+)
 def test_triton_merge_fallbacks(kw, name, why):
     args = dict(shape=(10, 16, 128), dtype=BF16, device_type="cuda", flashinfer=True, triton=True)
     args.update(kw)
@@ -398,14 +427,17 @@ def test_triton_default_follows_triton_available(monkeypatch):
     assert select_merge((4, 2, 128), BF16, "cuda").name == "flashinfer"
 
 
-@pytest.mark.parametrize("env,device,triton,name", [
-    ("torch", "cuda", True, "torch"),
-    ("flashinfer", "cuda", True, "flashinfer"),
-    ("triton", "cuda", True, "triton"),
-    ("triton", "cpu", True, "triton"),  # for TRITON_INTERPRET=1 on CPU tensors
-    (" Auto ", "cuda", True, "triton"),
-    ("", "cuda", False, "flashinfer"),
-])
+@pytest.mark.parametrize(
+    "env,device,triton,name",
+    [
+        ("torch", "cuda", True, "torch"),
+        ("flashinfer", "cuda", True, "flashinfer"),
+        ("triton", "cuda", True, "triton"),
+        ("triton", "cpu", True, "triton"),  # for TRITON_INTERPRET=1 on CPU tensors
+        (" Auto ", "cuda", True, "triton"),
+        ("", "cuda", False, "flashinfer"),
+    ],
+)
 def test_merge_env_forces_one(monkeypatch, env, device, triton, name):
     monkeypatch.setenv(merge_mod.MERGE_ENV, env)
     monkeypatch.setenv("TRITON_INTERPRET", "1" if device == "cpu" else "0")
@@ -478,8 +510,9 @@ def fake_triton_merge(monkeypatch):
 
     def merge_triton(dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2=False, inf_empty=True):
         calls.append((dst, dst_lse, out_a, lse_a, out_b, lse_b, lse_b_log2, inf_empty))
-        o, s = merge_mod._merge_torch(out_a, lse_a, out_b, lse_b * math.log(2.0) if lse_b_log2 else lse_b,
-                                      inf_empty=inf_empty)
+        o, s = merge_mod._merge_torch(
+            out_a, lse_a, out_b, lse_b * math.log(2.0) if lse_b_log2 else lse_b, inf_empty=inf_empty
+        )
         dst.copy_(o)
         dst_lse.copy_(s)
 
@@ -487,10 +520,20 @@ def fake_triton_merge(monkeypatch):
     mod.merge_triton = merge_triton
     monkeypatch.setitem(sys.modules, "mla_bridge.kernels.merge", mod)
     import mla_bridge.kernels as kernels_pkg
+
     monkeypatch.setattr(kernels_pkg, "merge", mod, raising=False)
-    monkeypatch.setattr(merge_mod, "_choice", lambda a, b: select_merge(
-        tuple(a.shape), a.dtype, "cuda", contiguous=a.is_contiguous() and b.is_contiguous(), flashinfer=True,
-        triton=True))
+    monkeypatch.setattr(
+        merge_mod,
+        "_choice",
+        lambda a, b: select_merge(
+            tuple(a.shape),
+            a.dtype,
+            "cuda",
+            contiguous=a.is_contiguous() and b.is_contiguous(),
+            flashinfer=True,
+            triton=True,
+        ),
+    )
     return calls
 
 
@@ -532,7 +575,7 @@ def test_base2_lse_b_equals_natural(ref, fake_flashinfer_merge):
     natural = b2 * math.log(2.0)
     want = merge_mod._merge_torch(oa, la, ob, natural)
     got_o, got_l = oa.clone(), la.clone()
-    merge_mod._choice, saved = (lambda a, b: MergeChoice("torch", "test", 10 ** 9)), merge_mod._choice
+    merge_mod._choice, saved = (lambda a, b: MergeChoice("torch", "test", 10**9)), merge_mod._choice
     try:
         merge_attn_states_(got_o, got_l, ob, b2, lse_b_base="log2")
     finally:
@@ -569,8 +612,13 @@ def test_triton_route_checks_before_the_kernel(fake_triton_merge):
 
 # (src dtype, dst dtype, in place) of merge_planned_ with a float32 running out: a row's first merge (out in the
 # plan's dtype into the float32 running out), a middle one (the running out in place), its last (into out)
-RUNNING_FORMS = [(BF16, torch.float32, False), (torch.float32, torch.float32, True), (torch.float32, BF16, False),
-                 (torch.float16, torch.float32, False), (torch.float32, torch.float16, False)]
+RUNNING_FORMS = [
+    (BF16, torch.float32, False),
+    (torch.float32, torch.float32, True),
+    (torch.float32, BF16, False),
+    (torch.float16, torch.float32, False),
+    (torch.float32, torch.float16, False),
+]
 
 
 @pytest.mark.parametrize("src,dst_dtype,in_place", RUNNING_FORMS)
@@ -590,7 +638,7 @@ def test_merge_planned_into_another_dtype_rounds_once(src, dst_dtype, in_place, 
     assert not bitwise((want_o, want_l), merge_mod._merge_torch(oa, la, ob, b2 * math.log(2.0), dtype=torch.float32))
     a, lse = oa.clone(), la.clone()
     dst = a if in_place else torch.full(oa.shape, 7.0, dtype=dst_dtype)
-    choice = MergeChoice(impl, "test", 10 ** 9, 4 if impl == "flashinfer" else 0)
+    choice = MergeChoice(impl, "test", 10**9, 4 if impl == "flashinfer" else 0)
     merge_planned_(choice, a, lse, ob, b2, lse_b_base="log2", dst=dst)
     assert dst.dtype == dst_dtype and bitwise((dst, lse), (want_o.to(dst_dtype), want_l))
     if not in_place:
@@ -665,9 +713,11 @@ def bitwise(got, expect) -> int:
     """1 when out and lse are equal bit for bit, NaNs in the same places (whatever their payload), else 0."""
     (o, s), (eo, es) = got, expect
     same_nan = torch.equal(torch.isnan(o), torch.isnan(eo)) and torch.equal(torch.isnan(s), torch.isnan(es))
-    return int(same_nan and torch.equal(bits(o)[~torch.isnan(o)], bits(eo)[~torch.isnan(eo)])
-               and torch.equal(bits(s)[~torch.isnan(s)], bits(es)[~torch.isnan(es)]))
-
+    return int(
+        same_nan
+        and torch.equal(bits(o)[~torch.isnan(o)], bits(eo)[~torch.isnan(eo)])
+        and torch.equal(bits(s)[~torch.isnan(s)], bits(es)[~torch.isnan(es)])
+    )
 
 
 def merge_cases(d: int, dtype: torch.dtype, seed: int, t: int = 37, h: int = 4):
@@ -720,7 +770,7 @@ def interpreted_merge_cases() -> str:
             t, h = la.shape
             big = torch.full((t + 4, h, d + 16), 5.0).to(dtype)
             big_l = torch.full((t + 4, h), 5.0)
-            view, view_l = big[2:t + 2, :, :d], big_l[2:t + 2]
+            view, view_l = big[2 : t + 2, :, :d], big_l[2 : t + 2]
             view.copy_(oa)
             view_l.copy_(la)
             ob_strided = ob.transpose(0, 1).contiguous().transpose(0, 1)
@@ -729,9 +779,9 @@ def interpreted_merge_cases() -> str:
             merge_attn_states_(view, view_l, ob_strided, lb)
             assert_merge_matches((view, view_l), expect, oa, la, ob, lb)
             exact += bitwise((view, view_l), same_math)
-            assert torch.equal(big[:2], torch.full_like(big[:2], 5.0)) and torch.equal(big[t + 2:], big[:4 - 2])
-            assert torch.equal(big[2:t + 2, :, d:], torch.full_like(big[2:t + 2, :, d:], 5.0))
-            assert torch.equal(big_l[:2], torch.full((2, h), 5.0)) and torch.equal(big_l[t + 2:], big_l[:2])
+            assert torch.equal(big[:2], torch.full_like(big[:2], 5.0)) and torch.equal(big[t + 2 :], big[: 4 - 2])
+            assert torch.equal(big[2 : t + 2, :, d:], torch.full_like(big[2 : t + 2, :, d:], 5.0))
+            assert torch.equal(big_l[:2], torch.full((2, h), 5.0)) and torch.equal(big_l[t + 2 :], big_l[:2])
             # a last dim that is not unit-stride (every other element) and a non-contiguous lse_b
             wide = torch.zeros(t, h, 2 * d).to(dtype)
             wide[..., ::2] = ob
@@ -765,24 +815,25 @@ def interpreted_running_merge_cases() -> str:
         dst = a if in_place else torch.full(oa.shape, 7.0, dtype=dst_dtype)
         merge_planned_(choice, a, lse, ob, lb, dst=dst)
         want = merge_mod._merge_torch(oa, la, ob, lb, dtype=torch.float32)
-        assert_merge_matches((dst, lse), (want[0].to(dst_dtype), want[1]), oa.to(dst_dtype), la, ob.to(dst_dtype),
-                             lb)
+        assert_merge_matches((dst, lse), (want[0].to(dst_dtype), want[1]), oa.to(dst_dtype), la, ob.to(dst_dtype), lb)
         n += 1
     return f"ok {n}"
 
 
 def test_triton_merge_into_another_dtype_interpreted(triton_interpreted):
     """Where Triton is installed: :func:`interpreted_running_merge_cases` under the interpreter."""
-    words = triton_interpreted("tests.test_merge:interpreted_running_merge_cases", "tests/gpu/test_gpu_merge.py",
-                               MLA_BRIDGE_MERGE="triton").split()
+    words = triton_interpreted(
+        "tests.test_merge:interpreted_running_merge_cases", "tests/gpu/test_gpu_merge.py", MLA_BRIDGE_MERGE="triton"
+    ).split()
     assert words == ["ok", str(len(RUNNING_FORMS))], words
 
 
 def test_triton_merge_equals_torch_merge_interpreted(triton_interpreted):
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_merge_cases` under the interpreter
     with ``MLA_BRIDGE_MERGE=triton``. tests/gpu/test_gpu_merge.py covers the compiled kernel."""
-    words = triton_interpreted("tests.test_merge:interpreted_merge_cases", "tests/gpu/test_gpu_merge.py",
-                               MLA_BRIDGE_MERGE="triton").split()
+    words = triton_interpreted(
+        "tests.test_merge:interpreted_merge_cases", "tests/gpu/test_gpu_merge.py", MLA_BRIDGE_MERGE="triton"
+    ).split()
     assert words[0] == "ok" and int(words[1]) == 48, words
     assert words[2] == "exact" and int(words[3]) == 48, words  # bitwise equal to the same math in torch
 
@@ -801,17 +852,32 @@ def test_triton_merge_compiles_for_sm90_with_exact_arithmetic():
     from mla_bridge.kernels.merge import LAUNCH_OPTIONS, _merge_kernel
 
     def ptx(dtype: str, options: dict) -> str:
-        sig = {"dst_ptr": dtype, "dst_lse_ptr": "*fp32", "a_ptr": dtype, "a_lse_ptr": "*fp32", "b_ptr": dtype,
-               "b_lse_ptr": "*fp32", "n_pairs": "i32", "num_heads": "i32"}
+        sig = {
+            "dst_ptr": dtype,
+            "dst_lse_ptr": "*fp32",
+            "a_ptr": dtype,
+            "a_lse_ptr": "*fp32",
+            "b_ptr": dtype,
+            "b_lse_ptr": "*fp32",
+            "n_pairs": "i32",
+            "num_heads": "i32",
+        }
         sig.update({n: "i64" for n in ("a_st", "a_sh", "a_sd", "b_st", "b_sh", "b_sd", "d_st", "d_sh", "d_sd")})
-        consts = {"HEAD_DIM": 96, "BLOCK_D": 128, "BLOCK_P": 32, "EXACT": True, "OUT_BF16": dtype == "*bf16",
-                  "LSE_B_LOG2": True}
+        consts = {
+            "HEAD_DIM": 96,
+            "BLOCK_D": 128,
+            "BLOCK_P": 32,
+            "EXACT": True,
+            "OUT_BF16": dtype == "*bf16",
+            "LSE_B_LOG2": True,
+        }
         sig.update({k: "constexpr" for k in consts})
         from triton.compiler.errors import CompilationError
 
         try:
-            src = ASTSource(fn=_merge_kernel, signature=sig,
-                            constexprs={(list(sig).index(k),): v for k, v in consts.items()})
+            src = ASTSource(
+                fn=_merge_kernel, signature=sig, constexprs={(list(sig).index(k),): v for k, v in consts.items()}
+            )
             return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
         except CompilationError:
             raise  # the kernel itself does not compile: a failure

@@ -50,10 +50,18 @@ def test_mla_prefill_at_model_dims_equals_float64(ref, name):
     assert batch.k_pe.shape == (sum(Q_LENS), dims.qk_rope_head_dim)
     exp_out, exp_lse = ref.mla_reference(batch)
     for chunk, fuse in SCHEDULES:
-        plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk),
-                                 block_size=4, dtype=torch.float32, fuse_context=fuse)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True)
+        plan = PrefillPlan.build(
+            Q_LENS,
+            C_LENS,
+            dims=dims,
+            workspace=Workspace("cpu", chunk_tokens=chunk),
+            block_size=4,
+            dtype=torch.float32,
+            fuse_context=fuse,
+        )
+        out, lse = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+        )
         assert out.shape == (sum(Q_LENS), dims.num_heads, dims.v_head_dim)
         ref.assert_out_close(out, exp_out, atol=1e-4)
         ref.assert_lse_close(lse, exp_lse, atol=1e-4)
@@ -68,10 +76,19 @@ def test_fp8_cache_at_model_dims(ref, name):
     deq.cache = cache.double() * float(scale)  # the same bytes, read back in float64
     exp_out, _ = ref.mla_reference(deq)
     for chunk, fuse in SCHEDULES:
-        plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk),
-                                 block_size=4, dtype=torch.float32, fuse_context=fuse, kv_cache_dtype="fp8")
-        out = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan,
-                          kv_cache_scale=scale)
+        plan = PrefillPlan.build(
+            Q_LENS,
+            C_LENS,
+            dims=dims,
+            workspace=Workspace("cpu", chunk_tokens=chunk),
+            block_size=4,
+            dtype=torch.float32,
+            fuse_context=fuse,
+            kv_cache_dtype="fp8",
+        )
+        out = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan, kv_cache_scale=scale
+        )
         ref.assert_out_close(out, exp_out, atol=1e-4)
 
 
@@ -82,19 +99,24 @@ def test_zero_rope_is_the_nope_attention(ref):
     batch = ref.make_mla_batch(dims, Q_LENS, C_LENS, 4, seed=5)
     plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32)
     a = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
-    b = mla_prefill(batch.q, batch.kv_c, batch.k_pe.reshape(sum(Q_LENS), 1, 0), batch.w, batch.cache, batch.block_table, plan)
+    b = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe.reshape(sum(Q_LENS), 1, 0), batch.w, batch.cache, batch.block_table, plan
+    )
     assert torch.equal(a, b) and a.abs().max() > 0.1
     with pytest.raises(ValueError, match="k_pe"):
         mla_prefill(batch.q, batch.kv_c, torch.zeros(sum(Q_LENS), 64), batch.w, batch.cache, batch.block_table, plan)
 
 
-@pytest.mark.parametrize("dims,sm100,sm90,sm80", [
-    ((192, 128), "flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2"),  # DeepSeek, Kimi, ..., dots3_note
-    ((256, 256), "flashinfer-fa2", "flashinfer-fa3", "flashinfer-fa2"),  # GLM-4.7-Flash, GLM-5, hy_v4, glm5_next
-    ((128, 128), "flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2"),  # mistral4, Mistral Large 3
-    ((256, 128), "flashinfer-fa2", "flashinfer-fa2", "flashinfer-fa2"),  # dots3_note's sliding-window layers
-    ((96, 64), "torch", "torch", "torch"),  # minicpm3, axk2: 96 is not a multiple of 64
-])
+@pytest.mark.parametrize(
+    "dims,sm100,sm90,sm80",
+    [
+        ((192, 128), "flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2"),  # DeepSeek, Kimi, ..., dots3_note
+        ((256, 256), "flashinfer-fa2", "flashinfer-fa3", "flashinfer-fa2"),  # GLM-4.7-Flash, GLM-5, hy_v4, glm5_next
+        ((128, 128), "flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2"),  # mistral4, Mistral Large 3
+        ((256, 128), "flashinfer-fa2", "flashinfer-fa2", "flashinfer-fa2"),  # dots3_note's sliding-window layers
+        ((96, 64), "torch", "torch", "torch"),  # minicpm3, axk2: 96 is not a multiple of 64
+    ],
+)
 def test_dispatch_rows_of_model_head_dims(monkeypatch, dims, sm100, sm90, sm80):
     qk, vo = dims
     monkeypatch.setattr(dispatch, "flashinfer_version", lambda: "0.7.4")
@@ -110,15 +132,25 @@ def test_dispatch_rows_of_model_head_dims(monkeypatch, dims, sm100, sm90, sm80):
 
 #: preset -> (model type whose transformers default config has its dims, overrides of that config)
 PRESET_SOURCES = {
-    "deepseek-v3": ("deepseek_v3", {}), "deepseek-v3.2": ("deepseek_v32", {}),
+    "deepseek-v3": ("deepseek_v3", {}),
+    "deepseek-v3.2": ("deepseek_v32", {}),
     "kimi-k2": ("deepseek_v3", {"num_attention_heads": 64, "num_key_value_heads": 64}),
-    "glm-4.7-flash": ("glm4_moe_lite", {}), "glm-5": ("glm_moe_dsa", {}), "mistral-large-3": ("mistral_large4", {}),
+    "glm-4.7-flash": ("glm4_moe_lite", {}),
+    "glm-5": ("glm_moe_dsa", {}),
+    "mistral-large-3": ("mistral_large4", {}),
 }
 
 
 def test_presets_cover_the_served_models():
-    assert PRESETS == ("deepseek-v2-lite", "deepseek-v3", "deepseek-v3.2", "kimi-k2", "glm-4.7-flash", "glm-5",
-                       "mistral-large-3")
+    assert PRESETS == (
+        "deepseek-v2-lite",
+        "deepseek-v3",
+        "deepseek-v3.2",
+        "kimi-k2",
+        "glm-4.7-flash",
+        "glm-5",
+        "mistral-large-3",
+    )
 
 
 @pytest.mark.parametrize("name", PRESET_SOURCES)
@@ -128,21 +160,41 @@ def test_preset_dims_are_the_model_types(name):
     config = transformers.AutoConfig.for_model(model_type, **overrides)
     want = MLADims.from_hf_config(config)
     got = MLADims.preset(name)
-    assert (got.num_heads, got.kv_lora_rank, got.qk_nope_head_dim, got.qk_rope_head_dim, got.v_head_dim) == \
-        (want.num_heads, want.kv_lora_rank, want.qk_nope_head_dim, want.qk_rope_head_dim, want.v_head_dim)
+    assert (got.num_heads, got.kv_lora_rank, got.qk_nope_head_dim, got.qk_rope_head_dim, got.v_head_dim) == (
+        want.num_heads,
+        want.kv_lora_rank,
+        want.qk_nope_head_dim,
+        want.qk_rope_head_dim,
+        want.v_head_dim,
+    )
     if name in ("glm-4.7-flash", "glm-5", "mistral-large-3"):
-        assert got.softmax_scale == got.head_dim_qk ** -0.5  # no mscale_all_dim in their RoPE entry
+        assert got.softmax_scale == got.head_dim_qk**-0.5  # no mscale_all_dim in their RoPE entry
     if name in ("deepseek-v3", "deepseek-v3.2"):
         assert got.softmax_scale == pytest.approx(0.135234, abs=1e-6)
     if name == "kimi-k2":  # YaRN factor 64, mscale_all_dim 1
-        assert got.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * __import__("math").log(64) + 1) ** 2)
+        assert got.softmax_scale == pytest.approx(192**-0.5 * (0.1 * __import__("math").log(64) + 1) ** 2)
 
 
 @pytest.mark.parametrize("name", ["glm-5", "mistral-large-3", "glm-4.7-flash"])
 def test_cli_prefill_model_preset(tmp_path, name, two_threads):
     path = tmp_path / "out.json"
-    rc = main(["prefill", "--device", "cpu", "--model", name, "--prompt-lens", "3,2", "--context-lens", "4,0",
-               "--layers", "1", "--json", str(path)])
+    rc = main(
+        [
+            "prefill",
+            "--device",
+            "cpu",
+            "--model",
+            name,
+            "--prompt-lens",
+            "3,2",
+            "--context-lens",
+            "4,0",
+            "--layers",
+            "1",
+            "--json",
+            str(path),
+        ]
+    )
     res = json.loads(path.read_text())
     d = MLADims.preset(name)
     assert rc == 0 and res["check"]["passed"] is True

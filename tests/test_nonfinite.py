@@ -25,11 +25,19 @@ def finite_rows(x: torch.Tensor) -> list[bool]:
 
 
 def prefill(batch, c_lens, budget, fuse):
-    plan = PrefillPlan.build(Q_LENS, c_lens, dims=batch.dims, workspace=Workspace("cpu", chunk_tokens=budget),
-                             block_size=batch.block_size, dtype=torch.float32, fuse_context=fuse)
+    plan = PrefillPlan.build(
+        Q_LENS,
+        c_lens,
+        dims=batch.dims,
+        workspace=Workspace("cpu", chunk_tokens=budget),
+        block_size=batch.block_size,
+        dtype=torch.float32,
+        fuse_context=fuse,
+    )
     assert plan.backend.name == "torch"
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True)
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     return plan, out, lse
 
 

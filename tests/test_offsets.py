@@ -46,14 +46,26 @@ def kv_view_strides(heads=128, d_qk=192, d_vo=128):
 
 
 def ask(cap, n_kv, *, strides=None, requested=None, n_q=1, causal=False):
-    return select_backend(capability=cap, cuda_version=(12, 8), dtype=BF16, out_dtype=BF16, head_dim_qk=192,
-                          head_dim_vo=128, num_heads=128, causal=causal, qo_indptr=[0, n_q], kv_indptr=[0, n_kv],
-                          strides=strides, requested=requested)
+    return select_backend(
+        capability=cap,
+        cuda_version=(12, 8),
+        dtype=BF16,
+        out_dtype=BF16,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        num_heads=128,
+        causal=causal,
+        qo_indptr=[0, n_q],
+        kv_indptr=[0, n_kv],
+        strides=strides,
+        requested=requested,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # extents
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_tensor_extent_is_what_a_view_reaches():
     """tensor_extent of a view's (token, head) strides equals one past the largest element offset torch reports for
@@ -66,15 +78,22 @@ def test_tensor_extent_is_what_a_view_reaches():
     assert tensor_extent(7, 3, 20) == 7 * 3 * 20 and tensor_extent(0, 3, 20, (60, 20)) == 0
     # 105000 keys at 128 heads: a pass over the 320-wide buffer reaches N x H x 320 - 128 (k of the split layout)
     n = 105_000
-    assert tensor_extent(n, 128, 192, (ROW, 320)) == n * ROW - 128 >= 2 ** 32 > n * 128 * 192
+    assert tensor_extent(n, 128, 192, (ROW, 320)) == n * ROW - 128 >= 2**32 > n * 128 * 192
     names = dict(pass_extents(1, n, 128, 192, 128, kv_view_strides()))
     assert names == {"q": 128 * 192, "k": n * ROW - 128, "v": n * ROW - 192, "out": 128 * 128}
 
 
-@pytest.mark.parametrize("strides, err", [
-    ((1, 2), TypeError), (((1, 2), None), TypeError), ((None, (1, 2, 3), None), TypeError),
-    ((None, (1.5, 2), None), TypeError), ((None, (-1, 2), None), ValueError), ("abc", TypeError),
-])
+@pytest.mark.parametrize(
+    "strides, err",
+    [
+        ((1, 2), TypeError),
+        (((1, 2), None), TypeError),
+        ((None, (1, 2, 3), None), TypeError),
+        ((None, (1.5, 2), None), TypeError),
+        ((None, (-1, 2), None), ValueError),
+        ("abc", TypeError),
+    ],
+)
 def test_bad_strides_are_refused_by_name(fi, strides, err):
     with pytest.raises(err, match="strides"):
         ask((8, 0), 10, strides=strides)
@@ -84,17 +103,18 @@ def test_bad_strides_are_refused_by_name(fi, strides, err):
 # dispatch: k/v views of the 320-wide buffer
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_fa2_refused_where_the_320_wide_views_cross_2_32(fi):
     """110000 keys x 128 heads: 2.7e9 elements of 192 (below 2**32) but 4.5e9 through the 320-wide buffer's strides:
     fa2 would wrap its uint32 offsets. Counted through the strides, fa2 is passed over (SM80: the torch backend) and
     refused when forced; a contiguous k/v of the same size is still fa2's."""
     n = 110_000
-    assert n * 128 * 192 < 2 ** 32 <= n * ROW
+    assert n * 128 * 192 < 2**32 <= n * ROW
     assert ask((8, 0), n).name == "flashinfer-fa2"  # contiguous k/v: 192 wide
     choice = ask((8, 0), n, strides=kv_view_strides())
     assert choice.name == "torch"
     reason = dict(choice.passed_over)["flashinfer-fa2"]
-    assert f"a q/k/v tensor of {n * ROW - 128} elements" in reason and str(2 ** 32) in reason and "k" in reason
+    assert f"a q/k/v tensor of {n * ROW - 128} elements" in reason and str(2**32) in reason and "k" in reason
     with pytest.raises(ValueError, match=r"flashinfer-fa2.*offset limit"):
         ask((8, 0), n, strides=kv_view_strides(), requested="flashinfer-fa2")
 
@@ -102,10 +122,10 @@ def test_fa2_refused_where_the_320_wide_views_cross_2_32(fi):
 def test_cutlass_routed_to_fa2_where_the_views_cross_2_31(fi):
     """60000 keys: below 2**31 at 192 wide, past it at 320: on SM100 the pass goes to fa2 (still below 2**32)."""
     n = 60_000
-    assert n * 128 * 192 < 2 ** 31 <= n * ROW < 2 ** 32
+    assert n * 128 * 192 < 2**31 <= n * ROW < 2**32
     assert ask((10, 0), n).name == "flashinfer-cutlass"
     choice = ask((10, 0), n, strides=kv_view_strides())
-    assert choice.name == "flashinfer-fa2" and str(2 ** 31) in dict(choice.passed_over)["flashinfer-cutlass"]
+    assert choice.name == "flashinfer-fa2" and str(2**31) in dict(choice.passed_over)["flashinfer-cutlass"]
 
 
 def test_fa3_takes_what_its_64_bit_offsets_allow(fi):
@@ -123,6 +143,7 @@ def test_remembered_answers_are_keyed_by_the_strides(fi):
 # ---------------------------------------------------------------------------------------------------------------
 # PrefillPlan: every pass within the offsets of its backend
 # ---------------------------------------------------------------------------------------------------------------
+
 
 class PlanOnly:
     """FlashInfer's ragged wrapper as far as planning goes."""
@@ -153,8 +174,17 @@ def assert_within_offsets(plan, dims=V3):
     """Each pass's q/k/v/out, k and v as views of its [N, H, 320] buffer, reach below its backend's limit."""
     for p in passes(plan):
         s = p.spec
-        reach = max(e for _, e in pass_extents(s.num_qo_tokens, s.num_kv_tokens, dims.num_heads, dims.head_dim_qk,
-                                               dims.head_dim_vo, kv_view_strides(dims.num_heads)))
+        reach = max(
+            e
+            for _, e in pass_extents(
+                s.num_qo_tokens,
+                s.num_kv_tokens,
+                dims.num_heads,
+                dims.head_dim_qk,
+                dims.head_dim_vo,
+                kv_view_strides(dims.num_heads),
+            )
+        )
         limit = OFFSET_LIMITS.get(p.backend.name)
         assert limit is None or reach < limit, (p, reach, limit)
 
@@ -170,7 +200,7 @@ def test_sm100_default_chunk_stays_with_cutlass(fake):
     fake["now"] = (10, 0)
     plan = build([4, 4], [60_000, 10_000])
     assert not plan.fused
-    assert max(c.num_tokens for c in plan.chunks) == (2 ** 31 - 1) // ROW == 52428
+    assert max(c.num_tokens for c in plan.chunks) == (2**31 - 1) // ROW == 52428
     assert {p.backend.name for p in passes(plan)} == {"flashinfer-cutlass"}
     assert_within_offsets(plan)
 
@@ -191,7 +221,7 @@ def test_forced_fa2_chunks_stay_below_2_32(fake):
     elements (the second request starting at element offset 105000 x 40960 = 4,300,800,000). Chunks are cut at
     104857 tokens: every pass fa2 and within 2**32."""
     plan = build([8, 8], [105_000, 15_000], chunk_tokens=120_000, backend="flashinfer-fa2")
-    assert max(c.num_tokens for c in plan.chunks) == (2 ** 32 - 1) // ROW == 104857
+    assert max(c.num_tokens for c in plan.chunks) == (2**32 - 1) // ROW == 104857
     assert {p.backend.name for p in passes(plan)} == {"flashinfer-fa2"}
     assert_within_offsets(plan)
 
@@ -213,6 +243,7 @@ def test_forced_fa2_main_pass_past_2_32_is_refused_at_plan_time(fake):
 # ---------------------------------------------------------------------------------------------------------------
 # run time: tensors the plan has not seen
 # ---------------------------------------------------------------------------------------------------------------
+
 
 class RunRecorder(PlanOnly):
     runs: list = []
@@ -238,8 +269,17 @@ def test_run_refuses_a_strided_k_past_the_plans_offsets(fake_sm80):
     [8, 2, 512] buffer (k reaches 7 x 1024 + 512 + 64 = 7744 elements), the run refuses k by name before any kernel,
     out untouched; the same values contiguous run. (The plan is made on the CPU device with fa2's choice, so that
     the CPU tensors pass the device check and reach the kernel's stand-in.)"""
-    spec = RaggedSpec(torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), 2, 64, 64,
-                      True, 0.125, BF16, torch.device("cpu"))
+    spec = RaggedSpec(
+        torch.tensor([0, 8], dtype=torch.int32),
+        torch.tensor([0, 8], dtype=torch.int32),
+        2,
+        64,
+        64,
+        True,
+        0.125,
+        BF16,
+        torch.device("cpu"),
+    )
     plan = RaggedPlan(spec, BackendChoice("flashinfer-fa2", "stand-in"), Workspace("cpu"))
     q = torch.randn(8, 2, 64).to(BF16)
     buf = torch.randn(8, 2, 512).to(BF16)
@@ -254,8 +294,18 @@ def test_run_refuses_a_strided_k_past_the_plans_offsets(fake_sm80):
 
 def test_strides_declared_at_plan_time_route_the_pass(fake_sm80):
     """The same views declared to plan_ragged: fa2 is passed over (the torch backend serves), naming k's reach."""
-    plan = plan_ragged([0, 8], [0, 8], num_heads=2, head_dim_qk=64, head_dim_vo=64, causal=True, sm_scale=0.125,
-                       dtype=BF16, workspace=Workspace("cuda:0"), strides=(None, (1024, 512), (1024, 512)))
+    plan = plan_ragged(
+        [0, 8],
+        [0, 8],
+        num_heads=2,
+        head_dim_qk=64,
+        head_dim_vo=64,
+        causal=True,
+        sm_scale=0.125,
+        dtype=BF16,
+        workspace=Workspace("cuda:0"),
+        strides=(None, (1024, 512), (1024, 512)),
+    )
     assert plan.backend.name == "torch"
     assert "a q/k/v tensor of 7744 elements" in dict(plan.backend.passed_over)["flashinfer-fa2"]
 
@@ -287,12 +337,13 @@ def test_mla_prefill_refuses_a_strided_q_past_a_pass_offsets(tiny_dims, ref):
     among them is refused by name with the other input checks, before any kernel (the limit stands in for fa2's on
     this CPU plan)."""
     batch = ref.make_mla_batch(tiny_dims, [3, 2], [5, 0], 4)
-    plan = PrefillPlan.build([3, 2], [5, 0], dims=tiny_dims, workspace=Workspace("cpu"), block_size=4,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(
+        [3, 2], [5, 0], dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32
+    )
     assert plan.offset_limit == (None, None)  # the torch backend: no limit
     wide = torch.zeros(5, tiny_dims.num_heads, 64)
-    wide[..., :tiny_dims.head_dim_qk] = batch.q
-    q = wide[..., :tiny_dims.head_dim_qk]  # reaches 4 x 256 + 3 x 64 + 24 = 1240 elements
+    wide[..., : tiny_dims.head_dim_qk] = batch.q
+    q = wide[..., : tiny_dims.head_dim_qk]  # reaches 4 x 256 + 3 x 64 + 24 = 1240 elements
     args = (batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
     validate_prefill_inputs(q, *args)
     plan._offset_limit = (1200, "flashinfer-fa2")
@@ -304,6 +355,7 @@ def test_mla_prefill_refuses_a_strided_q_past_a_pass_offsets(tiny_dims, ref):
 # ---------------------------------------------------------------------------------------------------------------
 # memory a chunked plan's FlashInfer plans hold
 # ---------------------------------------------------------------------------------------------------------------
+
 
 class FlashInferLike:
     """FlashInfer 0.7.4's BatchPrefillWithRaggedKVCacheWrapper as far as memory goes (see the module docstring):
@@ -322,23 +374,30 @@ class FlashInferLike:
         self.used = []
         FlashInferLike.instances.append(self)
 
-    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False,
-             **kwargs):
+    def plan(
+        self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False, **kwargs
+    ):
         q, kv = np.diff(qo_indptr.numpy()).astype(np.int64), np.diff(kv_indptr.numpy()).astype(np.int64)
         self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr.clone(), kv_indptr.clone()
         if self.backend == "cutlass":
-            self._plan_info = tuple(torch.empty(n, dtype=torch.int32, device="meta")
-                                    for n in (self.SMS + 1, 131072, 131072, 131072))
+            self._plan_info = tuple(
+                torch.empty(n, dtype=torch.int32, device="meta") for n in (self.SMS + 1, 131072, 131072, 131072)
+            )
             return
-        allocations = (self._fa2(q, kv, num_qo_heads, head_dim_vo) if self.backend == "fa2"
-                       else self._fa3(q, num_qo_heads, head_dim_vo))
+        allocations = (
+            self._fa2(q, kv, num_qo_heads, head_dim_vo)
+            if self.backend == "fa2"
+            else self._fa3(q, num_qo_heads, head_dim_vo)
+        )
         have, used = self._int_workspace_buffer.numel(), 0
         for name, size, align in allocations:
             start = -(-used // align) * align
             if start + size > have:
-                raise RuntimeError(f"Buffer overflow when allocating memory for {name} with size {size} and alignment "
-                                   f"{align}, but only {have - used} bytes available in AlignedAllocator. Increase the "
-                                   f"workspace buffer size.")
+                raise RuntimeError(
+                    f"Buffer overflow when allocating memory for {name} with size {size} and alignment "
+                    f"{align}, but only {have - used} bytes available in AlignedAllocator. Increase the "
+                    f"workspace buffer size."
+                )
             used = start + size
         self.used.append(used)
         self._plan_info = [0] * 15
@@ -370,8 +429,10 @@ class FlashInferLike:
         works = per_head * (1 if -(-t // cta) + b - 1 > 4096 else heads)
         names = ("qo_tile_indices", "qo_offset", "kv_offset", "qo_len", "kv_len", "head_indices")
         out = [(f"batch_prefill_sm90_{n}", 4 * works, 16) for n in names]
-        return out + [("batch_prefill_sm90_work_indptr", 4 * (self.SMS + 1), 16),
-                      ("batch_prefill_sm90_batch_indices", 4 * works, 16)]
+        return out + [
+            ("batch_prefill_sm90_work_indptr", 4 * (self.SMS + 1), 16),
+            ("batch_prefill_sm90_batch_indices", 4 * works, 16),
+        ]
 
 
 def held_by_wrappers(plan):
@@ -404,8 +465,10 @@ def flashinfer_like(monkeypatch):
     return cap
 
 
-@pytest.mark.parametrize("cap, backend, limit_mib", [((9, 0), "flashinfer-fa3", 12), ((8, 0), "flashinfer-fa2", 2),
-                                                     ((10, 0), "flashinfer-cutlass", 200)])
+@pytest.mark.parametrize(
+    "cap, backend, limit_mib",
+    [((9, 0), "flashinfer-fa3", 12), ((8, 0), "flashinfer-fa2", 2), ((10, 0), "flashinfer-cutlass", 200)],
+)
 def test_chunk_plans_hold_what_their_schedules_need(flashinfer_like, monkeypatch, cap, backend, limit_mib):
     """115 FlashInfer plans (the main pass + 114 chunk shapes). Each wrapper came with 16 MiB (8 device + 8
     page-locked): 1.8 GiB for the plan. Now each int workspace is sized to its schedule: fa3 and fa2 hold a few
@@ -434,11 +497,21 @@ def test_int_workspace_grows_where_flashinfer_reports_it_small(flashinfer_like, 
     """An estimate below what FlashInfer's schedule allocates (here: none at all) costs one growth of that
     wrapper's int workspace and a plan again, never FlashInfer's "Buffer overflow" nor a larger float workspace."""
     import mla_bridge.backends.flashinfer as fi_backend
+
     monkeypatch.setattr(fi_backend, "int_workspace_bytes", lambda backend, spec: 0)
     ws = Workspace("cuda:0")
     float_bytes = ws.float_workspace_bytes
-    plan = plan_ragged([0, 3000, 6000], [0, 3000, 6000], num_heads=128, head_dim_qk=192, head_dim_vo=128,
-                       causal=True, sm_scale=0.1, dtype=BF16, workspace=ws)
+    plan = plan_ragged(
+        [0, 3000, 6000],
+        [0, 3000, 6000],
+        num_heads=128,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=True,
+        sm_scale=0.1,
+        dtype=BF16,
+        workspace=ws,
+    )
     w = plan.flashinfer_wrapper
     assert plan.backend.name == "flashinfer-fa3" and ws.int_workspace_growths >= 1
     assert w.used and w._int_workspace_buffer.nbytes >= w.used[-1] > 4096
@@ -450,6 +523,7 @@ def test_a_pooled_wrapper_keeps_buffers_that_fit(flashinfer_like):
     """A wrapper handed to a second plan of a similar schedule keeps its int workspace (no new buffers); one of a
     much smaller schedule gets a smaller one."""
     import gc
+
     ws = Workspace("cuda:0")
     common = dict(num_heads=128, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1, dtype=BF16, workspace=ws)
     first = plan_ragged([0, 3000], [0, 3000], **common)
@@ -471,13 +545,26 @@ def test_vllm_adapter_declares_vllms_v_view(fake):
     cutlass, and a 70000-token one (v at 2.29e9) goes to fa2 at plan time, where before it was planned for cutlass and
     its v run through cutlass's int offsets."""
     from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans, vllm_strides
+
     fake["now"] = (10, 0)
     assert vllm_strides(128, 128, 128) == (None, None, (128 * 256, 256))
     qo = torch.tensor([0, 4], dtype=torch.int32)
-    chunks = [ChunkIndptrs(0, qo, torch.tensor([0, 60_000], dtype=torch.int32)),
-              ChunkIndptrs(1, qo, torch.tensor([0, 70_000], dtype=torch.int32))]
-    plans = PrefillStepPlans(qo, chunks, num_heads=128, head_dim_qk=192, head_dim_vo=128, sm_scale=0.1, dtype=BF16,
-                             device="cuda:0", workspace=Workspace("cuda:0"), strides=vllm_strides(128, 128, 128))
+    chunks = [
+        ChunkIndptrs(0, qo, torch.tensor([0, 60_000], dtype=torch.int32)),
+        ChunkIndptrs(1, qo, torch.tensor([0, 70_000], dtype=torch.int32)),
+    ]
+    plans = PrefillStepPlans(
+        qo,
+        chunks,
+        num_heads=128,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        sm_scale=0.1,
+        dtype=BF16,
+        device="cuda:0",
+        workspace=Workspace("cuda:0"),
+        strides=vllm_strides(128, 128, 128),
+    )
     assert plans.chunks[0].backend.name == "flashinfer-cutlass"
     assert plans.chunks[1].backend.name == "flashinfer-fa2"
     assert "v, counted through its strides" in dict(plans.chunks[1].backend.passed_over)["flashinfer-cutlass"]

@@ -72,10 +72,12 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
     device's numpy one. The fused schedule makes them by ONE device expansion (one host-to-device table per plan);
     the chunked one makes none at all, on either device: each chunk's rows are its pass's kv_indptr (ChunkRows), from
     which its requests and positions follow; hand-checked values for one case."""
-    cuda = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cuda:0", chunk_tokens=chunk),
-                             block_size=4, dtype=BF16)
-    cpu = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk),
-                            block_size=4, dtype=BF16)
+    cuda = PrefillPlan.build(
+        q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cuda:0", chunk_tokens=chunk), block_size=4, dtype=BF16
+    )
+    cpu = PrefillPlan.build(
+        q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=4, dtype=BF16
+    )
     assert cuda.fused == cpu.fused and len(cuda.chunks) == len(cpu.chunks)
     got, want = _index_tensors(cuda), _index_tensors(cpu)
     assert got.keys() == want.keys()
@@ -94,8 +96,11 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
         # holds none), one per pass and one per chunk without a pass; no per-token tensor kept
         for c, host in zip(cuda.chunks, cpu.chunks):
             assert c.rows.indices is None and host.rows.indices is None  # the CPU's too: made per call
-            assert (c.rows.req_start, c.rows.first_start, c.rows.num_tokens) == \
-                (c.req_start, c.first_start, c.num_tokens)
+            assert (c.rows.req_start, c.rows.first_start, c.rows.num_tokens) == (
+                c.req_start,
+                c.first_start,
+                c.num_tokens,
+            )
             assert c.rows.kv_indptr.dtype == torch.int32 and torch.equal(c.rows.kv_indptr, c.kv_indptr)
             assert c.plan is None or torch.equal(c.rows.kv_indptr, c.plan.kv_indptr)
         passes = {id(c.plan) for c in cuda.chunks if c.plan is not None}
@@ -117,8 +122,9 @@ def test_device_expansion_op_sequence_on_cpu_tensors(monkeypatch):
     counting_runs = 3
     ends = np.cumsum(counts)
     base = firsts - np.where(np.arange(6) < counting_runs, ends - counts, 0)
-    out, host = plan_mod._expand_on_device(np.stack([ends, base]), int(ends[-1]), int(ends[counting_runs - 1]),
-                                           torch.device("cpu"))
+    out, host = plan_mod._expand_on_device(
+        np.stack([ends, base]), int(ends[-1]), int(ends[counting_runs - 1]), torch.device("cpu")
+    )
     assert out.tolist() == [5, 6, 0, 1, 2, 7, 4, 4]
     assert host.tolist() == [ends.tolist(), base.tolist()]
 
@@ -142,15 +148,17 @@ def _table(counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> tuple[
     minus where it starts."""
     ends = np.cumsum(counts).astype(np.int64)
     starts = ends - counts
-    base = np.array([f - (s if i < counting_runs else 0) for i, (f, s) in enumerate(zip(firsts, starts))],
-                    dtype=np.int64)
+    base = np.array(
+        [f - (s if i < counting_runs else 0) for i, (f, s) in enumerate(zip(firsts, starts))], dtype=np.int64
+    )
     return ends, base
 
 
 def _expanded(counts, firsts, counting_runs) -> list:
     """The values _expand stands for, by a loop over the runs."""
-    return [int(f) + (k if i < counting_runs else 0) for i, (n, f) in enumerate(zip(counts, firsts))
-            for k in range(int(n))]
+    return [
+        int(f) + (k if i < counting_runs else 0) for i, (n, f) in enumerate(zip(counts, firsts)) for k in range(int(n))
+    ]
 
 
 def run_tables(seed: int = 0, block: int = 1024) -> list:
@@ -159,20 +167,31 @@ def run_tables(seed: int = 0, block: int = 1024) -> list:
     total, many runs (a deep binary search), the fused and context-stream tables of a batch)."""
     rng = np.random.default_rng(seed)
     i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    cases = [(i64([]), i64([]), 0), (i64([0, 0, 0]), i64([4, 5, 6]), 2), (i64([7]), i64([3]), 1),
-             (i64([7]), i64([3]), 0), (i64([3 * block + 5]), i64([-2]), 1), (i64([block + 1, 0, 2 * block]),
-                                                                              i64([9, 1, 2 ** 40]), 0),
-             (i64([block, block + 3]), i64([0, 11]), 2), (i64([0, 5, 0, 0, 3, 0]), i64([1, 2, 3, 4, 5, 6]), 6)]
+    cases = [
+        (i64([]), i64([]), 0),
+        (i64([0, 0, 0]), i64([4, 5, 6]), 2),
+        (i64([7]), i64([3]), 1),
+        (i64([7]), i64([3]), 0),
+        (i64([3 * block + 5]), i64([-2]), 1),
+        (i64([block + 1, 0, 2 * block]), i64([9, 1, 2**40]), 0),
+        (i64([block, block + 3]), i64([0, 11]), 2),
+        (i64([0, 5, 0, 0, 3, 0]), i64([1, 2, 3, 4, 5, 6]), 6),
+    ]
     c, q = i64([2048, 0, 5, 2048]), i64([512, 3, 0, 1])
     b = c.size
     seq_start = np.cumsum(c + q) - (c + q)
-    cases.append((np.concatenate([c, c, q, c]), np.concatenate([np.zeros(b, np.int64), seq_start, seq_start + c,
-                                                               np.arange(b)]), 3 * b))  # the fused schedule's
+    cases.append(
+        (
+            np.concatenate([c, c, q, c]),
+            np.concatenate([np.zeros(b, np.int64), seq_start, seq_start + c, np.arange(b)]),
+            3 * b,
+        )
+    )  # the fused schedule's
     cases.append((np.concatenate([c, c]), np.concatenate([np.zeros(b, np.int64), np.arange(b)]), b))  # the stream
     for _ in range(8):
         runs = int(rng.integers(1, 300))
         counts = rng.choice([0, 0, 1, 2, 7, block - 1, block + 1], size=runs).astype(np.int64)
-        firsts = rng.integers(-2 ** 33, 2 ** 33, size=runs)
+        firsts = rng.integers(-(2**33), 2**33, size=runs)
         cases.append((counts, firsts, int(rng.integers(0, runs + 1))))
     return cases
 
@@ -241,8 +260,15 @@ def test_chunks_follow_the_reference_schedule(seed):
     q_lens = [rng.choice([0, 1, 3]) for _ in range(batch)]
     chunk = rng.choice([1, 2, 3, 7, 16, 64, 1000])
     dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=4,
-                             dtype=torch.float32, fuse_context=False)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace("cpu", chunk_tokens=chunk),
+        block_size=4,
+        dtype=torch.float32,
+        fuse_context=False,
+    )
     want = schedule_context_chunks(c_lens, chunk)
     assert [list(c.spans) for c in plan.chunks] == want
     qo = [0] + list(np.cumsum(q_lens))
@@ -258,7 +284,7 @@ def test_chunks_follow_the_reference_schedule(seed):
         assert c.positions.tolist() == [p for r, s, e in spans for p in range(s, e)]
         if c.q_end > c.q_start:
             assert c.plan.kv_indptr.tolist() == c.kv_indptr.tolist()
-            assert c.plan.qo_indptr.tolist() == [x - c.q_start for x in qo[c.req_start:c.req_end + 1]]
+            assert c.plan.qo_indptr.tolist() == [x - c.q_start for x in qo[c.req_start : c.req_end + 1]]
         else:
             assert c.plan is None
 
@@ -271,11 +297,28 @@ def test_internal_plans_equal_plan_ragged(fake_cuda, tiny_dims, q_lens, c_lens, 
     plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=ws, block_size=4, dtype=BF16)
     passes = [(plan.main, True)] + [(c.plan, False) for c in plan.chunks if c.plan is not None]
     for mine, causal in passes:
-        public = plan_ragged(mine.qo_indptr.tolist(), mine.kv_indptr.tolist(), num_heads=tiny_dims.num_heads,
-                             head_dim_qk=tiny_dims.head_dim_qk, head_dim_vo=tiny_dims.head_dim_vo, causal=causal,
-                             sm_scale=tiny_dims.softmax_scale, dtype=BF16, workspace=ws)
-        for field in ("num_heads", "head_dim_qk", "head_dim_vo", "causal", "sm_scale", "dtype", "device",
-                      "num_qo_tokens", "num_kv_tokens"):
+        public = plan_ragged(
+            mine.qo_indptr.tolist(),
+            mine.kv_indptr.tolist(),
+            num_heads=tiny_dims.num_heads,
+            head_dim_qk=tiny_dims.head_dim_qk,
+            head_dim_vo=tiny_dims.head_dim_vo,
+            causal=causal,
+            sm_scale=tiny_dims.softmax_scale,
+            dtype=BF16,
+            workspace=ws,
+        )
+        for field in (
+            "num_heads",
+            "head_dim_qk",
+            "head_dim_vo",
+            "causal",
+            "sm_scale",
+            "dtype",
+            "device",
+            "num_qo_tokens",
+            "num_kv_tokens",
+        ):
             assert getattr(mine.spec, field) == getattr(public.spec, field), field
         for name in ("qo_indptr", "kv_indptr"):
             a, b = getattr(mine.spec, name), getattr(public.spec, name)
@@ -291,8 +334,9 @@ def test_build_checks_sizes_and_dtype_before_any_index_tensor(fake_cuda, tiny_di
     ws = Workspace("cuda:0", chunk_tokens=8)
     with pytest.raises(TypeError, match=r"dtype \(of q, k, v and out\) must be one of bfloat16"):
         PrefillPlan.build([3, 4], [10, 20], dims=tiny_dims, workspace=ws, block_size=4, dtype=torch.int32)
-    huge = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                   softmax_scale=1e300)
+    huge = MLADims(
+        num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, softmax_scale=1e300
+    )
     with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
         PrefillPlan.build([3, 4], [10, 20], dims=huge, workspace=ws, block_size=4, dtype=BF16)
     assert fake_cuda == []
@@ -353,7 +397,7 @@ def test_remembered_choice_keeps_exact_reasons_at_the_offset_limits(sm90):
     small = _ask(qo_indptr=[0, 10], kv_indptr=[0, 10])
     assert _ask(qo_indptr=[0, 1000], kv_indptr=[0, 5000]) is small
     per_token = 16 * 192
-    for tokens in (2 ** 32 // per_token + 1, 2 ** 32 // per_token + 7):
+    for tokens in (2**32 // per_token + 1, 2**32 // per_token + 7):
         choice = _ask(qo_indptr=[0, tokens], kv_indptr=[0, tokens])
         assert choice.name == "torch"
         assert f"a q/k/v tensor of {tokens * per_token} elements" in dict(choice.passed_over)["flashinfer-fa2"]
@@ -373,9 +417,18 @@ def test_remembered_choices_equal_the_table(sm90, monkeypatch, capability):
     for dtype in (BF16, torch.float16, torch.float32):
         for causal in (True, False):
             for dims in ((192, 128), (128, 128), (64, 64), (96, 96)):
-                for qo, kv in (([0, 4, 9], [0, 8, 20]), ([0, 300, 900], [0, 200, 900]), ([0, 2 ** 22], [0, 2 ** 22])):
-                    kw = dict(capability=capability, dtype=dtype, out_dtype=dtype, causal=causal, num_heads=16,
-                              head_dim_qk=dims[0], head_dim_vo=dims[1], qo_indptr=qo, kv_indptr=kv)
+                for qo, kv in (([0, 4, 9], [0, 8, 20]), ([0, 300, 900], [0, 200, 900]), ([0, 2**22], [0, 2**22])):
+                    kw = dict(
+                        capability=capability,
+                        dtype=dtype,
+                        out_dtype=dtype,
+                        causal=causal,
+                        num_heads=16,
+                        head_dim_qk=dims[0],
+                        head_dim_vo=dims[1],
+                        qo_indptr=qo,
+                        kv_indptr=kv,
+                    )
                     dev = "cpu" if capability is None else None
                     a, b = select_backend(dev, **kw), select_backend(dev, **kw)
                     monkeypatch.setattr(dispatch, "_CHOICES", {})
@@ -385,6 +438,7 @@ def test_remembered_choices_equal_the_table(sm90, monkeypatch, capability):
 # ---------------------------------------------------------------------------------------------------------------
 # build's host values: made once from the checked lengths, equal to what the public helpers give
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -399,16 +453,25 @@ def test_build_host_values_equal_the_public_helpers(fake_cuda, tiny_dims, seed, 
     q_lens = [rng.choice([0, 1, rng.randint(1, 40)]) for _ in range(batch)]
     c_lens = [rng.choice([0, rng.randint(1, 90)]) for _ in range(batch)]
     chunk = rng.choice([1, 7, 64, 1000])
-    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace(device, chunk_tokens=chunk),
-                             block_size=4, dtype=BF16 if device != "cpu" else torch.float32)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=tiny_dims,
+        workspace=Workspace(device, chunk_tokens=chunk),
+        block_size=4,
+        dtype=BF16 if device != "cpu" else torch.float32,
+    )
     assert plan.qo_indptr.dtype == plan.main_kv_indptr.dtype == torch.int32
     assert torch.equal(plan.qo_indptr, indptr_from_lens(q_lens))
     keys = [q + (c if q else 0) for q, c in zip(q_lens, c_lens)] if plan.fused else q_lens  # unattended: not read
     assert torch.equal(plan.main_kv_indptr, indptr_from_lens(keys))
     assert plan.num_tokens == sum(q_lens) == int(plan.qo_indptr[-1])
     assert plan.num_context_tokens == sum(c_lens)
-    assert plan.num_gathered_context_tokens == (sum(c for q, c in zip(q_lens, c_lens) if q) if plan.fused else
-                                                sum(c.num_tokens for c in plan.chunks if c.plan is not None))
+    assert plan.num_gathered_context_tokens == (
+        sum(c for q, c in zip(q_lens, c_lens) if q)
+        if plan.fused
+        else sum(c.num_tokens for c in plan.chunks if c.plan is not None)
+    )
     passes = [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]
     for p in passes:  # counts given at build = what the spec's properties read from the tensors
         assert p.spec.num_qo_tokens == int(p.spec.qo_indptr[-1])
@@ -418,7 +481,7 @@ def test_build_host_values_equal_the_public_helpers(fake_cuda, tiny_dims, seed, 
 
 def test_build_indptr_at_the_int32_edge(fake_cuda, tiny_dims):
     """Lengths summing to exactly 2**31 - 1 give the exact int32 indptr (accumulated in int32 after the sum check)."""
-    top = 2 ** 31 - 1
+    top = 2**31 - 1
     plan = PrefillPlan.build([top - 3, 0, 3], dims=tiny_dims, workspace=Workspace("cuda:0"), block_size=4, dtype=BF16)
     assert plan.qo_indptr.tolist() == [0, top - 3, top - 3, top] and plan.num_tokens == top
 
@@ -431,12 +494,33 @@ def test_build_still_refuses_bad_block_sizes_and_head_counts(fake_cuda, tiny_dim
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         PrefillPlan.build([3], [5], dims=tiny_dims, workspace=ws, block_size=bad, dtype=BF16)
     with pytest.raises(ValueError, match="num_heads must be a positive int"):
-        plan_ragged([0, 3], [0, 3], num_heads=bad, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.5,
-                    dtype=BF16, workspace=ws)
+        plan_ragged(
+            [0, 3],
+            [0, 3],
+            num_heads=bad,
+            head_dim_qk=24,
+            head_dim_vo=16,
+            causal=True,
+            sm_scale=0.5,
+            dtype=BF16,
+            workspace=ws,
+        )
     plan = PrefillPlan.build([3], [5], dims=tiny_dims, workspace=ws, block_size=np.int64(4), dtype=BF16)
     assert plan.block_size == 4 and type(plan.block_size) is int
-    assert plan_ragged([0, 3], [0, 3], num_heads=np.int32(4), head_dim_qk=24, head_dim_vo=16, causal=True,
-                       sm_scale=0.5, dtype=BF16, workspace=ws).spec.num_heads == 4
+    assert (
+        plan_ragged(
+            [0, 3],
+            [0, 3],
+            num_heads=np.int32(4),
+            head_dim_qk=24,
+            head_dim_vo=16,
+            causal=True,
+            sm_scale=0.5,
+            dtype=BF16,
+            workspace=ws,
+        ).spec.num_heads
+        == 4
+    )
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
@@ -445,17 +529,22 @@ def test_select_backend_reads_numpy_indptrs_as_lists(sm90, monkeypatch, capabili
     every answer equals the one for the same indptrs as lists, including SM100's cutlass row, which reads each
     request (a causal q_len > kv_len and the plan's work items), and answers computed afresh."""
     sm90["now"] = capability
-    cases = [([0, 4, 9], [0, 8, 20], True), ([0, 9], [0, 8], True), ([0, 9], [0, 8], False),
-             ([0] + [256 * (i + 1) for i in range(600)], [0] + [256 * (i + 1) for i in range(600)], True),
-             ([0, 2 ** 22], [0, 2 ** 22], True)]
+    cases = [
+        ([0, 4, 9], [0, 8, 20], True),
+        ([0, 9], [0, 8], True),
+        ([0, 9], [0, 8], False),
+        ([0] + [256 * (i + 1) for i in range(600)], [0] + [256 * (i + 1) for i in range(600)], True),
+        ([0, 2**22], [0, 2**22], True),
+    ]
     for qo, kv, causal in cases:
         for dtype in (np.int32, np.int64):
             monkeypatch.setattr(dispatch, "_CHOICES", {})
             want = _ask(qo_indptr=qo, kv_indptr=kv, causal=causal)
             monkeypatch.setattr(dispatch, "_CHOICES", {})
             got = _ask(qo_indptr=np.asarray(qo, dtype=dtype), kv_indptr=np.asarray(kv, dtype=dtype), causal=causal)
-            assert got == want and got == _ask(qo_indptr=np.asarray(qo, dtype=dtype),
-                                               kv_indptr=np.asarray(kv, dtype=dtype), causal=causal), (qo, kv, causal)
+            assert got == want and got == _ask(
+                qo_indptr=np.asarray(qo, dtype=dtype), kv_indptr=np.asarray(kv, dtype=dtype), causal=causal
+            ), (qo, kv, causal)
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -470,24 +559,40 @@ def test_cuda_plans_equal_cpu_plans_on_random_batches(fake_cuda, seed):
     chunk = rng.choice([1, 2, 3, 7, 16, 64, 1000])
     fuse = rng.random() < 0.5
     dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
-    made = [PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev, chunk_tokens=chunk), block_size=4,
-                              dtype=BF16, fuse_context=fuse) for dev in ("cuda:0", "cpu")]
+    made = [
+        PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=dims,
+            workspace=Workspace(dev, chunk_tokens=chunk),
+            block_size=4,
+            dtype=BF16,
+            fuse_context=fuse,
+        )
+        for dev in ("cuda:0", "cpu")
+    ]
     cuda, cpu = made
     assert cuda.fused == cpu.fused and len(cuda.chunks) == len(cpu.chunks)
     got, want = _index_tensors(cuda), _index_tensors(cpu)
     for name in want:
-        assert (got[name] is None) == (want[name] is None) and (want[name] is None or torch.equal(got[name],
-                                                                                                  want[name])), name
+        assert (got[name] is None) == (want[name] is None) and (
+            want[name] is None or torch.equal(got[name], want[name])
+        ), name
     for a, b in zip(cuda.chunks, cpu.chunks):
-        assert (a.req_start, a.req_end, a.q_start, a.q_end, a.first_start) == \
-            (b.req_start, b.req_end, b.q_start, b.q_end, b.first_start)
+        assert (a.req_start, a.req_end, a.q_start, a.q_end, a.first_start) == (
+            b.req_start,
+            b.req_end,
+            b.q_start,
+            b.q_end,
+            b.first_start,
+        )
         assert torch.equal(a.kv_indptr, b.kv_indptr) and a.spans == b.spans
         assert (a.plan is None) == (b.plan is None) == (a.q_end == a.q_start)
     shapes = {(tuple(c.plan.qo_indptr.tolist()), tuple(c.kv_indptr.tolist())) for c in cuda.chunks if c.plan}
     assert cuda.num_plans == 1 + len(shapes)
     for c in cuda.chunks:
         if c.plan is not None:
-            assert c.plan.qo_indptr.tolist() == [x - c.q_start for x in cuda.qo_indptr[c.req_start:c.req_end + 1]]
+            assert c.plan.qo_indptr.tolist() == [x - c.q_start for x in cuda.qo_indptr[c.req_start : c.req_end + 1]]
             assert c.plan.flashinfer_wrapper.planned[-1][:2] == (c.plan.qo_indptr.tolist(), c.kv_indptr.tolist())
 
 
@@ -496,8 +601,9 @@ def test_chunks_share_a_plan_only_with_equal_keys_and_query_lengths(fake_cuda):
     lengths get their own plan, equal both share one (and its host indptrs); no query rows, no plan."""
     dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
     ws = Workspace("cuda:0", chunk_tokens=4)
-    plan = PrefillPlan.build([1, 2, 1, 3, 0], [4, 4, 4, 4, 4], dims=dims, workspace=ws, block_size=4, dtype=BF16,
-                             fuse_context=False)
+    plan = PrefillPlan.build(
+        [1, 2, 1, 3, 0], [4, 4, 4, 4, 4], dims=dims, workspace=ws, block_size=4, dtype=BF16, fuse_context=False
+    )
     c = plan.chunks
     assert [x.kv_indptr.tolist() for x in c] == [[0, 4]] * 5
     assert c[0].plan is c[2].plan and len({id(c[0].plan), id(c[1].plan), id(c[3].plan)}) == 3 and c[4].plan is None
@@ -517,10 +623,17 @@ def test_build_reads_the_device_capability_once_per_device(fake_cuda, monkeypatc
     plan = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
     assert plan.num_plans >= 3 and reads == [torch.device("cuda", 0)]
     for p in [plan.main] + [c.plan for c in plan.chunks if c.plan is not None]:
-        assert p.backend == select_backend("cuda:0", dtype=BF16, out_dtype=BF16, head_dim_qk=dims.head_dim_qk,
-                                           head_dim_vo=dims.head_dim_vo, causal=p.spec.causal,
-                                           num_heads=dims.num_heads, qo_indptr=p.qo_indptr.tolist(),
-                                           kv_indptr=p.kv_indptr.tolist())
+        assert p.backend == select_backend(
+            "cuda:0",
+            dtype=BF16,
+            out_dtype=BF16,
+            head_dim_qk=dims.head_dim_qk,
+            head_dim_vo=dims.head_dim_vo,
+            causal=p.spec.causal,
+            num_heads=dims.num_heads,
+            qo_indptr=p.qo_indptr.tolist(),
+            kv_indptr=p.kv_indptr.tolist(),
+        )
     del reads[:]
     for _ in range(3):
         again = PrefillPlan.build([3, 4, 1, 5], [10, 0, 7, 20], dims=dims, workspace=ws, block_size=4, dtype=BF16)
@@ -539,8 +652,14 @@ def test_plan_host_time_script_runs():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count"], cwd=root,
-                         env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count"],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
     assert len(lines) == 12 and "B=128 C=2048" in lines[5] and "4 chunks, 2 plan(s), flashinfer-fa3" in lines[5]
@@ -556,8 +675,14 @@ def test_plan_host_time_script_runs():
         assert what not in lines[-1], lines[-1]
     assert "Event.record 2," in lines[-1], lines[-1]
     assert "Triton launch" not in lines[6] and "Event.record 1," in lines[6], lines[6]  # B=1, no context
-    res = subprocess.run([sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count", "--expand",
-                          "torch"], cwd=root, env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "scripts/plan_host_time.py", "--repeats", "2", "--count", "--expand", "torch"],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     fused = res.stdout.splitlines()[-2]  # the torch fallback of the fused cases' expansion: four kernels
     assert "aten.searchsorted 1," in fused and "aten.add_ 1," in fused and "Triton launch" not in fused, fused
@@ -630,8 +755,9 @@ def test_plan_without_new_tokens_orders_another_stream_after_its_chunk_copies(fa
             waits.append(event)
 
     dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
-    plan = PrefillPlan.build([0, 0], [5, 9], dims=dims, workspace=Workspace("cuda:0", chunk_tokens=4), block_size=4,
-                             dtype=BF16)
+    plan = PrefillPlan.build(
+        [0, 0], [5, 9], dims=dims, workspace=Workspace("cuda:0", chunk_tokens=4), block_size=4, dtype=BF16
+    )
     assert plan.main.flashinfer_wrapper is None and plan.chunks and all(c.plan is None for c in plan.chunks)
     assert plan._device_indices and plan._ready is not None
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None, raising=False)

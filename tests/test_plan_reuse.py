@@ -34,9 +34,15 @@ def test_every_part_of_the_key_matters(tiny_dims, monkeypatch):
     ws = Workspace("cpu", chunk_tokens=16)
     cache = PlanCache(maxsize=64)
     base = cache.get(Q, C, **_args(tiny_dims, ws))
-    other_scale = MLADims(**{**{k: getattr(tiny_dims, k) for k in ("num_heads", "kv_lora_rank", "qk_nope_head_dim",
-                                                                    "qk_rope_head_dim", "v_head_dim")},
-                             "softmax_scale": 0.5})
+    other_scale = MLADims(
+        **{
+            **{
+                k: getattr(tiny_dims, k)
+                for k in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            },
+            "softmax_scale": 0.5,
+        }
+    )
     variants = {
         "query_lens": (Q[:-1] + [6], C, _args(tiny_dims, ws)),
         "context_lens": (Q, C[:-1] + [21], _args(tiny_dims, ws)),
@@ -85,8 +91,11 @@ def test_key_is_made_on_first_use_from_the_build_time_budget_and_backend(tiny_di
     forced = PrefillPlan.build(Q, C, **_args(tiny_dims, ws))  # built under the variable and the new budget
     monkeypatch.delenv("MLA_BRIDGE_BACKEND")
     ws.chunk_tokens = 16
-    assert forced.key == _plan_key(Q, C, tiny_dims, ws, 8, torch.device("cpu"), torch.float32, "torch", True,
-                                   torch.float32, 32) != want
+    assert (
+        forced.key
+        == _plan_key(Q, C, tiny_dims, ws, 8, torch.device("cpu"), torch.float32, "torch", True, torch.float32, 32)
+        != want
+    )
 
 
 def test_cache_hands_its_key_to_the_plan(tiny_dims, monkeypatch):
@@ -112,11 +121,25 @@ def test_reused_plan_gives_the_same_result(ref, tiny_dims):
     batch = ref.make_mla_batch(tiny_dims, Q, C, 8, seed=2)
     ws = Workspace("cpu", chunk_tokens=16)
     cache = PlanCache()
-    want = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table,
-                       PrefillPlan.build(Q, C, **_args(tiny_dims, ws)))
+    want = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        PrefillPlan.build(Q, C, **_args(tiny_dims, ws)),
+    )
     cache.get(Q, C, **_args(tiny_dims, ws))
-    got = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table,
-                      cache.get(Q, C, **_args(tiny_dims, ws)))
+    got = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        cache.get(Q, C, **_args(tiny_dims, ws)),
+    )
     assert cache.hits == 1 and torch.equal(got, want)
 
 
@@ -153,8 +176,7 @@ def stand_in_flashinfer(monkeypatch):
 def test_chunks_of_equal_shape_share_one_flashinfer_plan(stand_in_flashinfer):
     dims = MLADims.deepseek_v2_lite()
     ws = Workspace("cpu", chunk_tokens=16384)
-    plan = PrefillPlan.build([512] * 128, [2048] * 128, dims=dims, workspace=ws, block_size=64,
-                             dtype=torch.bfloat16)
+    plan = PrefillPlan.build([512] * 128, [2048] * 128, dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
     assert len(plan.chunks) == 16 and all(c.plan is plan.chunks[0].plan for c in plan.chunks)
     assert plan.num_plans == 2 and ws.plans_made == 2  # the causal main pass + one for all 16 chunks
     # the shared plan still sees each chunk's own tokens
@@ -179,8 +201,17 @@ def test_bench_splits_build_time_into_flashinfer_and_our_own(stand_in_flashinfer
     from mla_bridge.bench.sections import _build_time_job
 
     monkeypatch.setattr(StandIn, "plan", lambda self, *a, **k: time.sleep(0.002))
-    ctx = Ctx(device=torch.device("cpu"), quick=True, repeats=3, warmup=0, seed=0, backend=None, skip=set(),
-              budget_s=None, console=Console(file=io.StringIO()))
+    ctx = Ctx(
+        device=torch.device("cpu"),
+        quick=True,
+        repeats=3,
+        warmup=0,
+        seed=0,
+        backend=None,
+        skip=set(),
+        budget_s=None,
+        console=Console(file=io.StringIO()),
+    )
     build, fi, own = _build_time_job(ctx, 128, True, 0)
     assert build.status == "ok" and build.extra["flashinfer_plans"] == 2  # main + one for the 4 equal chunks
     assert fi.path == "PrefillPlan.build: FlashInfer plan() calls" and fi.ms >= 4.0
@@ -190,11 +221,14 @@ def test_bench_splits_build_time_into_flashinfer_and_our_own(stand_in_flashinfer
     assert check.value == build.extra["own_over_flashinfer"] and check.target == 0.20
 
 
-@pytest.mark.parametrize("bad,exc,match", [
-    (dict(block_size=4.0), ValueError, "block_size must be a positive int"),
-    (dict(block_size=True), ValueError, "block_size must be a positive int"),
-    (dict(fuse_context=1), TypeError, "fuse_context must be a bool"),
-])
+@pytest.mark.parametrize(
+    "bad,exc,match",
+    [
+        (dict(block_size=4.0), ValueError, "block_size must be a positive int"),
+        (dict(block_size=True), ValueError, "block_size must be a positive int"),
+        (dict(fuse_context=1), TypeError, "fuse_context must be a bool"),
+    ],
+)
 def test_a_hit_refuses_what_build_refuses(tiny_dims, bad, exc, match):
     """``4.0 == 4`` and ``1 == True`` as key parts: a cached plan must not let an argument through that
     :meth:`PrefillPlan.build` refuses (the same error whatever the cache holds)."""

@@ -26,10 +26,12 @@ TOTAL_CONTEXT = sum(CONTEXT_LENS)  # 121
 def run_case(ref, dims, query_lens, context_lens, block_size, chunk_tokens, fuse, seed=0, dtype=torch.float32):
     batch = ref.make_mla_batch(dims, query_lens, context_lens, block_size, seed=seed, dtype=dtype)
     ws = Workspace("cpu", chunk_tokens=chunk_tokens)
-    plan = PrefillPlan.build(query_lens, context_lens, dims=dims, workspace=ws, block_size=block_size, dtype=dtype,
-                             fuse_context=fuse)
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True)
+    plan = PrefillPlan.build(
+        query_lens, context_lens, dims=dims, workspace=ws, block_size=block_size, dtype=dtype, fuse_context=fuse
+    )
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     exp_out, exp_lse = ref.mla_reference(batch)
     return plan, batch, out, lse, exp_out, exp_lse
 
@@ -49,8 +51,9 @@ def budgets(block_size):
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_chunked_equals_unchunked(ref, tiny_dims, block_size, budget, fuse):
     chunk_tokens = budgets(block_size)[budget]
-    plan, batch, out, lse, exp_out, exp_lse = run_case(ref, tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size,
-                                                       chunk_tokens, fuse, seed=block_size)
+    plan, batch, out, lse, exp_out, exp_lse = run_case(
+        ref, tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, chunk_tokens, fuse, seed=block_size
+    )
     ref.assert_out_close(out, exp_out, atol=ATOL)
     ref.assert_lse_close(lse, exp_lse, atol=ATOL)
     # The schedule that produced it is the one asked for.
@@ -59,7 +62,8 @@ def test_chunked_equals_unchunked(ref, tiny_dims, block_size, budget, fuse):
     assert plan.fused == fused
     if fused:
         assert plan.chunks == [] and plan.main_kv_indptr.tolist() == ref.cumsum0(
-            [(c if q else 0) + q for c, q in zip(CONTEXT_LENS, QUERY_LENS)])
+            [(c if q else 0) + q for c, q in zip(CONTEXT_LENS, QUERY_LENS)]
+        )
         assert plan.num_gathered_context_tokens == attended == plan.ctx_req_ids.numel()
     else:
         assert len(plan.chunks) == math.ceil(TOTAL_CONTEXT / chunk_tokens)
@@ -76,16 +80,31 @@ def test_context_of_requests_without_new_tokens_is_never_read(ref, tiny_dims, fu
     cached took 164x the chunked schedule's time for the same result. Now neither
     schedule reads it: with no other context the call is the main pass alone; beside attended context, only that
     fills the fused pass (and decides whether it fits)."""
-    for q_lens, c_lens, budget, want_fused in (([1, 0], [0, 2000], 100_000, False),
-                                              ([3, 0, 2], [5, 40, 7], 16, fuse)):
+    for q_lens, c_lens, budget, want_fused in (([1, 0], [0, 2000], 100_000, False), ([3, 0, 2], [5, 40, 7], 16, fuse)):
         batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=3)
-        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=budget),
-                                 block_size=4, dtype=torch.float32, fuse_context=fuse)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=tiny_dims,
+            workspace=Workspace("cpu", chunk_tokens=budget),
+            block_size=4,
+            dtype=torch.float32,
+            fuse_context=fuse,
+        )
         assert plan.fused == want_fused and plan.num_context_tokens == sum(c_lens)
         attended = sum(c for q, c in zip(q_lens, c_lens) if q)
         phases = []
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True, phase_hook=phases.append)
+        out, lse = mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            batch.cache,
+            batch.block_table,
+            plan,
+            return_lse=True,
+            phase_hook=phases.append,
+        )
         exp_out, exp_lse = ref.mla_reference(batch)
         ref.assert_out_close(out, exp_out, atol=ATOL)
         ref.assert_lse_close(lse, exp_lse, atol=ATOL)
@@ -124,10 +143,18 @@ def test_block_table_order(ref, tiny_dims, shuffle):
     if shuffle:
         assert batch.block_table[0, :4].tolist() != sorted(batch.block_table[0, :4].tolist())
     for chunk_tokens, fuse in ((5, False), (1000, True), (1000, False)):
-        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
-                                 block_size=4, dtype=torch.float32, fuse_context=fuse)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=tiny_dims,
+            workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+            block_size=4,
+            dtype=torch.float32,
+            fuse_context=fuse,
+        )
+        out, lse = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+        )
         exp_out, exp_lse = ref.mla_reference(batch)
         ref.assert_out_close(out, exp_out, atol=ATOL)
         ref.assert_lse_close(lse, exp_lse, atol=ATOL)
@@ -143,8 +170,7 @@ def test_no_context_at_all(ref, tiny_dims, fuse):
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_single_token_requests_with_context(ref, tiny_dims, fuse):
-    plan, batch, out, lse, exp_out, exp_lse = run_case(ref, tiny_dims, [1, 1, 1, 1], [0, 7, 1, 30], 8, 12, fuse,
-                                                       seed=3)
+    plan, batch, out, lse, exp_out, exp_lse = run_case(ref, tiny_dims, [1, 1, 1, 1], [0, 7, 1, 30], 8, 12, fuse, seed=3)
     ref.assert_out_close(out, exp_out, atol=ATOL)
     ref.assert_lse_close(lse, exp_lse, atol=ATOL)
 
@@ -166,11 +192,13 @@ def test_plan_is_shared_by_layers(ref, tiny_dims):
 def test_k_pe_with_head_axis_and_out_buffer(ref, tiny_dims):
     q_lens, c_lens = [3, 2], [5, 11]
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=8)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(
+        q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4, dtype=torch.float32
+    )
     out = torch.full((5, tiny_dims.num_heads, tiny_dims.v_head_dim), 3.0)
-    got = mla_prefill(batch.q, batch.kv_c, batch.k_pe.unsqueeze(1), batch.w, batch.cache, batch.block_table, plan,
-                      out=out)
+    got = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe.unsqueeze(1), batch.w, batch.cache, batch.block_table, plan, out=out
+    )
     assert got is out
     ref.assert_out_close(out, ref.mla_reference(batch)[0], atol=ATOL)
 
@@ -183,12 +211,19 @@ def test_non_contiguous_inputs(ref, tiny_dims):
     t = sum(q_lens)
     q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)
     fused = torch.cat([torch.randn(t, 3), batch.kv_c, batch.k_pe], 1)  # like a q_a/kv_a projection output
-    kv_c, k_pe = fused[:, 3:3 + d.kv_lora_rank], fused[:, 3 + d.kv_lora_rank:]
+    kv_c, k_pe = fused[:, 3 : 3 + d.kv_lora_rank], fused[:, 3 + d.kv_lora_rank :]
     out_t = torch.zeros(d.num_heads, t, d.v_head_dim)
     assert not q.is_contiguous() and not kv_c.is_contiguous() and not k_pe.is_contiguous()
     for fuse, chunk in ((True, 100), (False, 5)):
-        plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=4,
-                                 dtype=torch.float32, fuse_context=fuse)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=d,
+            workspace=Workspace("cpu", chunk_tokens=chunk),
+            block_size=4,
+            dtype=torch.float32,
+            fuse_context=fuse,
+        )
         out_t.zero_()
         mla_prefill(q, kv_c, k_pe, batch.w, batch.cache, batch.block_table, plan, out=out_t.transpose(0, 1))
         ref.assert_out_close(out_t.transpose(0, 1), ref.mla_reference(batch)[0], atol=ATOL)
@@ -201,10 +236,18 @@ def test_real_dims_deepseek_v2_lite(ref):
     batch = ref.make_mla_batch(dims, q_lens, c_lens, 16, seed=10)
     exp_out, exp_lse = ref.mla_reference(batch)
     for chunk, fuse in ((16, False), (7, False), (64, True)):
-        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk),
-                                 block_size=16, dtype=torch.float32, fuse_context=fuse)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=dims,
+            workspace=Workspace("cpu", chunk_tokens=chunk),
+            block_size=16,
+            dtype=torch.float32,
+            fuse_context=fuse,
+        )
+        out, lse = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+        )
         assert out.shape == (6, 16, 128)
         ref.assert_out_close(out, exp_out, atol=1e-4)
         ref.assert_lse_close(lse, exp_lse, atol=1e-4)
@@ -215,29 +258,46 @@ def test_bf16_on_cpu(ref, tiny_dims):
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=12, dtype=torch.bfloat16)
     exp_out, exp_lse = ref.mla_reference(batch)
     for chunk, fuse in ((8, False), (100, True)):
-        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk),
-                                 block_size=4, dtype=torch.bfloat16, fuse_context=fuse)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=tiny_dims,
+            workspace=Workspace("cpu", chunk_tokens=chunk),
+            block_size=4,
+            dtype=torch.bfloat16,
+            fuse_context=fuse,
+        )
+        out, lse = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+        )
         assert out.dtype == torch.bfloat16
         ref.assert_out_close(out, exp_out, atol=3e-2)  # bf16 up-projection and output roundings
         ref.assert_lse_close(lse, exp_lse, atol=3e-2)
 
 
-@pytest.mark.parametrize("context_lens,budget,expected", [
-    ([8, 0], 4, [[(0, 0, 4)], [(0, 4, 8)]]),
-    ([3, 9], 4, [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 9)]]),
-    ([0, 0], 4, []),
-    ([2, 0, 2], 4, [[(0, 0, 2), (2, 0, 2)]]),
-    ([5], 100, [[(0, 0, 5)]]),
-])
+@pytest.mark.parametrize(
+    "context_lens,budget,expected",
+    [
+        ([8, 0], 4, [[(0, 0, 4)], [(0, 4, 8)]]),
+        ([3, 9], 4, [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 9)]]),
+        ([0, 0], 4, []),
+        ([2, 0, 2], 4, [[(0, 0, 2), (2, 0, 2)]]),
+        ([5], 100, [[(0, 0, 5)]]),
+    ],
+)
 def test_schedule_context_chunks(context_lens, budget, expected):
     assert schedule_context_chunks(context_lens, budget) == expected
 
 
 def test_chunk_rows_and_plans(tiny_dims):
-    plan = PrefillPlan.build([2, 3, 0, 4], [4, 0, 6, 3], dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=5),
-                             block_size=2, dtype=torch.float32)
+    plan = PrefillPlan.build(
+        [2, 3, 0, 4],
+        [4, 0, 6, 3],
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=5),
+        block_size=2,
+        dtype=torch.float32,
+    )
     # chunks: [(0,0,4),(2,0,1)], [(2,1,6)], [(3,0,3)]
     assert [c.spans for c in plan.chunks] == [((0, 0, 4), (2, 0, 1)), ((2, 1, 6),), ((3, 0, 3),)]
     c0, c1, c2 = plan.chunks
@@ -250,14 +310,17 @@ def test_chunk_rows_and_plans(tiny_dims):
     assert plan.num_plans == 3 and plan.main.spec.causal
 
 
-@pytest.mark.parametrize("rows,expected", [
-    ([(0, 5), (5, 5), (5, 9)], [(0, None), (0, None), (5, (0, 9))]),  # tiling rows, an empty chunk between: 1 round
-    ([(0, 4), (2, 6)], [(0, (0, 4)), (0, (2, 6))]),  # a request's rows in both: a new round
-    ([(0, 4), (0, 4), (0, 4)], [(0, (0, 4))] * 3),  # one request's context over three chunks: a merge each
-    ([(0, 3), (5, 8), (8, 9)], [(0, (0, 3)), (0, None), (3, (5, 9))]),  # a gap of rows no chunk writes: a new round
-    ([(3, 3)], [(0, None)]),
-    ([], []),
-])
+@pytest.mark.parametrize(
+    "rows,expected",
+    [
+        ([(0, 5), (5, 5), (5, 9)], [(0, None), (0, None), (5, (0, 9))]),  # tiling rows, an empty chunk between: 1 round
+        ([(0, 4), (2, 6)], [(0, (0, 4)), (0, (2, 6))]),  # a request's rows in both: a new round
+        ([(0, 4), (0, 4), (0, 4)], [(0, (0, 4))] * 3),  # one request's context over three chunks: a merge each
+        ([(0, 3), (5, 8), (8, 9)], [(0, (0, 3)), (0, None), (3, (5, 9))]),  # a gap of rows no chunk writes: a new round
+        ([(3, 3)], [(0, None)]),
+        ([], []),
+    ],
+)
 def test_merge_rounds(rows, expected):
     from mla_bridge.plan import _merge_rounds
 
@@ -267,14 +330,29 @@ def test_merge_rounds(rows, expected):
 def test_chunk_merge_rounds_in_a_plan(tiny_dims):
     """The chunks of test_chunk_rows_and_plans tile rows 0..9 (request 2, split between chunks 0 and 1, has no new
     tokens): one merge round, one merge; a request with new tokens split between chunks starts a new round."""
-    plan = PrefillPlan.build([2, 3, 0, 4], [4, 0, 6, 3], dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=5),
-                             block_size=2, dtype=torch.float32)
+    plan = PrefillPlan.build(
+        [2, 3, 0, 4],
+        [4, 0, 6, 3],
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=5),
+        block_size=2,
+        dtype=torch.float32,
+    )
     assert [(c.part_row, c.merge_rows) for c in plan.chunks] == [(0, None), (0, None), (5, (0, 9))]
     assert plan.num_merges == 1 and plan.partial_rows == 9
-    plan = PrefillPlan.build([2, 3, 1], [4, 7, 0], dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=5),
-                             block_size=2, dtype=torch.float32)  # chunks: [(0,0,4),(1,0,1)], [(1,1,6)], [(1,6,7)]
+    plan = PrefillPlan.build(
+        [2, 3, 1],
+        [4, 7, 0],
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=5),
+        block_size=2,
+        dtype=torch.float32,
+    )  # chunks: [(0,0,4),(1,0,1)], [(1,1,6)], [(1,6,7)]
     assert [(c.q_start, c.q_end, c.part_row, c.merge_rows) for c in plan.chunks] == [
-        (0, 5, 0, (0, 5)), (2, 5, 0, (2, 5)), (2, 5, 0, (2, 5))]
+        (0, 5, 0, (0, 5)),
+        (2, 5, 0, (2, 5)),
+        (2, 5, 0, (2, 5)),
+    ]
     assert plan.num_merges == 3 and plan.partial_rows == 5
 
 
@@ -290,8 +368,15 @@ def test_merge_rounds_cover_every_chunk_row_once_random(tiny_dims):
         c_lens = [rng.choice([0, 0, 1, 5, 13]) for _ in range(b)]
         if not sum(c_lens):
             continue
-        plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, block_size=2, dtype=torch.float32,
-                                 workspace=Workspace("cpu", chunk_tokens=rng.randint(1, 20)), fuse_context=False)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=tiny_dims,
+            block_size=2,
+            dtype=torch.float32,
+            workspace=Workspace("cpu", chunk_tokens=rng.randint(1, 20)),
+            fuse_context=False,
+        )
         covered, merged = [0] * plan.num_tokens, [0] * plan.num_tokens
         round_parts = []
         for c in plan.chunks:
@@ -306,7 +391,8 @@ def test_merge_rounds_cover_every_chunk_row_once_random(tiny_dims):
                 assert stop - start <= plan.partial_rows
                 # the round's partials tile [0, stop - start), each at its rows' offset from the round's start
                 assert sorted((p, p + n) for p, n, _ in round_parts) == [
-                    (q - start, q - start + n) for p, n, q in sorted(round_parts, key=lambda x: x[2])]
+                    (q - start, q - start + n) for p, n, q in sorted(round_parts, key=lambda x: x[2])
+                ]
                 assert sum(n for _, n, _ in round_parts) == stop - start
                 for r in range(start, stop):
                     merged[r] += 1
@@ -314,8 +400,10 @@ def test_merge_rounds_cover_every_chunk_row_once_random(tiny_dims):
         assert round_parts == [] and covered == merged, (q_lens, c_lens)
 
 
-@pytest.mark.parametrize("block_size,budget", [(1, "one_block"), (16, "one_block"), (16, "splits_a_request"),
-                                               (64, "one_token"), (1, "splits_a_request")])
+@pytest.mark.parametrize(
+    "block_size,budget",
+    [(1, "one_block"), (16, "one_block"), (16, "splits_a_request"), (64, "one_token"), (1, "splits_a_request")],
+)
 def test_merge_rounds_equal_one_merge_per_chunk_bitwise(ref, tiny_dims, block_size, budget):
     """mla_prefill with merge rounds gives the bits of the same kernels with one merge per chunk (the pipeline before
     rounds, written out here): every row is merged once per chunk that covers it either way."""
@@ -323,8 +411,9 @@ def test_merge_rounds_equal_one_merge_per_chunk_bitwise(ref, tiny_dims, block_si
     from mla_bridge.merge import merge_planned_, select_merge
 
     chunk_tokens = budgets(block_size)[budget]
-    plan, batch, out, lse, _, _ = run_case(ref, tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, chunk_tokens, False,
-                                           seed=block_size)
+    plan, batch, out, lse, _, _ = run_case(
+        ref, tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, chunk_tokens, False, seed=block_size
+    )
     planned = [c for c in plan.chunks if c.plan is not None]
     weight = __import__("mla_bridge").prepare_kv_b_proj(batch.w, tiny_dims)
     nothing = lambda name: None  # noqa: E731
@@ -333,9 +422,10 @@ def test_merge_rounds_equal_one_merge_per_chunk_bitwise(ref, tiny_dims, block_si
     merge = select_merge((1, tiny_dims.num_heads, tiny_dims.v_head_dim), plan.dtype, "cpu")
     for c in planned:
         k, v = KV.chunk_kv(c, batch.cache, batch.block_table, None, weight, plan.dtype, nothing, "separate")
-        part_out, part_lse = c.plan.run(batch.q[c.q_start:c.q_end], k, v, lse_base="log2")
-        merge_planned_(merge, want_out[c.q_start:c.q_end], want_lse[c.q_start:c.q_end], part_out, part_lse,
-                       lse_b_base="log2")
+        part_out, part_lse = c.plan.run(batch.q[c.q_start : c.q_end], k, v, lse_base="log2")
+        merge_planned_(
+            merge, want_out[c.q_start : c.q_end], want_lse[c.q_start : c.q_end], part_out, part_lse, lse_b_base="log2"
+        )
     assert plan.num_merges < len(planned) or budget == "splits_a_request"
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
@@ -350,11 +440,13 @@ def test_prefill_memory_bytes_follows_the_schedule():
     e, lat, p, h = 2, 576, 320, 16
     q_lens, c_lens = [100, 50], [300, 0]
     fixed = h * 256 * 512 * e + 150 * h * (128 * e + 4)  # the split-layout weight (prepared per call), out, lse
-    fused = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=1000), block_size=16,
-                              dtype=torch.bfloat16)
+    fused = PrefillPlan.build(
+        q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=1000), block_size=16, dtype=torch.bfloat16
+    )
     assert prefill_memory_bytes(fused) == fixed + 450 * lat * e + 300 * (lat * e + 24) + 450 * h * p * e
-    chunked = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=128), block_size=16,
-                                dtype=torch.bfloat16)
+    chunked = PrefillPlan.build(
+        q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=128), block_size=16, dtype=torch.bfloat16
+    )
     # request 0's context is split over 3 chunks: its 100 rows are carried in float32 between their merges; a chunk's
     # torch gather makes its per-token indices in the call (ChunkRows.INDEX_BYTES = 32 a row)
     assert chunked.running_rows == 100
@@ -362,8 +454,9 @@ def test_prefill_memory_bytes_follows_the_schedule():
     assert prefill_memory_bytes(chunked) == fixed + max(150 * lat * e + 150 * h * p * e, chunk)
     assert prefill_memory_bytes(chunked) < prefill_memory_bytes(fused)
     # each request's context in a chunk of its own: one merge round, every row merged once, no float32 running rows
-    each = PrefillPlan.build(q_lens, [128, 128], dims=d, workspace=Workspace("cpu", chunk_tokens=128), block_size=16,
-                             dtype=torch.bfloat16)
+    each = PrefillPlan.build(
+        q_lens, [128, 128], dims=d, workspace=Workspace("cpu", chunk_tokens=128), block_size=16, dtype=torch.bfloat16
+    )
     assert each.running_rows == 0 and each.num_merges == 1
     chunk = 128 * lat * e + 128 * (lat * e + 24 + 32) + 128 * h * p * e + 150 * h * (128 * e + 12)
     assert prefill_memory_bytes(each) == fixed + max(150 * lat * e + 150 * h * p * e, chunk)
@@ -380,8 +473,14 @@ def test_nan_in_q_is_not_hidden_by_either_schedule():
     cache = torch.randn(8, 4, d.latent_dim, generator=g)
     block_table = torch.arange(8).view(2, 4)
     for chunk_tokens in (64, 4):
-        plan = PrefillPlan.build([5, 3], [12, 0], dims=d, workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
-                                 block_size=4, dtype=torch.float32)
+        plan = PrefillPlan.build(
+            [5, 3],
+            [12, 0],
+            dims=d,
+            workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+            block_size=4,
+            dtype=torch.float32,
+        )
         out, lse = mla_prefill(q, kv_c, k_pe, w, cache, block_table, plan, return_lse=True)
         assert torch.isnan(out[0, 0]).all() and torch.isnan(lse[0, 0]), (plan, out[0, 0], lse[0, 0])
         assert torch.isfinite(out[1:]).all() and torch.isfinite(lse[1:]).all()
@@ -393,7 +492,8 @@ def test_prefill_memory_bytes_checks_its_arguments():
 
     with pytest.raises(TypeError, match="^plan must be a PrefillPlan, got NoneType"):
         prefill_memory_bytes(None)
-    plan = PrefillPlan.build([4], [0], dims=MLADims.deepseek_v2_lite(), workspace=Workspace("cpu"), block_size=16,
-                             dtype=torch.bfloat16)
+    plan = PrefillPlan.build(
+        [4], [0], dims=MLADims.deepseek_v2_lite(), workspace=Workspace("cpu"), block_size=16, dtype=torch.bfloat16
+    )
     with pytest.raises(TypeError, match="^prepared_weight must be a bool \\(True or False\\), got .* of type str"):
         prefill_memory_bytes(plan, prepared_weight="no")

@@ -59,8 +59,15 @@ class ModelGPU:
 
 
 # (phase, GPU ms, host ms to issue): the up-projection is host-bound (issuing takes longer than running)
-LAYER = (("gather", 0.5, 0.2), ("up-projection", 1.0, 1.5), ("main pass", 3.0, 0.1), ("context chunk", 0.4, 0.3),
-         ("merge", 0.1, 0.05), ("context chunk", 0.4, 0.3), ("merge", 0.1, 0.05))
+LAYER = (
+    ("gather", 0.5, 0.2),
+    ("up-projection", 1.0, 1.5),
+    ("main pass", 3.0, 0.1),
+    ("context chunk", 0.4, 0.3),
+    ("merge", 0.1, 0.05),
+    ("context chunk", 0.4, 0.3),
+    ("merge", 0.1, 0.05),
+)
 
 
 def model_layer(gpu: ModelGPU):
@@ -70,6 +77,7 @@ def model_layer(gpu: ModelGPU):
             gpu.kernel(g, h)
         hook("end")
         return "result"
+
     return run
 
 
@@ -83,12 +91,14 @@ def test_busy_ahead_phases_are_gpu_time_and_gaps_apart(monkeypatch):
     assert times.sum_ms == pytest.approx(5.5) and times.samples_ms == pytest.approx([5.5] * 3)
     assert times.passes == {"gather": 1, "up-projection": 1, "main pass": 1, "context chunk": 2, "merge": 2}
     assert times.host_ran_ahead is True
-    assert times.host_ms == pytest.approx({"gather": 0.2, "up-projection": 1.5, "main pass": 0.1,
-                                           "context chunk": 0.6, "merge": 0.1})
+    assert times.host_ms == pytest.approx(
+        {"gather": 0.2, "up-projection": 1.5, "main pass": 0.1, "context chunk": 0.6, "merge": 0.1}
+    )
     # On the idle GPU each wait for the host is a gap: 0.2 ms before the gather's kernel, and 1.0 ms before the
     # up-projection's (issued 1.5 ms after the gather's ended 0.5 ms in); the GPU is ahead from then on.
-    assert times.gap_ms == pytest.approx({"gather": 0.2, "up-projection": 1.0, "main pass": 0.0,
-                                          "context chunk": 0.0, "merge": 0.0})
+    assert times.gap_ms == pytest.approx(
+        {"gather": 0.2, "up-projection": 1.0, "main pass": 0.0, "context chunk": 0.0, "merge": 0.0}
+    )
     assert times.idle_layer_ms == pytest.approx(times.sum_ms + sum(times.gap_ms.values()))
     assert "CUDA events" in times.method and "gap_ms" in times.method
     d = times.to_dict()
@@ -153,14 +163,26 @@ def test_mla_prefill_phases_on_cpu(tiny_dims, ref):
     from mla_bridge import PrefillPlan, Workspace, mla_prefill
 
     b = ref.make_mla_batch(tiny_dims, [3, 5], [7, 9], 4)
-    plan = PrefillPlan.build(b.query_lens, b.context_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=8),
-                             block_size=4, dtype=torch.float32, fuse_context=False)
+    plan = PrefillPlan.build(
+        b.query_lens,
+        b.context_lens,
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=8),
+        block_size=4,
+        dtype=torch.float32,
+        fuse_context=False,
+    )
     args = (b.q, b.kv_c, b.k_pe, b.w, b.cache, b.block_table, plan)
     times, (out, lse) = time_phases(lambda hook: mla_prefill(*args, return_lse=True, phase_hook=hook), "cpu")
     chunks = sum(c.plan is not None for c in plan.chunks)
     assert chunks >= 2
     # the main pass gathers nothing (its GEMM reads the new tokens' kv_c and k_pe where they are)
-    assert times.passes == {"gather": chunks, "up-projection": 1 + chunks, "main pass": 1,
-                            "context chunk": chunks, "merge": chunks}
+    assert times.passes == {
+        "gather": chunks,
+        "up-projection": 1 + chunks,
+        "main pass": 1,
+        "context chunk": chunks,
+        "merge": chunks,
+    }
     o2, l2 = mla_prefill(*args, return_lse=True)
     assert torch.equal(out, o2) and torch.equal(lse, l2)

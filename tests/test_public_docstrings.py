@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"mla_bridge": ROOT / "mla_bridge", "mla_bridge_jax": ROOT / "adapters" / "mla_bridge_jax",
-            "mla_bridge_vllm": ROOT / "adapters" / "mla_bridge_vllm",
-            "mla_bridge_transformers": ROOT / "adapters" / "mla_bridge_transformers"}
+PACKAGES = {
+    "mla_bridge": ROOT / "mla_bridge",
+    "mla_bridge_jax": ROOT / "adapters" / "mla_bridge_jax",
+    "mla_bridge_vllm": ROOT / "adapters" / "mla_bridge_vllm",
+    "mla_bridge_transformers": ROOT / "adapters" / "mla_bridge_transformers",
+}
 #: Public constants still without a ``#:`` line (a comment each, in the pass over the core's docstrings); the test
 #: fails when one of them gets its documentation, so that this list only shrinks.
 PENDING: set[str] = set()
@@ -67,12 +70,16 @@ def _resolve(module: str, name: str, depth: int = 0) -> tuple[str, str]:
     for i, node in enumerate(tree.body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
             return f"{module}.{name}", ast.get_docstring(node) or ""
-        targets = (node.targets if isinstance(node, ast.Assign) else
-                   [node.target] if isinstance(node, ast.AnnAssign) else [])
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         if any(isinstance(t, ast.Name) and t.id == name for t in targets):
             after = tree.body[i + 1] if i + 1 < len(tree.body) else None
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and \
-                    isinstance(after.value.value, str):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 return f"{module}.{name}", after.value.value
             return f"{module}.{name}", _comment_above(module, node.lineno)
         if isinstance(node, ast.ImportFrom):

@@ -23,8 +23,17 @@ BATCHES = {
 
 
 def plan(qo, kv, heads, causal, scale, dtype=torch.float32, d_qk=D_QK, d_vo=D_VO):
-    return plan_ragged(qo, kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal, sm_scale=scale,
-                       dtype=dtype, workspace=Workspace("cpu"))
+    return plan_ragged(
+        qo,
+        kv,
+        num_heads=heads,
+        head_dim_qk=d_qk,
+        head_dim_vo=d_vo,
+        causal=causal,
+        sm_scale=scale,
+        dtype=dtype,
+        workspace=Workspace("cpu"),
+    )
 
 
 @pytest.mark.parametrize("heads", [1, 128])
@@ -33,9 +42,10 @@ def plan(qo, kv, heads, causal, scale, dtype=torch.float32, d_qk=D_QK, d_vo=D_VO
 def test_torch_backend_vs_float64(ref, heads, causal, batch):
     q_lens, kv_lens = BATCHES[batch]
     q, k, v, qo, kv = ref.make_ragged(q_lens, kv_lens, heads, D_QK, D_VO, seed=len(batch) + heads)
-    scale = D_QK ** -0.5
-    out, lse = ragged_prefill(q, k, v, qo, kv, causal=causal, sm_scale=scale, backend="torch",
-                              workspace=Workspace("cpu"))
+    scale = D_QK**-0.5
+    out, lse = ragged_prefill(
+        q, k, v, qo, kv, causal=causal, sm_scale=scale, backend="torch", workspace=Workspace("cpu")
+    )
     exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=scale)
     assert out.shape == (sum(q_lens), heads, D_VO) and out.dtype == torch.float32
     assert lse.shape == (sum(q_lens), heads) and lse.dtype == torch.float32
@@ -66,11 +76,20 @@ def test_rows_without_keys(ref):
 
 def test_all_empty_batches():
     q = torch.randn(3, 2, D_QK)
-    out, lse = ragged_prefill(q, torch.zeros(0, 2, D_QK), torch.zeros(0, 2, D_VO), [0, 3], [0, 0], causal=False,
-                              sm_scale=0.3, backend="torch")
+    out, lse = ragged_prefill(
+        q, torch.zeros(0, 2, D_QK), torch.zeros(0, 2, D_VO), [0, 3], [0, 0], causal=False, sm_scale=0.3, backend="torch"
+    )
     assert torch.equal(out, torch.zeros(3, 2, D_VO)) and torch.equal(lse, torch.full((3, 2), float("-inf")))
-    out, lse = ragged_prefill(torch.zeros(0, 2, D_QK), torch.randn(4, 2, D_QK), torch.randn(4, 2, D_VO), [0, 0, 0],
-                              [0, 1, 4], causal=True, sm_scale=0.3, backend="torch")
+    out, lse = ragged_prefill(
+        torch.zeros(0, 2, D_QK),
+        torch.randn(4, 2, D_QK),
+        torch.randn(4, 2, D_VO),
+        [0, 0, 0],
+        [0, 1, 4],
+        causal=True,
+        sm_scale=0.3,
+        backend="torch",
+    )
     assert out.shape == (0, 2, D_VO) and lse.shape == (0, 2)
 
 
@@ -120,8 +139,12 @@ def test_indptr_forms(ref):
 
     q, k, v, qo, kv = ref.make_ragged([2, 3], [4, 3], 2, D_QK, D_VO, seed=4)
     exp_out, _ = ref.ragged_reference(q, k, v, qo, kv, causal=True, sm_scale=0.2)
-    for qo_f, kv_f in ((qo, kv), (torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int64)),
-                       (np.array(qo, dtype=np.int32), np.array(kv, dtype=np.int64)), (tuple(qo), tuple(kv))):
+    for qo_f, kv_f in (
+        (qo, kv),
+        (torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int64)),
+        (np.array(qo, dtype=np.int32), np.array(kv, dtype=np.int64)),
+        (tuple(qo), tuple(kv)),
+    ):
         p = plan(qo_f, kv_f, 2, True, 0.2)
         assert p.qo_indptr.dtype == torch.int32 and p.qo_indptr.device.type == "cpu"
         assert p.qo_indptr.tolist() == qo and p.kv_indptr.tolist() == kv
@@ -163,8 +186,9 @@ def test_non_contiguous_inputs(ref):
     qo, kvp = [0, 4, 9], [0, 6, 14]
     for causal in (False, True):
         out, lse = ragged_prefill(q, k, v, qo, kvp, causal=causal, sm_scale=0.2, backend="torch")
-        exp_out, exp_lse = ref.ragged_reference(q.contiguous(), k.contiguous(), v.contiguous(), qo, kvp,
-                                                causal=causal, sm_scale=0.2)
+        exp_out, exp_lse = ref.ragged_reference(
+            q.contiguous(), k.contiguous(), v.contiguous(), qo, kvp, causal=causal, sm_scale=0.2
+        )
         ref.assert_out_close(out, exp_out, atol=ATOL)
         ref.assert_lse_close(lse, exp_lse, atol=ATOL)
     # A non-contiguous out buffer is written through its strides.
@@ -201,8 +225,17 @@ def test_causal_must_be_a_bool(causal):
     from mla_bridge import Workspace, plan_ragged
 
     with pytest.raises(TypeError, match="causal must be a bool"):
-        plan_ragged([0, 4], [0, 4], num_heads=2, head_dim_qk=8, head_dim_vo=4, causal=causal, sm_scale=0.3,
-                    dtype=torch.float32, workspace=Workspace("cpu"))
+        plan_ragged(
+            [0, 4],
+            [0, 4],
+            num_heads=2,
+            head_dim_qk=8,
+            head_dim_vo=4,
+            causal=causal,
+            sm_scale=0.3,
+            dtype=torch.float32,
+            workspace=Workspace("cpu"),
+        )
 
 
 def test_run_without_lse_returns_out_alone(ref):
@@ -220,6 +253,7 @@ def test_run_without_lse_returns_out_alone(ref):
     with pytest.raises(TypeError, match="return_lse must be a bool"):
         p.run(q, k, v, return_lse=0)
     import numpy as np
+
     with pytest.raises(TypeError, match=r"of type numpy\.bool"):  # numpy 2 names its bool type "bool" too
         p.run(q, k, v, return_lse=np.bool_(False))
     lse = torch.full((5, 2), 9.0)

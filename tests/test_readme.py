@@ -33,12 +33,20 @@ def test_readme_quick_start_runs_on_the_cpu(index, tmp_path):
         pytest.skip(f"needs {', '.join(missing)}")
     script = tmp_path / "quick_start.py"
     script.write_text(block)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "adapters")]),
-               CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "adapters")]),
+        CUDA_VISIBLE_DEVICES="",
+        JAX_PLATFORMS="cpu",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = proc.stdout.strip().splitlines()[-1]
-    expected = {0: "torch.Size([387, 16, 128]) torch.Size([387, 16])", 1: "(137, 16, 128) (137, 16) 0.0",
-                2: "torch.Size([2, 16])"}[index]
+    expected = {
+        0: "torch.Size([387, 16, 128]) torch.Size([387, 16])",
+        1: "(137, 16, 128) (137, 16) 0.0",
+        2: "torch.Size([2, 16])",
+    }[index]
     assert printed == expected

@@ -24,8 +24,17 @@ from mla_bridge.ragged import RaggedSpec
 
 
 def _plan():
-    return plan_ragged([0, 4, 8], [0, 6, 12], num_heads=2, head_dim_qk=8, head_dim_vo=4, causal=False, sm_scale=0.3,
-                       dtype=torch.float32, workspace=Workspace("cpu"))
+    return plan_ragged(
+        [0, 4, 8],
+        [0, 6, 12],
+        num_heads=2,
+        head_dim_qk=8,
+        head_dim_vo=4,
+        causal=False,
+        sm_scale=0.3,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
 
 
 def _qkv():
@@ -51,19 +60,22 @@ def test_validate_reads_the_indptrs_once_per_plan(monkeypatch):
         plan.validate(q[:7], k, v)
 
 
-@pytest.mark.parametrize("bad,exc,match", [
-    (dict(q="q"), TypeError, "q must be a torch.Tensor"),
-    (dict(k=torch.zeros(12, 2, 7)), ValueError, r"k must have shape \[12, 2, 8\]"),
-    (dict(v=torch.zeros(12, 2, 4, dtype=torch.float64)), TypeError, "v must have dtype torch.float32"),
-    (dict(v=torch.zeros(12, 2, 4, device="meta")), ValueError, "v is on meta"),
-    (dict(out=torch.zeros(8, 2, 5)), ValueError, "out must have shape"),
-    (dict(out=torch.zeros(8, 2, 4, dtype=torch.float16)), TypeError, "out must have dtype"),
-    (dict(lse=torch.zeros(2, 8)), ValueError, r"lse must have shape \[8, 2\]"),
-    (dict(lse=torch.zeros(8, 2, dtype=torch.float64)), TypeError, "lse must have dtype torch.float32"),
-    (dict(lse=torch.zeros(2, 8).t()), ValueError, "lse must be contiguous"),
-    (dict(lse_layout="TN"), ValueError, "lse_layout must be 'NH'"),
-    (dict(lse_layout=["NH"]), ValueError, "lse_layout must be 'NH'"),
-])
+@pytest.mark.parametrize(
+    "bad,exc,match",
+    [
+        (dict(q="q"), TypeError, "q must be a torch.Tensor"),
+        (dict(k=torch.zeros(12, 2, 7)), ValueError, r"k must have shape \[12, 2, 8\]"),
+        (dict(v=torch.zeros(12, 2, 4, dtype=torch.float64)), TypeError, "v must have dtype torch.float32"),
+        (dict(v=torch.zeros(12, 2, 4, device="meta")), ValueError, "v is on meta"),
+        (dict(out=torch.zeros(8, 2, 5)), ValueError, "out must have shape"),
+        (dict(out=torch.zeros(8, 2, 4, dtype=torch.float16)), TypeError, "out must have dtype"),
+        (dict(lse=torch.zeros(2, 8)), ValueError, r"lse must have shape \[8, 2\]"),
+        (dict(lse=torch.zeros(8, 2, dtype=torch.float64)), TypeError, "lse must have dtype torch.float32"),
+        (dict(lse=torch.zeros(2, 8).t()), ValueError, "lse must be contiguous"),
+        (dict(lse_layout="TN"), ValueError, "lse_layout must be 'NH'"),
+        (dict(lse_layout=["NH"]), ValueError, "lse_layout must be 'NH'"),
+    ],
+)
 def test_every_fast_path_condition_reaches_its_named_error(bad, exc, match):
     plan = _plan()
     q, k, v = _qkv()
@@ -111,8 +123,24 @@ class FakeWrapper:
         self.runs += 1
         if out.shape != (q.shape[0], q.shape[1], v.shape[-1]):
             raise ValueError("Invalid shape of out")
-        run_args = [self._float_workspace_buffer, self._int_workspace_buffer, self._plan_info, q, k, v,
-                    self._qo_indptr_buf, self._kv_indptr_buf, out, lse, 0, 0, -1, True, None, None]
+        run_args = [
+            self._float_workspace_buffer,
+            self._int_workspace_buffer,
+            self._plan_info,
+            q,
+            k,
+            v,
+            self._qo_indptr_buf,
+            self._kv_indptr_buf,
+            out,
+            lse,
+            0,
+            0,
+            -1,
+            True,
+            None,
+            None,
+        ]
         for _ in range(self.calls_per_run):
             self._cached_module.ragged_run(*run_args)
         if lse_base == "ln":
@@ -134,8 +162,7 @@ def test_direct_run_equals_wrapper_run_bitwise():
     call = w.launches[0]
     assert call["q"] is q and call["k"] is k and call["v"] is v and call["out"] is out and call["lse"] is lse
     assert call["fw"] is w._float_workspace_buffer and call["info"] is w._plan_info
-    want_out, want_lse = w.run(q, k, v, out=torch.empty(8, 2, 4), lse=torch.empty(8, 2), return_lse=True,
-                               lse_base="ln")
+    want_out, want_lse = w.run(q, k, v, out=torch.empty(8, 2, 4), lse=torch.empty(8, 2), return_lse=True, lse_base="ln")
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
@@ -183,8 +210,17 @@ def test_direct_run_refuses_what_it_does_not_know():
 def test_run_lse_base_log2():
     """lse_base="log2": the natural-log LSE times log2(e) (the torch backend converts; FlashInfer skips its own
     conversion, tests/gpu/test_gpu_run_path.py); empty rows stay -inf; out unchanged; unknown bases refused first."""
-    plan = plan_ragged([0, 4, 8, 9], [0, 6, 12, 12], num_heads=2, head_dim_qk=8, head_dim_vo=4, causal=False,
-                       sm_scale=0.3, dtype=torch.float32, workspace=Workspace("cpu"))
+    plan = plan_ragged(
+        [0, 4, 8, 9],
+        [0, 6, 12, 12],
+        num_heads=2,
+        head_dim_qk=8,
+        head_dim_vo=4,
+        causal=False,
+        sm_scale=0.3,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(9, 2, 8, generator=g), torch.randn(12, 2, 8, generator=g), torch.randn(12, 2, 4, generator=g)
     out, lse = plan.run(q, k, v)
@@ -211,6 +247,15 @@ def test_device_kv_indptr_is_the_copy_plan_made_or_none():
         assert _device_indptr(types.SimpleNamespace(_kv_indptr_buf=buf), "_kv_indptr_buf", host, cpu) is None
     assert _device_indptr(types.SimpleNamespace(), "_kv_indptr_buf", host, cpu) is None
     assert _device_indptr(good, "_kv_indptr_buf", host, torch.device("meta")) is None
-    plan = plan_ragged([0, 2], [0, 3], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=False, sm_scale=0.5,
-                       dtype=torch.float32, workspace=Workspace("cpu"))
+    plan = plan_ragged(
+        [0, 2],
+        [0, 3],
+        num_heads=2,
+        head_dim_qk=8,
+        head_dim_vo=8,
+        causal=False,
+        sm_scale=0.5,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
     assert plan.device_kv_indptr is None  # the torch backend copies nothing

@@ -42,13 +42,20 @@ def run_test_sh(tmp_path: Path, *args: str, core_rc: int = 0, vllm_rc: int = 0, 
     (vllm / ".mla-bridge-vllm-stamp").write_text("vllm==0.32.0 lean-v1\n")
     for name in ("core.args", "vllm.args"):
         (tmp_path / name).unlink(missing_ok=True)
-    env = dict(os.environ, MLA_BRIDGE_VENV=str(core), VLLM_VENV=str(vllm), VLLM_VERSION="0.32.0",
-               STUB_LOG_DIR=str(tmp_path), STUB_core_RC=str(core_rc), STUB_vllm_RC=str(vllm_rc),
-               MLA_BRIDGE_SKIP_VLLM="1" if skip_vllm else "0")
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), *args], env=env, capture_output=True,
-                          text=True, timeout=60)
-    got = [(tmp_path / n).read_text().split() if (tmp_path / n).exists() else None
-           for n in ("core.args", "vllm.args")]
+    env = dict(
+        os.environ,
+        MLA_BRIDGE_VENV=str(core),
+        VLLM_VENV=str(vllm),
+        VLLM_VERSION="0.32.0",
+        STUB_LOG_DIR=str(tmp_path),
+        STUB_core_RC=str(core_rc),
+        STUB_vllm_RC=str(vllm_rc),
+        MLA_BRIDGE_SKIP_VLLM="1" if skip_vllm else "0",
+    )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test.sh"), *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    got = [(tmp_path / n).read_text().split() if (tmp_path / n).exists() else None for n in ("core.args", "vllm.args")]
     return proc.returncode, proc.stdout + proc.stderr, got[0], got[1]
 
 
@@ -62,8 +69,16 @@ def test_arguments_reach_both_suites(tmp_path):
     rc, out, core, vllm = run_test_sh(tmp_path, "-k", "cli", "-x")
     assert rc == 0, out
     assert core == ["-q", "tests", "--ignore=tests/vllm", "-k", "cli", "-x"]
-    assert vllm == VLLM_PYTEST + ["-m", "not", "gpu", "tests/vllm", "tests/parity/test_vllm_parity.py", "-k", "cli",
-                                  "-x"]
+    assert vllm == VLLM_PYTEST + [
+        "-m",
+        "not",
+        "gpu",
+        "tests/vllm",
+        "tests/parity/test_vllm_parity.py",
+        "-k",
+        "cli",
+        "-x",
+    ]
 
 
 def test_a_keyword_value_that_names_a_folder_is_not_a_path(tmp_path):
@@ -72,8 +87,9 @@ def test_a_keyword_value_that_names_a_folder_is_not_a_path(tmp_path):
     assert core[-2:] == ["-k", "tests"] and "tests/vllm" in vllm
 
 
-@pytest.mark.parametrize("core_rc,vllm_rc,want", [(0, 5, 0), (5, 0, 0), (5, 5, 5), (1, 5, 1), (5, 1, 1),
-                                                  (0, 1, 1), (2, 0, 2)])
+@pytest.mark.parametrize(
+    "core_rc,vllm_rc,want", [(0, 5, 0), (5, 0, 0), (5, 5, 5), (1, 5, 1), (5, 1, 1), (0, 1, 1), (2, 0, 2)]
+)
 def test_exit_five_in_one_suite_is_fine_only_when_the_other_ran_tests(tmp_path, core_rc, vllm_rc, want):
     rc, out, _, _ = run_test_sh(tmp_path, "-k", "cli", core_rc=core_rc, vllm_rc=vllm_rc)
     assert rc == want, out
@@ -106,8 +122,9 @@ exit 0
 """
 
 
-@pytest.mark.parametrize("script,call", [("test.sh", "pip_install some-package"),
-                                         ("test_vllm.sh", "quiet_pip install -q some-package")])
+@pytest.mark.parametrize(
+    "script,call", [("test.sh", "pip_install some-package"), ("test_vllm.sh", "quiet_pip install -q some-package")]
+)
 @pytest.mark.parametrize("fails,rc,calls", [(0, 0, 1), (2, 0, 3), (3, 1, 3)])
 def test_pip_installs_are_tried_three_times(tmp_path, script, call, fails, rc, calls):
     """Both scripts' pip helpers try an install 3 times: a CI run failed on a vLLM download cut short (2026-12-01).
@@ -119,10 +136,14 @@ def test_pip_installs_are_tried_three_times(tmp_path, script, call, fails, rc, c
     text = (ROOT / "scripts" / script).read_text()
     function = call.split()[0]
     start = text.index(f"{function}() {{")
-    body = text[start:text.index("\n}\n", start) + 3]
-    proc = subprocess.run(["bash", "-c", f"set -euo pipefail\n{body}\n{call}"],
-                          env={**os.environ, "PY": str(py), "COUNT": str(tmp_path / "n"), "FAILS": str(fails)},
-                          capture_output=True, text=True, timeout=30)
+    body = text[start : text.index("\n}\n", start) + 3]
+    proc = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{body}\n{call}"],
+        env={**os.environ, "PY": str(py), "COUNT": str(tmp_path / "n"), "FAILS": str(fails)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == rc, proc.stderr
     assert int((tmp_path / "n").read_text()) == calls
     # test.sh shows pip's output as it comes (every failed attempt's), test_vllm.sh only when it gives up

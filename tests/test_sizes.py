@@ -11,7 +11,7 @@ import torch
 from mla_bridge import MLADims, PrefillPlan, Workspace
 from mla_bridge.ragged import indptr_from_lens
 
-INT32_MAX = 2 ** 31 - 1
+INT32_MAX = 2**31 - 1
 
 
 @pytest.fixture
@@ -24,22 +24,26 @@ def test_indptr_from_lens_refuses_a_sum_beyond_int32_naming_the_argument():
     with pytest.raises(ValueError, match=r"query_lens sum to 2147483648 tokens.*2\*\*31 - 1 = 2147483647"):
         indptr_from_lens([INT32_MAX, 1], name="query_lens")
     with pytest.raises(ValueError, match=r"^lens sum to 1000000000000 tokens"):
-        indptr_from_lens(torch.tensor([10 ** 12]))
+        indptr_from_lens(torch.tensor([10**12]))
 
 
-@pytest.mark.parametrize("q_lens,c_lens,name,total", [
-    ([10 ** 12], [0], "query_lens", 10 ** 12),  # used to say "qo_indptr[1]=-727379968": an argument never passed
-    ([5], [2 ** 31], "context_lens", 2 ** 31),  # used to run 50 s, then MemoryError
-    ([5], [10 ** 12], "context_lens", 10 ** 12),  # used to be OOM-killed
-    ([1] * 3, [2 ** 30, 2 ** 30, 0], "context_lens", 2 ** 31),
-])
+@pytest.mark.parametrize(
+    "q_lens,c_lens,name,total",
+    [
+        ([10**12], [0], "query_lens", 10**12),  # used to say "qo_indptr[1]=-727379968": an argument never passed
+        ([5], [2**31], "context_lens", 2**31),  # used to run 50 s, then MemoryError
+        ([5], [10**12], "context_lens", 10**12),  # used to be OOM-killed
+        ([1] * 3, [2**30, 2**30, 0], "context_lens", 2**31),
+    ],
+)
 @pytest.mark.parametrize("device_fuse", [True, False])
 def test_plan_refuses_length_sums_beyond_int32_at_once(dims, q_lens, c_lens, name, total, device_fuse):
     ws = Workspace("cpu")
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match=rf"^{name} sum to {total} tokens.*2147483647"):
-        PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=16, dtype=torch.float32,
-                          fuse_context=device_fuse)
+        PrefillPlan.build(
+            q_lens, c_lens, dims=dims, workspace=ws, block_size=16, dtype=torch.float32, fuse_context=device_fuse
+        )
     assert time.perf_counter() - t0 < 1.0  # O(requests): no per-token or per-chunk work before the refusal
 
 
@@ -64,13 +68,13 @@ def test_cuda_plan_host_memory_stays_per_chunk_for_a_long_context():
     ws = Workspace("cuda")
     tracemalloc.start()
     try:
-        plan = PrefillPlan.build([5], [10 ** 8], dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
+        plan = PrefillPlan.build([5], [10**8], dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(plan.chunks) == -(-10 ** 8 // ws.chunk_tokens)
+    assert len(plan.chunks) == -(-(10**8) // ws.chunk_tokens)
     assert plan.chunks[-1].positions.device.type == "cuda"
-    assert peak < 64 * 2 ** 20, f"{peak / 2**20:.1f} MiB of host memory while planning"
+    assert peak < 64 * 2**20, f"{peak / 2**20:.1f} MiB of host memory while planning"
 
 
 def test_cpu_plan_holds_no_host_memory_per_context_token(dims):
@@ -84,20 +88,20 @@ def test_cpu_plan_holds_no_host_memory_per_context_token(dims):
     ws = Workspace("cpu")
     tracemalloc.start()
     try:
-        plan = PrefillPlan.build([1], [2 ** 24], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
+        plan = PrefillPlan.build([1], [2**24], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(plan.chunks) == 2 ** 24 // ws.chunk_tokens == 256
-    assert peak < 16 * 2 ** 20, f"{peak / 2**20:.1f} MiB of host memory while planning"
+    assert len(plan.chunks) == 2**24 // ws.chunk_tokens == 256
+    assert peak < 16 * 2**20, f"{peak / 2**20:.1f} MiB of host memory while planning"
     for q_lens in ([1], [0]):
-        plan = PrefillPlan.build(q_lens, [2 ** 30], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
-        assert len(plan.chunks) == 2 ** 30 // ws.chunk_tokens and not plan.fused
+        plan = PrefillPlan.build(q_lens, [2**30], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
+        assert len(plan.chunks) == 2**30 // ws.chunk_tokens and not plan.fused
         assert all(c.rows.indices is None for c in plan.chunks)
-        assert plan.num_gathered_context_tokens == (2 ** 30 if q_lens[0] else 0)
+        assert plan.num_gathered_context_tokens == (2**30 if q_lens[0] else 0)
         last = plan.chunks[-1]  # its rows, made on request from its kv_indptr
         assert last.req_ids.tolist() == [0] * ws.chunk_tokens
-        assert last.positions.tolist() == list(range(2 ** 30 - ws.chunk_tokens, 2 ** 30))
+        assert last.positions.tolist() == list(range(2**30 - ws.chunk_tokens, 2**30))
 
 
 def test_cpu_call_of_a_plan_whose_context_is_never_read_allocates_nothing_for_it(dims):
@@ -107,14 +111,21 @@ def test_cpu_call_of_a_plan_whose_context_is_never_read_allocates_nothing_for_it
     from mla_bridge import mla_prefill
     from mla_bridge.prefill import prefill_memory_bytes
 
-    plan = PrefillPlan.build([0], [2 ** 30], dims=dims, workspace=Workspace("cpu"), block_size=64,
-                             dtype=torch.float32)
-    blocks = 2 ** 30 // 64
+    plan = PrefillPlan.build([0], [2**30], dims=dims, workspace=Workspace("cpu"), block_size=64, dtype=torch.float32)
+    blocks = 2**30 // 64
     cache = torch.zeros(1, 64, dims.latent_dim).expand(blocks, 64, dims.latent_dim)
     table = torch.zeros(1, 1, dtype=torch.int32).expand(1, blocks)
     q = torch.empty(0, dims.num_heads, dims.head_dim_qk)
-    out, lse = mla_prefill(q, torch.empty(0, dims.kv_lora_rank), torch.empty(0, dims.qk_rope_head_dim),
-                           torch.randn(*dims.kv_b_proj_shape), cache, table, plan, return_lse=True)
+    out, lse = mla_prefill(
+        q,
+        torch.empty(0, dims.kv_lora_rank),
+        torch.empty(0, dims.qk_rope_head_dim),
+        torch.randn(*dims.kv_b_proj_shape),
+        cache,
+        table,
+        plan,
+        return_lse=True,
+    )
     assert out.shape == (0, dims.num_heads, dims.v_head_dim) and lse.shape == (0, dims.num_heads)
     from mla_bridge.weights import prepared_weight_elements
 
@@ -134,8 +145,10 @@ def test_a_plan_of_more_context_chunks_than_it_may_hold_is_refused_up_front(dims
     ws = Workspace("cpu", chunk_tokens=4)
     kw = dict(dims=dims, workspace=ws, block_size=4, dtype=torch.float32)
     assert len(PrefillPlan.build([1, 2], [9, 7], **kw).chunks) == 4  # 16 tokens: 4 chunks, the limit itself
-    match = (r"^context_lens sum to 17 tokens: 5 context chunks of at most chunk_tokens=4 tokens, more than a plan "
-             r"holds \(4, MAX_CONTEXT_CHUNKS\); they would take about 5120 bytes of host memory.*chunk_tokens >= 5")
+    match = (
+        r"^context_lens sum to 17 tokens: 5 context chunks of at most chunk_tokens=4 tokens, more than a plan "
+        r"holds \(4, MAX_CONTEXT_CHUNKS\); they would take about 5120 bytes of host memory.*chunk_tokens >= 5"
+    )
     for build in (PrefillPlan.build, PlanCache().get):
         with pytest.raises(ValueError, match=match):
             build([1, 2], [9, 8], **kw)
@@ -148,8 +161,11 @@ def test_a_plan_of_more_context_chunks_than_it_may_hold_is_refused_up_front(dims
             install_planning(monkeypatch.setattr, object, [], expand="torch")
         ws = Workspace("cuda:0" if device == "fake cuda" else "cpu", chunk_tokens=1)
         t0 = time.perf_counter()
-        with pytest.raises(ValueError, match=r"^context_lens sum to 2147483647 tokens: 2147483647 context chunks .*"
-                                             r"about 2048.0 GiB of host memory"):
+        with pytest.raises(
+            ValueError,
+            match=r"^context_lens sum to 2147483647 tokens: 2147483647 context chunks .*"
+            r"about 2048.0 GiB of host memory",
+        ):
             PrefillPlan.build([1], [INT32_MAX], dims=dims, workspace=ws, block_size=16, dtype=torch.float32)
         assert time.perf_counter() - t0 < 1.0  # refused before any per-chunk work
 
@@ -168,20 +184,26 @@ def test_cuda_plans_of_2_to_the_30_context_tokens_build_and_a_context_never_read
     for q_lens in ([1], [0]):
         tracemalloc.start()
         try:
-            plan = PrefillPlan.build(q_lens, [2 ** 30], dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
+            plan = PrefillPlan.build(q_lens, [2**30], dims=dims, workspace=ws, block_size=64, dtype=torch.bfloat16)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        assert len(plan.chunks) == 2 ** 30 // ws.chunk_tokens and plan.ctx_req_ids is None
+        assert len(plan.chunks) == 2**30 // ws.chunk_tokens and plan.ctx_req_ids is None
         assert all(c.rows.indices is None for c in plan.chunks)
-        assert peak < 64 * 2 ** 20, f"{peak / 2**20:.1f} MiB of host memory while planning"
+        assert peak < 64 * 2**20, f"{peak / 2**20:.1f} MiB of host memory while planning"
     dev = ws.device
-    blocks = 2 ** 30 // 64
+    blocks = 2**30 // 64
     cache = torch.zeros(1, 64, dims.latent_dim, dtype=torch.bfloat16, device=dev).expand(blocks, 64, dims.latent_dim)
     table = torch.zeros(1, 1, dtype=torch.int32, device=dev).expand(1, blocks)
     w = torch.randn(*dims.kv_b_proj_shape, device=dev).to(torch.bfloat16)
-    out = mla_prefill(torch.empty(0, dims.num_heads, dims.head_dim_qk, dtype=torch.bfloat16, device=dev),
-                      torch.empty(0, dims.kv_lora_rank, dtype=torch.bfloat16, device=dev),
-                      torch.empty(0, dims.qk_rope_head_dim, dtype=torch.bfloat16, device=dev), w, cache, table, plan)
+    out = mla_prefill(
+        torch.empty(0, dims.num_heads, dims.head_dim_qk, dtype=torch.bfloat16, device=dev),
+        torch.empty(0, dims.kv_lora_rank, dtype=torch.bfloat16, device=dev),
+        torch.empty(0, dims.qk_rope_head_dim, dtype=torch.bfloat16, device=dev),
+        w,
+        cache,
+        table,
+        plan,
+    )
     torch.cuda.synchronize()
     assert out.shape == (0, dims.num_heads, dims.v_head_dim)

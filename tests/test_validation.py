@@ -33,13 +33,23 @@ def assert_untouched(*bufs):
 
 
 def make_plan(qo, kv, causal=False):
-    return plan_ragged(qo, kv, num_heads=H, head_dim_qk=D_QK, head_dim_vo=D_VO, causal=causal, sm_scale=0.2,
-                       dtype=torch.float32, workspace=Workspace("cpu"))
+    return plan_ragged(
+        qo,
+        kv,
+        num_heads=H,
+        head_dim_qk=D_QK,
+        head_dim_vo=D_VO,
+        causal=causal,
+        sm_scale=0.2,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
 # ragged attention
 # --------------------------------------------------------------------------------------------------------------
+
 
 def _bad(name):
     """(q, k, v, qo, kv) with one thing wrong; returns the kwargs for ragged_prefill."""
@@ -71,28 +81,31 @@ def _bad(name):
     return args
 
 
-@pytest.mark.parametrize("case,exc,match", [
-    ("q_one_more_row", ValueError, r"q has 6 tokens but qo_indptr\[-1\] = 5"),
-    ("q_one_less_row", ValueError, r"q has 4 tokens but qo_indptr\[-1\] = 5"),
-    ("k_one_more_row", ValueError, r"k has 8 tokens but kv_indptr\[-1\] = 7"),
-    ("k_one_less_row", ValueError, r"k has 6 tokens but kv_indptr\[-1\] = 7"),
-    ("v_one_more_row", ValueError, r"v has 8 tokens but kv_indptr\[-1\] = 7"),
-    ("v_one_less_row", ValueError, r"v has 6 tokens but kv_indptr\[-1\] = 7"),
-    ("k_head_dim", ValueError, r"^k must have shape \[7, 3, 24\]"),
-    ("k_heads", ValueError, r"^k must have shape \[7, 3, 24\]"),
-    ("v_heads", ValueError, r"^v must have shape"),
-    ("k_dtype", TypeError, r"^k must have dtype torch.float32"),
-    ("v_dtype", TypeError, r"^v must have dtype torch.float32"),
-    ("k_device", ValueError, r"^k is on meta"),
-    ("v_device", ValueError, r"^v is on meta"),
-    ("out_shape", ValueError, r"^out must have shape"),
-    ("out_dtype", TypeError, r"^out must have dtype"),
-    ("out_device", ValueError, r"^out is on meta"),
-    ("lse_shape", ValueError, r"^lse must have shape \[5, 3\]"),
-    ("lse_dtype", TypeError, r"^lse must have dtype torch.float32"),
-    ("q_2d", ValueError, r"^q must be 3-D"),
-    ("k_not_tensor", TypeError, r"^k must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "case,exc,match",
+    [
+        ("q_one_more_row", ValueError, r"q has 6 tokens but qo_indptr\[-1\] = 5"),
+        ("q_one_less_row", ValueError, r"q has 4 tokens but qo_indptr\[-1\] = 5"),
+        ("k_one_more_row", ValueError, r"k has 8 tokens but kv_indptr\[-1\] = 7"),
+        ("k_one_less_row", ValueError, r"k has 6 tokens but kv_indptr\[-1\] = 7"),
+        ("v_one_more_row", ValueError, r"v has 8 tokens but kv_indptr\[-1\] = 7"),
+        ("v_one_less_row", ValueError, r"v has 6 tokens but kv_indptr\[-1\] = 7"),
+        ("k_head_dim", ValueError, r"^k must have shape \[7, 3, 24\]"),
+        ("k_heads", ValueError, r"^k must have shape \[7, 3, 24\]"),
+        ("v_heads", ValueError, r"^v must have shape"),
+        ("k_dtype", TypeError, r"^k must have dtype torch.float32"),
+        ("v_dtype", TypeError, r"^v must have dtype torch.float32"),
+        ("k_device", ValueError, r"^k is on meta"),
+        ("v_device", ValueError, r"^v is on meta"),
+        ("out_shape", ValueError, r"^out must have shape"),
+        ("out_dtype", TypeError, r"^out must have dtype"),
+        ("out_device", ValueError, r"^out is on meta"),
+        ("lse_shape", ValueError, r"^lse must have shape \[5, 3\]"),
+        ("lse_dtype", TypeError, r"^lse must have dtype torch.float32"),
+        ("q_2d", ValueError, r"^q must be 3-D"),
+        ("k_not_tensor", TypeError, r"^k must be a torch.Tensor"),
+    ],
+)
 def test_ragged_bad_tensors(case, exc, match):
     args = _bad(case)
     out = args.pop("out", None)
@@ -100,13 +113,25 @@ def test_ragged_bad_tensors(case, exc, match):
     out = sentinel_out() if out is None else out
     lse = torch.full((5, H), SENTINEL) if lse is None else lse
     with pytest.raises(exc, match=match):
-        ragged_prefill(args["q"], args["k"], args["v"], args["qo_indptr"], args["kv_indptr"], causal=True,
-                       sm_scale=0.2, backend="torch", out=out, lse=lse)
+        ragged_prefill(
+            args["q"],
+            args["k"],
+            args["v"],
+            args["qo_indptr"],
+            args["kv_indptr"],
+            causal=True,
+            sm_scale=0.2,
+            backend="torch",
+            out=out,
+            lse=lse,
+        )
     assert_untouched(*(b for b in (out, lse) if b.device.type == "cpu"))
 
 
-@pytest.mark.parametrize("case", ["q_one_more_row", "q_one_less_row", "k_one_less_row", "v_one_more_row",
-                                  "k_head_dim", "k_dtype", "k_device"])
+@pytest.mark.parametrize(
+    "case",
+    ["q_one_more_row", "q_one_less_row", "k_one_less_row", "v_one_more_row", "k_head_dim", "k_dtype", "k_device"],
+)
 def test_planned_run_rejects_before_writing(case):
     args = _bad(case)
     plan = make_plan(args["qo_indptr"], args["kv_indptr"])
@@ -138,20 +163,23 @@ def test_lse_layout_and_contiguity():
         plan.run(q, k, v, lse=torch.empty(H, 5).t())
 
 
-@pytest.mark.parametrize("qo,kv,exc,match", [
-    ([[0, 2, 5]], [0, 4, 7], ValueError, r"qo_indptr must be 1-D"),
-    (torch.tensor([[0, 2, 5]]), [0, 4, 7], ValueError, r"qo_indptr must be 1-D"),
-    ([0, 2, 5], torch.tensor([0.0, 4.0, 7.0]), TypeError, r"kv_indptr must hold integers"),
-    ([0, 2.5, 5], [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
-    (torch.tensor([False, True, True]), [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
-    ([1, 2, 5], [0, 4, 7], ValueError, r"qo_indptr must start at 0"),
-    ([0, 2, 5], [2, 4, 7], ValueError, r"kv_indptr must start at 0"),
-    ([0, 3, 2, 5], [0, 1, 4, 7], ValueError, r"qo_indptr must be non-decreasing"),
-    ([0, 2, 5], [0, 7, 4], ValueError, r"kv_indptr must be non-decreasing"),
-    ([], [], ValueError, r"qo_indptr must have at least one entry"),
-    ([0, 2, 5], [0, 7], ValueError, r"qo_indptr has 3 entries but kv_indptr has 2"),
-    ([0, 2 ** 31], [0, 1], ValueError, r"qo_indptr\[-1\]=2147483648 does not fit in int32"),
-])
+@pytest.mark.parametrize(
+    "qo,kv,exc,match",
+    [
+        ([[0, 2, 5]], [0, 4, 7], ValueError, r"qo_indptr must be 1-D"),
+        (torch.tensor([[0, 2, 5]]), [0, 4, 7], ValueError, r"qo_indptr must be 1-D"),
+        ([0, 2, 5], torch.tensor([0.0, 4.0, 7.0]), TypeError, r"kv_indptr must hold integers"),
+        ([0, 2.5, 5], [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
+        (torch.tensor([False, True, True]), [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
+        ([1, 2, 5], [0, 4, 7], ValueError, r"qo_indptr must start at 0"),
+        ([0, 2, 5], [2, 4, 7], ValueError, r"kv_indptr must start at 0"),
+        ([0, 3, 2, 5], [0, 1, 4, 7], ValueError, r"qo_indptr must be non-decreasing"),
+        ([0, 2, 5], [0, 7, 4], ValueError, r"kv_indptr must be non-decreasing"),
+        ([], [], ValueError, r"qo_indptr must have at least one entry"),
+        ([0, 2, 5], [0, 7], ValueError, r"qo_indptr has 3 entries but kv_indptr has 2"),
+        ([0, 2**31], [0, 1], ValueError, r"qo_indptr\[-1\]=2147483648 does not fit in int32"),
+    ],
+)
 def test_bad_indptr(qo, kv, exc, match):
     q, k, v, _, _ = ragged_inputs()
     with pytest.raises(exc, match=match):
@@ -162,23 +190,33 @@ def test_bad_indptr(qo, kv, exc, match):
     assert_untouched(out)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(num_heads=0), ValueError, "num_heads"),
-    (dict(num_heads=2.0), ValueError, "num_heads"),
-    (dict(head_dim_qk=-1), ValueError, "head_dim_qk"),
-    (dict(head_dim_vo=0), ValueError, "head_dim_vo"),
-    (dict(sm_scale=0.0), ValueError, "sm_scale"),
-    (dict(sm_scale=-0.1), ValueError, "sm_scale"),
-    (dict(sm_scale=float("inf")), ValueError, "sm_scale"),
-    (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
-    (dict(sm_scale="0.1"), ValueError, "sm_scale"),
-    (dict(dtype=torch.int32), TypeError, "dtype"),
-    (dict(dtype="bfloat16"), TypeError, "dtype"),
-    (dict(workspace="cpu"), TypeError, "workspace"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(num_heads=0), ValueError, "num_heads"),
+        (dict(num_heads=2.0), ValueError, "num_heads"),
+        (dict(head_dim_qk=-1), ValueError, "head_dim_qk"),
+        (dict(head_dim_vo=0), ValueError, "head_dim_vo"),
+        (dict(sm_scale=0.0), ValueError, "sm_scale"),
+        (dict(sm_scale=-0.1), ValueError, "sm_scale"),
+        (dict(sm_scale=float("inf")), ValueError, "sm_scale"),
+        (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+        (dict(sm_scale="0.1"), ValueError, "sm_scale"),
+        (dict(dtype=torch.int32), TypeError, "dtype"),
+        (dict(dtype="bfloat16"), TypeError, "dtype"),
+        (dict(workspace="cpu"), TypeError, "workspace"),
+    ],
+)
 def test_bad_plan_arguments(kwargs, exc, match):
-    args = dict(num_heads=H, head_dim_qk=D_QK, head_dim_vo=D_VO, causal=False, sm_scale=0.2, dtype=torch.float32,
-                workspace=Workspace("cpu"))
+    args = dict(
+        num_heads=H,
+        head_dim_qk=D_QK,
+        head_dim_vo=D_VO,
+        causal=False,
+        sm_scale=0.2,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         plan_ragged([0, 2, 5], [0, 4, 7], **args)
@@ -191,21 +229,44 @@ def test_float32_for_a_flashinfer_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # Workspace checks the device exists
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"flashinfer-fa3.*capability 9\.0.*float16/bfloat16"):
-        plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1,
-                    dtype=torch.float32, workspace=Workspace("cuda:0"), backend="flashinfer-fa3")
+        plan_ragged(
+            [0, 2],
+            [0, 2],
+            num_heads=2,
+            head_dim_qk=192,
+            head_dim_vo=128,
+            causal=True,
+            sm_scale=0.1,
+            dtype=torch.float32,
+            workspace=Workspace("cuda:0"),
+            backend="flashinfer-fa3",
+        )
     # and on the CPU a FlashInfer backend is refused outright
     with pytest.raises(ValueError, match="flashinfer-fa2.*no CUDA device"):
-        plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1,
-                    dtype=torch.bfloat16, workspace=Workspace("cpu"), backend="flashinfer-fa2")
+        plan_ragged(
+            [0, 2],
+            [0, 2],
+            num_heads=2,
+            head_dim_qk=192,
+            head_dim_vo=128,
+            causal=True,
+            sm_scale=0.1,
+            dtype=torch.bfloat16,
+            workspace=Workspace("cpu"),
+            backend="flashinfer-fa2",
+        )
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(float_workspace_bytes=0), "float_workspace_bytes"),
-    (dict(chunk_tokens=0), "chunk_tokens"),
-    (dict(chunk_tokens=1.5), "chunk_tokens"),
-    (dict(chunk_tokens=True), "chunk_tokens"),
-    (dict(max_float_workspace_bytes=-1), "max_float_workspace_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(float_workspace_bytes=0), "float_workspace_bytes"),
+        (dict(chunk_tokens=0), "chunk_tokens"),
+        (dict(chunk_tokens=1.5), "chunk_tokens"),
+        (dict(chunk_tokens=True), "chunk_tokens"),
+        (dict(max_float_workspace_bytes=-1), "max_float_workspace_bytes"),
+    ],
+)
 def test_bad_workspace(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Workspace("cpu", **kwargs)
@@ -221,10 +282,17 @@ Q_LENS, C_LENS, BS = [2, 3], [9, 5], 4
 @pytest.fixture
 def prefill(ref, tiny_dims):
     batch = ref.make_mla_batch(tiny_dims, Q_LENS, C_LENS, BS, seed=1)
-    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=BS,
-                             dtype=torch.float32)
-    args = dict(q=batch.q, kv_c=batch.kv_c, k_pe=batch.k_pe, kv_b_proj_weight=batch.w, kv_cache=batch.cache,
-                block_table=batch.block_table)
+    plan = PrefillPlan.build(
+        Q_LENS, C_LENS, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=BS, dtype=torch.float32
+    )
+    args = dict(
+        q=batch.q,
+        kv_c=batch.kv_c,
+        k_pe=batch.k_pe,
+        kv_b_proj_weight=batch.w,
+        kv_cache=batch.cache,
+        block_table=batch.block_table,
+    )
     return plan, args, batch
 
 
@@ -269,40 +337,43 @@ def _prefill_case(name, args, d, batch):
     return new
 
 
-@pytest.mark.parametrize("case,exc,match", [
-    ("q_one_more_row", ValueError, r"^q must be \[T=5 \(qo_indptr\[-1\]\)"),
-    ("q_one_less_row", ValueError, r"^q must be \[T=5 \(qo_indptr\[-1\]\)"),
-    ("q_heads", ValueError, r"^q must be \[T, H=4, head_dim_qk=24\]"),
-    ("q_head_dim", ValueError, r"^q must be \[T, H=4, head_dim_qk=24\]"),
-    ("kv_c_rows", ValueError, r"^kv_c must be \[T=5, kv_lora_rank=32\]"),
-    ("kv_c_rank", ValueError, r"^kv_c must be"),
-    ("k_pe_width", ValueError, r"^k_pe must be"),
-    ("k_pe_heads", ValueError, r"^k_pe must be"),
-    ("weight_shape", ValueError, r"^kv_b_proj_weight must be .*\[128, 32\]"),
-    ("weight_transposed", ValueError, r"^kv_b_proj_weight must be"),
-    ("cache_block_size", ValueError, r"^kv_cache must be \[num_blocks, block_size=4"),
-    ("cache_width", ValueError, r"^kv_cache must be"),
-    ("table_short", ValueError, r"^block_table row 0 has 2 blocks, too short for context_lens\[0\] = 9"),
-    ("table_float", TypeError, r"^block_table must hold integer"),
-    ("table_1d", ValueError, r"^block_table must be \[num_requests=2"),
-    ("table_rows", ValueError, r"^block_table must be \[num_requests=2"),
-    ("table_ids", ValueError, r"^block_table row 0 holds block ids outside"),
-    ("table_negative_id", ValueError, r"block_table row 0 holds block ids outside"),
-    ("cache_too_small", ValueError, r"^context_lens\[0\] = 9 tokens is longer than the cache"),
-    ("q_dtype", TypeError, r"^q must have dtype torch.float32"),
-    ("weight_dtype", TypeError, r"^kv_b_proj_weight must have dtype"),
-    ("cache_dtype", TypeError, r"^kv_cache must have dtype"),
-    ("q_device", ValueError, r"^q is on meta"),
-    ("cache_device", ValueError, r"^kv_cache is on meta"),
-    ("table_device", ValueError, r"^block_table is on meta"),
-    ("kv_c_not_tensor", TypeError, r"^kv_c must be a torch.Tensor"),
-    ("table_complex", TypeError, r"^block_table must hold integer block ids .*got torch.complex64"),
-    # torch has no min/max kernels for these: was an unnamed NotImplementedError ('"min_all" not implemented for
-    # 'UInt32''), raised from the block-id range check
-    ("table_uint32", TypeError, r"^block_table must hold integer block ids .*got torch.uint32"),
-    ("table_uint64", TypeError, r"^block_table must hold integer block ids .*got torch.uint64"),
-    ("q_sparse", TypeError, r"^q must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
-])
+@pytest.mark.parametrize(
+    "case,exc,match",
+    [
+        ("q_one_more_row", ValueError, r"^q must be \[T=5 \(qo_indptr\[-1\]\)"),
+        ("q_one_less_row", ValueError, r"^q must be \[T=5 \(qo_indptr\[-1\]\)"),
+        ("q_heads", ValueError, r"^q must be \[T, H=4, head_dim_qk=24\]"),
+        ("q_head_dim", ValueError, r"^q must be \[T, H=4, head_dim_qk=24\]"),
+        ("kv_c_rows", ValueError, r"^kv_c must be \[T=5, kv_lora_rank=32\]"),
+        ("kv_c_rank", ValueError, r"^kv_c must be"),
+        ("k_pe_width", ValueError, r"^k_pe must be"),
+        ("k_pe_heads", ValueError, r"^k_pe must be"),
+        ("weight_shape", ValueError, r"^kv_b_proj_weight must be .*\[128, 32\]"),
+        ("weight_transposed", ValueError, r"^kv_b_proj_weight must be"),
+        ("cache_block_size", ValueError, r"^kv_cache must be \[num_blocks, block_size=4"),
+        ("cache_width", ValueError, r"^kv_cache must be"),
+        ("table_short", ValueError, r"^block_table row 0 has 2 blocks, too short for context_lens\[0\] = 9"),
+        ("table_float", TypeError, r"^block_table must hold integer"),
+        ("table_1d", ValueError, r"^block_table must be \[num_requests=2"),
+        ("table_rows", ValueError, r"^block_table must be \[num_requests=2"),
+        ("table_ids", ValueError, r"^block_table row 0 holds block ids outside"),
+        ("table_negative_id", ValueError, r"block_table row 0 holds block ids outside"),
+        ("cache_too_small", ValueError, r"^context_lens\[0\] = 9 tokens is longer than the cache"),
+        ("q_dtype", TypeError, r"^q must have dtype torch.float32"),
+        ("weight_dtype", TypeError, r"^kv_b_proj_weight must have dtype"),
+        ("cache_dtype", TypeError, r"^kv_cache must have dtype"),
+        ("q_device", ValueError, r"^q is on meta"),
+        ("cache_device", ValueError, r"^kv_cache is on meta"),
+        ("table_device", ValueError, r"^block_table is on meta"),
+        ("kv_c_not_tensor", TypeError, r"^kv_c must be a torch.Tensor"),
+        ("table_complex", TypeError, r"^block_table must hold integer block ids .*got torch.complex64"),
+        # torch has no min/max kernels for these: was an unnamed NotImplementedError ('"min_all" not implemented for
+        # 'UInt32''), raised from the block-id range check
+        ("table_uint32", TypeError, r"^block_table must hold integer block ids .*got torch.uint32"),
+        ("table_uint64", TypeError, r"^block_table must hold integer block ids .*got torch.uint64"),
+        ("q_sparse", TypeError, r"^q must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    ],
+)
 def test_prefill_bad_inputs(prefill, tiny_dims, case, exc, match):
     plan, args, batch = prefill
     bad = _prefill_case(case, args, tiny_dims, batch)
@@ -312,13 +383,16 @@ def test_prefill_bad_inputs(prefill, tiny_dims, case, exc, match):
     assert_untouched(out)
 
 
-@pytest.mark.parametrize("out,exc,match", [
-    (torch.full((5, 4, 17), SENTINEL), ValueError, r"^out must be \[T=5, H=4, v_head_dim=16\]"),
-    (torch.full((6, 4, 16), SENTINEL), ValueError, r"^out must be \[T=5"),
-    (torch.full((5, 4, 16), SENTINEL, dtype=torch.float64), TypeError, r"^out must have dtype"),
-    (torch.empty(5, 4, 16, device="meta"), ValueError, r"^out is on meta"),
-    (torch.full((1, 4, 16), SENTINEL).expand(5, 4, 16), ValueError, r"^out must not overlap itself"),
-])
+@pytest.mark.parametrize(
+    "out,exc,match",
+    [
+        (torch.full((5, 4, 17), SENTINEL), ValueError, r"^out must be \[T=5, H=4, v_head_dim=16\]"),
+        (torch.full((6, 4, 16), SENTINEL), ValueError, r"^out must be \[T=5"),
+        (torch.full((5, 4, 16), SENTINEL, dtype=torch.float64), TypeError, r"^out must have dtype"),
+        (torch.empty(5, 4, 16, device="meta"), ValueError, r"^out is on meta"),
+        (torch.full((1, 4, 16), SENTINEL).expand(5, 4, 16), ValueError, r"^out must not overlap itself"),
+    ],
+)
 def test_prefill_bad_out(prefill, out, exc, match):
     plan, args, _ = prefill
     with pytest.raises(exc, match=match):
@@ -347,32 +421,39 @@ def test_prefill_good_inputs_pass(prefill, ref):
     ref.assert_out_close(out, ref.mla_reference(batch)[0], atol=3e-5)
 
 
-@pytest.mark.parametrize("query_lens,context_lens,exc,match", [
-    ([2, -1], [0, 0], ValueError, r"query_lens\[1\] = -1 is negative"),
-    ([2, 1], [0, -3], ValueError, r"context_lens\[1\] = -3 is negative"),
-    (torch.tensor([2, -1]), None, ValueError, r"query_lens\[1\] = -1 is negative"),
-    ([2, 1.0], None, TypeError, r"query_lens\[1\] must be an int"),
-    (torch.tensor([2.0, 1.0]), None, TypeError, r"query_lens must hold integers"),
-    (torch.tensor([[2, 1]]), None, ValueError, r"query_lens must be 1-D"),
-    ([2, 1], [0], ValueError, r"context_lens has 1 entries but query_lens has 2"),
-    ({0: 2, 1: 1}, None, TypeError, r"query_lens must be a sequence of ints \(one per request\), got dict"),
-    ([2, 1], {5, 3}, TypeError, r"context_lens must be a sequence of ints \(one per request\), got set"),
-])
+@pytest.mark.parametrize(
+    "query_lens,context_lens,exc,match",
+    [
+        ([2, -1], [0, 0], ValueError, r"query_lens\[1\] = -1 is negative"),
+        ([2, 1], [0, -3], ValueError, r"context_lens\[1\] = -3 is negative"),
+        (torch.tensor([2, -1]), None, ValueError, r"query_lens\[1\] = -1 is negative"),
+        ([2, 1.0], None, TypeError, r"query_lens\[1\] must be an int"),
+        (torch.tensor([2.0, 1.0]), None, TypeError, r"query_lens must hold integers"),
+        (torch.tensor([[2, 1]]), None, ValueError, r"query_lens must be 1-D"),
+        ([2, 1], [0], ValueError, r"context_lens has 1 entries but query_lens has 2"),
+        ({0: 2, 1: 1}, None, TypeError, r"query_lens must be a sequence of ints \(one per request\), got dict"),
+        ([2, 1], {5, 3}, TypeError, r"context_lens must be a sequence of ints \(one per request\), got set"),
+    ],
+)
 def test_bad_lengths(tiny_dims, query_lens, context_lens, exc, match):
     with pytest.raises(exc, match=match):
-        PrefillPlan.build(query_lens, context_lens, dims=tiny_dims, workspace=Workspace("cpu"), block_size=4,
-                          dtype=torch.float32)
+        PrefillPlan.build(
+            query_lens, context_lens, dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32
+        )
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(block_size=0), ValueError, "block_size"),
-    (dict(block_size=4.0), ValueError, "block_size"),
-    (dict(dims=(4, 32, 16, 8, 16)), TypeError, "dims"),
-    (dict(workspace=None), TypeError, "workspace"),
-    (dict(device="meta"), ValueError, r"device must be 'cpu' or 'cuda"),
-    (dict(backend="nope"), ValueError, "unknown backend"),
-    (dict(fuse_context="no"), TypeError, "^fuse_context must be a bool \\(True or False\\), got .* of type str"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(block_size=4.0), ValueError, "block_size"),
+        (dict(dims=(4, 32, 16, 8, 16)), TypeError, "dims"),
+        (dict(workspace=None), TypeError, "workspace"),
+        (dict(device="meta"), ValueError, r"device must be 'cpu' or 'cuda"),
+        (dict(backend="nope"), ValueError, "unknown backend"),
+        (dict(fuse_context="no"), TypeError, "^fuse_context must be a bool \\(True or False\\), got .* of type str"),
+    ],
+)
 def test_bad_plan_build(tiny_dims, kwargs, exc, match):
     args = dict(dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32)
     args.update(kwargs)
@@ -387,8 +468,15 @@ def test_prefill_plan_needs_build():
 
 def test_int64_and_numpy_lengths_are_fine(tiny_dims):
     import numpy as np
-    p1 = PrefillPlan.build(np.array([2, 1]), torch.tensor([3, 0]), dims=tiny_dims, workspace=Workspace("cpu"),
-                           block_size=4, dtype=torch.float32)
+
+    p1 = PrefillPlan.build(
+        np.array([2, 1]),
+        torch.tensor([3, 0]),
+        dims=tiny_dims,
+        workspace=Workspace("cpu"),
+        block_size=4,
+        dtype=torch.float32,
+    )
     assert p1.query_lens == [2, 1] and p1.context_lens == [3, 0]
 
 
@@ -422,8 +510,12 @@ def test_cuda_workspace_without_cuda_is_a_clear_error():
 
 def test_lengths_must_be_a_sequence():
     with pytest.raises(TypeError, match="query_lens must be a sequence of ints"):
-        PrefillPlan.build(5, dims=MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                          v_head_dim=8), workspace=Workspace("cpu"), block_size=4)
+        PrefillPlan.build(
+            5,
+            dims=MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+            workspace=Workspace("cpu"),
+            block_size=4,
+        )
 
 
 @pytest.mark.parametrize("source", ["q", "kv_cache", "kv_c"])
@@ -463,7 +555,7 @@ def test_prefill_refuses_an_out_sharing_memory_with_the_weight(prefill, tiny_dim
     else:
         weight = big[:n].view_as(batch.w).copy_(batch.w)
         flat = big
-        out = big[n - 3: n - 3 + t * h * vd].view(t, h, vd)  # overlaps the weight's last 3 elements
+        out = big[n - 3 : n - 3 + t * h * vd].view(t, h, vd)  # overlaps the weight's last 3 elements
     before = flat.clone()
     with pytest.raises(ValueError, match=r"^out shares memory with kv_b_proj_weight"):
         mla_prefill(**dict(args, kv_b_proj_weight=weight), plan=plan, out=out)
@@ -477,7 +569,7 @@ def test_prefill_accepts_an_out_next_to_its_inputs_in_one_buffer(prefill, tiny_d
     t, h, vd = sum(Q_LENS), d.num_heads, d.v_head_dim
     big = torch.empty(t * h * (d.head_dim_qk + vd))
     q = big[: t * h * d.head_dim_qk].view(t, h, d.head_dim_qk).copy_(batch.q)
-    out = big[t * h * d.head_dim_qk:].view(t, h, vd)
+    out = big[t * h * d.head_dim_qk :].view(t, h, vd)
     got = mla_prefill(**dict(args, q=q), plan=plan, out=out)
     want = mla_prefill(**args, plan=plan)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
@@ -494,8 +586,9 @@ def test_prefill_refuses_inputs_requiring_grad_while_autograd_records(ref, name)
 
     d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     batch = ref.make_mla_batch(d, [3, 4], [5, 9], 4, seed=3)
-    plan = PrefillPlan.build([3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(
+        [3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4, dtype=torch.float32
+    )
     args = dict(q=batch.q, kv_c=batch.kv_c, k_pe=batch.k_pe, kv_b_proj_weight=batch.w, kv_cache=batch.cache)
     want = mla_prefill(*args.values(), batch.block_table, plan)
     args[name] = args[name].clone().requires_grad_(True)
@@ -512,11 +605,21 @@ def test_prefill_refuses_inputs_requiring_grad_while_autograd_records(ref, name)
 def _small_ragged():
     """``(q/k/v dict, indptr, plan)`` of a small causal CPU batch (2 requests, 2 heads) for the autograd tests."""
     g = torch.Generator().manual_seed(1)
-    x = dict(q=torch.randn(6, 2, 24, generator=g), k=torch.randn(6, 2, 24, generator=g),
-             v=torch.randn(6, 2, 16, generator=g))
+    x = dict(
+        q=torch.randn(6, 2, 24, generator=g), k=torch.randn(6, 2, 24, generator=g), v=torch.randn(6, 2, 16, generator=g)
+    )
     ind = torch.tensor([0, 2, 6], dtype=torch.int32)
-    plan = plan_ragged(ind, ind, num_heads=2, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.2,
-                       dtype=torch.float32, workspace=Workspace("cpu"))
+    plan = plan_ragged(
+        ind,
+        ind,
+        num_heads=2,
+        head_dim_qk=24,
+        head_dim_vo=16,
+        causal=True,
+        sm_scale=0.2,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
     return x, ind, plan
 
 
@@ -546,13 +649,21 @@ def test_prefill_refuses_a_scale_or_prepared_weight_requiring_grad(ref, name):
 
     d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     batch = ref.make_mla_batch(d, [3, 4], [5, 9], 4, seed=3)
-    plan = PrefillPlan.build([3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4,
-                             dtype=torch.float32, kv_cache_dtype="fp8")
+    plan = PrefillPlan.build(
+        [3, 4],
+        [5, 9],
+        dims=d,
+        workspace=Workspace("cpu", chunk_tokens=6),
+        block_size=4,
+        dtype=torch.float32,
+        kv_cache_dtype="fp8",
+    )
     assert plan.chunks  # main pass first, then the context chunks (which read the scale)
     cache, scale = quantize_latent_cache(torch.nan_to_num(batch.cache))
     weights = [prepare_kv_b_proj(batch.w, d), prepare_kv_b_proj(batch.w, d, layout="identity")]
-    want = mla_prefill(batch.q, batch.kv_c, batch.k_pe, weights[0], cache, batch.block_table, plan,
-                       kv_cache_scale=scale)
+    want = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, weights[0], cache, batch.block_table, plan, kv_cache_scale=scale
+    )
     if name == "kv_cache_scale":
         calls = [(weights[0], scale.clone().requires_grad_(True))]
     else:
@@ -560,12 +671,12 @@ def test_prefill_refuses_a_scale_or_prepared_weight_requiring_grad(ref, name):
     for weight, s in calls:
         out = torch.full_like(want, 7.0)
         with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
-            mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, cache, batch.block_table, plan, out=out,
-                        kv_cache_scale=s)
+            mla_prefill(
+                batch.q, batch.kv_c, batch.k_pe, weight, cache, batch.block_table, plan, out=out, kv_cache_scale=s
+            )
         assert bool((out == 7.0).all()), "out was written before the error"
         with torch.no_grad():
-            got = mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, cache, batch.block_table, plan,
-                              kv_cache_scale=s)
+            got = mla_prefill(batch.q, batch.kv_c, batch.k_pe, weight, cache, batch.block_table, plan, kv_cache_scale=s)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -578,8 +689,10 @@ def test_ragged_run_refuses_an_out_or_lse_requiring_grad_while_autograd_records(
     x, ind, plan = _small_ragged()
     want = plan.run(**x)
     shape = (6, 2, 16) if name == "out" else (6, 2)
-    for buf in (torch.full(shape, SENTINEL, requires_grad=True),  # a leaf
-                torch.full(shape, SENTINEL, requires_grad=True) * 1):  # a non-leaf
+    for buf in (
+        torch.full(shape, SENTINEL, requires_grad=True),  # a leaf
+        torch.full(shape, SENTINEL, requires_grad=True) * 1,
+    ):  # a non-leaf
         with pytest.raises(ValueError, match=rf"^{name} requires grad and autograd is recording"):
             plan.run(**x, **{name: buf})
         with pytest.raises(ValueError, match=rf"^{name} requires grad"):
@@ -600,8 +713,9 @@ def test_forward_mode_tangents_are_refused_too(ref):
 
     d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     batch = ref.make_mla_batch(d, [3, 4], [5, 9], 4, seed=3)
-    plan = PrefillPlan.build([3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4,
-                             dtype=torch.float32)
+    plan = PrefillPlan.build(
+        [3, 4], [5, 9], dims=d, workspace=Workspace("cpu", chunk_tokens=6), block_size=4, dtype=torch.float32
+    )
     rest = (batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
     want = mla_prefill(batch.q, *rest)
     q, k, v, qo, kv = ragged_inputs()
@@ -620,8 +734,9 @@ def test_forward_mode_tangents_are_refused_too(ref):
                     mla_prefill(dual, *rest, out=out)
                 assert_untouched(out)
                 with pytest.raises(ValueError, match=r"^lse_b carries a forward-mode tangent"):
-                    merge_attn_states(want, torch.zeros(7, 2), want, fwAD.make_dual(torch.zeros(7, 2),
-                                                                                     torch.ones(7, 2)))
+                    merge_attn_states(
+                        want, torch.zeros(7, 2), want, fwAD.make_dual(torch.zeros(7, 2), torch.ones(7, 2))
+                    )
                 assert torch.equal(mla_prefill(fwAD.unpack_dual(dual).primal, *rest), want)
 
 
@@ -650,8 +765,9 @@ def test_mla_prefill_refuses_a_phase_hook_that_is_not_callable(ref, tiny_dims, h
     allocated or written. A falsy non-callable (0, "") is refused too, not taken for None."""
     q_lens, c_lens = [3, 2], [5, 9]
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=2)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4),
-                             block_size=4, dtype=torch.float32)
+    plan = PrefillPlan.build(
+        q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4, dtype=torch.float32
+    )
     args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
     for bad in (hook, 0, ""):
         out = sentinel_out(5, tiny_dims.num_heads, tiny_dims.v_head_dim)
@@ -667,6 +783,7 @@ def test_mla_prefill_refuses_a_phase_hook_that_is_not_callable(ref, tiny_dims, h
 # ragged attention: destinations that share memory with what the kernel reads
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _aliased(case):
     """(q, k, v, qo, kv, out, lse) of a self-attention batch (T = S, so out=v fits) with the destinations of
     ``case``: an out or lse that views an input, or an lse inside out."""
@@ -677,21 +794,25 @@ def _aliased(case):
     elif case == "out=v":
         out = v
     elif case == "out=k[..., D_QK - D_VO:]":
-        out = k[..., D_QK - D_VO:]
+        out = k[..., D_QK - D_VO :]
     elif case == "lse in q":
-        lse = q.view(-1)[5 * H: 10 * H].view(5, H)
+        lse = q.view(-1)[5 * H : 10 * H].view(5, H)
     elif case == "lse in out":
         out = torch.zeros(5, H, D_VO)
-        lse = out.view(-1)[-5 * H:].view(5, H)
+        lse = out.view(-1)[-5 * H :].view(5, H)
     elif case == "out overlaps itself":
         out = torch.zeros(1, H, D_VO).expand(5, H, D_VO)
     return q, k, v, qo, kv, out, lse
 
 
-ALIAS_CASES = [("out=q[..., :D_VO]", r"^out shares memory with q"), ("out=v", r"^out shares memory with v"),
-               ("out=k[..., D_QK - D_VO:]", r"^out shares memory with k"),
-               ("lse in q", r"^lse shares memory with q"), ("lse in out", r"^lse shares memory with out"),
-               ("out overlaps itself", r"^out must not overlap itself")]
+ALIAS_CASES = [
+    ("out=q[..., :D_VO]", r"^out shares memory with q"),
+    ("out=v", r"^out shares memory with v"),
+    ("out=k[..., D_QK - D_VO:]", r"^out shares memory with k"),
+    ("lse in q", r"^lse shares memory with q"),
+    ("lse in out", r"^lse shares memory with out"),
+    ("out overlaps itself", r"^out must not overlap itself"),
+]
 
 
 @pytest.mark.parametrize("case,match", ALIAS_CASES)

@@ -18,9 +18,15 @@ CONTEXT_LENS = [0, 37, 5, 9, 20]
 
 
 def _plan(dims, fuse, chunk_tokens=16, dtype=torch.float32):
-    return PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, dims=dims, workspace=Workspace("cpu", chunk_tokens=chunk_tokens
-                                                                                          if not fuse else 1000),
-                             block_size=8, dtype=dtype, fuse_context=fuse)
+    return PrefillPlan.build(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        dims=dims,
+        workspace=Workspace("cpu", chunk_tokens=chunk_tokens if not fuse else 1000),
+        block_size=8,
+        dtype=dtype,
+        fuse_context=fuse,
+    )
 
 
 def _run(batch, plan, weight):
@@ -34,8 +40,8 @@ def test_default_layout_is_split(tiny_dims):
     assert weights_mod.DEFAULT_LAYOUT == "split" and p.layout == "split"
     assert list(p.weight.shape) == [d.num_heads, d.v_head_dim + d.qk_nope_head_dim, d.kv_lora_rank]
     per_head = w.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
-    assert torch.equal(p.weight[:, :d.v_head_dim], per_head[:, d.qk_nope_head_dim:])  # v rows, then k_nope rows
-    assert torch.equal(p.weight[:, d.v_head_dim:], per_head[:, :d.qk_nope_head_dim])
+    assert torch.equal(p.weight[:, : d.v_head_dim], per_head[:, d.qk_nope_head_dim :])  # v rows, then k_nope rows
+    assert torch.equal(p.weight[:, d.v_head_dim :], per_head[:, : d.qk_nope_head_dim])
 
 
 def test_identity_layout_is_the_rearranged_weight(tiny_dims):
@@ -83,18 +89,18 @@ def test_split_layout_k_and_v(tiny_dims, dtype):
     d = tiny_dims
     g = torch.Generator().manual_seed(0)
     w = torch.randn(d.kv_b_proj_shape, generator=g).to(dtype)
-    latent = torch.randn(11, d.latent_dim + 8, generator=g).to(dtype)[:, 3:3 + d.latent_dim]  # strided rows
+    latent = torch.randn(11, d.latent_dim + 8, generator=g).to(dtype)[:, 3 : 3 + d.latent_dim]  # strided rows
     k_id, v_id = prepare_kv_b_proj(w, d, layout="identity").up_project(latent)
     k, v = prepare_kv_b_proj(w, d, layout="split").up_project(latent)
     assert k.shape == k_id.shape == (11, d.num_heads, d.head_dim_qk) and v.shape == v_id.shape
     # k_pe is copied exactly into every head, in both layouts
-    want_pe = latent[:, d.kv_lora_rank:].unsqueeze(1).expand(-1, d.num_heads, -1)
-    assert torch.equal(k[..., d.qk_nope_head_dim:], want_pe) and torch.equal(k_id[..., d.qk_nope_head_dim:], want_pe)
+    want_pe = latent[:, d.kv_lora_rank :].unsqueeze(1).expand(-1, d.num_heads, -1)
+    assert torch.equal(k[..., d.qk_nope_head_dim :], want_pe) and torch.equal(k_id[..., d.qk_nope_head_dim :], want_pe)
     # k_nope and v: the bare GEMM, within accumulation-order rounding
-    kv = (latent[:, :d.kv_lora_rank].double() @ w.double().t()).view(11, d.num_heads, -1)
+    kv = (latent[:, : d.kv_lora_rank].double() @ w.double().t()).view(11, d.num_heads, -1)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
-    torch.testing.assert_close(k[..., :d.qk_nope_head_dim].double(), kv[..., :d.qk_nope_head_dim], **tol)
-    torch.testing.assert_close(v.double(), kv[..., d.qk_nope_head_dim:], **tol)
+    torch.testing.assert_close(k[..., : d.qk_nope_head_dim].double(), kv[..., : d.qk_nope_head_dim], **tol)
+    torch.testing.assert_close(v.double(), kv[..., d.qk_nope_head_dim :], **tol)
     # one buffer, strided views the kernels read in place
     assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     assert _kernel_ready(k) and _kernel_ready(v)
@@ -109,7 +115,7 @@ def test_kv_c_and_k_pe_apart_equal_the_latent_rows(tiny_dims, layout):
     kv_c, k_pe = torch.randn(9, d.kv_lora_rank, generator=g), torch.randn(9, d.qk_rope_head_dim, generator=g)
     k, v = p.up_project(kv_c, k_pe)
     k_cat, v_cat = p.up_project(torch.cat([kv_c, k_pe], dim=-1))
-    assert torch.equal(k[..., d.qk_nope_head_dim:], k_cat[..., d.qk_nope_head_dim:])  # k_pe copied exactly
+    assert torch.equal(k[..., d.qk_nope_head_dim :], k_cat[..., d.qk_nope_head_dim :])  # k_pe copied exactly
     torch.testing.assert_close(k, k_cat, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v, v_cat, atol=1e-6, rtol=1e-6)
 
@@ -128,12 +134,14 @@ def test_split_gemm_runs_per_row_block(tiny_dims, monkeypatch):
     monkeypatch.setattr(weights_mod, "SPLIT_GEMM_ROWS", 4)
     k, v = p.up_project(latent)
     assert calls == [4, 4, 3]
-    kv = (latent[:, :d.kv_lora_rank] @ p.weight.transpose(1, 2)).transpose(0, 1)  # [N, H, v + nope], float64
-    torch.testing.assert_close(v, kv[..., :d.v_head_dim], atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(k[..., :d.qk_nope_head_dim], kv[..., d.v_head_dim:], atol=1e-12, rtol=1e-12)
+    kv = (latent[:, : d.kv_lora_rank] @ p.weight.transpose(1, 2)).transpose(0, 1)  # [N, H, v + nope], float64
+    torch.testing.assert_close(v, kv[..., : d.v_head_dim], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(k[..., : d.qk_nope_head_dim], kv[..., d.v_head_dim :], atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(k, k_one, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(v, v_one, atol=1e-12, rtol=1e-12)
-    assert torch.equal(k[..., d.qk_nope_head_dim:], latent[:, d.kv_lora_rank:].unsqueeze(1).expand(-1, d.num_heads, -1))
+    assert torch.equal(
+        k[..., d.qk_nope_head_dim :], latent[:, d.kv_lora_rank :].unsqueeze(1).expand(-1, d.num_heads, -1)
+    )
 
 
 def test_prepared_weight_is_not_prepared_again(ref, tiny_dims, monkeypatch):
@@ -166,8 +174,11 @@ def test_bad_inputs_are_named(ref, tiny_dims):
     wrong_dims = prepare_kv_b_proj(torch.randn(other.kv_b_proj_shape), other)
     with pytest.raises(ValueError, match="^kv_b_proj_weight was prepared for 2 heads.*the plan has 4 heads"):
         _run(batch, plan, wrong_dims)
-    with pytest.raises(TypeError, match=r"^kv_b_proj_weight must have dtype torch.float32 .*PreparedKVBProj of "
-                                        r"torch.float64"):
+    with pytest.raises(
+        TypeError,
+        match=r"^kv_b_proj_weight must have dtype torch.float32 .*PreparedKVBProj of "
+        r"torch.float64",
+    ):
         _run(batch, plan, prepare_kv_b_proj(batch.w.double(), d))
 
 
@@ -177,8 +188,10 @@ def test_memory_budget_leaves_out_a_prepared_weight(tiny_dims):
     weight_bytes = d.num_heads * (d.v_head_dim + d.qk_nope_head_dim) * d.kv_lora_rank * 4  # the split layout's
     assert prefill_memory_bytes(plan) - prefill_memory_bytes(plan, prepared_weight=True) == weight_bytes
     assert weight_bytes == prepare_kv_b_proj(torch.zeros(d.kv_b_proj_shape), d).nbytes
-    assert weights_mod.prepared_weight_elements(d, "identity") * 4 == prepare_kv_b_proj(
-        torch.zeros(d.kv_b_proj_shape), d, layout="identity").nbytes
+    assert (
+        weights_mod.prepared_weight_elements(d, "identity") * 4
+        == prepare_kv_b_proj(torch.zeros(d.kv_b_proj_shape), d, layout="identity").nbytes
+    )
 
 
 def interpreted_broadcast_cases():
@@ -186,8 +199,12 @@ def interpreted_broadcast_cases():
     from mla_bridge.kernels.broadcast import broadcast_heads_triton
 
     n_ok = 0
-    for n, heads, rope, dtype in ((37, 16, 64, torch.float16), (5, 20, 64, torch.bfloat16), (3, 3, 8, torch.float32),
-                                  (0, 4, 8, torch.float32)):
+    for n, heads, rope, dtype in (
+        (37, 16, 64, torch.float16),
+        (5, 20, 64, torch.bfloat16),
+        (3, 3, 8, torch.float32),
+        (0, 4, 8, torch.float32),
+    ):
         g = torch.Generator().manual_seed(n)
         latent = torch.randn(n, 40 + rope, generator=g).to(dtype)
         buf = torch.randn(n, heads, 2 * rope + 16, generator=g).to(dtype)
@@ -210,8 +227,9 @@ def interpreted_broadcast_cases():
 
 def test_broadcast_kernel_equals_torch_copy_interpreted(triton_interpreted):
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_broadcast_cases`."""
-    assert "ok 5" in triton_interpreted("tests.test_weights:interpreted_broadcast_cases",
-                                        "tests/gpu/test_gpu_up_project.py")
+    assert "ok 5" in triton_interpreted(
+        "tests.test_weights:interpreted_broadcast_cases", "tests/gpu/test_gpu_up_project.py"
+    )
 
 
 def test_up_project_names_a_bad_argument_before_any_work(tiny_dims):
@@ -260,18 +278,18 @@ def test_raw_weight_is_taken_as_it_is(tiny_dims):
     flat = weight.reshape(-1)
     for h in range(d.num_heads):
         for j in (0, d.qk_nope_head_dim - 1):
-            got = flat[(h * per_head + first_nope + j) * row:][:d.kv_lora_rank]
+            got = flat[(h * per_head + first_nope + j) * row :][: d.kv_lora_rank]
             assert torch.equal(got, gemm.weight[h, d.v_head_dim + j])
         for j in (0, d.v_head_dim - 1):
-            assert torch.equal(flat[(h * per_head + first_v + j) * row:][:d.kv_lora_rank], gemm.weight[h, j])
+            assert torch.equal(flat[(h * per_head + first_v + j) * row :][: d.kv_lora_rank], gemm.weight[h, j])
     for layout in weights_mod.LAYOUTS:  # the prepared layouts' addressing gives the same rows
         q = prepare_kv_b_proj(w, d, layout=layout)
         weight, row, per_head, first_nope, first_v = q._rows()
         flat = weight.reshape(-1)
         h, j = d.num_heads - 1, 3
-        got = flat[(h * per_head + first_nope + j) * row:][:d.kv_lora_rank]
+        got = flat[(h * per_head + first_nope + j) * row :][: d.kv_lora_rank]
         assert torch.equal(got, gemm.weight[h, d.v_head_dim + j])
-        assert torch.equal(flat[(h * per_head + first_v + j) * row:][:d.kv_lora_rank], gemm.weight[h, j])
+        assert torch.equal(flat[(h * per_head + first_v + j) * row :][: d.kv_lora_rank], gemm.weight[h, j])
 
 
 def test_raw_weight_not_at_unit_stride_is_prepared(tiny_dims):
@@ -311,14 +329,14 @@ def test_split_gemm_reads_latent_views_in_place(tiny_dims, monkeypatch):
     p = prepare_kv_b_proj(torch.randint(-3, 4, d.kv_b_proj_shape, generator=g).float(), d)
     latent = torch.randint(-3, 4, (11, d.latent_dim), generator=g).float()
     wide = torch.randint(-3, 4, (13, d.latent_dim + 7), generator=g).float()
-    wide[2:, 3:3 + d.latent_dim] = latent
-    view = wide[2:, 3:3 + d.latent_dim]
+    wide[2:, 3 : 3 + d.latent_dim] = latent
+    view = wide[2:, 3 : 3 + d.latent_dim]
     assert view.storage_offset() > 0 and view.stride(0) == d.latent_dim + 7
     monkeypatch.setattr(weights_mod, "SPLIT_GEMM_ROWS", 4)
     k, v = p.up_project(latent)
     kv, vv = p.up_project(view)
     assert torch.equal(k, kv) and torch.equal(v, vv)
-    kn, vn = p.up_project(view[:, :d.kv_lora_rank], view[:, d.kv_lora_rank:])  # kv_c and k_pe apart
+    kn, vn = p.up_project(view[:, : d.kv_lora_rank], view[:, d.kv_lora_rank :])  # kv_c and k_pe apart
     assert torch.equal(k, kn) and torch.equal(v, vn)
 
 
@@ -343,8 +361,10 @@ def test_held_checkpoint_weight_sees_an_in_place_update(ref, tiny_dims, fuse):
     w.zero_()
     k0, v0 = held.up_project(latent)
     assert v.abs().max() > 0 and torch.equal(v0, torch.zeros_like(v0))
-    assert torch.equal(k0[..., tiny_dims.qk_nope_head_dim:], latent[:, tiny_dims.kv_lora_rank:].unsqueeze(1)
-                       .expand(-1, tiny_dims.num_heads, -1))
+    assert torch.equal(
+        k0[..., tiny_dims.qk_nope_head_dim :],
+        latent[:, tiny_dims.kv_lora_rank :].unsqueeze(1).expand(-1, tiny_dims.num_heads, -1),
+    )
 
 
 def _unreadable_prepared_weights(d):
@@ -354,10 +374,13 @@ def _unreadable_prepared_weights(d):
     ident = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape), d, layout="identity").weight
     h, rows, r = split.shape
     odd = torch.randn(h * (rows * r + 1)).as_strided(split.shape, (rows * r + 1, r, 1))  # heads 1 element off
-    return [("split", split.transpose(1, 2).contiguous().transpose(1, 2)),
-            ("split", split.permute(1, 2, 0).contiguous().permute(2, 0, 1)),
-            ("split", odd), ("split", split[:, :1].expand(h, rows, r)),
-            ("identity", ident.t().contiguous().t())]
+    return [
+        ("split", split.transpose(1, 2).contiguous().transpose(1, 2)),
+        ("split", split.permute(1, 2, 0).contiguous().permute(2, 0, 1)),
+        ("split", odd),
+        ("split", split[:, :1].expand(h, rows, r)),
+        ("identity", ident.t().contiguous().t()),
+    ]
 
 
 def test_prepared_weight_must_be_readable_by_the_fused_kernel(tiny_dims):
@@ -370,8 +393,8 @@ def test_prepared_weight_must_be_readable_by_the_fused_kernel(tiny_dims):
             PreparedKVBProj(d, layout, w)
     split = prepare_kv_b_proj(torch.randn(d.kv_b_proj_shape), d).weight
     padded = torch.randn(d.num_heads, split.shape[1] + 3, d.kv_lora_rank)
-    padded[:, :split.shape[1]] = split
-    p = PreparedKVBProj(d, "split", padded[:, :split.shape[1]])  # heads 3 rows apart: addressable
+    padded[:, : split.shape[1]] = split
+    p = PreparedKVBProj(d, "split", padded[:, : split.shape[1]])  # heads 3 rows apart: addressable
     latent = torch.randn(6, d.latent_dim)
     k, v = p.up_project(latent)
     k0, v0 = PreparedKVBProj(d, "split", split).up_project(latent)
@@ -395,12 +418,12 @@ def interpreted_prepared_view_cases() -> str:
         shape = ref.weight.shape
         views = []
         big = torch.randn(*shape[:-1], shape[-1] + 5, generator=g)
-        big[..., 2:2 + shape[-1]] = ref.weight
-        views.append(big[..., 2:2 + shape[-1]])  # padded rows, offset
+        big[..., 2 : 2 + shape[-1]] = ref.weight
+        views.append(big[..., 2 : 2 + shape[-1]])  # padded rows, offset
         if layout == "split":
             heads = torch.randn(shape[0], shape[1] + 3, shape[2], generator=g)
-            heads[:, 1:1 + shape[1]] = ref.weight
-            views.append(heads[:, 1:1 + shape[1]])  # padded heads, offset
+            heads[:, 1 : 1 + shape[1]] = ref.weight
+            views.append(heads[:, 1 : 1 + shape[1]])  # padded heads, offset
         want = KV.new_tokens_kv(kv_c, k_pe, ref, nothing, "fused")
         for view in views:
             got = KV.new_tokens_kv(kv_c, k_pe, PreparedKVBProj(d, layout, view), nothing, "fused")
@@ -418,8 +441,11 @@ def test_sparse_raw_weight_is_refused_by_name(tiny_dims):
     """prepare_kv_b_proj / as_prepared name a sparse weight (they raised torch's "reshape is not implemented for
     sparse tensors")."""
     w = torch.randn(tiny_dims.kv_b_proj_shape).to_sparse()
-    with pytest.raises(TypeError, match=r"^kv_b_proj_weight must be a dense \(strided\) tensor, got layout "
-                                        r"torch.sparse_coo"):
+    with pytest.raises(
+        TypeError,
+        match=r"^kv_b_proj_weight must be a dense \(strided\) tensor, got layout "
+        r"torch.sparse_coo",
+    ):
         prepare_kv_b_proj(w, tiny_dims)
     with pytest.raises(TypeError, match=r"^w must be a dense \(strided\) tensor"):
         weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu"), name="w")
@@ -431,8 +457,10 @@ def test_prepared_weight_is_freed_when_dropped(tiny_dims):
     import gc
     import weakref
 
-    for make in (lambda w: prepare_kv_b_proj(w, tiny_dims),
-                 lambda w: weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu"))):
+    for make in (
+        lambda w: prepare_kv_b_proj(w, tiny_dims),
+        lambda w: weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu")),
+    ):
         p = make(torch.randn(tiny_dims.kv_b_proj_shape))
         p._gemm_form()
         ref = weakref.ref(p)
@@ -453,14 +481,17 @@ def test_up_project_refuses_inputs_requiring_grad_while_autograd_records(tiny_di
     d = tiny_dims
     g = torch.Generator().manual_seed(4)
     raw = torch.randn(d.kv_b_proj_shape, generator=g)
-    w = PreparedKVBProj(d, layout, raw) if layout == weights_mod.CHECKPOINT_LAYOUT else \
-        prepare_kv_b_proj(raw, d, layout=layout)
+    w = (
+        PreparedKVBProj(d, layout, raw)
+        if layout == weights_mod.CHECKPOINT_LAYOUT
+        else prepare_kv_b_proj(raw, d, layout=layout)
+    )
     latent = torch.randn(5, d.latent_dim, generator=g)
     want = w.up_project(latent)
     with pytest.raises(ValueError, match=r"^latent requires grad and autograd is recording"):
         w.up_project(latent.clone().requires_grad_(True))
     with pytest.raises(ValueError, match=r"^k_pe requires grad and autograd is recording"):
-        w.up_project(latent[:, :d.kv_lora_rank], latent[:, d.kv_lora_rank:].clone().requires_grad_(True))
+        w.up_project(latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank :].clone().requires_grad_(True))
     trainable = PreparedKVBProj(d, w.layout, w.weight.clone().requires_grad_(True))
     with pytest.raises(ValueError, match=r"^weight requires grad and autograd is recording"):
         trainable.up_project(latent)
@@ -469,7 +500,9 @@ def test_up_project_refuses_inputs_requiring_grad_while_autograd_records(tiny_di
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("bad,error", [(torch.zeros(3, 3), ValueError), (torch.zeros(4, 4, dtype=torch.int32), TypeError)])
+@pytest.mark.parametrize(
+    "bad,error", [(torch.zeros(3, 3), ValueError), (torch.zeros(4, 4, dtype=torch.int32), TypeError)]
+)
 def test_up_projection_weight_names_a_bad_weight(tiny_dims, bad, error):
     """up_projection_weight is public: a weight of another shape or dtype gets the error prepare_kv_b_proj gives,
     naming the argument (a bare reshape RuntimeError before)."""

@@ -56,7 +56,7 @@ def records(gpu):
 def test_a_reused_wrapper_records_its_plan_event_again_once_the_gpu_is_done(gpu):
     ws = Workspace("cuda:0")
     a = plan(ws, [0, 4])
-    (stream, event_a), = records(gpu)
+    ((stream, event_a),) = records(gpu)
     w = wrapper_of(a)
     del a
     gc.collect()

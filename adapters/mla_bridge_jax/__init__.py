@@ -21,16 +21,27 @@ import gc
 try:
     import jax
 except ImportError as err:  # a clear error naming the framework and the extra, not one from deep inside
-    raise ImportError("mla_bridge_jax needs JAX, which is not installed here: pip install 'mla-bridge[jax]' "
-                      "(or 'mla-bridge[jax-ffi]' for the compiled jit route on CUDA)") from err
+    raise ImportError(
+        "mla_bridge_jax needs JAX, which is not installed here: pip install 'mla-bridge[jax]' "
+        "(or 'mla-bridge[jax-ffi]' for the compiled jit route on CUDA)"
+    ) from err
 
 from mla_bridge import MLADims, Workspace
 
 from . import _interop, api
 from ._interop import from_torch
 from ._interop import to_torch as _to_torch
-from .api import (ENV_JIT_ROUTE, JIT_ROUTES, InferenceOnlyError, build_plan, mla_prefill, plan_ragged,
-                  prepare_kv_b_proj, ragged_prefill, run_ragged)
+from .api import (
+    ENV_JIT_ROUTE,
+    JIT_ROUTES,
+    InferenceOnlyError,
+    build_plan,
+    mla_prefill,
+    plan_ragged,
+    prepare_kv_b_proj,
+    ragged_prefill,
+    run_ragged,
+)
 from . import reference
 from .sharding import build_sharded_plans, head_shardings, sharded_mla_prefill, sharded_ragged_prefill, shard_map
 
@@ -61,8 +72,23 @@ def _release_at_exit() -> None:
 atexit.register(_release_at_exit)
 
 __all__ = [
-    "ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill", "from_torch",
+    "ragged_prefill",
+    "plan_ragged",
+    "run_ragged",
+    "build_plan",
+    "prepare_kv_b_proj",
+    "mla_prefill",
+    "from_torch",
     "to_torch",
-    "reference", "sharded_ragged_prefill", "sharded_mla_prefill", "build_sharded_plans", "head_shardings", "shard_map", "InferenceOnlyError", "JIT_ROUTES",
-    "ENV_JIT_ROUTE", "MLADims", "Workspace",
+    "reference",
+    "sharded_ragged_prefill",
+    "sharded_mla_prefill",
+    "build_sharded_plans",
+    "head_shardings",
+    "shard_map",
+    "InferenceOnlyError",
+    "JIT_ROUTES",
+    "ENV_JIT_ROUTE",
+    "MLADims",
+    "Workspace",
 ]

@@ -29,8 +29,21 @@ import jax
 import jax.numpy as jnp
 import torch
 
-__all__ = ["to_torch", "to_jax", "from_torch", "torch_dtype", "jax_dtype", "torch_device_of", "default_torch_device",
-           "is_tracer", "check_array", "host_values", "buffer_device", "xla_stream", "order_xla_after_torch"]
+__all__ = [
+    "to_torch",
+    "to_jax",
+    "from_torch",
+    "torch_dtype",
+    "jax_dtype",
+    "torch_device_of",
+    "default_torch_device",
+    "is_tracer",
+    "check_array",
+    "host_values",
+    "buffer_device",
+    "xla_stream",
+    "order_xla_after_torch",
+]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
 
@@ -72,8 +85,9 @@ def check_array(name: str, x: Any) -> None:
         return
     if isinstance(x, jax.Array):
         if x.is_deleted():  # donated or deleted: its buffer is gone (was a TypeError about NoneType)
-            raise ValueError(f"{name} has been deleted (donated to another computation or deleted); pass a live "
-                             f"jax.Array")
+            raise ValueError(
+                f"{name} has been deleted (donated to another computation or deleted); pass a live jax.Array"
+            )
         return
     hint = ""
     if isinstance(x, torch.Tensor):
@@ -94,15 +108,23 @@ def host_values(name: str, x: Any, *, where: str) -> Any:
         raise TypeError(
             f"{name} is a traced JAX value, but {where} needs it on the host (plan metadata is static): pass {name} "
             f"as a Python list or numpy array (closed over, or a static argument of jax.jit), or build the plan "
-            f"outside the traced function (mla_bridge_jax.plan_ragged / mla_bridge_jax.build_plan)")
+            f"outside the traced function (mla_bridge_jax.plan_ragged / mla_bridge_jax.build_plan)"
+        )
     if isinstance(x, jax.Array):
         return np.asarray(x)
     return x
 
 
 _TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
-    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
     "bool": torch.bool,
 }
 
@@ -151,11 +173,14 @@ def torch_device_of(device: Any) -> torch.device:
             hw = getattr(device, "local_hardware_id", None)
             dev = torch.device("cuda", int(device.id if hw is None else hw))
         else:
-            raise ValueError(f"JAX device {device!r} (platform {platform!r}) is not one mla_bridge can run on "
-                             f"(CPU or CUDA)")
+            raise ValueError(
+                f"JAX device {device!r} (platform {platform!r}) is not one mla_bridge can run on (CPU or CUDA)"
+            )
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"the JAX arrays live on {dev}, but this torch build has no CUDA "
-                         f"(torch {torch.__version__}); install a CUDA build of torch")
+        raise ValueError(
+            f"the JAX arrays live on {dev}, but this torch build has no CUDA "
+            f"(torch {torch.__version__}); install a CUDA build of torch"
+        )
     return dev
 
 
@@ -182,8 +207,10 @@ def to_torch(name: str, x: Any) -> torch.Tensor:
     check_array(name, x)
     devices = x.sharding.device_set
     if len(devices) != 1:
-        raise ValueError(f"{name} is spread over {len(devices)} devices; split the heads over them with "
-                         f"mla_bridge_jax.sharded_ragged_prefill / sharded_mla_prefill (or call under jax.jit)")
+        raise ValueError(
+            f"{name} is spread over {len(devices)} devices; split the heads over them with "
+            f"mla_bridge_jax.sharded_ragged_prefill / sharded_mla_prefill (or call under jax.jit)"
+        )
     return torch.from_dlpack(x)
 
 
@@ -260,6 +287,7 @@ def from_torch(t: torch.Tensor) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------------
 # Inside an XLA callback
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def buffer_device(buf: Any) -> torch.device:
     """The torch device of an XLA FFI buffer (``__dlpack_device__``: (1, _) CPU, (2, ordinal) CUDA)."""

@@ -43,12 +43,33 @@ from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Worksp
 from mla_bridge.ragged import _not_a_bool
 from mla_bridge.workspace import default_workspace
 
-from ._interop import (buffer_device, check_array, default_torch_device, host_values, is_tracer, jax_dtype,
-                       max_plans_from_env, order_xla_after_torch, to_jax, to_torch, torch_device_of, torch_dtype,
-                       xla_stream)
+from ._interop import (
+    buffer_device,
+    check_array,
+    default_torch_device,
+    host_values,
+    is_tracer,
+    jax_dtype,
+    max_plans_from_env,
+    order_xla_after_torch,
+    to_jax,
+    to_torch,
+    torch_device_of,
+    torch_dtype,
+    xla_stream,
+)
 
-__all__ = ["ragged_prefill", "plan_ragged", "run_ragged", "build_plan", "prepare_kv_b_proj", "mla_prefill",
-           "JIT_ROUTES", "ENV_JIT_ROUTE", "InferenceOnlyError"]
+__all__ = [
+    "ragged_prefill",
+    "plan_ragged",
+    "run_ragged",
+    "build_plan",
+    "prepare_kv_b_proj",
+    "mla_prefill",
+    "JIT_ROUTES",
+    "ENV_JIT_ROUTE",
+    "InferenceOnlyError",
+]
 
 #: Routes a traced call can take: "buffer_callback" (any platform) and "tvm_ffi" (CUDA, FlashInfer fa2/fa3 plans,
 #: needs jax-tvm-ffi); "auto" picks tvm_ffi when it can serve, else buffer_callback.
@@ -75,7 +96,8 @@ def _inference_only(fn: Callable, what: str) -> Callable:
     def _jvp(primals, tangents):
         raise InferenceOnlyError(
             f"{what} is inference only: it has no gradient (FlashInfer's ragged prefill has no backward pass "
-            f"here). Wrap its inputs in jax.lax.stop_gradient if you differentiate a larger function through it.")
+            f"here). Wrap its inputs in jax.lax.stop_gradient if you differentiate a larger function through it."
+        )
 
     return wrapped
 
@@ -128,8 +150,10 @@ class _Plans:
             if plan is not None:
                 return plan
             (have,) = self._plans
-            raise ValueError(f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
-                             f"build the plan for that device (device=...)")
+            raise ValueError(
+                f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
+                f"build the plan for that device (device=...)"
+            )
         key = (id(self), device)
         with _traced_lock:
             plan = _traced_plans.get(key)
@@ -190,12 +214,18 @@ def _route(requested: Optional[str], plan: Any) -> str:
 # ragged attention
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _ragged_callback(plans: _Plans) -> Callable:
     def callback(ctx, outs, q, k, v):
         out, lse = outs
         with xla_stream(ctx, buffer_device(q), plans.get) as plan:
-            plan.run(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v),
-                     out=torch.from_dlpack(out), lse=torch.from_dlpack(lse))
+            plan.run(
+                torch.from_dlpack(q),
+                torch.from_dlpack(k),
+                torch.from_dlpack(v),
+                out=torch.from_dlpack(out),
+                lse=torch.from_dlpack(lse),
+            )
 
     return callback
 
@@ -204,8 +234,10 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
     """Validate against ``plan`` now (host, trace time), then emit one custom call."""
     plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))  # type: ignore[arg-type]  # q, k, v
     s = plan.spec
-    out_types = (jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
-                 jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads), jnp.float32))
+    out_types = (
+        jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
+        jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads), jnp.float32),
+    )
     call = None
     route = _route(jit_route, plan)
     if route == "tvm_ffi":
@@ -235,9 +267,18 @@ def _heads_dims(q, v) -> tuple[int, int, int]:
     return q.shape[1], q.shape[2], v.shape[2]
 
 
-def ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_indptr: Any, *, causal: bool,
-                   sm_scale: float, backend: Optional[str] = None, jit_route: Optional[str] = None
-                   ) -> tuple[jax.Array, jax.Array]:
+def ragged_prefill(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    qo_indptr: Any,
+    kv_indptr: Any,
+    *,
+    causal: bool,
+    sm_scale: float,
+    backend: Optional[str] = None,
+    jit_route: Optional[str] = None,
+) -> tuple[jax.Array, jax.Array]:
     """Ragged (packed-batch) attention, MLA prefill shapes, as :func:`mla_bridge.ragged_prefill`.
 
     Args:
@@ -275,18 +316,38 @@ def ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_
     heads, d_qk, d_vo = _heads_dims(q, v)
 
     def make(device: torch.device) -> RaggedPlan:
-        return _core.plan_ragged(qo, kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal,
-                                 sm_scale=sm_scale, dtype=torch_dtype(q.dtype), workspace=default_workspace(device),
-                                 backend=backend)
+        return _core.plan_ragged(
+            qo,
+            kv,
+            num_heads=heads,
+            head_dim_qk=d_qk,
+            head_dim_vo=d_vo,
+            causal=causal,
+            sm_scale=sm_scale,
+            dtype=torch_dtype(q.dtype),
+            workspace=default_workspace(device),
+            backend=backend,
+        )
 
     plans = _Plans(make)
     plan = plans.get(default_torch_device())
     return _ragged_traced(plans, plan, q, k, v, jit_route)
 
 
-def plan_ragged(qo_indptr: Any, kv_indptr: Any, *, num_heads: int, head_dim_qk: int, head_dim_vo: int, causal: bool,
-                sm_scale: float, dtype: Any = jnp.bfloat16, device: Any = None, workspace: Optional[Workspace] = None,
-                backend: Optional[str] = None) -> RaggedPlan:
+def plan_ragged(
+    qo_indptr: Any,
+    kv_indptr: Any,
+    *,
+    num_heads: int,
+    head_dim_qk: int,
+    head_dim_vo: int,
+    causal: bool,
+    sm_scale: float,
+    dtype: Any = jnp.bfloat16,
+    device: Any = None,
+    workspace: Optional[Workspace] = None,
+    backend: Optional[str] = None,
+) -> RaggedPlan:
     """Plan a ragged batch once, outside ``jax.jit`` (the core's :func:`mla_bridge.plan_ragged`); run it per layer
     with :func:`run_ragged`, eagerly or inside jit.
 
@@ -307,13 +368,23 @@ def plan_ragged(qo_indptr: Any, kv_indptr: Any, *, num_heads: int, head_dim_qk: 
         workspace = default_workspace(default_torch_device() if device is None else torch_device_of(device))
     elif device is not None and torch_device_of(device) != workspace.device:
         raise ValueError(f"device {torch_device_of(device)} differs from the workspace's device {workspace.device}")
-    return _core.plan_ragged(qo, kv, num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-                             causal=causal, sm_scale=sm_scale, dtype=torch_dtype(dtype), workspace=workspace,
-                             backend=backend)
+    return _core.plan_ragged(
+        qo,
+        kv,
+        num_heads=num_heads,
+        head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        causal=causal,
+        sm_scale=sm_scale,
+        dtype=torch_dtype(dtype),
+        workspace=workspace,
+        backend=backend,
+    )
 
 
-def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, jit_route: Optional[str] = None
-               ) -> tuple[jax.Array, jax.Array]:
+def run_ragged(
+    plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, jit_route: Optional[str] = None
+) -> tuple[jax.Array, jax.Array]:
     """Run a :func:`plan_ragged` plan: ``(out [T, H, head_dim_vo], lse [T, H] float32 natural log)``.
 
     Eagerly or inside ``jax.jit`` (close over the plan; the compiled function reuses it on every call).
@@ -323,8 +394,9 @@ def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, ji
         ValueError / TypeError: the core's :meth:`mla_bridge.RaggedPlan.validate`, before anything runs.
     """
     if not isinstance(plan, RaggedPlan):
-        raise TypeError(f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), "
-                        f"got {type(plan).__name__}")
+        raise TypeError(
+            f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), got {type(plan).__name__}"
+        )
     _check_qkv(q, k, v)
     _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
     if not any(is_tracer(x) for x in (q, k, v)):
@@ -338,9 +410,20 @@ def run_ragged(plan: RaggedPlan, q: jax.Array, k: jax.Array, v: jax.Array, *, ji
 # MLA prefill (latent cache, up-projection, context chunks)
 # ---------------------------------------------------------------------------------------------------------------
 
-def build_plan(query_lens: Any, context_lens: Any = None, *, dims: MLADims, block_size: int, dtype: Any = jnp.bfloat16,
-               device: Any = None, workspace: Optional[Workspace] = None, backend: Optional[str] = None,
-               fuse_context: bool = True, kv_cache_dtype: Any = None) -> PrefillPlan:
+
+def build_plan(
+    query_lens: Any,
+    context_lens: Any = None,
+    *,
+    dims: MLADims,
+    block_size: int,
+    dtype: Any = jnp.bfloat16,
+    device: Any = None,
+    workspace: Optional[Workspace] = None,
+    backend: Optional[str] = None,
+    fuse_context: bool = True,
+    kv_cache_dtype: Any = None,
+) -> PrefillPlan:
     """The core's :meth:`mla_bridge.PrefillPlan.build` from host lengths, for :func:`mla_prefill`; build it once per
     batch, outside ``jax.jit``, and share it across layers.
 
@@ -364,10 +447,18 @@ def build_plan(query_lens: Any, context_lens: Any = None, *, dims: MLADims, bloc
     c_lens = c_lens.tolist() if hasattr(c_lens, "tolist") else c_lens  # type: ignore[union-attr]  # None: no tolist
     if workspace is None:
         workspace = default_workspace(default_torch_device() if device is None else torch_device_of(device))
-    return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=block_size,
-                             device=None if device is None else torch_device_of(device), dtype=torch_dtype(dtype),
-                             backend=backend, fuse_context=fuse_context,
-                             kv_cache_dtype=_cache_dtype(kv_cache_dtype))
+    return PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=workspace,
+        block_size=block_size,
+        device=None if device is None else torch_device_of(device),
+        dtype=torch_dtype(dtype),
+        backend=backend,
+        fuse_context=fuse_context,
+        kv_cache_dtype=_cache_dtype(kv_cache_dtype),
+    )
 
 
 def _cache_dtype(dtype: Any) -> Any:
@@ -398,8 +489,10 @@ def prepare_kv_b_proj(kv_b_proj_weight: jax.Array, dims: MLADims, *, layout: Opt
     """
     check_array("kv_b_proj_weight", kv_b_proj_weight)
     if is_tracer(kv_b_proj_weight):
-        raise TypeError("mla_bridge_jax.prepare_kv_b_proj: kv_b_proj_weight is traced; prepare the weight once, "
-                        "outside jax.jit, at load time")
+        raise TypeError(
+            "mla_bridge_jax.prepare_kv_b_proj: kv_b_proj_weight is traced; prepare the weight once, "
+            "outside jax.jit, at load time"
+        )
     prepared = _core.prepare_kv_b_proj(to_torch("kv_b_proj_weight", kv_b_proj_weight), dims, layout=layout)
     if prepared.device.type == "cuda":
         torch.cuda.current_stream(prepared.device).synchronize()  # load time: ready before XLA's stream reads it
@@ -441,12 +534,15 @@ def _mla_callback(plans: dict, scale: Any = None, prepared: Optional[PreparedKVB
     """The traced call's body; ``plans``: torch device -> its PrefillPlan (one entry, or one per device of a
     ``shard_map``); ``scale``: a Python float closed over, or None (no scale, or the scale is the last buffer: read on
     the device); ``prepared``: the prepared weight, a constant of the compiled function (not one of XLA's buffers)."""
+
     def get_plan(device: torch.device) -> PrefillPlan:
         plan = plans.get(device)
         if plan is None:
-            raise ValueError(f"mla_bridge_jax.mla_prefill: the plan is for {', '.join(map(str, plans))}, but XLA ran "
-                             f"the call on {device}; build the plan for that device (under shard_map: "
-                             f"mla_bridge_jax.build_sharded_plans)")
+            raise ValueError(
+                f"mla_bridge_jax.mla_prefill: the plan is for {', '.join(map(str, plans))}, but XLA ran "
+                f"the call on {device}; build the plan for that device (under shard_map: "
+                f"mla_bridge_jax.build_sharded_plans)"
+            )
         return plan
 
     def callback(ctx, outs, *args):
@@ -474,20 +570,41 @@ def _plans_by_device(plan: Any) -> dict:
     if isinstance(plan, Mapping) and plan and all(isinstance(p, PrefillPlan) for p in plan.values()):
         plans = {p.device: p for p in plan.values()}
         first = next(iter(plans.values()))
-        key = lambda p: (p.query_lens, p.context_lens, p.dims, p.dtype, p.kv_cache_dtype, p.block_size,  # noqa: E731
-                         p.fused, len(p.chunks))
+        key = lambda p: (  # noqa: E731
+            p.query_lens,
+            p.context_lens,
+            p.dims,
+            p.dtype,
+            p.kv_cache_dtype,
+            p.block_size,
+            p.fused,
+            len(p.chunks),
+        )
         for p in plans.values():
             if key(p) != key(first):
-                raise ValueError("mla_bridge_jax.mla_prefill: per-device plans must agree on everything but the "
-                                 f"device, got {first!r} and {p!r}")
+                raise ValueError(
+                    "mla_bridge_jax.mla_prefill: per-device plans must agree on everything but the "
+                    f"device, got {first!r} and {p!r}"
+                )
         return plans
-    raise TypeError(f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan) or a mapping of "
-                    f"per-device plans (mla_bridge_jax.build_sharded_plans), got {type(plan).__name__}")
+    raise TypeError(
+        f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan) or a mapping of "
+        f"per-device plans (mla_bridge_jax.build_sharded_plans), got {type(plan).__name__}"
+    )
 
 
-def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: "jax.Array | PreparedKVBProj",
-                kv_cache: jax.Array, block_table: jax.Array, plan: PrefillPlan, *, return_lse: bool = False,
-                kv_cache_scale: Any = None):
+def mla_prefill(
+    q: jax.Array,
+    kv_c: jax.Array,
+    k_pe: jax.Array,
+    kv_b_proj_weight: "jax.Array | PreparedKVBProj",
+    kv_cache: jax.Array,
+    block_table: jax.Array,
+    plan: PrefillPlan,
+    *,
+    return_lse: bool = False,
+    kv_cache_scale: Any = None,
+):
     """MLA prefill attention of one layer, as :func:`mla_bridge.mla_prefill` (same shapes and conventions).
 
     Args:
@@ -540,20 +657,30 @@ def mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight
         scale = to_torch("kv_cache_scale", kv_cache_scale) if scale_array else kv_cache_scale
         tensors = core_args(to_torch)
         # tensors: the six inputs before the plan (mypy cannot tell a list's length)
-        result = _core.mla_prefill(*tensors, plans.get(tensors[0].device, plan),  # type: ignore[call-arg]
-                                   return_lse=return_lse, kv_cache_scale=scale)
+        result = _core.mla_prefill(
+            *tensors,
+            plans.get(tensors[0].device, plan),  # type: ignore[call-arg]
+            return_lse=return_lse,
+            kv_cache_scale=scale,
+        )
         order_xla_after_torch(tensors[0].device)  # nor the inputs (the cache, a raw weight) before the kernels ran
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
 
-    proxies = core_args(lambda n, x: _proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype,
-                                            plan.device))
-    scale_proxy = _proxy(kv_cache_scale.shape, kv_cache_scale.dtype, plan.device, 1.0) if scale_array else kv_cache_scale
+    proxies = core_args(
+        lambda n, x: _proxy(x.shape, _cache_dtype(x.dtype) if n == "kv_cache" else x.dtype, plan.device)
+    )
+    scale_proxy = (
+        _proxy(kv_cache_scale.shape, kv_cache_scale.dtype, plan.device, 1.0) if scale_array else kv_cache_scale
+    )
     # proxies: the six inputs before the plan (mypy cannot tell a list's length)
     _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)  # type: ignore[call-arg, misc]
     d, t = plan.dims, plan.num_tokens
-    out_types = (jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
-                 jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32))
-    call = buffer_callback(_mla_callback(plans, None if scale_array else kv_cache_scale, prepared), out_types,
-                           vmap_method="sequential")
+    out_types = (
+        jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
+        jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32),
+    )
+    call = buffer_callback(
+        _mla_callback(plans, None if scale_array else kv_cache_scale, prepared), out_types, vmap_method="sequential"
+    )
     out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *((kv_cache_scale,) if scale_array else ()))
     return (out, lse) if return_lse else out

@@ -61,10 +61,20 @@ def _torch_sync(_: Any) -> None:
         torch.cuda.synchronize()
 
 
-def compare(cases: Sequence[tuple[str, Sequence[int]]] = DEFAULT_CASES, *, heads: int = 16, dtype: Any = jnp.bfloat16,
-            causal: bool = True, warmup: int = 5, iters: int = 50, routes: Sequence[str] = ("buffer_callback", "tvm_ffi"),
-            include_cudnn: bool = True, include_xla: bool = False, backend: Optional[str] = None,
-            seed: int = 0) -> list[dict]:
+def compare(
+    cases: Sequence[tuple[str, Sequence[int]]] = DEFAULT_CASES,
+    *,
+    heads: int = 16,
+    dtype: Any = jnp.bfloat16,
+    causal: bool = True,
+    warmup: int = 5,
+    iters: int = 50,
+    routes: Sequence[str] = ("buffer_callback", "tvm_ffi"),
+    include_cudnn: bool = True,
+    include_xla: bool = False,
+    backend: Optional[str] = None,
+    seed: int = 0,
+) -> list[dict]:
     """Time each implementation on each case; see the module docstring for the row format.
 
     Args:
@@ -81,7 +91,7 @@ def compare(cases: Sequence[tuple[str, Sequence[int]]] = DEFAULT_CASES, *, heads
 
     device = jax.devices()[0]
     d_qk, d_vo = 192, 128
-    sm_scale = d_qk ** -0.5
+    sm_scale = d_qk**-0.5
     rows: list[dict] = []
     key = jax.random.key(seed)
     for name, lens in cases:
@@ -93,14 +103,36 @@ def compare(cases: Sequence[tuple[str, Sequence[int]]] = DEFAULT_CASES, *, heads
         k = jax.random.normal(kk, (t, heads, d_qk), dtype)
         v = jax.random.normal(kv_, (t, heads, d_vo), dtype)
         flops = _flops(lens, heads, d_qk, d_vo, causal)
-        plan = api.plan_ragged(indptr, indptr, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal,
-                               sm_scale=sm_scale, dtype=dtype, device=device, backend=backend)
+        plan = api.plan_ragged(
+            indptr,
+            indptr,
+            num_heads=heads,
+            head_dim_qk=d_qk,
+            head_dim_vo=d_vo,
+            causal=causal,
+            sm_scale=sm_scale,
+            dtype=dtype,
+            device=device,
+            backend=backend,
+        )
         be = plan.backend.name
 
         def row(impl: str, ms: Optional[float], note: str = "", backend_name: str = be) -> None:
-            rows.append(dict(case=name, impl=impl, backend=backend_name, ms=ms,
-                             tflops=None if ms is None else flops / (ms * 1e-3) / 1e12, vs_torch=None, note=note,
-                             flops=flops, heads=heads, seq_len=t, repeats=iters))
+            rows.append(
+                dict(
+                    case=name,
+                    impl=impl,
+                    backend=backend_name,
+                    ms=ms,
+                    tflops=None if ms is None else flops / (ms * 1e-3) / 1e12,
+                    vs_torch=None,
+                    note=note,
+                    flops=flops,
+                    heads=heads,
+                    seq_len=t,
+                    repeats=iters,
+                )
+            )
 
         tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
         row("torch core (RaggedPlan.run)", _time(lambda: plan.run(tq, tk, tv), _torch_sync, warmup, iters))

@@ -78,18 +78,29 @@ class DeepseekConfig:
         """
         layers = int(c["num_hidden_layers"])
         if int(c.get("first_k_dense_replace", layers) or 0) < layers and c.get("n_routed_experts"):
-            raise ValueError(f"first_k_dense_replace={c.get('first_k_dense_replace')} < num_hidden_layers={layers}: "
-                             f"MoE layers are not implemented here (dense MLPs only)")
+            raise ValueError(
+                f"first_k_dense_replace={c.get('first_k_dense_replace')} < num_hidden_layers={layers}: "
+                f"MoE layers are not implemented here (dense MLPs only)"
+            )
         rope = c.get("rope_parameters") or c.get("rope_scaling")
         kind = None if not rope else rope.get("rope_type", rope.get("type"))
         theta = float((rope or {}).get("rope_theta", c.get("rope_theta", 10000.0)))
-        return cls(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-                   num_layers=layers, num_heads=c["num_attention_heads"], q_lora_rank=c.get("q_lora_rank"),
-                   kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
-                   qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-                   rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-                   rope=None if kind in (None, "default") else dict(rope),  # type: ignore[arg-type]  # kind: a rope
-                   dims=MLADims.from_hf_config(c))
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=layers,
+            num_heads=c["num_attention_heads"],
+            q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=c["kv_lora_rank"],
+            qk_nope_head_dim=c["qk_nope_head_dim"],
+            qk_rope_head_dim=c["qk_rope_head_dim"],
+            v_head_dim=c["v_head_dim"],
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope=None if kind in (None, "default") else dict(rope),  # type: ignore[arg-type]  # kind: a rope
+            dims=MLADims.from_hf_config(c),
+        )
 
     @classmethod
     def from_hf_config(cls, path: "str | os.PathLike") -> "DeepseekConfig":
@@ -159,8 +170,11 @@ def rope_inv_freq(cfg: DeepseekConfig) -> tuple[np.ndarray, float]:
     mscale, mscale_all_dim = r.get("mscale"), r.get("mscale_all_dim")
     attention_factor = r.get("attention_factor")
     if attention_factor is None:
-        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+        attention_factor = (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            if mscale and mscale_all_dim
+            else _yarn_mscale(factor)
+        )
     beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
     original = r["original_max_position_embeddings"]
 
@@ -200,8 +214,9 @@ def _rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
     return p["weight"] * xf.astype(x.dtype)
 
 
-def _attention_fn(cfg: DeepseekConfig, attention: str, batch: int, new: int, prefix: int, dtype: Any,
-                  backend: Optional[str] = None) -> Callable:
+def _attention_fn(
+    cfg: DeepseekConfig, attention: str, batch: int, new: int, prefix: int, dtype: Any, backend: Optional[str] = None
+) -> Callable:
     """``attend(q [B, L, H, 192], k [B, P + L, H, 192], v [B, P + L, H, 128]) -> [B, L, H, 128]``."""
     h, d_v, scale = cfg.num_heads, cfg.v_head_dim, cfg.dims.softmax_scale
     total = prefix + new
@@ -210,13 +225,24 @@ def _attention_fn(cfg: DeepseekConfig, attention: str, batch: int, new: int, pre
 
         qo = np.arange(batch + 1, dtype=np.int32) * new
         kv = np.arange(batch + 1, dtype=np.int32) * total
-        plan = mj.plan_ragged(qo, kv, num_heads=h, head_dim_qk=q_dim(cfg), head_dim_vo=d_v, causal=True,
-                              sm_scale=scale, dtype=dtype, backend=backend)
+        plan = mj.plan_ragged(
+            qo,
+            kv,
+            num_heads=h,
+            head_dim_qk=q_dim(cfg),
+            head_dim_vo=d_v,
+            causal=True,
+            sm_scale=scale,
+            dtype=dtype,
+            backend=backend,
+        )
 
         def attend(q, k, v):
-            out, _ = mj.run_ragged(plan, q.reshape(batch * new, h, -1), k.reshape(batch * total, h, -1),
-                                   v.reshape(batch * total, h, d_v))
+            out, _ = mj.run_ragged(
+                plan, q.reshape(batch * new, h, -1), k.reshape(batch * total, h, -1), v.reshape(batch * total, h, d_v)
+            )
             return out.reshape(batch, new, h, d_v)
+
         attend.plan = plan  # type: ignore[attr-defined]  # kept alive with the function
         return attend
     if attention in ("cudnn", "xla"):
@@ -226,9 +252,11 @@ def _attention_fn(cfg: DeepseekConfig, attention: str, batch: int, new: int, pre
 
         def attend(q, k, v):
             vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - d_v)))
-            out = jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=not prefix, mask=mask,
-                                               implementation=attention)
+            out = jax.nn.dot_product_attention(
+                q, k, vp, scale=scale, is_causal=not prefix, mask=mask, implementation=attention
+            )
             return out[..., :d_v]
+
         return attend
     if attention == "noop":
         return lambda q, k, v: jnp.zeros(q.shape[:3] + (d_v,), q.dtype)
@@ -239,9 +267,17 @@ def q_dim(cfg: DeepseekConfig) -> int:
     return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
 
 
-def make_forward(cfg: DeepseekConfig, *, batch: int, seq_len: int, attention: str = "mla_bridge",
-                 prefix_len: int = 0, dtype: Any = jnp.float32, backend: Optional[str] = None,
-                 logits_to_keep: int = 0) -> Callable:
+def make_forward(
+    cfg: DeepseekConfig,
+    *,
+    batch: int,
+    seq_len: int,
+    attention: str = "mla_bridge",
+    prefix_len: int = 0,
+    dtype: Any = jnp.float32,
+    backend: Optional[str] = None,
+    logits_to_keep: int = 0,
+) -> Callable:
     """A jitted prefill ``forward(params, input_ids [B, L] int32, cache=None) -> (logits, new_cache)`` for batches of
     ``batch`` rows of ``seq_len`` new tokens over ``prefix_len`` cached ones.
 
@@ -262,8 +298,13 @@ def make_forward(cfg: DeepseekConfig, *, batch: int, seq_len: int, attention: st
     """
     attend = _attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
     inv_freq_np, attention_factor = rope_inv_freq(cfg)
-    h, nope, rope, rank, d_v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, \
-        cfg.v_head_dim
+    h, nope, rope, rank, d_v = (
+        cfg.num_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.kv_lora_rank,
+        cfg.v_head_dim,
+    )
     eps = cfg.rms_norm_eps
 
     def layer(p, x, positions, cached):
@@ -278,14 +319,18 @@ def make_forward(cfg: DeepseekConfig, *, batch: int, seq_len: int, attention: st
         inv_freq = jnp.asarray(inv_freq_np)
         q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], positions, inv_freq, attention_factor)], axis=-1)
         ckv = _linear(a["kv_a_proj_with_mqa"], hs)
-        latent = jnp.concatenate([_rms_norm(a["kv_a_layernorm"], ckv[..., :rank], eps),
-                                  _rope(ckv[..., rank:], positions, inv_freq, attention_factor)], axis=-1)
+        latent = jnp.concatenate(
+            [
+                _rms_norm(a["kv_a_layernorm"], ckv[..., :rank], eps),
+                _rope(ckv[..., rank:], positions, inv_freq, attention_factor),
+            ],
+            axis=-1,
+        )
         if cached is not None:
             latent = jnp.concatenate([cached.astype(latent.dtype), latent], axis=1)
         total = latent.shape[1]
         kv = _linear(a["kv_b_proj"], latent[..., :rank]).reshape(b, total, h, nope + d_v)
-        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(latent[:, :, None, rank:], (b, total, h, rope))],
-                            axis=-1)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(latent[:, :, None, rank:], (b, total, h, rope))], axis=-1)
         out = attend(q, k, kv[..., nope:])
         x = x + _linear(a["o_proj"], out.reshape(b, length, h * d_v))
         m = p["mlp"]
@@ -311,8 +356,18 @@ def make_forward(cfg: DeepseekConfig, *, batch: int, seq_len: int, attention: st
     return jitted
 
 
-def bench_rows(ctx: Any, store: dict, case: Any, ci: int, *, meta_fn: Callable, fields: dict, section: str,
-               repeats: int, warmup: int) -> list:
+def bench_rows(
+    ctx: Any,
+    store: dict,
+    case: Any,
+    ci: int,
+    *,
+    meta_fn: Callable,
+    fields: dict,
+    section: str,
+    repeats: int,
+    warmup: int,
+) -> list:
     """The ttft bench's JAX rows of one case (:mod:`mla_bridge.bench.ttft`): the model at ``fields`` (random
     weights, seeded; kept in ``store`` across cases) timed with cuDNN, XLA, mla_bridge_jax and no-op attention,
     one jitted forward each (compiled in the warm-up), ``logits_to_keep=1``; each path's failure (out of memory) a
@@ -331,14 +386,24 @@ def bench_rows(ctx: Any, store: dict, case: Any, ci: int, *, meta_fn: Callable, 
         del model
     cfg, params = store["cfg"], store["params"]
     ids_np = np.random.default_rng(ctx.seed + ci).integers(3, cfg.vocab_size, (case.batch, case.cached + case.new))
-    ids = jnp.asarray(ids_np[:, case.cached:], dtype=jnp.int32)
+    ids = jnp.asarray(ids_np[:, case.cached :], dtype=jnp.int32)
     cache = None
     if case.cached:
-        prefill = make_forward(cfg, batch=case.batch, seq_len=case.cached, attention="xla" if not ctx.cuda else "cudnn",
-                               dtype=dtype, logits_to_keep=1)
-        cache = jax.block_until_ready(prefill(params, jnp.asarray(ids_np[:, :case.cached], dtype=jnp.int32))[1])
-    names = {"cudnn": "JAX model, jax.nn.dot_product_attention cuDNN", "xla": "JAX model, jax.nn.dot_product_attention XLA",
-             "mla_bridge": "JAX model, mla_bridge_jax", "noop": "JAX model, attention a no-op"}
+        prefill = make_forward(
+            cfg,
+            batch=case.batch,
+            seq_len=case.cached,
+            attention="xla" if not ctx.cuda else "cudnn",
+            dtype=dtype,
+            logits_to_keep=1,
+        )
+        cache = jax.block_until_ready(prefill(params, jnp.asarray(ids_np[:, : case.cached], dtype=jnp.int32))[1])
+    names = {
+        "cudnn": "JAX model, jax.nn.dot_product_attention cuDNN",
+        "xla": "JAX model, jax.nn.dot_product_attention XLA",
+        "mla_bridge": "JAX model, mla_bridge_jax",
+        "noop": "JAX model, attention a no-op",
+    }
     items = []
     rows = []
     for pi, impl in enumerate(("cudnn", "xla", "mla_bridge", "noop")):
@@ -346,11 +411,22 @@ def bench_rows(ctx: Any, store: dict, case: Any, ci: int, *, meta_fn: Callable, 
             rows.append(ctx.skipped(section, case.name, names[impl], "cuDNN attention needs a GPU", **meta_fn(pi)))
             continue
         try:
-            fwd = make_forward(cfg, batch=case.batch, seq_len=case.new, attention=impl, prefix_len=case.cached,
-                               dtype=dtype, backend=ctx.backend, logits_to_keep=1)
+            fwd = make_forward(
+                cfg,
+                batch=case.batch,
+                seq_len=case.new,
+                attention=impl,
+                prefix_len=case.cached,
+                dtype=dtype,
+                backend=ctx.backend,
+                logits_to_keep=1,
+            )
         except Exception as err:  # noqa: BLE001
-            rows.append(ctx.skipped(section, case.name, names[impl], f"failed: {type(err).__name__}: {err}"[:200],
-                                    err, **meta_fn(pi)))
+            rows.append(
+                ctx.skipped(
+                    section, case.name, names[impl], f"failed: {type(err).__name__}: {err}"[:200], err, **meta_fn(pi)
+                )
+            )
             continue
         items.append((names[impl], (lambda f=fwd: jax.block_until_ready(f(params, ids, cache)[0])), meta_fn(pi)))
     rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup))
@@ -367,6 +443,5 @@ def bench_rows(ctx: Any, store: dict, case: Any, ci: int, *, meta_fn: Callable, 
             r.note = f"{r.ms / ours:.3f}x mla_bridge_jax's time; " + r.note
     for impl in ("cudnn", "xla"):
         other = ms.get(names[impl])
-        ctx.check(f"ttft {case.name}: JAX {impl} / mla_bridge_jax", other / ours if other and ours else None, ">=",
-                  1.0)
+        ctx.check(f"ttft {case.name}: JAX {impl} / mla_bridge_jax", other / ours if other and ours else None, ">=", 1.0)
     return sorted(rows, key=lambda r: r.order)

@@ -42,8 +42,9 @@ def _segments(indptr: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return seg, rows - indptr[seg]
 
 
-def ragged_attention(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_indptr: Any, *, causal: bool,
-                     sm_scale: float) -> tuple[jax.Array, jax.Array]:
+def ragged_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_indptr: Any, *, causal: bool, sm_scale: float
+) -> tuple[jax.Array, jax.Array]:
     """Ragged attention, float32: q ``[T, H, Dqk]``, k ``[S, H, Dqk]``, v ``[S, H, Dvo]``.
 
     Returns:
@@ -58,8 +59,15 @@ def ragged_attention(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, k
             _check_static_indptr(name, indptr, total, what)
     # float32 before the jitted core: bf16 and float32 inputs of one shape share one compiled function
     q, k, v = (jnp.asarray(x).astype(jnp.float32) for x in (q, k, v))
-    return _ragged_attention(q, k, v, jnp.asarray(qo_indptr, dtype=jnp.int32), jnp.asarray(kv_indptr, dtype=jnp.int32),
-                             jnp.float32(sm_scale), causal=bool(causal))
+    return _ragged_attention(
+        q,
+        k,
+        v,
+        jnp.asarray(qo_indptr, dtype=jnp.int32),
+        jnp.asarray(kv_indptr, dtype=jnp.int32),
+        jnp.float32(sm_scale),
+        causal=bool(causal),
+    )
 
 
 @partial(jax.jit, static_argnames=("causal",))
@@ -85,10 +93,21 @@ def _ragged_attention(q, k, v, qo, kv, sm_scale, *, causal):
     return out, lse
 
 
-def mla_attention(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: jax.Array, kv_cache: jax.Array,
-                  block_table: Any, query_lens: Sequence[int], context_lens: Optional[Sequence[int]] = None, *,
-                  qk_nope_head_dim: int = 128, v_head_dim: int = 128, sm_scale: float, block_size: Optional[int] = None
-                  ) -> tuple[jax.Array, jax.Array]:
+def mla_attention(
+    q: jax.Array,
+    kv_c: jax.Array,
+    k_pe: jax.Array,
+    kv_b_proj_weight: jax.Array,
+    kv_cache: jax.Array,
+    block_table: Any,
+    query_lens: Sequence[int],
+    context_lens: Optional[Sequence[int]] = None,
+    *,
+    qk_nope_head_dim: int = 128,
+    v_head_dim: int = 128,
+    sm_scale: float,
+    block_size: Optional[int] = None,
+) -> tuple[jax.Array, jax.Array]:
     """MLA prefill over the whole sequence, float32, unchunked: each request's context (read from the paged
     latent cache through ``block_table``) followed by its new tokens, up-projected with ``kv_b_proj_weight``
     (``k = concat(k_nope, k_pe)``, ``v``), then :func:`ragged_attention` with bottom-right causal alignment
@@ -116,18 +135,32 @@ def mla_attention(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weig
         qo.append(qo[-1] + n)
         kvp.append(kvp[-1] + c + n)
     index = np.concatenate(index) if index else np.zeros(0, np.int64)
-    kv_c, k_pe, kv_b_proj_weight, kv_cache = (jnp.asarray(x).astype(jnp.float32)
-                                              for x in (kv_c, k_pe, kv_b_proj_weight, kv_cache))
-    k, v = _mla_keys(kv_c, k_pe.reshape(k_pe.shape[0], -1), kv_b_proj_weight, kv_cache, jnp.asarray(index, jnp.int32),
-                     heads=q.shape[1], nope=qk_nope_head_dim, vdim=v_head_dim)
+    kv_c, k_pe, kv_b_proj_weight, kv_cache = (
+        jnp.asarray(x).astype(jnp.float32) for x in (kv_c, k_pe, kv_b_proj_weight, kv_cache)
+    )
+    k, v = _mla_keys(
+        kv_c,
+        k_pe.reshape(k_pe.shape[0], -1),
+        kv_b_proj_weight,
+        kv_cache,
+        jnp.asarray(index, jnp.int32),
+        heads=q.shape[1],
+        nope=qk_nope_head_dim,
+        vdim=v_head_dim,
+    )
     return ragged_attention(q, k, v, qo, kvp, causal=True, sm_scale=sm_scale)
 
 
 @partial(jax.jit, static_argnames=("heads", "nope", "vdim"))
 def _mla_keys(kv_c, k_pe, weight, kv_cache, index, *, heads, nope, vdim):
     rank = kv_c.shape[-1]
-    source = jnp.concatenate([kv_cache.reshape(-1, kv_cache.shape[-1]).astype(jnp.float32),
-                              jnp.concatenate([kv_c, k_pe], axis=-1).astype(jnp.float32)], axis=0)
+    source = jnp.concatenate(
+        [
+            kv_cache.reshape(-1, kv_cache.shape[-1]).astype(jnp.float32),
+            jnp.concatenate([kv_c, k_pe], axis=-1).astype(jnp.float32),
+        ],
+        axis=0,
+    )
     latent = source[index]  # [N, rank + rope]
     kv = jnp.einsum("nr,or->no", latent[:, :rank], weight.astype(jnp.float32), precision=_HI)
     kv = kv.reshape(latent.shape[0], heads, nope + vdim)

@@ -56,14 +56,25 @@ def head_shardings(mesh: Mesh, axis: str) -> tuple[NamedSharding, NamedSharding]
 
 def _axis_size(mesh: Mesh, axis: str) -> int:
     if axis not in mesh.shape:
-        raise ValueError(f"axis {axis!r} is not an axis of the mesh; its axes are {list(mesh.axis_names)} "
-                         f"(sizes {dict(mesh.shape)})")
+        raise ValueError(
+            f"axis {axis!r} is not an axis of the mesh; its axes are {list(mesh.axis_names)} (sizes {dict(mesh.shape)})"
+        )
     return mesh.shape[axis]
 
 
-def sharded_ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: Any, kv_indptr: Any, *, mesh: Mesh,
-                           axis: str, causal: bool, sm_scale: float, backend: Optional[str] = None
-                           ) -> tuple[jax.Array, jax.Array]:
+def sharded_ragged_prefill(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    qo_indptr: Any,
+    kv_indptr: Any,
+    *,
+    mesh: Mesh,
+    axis: str,
+    causal: bool,
+    sm_scale: float,
+    backend: Optional[str] = None,
+) -> tuple[jax.Array, jax.Array]:
     """:func:`mla_bridge_jax.ragged_prefill` with heads sharded over ``mesh`` axis ``axis``, index pointers replicated
     (host values, closed over). Works eagerly (inputs are placed with :func:`head_shardings` first) and inside
     ``jax.jit``.
@@ -77,22 +88,35 @@ def sharded_ragged_prefill(q: jax.Array, k: jax.Array, v: jax.Array, qo_indptr: 
     """
     n = _axis_size(mesh, axis)
     if q.ndim != 3 or q.shape[1] % n:
-        raise ValueError(f"q must be [T, H, D] with H divisible by mesh axis {axis!r} of size {n}, "
-                         f"got shape {list(q.shape)}")
+        raise ValueError(
+            f"q must be [T, H, D] with H divisible by mesh axis {axis!r} of size {n}, got shape {list(q.shape)}"
+        )
     spec, lse_spec = P(None, axis, None), P(None, axis)
     if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):
         qkv_sharding, _ = head_shardings(mesh, axis)
         q, k, v = (jax.device_put(x, qkv_sharding) for x in (q, k, v))
-    body = partial(ragged_prefill, qo_indptr=qo_indptr, kv_indptr=kv_indptr, causal=causal, sm_scale=sm_scale,
-                   backend=backend)
-    return shard_map(lambda a, b, c: body(a, b, c), mesh=mesh, in_specs=(spec, spec, spec),
-                     out_specs=(spec, lse_spec))(q, k, v)
+    body = partial(
+        ragged_prefill, qo_indptr=qo_indptr, kv_indptr=kv_indptr, causal=causal, sm_scale=sm_scale, backend=backend
+    )
+    return shard_map(lambda a, b, c: body(a, b, c), mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))(
+        q, k, v
+    )
 
 
-def build_sharded_plans(query_lens: Any, context_lens: Any = None, *, dims: MLADims, mesh: Mesh, axis: str,
-                        block_size: int, dtype: Any = jnp.bfloat16, chunk_tokens: Optional[int] = None,
-                        backend: Optional[str] = None, fuse_context: bool = True,
-                        kv_cache_dtype: Any = None) -> dict:
+def build_sharded_plans(
+    query_lens: Any,
+    context_lens: Any = None,
+    *,
+    dims: MLADims,
+    mesh: Mesh,
+    axis: str,
+    block_size: int,
+    dtype: Any = jnp.bfloat16,
+    chunk_tokens: Optional[int] = None,
+    backend: Optional[str] = None,
+    fuse_context: bool = True,
+    kv_cache_dtype: Any = None,
+) -> dict:
     """One :class:`mla_bridge.PrefillPlan` per device of ``mesh`` for its share of the heads: ``{torch device:
     plan}``, each planned for ``MLADims(num_heads=H / n)`` (the same softmax scale), for
     :func:`sharded_mla_prefill`. Build it once per batch, outside ``jax.jit``; it is shared by every layer.
@@ -115,15 +139,35 @@ def build_sharded_plans(query_lens: Any, context_lens: Any = None, *, dims: MLAD
         tdev = torch_device_of(device)
         if tdev not in plans:  # forced CPU devices are all torch's one CPU: one plan serves them
             ws = None if chunk_tokens is None else Workspace(tdev, chunk_tokens=chunk_tokens)
-            plans[tdev] = build_plan(query_lens, context_lens, dims=shard, block_size=block_size, dtype=dtype,
-                                     device=device, workspace=ws, backend=backend, fuse_context=fuse_context,
-                                     kv_cache_dtype=kv_cache_dtype)
+            plans[tdev] = build_plan(
+                query_lens,
+                context_lens,
+                dims=shard,
+                block_size=block_size,
+                dtype=dtype,
+                device=device,
+                workspace=ws,
+                backend=backend,
+                fuse_context=fuse_context,
+                kv_cache_dtype=kv_cache_dtype,
+            )
     return plans
 
 
-def sharded_mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_proj_weight: jax.Array,
-                        kv_cache: jax.Array, block_table: jax.Array, plans: dict, *, mesh: Mesh, axis: str,
-                        return_lse: bool = False, kv_cache_scale: Optional[float] = None):
+def sharded_mla_prefill(
+    q: jax.Array,
+    kv_c: jax.Array,
+    k_pe: jax.Array,
+    kv_b_proj_weight: jax.Array,
+    kv_cache: jax.Array,
+    block_table: jax.Array,
+    plans: dict,
+    *,
+    mesh: Mesh,
+    axis: str,
+    return_lse: bool = False,
+    kv_cache_scale: Optional[float] = None,
+):
     """:func:`mla_bridge_jax.mla_prefill` with heads sharded over ``mesh`` axis ``axis`` (see the module docstring):
     q ``[T, H, 192]`` as ``P(None, axis, None)``, the raw ``kv_b_proj_weight [H * 256, 512]`` as ``P(axis, None)``,
     kv_c, k_pe, the cache and the block table replicated; ``plans`` from :func:`build_sharded_plans`. Works eagerly
@@ -141,13 +185,16 @@ def sharded_mla_prefill(q: jax.Array, kv_c: jax.Array, k_pe: jax.Array, kv_b_pro
         raise _not_a_bool("return_lse", return_lse)
     n = _axis_size(mesh, axis)
     if not hasattr(kv_b_proj_weight, "ndim"):
-        raise TypeError("sharded_mla_prefill takes the raw kv_b_proj_weight [H * 256, 512] (split by heads here); "
-                        f"a prepared weight is per device, got {type(kv_b_proj_weight).__name__}")
+        raise TypeError(
+            "sharded_mla_prefill takes the raw kv_b_proj_weight [H * 256, 512] (split by heads here); "
+            f"a prepared weight is per device, got {type(kv_b_proj_weight).__name__}"
+        )
     if kv_cache_scale is not None and not isinstance(kv_cache_scale, (int, float)):
         raise TypeError(f"kv_cache_scale must be a Python float here (static), got {type(kv_cache_scale).__name__}")
     if q.ndim != 3 or q.shape[1] % n:
-        raise ValueError(f"q must be [T, H, 192] with H divisible by mesh axis {axis!r} of size {n}, "
-                         f"got shape {list(q.shape)}")
+        raise ValueError(
+            f"q must be [T, H, 192] with H divisible by mesh axis {axis!r} of size {n}, got shape {list(q.shape)}"
+        )
     heads, rep, lse_spec = P(None, axis, None), P(), P(None, axis)
     in_specs = (heads, rep, rep, P(axis, None), rep, rep)
     args = (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table)

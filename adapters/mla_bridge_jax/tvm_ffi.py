@@ -190,9 +190,11 @@ def shim() -> Any:
         if _shim_module is None:
             import tvm_ffi.cpp
 
-            _shim_module = tvm_ffi.cpp.load_inline(name="mla_bridge_jax_shim", cpp_sources=_SHIM_SOURCE,
-                                                   functions=["set_plan", "drop_plan", "num_plans", "run",
-                                                              "set_miss_handler", "clear_all"])
+            _shim_module = tvm_ffi.cpp.load_inline(
+                name="mla_bridge_jax_shim",
+                cpp_sources=_SHIM_SOURCE,
+                functions=["set_plan", "drop_plan", "num_plans", "run", "set_miss_handler", "clear_all"],
+            )
             atexit.register(_clear_at_exit)
             _shim_module.set_miss_handler(_on_miss)
         return _shim_module
@@ -214,8 +216,14 @@ def target(platform: str = "gpu", name: str = TARGET) -> str:
     """Register the shim's ``run`` as XLA FFI target ``name`` on ``platform`` (once per process)."""
     with _lock:
         if (platform, name) not in _targets:
-            _jax_tvm_ffi().register_ffi_target(name, shim().run, arg_spec=["attrs.plan_id", "args", "rets"],
-                                               platform=platform, allow_cuda_graph=False, pass_owned_tensor=False)
+            _jax_tvm_ffi().register_ffi_target(
+                name,
+                shim().run,
+                arg_spec=["attrs.plan_id", "args", "rets"],
+                platform=platform,
+                allow_cuda_graph=False,
+                pass_owned_tensor=False,
+            )
             _targets.add((platform, name))
     return name
 
@@ -235,6 +243,7 @@ def set_entry(fn: Any, args: list, slots: list[int], device: torch.device, pid: 
 # --------------------------------------------------------------------------------------------------------------
 # Recording FlashInfer's call
 # --------------------------------------------------------------------------------------------------------------
+
 
 def _kernel_wrapper(plan: Any, for_xla: bool = True) -> Any:
     # for_xla: fa2's float workspace becomes the region reserved for XLA's stream, never shared with runs on torch's
@@ -262,8 +271,7 @@ def _compiled_and_args(py_ragged_run: Callable, py_args: list) -> tuple[Any, lis
             cells.append(types.CellType(lambda *a: recorded.append(list(a))))
         else:
             cells.append(cell)
-    clone = types.FunctionType(code, py_ragged_run.__globals__, code.co_name, py_ragged_run.__defaults__,
-                               tuple(cells))
+    clone = types.FunctionType(code, py_ragged_run.__globals__, code.co_name, py_ragged_run.__defaults__, tuple(cells))
     clone.__kwdefaults__ = py_ragged_run.__kwdefaults__
     clone(*py_args)
     if len(recorded) != 1:
@@ -330,6 +338,7 @@ def _record(plan: Any, make: Callable) -> tuple[Any, list, list[int]]:
 # Public
 # --------------------------------------------------------------------------------------------------------------
 
+
 def why_not(plan: Any) -> Optional[str]:
     """``None`` when the route can serve ``plan`` (a :class:`mla_bridge.RaggedPlan`), else the reason."""
     from mla_bridge import RaggedPlan
@@ -367,9 +376,18 @@ def _remaker(plan: Any) -> Callable[[], Any]:
     s, workspace, backend = plan.spec, plan.workspace, plan.backend.name
 
     def remake() -> Any:
-        return plan_ragged(s.qo_indptr, s.kv_indptr, num_heads=s.num_heads, head_dim_qk=s.head_dim_qk,
-                           head_dim_vo=s.head_dim_vo, causal=s.causal, sm_scale=s.sm_scale, dtype=s.dtype,
-                           workspace=workspace, backend=backend)
+        return plan_ragged(
+            s.qo_indptr,
+            s.kv_indptr,
+            num_heads=s.num_heads,
+            head_dim_qk=s.head_dim_qk,
+            head_dim_vo=s.head_dim_vo,
+            causal=s.causal,
+            sm_scale=s.sm_scale,
+            dtype=s.dtype,
+            workspace=workspace,
+            backend=backend,
+        )
 
     return remake
 

@@ -78,20 +78,53 @@ from mla_bridge.inference import differentiated
 from mla_bridge.merge import merge_attn_states_
 from mla_bridge.ragged import _kernel_ready
 
-__all__ = ["ATTN_IMPLEMENTATION", "mla_bridge_attention", "ragged_from_mask", "fallback_reason", "NEUTRAL_KEYWORDS",
-           "HONOURED_KEYWORDS"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "mla_bridge_attention",
+    "ragged_from_mask",
+    "fallback_reason",
+    "NEUTRAL_KEYWORDS",
+    "HONOURED_KEYWORDS",
+]
 
 #: The name :func:`mla_bridge_transformers.register` registers by default.
 ATTN_IMPLEMENTATION = "mla_bridge"
 
 #: Keywords transformers' models pass that do not change the attention result: bookkeeping of the layers, the cache
 #: and the outputs (sdpa and eager read none of them; packed sequences reach attention through the mask).
-NEUTRAL_KEYWORDS = frozenset({"position_ids", "use_cache", "cache", "past_key_values", "past_key_value",
-                              "cache_position", "output_hidden_states", "output_router_logits", "num_items_in_batch",
-                              "max_length_q", "max_length_k", "seq_idx", "deterministic", "input_ids"})
+NEUTRAL_KEYWORDS = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "cache",
+        "past_key_values",
+        "past_key_value",
+        "cache_position",
+        "output_hidden_states",
+        "output_router_logits",
+        "num_items_in_batch",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+        "deterministic",
+        "input_ids",
+    }
+)
 #: Keywords that change the result, each served or handed to an implementation honouring it (module docstring).
-HONOURED_KEYWORDS = frozenset({"indices", "s_aux", "sinks", "softcap", "output_attentions", "position_bias",
-                               "sliding_window", "cu_seq_lens_q", "cu_seq_lens_k", "is_causal"})
+HONOURED_KEYWORDS = frozenset(
+    {
+        "indices",
+        "s_aux",
+        "sinks",
+        "softcap",
+        "output_attentions",
+        "position_bias",
+        "sliding_window",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "is_causal",
+    }
+)
 #: What only the model's own eager function honours (sdpa ignores sinks, refuses softcap, returns no weights).
 _EAGER_KEYWORDS = ("s_aux", "sinks", "softcap", "output_attentions")
 
@@ -107,8 +140,9 @@ _ROW_CALL_MIN_QUERIES = 16
 _CHECK_ELEMS = 1 << 24
 
 
-def ragged_from_mask(attention_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int,
-                     device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def ragged_from_mask(
+    attention_mask: Optional[torch.Tensor], batch: int, q_len: int, kv_len: int, device: torch.device
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``(q_valid [B, Q], key_valid [B, K])`` (bool) of a mask that is "causal over each row's valid keys, bottom-right
     aligned" (module docstring), or ``None`` when ``attention_mask`` has another structure.
 
@@ -133,8 +167,13 @@ def _check_mask(m: torch.Tensor, batch: int, q_len: int, kv_len: int):
     whether the mask is of the served structure; nothing here waits for the device), or ``None`` for a mask whose
     dtype or shape is not a boolean ``[B or 1, 1, Q, K]``. The prefix structure is compared in blocks of queries
     (:data:`_CHECK_ELEMS` mask elements at once): no ``[B, Q, K]`` temporary."""
-    if m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or tuple(m.shape[2:]) != (q_len, kv_len) \
-            or m.shape[0] not in (1, batch):
+    if (
+        m.dtype != torch.bool
+        or m.dim() != 4
+        or m.shape[1] != 1
+        or tuple(m.shape[2:]) != (q_len, kv_len)
+        or m.shape[0] not in (1, batch)
+    ):
         return None
     m = m.expand(batch, 1, q_len, kv_len)[:, 0]
     key_valid = m.any(dim=1)  # the keys some query sees
@@ -153,13 +192,23 @@ def _check_mask(m: torch.Tensor, batch: int, q_len: int, kv_len: int):
     return q_valid, key_valid, ok
 
 
-def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
-                    kwargs: dict, value: Optional[torch.Tensor] = None) -> Optional[str]:
+def fallback_reason(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    kwargs: dict,
+    value: Optional[torch.Tensor] = None,
+) -> Optional[str]:
     """Why this call cannot run through mla_bridge (``None`` when it can), from everything but the mask's values."""
     found = differentiated((("query", query), ("key", key), ("value", value), ("s_aux", kwargs.get("s_aux"))))
     if found is not None:
-        return ("autograd (inputs that require grad: mla_bridge's kernels have no backward)" if found[1] == "grad" else
-                "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)")
+        return (
+            "autograd (inputs that require grad: mla_bridge's kernels have no backward)"
+            if found[1] == "grad"
+            else "forward-mode AD (inputs with tangents: mla_bridge's kernels have no derivative)"
+        )
     if dropout and dropout > 0:
         return f"dropout={dropout} (training)"
     if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
@@ -181,19 +230,24 @@ def fallback_reason(module: Any, query: torch.Tensor, key: torch.Tensor, attenti
         return f"{key.shape[1]} key/value heads for {query.shape[1]} query heads (GQA)"
     if query.shape[2] > key.shape[2]:
         return f"more queries ({query.shape[2]}) than keys ({key.shape[2]})"
-    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool):
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool
+    ):
         return f"a {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} mask (not the boolean sdpa mask)"
     return None
 
 
 def _refuse_unknown(module, kwargs: dict) -> None:
-    unknown = sorted(n for n, x in kwargs.items()
-                     if x is not None and n not in NEUTRAL_KEYWORDS and n not in HONOURED_KEYWORDS)
+    unknown = sorted(
+        n for n, x in kwargs.items() if x is not None and n not in NEUTRAL_KEYWORDS and n not in HONOURED_KEYWORDS
+    )
     if unknown:
-        raise TypeError(f"mla_bridge attention: {type(module).__name__} passes the keyword(s) {', '.join(unknown)}, "
-                        f"unknown to mla_bridge: they may change the result, and handed to sdpa they would be dropped "
-                        f"too; load the model with attn_implementation='eager' (or the implementation its model "
-                        f"card names)")
+        raise TypeError(
+            f"mla_bridge attention: {type(module).__name__} passes the keyword(s) {', '.join(unknown)}, "
+            f"unknown to mla_bridge: they may change the result, and handed to sdpa they would be dropped "
+            f"too; load the model with attn_implementation='eager' (or the implementation its model "
+            f"card names)"
+        )
 
 
 def _causal(module, kwargs: dict) -> bool:
@@ -229,7 +283,8 @@ def _fold_indices(attention_mask, indices, query, key, causal: bool):
     if indices.shape[2] >= kv_len:
         return attention_mask
     index_mask = torch.ones(b, q_len, kv_len, dtype=torch.bool, device=indices.device).scatter(
-        -1, indices.long(), False)[:, None]  # True = not selected
+        -1, indices.long(), False
+    )[:, None]  # True = not selected
     mask = _spelled_out(attention_mask, query, key, causal)
     if mask.dtype == torch.bool:
         return mask & ~index_mask
@@ -249,18 +304,24 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
     needs_eager = _eager_keyword(module, kwargs)
     if reason not in _warned:
         _warned.add(reason)
-        logger.warning("mla_bridge attention: %s is not served; handing the call to transformers' %s", reason,
-                       f"eager (for {needs_eager})" if needs_eager else "sdpa")
+        logger.warning(
+            "mla_bridge attention: %s is not served; handing the call to transformers' %s",
+            reason,
+            f"eager (for {needs_eager})" if needs_eager else "sdpa",
+        )
     if needs_eager:
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is None:
-            raise NotImplementedError(f"mla_bridge attention: {reason} is not served and {needs_eager} needs eager "
-                                      f"attention, but {type(module).__module__} has no eager_attention_forward; load "
-                                      f"the model with attn_implementation='eager'")
+            raise NotImplementedError(
+                f"mla_bridge attention: {reason} is not served and {needs_eager} needs eager "
+                f"attention, but {type(module).__module__} has no eager_attention_forward; load "
+                f"the model with attn_implementation='eager'"
+            )
         attention_mask = _spelled_out(attention_mask, query, key, _causal(module, kwargs))
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(
-                ~attention_mask, torch.finfo(query.dtype).min)
+                ~attention_mask, torch.finfo(query.dtype).min
+            )
         return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -290,7 +351,7 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
         q_valid, key_valid, ok = checked
         host = torch.cat([ok.view(1).long(), q_valid.sum(1), key_valid.sum(1)]).cpu()  # the one host read
         if bool(host[0]):
-            q_lens, kv_lens = tuple(host[1:1 + b].tolist()), tuple(host[1 + b:].tolist())
+            q_lens, kv_lens = tuple(host[1 : 1 + b].tolist()), tuple(host[1 + b :].tolist())
             if sum(q_lens) == b * q_len and sum(kv_lens) == b * kv_len:
                 result = (None, None, q_lens, kv_lens, kv_len)
             else:
@@ -305,28 +366,64 @@ def _strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
     return None if x.is_contiguous() or not _kernel_ready(x) else (x.stride(0), x.stride(1))
 
 
-def _plan(q_lens: tuple, kv_lens: tuple, heads: int, d_qk: int, d_vo: int, sm_scale: float, dtype, device,
-          strides: Optional[tuple] = None):
+def _plan(
+    q_lens: tuple,
+    kv_lens: tuple,
+    heads: int,
+    d_qk: int,
+    d_vo: int,
+    sm_scale: float,
+    dtype,
+    device,
+    strides: Optional[tuple] = None,
+):
     """The batch's plan, kept while everything it depends on is equal: the lengths, sizes, scale, dtype, device, the
     ``(q, k, v)`` strides it reads (``plan_ragged(strides=...)``), the backend asked for (``MLA_BRIDGE_BACKEND``, read
     now) and the workspace (by identity), as the core's :class:`mla_bridge.PlanCache` keys a plan (a
     :class:`mla_bridge.RaggedPlan` has no chunk budget to key)."""
     workspace = mla_bridge.workspace.default_workspace(device)
-    key = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, strides, os.environ.get(ENV_VAR) or None,
-           id(workspace))
+    key = (
+        q_lens,
+        kv_lens,
+        heads,
+        d_qk,
+        d_vo,
+        sm_scale,
+        dtype,
+        device,
+        strides,
+        os.environ.get(ENV_VAR) or None,
+        id(workspace),
+    )
     plan = _plan_cache.get(key)
     if plan is None:
         _plan_cache.clear()  # one live plan: the layers of one forward share it
         qo, kv = mla_bridge.ragged.indptr_from_lens(q_lens), mla_bridge.ragged.indptr_from_lens(kv_lens)
         plan = _plan_cache[key] = mla_bridge.plan_ragged(
-            qo, kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=True, sm_scale=sm_scale, dtype=dtype,
-            workspace=workspace, strides=strides)
+            qo,
+            kv,
+            num_heads=heads,
+            head_dim_qk=d_qk,
+            head_dim_vo=d_vo,
+            causal=True,
+            sm_scale=sm_scale,
+            dtype=dtype,
+            workspace=workspace,
+            strides=strides,
+        )
     return plan
 
 
-def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
-                         **kwargs) -> tuple[torch.Tensor, None]:
+def mla_bridge_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function running :meth:`mla_bridge.RaggedPlan.run` (see the module docstring).
 
     Args:
@@ -356,23 +453,37 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     kv_len, d_vo = key.shape[2], value.shape[-1]
     layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device)
     if reason is None and layout is None:
-        reason = ("sparse attention (indices: a top-k that leaves out keys a query could see)" if sparse else
-                  "an attention mask other than causal over each row's valid keys (right or inner padding, a custom "
-                  "or packed mask)")
+        reason = (
+            "sparse attention (indices: a top-k that leaves out keys a query could see)"
+            if sparse
+            else "an attention mask other than causal over each row's valid keys (right or inner padding, a custom "
+            "or packed mask)"
+        )
     if reason is not None:
         return _hand_back(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)
 
     assert layout is not None  # reason is None only where the layout was found
     q_rows, key_rows, q_lens, kv_lens, keys = layout
-    sm_scale = float(scaling) if scaling is not None else d_qk ** -0.5
+    sm_scale = float(scaling) if scaling is not None else d_qk**-0.5
     sinks = kwargs.get("s_aux")
     by_row = q_rows is None and (b == 1 or q_len >= _ROW_CALL_MIN_QUERIES)
     if by_row:  # every row real: each batch row read in place ([L, H, D] views), one plan of one request
-        rows = [(query[r].transpose(0, 1), key[r, :, :keys].transpose(0, 1), value[r, :, :keys].transpose(0, 1))
-                for r in range(b)]
+        rows = [
+            (query[r].transpose(0, 1), key[r, :, :keys].transpose(0, 1), value[r, :, :keys].transpose(0, 1))
+            for r in range(b)
+        ]
         strides = tuple(_strides(x) for x in rows[0]) if rows else (None, None, None)
-        plan = _plan((q_len,), (keys,), h, d_qk, d_vo, sm_scale, query.dtype, query.device,
-                     None if strides == (None, None, None) else strides)
+        plan = _plan(
+            (q_len,),
+            (keys,),
+            h,
+            d_qk,
+            d_vo,
+            sm_scale,
+            query.dtype,
+            query.device,
+            None if strides == (None, None, None) else strides,
+        )
         full = query.new_empty(b, q_len, h, d_vo)
         lse = None if sinks is None else torch.empty(b, q_len, h, dtype=torch.float32, device=query.device)
         for r, (q, k, v) in enumerate(rows):
@@ -390,8 +501,17 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             q = query.transpose(1, 2)[q_rows]
             k, v = key.transpose(1, 2)[key_rows], value.transpose(1, 2)[key_rows]
         strides = tuple(_strides(x) for x in (q, k, v))
-        plan = _plan(q_lens, kv_lens, h, d_qk, d_vo, sm_scale, query.dtype, query.device,
-                     None if strides == (None, None, None) else strides)
+        plan = _plan(
+            q_lens,
+            kv_lens,
+            h,
+            d_qk,
+            d_vo,
+            sm_scale,
+            query.dtype,
+            query.device,
+            None if strides == (None, None, None) else strides,
+        )
         if sinks is None:
             out, lse = plan.run(q, k, v, return_lse=False), None
         else:
@@ -399,8 +519,12 @@ def mla_bridge_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if sinks is not None:  # one more key per head, of logit s_aux and value 0: a partial (out 0, LSE s_aux)
         assert lse is not None  # both routes fill an LSE where there are sinks
         lse = lse.view(out.shape[:2])
-        merge_attn_states_(out, lse, out.new_zeros(()).expand(out.shape),
-                           sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape))
+        merge_attn_states_(
+            out,
+            lse,
+            out.new_zeros(()).expand(out.shape),
+            sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape),
+        )
     if by_row:
         return full, None
     if q_rows is None:

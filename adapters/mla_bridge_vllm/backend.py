@@ -115,11 +115,25 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
         return True  # both run methods write into a given out [T, H, v_head_dim]
 
     # --- per step ---------------------------------------------------------------------------------------------
-    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, vllm_config: Any) -> None:
-        super().__init__(num_heads=num_heads, scale=scale, kv_lora_rank=kv_lora_rank,
-                         qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
-                         v_head_dim=v_head_dim, vllm_config=vllm_config)
+    def __init__(
+        self,
+        num_heads: int,
+        scale: float,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        vllm_config: Any,
+    ) -> None:
+        super().__init__(
+            num_heads=num_heads,
+            scale=scale,
+            kv_lora_rank=kv_lora_rank,
+            qk_nope_head_dim=qk_nope_head_dim,
+            qk_rope_head_dim=qk_rope_head_dim,
+            v_head_dim=v_head_dim,
+            vllm_config=vllm_config,
+        )
         self._plans: Optional[PrefillStepPlans] = None
 
     def _dtype(self, prefill_metadata: "MLACommonPrefillMetadata") -> torch.dtype:
@@ -128,8 +142,10 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
             dtype = self.vllm_config.model_config.dtype
         out_dtype = prefill_metadata.output_dtype
         if out_dtype is not None and out_dtype != dtype:
-            raise ValueError(f"mla_bridge_vllm: query dtype {dtype} differs from output dtype {out_dtype}; "
-                             f"FP8 prefill queries are not supported by mla_bridge")
+            raise ValueError(
+                f"mla_bridge_vllm: query dtype {dtype} differs from output dtype {out_dtype}; "
+                f"FP8 prefill queries are not supported by mla_bridge"
+            )
         return dtype
 
     def prepare_metadata(self, prefill_metadata: "MLACommonPrefillMetadata") -> None:
@@ -146,27 +162,47 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
         if ctx is not None:
             for chunk in ctx.chunks:
                 r0, r1 = chunk.request_slice.start, chunk.request_slice.stop
-                chunks.append(ChunkIndptrs(chunk.index, qo[r0:r1 + 1] - qo[r0], host_indptr_from_lens(chunk.seq_lens)))
+                chunks.append(
+                    ChunkIndptrs(chunk.index, qo[r0 : r1 + 1] - qo[r0], host_indptr_from_lens(chunk.seq_lens))
+                )
         self._plans = PrefillStepPlans(
-            qo, chunks, num_heads=self.num_heads, head_dim_qk=self.qk_nope_head_dim + self.qk_rope_head_dim,
-            head_dim_vo=self.v_head_dim, sm_scale=self.scale, dtype=self._dtype(prefill_metadata),
+            qo,
+            chunks,
+            num_heads=self.num_heads,
+            head_dim_qk=self.qk_nope_head_dim + self.qk_rope_head_dim,
+            head_dim_vo=self.v_head_dim,
+            sm_scale=self.scale,
+            dtype=self._dtype(prefill_metadata),
             device=prefill_metadata.query_start_loc.device,
-            strides=vllm_strides(self.num_heads, self.qk_nope_head_dim, self.v_head_dim))
+            strides=vllm_strides(self.num_heads, self.qk_nope_head_dim, self.v_head_dim),
+        )
 
     def _step(self) -> PrefillStepPlans:
         if self._plans is None:
             raise RuntimeError("mla_bridge_vllm: run before prepare_metadata planned this step")
         return self._plans
 
-    def run_prefill_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool,
-                               out: Optional[torch.Tensor] = None, output_scale: Optional[torch.Tensor] = None
-                               ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+    def run_prefill_new_tokens(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        return_softmax_lse: bool,
+        out: Optional[torch.Tensor] = None,
+        output_scale: Optional[torch.Tensor] = None,
+    ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
         if output_scale is not None:
-            raise NotImplementedError("mla_bridge_vllm: fused FP8 output quantization is not supported "
-                                      "(supports_quant_output() is False)")
+            raise NotImplementedError(
+                "mla_bridge_vllm: fused FP8 output quantization is not supported (supports_quant_output() is False)"
+            )
         return self._step().run_new_tokens(q, k, v, return_softmax_lse, out=out)
 
-    def run_prefill_context_chunk(self, chunk: "MLACommonPrefillMetadata.ContextChunk", q: torch.Tensor,
-                                  k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_prefill_context_chunk(
+        self,
+        chunk: "MLACommonPrefillMetadata.ContextChunk",
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._step().run_context_chunk(chunk.index, q, k, v, out=out)

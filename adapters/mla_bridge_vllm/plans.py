@@ -36,8 +36,13 @@ def vllm_strides(num_heads: int, qk_nope_head_dim: int, v_head_dim: int) -> tupl
     return (None, None, (num_heads * row, row))
 
 
-def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dtype] = None,
-             head_dim_qk: Optional[int] = None, head_dim_vo: Optional[int] = None) -> tuple[bool, str]:
+def servable(
+    capability: Optional[tuple[int, int]],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    head_dim_qk: Optional[int] = None,
+    head_dim_vo: Optional[int] = None,
+) -> tuple[bool, str]:
     """Whether mla_bridge serves MLA prefill for vLLM here, and why (in words), from :func:`select_backend`.
 
     ``capability`` ``None`` means no CUDA device (vLLM's CPU platform): the torch backend serves bf16, fp16, fp32 and
@@ -47,8 +52,9 @@ def servable(capability: Optional[tuple[int, int]], *, dtype: Optional[torch.dty
     """
     kw: dict[str, Any] = dict(dtype=dtype, out_dtype=dtype, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo)
     if dtype is not None and not dtype.is_floating_point:  # plan_ragged would refuse it on every backend
-        return False, (f"{dtype} is not a floating dtype (mla_bridge runs float16, bfloat16 and, on the CPU, float32 "
-                       f"and float64)")
+        return False, (
+            f"{dtype} is not a floating dtype (mla_bridge runs float16, bfloat16 and, on the CPU, float32 and float64)"
+        )
     try:
         if capability is None:
             choice = select_backend("cpu", **kw)
@@ -71,8 +77,12 @@ def _warn_if_reference(*plans: RaggedPlan) -> None:
         if plan.backend.name == "torch" and not plan.backend.reason.startswith("forced") and not _WARNED[0]:
             _WARNED[0] = True
             why = "; ".join(f"{name}: {reason}" for name, reason in plan.backend.passed_over)
-            warnings.warn(f"mla_bridge_vllm: no FlashInfer kernel serves this batch ({why}); it runs on the float32 "
-                          f"torch reference backend, which is slow", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"mla_bridge_vllm: no FlashInfer kernel serves this batch ({why}); it runs on the float32 "
+                f"torch reference backend, which is slow",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 @dataclass(frozen=True)
@@ -102,32 +112,61 @@ class PrefillStepPlans:
     queued with it (:class:`mla_bridge.Workspace`).
     """
 
-    def __init__(self, qo_indptr: torch.Tensor, chunks: Sequence[ChunkIndptrs], *, num_heads: int, head_dim_qk: int,
-                 head_dim_vo: int, sm_scale: float, dtype: torch.dtype, device: "torch.device | str",
-                 workspace: Optional[Workspace] = None, backend: Optional[str] = None,
-                 strides: Optional[Sequence] = None):
+    def __init__(
+        self,
+        qo_indptr: torch.Tensor,
+        chunks: Sequence[ChunkIndptrs],
+        *,
+        num_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int,
+        sm_scale: float,
+        dtype: torch.dtype,
+        device: "torch.device | str",
+        workspace: Optional[Workspace] = None,
+        backend: Optional[str] = None,
+        strides: Optional[Sequence] = None,
+    ):
         ws = workspace if workspace is not None else default_workspace(device)
-        common: dict[str, Any] = dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-                                      sm_scale=sm_scale, dtype=dtype, workspace=ws, backend=backend, strides=strides)
+        common: dict[str, Any] = dict(
+            num_heads=num_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            sm_scale=sm_scale,
+            dtype=dtype,
+            workspace=ws,
+            backend=backend,
+            strides=strides,
+        )
         self.main: RaggedPlan = plan_ragged(qo_indptr, qo_indptr, causal=True, **common)
         self.chunks: dict[int, RaggedPlan] = {
-            c.index: plan_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks}
+            c.index: plan_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks
+        }
         if ws.device.type == "cuda":
             _warn_if_reference(self.main, *self.chunks.values())
 
-    def run_new_tokens(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_softmax_lse: bool,
-                       out: Optional[torch.Tensor] = None) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+    def run_new_tokens(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        return_softmax_lse: bool,
+        out: Optional[torch.Tensor] = None,
+    ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
         """Causal attention of the new tokens: ``out`` or ``(out, lse [H, T] natural log)``."""
         out, lse = self.main.run(q, k, v, out=out, lse_layout="HN")
         return (out, lse) if return_softmax_lse else out
 
-    def run_context_chunk(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_context_chunk(
+        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Non-causal attention of chunk ``index``'s queries over its context: ``(out, lse [H, T] natural log)``."""
         plan = self.chunks.get(index)
         if plan is None:
-            raise KeyError(f"mla_bridge_vllm: context chunk {index} was not planned this step "
-                           f"(planned: {sorted(self.chunks)}); prepare_metadata must run first")
+            raise KeyError(
+                f"mla_bridge_vllm: context chunk {index} was not planned this step "
+                f"(planned: {sorted(self.chunks)}); prepare_metadata must run first"
+            )
         return plan.run(q, k, v, out=out, lse_layout="HN")
 
     def __repr__(self) -> str:

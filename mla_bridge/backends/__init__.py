@@ -17,6 +17,8 @@ def make_kernel(choice: BackendChoice, workspace: Any, spec: Any) -> Any:
     """Build the kernel for ``choice`` (imports FlashInfer only when a FlashInfer backend was chosen)."""
     if choice.is_flashinfer:
         from . import flashinfer
+
         return flashinfer.make_kernel(choice, workspace, spec)
     from . import torch_ref
+
     return torch_ref.make_kernel(choice, workspace, spec)

@@ -55,8 +55,15 @@ import torch
 
 from ..workspace import current_stream
 
-__all__ = ["make_kernel", "FlashInferRaggedKernel", "new_wrapper", "DirectRun", "DIRECT_ENV", "direct_enabled",
-           "int_workspace_bytes"]
+__all__ = [
+    "make_kernel",
+    "FlashInferRaggedKernel",
+    "new_wrapper",
+    "DirectRun",
+    "DIRECT_ENV",
+    "direct_enabled",
+    "int_workspace_bytes",
+]
 
 _LN2 = math.log(2.0)
 #: ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` makes every run go through ``wrapper.run`` (for comparison).
@@ -198,8 +205,9 @@ class DirectRun:
             args[i] = None  # the recording keeps no stand-in alive
         return cls(module.ragged_run, args, slots, tuple(live), fw)
 
-    def __call__(self, wrapper: Any, q, k, v, out, lse, natural: bool = True,
-                 float_workspace: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, wrapper: Any, q, k, v, out, lse, natural: bool = True, float_workspace: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch; ``float_workspace``: the float workspace to hand it (default: the wrapper's attribute)."""
         args = self.args.copy()
         args[self.q], args[self.k], args[self.v], args[self.out], args[self.lse] = q, k, v, out, lse
@@ -230,19 +238,22 @@ class FlashInferRaggedKernel:
         self.lease = workspace.acquire(self.backend, self, new_wrapper)
         self.wrapper = self.lease.wrapper
         workspace.fit_int_workspace(self.lease, int_workspace_bytes(self.backend, spec))
-        workspace.plan_with_growth(lambda: self.wrapper.plan(
-            spec.qo_indptr,  # int32, on the CPU: plan reads it there and copies it to the device itself
-            spec.kv_indptr,
-            spec.num_heads,
-            spec.num_heads,
-            spec.head_dim_qk,
-            head_dim_vo=spec.head_dim_vo,
-            causal=spec.causal,
-            sm_scale=spec.sm_scale,
-            q_data_type=spec.dtype,
-            kv_data_type=spec.dtype,
-            o_data_type=spec.dtype,
-        ), lease=self.lease)
+        workspace.plan_with_growth(
+            lambda: self.wrapper.plan(
+                spec.qo_indptr,  # int32, on the CPU: plan reads it there and copies it to the device itself
+                spec.kv_indptr,
+                spec.num_heads,
+                spec.num_heads,
+                spec.head_dim_qk,
+                head_dim_vo=spec.head_dim_vo,
+                causal=spec.causal,
+                sm_scale=spec.sm_scale,
+                q_data_type=spec.dtype,
+                kv_data_type=spec.dtype,
+                o_data_type=spec.dtype,
+            ),
+            lease=self.lease,
+        )
         # The size plan() laid fa2's split-KV partials out for: the least float workspace a run of this plan needs.
         self.float_bytes = self.wrapper._float_workspace_buffer.numel() if self._regions else 0
         if self._cuda and not torch.cuda.is_current_stream_capturing():
@@ -335,8 +346,13 @@ class FlashInferRaggedKernel:
             if direct_enabled() and self.backend in ("fa2", "fa3"):
                 s = self.spec
                 t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
-                shapes = ((t, h, s.head_dim_qk), (n, h, s.head_dim_qk), (n, h, s.head_dim_vo), (t, h, s.head_dim_vo),
-                          (t, h))
+                shapes = (
+                    (t, h, s.head_dim_qk),
+                    (n, h, s.head_dim_qk),
+                    (n, h, s.head_dim_vo),
+                    (t, h, s.head_dim_vo),
+                    (t, h),
+                )
                 with self._lock:  # the float workspace is found in the call by identity with the attribute
                     direct = DirectRun.record(self.wrapper, shapes, s.dtype, s.device) or False
                 if direct and self._regions and direct.fw is None:
@@ -364,12 +380,14 @@ class FlashInferRaggedKernel:
     def _wrapper_run(self, q, k, v, out, lse, lse_layout, lse_base):
         if self._contiguous_out and not out.is_contiguous():
             tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            self.wrapper.run(q, k, v, out=tmp, lse=lse, return_lse=lse is not None, lse_base=lse_base,
-                             lse_layout=lse_layout)
+            self.wrapper.run(
+                q, k, v, out=tmp, lse=lse, return_lse=lse is not None, lse_base=lse_base, lse_layout=lse_layout
+            )
             out.copy_(tmp)
             return out, lse
-        self.wrapper.run(q, k, v, out=out, lse=lse, return_lse=lse is not None, lse_base=lse_base,
-                         lse_layout=lse_layout)
+        self.wrapper.run(
+            q, k, v, out=out, lse=lse, return_lse=lse is not None, lse_base=lse_base, lse_layout=lse_layout
+        )
         return out, lse
 
 
@@ -380,8 +398,7 @@ def _device_indptr(wrapper: Any, name: str, host: torch.Tensor, device: torch.de
     Ordered like the plan's other copies (the plan event, :meth:`FlashInferRaggedKernel.order_after_plan`); while the
     plan holds its wrapper the pool never plans that wrapper again, so the values stay the plan's."""
     buf = getattr(wrapper, name, None)
-    if (isinstance(buf, torch.Tensor) and buf.dtype == torch.int32 and buf.device == device
-            and buf.shape == host.shape):
+    if isinstance(buf, torch.Tensor) and buf.dtype == torch.int32 and buf.device == device and buf.shape == host.shape:
         return buf
     return None
 

@@ -25,8 +25,9 @@ __all__ = ["ragged_attention_reference", "make_kernel"]
 _BLOCK_ELEMS = 1 << 22  # scores held at once (16 MiB of float32)
 
 
-def _attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float,
-                    block_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_request(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float, block_elems: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [Lq,H,Dqk], k [Lk,H,Dqk], v [Lk,H,Dvo] -> out [Lq,H,Dvo] float32, lse [Lq,H] float32 (natural log)."""
     lq, h, _ = q.shape
     lk = k.shape[0]
@@ -99,19 +100,31 @@ def _probs_times_values(p: torch.Tensor, v: torch.Tensor, first: int, seen: torc
         return torch.bmm(p, v)
     # one product of the block's shape, as the plain one: the rows' finite values are summed in the same order
     pv = torch.bmm(p, torch.cat([v[:, :first], torch.where(finite, tail, torch.zeros_like(tail))], 1))
-    kinds = (torch.isnan(tail).to(torch.int32) + (tail == float("inf")).to(torch.int32) * 256
-             + (tail == float("-inf")).to(torch.int32) * 65536)
+    kinds = (
+        torch.isnan(tail).to(torch.int32)
+        + (tail == float("inf")).to(torch.int32) * 256
+        + (tail == float("-inf")).to(torch.int32) * 65536
+    )
     counts = torch.cat([torch.zeros_like(kinds[:, :1]), kinds.cumsum(1, dtype=torch.int32)], 1).index_select(1, seen)
     nan, pos, neg = (counts & 255) > 0, (counts & 65280) > 0, counts >= 65536  # [H, bq, Dvo] each
     bad = torch.zeros_like(pv).masked_fill_(pos, float("inf")).masked_fill_(neg, float("-inf"))
     return pv + bad.masked_fill_(nan | (pos & neg), float("nan"))
 
 
-def ragged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: list[int],
-                               kv_indptr: list[int], *, causal: bool, sm_scale: float,
-                               out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-                               lse_layout: str = "NH", block_elems: int = _BLOCK_ELEMS
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def ragged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qo_indptr: list[int],
+    kv_indptr: list[int],
+    *,
+    causal: bool,
+    sm_scale: float,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
+    lse_layout: str = "NH",
+    block_elems: int = _BLOCK_ELEMS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention, float32 accumulation: q ``[T,H,Dqk]``, k ``[S,H,Dqk]``, v ``[S,H,Dvo]`` with host indptrs.
 
     Returns ``out [T,H,Dvo]`` (q's dtype unless ``out`` is given) and ``lse`` float32 natural-log, ``[T,H]``
@@ -144,8 +157,18 @@ class TorchRaggedKernel:
         self._kv = [int(x) for x in spec.kv_indptr.tolist()]
 
     def run(self, q, k, v, out, lse, lse_layout):
-        return ragged_attention_reference(q, k, v, self._qo, self._kv, causal=self.spec.causal,
-                                          sm_scale=self.spec.sm_scale, out=out, lse=lse, lse_layout=lse_layout)
+        return ragged_attention_reference(
+            q,
+            k,
+            v,
+            self._qo,
+            self._kv,
+            causal=self.spec.causal,
+            sm_scale=self.spec.sm_scale,
+            out=out,
+            lse=lse,
+            lse_layout=lse_layout,
+        )
 
 
 def make_kernel(choice: Any, workspace: Any, spec: Any) -> TorchRaggedKernel:

@@ -58,8 +58,9 @@ def _sections(text: str) -> list[str]:
             return list(SECTIONS)
         name = _ALIASES.get(part, part)
         if name not in SECTIONS:
-            raise argparse.ArgumentTypeError(f"unknown section {part!r}; choose from {', '.join(SECTIONS)} "
-                                             f"(or 1-{len(SECTIONS)}, or all)")
+            raise argparse.ArgumentTypeError(
+                f"unknown section {part!r}; choose from {', '.join(SECTIONS)} (or 1-{len(SECTIONS)}, or all)"
+            )
         if name not in out:
             out.append(name)
     if not out:
@@ -92,41 +93,82 @@ def plot_file(text: str):
         if suffix not in formats:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: matplotlib cannot write '.{suffix}' images; use one of "
-                f"{', '.join('.' + f for f in sorted(formats))} (no suffix: PNG)")
+                f"{', '.join('.' + f for f in sorted(formats))} (no suffix: PNG)"
+            )
     return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench's options to ``parser`` (the ``mla-bridge bench`` subcommand)."""
-    parser.add_argument("--sections", type=_sections, default=list(DEFAULT_SECTIONS), metavar="LIST",
-                        help=f"comma-separated sections to run: {','.join(SECTIONS)} (or 1-{len(SECTIONS)}, or all; "
-                             f"default all but ttft)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny shapes, a few seconds (automatic on a machine without CUDA)")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="where to run (default: cuda when available, else cpu in quick mode)")
-    parser.add_argument("--repeats", type=positive_int, default=None,
-                        help="timed calls per row, median reported (default 15 on a GPU, 3 in quick mode)")
-    parser.add_argument("--warmup", type=nonnegative_int, default=None,
-                        help="untimed calls before timing (default 3 on a GPU, 1 in quick mode; on CUDA at least 1, "
-                             "which absorbs FlashInfer's JIT compile)")
-    parser.add_argument("--json", type=output_file, metavar="PATH", default=None, help="write every figure and the environment here")
-    parser.add_argument("--plot", type=plot_file, metavar="PATH", default=None,
-                        help="write an image (PNG; another format by the suffix, e.g. .svg or .pdf): one panel per "
-                             "section, bars by case (main pass TFLOP/s; mla_prefill / (attention + GEMM), eager "
-                             "and graphed; ms against the hand-written pipeline; JAX)")
+    parser.add_argument(
+        "--sections",
+        type=_sections,
+        default=list(DEFAULT_SECTIONS),
+        metavar="LIST",
+        help=f"comma-separated sections to run: {','.join(SECTIONS)} (or 1-{len(SECTIONS)}, or all; "
+        f"default all but ttft)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes, a few seconds (automatic on a machine without CUDA)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="where to run (default: cuda when available, else cpu in quick mode)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="timed calls per row, median reported (default 15 on a GPU, 3 in quick mode)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=nonnegative_int,
+        default=None,
+        help="untimed calls before timing (default 3 on a GPU, 1 in quick mode; on CUDA at least 1, "
+        "which absorbs FlashInfer's JIT compile)",
+    )
+    parser.add_argument(
+        "--json", type=output_file, metavar="PATH", default=None, help="write every figure and the environment here"
+    )
+    parser.add_argument(
+        "--plot",
+        type=plot_file,
+        metavar="PATH",
+        default=None,
+        help="write an image (PNG; another format by the suffix, e.g. .svg or .pdf): one panel per "
+        "section, bars by case (main pass TFLOP/s; mla_prefill / (attention + GEMM), eager "
+        "and graphed; ms against the hand-written pipeline; JAX)",
+    )
     from ..dispatch import BACKEND_NAMES
 
-    parser.add_argument("--backend", default=None, choices=BACKEND_NAMES + ("auto",), metavar="NAME",
-                        help=f"force mla_bridge's backend ({', '.join(BACKEND_NAMES)}; default and auto: the dispatch "
-                             "table, as for mla-bridge prefill); "
-                             "the raw FlashInfer rows follow it")
-    parser.add_argument("--skip", type=_skip, default=set(), metavar="PATHS",
-                        help=f"comparison paths to leave out: {','.join(SKIPPABLE)}")
-    parser.add_argument("--budget-s", type=nonnegative_float, default=None, metavar="S",
-                        help="seconds after which the slow optional rows (flex_attention, torch backend) are skipped; "
-                             f"any job still waiting {HARD_MARGIN_S:.0f} s later is skipped too (default "
-                             f"{DEFAULT_BUDGET_S:.0f} on a GPU in full mode, none otherwise)")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        choices=BACKEND_NAMES + ("auto",),
+        metavar="NAME",
+        help=f"force mla_bridge's backend ({', '.join(BACKEND_NAMES)}; default and auto: the dispatch "
+        "table, as for mla-bridge prefill); "
+        "the raw FlashInfer rows follow it",
+    )
+    parser.add_argument(
+        "--skip",
+        type=_skip,
+        default=set(),
+        metavar="PATHS",
+        help=f"comparison paths to leave out: {','.join(SKIPPABLE)}",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=nonnegative_float,
+        default=None,
+        metavar="S",
+        help="seconds after which the slow optional rows (flex_attention, torch backend) are skipped; "
+        f"any job still waiting {HARD_MARGIN_S:.0f} s later is skipped too (default "
+        f"{DEFAULT_BUDGET_S:.0f} on a GPU in full mode, none otherwise)",
+    )
     parser.add_argument("--layers", type=positive_int, default=61, help="layers in the planning loop (default 61)")
     parser.add_argument("--seed", type=seed_type, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target that applies was missed")
@@ -135,8 +177,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
     from . import context, main_pass, sections as other, ttft
 
-    makers = {"main": main_pass.jobs, "context": context.jobs, "merge": other.merge_jobs, "plan": other.plan_jobs,
-              "memory": other.memory_jobs, "jax": other.jax_jobs, "ttft": ttft.jobs}
+    makers = {
+        "main": main_pass.jobs,
+        "context": context.jobs,
+        "merge": other.merge_jobs,
+        "plan": other.plan_jobs,
+        "memory": other.memory_jobs,
+        "jax": other.jax_jobs,
+        "ttft": ttft.jobs,
+    }
     jobs = []
     for name in SECTIONS:  # report order, whatever order they were asked in
         if name in sections:
@@ -160,17 +209,37 @@ def _payload(env: dict, ctx: Any, sections: Sequence[str], rows: list, job_times
     """Everything the JSON holds (NaN and infinities as null)."""
     from .report import sort_rows
 
-    config = {"sections": list(sections), "quick": ctx.quick, "device": str(ctx.device), "repeats": ctx.repeats,
-              "warmup": ctx.warmup, "seed": ctx.seed, "backend": ctx.backend, "skip": sorted(ctx.skip),
-              "budget_s": ctx.budget_s, "layers": ctx.layers,
-              "timer": ("max(cuda events with the gpu spinning first, host time) per call" if ctx.cuda
-                        else "time.perf_counter"), "statistic": "median",
-              "interleaved": "rotating rounds", "l2_flush": False}
-    return _clean({
-        "complete": complete, "environment": env, "config": config, "peaks": ctx.peaks, "sections": list(sections),
-        "elapsed_s": round(ctx.elapsed(), 3), "rows": [r.to_dict() for r in sort_rows(rows)],
-        "checks": [c.to_dict() for c in ctx.checks], "jobs": list(job_times),
-    })
+    config = {
+        "sections": list(sections),
+        "quick": ctx.quick,
+        "device": str(ctx.device),
+        "repeats": ctx.repeats,
+        "warmup": ctx.warmup,
+        "seed": ctx.seed,
+        "backend": ctx.backend,
+        "skip": sorted(ctx.skip),
+        "budget_s": ctx.budget_s,
+        "layers": ctx.layers,
+        "timer": (
+            "max(cuda events with the gpu spinning first, host time) per call" if ctx.cuda else "time.perf_counter"
+        ),
+        "statistic": "median",
+        "interleaved": "rotating rounds",
+        "l2_flush": False,
+    }
+    return _clean(
+        {
+            "complete": complete,
+            "environment": env,
+            "config": config,
+            "peaks": ctx.peaks,
+            "sections": list(sections),
+            "elapsed_s": round(ctx.elapsed(), 3),
+            "rows": [r.to_dict() for r in sort_rows(rows)],
+            "checks": [c.to_dict() for c in ctx.checks],
+            "jobs": list(job_times),
+        }
+    )
 
 
 def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
@@ -199,9 +268,13 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
 
     try:  # refuse a --backend or MLA_BRIDGE_BACKEND (read when --backend is not given) this machine cannot run, before
         # any work (an env value was not checked: every mla_bridge row was skipped and the bench exited 0)
-        select_backend(torch.device("cuda") if use_cuda else torch.device("cpu"),
-                       requested=getattr(args, "backend", None), dtype=torch.bfloat16 if use_cuda else torch.float32,
-                       head_dim_qk=192, head_dim_vo=128)
+        select_backend(
+            torch.device("cuda") if use_cuda else torch.device("cpu"),
+            requested=getattr(args, "backend", None),
+            dtype=torch.bfloat16 if use_cuda else torch.float32,
+            head_dim_qk=192,
+            head_dim_vo=128,
+        )
     except ValueError as err:
         flag = f"--backend {args.backend}: " if getattr(args, "backend", None) else ""
         console.print(f"mla-bridge bench: {flag}{err}", style="red", markup=False)
@@ -210,8 +283,11 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
     from ..prefill import kernel_choices
 
     try:  # an MLA_BRIDGE_KV / _GATHER / _MERGE that cannot serve here: refused before any work, as --backend
-        kernels = kernel_choices(torch.device("cuda") if use_cuda else torch.device("cpu"),
-                                 torch.bfloat16 if use_cuda else torch.float32, MLADims.deepseek_v2_lite())
+        kernels = kernel_choices(
+            torch.device("cuda") if use_cuda else torch.device("cpu"),
+            torch.bfloat16 if use_cuda else torch.float32,
+            MLADims.deepseek_v2_lite(),
+        )
     except (ValueError, TypeError, RuntimeError) as err:
         console.print(f"mla-bridge bench: {err}", style="red", markup=False)
         return 2
@@ -224,9 +300,18 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
     budget = getattr(args, "budget_s", None)
     if budget is None and use_cuda and not quick:
         budget = DEFAULT_BUDGET_S
-    ctx = Ctx(device=device, quick=quick, repeats=repeats, warmup=warmup, seed=getattr(args, "seed", 0),
-              backend=getattr(args, "backend", None), skip=set(getattr(args, "skip", set()) or ()), budget_s=budget,
-              console=console, layers=max(1, getattr(args, "layers", 61)))
+    ctx = Ctx(
+        device=device,
+        quick=quick,
+        repeats=repeats,
+        warmup=warmup,
+        seed=getattr(args, "seed", 0),
+        backend=getattr(args, "backend", None),
+        skip=set(getattr(args, "skip", set()) or ()),
+        budget_s=budget,
+        console=console,
+        layers=max(1, getattr(args, "layers", 61)),
+    )
     env = environment(ctx)
     env["kernels"] = kernels  # what the rows without a named path ran (the environment switches included)
     rows: list[Row] = []
@@ -238,8 +323,15 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
         torch.set_num_threads(1)
     try:
         jobs = _jobs_for(ctx, sections)
-        progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         with progress:
             task = progress.add_task("machine peaks", total=len(jobs) + 1)
             rows.extend(measure_peaks(ctx))
@@ -249,21 +341,40 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
                 started, n_before = time.perf_counter(), len(rows)
                 try:
                     if budget is not None and ctx.elapsed() > budget + HARD_MARGIN_S:
-                        rows.append(Row(job.section, job.label, "(whole job)", status="skipped",
-                                        note=f"time budget spent ({budget:.0f} + {HARD_MARGIN_S:.0f} s)",
-                                        order=(9, 0, 0)))
+                        rows.append(
+                            Row(
+                                job.section,
+                                job.label,
+                                "(whole job)",
+                                status="skipped",
+                                note=f"time budget spent ({budget:.0f} + {HARD_MARGIN_S:.0f} s)",
+                                order=(9, 0, 0),
+                            )
+                        )
                     else:
                         rows.extend(job.fn(ctx))
                 except Exception as err:  # noqa: BLE001 - one broken job never ends the run
                     ctx.recover()
-                    rows.append(Row(job.section, job.label, "(whole job)", status="skipped",
-                                    note="failed: " + fmt_err(err, 160), error=fmt_err(err), order=(9, 0, 0)))
+                    rows.append(
+                        Row(
+                            job.section,
+                            job.label,
+                            "(whole job)",
+                            status="skipped",
+                            note="failed: " + fmt_err(err, 160),
+                            error=fmt_err(err),
+                            order=(9, 0, 0),
+                        )
+                    )
                 seconds = time.perf_counter() - started
                 job_times.append({"section": job.section, "job": job.label, "seconds": round(seconds, 3)})
                 done = rows[n_before:]
                 n_ok = sum(r.status == "ok" for r in done)
-                progress.console.print(f"[dim]{job.label}: {n_ok} measured, {len(done) - n_ok} skipped, "
-                                       f"{seconds:.1f} s (total {ctx.elapsed():.0f} s)[/]", highlight=False)
+                progress.console.print(
+                    f"[dim]{job.label}: {n_ok} measured, {len(done) - n_ok} skipped, "
+                    f"{seconds:.1f} s (total {ctx.elapsed():.0f} s)[/]",
+                    highlight=False,
+                )
                 if getattr(args, "json", None):  # a run killed at a time limit still leaves every figure so far
                     write_json(args.json, _payload(env, ctx, sections, rows, job_times, complete=False))
                 progress.advance(task)
@@ -289,8 +400,11 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m mla_bridge.bench [options]``."""
-    parser = argparse.ArgumentParser(prog="mla-bridge bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="mla-bridge bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

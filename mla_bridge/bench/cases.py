@@ -8,8 +8,16 @@ import numpy as np
 
 from ..dims import MLADims
 
-__all__ = ["MainShape", "ContextCase", "main_shapes", "context_cases", "loop_case", "mixed_lengths", "dims_for",
-           "TORCH_BACKEND_MAX_WORK"]
+__all__ = [
+    "MainShape",
+    "ContextCase",
+    "main_shapes",
+    "context_cases",
+    "loop_case",
+    "mixed_lengths",
+    "dims_for",
+    "TORCH_BACKEND_MAX_WORK",
+]
 
 #: The torch backend (blockwise float32, Python loops) runs on the GPU only up to this many causal (q, k) pairs x
 #: heads (1 x 10000 tokens at 16 heads); larger shapes are skipped with a note.

@@ -21,8 +21,21 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["Row", "Check", "Job", "Timing", "Ctx", "causal_pairs", "attention_flops", "gemm_flops", "fmt_err",
-           "SECTIONS", "DEFAULT_SECTIONS", "SECTION_TITLES", "HEAD_DIM_SUM"]
+__all__ = [
+    "Row",
+    "Check",
+    "Job",
+    "Timing",
+    "Ctx",
+    "causal_pairs",
+    "attention_flops",
+    "gemm_flops",
+    "fmt_err",
+    "SECTIONS",
+    "DEFAULT_SECTIONS",
+    "SECTION_TITLES",
+    "HEAD_DIM_SUM",
+]
 
 #: Sections in report order (1 main ... 6 jax, 7 ttft).
 SECTIONS = ("main", "context", "merge", "plan", "memory", "jax", "ttft")
@@ -63,8 +76,9 @@ def causal_pairs(q_len: int, kv_len: int) -> int:
     return total
 
 
-def attention_flops(q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: bool, heads: int,
-                    head_dim_sum: int = HEAD_DIM_SUM) -> float:
+def attention_flops(
+    q_lens: Sequence[int], kv_lens: Sequence[int], *, causal: bool, heads: int, head_dim_sum: int = HEAD_DIM_SUM
+) -> float:
     """2 x (q·k pairs) x heads x (head_dim_qk + head_dim_vo); causal pairs counted exactly per request."""
     pairs = sum(causal_pairs(q, k) if causal else q * k for q, k in zip(q_lens, kv_lens))
     return 2.0 * pairs * heads * head_dim_sum
@@ -178,8 +192,20 @@ def _event_samples(events: Sequence[tuple], host: Sequence[float]) -> tuple[list
 class Ctx:
     """The run's settings and shared state (device, dtype, timers, peaks, reusable FlashInfer objects)."""
 
-    def __init__(self, *, device: torch.device, quick: bool, repeats: int, warmup: int, seed: int,
-                 backend: Optional[str], skip: set, budget_s: Optional[float], console: Any, layers: int = 61):
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        quick: bool,
+        repeats: int,
+        warmup: int,
+        seed: int,
+        backend: Optional[str],
+        skip: set,
+        budget_s: Optional[float],
+        console: Any,
+        layers: int = 61,
+    ):
         self.device = device
         self.cuda = device.type == "cuda"
         self.quick = quick
@@ -267,12 +293,27 @@ class Ctx:
                 fn()
                 samples.append((time.perf_counter() - t) * 1e3)
             host = samples
-        return Timing(statistics.median(samples), statistics.median(host), [round(s, 6) for s in samples], r,
-                      None if gpu is None else statistics.median(gpu))
+        return Timing(
+            statistics.median(samples),
+            statistics.median(host),
+            [round(s, 6) for s in samples],
+            r,
+            None if gpu is None else statistics.median(gpu),
+        )
 
     # ------------------------------------------------------------------ rows
-    def row(self, section: str, case: str, path: str, timing: Optional[Timing] = None, *, ms: Optional[float] = None,
-            flops: Optional[float] = None, nbytes: Optional[float] = None, **kw: Any) -> Row:
+    def row(
+        self,
+        section: str,
+        case: str,
+        path: str,
+        timing: Optional[Timing] = None,
+        *,
+        ms: Optional[float] = None,
+        flops: Optional[float] = None,
+        nbytes: Optional[float] = None,
+        **kw: Any,
+    ) -> Row:
         """A measured row: TFLOP/s from ``flops`` (fraction of the matmul peak), else GB/s from ``nbytes``
         (fraction of the copy bandwidth)."""
         row = Row(section=section, case=case, path=path, flops=flops, bytes=nbytes, **kw)
@@ -296,26 +337,52 @@ class Ctx:
                     row.fraction, row.fraction_of = row.gbps / peak, "copy_bandwidth"
         return row
 
-    def skipped(self, section: str, case: str, path: str, note: str, err: Optional[BaseException] = None,
-                **kw: Any) -> Row:
-        return Row(section=section, case=case, path=path, status="skipped", note=note,
-                   error=None if err is None else fmt_err(err), **kw)
+    def skipped(
+        self, section: str, case: str, path: str, note: str, err: Optional[BaseException] = None, **kw: Any
+    ) -> Row:
+        return Row(
+            section=section,
+            case=case,
+            path=path,
+            status="skipped",
+            note=note,
+            error=None if err is None else fmt_err(err),
+            **kw,
+        )
 
     def not_here(self, section: str, case: str, path: str, note: str, **kw: Any) -> Row:
         """A skipped row for a path this machine cannot run at all (``note`` names what it needs: CUDA, FlashInfer,
         Triton): recorded in the JSON with ``applies`` False, not printed and not plotted."""
         return Row(section=section, case=case, path=path, status="skipped", note=note, applies=False, **kw)
 
-    def measure(self, section: str, case: str, path: str, fn: Callable[[], Any], *, flops: Optional[float] = None,
-                nbytes: Optional[float] = None, repeats: Optional[int] = None, warmup: Optional[int] = None,
-                **kw: Any) -> Row:
+    def measure(
+        self,
+        section: str,
+        case: str,
+        path: str,
+        fn: Callable[[], Any],
+        *,
+        flops: Optional[float] = None,
+        nbytes: Optional[float] = None,
+        repeats: Optional[int] = None,
+        warmup: Optional[int] = None,
+        **kw: Any,
+    ) -> Row:
         """Time ``fn`` into a row; a failure (a kernel that does not compile or launch, out of memory) becomes a
         skipped row carrying the error text, and the run goes on."""
-        return self.measure_many(section, case, [(path, fn, dict(flops=flops, nbytes=nbytes, **kw))],
-                                 repeats=repeats, warmup=warmup)[0]
+        return self.measure_many(
+            section, case, [(path, fn, dict(flops=flops, nbytes=nbytes, **kw))], repeats=repeats, warmup=warmup
+        )[0]
 
-    def measure_many(self, section: str, case: str, items: Sequence[tuple[str, Callable[[], Any], dict]], *,
-                     repeats: Optional[int] = None, warmup: Optional[int] = None) -> list[Row]:
+    def measure_many(
+        self,
+        section: str,
+        case: str,
+        items: Sequence[tuple[str, Callable[[], Any], dict]],
+        *,
+        repeats: Optional[int] = None,
+        warmup: Optional[int] = None,
+    ) -> list[Row]:
         """Time several paths of one case interleaved (A B C, B C A, C A B, ...: clock and thermal drift hit each
         alike and each takes every place in a round, so their ratios hold on a noisy machine). ``items`` are ``(path, fn, row keywords)``; the keywords may hold
         ``flops`` / ``nbytes`` and any :class:`Row` field. Rows come back in ``items`` order; a path that fails
@@ -358,17 +425,25 @@ class Ctx:
             self.recover()
             for i in live:
                 path, fn, kw = items[i]
-                rows[i] = (self._failed(section, case, path, err, kw) if len(live) == 1 else
-                           self.measure_many(section, case, [items[i]], repeats=r, warmup=0)[0])
+                rows[i] = (
+                    self._failed(section, case, path, err, kw)
+                    if len(live) == 1
+                    else self.measure_many(section, case, [items[i]], repeats=r, warmup=0)[0]
+                )
             return [row for row in rows if row is not None]
         for i in live:
             path, _, kw = items[i]
             kw = dict(kw)
-            timing = Timing(statistics.median(samples[i]), statistics.median(host[i]),
-                            [round(s, 6) for s in samples[i]], r,
-                            statistics.median(gpu[i]) if i in gpu else None)
-            rows[i] = self.row(section, case, path, timing, flops=kw.pop("flops", None),
-                               nbytes=kw.pop("nbytes", None), **kw)
+            timing = Timing(
+                statistics.median(samples[i]),
+                statistics.median(host[i]),
+                [round(s, 6) for s in samples[i]],
+                r,
+                statistics.median(gpu[i]) if i in gpu else None,
+            )
+            rows[i] = self.row(
+                section, case, path, timing, flops=kw.pop("flops", None), nbytes=kw.pop("nbytes", None), **kw
+            )
         return [row for row in rows if row is not None]
 
     def _failed(self, section: str, case: str, path: str, err: BaseException, kw: dict) -> Row:
@@ -414,8 +489,9 @@ class Ctx:
         g.manual_seed(self.seed * 1_000_003 + salt)
         return g
 
-    def randn(self, *shape: int, gen: torch.Generator, scale: float = 1.0, dtype: Optional[torch.dtype] = None
-              ) -> torch.Tensor:
+    def randn(
+        self, *shape: int, gen: torch.Generator, scale: float = 1.0, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         x = torch.randn(*shape, generator=gen, device=self.device, dtype=dtype or self.dtype)
         return x.mul_(scale) if scale != 1.0 else x
 
@@ -434,7 +510,8 @@ class Ctx:
             import flashinfer
 
             self._raw_wrappers[key] = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                self.raw_float_workspace(), "NHD", backend=backend)
+                self.raw_float_workspace(), "NHD", backend=backend
+            )
         return self._raw_wrappers[key]
 
     def close(self) -> None:
@@ -444,11 +521,32 @@ class Ctx:
         self.recover()
 
 
-def plan_raw(wrapper: Any, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, *, heads: int, causal: bool,
-             sm_scale: float, dtype: torch.dtype, head_dim_qk: int = 192, head_dim_vo: int = 128) -> None:
+def plan_raw(
+    wrapper: Any,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    *,
+    heads: int,
+    causal: bool,
+    sm_scale: float,
+    dtype: torch.dtype,
+    head_dim_qk: int = 192,
+    head_dim_vo: int = 128,
+) -> None:
     """Plan a raw FlashInfer ragged wrapper with the arguments the core's FlashInfer backend passes."""
-    wrapper.plan(qo_indptr, kv_indptr, heads, heads, head_dim_qk, head_dim_vo=head_dim_vo, causal=causal,
-                 sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+    wrapper.plan(
+        qo_indptr,
+        kv_indptr,
+        heads,
+        heads,
+        head_dim_qk,
+        head_dim_vo=head_dim_vo,
+        causal=causal,
+        sm_scale=sm_scale,
+        q_data_type=dtype,
+        kv_data_type=dtype,
+        o_data_type=dtype,
+    )
 
 
 def indptr(lens: Sequence[int]) -> torch.Tensor:

@@ -13,13 +13,22 @@ import torch
 
 from .common import SECTION_TITLES, SECTIONS, Check, Ctx, Row
 
-__all__ = ["environment", "measure_peaks", "render", "write_json", "write_plot", "plot_figure",
-           "rows_from_payload", "plot_title"]
+__all__ = [
+    "environment",
+    "measure_peaks",
+    "render",
+    "write_json",
+    "write_plot",
+    "plot_figure",
+    "rows_from_payload",
+    "plot_title",
+]
 
 
 def _version(dist: str) -> Optional[str]:
     try:
         from importlib.metadata import PackageNotFoundError, version
+
         try:
             return version(dist)
         except PackageNotFoundError:
@@ -37,8 +46,12 @@ def _driver_version() -> Optional[str]:
     except OSError:
         pass
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0]
     except Exception:  # noqa: BLE001
@@ -53,7 +66,10 @@ def environment(ctx: Ctx) -> dict:
     env: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": str(ctx.device),
-        "gpu": None, "gpu_capability": None, "gpu_memory_gib": None, "sm_count": None,
+        "gpu": None,
+        "gpu_capability": None,
+        "gpu_memory_gib": None,
+        "sm_count": None,
         "driver": None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -70,9 +86,13 @@ def environment(ctx: Ctx) -> dict:
     }
     if ctx.cuda:
         props = torch.cuda.get_device_properties(ctx.device)
-        env.update(gpu=props.name, gpu_capability=f"{props.major}.{props.minor}",
-                   gpu_memory_gib=round(props.total_memory / 1024 ** 3, 1), sm_count=props.multi_processor_count,
-                   driver=_driver_version())
+        env.update(
+            gpu=props.name,
+            gpu_capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 1024**3, 1),
+            sm_count=props.multi_processor_count,
+            driver=_driver_version(),
+        )
         try:
             env["cudnn"] = torch.backends.cudnn.version()
         except Exception:  # noqa: BLE001
@@ -89,10 +109,17 @@ def measure_peaks(ctx: Ctx) -> list[Row]:
     try:
         a, b = ctx.randn(n, n, gen=g), ctx.randn(n, n, gen=g)
         t = ctx.time(lambda: torch.matmul(a, b), repeats=max(10, ctx.repeats), warmup=max(3, ctx.warmup))
-        flops = 2.0 * n ** 3
+        flops = 2.0 * n**3
         ctx.peaks["matmul_tflops"] = flops / (t.ms * 1e-3) / 1e12
-        row = ctx.row("peak", f"torch.matmul {n}^3 {str(ctx.dtype).replace('torch.', '')}", "matmul peak", t,
-                      flops=flops, order=(-1, 0, 0), note="the TFLOP/s rows' 100%")
+        row = ctx.row(
+            "peak",
+            f"torch.matmul {n}^3 {str(ctx.dtype).replace('torch.', '')}",
+            "matmul peak",
+            t,
+            flops=flops,
+            order=(-1, 0, 0),
+            note="the TFLOP/s rows' 100%",
+        )
         rows.append(row)
     except Exception as err:  # noqa: BLE001
         ctx.recover()
@@ -103,8 +130,15 @@ def measure_peaks(ctx: Ctx) -> list[Row]:
         nbytes = 2.0 * src.numel() * src.element_size()  # read + write
         t = ctx.time(lambda: dst.copy_(src), repeats=max(10, ctx.repeats), warmup=max(3, ctx.warmup))
         ctx.peaks["copy_gbps"] = nbytes / (t.ms * 1e-3) / 1e9
-        row = ctx.row("peak", f"device copy {src.numel() * src.element_size() / 1024 ** 2:.0f} MiB", "copy bandwidth",
-                      t, nbytes=nbytes, order=(-1, 1, 0), note="read + write; the GB/s rows' 100%")
+        row = ctx.row(
+            "peak",
+            f"device copy {src.numel() * src.element_size() / 1024**2:.0f} MiB",
+            "copy bandwidth",
+            t,
+            nbytes=nbytes,
+            order=(-1, 1, 0),
+            note="read + write; the GB/s rows' 100%",
+        )
         rows.append(row)
     except Exception as err:  # noqa: BLE001
         ctx.recover()
@@ -134,8 +168,10 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
     from rich.markup import escape
     from rich.table import Table
 
-    head = f"{env.get('gpu') or 'CPU'} · torch {env['torch']} · CUDA {env.get('cuda')} · FlashInfer " \
-           f"{env.get('flashinfer')} · {env['dtype']} · {env['mode']} mode · {env['date']}"
+    head = (
+        f"{env.get('gpu') or 'CPU'} · torch {env['torch']} · CUDA {env.get('cuda')} · FlashInfer "
+        f"{env.get('flashinfer')} · {env['dtype']} · {env['mode']} mode · {env['date']}"
+    )
     console.print(head)
     by_section: dict[str, list[Row]] = {}
     for r in sort_rows(rows):
@@ -145,28 +181,47 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
         srows = by_section.get(section)
         if not srows:
             continue
-        table = Table(title=SECTION_TITLES.get(section, section), title_justify="left", show_lines=False,
-                      expand=False)
-        for col, just in (("case", "left"), ("path", "left"), ("ms", "right"), ("host ms", "right"),
-                          ("TFLOP/s", "right"), ("GB/s", "right"), ("% peak", "right"), ("note", "left")):
+        table = Table(title=SECTION_TITLES.get(section, section), title_justify="left", show_lines=False, expand=False)
+        for col, just in (
+            ("case", "left"),
+            ("path", "left"),
+            ("ms", "right"),
+            ("host ms", "right"),
+            ("TFLOP/s", "right"),
+            ("GB/s", "right"),
+            ("% peak", "right"),
+            ("note", "left"),
+        ):
             table.add_column(col, justify="right" if just == "right" else "left", overflow="fold")
         last_case = None
         for r in srows:
             case = r.case if r.case != last_case else ""
             last_case = r.case
             if r.status != "ok":
-                note = r.note[len("skipped:"):].strip() if r.note.lower().startswith("skipped:") else r.note
+                note = r.note[len("skipped:") :].strip() if r.note.lower().startswith("skipped:") else r.note
                 table.add_row(escape(case), escape(r.path), "", "", "", "", "", f"[yellow]skipped[/]: {escape(note)}")
                 continue
             pct = "" if r.fraction is None else f"{100 * r.fraction:.0f}%"
-            table.add_row(escape(case), escape(r.path), _fmt(r.ms, ".3f"), _fmt(r.host_ms, ".3f"), _num(r.tflops),
-                          _num(r.gbps), pct, escape(r.note))
+            table.add_row(
+                escape(case),
+                escape(r.path),
+                _fmt(r.ms, ".3f"),
+                _fmt(r.host_ms, ".3f"),
+                _num(r.tflops),
+                _num(r.gbps),
+                pct,
+                escape(r.note),
+            )
         console.print(table)
     hidden = [r for r in rows if not r.applies]
     if hidden:
         needs = sorted({r.note for r in hidden})
-        console.print(f"Not shown: {len(hidden)} rows of paths this machine cannot run ({'; '.join(needs)}); "
-                      "the JSON lists them.", highlight=False, markup=False)
+        console.print(
+            f"Not shown: {len(hidden)} rows of paths this machine cannot run ({'; '.join(needs)}); "
+            "the JSON lists them.",
+            highlight=False,
+            markup=False,
+        )
     shown = [c for c in checks if c.applies]
     if shown:
         table = Table(title="Targets (GPU, full mode)", title_justify="left")
@@ -178,15 +233,22 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
             else:
                 result = "[green]met[/]" if c.passed else "[red]missed[/]"
             note = f" — {escape(c.note)}" if c.note else ""
-            table.add_row(escape(c.name), "" if c.value is None else f"{c.value:.4g}", f"{c.op} {c.target:g}",
-                          result + note)
+            table.add_row(
+                escape(c.name), "" if c.value is None else f"{c.value:.4g}", f"{c.op} {c.target:g}", result + note
+            )
         console.print(table)
     if len(shown) < len(checks):
-        console.print(f"Targets: {len(checks) - len(shown)} recorded in the JSON do not apply here (they are goals "
-                      "for a GPU in full mode).", highlight=False, markup=False)
+        console.print(
+            f"Targets: {len(checks) - len(shown)} recorded in the JSON do not apply here (they are goals "
+            "for a GPU in full mode).",
+            highlight=False,
+            markup=False,
+        )
     if peaks:
-        console.print(f"Peaks measured in this run: matmul {_num(peaks.get('matmul_tflops'))} TFLOP/s, "
-                      f"copy {_num(peaks.get('copy_gbps'))} GB/s")
+        console.print(
+            f"Peaks measured in this run: matmul {_num(peaks.get('matmul_tflops'))} TFLOP/s, "
+            f"copy {_num(peaks.get('copy_gbps'))} GB/s"
+        )
 
 
 def write_json(path: str, payload: dict) -> None:
@@ -223,16 +285,18 @@ def _grouped(rows: list[Row], section: str, series: tuple, value) -> tuple[list[
         if v is not None and v > 0:
             got[(r.case, r.path)] = v
     cases = [c for c in cases if any((c, path) in got for path, _ in series)]
-    return cases, [(label, [got.get((c, path)) for c in cases]) for path, label in series
-                   if any((c, path) in got for c in cases)]
+    return cases, [
+        (label, [got.get((c, path)) for c in cases]) for path, label in series if any((c, path) in got for c in cases)
+    ]
 
 
 def _short(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
 
 
-def _bars(ax: Any, cases: list[str], series: list[tuple[str, list]], colors: list, *, xlabel: str,
-          log: bool = False) -> None:
+def _bars(
+    ax: Any, cases: list[str], series: list[tuple[str, list]], colors: list, *, xlabel: str, log: bool = False
+) -> None:
     """Horizontal grouped bars: one group per case (top to bottom in report order), one bar per series, each bar
     labelled with its value; the legend outside the axes, on the right."""
     import textwrap
@@ -277,47 +341,94 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
         return r.extra.get("vs_attention_plus_gemm")
 
     cp = context.PATHS
-    main_series = tuple(zip(main_pass.PATHS, ("mla_bridge (RaggedPlan.run)", "raw FlashInfer (wrapper.run)",
-                                              "torch SDPA (dense)", "flex_attention (document mask)",
-                                              "mla_bridge torch backend (reference)")))
+    main_series = tuple(
+        zip(
+            main_pass.PATHS,
+            (
+                "mla_bridge (RaggedPlan.run)",
+                "raw FlashInfer (wrapper.run)",
+                "torch SDPA (dense)",
+                "flex_attention (document mask)",
+                "mla_bridge torch backend (reference)",
+            ),
+        )
+    )
     graphed = "CUDA graph replay" if env.get("gpu") else "capture_prefill (runs eagerly on the CPU)"
     layer = ((cp[0], "eager"), (cp[20], graphed))
-    kv = ((context.FUSED_KV_PATH, "fused kernel, eager"), (context.FUSED_KV_GRAPH, "fused kernel, graphed"),
-          (context.SEPARATE_KV_PATH, "gather + cuBLAS, eager"), (context.SEPARATE_KV_GRAPH, "gather + cuBLAS, graphed"))
+    kv = (
+        (context.FUSED_KV_PATH, "fused kernel, eager"),
+        (context.FUSED_KV_GRAPH, "fused kernel, graphed"),
+        (context.SEPARATE_KV_PATH, "gather + cuBLAS, eager"),
+        (context.SEPARATE_KV_GRAPH, "gather + cuBLAS, graphed"),
+    )
     times = ((cp[0], "mla_prefill, eager"), (cp[20], "mla_prefill, " + graphed), (cp[2], "hand-written pipeline"))
 
     applies = env.get("mode") == "full" and bool(env.get("gpu"))
     panels = []
     cases, series = _grouped(rows, "main", main_series, lambda r: r.tflops)
     if series:
-        panels.append(dict(title="Main pass, causal: throughput by case (higher is better)", cases=cases,
-                           series=series, xlabel="TFLOP/s", peak=peaks.get("matmul_tflops")))
+        panels.append(
+            dict(
+                title="Main pass, causal: throughput by case (higher is better)",
+                cases=cases,
+                series=series,
+                xlabel="TFLOP/s",
+                peak=peaks.get("matmul_tflops"),
+            )
+        )
     cases, series = _grouped(rows, "context", layer, ratio)
     if series:
-        panels.append(dict(title="mla_prefill with cached context: time / (attention + GEMM alone), default path "
-                                 "(lower is better; 1 = the two kernels alone)", cases=cases, series=series,
-                           xlabel="ratio", one=True,
-                           targets=((context.EAGER_TARGET, "eager"), (context.GRAPHED_TARGET, "graphed"))
-                           if applies else ()))
+        panels.append(
+            dict(
+                title="mla_prefill with cached context: time / (attention + GEMM alone), default path "
+                "(lower is better; 1 = the two kernels alone)",
+                cases=cases,
+                series=series,
+                xlabel="ratio",
+                one=True,
+                targets=((context.EAGER_TARGET, "eager"), (context.GRAPHED_TARGET, "graphed")) if applies else (),
+            )
+        )
     cases, series = _grouped(rows, "context", kv, ratio)
     if series:
-        panels.append(dict(title="mla_prefill: time / (attention + GEMM alone), one k/v path forced on every pass "
-                                 "(lower is better)", cases=cases, series=series, xlabel="ratio", one=True))
+        panels.append(
+            dict(
+                title="mla_prefill: time / (attention + GEMM alone), one k/v path forced on every pass "
+                "(lower is better)",
+                cases=cases,
+                series=series,
+                xlabel="ratio",
+                one=True,
+            )
+        )
     cases, series = _grouped(rows, "context", times, lambda r: r.ms)
     if series:
         values = [v for _, vals in series for v in vals if v]
         log = max(values) / min(values) > 20
-        panels.append(dict(title="mla_prefill per layer against the hand-written pipeline (lower is better)",
-                           cases=cases, series=series, xlabel="ms per layer" + (" (log scale)" if log else ""),
-                           log=log))
+        panels.append(
+            dict(
+                title="mla_prefill per layer against the hand-written pipeline (lower is better)",
+                cases=cases,
+                series=series,
+                xlabel="ms per layer" + (" (log scale)" if log else ""),
+                log=log,
+            )
+        )
     jax_paths = []
     for r in sort_rows(rows):
         if r.section == "jax" and r.applies and r.status == "ok" and r.tflops and r.path not in jax_paths:
             jax_paths.append(r.path)
     cases, series = _grouped(rows, "jax", tuple((p, p) for p in jax_paths[:6]), lambda r: r.tflops)
     if series:
-        panels.append(dict(title="JAX adapter: throughput by case (higher is better)", cases=cases, series=series,
-                           xlabel="TFLOP/s", peak=peaks.get("matmul_tflops")))
+        panels.append(
+            dict(
+                title="JAX adapter: throughput by case (higher is better)",
+                cases=cases,
+                series=series,
+                xlabel="TFLOP/s",
+                peak=peaks.get("matmul_tflops"),
+            )
+        )
     return panels
 
 
@@ -364,20 +475,34 @@ def plot_figure(rows: list[Row], peaks: dict, env: dict) -> Any:
 
     panels = _panels(rows, peaks, env)
     colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#7f7f7f"]
-    heights = [max(1.8, 0.19 * sum(v is not None for _, vals in p["series"] for v in vals) + 0.12 * len(p["cases"])
-                   + 0.9) for p in panels] or [2.0]
-    fig, axes = plt.subplots(len(heights), 1, figsize=(12, sum(heights) + 1.2), squeeze=False,
-                             gridspec_kw=dict(height_ratios=heights), layout="constrained")
+    heights = [
+        max(1.8, 0.19 * sum(v is not None for _, vals in p["series"] for v in vals) + 0.12 * len(p["cases"]) + 0.9)
+        for p in panels
+    ] or [2.0]
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        figsize=(12, sum(heights) + 1.2),
+        squeeze=False,
+        gridspec_kw=dict(height_ratios=heights),
+        layout="constrained",
+    )
     for ax, p in zip(axes[:, 0], panels):
         _bars(ax, p["cases"], p["series"], colors, xlabel=p["xlabel"], log=p.get("log", False))
         if p.get("peak"):
-            ax.axvline(p["peak"], color="gray", linestyle="--", linewidth=1,
-                       label=f"matmul peak, same run ({_num(p['peak'])})")
+            ax.axvline(
+                p["peak"], color="gray", linestyle="--", linewidth=1, label=f"matmul peak, same run ({_num(p['peak'])})"
+            )
         if p.get("one"):
             ax.axvline(1.0, color="black", linewidth=0.8)
         for k, (target, what) in enumerate(p.get("targets", ())):
-            ax.axvline(target, color=colors[k], linestyle=("--", ":")[k % 2], linewidth=1.1,
-                       label=f"target, {what}: <= {target}")
+            ax.axvline(
+                target,
+                color=colors[k],
+                linestyle=("--", ":")[k % 2],
+                linewidth=1.1,
+                label=f"target, {what}: <= {target}",
+            )
         ax.set_title(p["title"], fontsize=10, loc="left")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if not panels:

@@ -21,16 +21,19 @@ from .context import budget_bytes, handwritten_pipeline, make_inputs, peak_extra
 
 __all__ = ["merge_jobs", "plan_jobs", "memory_jobs", "jax_jobs", "normalize_jax_row"]
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 # ------------------------------------------------------------------------------------------------ 3. merge
-MERGE_PATHS = ("merge_attn_states", "merge_attn_states_ (in place, as in mla_prefill)",
-               "flashinfer.merge_state (raw, base-2 lse)")
+MERGE_PATHS = (
+    "merge_attn_states",
+    "merge_attn_states_ (in place, as in mla_prefill)",
+    "flashinfer.merge_state (raw, base-2 lse)",
+)
 
 
 def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
-    tokens = (2048 if ctx.quick else 2 ** 20) // heads  # the same bytes at every head count
+    tokens = (2048 if ctx.quick else 2**20) // heads  # the same bytes at every head count
     d = 128
     case = f"{heads}h x {tokens} tokens, d {d}"
     g = ctx.generator(2000 + ci)
@@ -39,22 +42,35 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
     lse_b = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     nbytes = 3 * tokens * heads * (d * out_a.element_size() + 4)
     meta: Callable[[int], dict[str, Any]] = lambda pi: dict(  # noqa: E731
-        heads=heads, seq_len=tokens, order=(2, ci, pi))
+        heads=heads, seq_len=tokens, order=(2, ci, pi)
+    )
     acc_out, acc_lse = out_a.clone(), lse_a.clone()
-    items = [(MERGE_PATHS[0], lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
-              dict(nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0))),
-             (MERGE_PATHS[1], lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b),
-              dict(nbytes=nbytes, **meta(1)))]
+    items = [
+        (
+            MERGE_PATHS[0],
+            lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
+            dict(nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0)),
+        ),
+        (MERGE_PATHS[1], lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), dict(nbytes=nbytes, **meta(1))),
+    ]
     skipped = []
     if not ctx.cuda or not flashinfer_importable():
         skipped.append(ctx.not_here("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
     elif heads * (d // max(16 // out_a.element_size(), d // 32)) > 1024:
         # FlashInfer 0.7.4 launches head_dim/vec x heads threads per block: above 64 heads at bf16, d 128, the
         # launch fails (seen on the H200), and a failed launch can poison the next kernel's error check.
-        skipped.append(ctx.skipped("merge", case, MERGE_PATHS[2], f"not run: FlashInfer's merge_state fails to "
-                                   f"launch above 64 heads at bf16, d {d} (block of {heads} x "
-                                   f"{d // max(16 // out_a.element_size(), d // 32)} threads > 1024); "
-                                   f"merge_attn_states folds heads into rows", **meta(2)))
+        skipped.append(
+            ctx.skipped(
+                "merge",
+                case,
+                MERGE_PATHS[2],
+                f"not run: FlashInfer's merge_state fails to "
+                f"launch above 64 heads at bf16, d {d} (block of {heads} x "
+                f"{d // max(16 // out_a.element_size(), d // 32)} threads > 1024); "
+                f"merge_attn_states folds heads into rows",
+                **meta(2),
+            )
+        )
     else:
         from flashinfer import merge_state
 
@@ -62,15 +78,22 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
         items.append((MERGE_PATHS[2], lambda: merge_state(out_a, s_a, out_b, s_b), dict(nbytes=nbytes, **meta(2))))
     rows = ctx.measure_many("merge", case, items) + skipped
     main = rows[0]
-    ctx.check(f"merge {heads} heads: merge_attn_states GB/s", main.gbps, ">=", 2500.0,
-              main.note if main.status != "ok" else "")
+    ctx.check(
+        f"merge {heads} heads: merge_attn_states GB/s",
+        main.gbps,
+        ">=",
+        2500.0,
+        main.note if main.status != "ok" else "",
+    )
     return rows
 
 
 def merge_jobs(ctx: Ctx) -> list[Job]:
     # mypy cannot infer a lambda with default arguments (each binds its loop values)
-    return [Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i))  # type: ignore[misc]
-            for i, h in enumerate((16, 128))]
+    return [
+        Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i))  # type: ignore[misc]
+        for i, h in enumerate((16, 128))
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ 4. plan
@@ -95,8 +118,9 @@ def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[R
     ws.plan_with_growth = timed_plan  # type: ignore[method-assign, assignment]  # this workspace only, timed
 
     def build() -> Any:
-        return PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=64, dtype=ctx.dtype,
-                                 backend=ctx.backend)
+        return PrefillPlan.build(
+            q_lens, c_lens, dims=dims, workspace=ws, block_size=64, dtype=ctx.dtype, backend=ctx.backend
+        )
 
     try:
         plan = build()  # warm-up: FlashInfer's JIT and first allocations
@@ -121,23 +145,56 @@ def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[R
         fi_ms = statistics.median(fi_times)
         own = statistics.median([t - f for t, f in zip(times, fi_times)])
         ratio = own / fi_ms if fi_ms > 0 else None
-        split = {"flashinfer_plans": plans, "flashinfer_plan_ms": fi_ms, "own_host_ms": own,
-                 "own_over_flashinfer": ratio}
-        row = Row("plan", case, path, ms=ms, host_ms=ms, repeats=len(times),
-                  note=f"{shape}, {backend}, host time, {plans} FlashInfer plan(s)",
-                  extra={"ms_samples": [round(t, 6) for t in times], "schedule": shape, "backend": backend, **split},
-                  **meta)
-        rows = [row] + [Row("plan", case, p, ms=v, host_ms=v, repeats=len(times), note=n, extra=dict(split),
-                            **dict(meta, order=(3, ci, k + 1)))
-                        for k, (p, v, n) in enumerate((
-                            ("PrefillPlan.build: FlashInfer plan() calls", fi_ms, f"{plans} plan(s)"),
-                            ("PrefillPlan.build: our own host work", own,
-                             "build minus FlashInfer's plan()" + (f"; {ratio:.2f}x of it" if ratio else ""))))]
+        split = {
+            "flashinfer_plans": plans,
+            "flashinfer_plan_ms": fi_ms,
+            "own_host_ms": own,
+            "own_over_flashinfer": ratio,
+        }
+        row = Row(
+            "plan",
+            case,
+            path,
+            ms=ms,
+            host_ms=ms,
+            repeats=len(times),
+            note=f"{shape}, {backend}, host time, {plans} FlashInfer plan(s)",
+            extra={"ms_samples": [round(t, 6) for t in times], "schedule": shape, "backend": backend, **split},
+            **meta,
+        )
+        rows = [row] + [
+            Row(
+                "plan",
+                case,
+                p,
+                ms=v,
+                host_ms=v,
+                repeats=len(times),
+                note=n,
+                extra=dict(split),
+                **dict(meta, order=(3, ci, k + 1)),
+            )
+            for k, (p, v, n) in enumerate(
+                (
+                    ("PrefillPlan.build: FlashInfer plan() calls", fi_ms, f"{plans} plan(s)"),
+                    (
+                        "PrefillPlan.build: our own host work",
+                        own,
+                        "build minus FlashInfer's plan()" + (f"; {ratio:.2f}x of it" if ratio else ""),
+                    ),
+                )
+            )
+        ]
     if batch == 128:
         ctx.check(f"plan: PrefillPlan.build host ms, {case}", row.ms, "<=", 1.0)
     if batch == 128 and with_context:
-        ctx.check(f"plan: own host work / FlashInfer plan() time, {case}", row.extra.get("own_over_flashinfer"),
-                  "<=", 0.20, "needs FlashInfer plans" if row.extra.get("own_over_flashinfer") is None else "")
+        ctx.check(
+            f"plan: own host work / FlashInfer plan() time, {case}",
+            row.extra.get("own_over_flashinfer"),
+            "<=",
+            0.20,
+            "needs FlashInfer plans" if row.extra.get("own_over_flashinfer") is None else "",
+        )
     return rows
 
 
@@ -152,8 +209,15 @@ def _loop_job(ctx: Ctx, case: ContextCase, budget_label: str, budget: int, ci: i
     ws = Workspace(ctx.device, chunk_tokens=budget)
     try:
         p0 = ws.plans_made
-        plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
-                                 dtype=ctx.dtype, backend=ctx.backend)
+        plan = PrefillPlan.build(
+            x.q_lens,
+            x.c_lens,
+            dims=x.dims,
+            workspace=ws,
+            block_size=case.block_size,
+            dtype=ctx.dtype,
+            backend=ctx.backend,
+        )
         p1 = ws.plans_made
 
         def loop() -> None:
@@ -171,17 +235,37 @@ def _loop_job(ctx: Ctx, case: ContextCase, budget_label: str, budget: int, ci: i
     flashinfer = plan.backend.is_flashinfer
     expected = plan.num_plans if flashinfer else 0
     per_layer = timing.ms / ctx.layers
-    row = ctx.row("plan", name, path, ms=per_layer, flops=attn + up, **meta,
-                  note=f"plans: {p1 - p0} at build + {p2 - p1} in {ctx.layers * (1 + warm)} layers "
-                       f"(expected {plan.num_plans}: main + distinct shapes of {len(plan.chunks)} chunk(s))"
-                       + ("" if flashinfer else "; torch backend makes no FlashInfer plans") + "; ms per layer")
+    row = ctx.row(
+        "plan",
+        name,
+        path,
+        ms=per_layer,
+        flops=attn + up,
+        **meta,
+        note=f"plans: {p1 - p0} at build + {p2 - p1} in {ctx.layers * (1 + warm)} layers "
+        f"(expected {plan.num_plans}: main + distinct shapes of {len(plan.chunks)} chunk(s))"
+        + ("" if flashinfer else "; torch backend makes no FlashInfer plans")
+        + "; ms per layer",
+    )
     row.host_ms = timing.host_ms / ctx.layers
     row.repeats = 1
-    row.extra.update(plans_at_build=p1 - p0, plans_in_loop=p2 - p1, layers_run=ctx.layers * (1 + warm),
-                     chunks=len(plan.chunks), fused=plan.fused, expected_plans=expected, backend=plan.backend.name,
-                     loop_ms=timing.ms)
-    ctx.check(f"plan: FlashInfer plans in a {ctx.layers}-layer loop, {name}", p2 - p0, "==", expected,
-              f"{p1 - p0} at build, {p2 - p1} in the layers")
+    row.extra.update(
+        plans_at_build=p1 - p0,
+        plans_in_loop=p2 - p1,
+        layers_run=ctx.layers * (1 + warm),
+        chunks=len(plan.chunks),
+        fused=plan.fused,
+        expected_plans=expected,
+        backend=plan.backend.name,
+        loop_ms=timing.ms,
+    )
+    ctx.check(
+        f"plan: FlashInfer plans in a {ctx.layers}-layer loop, {name}",
+        p2 - p0,
+        "==",
+        expected,
+        f"{p1 - p0} at build, {p2 - p1} in the layers",
+    )
     return [row]
 
 
@@ -190,16 +274,33 @@ def plan_jobs(ctx: Ctx) -> list[Job]:
     ci = 0
     for with_context in (False, True):
         for batch in (1, 16, 128):
-            out.append(Job("plan", f"plan build batch {batch}" + (" with context" if with_context else ""),
-                           lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i)))  # type: ignore[misc]
+            out.append(
+                Job(
+                    "plan",
+                    f"plan build batch {batch}" + (" with context" if with_context else ""),
+                    lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i),  # type: ignore[misc]
+                )
+            )
             ci += 1
     first = loop_case(ctx.quick)
-    main_only = ContextCase(f"{first.batch}x{first.new} new, no context", first.batch, 0, first.new,
-                            (("no context", first.context),), first.block_size, heads=first.heads)
+    main_only = ContextCase(
+        f"{first.batch}x{first.new} new, no context",
+        first.batch,
+        0,
+        first.new,
+        (("no context", first.context),),
+        first.block_size,
+        heads=first.heads,
+    )
     loops = [(main_only, "no context", first.context)] + [(first, label, b) for label, b in first.budgets]
     for i, (case, label, budget) in enumerate(loops):
-        out.append(Job("plan", f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else ""),
-                       lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k)))  # type: ignore[misc]
+        out.append(
+            Job(
+                "plan",
+                f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else ""),
+                lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k),  # type: ignore[misc]
+            )
+        )
     return out
 
 
@@ -214,12 +315,21 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     seq = x.num_context + x.num_tokens
     meta = lambda pi: dict(heads=x.dims.num_heads, seq_len=seq, order=(4, ci, pi))  # noqa: E731
     ws = Workspace(ctx.device, chunk_tokens=budget)
-    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size,
-                             dtype=ctx.dtype, backend=ctx.backend)
+    plan = PrefillPlan.build(
+        x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype, backend=ctx.backend
+    )
     limit = budget_bytes(x, plan)
     if not ctx.cuda:
-        return [ctx.not_here("memory", name, MEMORY_PATHS[0], "needs CUDA (torch.cuda memory statistics)",
-                            extra={"budget_bytes": limit}, **meta(0))]
+        return [
+            ctx.not_here(
+                "memory",
+                name,
+                MEMORY_PATHS[0],
+                "needs CUDA (torch.cuda memory statistics)",
+                extra={"budget_bytes": limit},
+                **meta(0),
+            )
+        ]
     rows = []
     try:
         peak = peak_extra(ctx, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan))
@@ -230,20 +340,39 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
         ctx.check(f"memory {name}: peak extra / (workspace budget + output)", None, "<=", 1.0, rows[-1].note)
     else:
         ratio = peak / limit["total"]
-        rows.append(Row("memory", name, MEMORY_PATHS[0], bytes=float(peak),
-                        note=f"{sched}: peak {peak / GIB:.3f} GiB vs budget {limit['total'] / GIB:.3f} GiB "
-                             f"({ratio:.2f}x)",
-                        extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio}, **meta(0)))
-        ctx.check(f"memory {name}: peak extra / (workspace budget + output)", ratio, "<=", 1.0,
-                  "budget: mla_bridge.prefill.prefill_memory_bytes(plan)")
+        rows.append(
+            Row(
+                "memory",
+                name,
+                MEMORY_PATHS[0],
+                bytes=float(peak),
+                note=f"{sched}: peak {peak / GIB:.3f} GiB vs budget {limit['total'] / GIB:.3f} GiB ({ratio:.2f}x)",
+                extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio},
+                **meta(0),
+            )
+        )
+        ctx.check(
+            f"memory {name}: peak extra / (workspace budget + output)",
+            ratio,
+            "<=",
+            1.0,
+            "budget: mla_bridge.prefill.prefill_memory_bytes(plan)",
+        )
     if flashinfer_importable():
         try:
             layer = handwritten_pipeline(ctx, x, budget)
             peak = peak_extra(ctx, layer)
-            rows.append(Row("memory", name, MEMORY_PATHS[1], bytes=float(peak),
-                            note=f"peak {peak / GIB:.3f} GiB ({peak / limit['total']:.2f}x the same budget)",
-                            extra={"peak_bytes": peak, "budget_bytes": limit,
-                                   "peak_over_budget": peak / limit["total"]}, **meta(1)))
+            rows.append(
+                Row(
+                    "memory",
+                    name,
+                    MEMORY_PATHS[1],
+                    bytes=float(peak),
+                    note=f"peak {peak / GIB:.3f} GiB ({peak / limit['total']:.2f}x the same budget)",
+                    extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": peak / limit["total"]},
+                    **meta(1),
+                )
+            )
         except Exception as err:  # noqa: BLE001
             ctx.recover()
             rows.append(ctx.skipped("memory", name, MEMORY_PATHS[1], "failed: " + fmt_err(err, 160), err, **meta(1)))
@@ -255,14 +384,31 @@ def memory_jobs(ctx: Ctx) -> list[Job]:
     for k, case in enumerate(context_cases(ctx.quick)):
         for bi, (label, _) in enumerate(case.budgets):
             ci = 10 * k + bi
-            out.append(Job("memory", f"memory {case.name}, {label}",
-                           lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i)))  # type: ignore[misc]
+            out.append(
+                Job("memory", f"memory {case.name}, {label}", lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i))  # type: ignore[misc]
+            )
     return out
 
 
 # ------------------------------------------------------------------------------------------------ 6. JAX
-_JAX_KNOWN = {"section", "case", "path", "status", "ms", "host_ms", "tflops", "gbps", "fraction", "flops", "bytes",
-              "seq_len", "heads", "repeats", "note", "error"}
+_JAX_KNOWN = {
+    "section",
+    "case",
+    "path",
+    "status",
+    "ms",
+    "host_ms",
+    "tflops",
+    "gbps",
+    "fraction",
+    "flops",
+    "bytes",
+    "seq_len",
+    "heads",
+    "repeats",
+    "note",
+    "error",
+}
 
 
 def normalize_jax_row(ctx: Ctx, d: dict, i: int) -> Row:
@@ -278,8 +424,15 @@ def normalize_jax_row(ctx: Ctx, d: dict, i: int) -> Row:
     note = str(d.pop("note", "") or "")
     error = d.pop("error", None)
     known = {k: d.pop(k) for k in list(d) if k in _JAX_KNOWN}
-    row = ctx.row("jax", case, path, ms=float(ms) if ms is not None else None,
-                  flops=float(flops) if flops else None, note=note, order=(5, i, 0))
+    row = ctx.row(
+        "jax",
+        case,
+        path,
+        ms=float(ms) if ms is not None else None,
+        flops=float(flops) if flops else None,
+        note=note,
+        order=(5, i, 0),
+    )
     row.status = status
     row.error = None if error is None else str(error)
     for key in ("host_ms", "seq_len", "heads", "repeats"):
@@ -322,8 +475,16 @@ def _jax_job(ctx: Ctx) -> list[Row]:
         mod = importlib.import_module("mla_bridge_jax.bench")
         compare = mod.compare
     except Exception as err:  # noqa: BLE001
-        return [ctx.skipped("jax", "JAX adapter", path, "JAX section skipped: mla_bridge_jax.bench.compare is not "
-                            "importable", err, order=(5, 0, 0))]
+        return [
+            ctx.skipped(
+                "jax",
+                "JAX adapter",
+                path,
+                "JAX section skipped: mla_bridge_jax.bench.compare is not importable",
+                err,
+                order=(5, 0, 0),
+            )
+        ]
     try:
         kwargs = _jax_kwargs(ctx, inspect.signature(compare).parameters)
         result = compare(**kwargs)

@@ -39,12 +39,30 @@ __all__ = ["jobs", "V2_LITE", "TtftCase", "ttft_cases", "build_transformers_mode
 
 SECTION = "ttft"
 #: DeepSeek-V2-Lite's published sizes (its config.json), the fields of a transformers ``DeepseekV2Config``.
-V2_LITE: dict[str, Any] = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
-               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
-               rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
-                                               "mscale": 0.707, "mscale_all_dim": 0.707,
-                                               "original_max_position_embeddings": 4096},
-               hidden_size=2048, intermediate_size=10944, vocab_size=102400, rms_norm_eps=1e-6)
+V2_LITE: dict[str, Any] = dict(
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    max_position_embeddings=163840,
+    rope_theta=10000,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+    },
+    hidden_size=2048,
+    intermediate_size=10944,
+    vocab_size=102400,
+    rms_norm_eps=1e-6,
+)
 LAYERS = 4
 #: The attention implementation name of the no-op (zeros of the output's shape), registered with sdpa's mask.
 NOOP_IMPLEMENTATION = "mla_bridge_bench_noop"
@@ -64,17 +82,34 @@ class TtftCase:
 
 def ttft_cases(quick: bool) -> list[TtftCase]:
     if quick:
-        return [TtftCase("1 x 32", 1, 32), TtftCase("2 x 32", 2, 32), TtftCase("2 x (24 cached + 8 new)", 2, 8, 24),
-                TtftCase("1 x 64", 1, 64)]
-    return [TtftCase("1 x 10000", 1, 10000), TtftCase(ADAPTER_CASE, 4, 10000), TtftCase("16 x 10000", 16, 10000),
-            TtftCase("4 x (8000 cached + 2000 new)", 4, 2000, 8000), TtftCase("1 x 32000", 1, 32000)]
+        return [
+            TtftCase("1 x 32", 1, 32),
+            TtftCase("2 x 32", 2, 32),
+            TtftCase("2 x (24 cached + 8 new)", 2, 8, 24),
+            TtftCase("1 x 64", 1, 64),
+        ]
+    return [
+        TtftCase("1 x 10000", 1, 10000),
+        TtftCase(ADAPTER_CASE, 4, 10000),
+        TtftCase("16 x 10000", 16, 10000),
+        TtftCase("4 x (8000 cached + 2000 new)", 4, 2000, 8000),
+        TtftCase("1 x 32000", 1, 32000),
+    ]
 
 
 def model_fields(quick: bool, layers: int = LAYERS) -> dict:
     """The ``DeepseekV2Config`` fields of the bench's model (quick: hidden 256, MLP 256, vocab 512, the attention
     dims unchanged)."""
-    fields = dict(V2_LITE, num_hidden_layers=layers, first_k_dense_replace=layers, n_routed_experts=4,
-                  num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64, tie_word_embeddings=False)
+    fields = dict(
+        V2_LITE,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     if quick:
         fields.update(hidden_size=256, intermediate_size=256, vocab_size=512)
     return fields
@@ -116,8 +151,7 @@ class _State:
 
 
 def _meta(case: TtftCase, ci: int, pi: int) -> dict:
-    return dict(seq_len=case.batch * (case.cached + case.new), heads=V2_LITE["num_attention_heads"],
-                order=(6, ci, pi))
+    return dict(seq_len=case.batch * (case.cached + case.new), heads=V2_LITE["num_attention_heads"], order=(6, ci, pi))
 
 
 def _fresh_cache(model: Any, prefix: list) -> Any:
@@ -141,6 +175,7 @@ def _forward_fn(model: Any, impl: str, ids: torch.Tensor, prefix: Optional[list]
             if prefix is None:
                 return model(input_ids=ids, logits_to_keep=1).logits
             return model(input_ids=ids, past_key_values=_fresh_cache(model, prefix), logits_to_keep=1).logits
+
     return fn
 
 
@@ -161,8 +196,9 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
 
     paths = ("transformers sdpa", "transformers mla_bridge", "transformers, attention a no-op")
     if ctx.over_budget():
-        return [ctx.skipped(SECTION, case.name, p, "time budget spent", **_meta(case, ci, i))
-                for i, p in enumerate(paths)]
+        return [
+            ctx.skipped(SECTION, case.name, p, "time budget spent", **_meta(case, ci, i)) for i, p in enumerate(paths)
+        ]
     if state.model is None and state.error is None:
         try:
             state.model = build_transformers_model(ctx, ctx.quick)
@@ -171,14 +207,26 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
             state.error = err
     if state.model is None:
         assert state.error is not None  # no model: its build failed
-        return [ctx.skipped(SECTION, case.name, paths[0], "model not built: " + fmt_err(state.error, 160),
-                            state.error, **_meta(case, ci, 0))]
+        return [
+            ctx.skipped(
+                SECTION,
+                case.name,
+                paths[0],
+                "model not built: " + fmt_err(state.error, 160),
+                state.error,
+                **_meta(case, ci, 0),
+            )
+        ]
     model = state.model
     impls = ("sdpa", mbt.register(), register_noop())
     repeats, warmup = min(ctx.repeats, MAX_REPEATS), min(ctx.warmup, 2)
     layers = model.config.num_hidden_layers
-    ids_all = torch.randint(3, model.config.vocab_size, (case.batch, case.cached + case.new),
-                            generator=torch.Generator().manual_seed(ctx.seed + ci)).to(ctx.device)
+    ids_all = torch.randint(
+        3,
+        model.config.vocab_size,
+        (case.batch, case.cached + case.new),
+        generator=torch.Generator().manual_seed(ctx.seed + ci),
+    ).to(ctx.device)
     rows: list[Row] = []
     prefix = None
     try:
@@ -191,25 +239,39 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
                     cache = DynamicCache(config=model.config)
                 except TypeError:
                     cache = DynamicCache()
-                model(input_ids=ids_all[:, :case.cached], past_key_values=cache, logits_to_keep=1)
+                model(input_ids=ids_all[:, : case.cached], past_key_values=cache, logits_to_keep=1)
             # the layers of a DeepSeek-V2 cache are full-attention ones: keys and values
             prefix = [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[union-attr]
     except Exception as err:  # noqa: BLE001
         ctx.recover()
-        return [ctx.skipped(SECTION, case.name, p, "prefix prefill failed: " + fmt_err(err, 160), err,
-                            **_meta(case, ci, i)) for i, p in enumerate(paths)]
-    ids = ids_all[:, case.cached:]
-    items = [(p, _forward_fn(model, impl, ids, prefix), dict(**_meta(case, ci, i)))
-             for i, (p, impl) in enumerate(zip(paths, impls))]
+        return [
+            ctx.skipped(SECTION, case.name, p, "prefix prefill failed: " + fmt_err(err, 160), err, **_meta(case, ci, i))
+            for i, p in enumerate(paths)
+        ]
+    ids = ids_all[:, case.cached :]
+    items = [
+        (p, _forward_fn(model, impl, ids, prefix), dict(**_meta(case, ci, i)))
+        for i, (p, impl) in enumerate(zip(paths, impls))
+    ]
     model_rows = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup)
     rows.extend(model_rows)
     prefix = None
 
     # the layer's attention alone, on the shapes and strides transformers hands it, once per layer
-    alone_paths = ("attention alone x layers: transformers sdpa_attention_forward",
-                   "attention alone x layers: mla_bridge_attention", "attention alone x layers: kernel calls only")
-    flops = attention_flops([case.new] * case.batch, [case.cached + case.new] * case.batch, causal=True,
-                            heads=V2_LITE["num_attention_heads"]) * layers
+    alone_paths = (
+        "attention alone x layers: transformers sdpa_attention_forward",
+        "attention alone x layers: mla_bridge_attention",
+        "attention alone x layers: kernel calls only",
+    )
+    flops = (
+        attention_flops(
+            [case.new] * case.batch,
+            [case.cached + case.new] * case.batch,
+            causal=True,
+            heads=V2_LITE["num_attention_heads"],
+        )
+        * layers
+    )
     alone: list[Row] = []
     try:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -219,12 +281,24 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         scaling = module.scaling
         mask = None
         if case.cached:  # transformers' boolean mask of a continuation without padding (bottom-right causal)
-            mask = torch.ones(case.new, case.cached + case.new, dtype=torch.bool, device=ctx.device).tril(
-                case.cached)[None, None].expand(case.batch, 1, -1, -1)
+            mask = (
+                torch.ones(case.new, case.cached + case.new, dtype=torch.bool, device=ctx.device)
+                .tril(case.cached)[None, None]
+                .expand(case.batch, 1, -1, -1)
+            )
         rows_views = [(q[r].transpose(0, 1), k[r].transpose(0, 1), v[r].transpose(0, 1)) for r in range(case.batch)]
         strides = tuple(mbt_attention._strides(x) for x in rows_views[0])
-        plan = mbt_attention._plan((case.new,), (case.cached + case.new,), q.shape[1], 192, 128, float(scaling),
-                                   ctx.dtype, ctx.device, None if strides == (None, None, None) else strides)
+        plan = mbt_attention._plan(
+            (case.new,),
+            (case.cached + case.new,),
+            q.shape[1],
+            192,
+            128,
+            float(scaling),
+            ctx.dtype,
+            ctx.device,
+            None if strides == (None, None, None) else strides,
+        )
         out = q.new_empty(case.batch, case.new, q.shape[1], 128)
 
         def sdpa_alone() -> None:
@@ -242,13 +316,16 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
                 for r, (qr, kr, vr) in enumerate(rows_views):
                     plan.run(qr, kr, vr, out=out[r], return_lse=False)
 
-        items = [(p, fn, dict(flops=flops, **_meta(case, ci, 3 + i)))
-                 for i, (p, fn) in enumerate(zip(alone_paths, (sdpa_alone, ours_alone, kernel_alone)))]
+        items = [
+            (p, fn, dict(flops=flops, **_meta(case, ci, 3 + i)))
+            for i, (p, fn) in enumerate(zip(alone_paths, (sdpa_alone, ours_alone, kernel_alone)))
+        ]
         alone = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup)
     except Exception as err:  # noqa: BLE001
         ctx.recover()
-        alone = [ctx.skipped(SECTION, case.name, alone_paths[0], "failed: " + fmt_err(err, 160), err,
-                             **_meta(case, ci, 3))]
+        alone = [
+            ctx.skipped(SECTION, case.name, alone_paths[0], "failed: " + fmt_err(err, 160), err, **_meta(case, ci, 3))
+        ]
     rows.extend(alone)
     _annotate_transformers(ctx, case, model_rows, alone, layers)
     return rows
@@ -262,19 +339,27 @@ def _ok_ms(rows: list[Row], path: str) -> Optional[float]:
 
 
 def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alone: list[Row], layers: int) -> None:
-    sdpa, ours, noop = (_ok_ms(model_rows, p) for p in ("transformers sdpa", "transformers mla_bridge",
-                                                          "transformers, attention a no-op"))
+    sdpa, ours, noop = (
+        _ok_ms(model_rows, p)
+        for p in ("transformers sdpa", "transformers mla_bridge", "transformers, attention a no-op")
+    )
     sdpa_alone, ours_alone, kernel_alone = (
-        _ok_ms(alone, p) for p in ("attention alone x layers: transformers sdpa_attention_forward",
-                                   "attention alone x layers: mla_bridge_attention",
-                                   "attention alone x layers: kernel calls only"))
+        _ok_ms(alone, p)
+        for p in (
+            "attention alone x layers: transformers sdpa_attention_forward",
+            "attention alone x layers: mla_bridge_attention",
+            "attention alone x layers: kernel calls only",
+        )
+    )
     for r in model_rows:
         if r.status != "ok" or noop is None or r.path.endswith("no-op"):
             continue
         # an ok row has its ms
         r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)  # type: ignore[operator]
-        r.note = (f"attention {r.ms - noop:.2f} ms, "  # type: ignore[operator]
-                  f"{100 * (r.ms - noop) / r.ms:.0f}% of the TTFT")  # type: ignore[operator]
+        r.note = (
+            f"attention {r.ms - noop:.2f} ms, "  # type: ignore[operator]
+            f"{100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"  # type: ignore[operator]
+        )
     ratio = sdpa / ours if sdpa and ours else None
     kept = None
     if sdpa and ours and sdpa_alone and kernel_alone and sdpa_alone > kernel_alone:
@@ -283,21 +368,35 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
     for r in model_rows:
         if r.path == "transformers mla_bridge" and r.status == "ok":
             r.extra.update(ratio_sdpa_over_mla_bridge=ratio, kept_of_kernel_win=kept)
-            r.note = f"sdpa / mla_bridge {ratio:.3f}x; " + r.note + (f"; kept {kept:.2f} of the kernel's win"
-                                                                     if kept is not None else "")
+            r.note = (
+                f"sdpa / mla_bridge {ratio:.3f}x; "
+                + r.note
+                + (f"; kept {kept:.2f} of the kernel's win" if kept is not None else "")
+            )
     for r in alone:
         if r.path.endswith("mla_bridge_attention") and r.status == "ok" and own is not None:
             assert kernel_alone is not None  # own is set only with a kernel time
             r.extra.update(adapter_own_ms_per_layer=own, adapter_own_over_kernel=own * layers / kernel_alone)
-            r.note = f"adapter's own {own * 1e3:.0f} us / layer ({100 * own * layers / kernel_alone:.1f}% of the kernel)"
+            r.note = (
+                f"adapter's own {own * 1e3:.0f} us / layer ({100 * own * layers / kernel_alone:.1f}% of the kernel)"
+            )
     ctx.check(f"ttft {case.name}: transformers sdpa / mla_bridge", ratio, ">=", 1.0)
     if case.cached == 0:
-        ctx.check(f"ttft {case.name}: share of the kernel's win kept by the transformers model", kept, ">=", 0.8,
-                  "" if kept is not None else "needs both model and kernel times, the kernel faster")
+        ctx.check(
+            f"ttft {case.name}: share of the kernel's win kept by the transformers model",
+            kept,
+            ">=",
+            0.8,
+            "" if kept is not None else "needs both model and kernel times, the kernel faster",
+        )
     if case.name == ADAPTER_CASE:
-        ctx.check(f"ttft {case.name}: adapter's own time / kernel time per layer",
-                  # own is set only with a kernel time
-                  own * layers / kernel_alone if own is not None else None, "<=", 0.03)  # type: ignore[operator]
+        ctx.check(
+            f"ttft {case.name}: adapter's own time / kernel time per layer",
+            # own is set only with a kernel time
+            own * layers / kernel_alone if own is not None else None,  # type: ignore[operator]
+            "<=",
+            0.03,
+        )
 
 
 def _jax_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
@@ -323,9 +422,17 @@ def _jax_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
     if not ctx.cuda and any(d.platform == "gpu" for d in jax.devices()):
         return [ctx.skipped(SECTION, case.name, path, "the bench runs on the CPU, JAX on a GPU", **meta)]
     try:
-        return jax_models.bench_rows(ctx, state.jax, case, ci, meta_fn=lambda pi: _meta(case, ci, 10 + pi),
-                                     fields=model_fields(ctx.quick), section=SECTION,
-                                     repeats=min(ctx.repeats, MAX_REPEATS), warmup=min(ctx.warmup, 2))
+        return jax_models.bench_rows(
+            ctx,
+            state.jax,
+            case,
+            ci,
+            meta_fn=lambda pi: _meta(case, ci, 10 + pi),
+            fields=model_fields(ctx.quick),
+            section=SECTION,
+            repeats=min(ctx.repeats, MAX_REPEATS),
+            warmup=min(ctx.warmup, 2),
+        )
     except Exception as err:  # noqa: BLE001
         ctx.recover()
         return [ctx.skipped(SECTION, case.name, path, "failed: " + fmt_err(err, 160), err, **meta)]
@@ -341,10 +448,13 @@ def jobs(ctx: Ctx) -> list[Job]:
     state = _State()
     cases = ttft_cases(ctx.quick)
     # mypy cannot infer a lambda with default arguments (each binds its loop values)
-    out = [Job(SECTION, f"ttft transformers {c.name}",
-               lambda cx, c=c, i=i: _transformers_job(cx, state, c, i))  # type: ignore[misc]
-           for i, c in enumerate(cases)]
-    out += [Job(SECTION, f"ttft JAX {c.name}", lambda cx, c=c, i=i: _jax_job(cx, state, c, i))  # type: ignore[misc]
-            for i, c in enumerate(cases)]
+    out = [
+        Job(SECTION, f"ttft transformers {c.name}", lambda cx, c=c, i=i: _transformers_job(cx, state, c, i))  # type: ignore[misc]
+        for i, c in enumerate(cases)
+    ]
+    out += [
+        Job(SECTION, f"ttft JAX {c.name}", lambda cx, c=c, i=i: _jax_job(cx, state, c, i))  # type: ignore[misc]
+        for i, c in enumerate(cases)
+    ]
     out.append(Job(SECTION, "ttft: release the models", lambda cx: _release(state)))
     return out

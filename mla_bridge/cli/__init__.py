@@ -48,9 +48,9 @@ EXIT_CODES = {
     0: "success",
     1: "the float64 check failed its tolerance (bench --strict: a target that applies was missed)",
     2: "bad arguments or a request the library refuses (the message names the flag or the reason; a run whose memory "
-       "estimate exceeds what is available included)",
+    "estimate exceeds what is available included)",
     3: "an unexpected error (a bug or a failure of the environment: one line; the traceback with --debug or "
-       "MLA_BRIDGE_DEBUG=1)",
+    "MLA_BRIDGE_DEBUG=1)",
     130: "interrupted (Ctrl-C)",
 }
 #: The environment variable that, set to anything but "" or "0", prints an unexpected error's traceback (as --debug).
@@ -111,68 +111,128 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mla-bridge",
         description="MLA (DeepSeek-V2/V3) ragged prefill: FlashInfer on NVIDIA GPUs, a torch reference on the CPU.",
-        epilog=_exit_codes_text(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_exit_codes_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"mla-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(
-        "prefill", help="run MLA prefill on a batch at a model's dims and check it against float64",
+        "prefill",
+        help="run MLA prefill on a batch at a model's dims and check it against float64",
         description="Plan one MLA prefill batch once, run it per layer with mla_prefill, time it, and check a sample "
-                    "of requests against an independent float64 reference.",
+        "of requests against an independent float64 reference.",
         epilog=PREFILL_EPILOG + "\n" + _exit_codes_text() + "\n",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=PRESETS, default=None,
-                   help="dims preset: the attention dims of a published model's config.json (default deepseek-v2-lite: "
-                        "DeepSeek-Coder-V2-Lite-Instruct, 16 heads; `mla-bridge info` lists each with its dims)")
-    g.add_argument("--checkpoint", metavar="DIR", type=Path,
-                   help="local safetensors checkpoint: dims from DIR/config.json, kv_b_proj weight of --layer")
-    g.add_argument("--layer", type=_nonnegative_int, metavar="N",
-                   help="which layer's kv_b_proj.weight to load from --checkpoint")
+    g.add_argument(
+        "--model",
+        choices=PRESETS,
+        default=None,
+        help="dims preset: the attention dims of a published model's config.json (default deepseek-v2-lite: "
+        "DeepSeek-Coder-V2-Lite-Instruct, 16 heads; `mla-bridge info` lists each with its dims)",
+    )
+    g.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        type=Path,
+        help="local safetensors checkpoint: dims from DIR/config.json, kv_b_proj weight of --layer",
+    )
+    g.add_argument(
+        "--layer", type=_nonnegative_int, metavar="N", help="which layer's kv_b_proj.weight to load from --checkpoint"
+    )
     g = p.add_argument_group("batch")
     g.add_argument("--prompt-lens", type=_int_list, metavar="L1,L2,...", help="new tokens per request")
     g.add_argument("--batch", type=_positive_int, metavar="N", help=f"requests (default {DEMO_BATCH})")
-    g.add_argument("--prompt-len", type=_nonnegative_int, metavar="L",
-                   help=f"new tokens of every request (default {DEMO_PROMPT_LEN})")
-    g.add_argument("--context-lens", type=_int_list, metavar="C1,C2,...",
-                   help="cached context tokens per request, or one value for all (default: see below)")
-    g.add_argument("--block-size", type=_positive_int, default=64, metavar="B",
-                   help="tokens per block of the paged latent cache (default 64)")
-    g.add_argument("--chunk-tokens", type=_positive_int, metavar="N",
-                   help="Workspace chunk budget: context tokens gathered per chunk (default 65536)")
-    g.add_argument("--no-fuse", action="store_true",
-                   help="never fuse context into the main pass (always a main pass + context chunks + merge)")
+    g.add_argument(
+        "--prompt-len",
+        type=_nonnegative_int,
+        metavar="L",
+        help=f"new tokens of every request (default {DEMO_PROMPT_LEN})",
+    )
+    g.add_argument(
+        "--context-lens",
+        type=_int_list,
+        metavar="C1,C2,...",
+        help="cached context tokens per request, or one value for all (default: see below)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=64,
+        metavar="B",
+        help="tokens per block of the paged latent cache (default 64)",
+    )
+    g.add_argument(
+        "--chunk-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="Workspace chunk budget: context tokens gathered per chunk (default 65536)",
+    )
+    g.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="never fuse context into the main pass (always a main pass + context chunks + merge)",
+    )
     g = p.add_argument_group("run")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="q / cache / weight dtype (default auto: bfloat16 on CUDA, float32 on the CPU)")
-    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                   help="paged latent cache dtype: auto = --dtype; fp8 = float8_e4m3fn with one per-tensor scale "
-                        "(amax/448, vLLM's kv_cache_dtype='fp8'), dequantized in the gather")
+    g.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="q / cache / weight dtype (default auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="paged latent cache dtype: auto = --dtype; fp8 = float8_e4m3fn with one per-tensor scale "
+        "(amax/448, vLLM's kv_cache_dtype='fp8'), dequantized in the gather",
+    )
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default cuda when available, else cpu)")
-    g.add_argument("--backend", choices=BACKEND_NAMES + ("auto",), default=None,
-                   help="force a backend (default: the dispatch table, or $MLA_BRIDGE_BACKEND)")
-    g.add_argument("--layers", type=_positive_int, default=1, metavar="N",
-                   help="run the one plan N times, as a model does per layer (default 1)")
+    g.add_argument(
+        "--backend",
+        choices=BACKEND_NAMES + ("auto",),
+        default=None,
+        help="force a backend (default: the dispatch table, or $MLA_BRIDGE_BACKEND)",
+    )
+    g.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run the one plan N times, as a model does per layer (default 1)",
+    )
     g.add_argument("--seed", type=seed_type, default=0, help="random seed for inputs and block table (default 0)")
-    g.add_argument("--check-requests", type=_nonnegative_int, default=DEFAULT_CHECK_REQUESTS, metavar="K",
-                   help=f"requests checked against the float64 reference, 0 for none (default {DEFAULT_CHECK_REQUESTS})")
+    g.add_argument(
+        "--check-requests",
+        type=_nonnegative_int,
+        default=DEFAULT_CHECK_REQUESTS,
+        metavar="K",
+        help=f"requests checked against the float64 reference, 0 for none (default {DEFAULT_CHECK_REQUESTS})",
+    )
     g.add_argument("--no-breakdown", action="store_true", help="skip the extra layer that times each pass")
-    g.add_argument("--no-memory-check", action="store_true",
-                   help="run even when the memory estimate (inputs, cache, plan, prefill peak, float64 check) "
-                        "exceeds what is available (default: refuse with exit 2)")
+    g.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="run even when the memory estimate (inputs, cache, plan, prefill peak, float64 check) "
+        "exceeds what is available (default: refuse with exit 2)",
+    )
     g.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_prefill)
     _add_debug(p)
 
-    p = sub.add_parser("info", help="torch, CUDA, device, FlashInfer, JAX, and the backend this machine gets",
-                       description="What this machine has, and which backend select_backend picks for DeepSeek MLA "
-                                   "prefill (bf16, head dims 192/128, causal).")
+    p = sub.add_parser(
+        "info",
+        help="torch, CUDA, device, FlashInfer, JAX, and the backend this machine gets",
+        description="What this machine has, and which backend select_backend picks for DeepSeek MLA "
+        "prefill (bf16, head dims 192/128, causal).",
+    )
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_info)
     _add_debug(p)
 
-    p = sub.add_parser("bench", help="benchmarks (mla_bridge.bench)",
-                       description="Benchmarks, from mla_bridge.bench.")
+    p = sub.add_parser("bench", help="benchmarks (mla_bridge.bench)", description="Benchmarks, from mla_bridge.bench.")
     if bench_module is not None:
         bench_module.add_arguments(p)
     p.set_defaults(func=lambda args, console: _run_bench(bench_module, args))
@@ -181,12 +241,15 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
 
 
 def _add_debug(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--debug", action="store_true",
-                   help=f"on an unexpected error (exit {EXIT_UNEXPECTED}), print its traceback too (or set "
-                        f"{DEBUG_ENV}=1)")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"on an unexpected error (exit {EXIT_UNEXPECTED}), print its traceback too (or set {DEBUG_ENV}=1)",
+    )
 
 
 # --------------------------------------------------------------------------------------------------- main
+
 
 def _console(file=None):
     from rich.console import Console
@@ -237,8 +300,11 @@ def _main(argv: list) -> int:
 
         absent = missing(needed_for(argv))
         if absent:
-            print(f"mla-bridge{' ' + command if command else ''}: needs {', '.join(absent)}, which the "
-                  f"'cli' extra brings: pip install '{CLI_EXTRA}'", file=sys.stderr)
+            print(
+                f"mla-bridge{' ' + command if command else ''}: needs {', '.join(absent)}, which the "
+                f"'cli' extra brings: pip install '{CLI_EXTRA}'",
+                file=sys.stderr,
+            )
             return 2
     bench_module = None
     if command == "bench":
@@ -247,8 +313,11 @@ def _main(argv: list) -> int:
 
             bench_module = importlib.import_module("mla_bridge.bench")
         except Exception as err:  # ImportError, or an error inside it
-            print(f"mla-bridge bench: the benchmark module mla_bridge.bench is not available "
-                  f"({type(err).__name__}: {err})", file=sys.stderr)
+            print(
+                f"mla-bridge bench: the benchmark module mla_bridge.bench is not available "
+                f"({type(err).__name__}: {err})",
+                file=sys.stderr,
+            )
             return 2
     parser = build_parser(bench_module)
     try:

@@ -44,7 +44,7 @@ def nonnegative_int(text: str) -> int:
 def seed(text: str) -> int:
     """A random seed torch accepts: an integer in [0, 2**63)."""
     value = _int(text, 0, "an integer seed in [0, 2**63)")
-    if value >= 2 ** 63:
+    if value >= 2**63:
         raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**63), got {value}")
     return value
 

@@ -32,8 +32,10 @@ def _resolve_workload(args) -> Workload:
     else:
         batch = DEMO_BATCH if args.batch is None else args.batch
         if batch > MAX_REQUESTS:
-            raise CLIError(f"--batch {batch}: at most {MAX_REQUESTS} requests per run (the command keeps "
-                           f"per-request lists on the host)")
+            raise CLIError(
+                f"--batch {batch}: at most {MAX_REQUESTS} requests per run (the command keeps "
+                f"per-request lists on the host)"
+            )
         query_lens = [DEMO_PROMPT_LEN if args.prompt_len is None else args.prompt_len] * batch
     if args.context_lens is None:
         context_lens = [0] * len(query_lens) if explicit else list(DEMO_CONTEXT_LENS)
@@ -42,8 +44,10 @@ def _resolve_workload(args) -> Workload:
     elif len(args.context_lens) == len(query_lens):
         context_lens = list(args.context_lens)
     else:
-        raise CLIError(f"--context-lens has {len(args.context_lens)} values but the batch has {len(query_lens)} "
-                       f"requests (give one value per request, or one for all)")
+        raise CLIError(
+            f"--context-lens has {len(args.context_lens)} values but the batch has {len(query_lens)} "
+            f"requests (give one value per request, or one for all)"
+        )
     if sum(query_lens) == 0:
         raise CLIError("--prompt-lens / --prompt-len: every request has 0 new tokens, nothing to compute")
     return Workload(query_lens, context_lens, demo=not explicit)
@@ -90,7 +94,7 @@ def _make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed:
     kv_c = randn(t, r)
     k_pe = randn(t, rope)
     if weight is None:
-        weight = randn(*dims.kv_b_proj_shape, std=r ** -0.5)
+        weight = randn(*dims.kv_b_proj_shape, std=r**-0.5)
     else:
         weight = weight.to(device=device, dtype=dtype)
     blocks_per_req = [-(-c // block_size) for c in workload.context_lens]
@@ -101,7 +105,7 @@ def _make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed:
     cache = torch.full((num_blocks, block_size, dims.latent_dim), float("nan"))
     nxt = 0
     for req, (c, nb) in enumerate(zip(workload.context_lens, blocks_per_req)):
-        ids = perm[nxt:nxt + nb]
+        ids = perm[nxt : nxt + nb]
         nxt += nb
         block_table[req, :nb] = ids.to(torch.int32)
         for j, b in enumerate(ids.tolist()):

@@ -67,8 +67,10 @@ def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None
         except (ValueError, KeyError) as err:
             raise CLIError(f"--checkpoint: {index_path} is not a safetensors index (no weight_map): {err}") from None
         if name not in weight_map:
-            raise CLIError(f"--checkpoint: {name} is not in {index_path.name} (--layer {layer}; is this a "
-                           f"DeepSeek-V2/V3 checkpoint?)")
+            raise CLIError(
+                f"--checkpoint: {name} is not in {index_path.name} (--layer {layer}; is this a "
+                f"DeepSeek-V2/V3 checkpoint?)"
+            )
         shard = root / weight_map[name]
         scale_shard = root / weight_map[scale_name] if scale_name in weight_map else None
         if not shard.is_file():
@@ -95,9 +97,11 @@ def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None
         raise CLIError(f"--checkpoint: {name} must be 2-D, got shape {list(weight.shape)}")
     if _is_fp8(weight.dtype):
         if scale_shard is None:
-            raise CLIError(f"--checkpoint: {name} is {weight.dtype} (FP8) but {scale_name} is missing, so it cannot "
-                           f"be dequantized; a block-quantized FP8 checkpoint (DeepSeek-V3 style) stores it next to "
-                           f"the weight")
+            raise CLIError(
+                f"--checkpoint: {name} is {weight.dtype} (FP8) but {scale_name} is missing, so it cannot "
+                f"be dequantized; a block-quantized FP8 checkpoint (DeepSeek-V3 style) stores it next to "
+                f"the weight"
+            )
         with _safe_open(scale_shard) as handle:
             scale = handle.get_tensor(scale_name)
         block = (config.get("quantization_config") or {}).get("weight_block_size") or FP8_DEFAULT_BLOCK
@@ -105,12 +109,16 @@ def load_kv_b_proj_weight(checkpoint: "str | os.PathLike", layer: int, dims=None
         rows, cols = weight.shape
         want = (-(-rows // bo), -(-cols // bi))
         if tuple(scale.shape) != want:
-            raise CLIError(f"--checkpoint: {scale_name} has shape {list(scale.shape)}, expected {list(want)} for a "
-                           f"[{rows}, {cols}] weight in {bo}x{bi} blocks")
+            raise CLIError(
+                f"--checkpoint: {scale_name} has shape {list(scale.shape)}, expected {list(want)} for a "
+                f"[{rows}, {cols}] weight in {bo}x{bi} blocks"
+            )
         full = scale.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
         weight = weight.float() * full
         where += f", dequantized with {scale_name} ({bo}x{bi} blocks)"
     if dims is not None and tuple(weight.shape) != tuple(dims.kv_b_proj_shape):
-        raise CLIError(f"--checkpoint: {name} has shape {list(weight.shape)}, but config.json's dims need "
-                       f"{list(dims.kv_b_proj_shape)} ([heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank])")
+        raise CLIError(
+            f"--checkpoint: {name} has shape {list(weight.shape)}, but config.json's dims need "
+            f"{list(dims.kv_b_proj_shape)} ([heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank])"
+        )
     return weight, where

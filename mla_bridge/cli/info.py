@@ -27,22 +27,50 @@ def _package_version(name: str) -> Optional[str]:
 #: Every environment variable mla_bridge and its adapters read: (name, what it chooses, its default, where it is
 #: read). tests/test_cli.py checks this list against the source, so a new variable cannot be left out.
 ENV_VARIABLES = (
-    ("MLA_BRIDGE_BACKEND", "the attention backend: flashinfer-cutlass, flashinfer-fa3, flashinfer-fa2 or torch",
-     "the dispatch table", "mla_bridge.dispatch"),
-    ("MLA_BRIDGE_KV", "how a pass builds k and v: fused (one Triton kernel), separate (gather + GEMM) or auto",
-     "auto", "mla_bridge.kv"),
+    (
+        "MLA_BRIDGE_BACKEND",
+        "the attention backend: flashinfer-cutlass, flashinfer-fa3, flashinfer-fa2 or torch",
+        "the dispatch table",
+        "mla_bridge.dispatch",
+    ),
+    (
+        "MLA_BRIDGE_KV",
+        "how a pass builds k and v: fused (one Triton kernel), separate (gather + GEMM) or auto",
+        "auto",
+        "mla_bridge.kv",
+    ),
     ("MLA_BRIDGE_GATHER", "the paged-cache gather: triton, torch or auto", "auto", "mla_bridge.cache"),
     ("MLA_BRIDGE_MERGE", "the merge of partials: triton, flashinfer, torch or auto", "auto", "mla_bridge.merge"),
-    ("MLA_BRIDGE_FLASHINFER_DIRECT", "fa2/fa3 runs call FlashInfer's ragged_run directly (1) or wrapper.run (0)",
-     "1", "mla_bridge.backends.flashinfer"),
-    ("MLA_BRIDGE_TRITON_LAUNCH", "Triton launches: direct (the compiled launcher) or jit (kernel[grid])", "direct",
-     "mla_bridge.kernels.launch"),
-    ("MLA_BRIDGE_JAX_JIT_ROUTE", "the JAX adapter's route under jax.jit: tvm_ffi, buffer_callback or auto", "auto",
-     "mla_bridge_jax.api"),
-    ("MLA_BRIDGE_JAX_MAX_PLANS", "plans a compiled JAX function keeps per route (a positive int; read at import)",
-     "16", "mla_bridge_jax._interop"),
-    ("MLA_BRIDGE_DEBUG", "mla-bridge prints the traceback of an unexpected error (1), not one line (exit code 3)",
-     "0", "mla_bridge.cli"),
+    (
+        "MLA_BRIDGE_FLASHINFER_DIRECT",
+        "fa2/fa3 runs call FlashInfer's ragged_run directly (1) or wrapper.run (0)",
+        "1",
+        "mla_bridge.backends.flashinfer",
+    ),
+    (
+        "MLA_BRIDGE_TRITON_LAUNCH",
+        "Triton launches: direct (the compiled launcher) or jit (kernel[grid])",
+        "direct",
+        "mla_bridge.kernels.launch",
+    ),
+    (
+        "MLA_BRIDGE_JAX_JIT_ROUTE",
+        "the JAX adapter's route under jax.jit: tvm_ffi, buffer_callback or auto",
+        "auto",
+        "mla_bridge_jax.api",
+    ),
+    (
+        "MLA_BRIDGE_JAX_MAX_PLANS",
+        "plans a compiled JAX function keeps per route (a positive int; read at import)",
+        "16",
+        "mla_bridge_jax._interop",
+    ),
+    (
+        "MLA_BRIDGE_DEBUG",
+        "mla-bridge prints the traceback of an unexpected error (1), not one line (exit code 3)",
+        "0",
+        "mla_bridge.cli",
+    ),
 )
 
 #: The dtype each path computes in (what the code does, whatever the input dtype).
@@ -50,8 +78,10 @@ COMPUTE_DTYPES = (
     ("FlashInfer backends (fa2, fa3, cutlass)", "q/k/v/out float16 or bfloat16, float32 accumulation; LSE float32"),
     ("torch backend", "float32 whatever the input dtype; out in q's dtype; LSE float32"),
     ("up-projection (kv_b_proj)", "the plan's dtype, float32 accumulation (cuBLAS or the Triton kernel)"),
-    ("merge of context chunks", "float32 arithmetic; rows merged again kept in float32, rounded once into out's dtype; "
-                                "LSE float32"),
+    (
+        "merge of context chunks",
+        "float32 arithmetic; rows merged again kept in float32, rounded once into out's dtype; LSE float32",
+    ),
     ("FP8 latent cache", "e4m3 values times the scale, dequantized into the plan's dtype in the gather"),
     ("mla-bridge prefill check", "float64 (mla_bridge.reference)"),
 )
@@ -83,11 +113,19 @@ def cmd_info(args, console) -> int:
     dtype_name = default_dtype(device.type)
     dtype = getattr(torch, dtype_name)
     info: dict[str, Any] = {
-        "mla_bridge": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
-        "devices": [], "flashinfer": flashinfer_version(), "flashinfer_jit_cache": str(flashinfer_cache_dir()),
-        "jax": _package_version("jax"), "jaxlib": _package_version("jaxlib"), "dtype": dtype_name,
-        "compute_dtypes": dict(COMPUTE_DTYPES), "environment": [],
+        "mla_bridge": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda,
+        "devices": [],
+        "flashinfer": flashinfer_version(),
+        "flashinfer_jit_cache": str(flashinfer_cache_dir()),
+        "jax": _package_version("jax"),
+        "jaxlib": _package_version("jaxlib"),
+        "dtype": dtype_name,
+        "compute_dtypes": dict(COMPUTE_DTYPES),
+        "environment": [],
     }
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -100,57 +138,89 @@ def cmd_info(args, console) -> int:
     _row(table, "mla-bridge", __version__)
     _row(table, "python", f"{info['python']} ({sys.executable})")
     _row(table, "torch", info["torch"])
-    _row(table, "CUDA", f"available, torch built with CUDA {info['torch_cuda']}" if info["cuda_available"]
-                  else f"not available (torch CUDA build: {info['torch_cuda'] or 'none, CPU build'})")
+    _row(
+        table,
+        "CUDA",
+        f"available, torch built with CUDA {info['torch_cuda']}"
+        if info["cuda_available"]
+        else f"not available (torch CUDA build: {info['torch_cuda'] or 'none, CPU build'})",
+    )
     for d in info["devices"]:
         _row(table, f"device cuda:{d['index']}", f"{d['name']}, capability {d['capability'][0]}.{d['capability'][1]}")
     if not info["devices"]:
         _row(table, "device", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
     _row(table, "FlashInfer", info["flashinfer"] or "not installed (pip install 'mla-bridge[flashinfer]')")
-    _row(table, "FlashInfer JIT cache", f"{info['flashinfer_jit_cache']}"
-                  + ("" if os.environ.get("FLASHINFER_WORKSPACE_BASE") else " (set FLASHINFER_WORKSPACE_BASE to move it)"))
+    _row(
+        table,
+        "FlashInfer JIT cache",
+        f"{info['flashinfer_jit_cache']}"
+        + ("" if os.environ.get("FLASHINFER_WORKSPACE_BASE") else " (set FLASHINFER_WORKSPACE_BASE to move it)"),
+    )
     _row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
     table.add_section()
     _row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
     for name, what, default, where in ENV_VARIABLES:
         value = os.environ.get(name)
         info[name] = value
-        info["environment"].append({"name": name, "value": value, "default": default, "meaning": what,
-                                    "read_by": where})
-        _row(table, f"  {name}", (f"{value!r}" if value is not None else f"unset (default: {default})")
-             + f"; {what}")
+        info["environment"].append(
+            {"name": name, "value": value, "default": default, "meaning": what, "read_by": where}
+        )
+        _row(table, f"  {name}", (f"{value!r}" if value is not None else f"unset (default: {default})") + f"; {what}")
     table.add_section()
-    _row(table, "dtype", f"{dtype_name}: what mla-bridge prefill (--dtype auto) and bench use on {device.type}"
-                         + ("" if device.type == "cuda" else "; the API takes bfloat16, float16 and float32 here too"))
+    _row(
+        table,
+        "dtype",
+        f"{dtype_name}: what mla-bridge prefill (--dtype auto) and bench use on {device.type}"
+        + ("" if device.type == "cuda" else "; the API takes bfloat16, float16 and float32 here too"),
+    )
     for path, what in COMPUTE_DTYPES:
         _row(table, f"  {path}", what)
     table.add_section()
     try:
         choice = select_backend(dtype=dtype, head_dim_qk=192, head_dim_vo=128, causal=True)
-        info["backend"] = {"name": choice.name, "reason": choice.reason, "dtype": dtype_name,
-                           "passed_over": [list(p) for p in choice.passed_over]}
-        _row(table, "backend", Text.assemble((choice.name, "green"),
-                                             f" for {dtype_name}, head dims 192/128, causal: {choice.reason}"))
+        info["backend"] = {
+            "name": choice.name,
+            "reason": choice.reason,
+            "dtype": dtype_name,
+            "passed_over": [list(p) for p in choice.passed_over],
+        }
+        _row(
+            table,
+            "backend",
+            Text.assemble((choice.name, "green"), f" for {dtype_name}, head dims 192/128, causal: {choice.reason}"),
+        )
         for name, why in choice.passed_over:
             _row(table, "  passed over", f"{name}: {why}")
     except ValueError as err:
         info["backend"] = {"error": str(err), "dtype": dtype_name}
         _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
     from ..dims import PRESETS
+
     info["presets"] = {}
     for name in PRESETS:  # what `mla-bridge prefill --model NAME` runs, and which backend serves its head dims
         d = MLADims.preset(name)
         try:
-            served = select_backend(dtype=torch.bfloat16, head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo,
-                                    causal=True).name
+            served = select_backend(
+                dtype=torch.bfloat16, head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo, causal=True
+            ).name
         except ValueError as err:
             served = f"error: {err}"
-        info["presets"][name] = {"num_heads": d.num_heads, "kv_lora_rank": d.kv_lora_rank,
-                                 "qk_nope_head_dim": d.qk_nope_head_dim, "qk_rope_head_dim": d.qk_rope_head_dim,
-                                 "v_head_dim": d.v_head_dim, "softmax_scale": d.softmax_scale, "backend": served}
-        _row(table, f"--model {name}", f"{d.num_heads} heads, q/k {d.qk_nope_head_dim}+{d.qk_rope_head_dim}, "
-                                       f"v {d.v_head_dim}, kv_lora_rank {d.kv_lora_rank}, scale "
-                                       f"{d.softmax_scale:.6g}: {served}")
+        info["presets"][name] = {
+            "num_heads": d.num_heads,
+            "kv_lora_rank": d.kv_lora_rank,
+            "qk_nope_head_dim": d.qk_nope_head_dim,
+            "qk_rope_head_dim": d.qk_rope_head_dim,
+            "v_head_dim": d.v_head_dim,
+            "softmax_scale": d.softmax_scale,
+            "backend": served,
+        }
+        _row(
+            table,
+            f"--model {name}",
+            f"{d.num_heads} heads, q/k {d.qk_nope_head_dim}+{d.qk_rope_head_dim}, "
+            f"v {d.v_head_dim}, kv_lora_rank {d.kv_lora_rank}, scale "
+            f"{d.softmax_scale:.6g}: {served}",
+        )
     try:  # what mla_prefill would run besides the backend; a switch that cannot serve is named here
         kernels = kernel_choices(device, dtype, MLADims.deepseek_v2_lite())
         info["kernels"] = kernels

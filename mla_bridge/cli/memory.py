@@ -65,8 +65,17 @@ def _plan_index_bytes(plan) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def estimate_run_memory(dims, query_lens: Sequence[int], context_lens: Sequence[int], block_size: int, dtype,
-                        device, check_requests: Sequence[int], plan=None, plans_held: int = 2) -> MemoryEstimate:
+def estimate_run_memory(
+    dims,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_size: int,
+    dtype,
+    device,
+    check_requests: Sequence[int],
+    plan=None,
+    plans_held: int = 2,
+) -> MemoryEstimate:
     """Estimate the memory a ``mla-bridge prefill`` run needs (see the module docstring), in bytes.
 
     Args:
@@ -94,8 +103,9 @@ def estimate_run_memory(dims, query_lens: Sequence[int], context_lens: Sequence[
 
     est = MemoryEstimate(torch.device(device).type)
     dev = est.held.setdefault("device", {})
-    dev["inputs"] = input_elems * e + len(query_lens) * max(1, max((-(-c // block_size) for c in context_lens),
-                                                                  default=1)) * 4
+    dev["inputs"] = (
+        input_elems * e + len(query_lens) * max(1, max((-(-c // block_size) for c in context_lens), default=1)) * 4
+    )
     dev["paged cache"] = cache_elems * e
     if plan is not None and plan.kv_cache_dtype != plan.dtype:  # --kv-cache-dtype fp8: the 1-byte copy beside it
         dev["FP8 paged cache"] = cache_elems  # (the unquantized one is kept for the quantization error)
@@ -116,10 +126,10 @@ def estimate_run_memory(dims, query_lens: Sequence[int], context_lens: Sequence[
         worst = max(check_requests, key=lambda i: (context_lens[i] + query_lens[i], query_lens[i]))
         lq, s = query_lens[worst], context_lens[worst] + query_lens[worst]
         # float64 q and out, the sequence's latent (+ the gathered copy), its up-projection and k.
-        peaks["float64 check"] = (_F64 * (lq * h * (dims.head_dim_qk + dims.v_head_dim)
-                                          + s * (2 * lat + h * (dims.qk_nope_head_dim + dims.v_head_dim)
-                                                 + h * dims.head_dim_qk))
-                                  + min(_REF_SCORE_BYTES, 3 * _F64 * h * lq * s))
+        peaks["float64 check"] = _F64 * (
+            lq * h * (dims.head_dim_qk + dims.v_head_dim)
+            + s * (2 * lat + h * (dims.qk_nope_head_dim + dims.v_head_dim) + h * dims.head_dim_qk)
+        ) + min(_REF_SCORE_BYTES, 3 * _F64 * h * lq * s)
     # The inputs are drawn in float32 on the host, then converted / moved: the cache is the big one.
     staging = cache_elems * _F32 + max(t * h * dims.head_dim_qk, weight_elems) * _F32
     if on_gpu:
@@ -182,6 +192,8 @@ def check_fits(est: MemoryEstimate, device, skip: bool = False) -> None:
         free, source = available_bytes(place, device)
         if free is not None and need > free:
             where = "host" if place == "host" or est.device_type == "cpu" else str(device)
-            raise CLIError(f"this run needs about {_gib(need)} of {where} memory ({est.text(place)}) but "
-                           f"{_gib(free)} is {source}: use fewer or shorter requests, or {MEMORY_FLAG} to run "
-                           f"anyway")
+            raise CLIError(
+                f"this run needs about {_gib(need)} of {where} memory ({est.text(place)}) but "
+                f"{_gib(free)} is {source}: use fewer or shorter requests, or {MEMORY_FLAG} to run "
+                f"anyway"
+            )

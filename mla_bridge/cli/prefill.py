@@ -29,8 +29,8 @@ CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an
 #: scale-free (a checkpoint whose outputs are about 50 failed the absolute 1e-4 alone while 2.6e-6 relative off).
 TOLERANCE = {
     "float32": ((1e-4, 1e-5), (1e-4, 1e-5)),
-    "bfloat16": ((2e-2, 2.0 ** -7), (1e-2, 1e-3)),
-    "float16": ((1e-2, 2.0 ** -10), (1e-2, 1e-3)),
+    "bfloat16": ((2e-2, 2.0**-7), (1e-2, 1e-3)),
+    "float16": ((1e-2, 2.0**-10), (1e-2, 1e-3)),
 }
 
 
@@ -56,8 +56,9 @@ class _Log:
 
     def __call__(self, text: str) -> None:
         if self.plain:
-            self.console.print(f"mla-bridge prefill: {text} ({time.perf_counter() - self.t0:.1f} s)",
-                               markup=False, highlight=False)
+            self.console.print(
+                f"mla-bridge prefill: {text} ({time.perf_counter() - self.t0:.1f} s)", markup=False, highlight=False
+            )
 
     def layer(self, i: int, n: int) -> None:
         group = max(1, -(-n // 10))
@@ -112,15 +113,22 @@ def cmd_prefill(args, console) -> int:
     except (ValueError, TypeError, RuntimeError) as err:
         raise CLIError(str(err)) from None
     try:  # a --backend or MLA_BRIDGE_BACKEND that cannot serve at all: exit 2 before planning (the plan asks again)
-        select_backend(device, dtype=dtype, out_dtype=dtype, head_dim_qk=dims.head_dim_qk, head_dim_vo=dims.head_dim_vo,
-                       requested=args.backend)
+        select_backend(
+            device,
+            dtype=dtype,
+            out_dtype=dtype,
+            head_dim_qk=dims.head_dim_qk,
+            head_dim_vo=dims.head_dim_vo,
+            requested=args.backend,
+        )
     except ValueError as err:
         raise CLIError(f"--backend {args.backend}: {err}" if args.backend else str(err)) from None
 
     # ---- memory: refuse what cannot fit before the plan (whose index tensors are allocations) and the inputs
     def fits(plan=None):
-        est = estimate_run_memory(dims, workload.query_lens, workload.context_lens, args.block_size, dtype, device,
-                                  sample, plan=plan)
+        est = estimate_run_memory(
+            dims, workload.query_lens, workload.context_lens, args.block_size, dtype, device, sample, plan=plan
+        )
         check_fits(est, device, skip=args.no_memory_check)
 
     try:
@@ -133,14 +141,24 @@ def cmd_prefill(args, console) -> int:
 
     # ---- plan once
     log = _Log(console)
-    log(f"planning {len(workload.query_lens)} request(s), {sum(workload.query_lens)} new + "
-        f"{sum(workload.context_lens)} context tokens")
+    log(
+        f"planning {len(workload.query_lens)} request(s), {sum(workload.query_lens)} new + "
+        f"{sum(workload.context_lens)} context tokens"
+    )
     try:
         workspace = Workspace(device, chunk_tokens=chunk_tokens)
         build = lambda: PrefillPlan.build(  # noqa: E731
-            workload.query_lens, workload.context_lens, dims=dims, workspace=workspace, block_size=args.block_size,
-            device=device, dtype=dtype, backend=args.backend, fuse_context=not args.no_fuse,
-            kv_cache_dtype=args.kv_cache_dtype)
+            workload.query_lens,
+            workload.context_lens,
+            dims=dims,
+            workspace=workspace,
+            block_size=args.block_size,
+            device=device,
+            dtype=dtype,
+            backend=args.backend,
+            fuse_context=not args.no_fuse,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
         gc.collect()  # a full collection (tens of ms) inside a timed build would be reported as planning time
         with _gc_paused():
             t0 = time.perf_counter()
@@ -155,8 +173,9 @@ def cmd_prefill(args, console) -> int:
         raise CLIError(str(err)) from None
     fits(plan)
     log("making the inputs and the paged cache")
-    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(dims, workload, args.block_size, dtype, device,
-                                                             args.seed, loaded_weight)
+    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(
+        dims, workload, args.block_size, dtype, device, args.seed, loaded_weight
+    )
     if weight_text is None:
         weight_text = f"random N(0, 1/{dims.kv_lora_rank}), seed {args.seed}"
     kv_scale = None
@@ -173,19 +192,31 @@ def cmd_prefill(args, console) -> int:
         schedule = "fused: context + new tokens in one causal pass"
     elif run_chunks:
         skip_text = f", {skipped} more skipped (no new tokens among their requests)" if skipped else ""
-        schedule = (f"chunked: main pass + {run_chunks} context chunk(s) of <= {chunk_tokens} tokens"
-                    f"{skip_text}, merged by LSE in {plan.num_merges} merge round(s) (partial: {plan.partial_rows} rows)")
+        schedule = (
+            f"chunked: main pass + {run_chunks} context chunk(s) of <= {chunk_tokens} tokens"
+            f"{skip_text}, merged by LSE in {plan.num_merges} merge round(s) (partial: {plan.partial_rows} rows)"
+        )
     else:
-        schedule = ("main pass only (no cached context)" if not plan.num_context_tokens else
-                    "main pass only (no request with cached context has new tokens: its context is not read)")
+        schedule = (
+            "main pass only (no cached context)"
+            if not plan.num_context_tokens
+            else "main pass only (no request with cached context has new tokens: its context is not read)"
+        )
 
     attn_flops, up_flops = _flops(dims, workload, plan.num_gathered_context_tokens)
     # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
     # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
     warmup = device.type == "cuda" or attn_flops + up_flops < CPU_WARMUP_FLOPS
     steps = args.layers + int(warmup) + (0 if args.no_breakdown else 1) + len(sample)
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=True)
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
     timer = Timer(device)
     peak_extra = None
     with progress:
@@ -234,21 +265,47 @@ def cmd_prefill(args, console) -> int:
             progress.update(task, description=f"float64 check, request {r}")
             log(f"float64 check, request {r}")
             a, b = qo[r], qo[r + 1]
-            ref_out, ref_lse = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], weight, cache, block_table[r],
-                                                 workload.context_lens[r], dims, kv_cache_scale=kv_scale)
+            ref_out, ref_lse = reference_request(
+                q[a:b],
+                kv_c[a:b],
+                k_pe[a:b],
+                weight,
+                cache,
+                block_table[r],
+                workload.context_lens[r],
+                dims,
+                kv_cache_scale=kv_scale,
+            )
             quant = {}
             if unquantized_cache is not None:  # the quantization error: against the cache before quantization
-                unq_out, _ = reference_request(q[a:b], kv_c[a:b], k_pe[a:b], weight, unquantized_cache,
-                                               block_table[r], workload.context_lens[r], dims)
+                unq_out, _ = reference_request(
+                    q[a:b],
+                    kv_c[a:b],
+                    k_pe[a:b],
+                    weight,
+                    unquantized_cache,
+                    block_table[r],
+                    workload.context_lens[r],
+                    dims,
+                )
                 scale_ref = float(unq_out.abs().max()) if unq_out.numel() else 0.0
-                quant = {"max_abs_err_out_vs_unquantized": max_abs_error(out[a:b], unq_out),
-                         "max_abs_ref_out_unquantized": scale_ref}
-            checked.append({**quant, "request": r, "new_tokens": b - a, "context_tokens": workload.context_lens[r],
-                            "max_abs_err_out": max_abs_error(out[a:b], ref_out),
-                            "max_abs_err_lse": max_abs_error(lse[a:b], ref_lse),
-                            "max_abs_ref_out": float(ref_out.abs().max()),
-                            "max_excess_out": max_excess_error(out[a:b], ref_out, tol_out[1]),
-                            "max_excess_lse": max_excess_error(lse[a:b], ref_lse, tol_lse[1])})
+                quant = {
+                    "max_abs_err_out_vs_unquantized": max_abs_error(out[a:b], unq_out),
+                    "max_abs_ref_out_unquantized": scale_ref,
+                }
+            checked.append(
+                {
+                    **quant,
+                    "request": r,
+                    "new_tokens": b - a,
+                    "context_tokens": workload.context_lens[r],
+                    "max_abs_err_out": max_abs_error(out[a:b], ref_out),
+                    "max_abs_err_lse": max_abs_error(lse[a:b], ref_lse),
+                    "max_abs_ref_out": float(ref_out.abs().max()),
+                    "max_excess_out": max_excess_error(out[a:b], ref_out, tol_out[1]),
+                    "max_excess_lse": max_excess_error(lse[a:b], ref_lse, tol_lse[1]),
+                }
+            )
             progress.advance(task)
 
     # ---- numbers
@@ -258,20 +315,28 @@ def cmd_prefill(args, console) -> int:
     err_lse = max((c["max_abs_err_lse"] for c in checked), default=None)
     passed = None
     if checked:
-        passed = all(math.isfinite(c["max_abs_err_out"]) and math.isfinite(c["max_abs_err_lse"])
-                     and c["max_excess_out"] <= tol_out[0] and c["max_excess_lse"] <= tol_lse[0] for c in checked)
+        passed = all(
+            math.isfinite(c["max_abs_err_out"])
+            and math.isfinite(c["max_abs_err_lse"])
+            and c["max_excess_out"] <= tol_out[0]
+            and c["max_excess_lse"] <= tol_lse[0]
+            for c in checked
+        )
     if device.type == "cuda":
         device_text = f"{device} {torch.cuda.get_device_name(device)} (SM {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
     else:
         device_text = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
     # ---- table
-    table = Table(title=f"mla-bridge prefill: {model_name}", show_header=False,
-                  title_justify="left")
+    table = Table(title=f"mla-bridge prefill: {model_name}", show_header=False, title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("")
-    _row(table, "model dims", f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, q/k {dims.qk_nope_head_dim}"
-                  f"+{dims.qk_rope_head_dim}, v {dims.v_head_dim}, softmax_scale {dims.softmax_scale:.6f}")
+    _row(
+        table,
+        "model dims",
+        f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, q/k {dims.qk_nope_head_dim}"
+        f"+{dims.qk_rope_head_dim}, v {dims.v_head_dim}, softmax_scale {dims.softmax_scale:.6f}",
+    )
     _row(table, "kv_b_proj weight", weight_text)
     _row(table, "device", device_text)
     _row(table, "dtype", dtype_name)
@@ -285,24 +350,39 @@ def cmd_prefill(args, console) -> int:
     cache_text = cache_dtype_name(cache.dtype)
     if kv_scale is not None:
         cache_text += f", kv_cache_scale {kv_scale:.6g} (amax/448)"
-    _row(table, "paged cache", f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
-                  f"shuffled block_table; {cache_text}; {cache_bytes / 2**20:.2f} MiB")
+    _row(
+        table,
+        "paged cache",
+        f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
+        f"shuffled block_table; {cache_text}; {cache_bytes / 2**20:.2f} MiB",
+    )
     _row(table, "schedule", schedule)
     gathered = SEPARATE_FROM_ROWS_FP8 if kv_scale is not None else SEPARATE_FROM_ROWS
-    kv_text = {"separate": f" ({kernels['gather']} gather + GEMM)", "fused": " (one Triton launch per pass)",
-               "auto": f" (one Triton launch per pass under {gathered} gathered or {SEPARATE_FROM_ROWS_NEW} "
-                       f"new-token rows, {kernels['gather']} gather + GEMM for larger ones)"}[kernels["kv"]]
+    kv_text = {
+        "separate": f" ({kernels['gather']} gather + GEMM)",
+        "fused": " (one Triton launch per pass)",
+        "auto": f" (one Triton launch per pass under {gathered} gathered or {SEPARATE_FROM_ROWS_NEW} "
+        f"new-token rows, {kernels['gather']} gather + GEMM for larger ones)",
+    }[kernels["kv"]]
     merge_text = kernels["merge"] if any(c.plan is not None for c in plan.chunks) else "none (no chunk to merge)"
     _row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
-    _row(table, "plan", f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
-         f"{_ms(plan_ms)} (first build{loads}), {_ms(plan_again_ms)} (built again)")
+    _row(
+        table,
+        "plan",
+        f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
+        f"{_ms(plan_ms)} (first build{loads}), {_ms(plan_again_ms)} (built again)",
+    )
     table.add_section()
     timing = "CUDA events" if device.type == "cuda" else "time.perf_counter"
     timing += ", after 1 untimed warm-up layer" if warmup else ", no warm-up layer"
     if len(layer_ms) > 1:
-        _row(table, "time per layer", f"{_ms(mean_ms)} mean, {_ms(min(layer_ms))} min, {_ms(max(layer_ms))} max "
-                      f"over {len(layer_ms)} layers ({timing})")
+        _row(
+            table,
+            "time per layer",
+            f"{_ms(mean_ms)} mean, {_ms(min(layer_ms))} min, {_ms(max(layer_ms))} max "
+            f"over {len(layer_ms)} layers ({timing})",
+        )
     else:
         _row(table, "time per layer", f"{_ms(mean_ms)} ({timing})")
     if phases is not None:
@@ -311,43 +391,77 @@ def cmd_prefill(args, console) -> int:
             if name in phases:
                 count = phase_times.passes[name]
                 extra = f" ({count} passes)" if name in ("context chunks", "merge") else ""
-                host = f"; host {_ms(phase_times.host_ms[name])} to issue, gap {_ms(phase_times.gap_ms[name])} " \
-                       f"on an idle GPU" if gpu else ""
+                host = (
+                    f"; host {_ms(phase_times.host_ms[name])} to issue, gap {_ms(phase_times.gap_ms[name])} "
+                    f"on an idle GPU"
+                    if gpu
+                    else ""
+                )
                 _row(table, f"  {name}", f"{_ms(phases[name])}{extra}{host}")
-        how = (f"GPU time, CUDA events at the phase boundaries with the GPU ahead of the host"
-               f"{'' if phase_times.host_ran_ahead else ' (NOT reached: figures include host gaps)'}; host gaps "
-               f"apart" if gpu else "time.perf_counter")
-        _row(table, "  sum of phases", f"{_ms(phase_times.sum_ms)} ({how}; mean of {phase_times.layers} extra "
-                      f"layer(s); output {'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to "
-                      f"mla_prefill's)")
+        how = (
+            f"GPU time, CUDA events at the phase boundaries with the GPU ahead of the host"
+            f"{'' if phase_times.host_ran_ahead else ' (NOT reached: figures include host gaps)'}; host gaps "
+            f"apart"
+            if gpu
+            else "time.perf_counter"
+        )
+        _row(
+            table,
+            "  sum of phases",
+            f"{_ms(phase_times.sum_ms)} ({how}; mean of {phase_times.layers} extra "
+            f"layer(s); output {'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to "
+            f"mla_prefill's)",
+        )
     _row(table, "total", f"{_ms(sum(layer_ms))} for {len(layer_ms)} layer(s)")
-    _row(table, "FLOPs per layer", f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
-                  f"up-projection {up_flops / 1e9:.2f})")
+    _row(
+        table,
+        "FLOPs per layer",
+        f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
+        f"up-projection {up_flops / 1e9:.2f})",
+    )
     _row(table, "throughput", "n/a" if tflops is None else f"{tflops:.3f} TFLOP/s")
-    _row(table, "peak extra memory", "n/a on CPU" if peak_extra is None
-                  else f"{peak_extra / 2**20:.1f} MiB (torch.cuda.max_memory_allocated over the inputs)")
+    _row(
+        table,
+        "peak extra memory",
+        "n/a on CPU"
+        if peak_extra is None
+        else f"{peak_extra / 2**20:.1f} MiB (torch.cuda.max_memory_allocated over the inputs)",
+    )
     table.add_section()
     if checked:
         verdict = ("PASS", "green") if passed else ("FAIL", "bold red")
-        _row(table, "check", f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
-                      f"from the paged cache (mla_bridge.reference"
-                      f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})")
+        _row(
+            table,
+            "check",
+            f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
+            f"from the paged cache (mla_bridge.reference"
+            f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})",
+        )
         _row(table, "  max abs error out", f"{err_out:.3e} (tolerance {_tol_text(tol_out)})")
         _row(table, "  max abs error lse", Text.assemble(f"{err_lse:.3e} (tolerance {_tol_text(tol_lse)}) ", verdict))
         if unquantized_cache is not None:
             q_err = max(c["max_abs_err_out_vs_unquantized"] for c in checked)
             q_ref = max(c["max_abs_ref_out_unquantized"] for c in checked)
-            _row(table, "  fp8 quantization error", f"out vs float64 over the unquantized cache: {q_err:.3e} max abs "
-                 f"({q_err / q_ref if q_ref else float('nan'):.2e} of max |out|; reported, not checked)")
+            _row(
+                table,
+                "  fp8 quantization error",
+                f"out vs float64 over the unquantized cache: {q_err:.3e} max abs "
+                f"({q_err / q_ref if q_ref else float('nan'):.2e} of max |out|; reported, not checked)",
+            )
     else:
         _row(table, "check", "skipped (--check-requests 0)")
     console.print(table)
 
     results = {
         "model": model_name,
-        "dims": {"num_heads": dims.num_heads, "kv_lora_rank": dims.kv_lora_rank,
-                 "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
-                 "v_head_dim": dims.v_head_dim, "softmax_scale": dims.softmax_scale},
+        "dims": {
+            "num_heads": dims.num_heads,
+            "kv_lora_rank": dims.kv_lora_rank,
+            "qk_nope_head_dim": dims.qk_nope_head_dim,
+            "qk_rope_head_dim": dims.qk_rope_head_dim,
+            "v_head_dim": dims.v_head_dim,
+            "softmax_scale": dims.softmax_scale,
+        },
         "weight": weight_text,
         "device": str(device),
         "device_name": device_text,
@@ -358,9 +472,14 @@ def cmd_prefill(args, console) -> int:
         "query_lens": workload.query_lens,
         "context_lens": workload.context_lens,
         "block_size": args.block_size,
-        "kv_cache": {"dtype": cache_dtype_name(cache.dtype), "scale": kv_scale, "bytes": cache_bytes,
-                     "quantization": "vLLM fp8 cache write: e4m3(x / scale), scale = amax / 448"
-                     if kv_scale is not None else None},
+        "kv_cache": {
+            "dtype": cache_dtype_name(cache.dtype),
+            "scale": kv_scale,
+            "bytes": cache_bytes,
+            "quantization": "vLLM fp8 cache write: e4m3(x / scale), scale = amax / 448"
+            if kv_scale is not None
+            else None,
+        },
         "chunk_tokens": chunk_tokens,
         "schedule": "fused" if plan.fused else ("chunked" if run_chunks else "main-only"),
         "kernels": kernels,
@@ -370,24 +489,38 @@ def cmd_prefill(args, console) -> int:
         "num_plans": plan.num_plans,
         "layers": args.layers,
         "timing_method": timing,
-        "timings_ms": {"plan": plan_ms, "plan_again": plan_again_ms, "per_layer": layer_ms, "layer_mean": mean_ms, "total": sum(layer_ms),
-                       "phases": phases,
-                       "phase_timing": None if phases is None else phase_times.to_dict()},
+        "timings_ms": {
+            "plan": plan_ms,
+            "plan_again": plan_again_ms,
+            "per_layer": layer_ms,
+            "layer_mean": mean_ms,
+            "total": sum(layer_ms),
+            "phases": phases,
+            "phase_timing": None if phases is None else phase_times.to_dict(),
+        },
         "flops": {"attention": attn_flops, "up_projection": up_flops, "total": attn_flops + up_flops},
         "tflops": tflops,
         "peak_extra_memory_bytes": peak_extra,
-        "check": {"reference": "mla_bridge.reference: unchunked float64 from the paged cache"
-                  + (" (dequantized: float64(stored) * scale)" if kv_scale is not None else ""),
-                  "requests": checked, "max_abs_err_out": err_out, "max_abs_err_lse": err_lse,
-                  "tolerance_out": {"atol": tol_out[0], "rtol": tol_out[1]},
-                  "tolerance_lse": {"atol": tol_lse[0], "rtol": tol_lse[1]}, "passed": passed},
+        "check": {
+            "reference": "mla_bridge.reference: unchunked float64 from the paged cache"
+            + (" (dequantized: float64(stored) * scale)" if kv_scale is not None else ""),
+            "requests": checked,
+            "max_abs_err_out": err_out,
+            "max_abs_err_lse": err_lse,
+            "tolerance_out": {"atol": tol_out[0], "rtol": tol_out[1]},
+            "tolerance_lse": {"atol": tol_lse[0], "rtol": tol_lse[1]},
+            "passed": passed,
+        },
         "seed": args.seed,
     }
     if args.json is not None:
         write_output(args.json, json.dumps(results, indent=2) + "\n")
         console.print(f"results written to {args.json}")
     if passed is False:
-        print(f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {_tol_text(tol_out)}), "
-              f"lse {err_lse:.3e} (tolerance {_tol_text(tol_lse)})", file=sys.stderr)
+        print(
+            f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {_tol_text(tol_out)}), "
+            f"lse {err_lse:.3e} (tolerance {_tol_text(tol_lse)})",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -52,12 +52,16 @@ class Timer:
 
 
 #: How the prefill command groups mla_prefill's phases in its table.
-PHASE_LABELS = {"gather": "gather + up-projection", "up-projection": "gather + up-projection",
-                "context chunk": "context chunks"}
+PHASE_LABELS = {
+    "gather": "gather + up-projection",
+    "up-projection": "gather + up-projection",
+    "context chunk": "context chunks",
+}
 
 
-def phase_breakdown(plan, q, kv_c, k_pe, weight, cache, block_table, *, layers: Optional[int] = None,
-                    kv_cache_scale=None):
+def phase_breakdown(
+    plan, q, kv_c, k_pe, weight, cache, block_table, *, layers: Optional[int] = None, kv_cache_scale=None
+):
     """Phase times of mla_prefill on these inputs, measured by :func:`mla_bridge.profiling.time_phases` (the one way
     the CLI and the benchmark time phases: CUDA events at the phase boundaries with the GPU kept ahead of the host,
     host gaps apart). Gather and up-projection are reported together, as are the context chunks. ``layers``: timed
@@ -70,8 +74,18 @@ def phase_breakdown(plan, q, kv_c, k_pe, weight, cache, block_table, *, layers: 
     from ..profiling import time_phases
 
     def layer(hook):
-        return mla_prefill(q, kv_c, k_pe, weight, cache, block_table, plan, return_lse=True, phase_hook=hook,
-                           kv_cache_scale=kv_cache_scale)
+        return mla_prefill(
+            q,
+            kv_c,
+            k_pe,
+            weight,
+            cache,
+            block_table,
+            plan,
+            return_lse=True,
+            phase_hook=hook,
+            kv_cache_scale=kv_cache_scale,
+        )
 
     if layers is None:
         layers = 3 if plan.device.type == "cuda" else 1

@@ -28,8 +28,21 @@ _OPTIONS = dict(num_warps=4)
 
 
 @triton.jit
-def _broadcast_kernel(dst_ptr, d_row, d_head, d_elem, src_ptr, s_row, s_elem, n_rows, n_heads,
-                      ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr):
+def _broadcast_kernel(
+    dst_ptr,
+    d_row,
+    d_head,
+    d_elem,
+    src_ptr,
+    s_row,
+    s_elem,
+    n_rows,
+    n_heads,
+    ROPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEADS: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     m = (rows < n_rows)[:, None] & (r < ROPE)[None, :]
@@ -49,6 +62,10 @@ def broadcast_heads_triton(dst: torch.Tensor, src: torch.Tensor) -> None:
     if n == 0 or heads == 0 or rope == 0:  # qk_rope_head_dim 0: nothing to place (Triton has no empty arange)
         return
     grid = (cdiv(n, _BLOCK_M), cdiv(heads, _HEADS))
-    launch(_broadcast_kernel, grid,
-           (dst, dst.stride(0), dst.stride(1), dst.stride(2), src, src.stride(0), src.stride(1), n, heads),
-           dict(ROPE=rope, BLOCK_R=next_power_of_2(rope), BLOCK_M=_BLOCK_M, HEADS=_HEADS), _OPTIONS)
+    launch(
+        _broadcast_kernel,
+        grid,
+        (dst, dst.stride(0), dst.stride(1), dst.stride(2), src, src.stride(0), src.stride(1), n, heads),
+        dict(ROPE=rope, BLOCK_R=next_power_of_2(rope), BLOCK_M=_BLOCK_M, HEADS=_HEADS),
+        _OPTIONS,
+    )

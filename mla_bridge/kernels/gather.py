@@ -83,17 +83,53 @@ def chunk_row_args(rows, stand_in: Optional[torch.Tensor]) -> tuple:
 
 # The chunk-row ints are not specialized by Triton (on being 1 or divisible by 16): a new batch shape compiles nothing.
 @triton.jit(do_not_specialize=["n_req", "req_start", "first_start", "steps"])
-def _gather_kernel(out_ptr, out_stride,
-                   cache_ptr, cs_block, cs_slot, cs_elem,
-                   table_ptr, ts_row, ts_col,
-                   req_ptr, pos_ptr, ctx_dst_ptr, n_ctx, ctx_programs,
-                   indptr_ptr, n_req, req_start, first_start, steps,
-                   kvc_ptr, kvc_row, kvc_elem, kpe_ptr, kpe_row, kpe_elem, new_dst_ptr, n_new,
-                   scale_ptr, scale_val, kpe_out_ptr, ko_row, ko_head, n_heads,
-                   BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, LAT: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, HAS_CTX_DST: tl.constexpr, DEQUANT: tl.constexpr,
-                   SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr, HAS_KPE_OUT: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BY_INDPTR: tl.constexpr):
+def _gather_kernel(
+    out_ptr,
+    out_stride,
+    cache_ptr,
+    cs_block,
+    cs_slot,
+    cs_elem,
+    table_ptr,
+    ts_row,
+    ts_col,
+    req_ptr,
+    pos_ptr,
+    ctx_dst_ptr,
+    n_ctx,
+    ctx_programs,
+    indptr_ptr,
+    n_req,
+    req_start,
+    first_start,
+    steps,
+    kvc_ptr,
+    kvc_row,
+    kvc_elem,
+    kpe_ptr,
+    kpe_row,
+    kpe_elem,
+    new_dst_ptr,
+    n_new,
+    scale_ptr,
+    scale_val,
+    kpe_out_ptr,
+    ko_row,
+    ko_head,
+    n_heads,
+    BLOCK_SIZE: tl.constexpr,
+    RANK: tl.constexpr,
+    LAT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_CTX_DST: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    HAS_KPE_OUT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BY_INDPTR: tl.constexpr,
+):
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < LAT
@@ -140,10 +176,14 @@ def _gather_kernel(out_ptr, out_stride,
         rmask = rows < n_new
         dst = tl.load(new_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
         is_c = d < RANK
-        a = tl.load(kvc_ptr + rows[:, None] * kvc_row + d[None, :] * kvc_elem,
-                    mask=rmask[:, None] & is_c[None, :], other=0)
-        b = tl.load(kpe_ptr + rows[:, None] * kpe_row + (d - RANK)[None, :] * kpe_elem,
-                    mask=rmask[:, None] & (~is_c & dmask)[None, :], other=0)
+        a = tl.load(
+            kvc_ptr + rows[:, None] * kvc_row + d[None, :] * kvc_elem, mask=rmask[:, None] & is_c[None, :], other=0
+        )
+        b = tl.load(
+            kpe_ptr + rows[:, None] * kpe_row + (d - RANK)[None, :] * kpe_elem,
+            mask=rmask[:, None] & (~is_c & dmask)[None, :],
+            other=0,
+        )
         x = tl.where(is_c[None, :], a, b).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + dst[:, None] * out_stride + d[None, :], x, mask=rmask[:, None] & omask[None, :])
         if HAS_KPE_OUT:
@@ -153,11 +193,21 @@ def _gather_kernel(out_ptr, out_stride,
                 tl.store(kpe_out_ptr + dst[:, None] * ko_row + h * ko_head + r[None, :], pe, mask=pm)
 
 
-def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, req_ids: Optional[torch.Tensor],
-            positions: Optional[torch.Tensor], ctx_dst: Optional[torch.Tensor], kv_c: Optional[torch.Tensor],
-            k_pe: Optional[torch.Tensor], new_dst: Optional[torch.Tensor],
-            scale: Union[None, float, torch.Tensor], rank: int, k_pe_out: Optional[torch.Tensor] = None,
-            rows=None) -> None:
+def _launch(
+    out: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_ids: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    ctx_dst: Optional[torch.Tensor],
+    kv_c: Optional[torch.Tensor],
+    k_pe: Optional[torch.Tensor],
+    new_dst: Optional[torch.Tensor],
+    scale: Union[None, float, torch.Tensor],
+    rank: int,
+    k_pe_out: Optional[torch.Tensor] = None,
+    rows=None,
+) -> None:
     if rows is not None and (req_ids is not None or positions is not None):
         raise ValueError("gather: give the context rows as rows= or as req_ids / positions, not both")
     lat = cache.shape[-1]
@@ -176,26 +226,71 @@ def _launch(out: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, r
         new_dst = req_ids
     scale_is_ptr = isinstance(scale, torch.Tensor)
     ko = k_pe_out if k_pe_out is not None else out.view(out.shape[0], 1, out.shape[-1])  # unused stand-in
-    launch(_gather_kernel, grid, (
-        out, out.stride(0),
-        cache_arg, cache.stride(0), cache.stride(1), cache.stride(2),
-        block_table, block_table.stride(0), block_table.stride(1),
-        req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_programs,
-        *chunk_row_args(rows, req_ids),
-        # k_pe comes with kv_c (set above when absent); scale is a float where not scale_is_ptr
-        kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1),  # type: ignore[union-attr]
-        new_dst, n_new, scale if scale_is_ptr else out,
-        float(scale) if (dequant and not scale_is_ptr) else 1.0,  # type: ignore[arg-type]
-        ko, ko.stride(0), ko.stride(1), ko.shape[1]),
-        dict(BLOCK_SIZE=cache.shape[1], RANK=rank, LAT=lat, BLOCK_D=next_power_of_2(lat), BLOCK_M=_BLOCK_M,
-             HAS_CTX_DST=ctx_dst is not None, DEQUANT=dequant, SCALE_IS_PTR=scale_is_ptr,
-             OUT_BF16=out.dtype == torch.bfloat16, HAS_KPE_OUT=k_pe_out is not None,
-             BLOCK_R=next_power_of_2(max(lat - rank, 1)), BY_INDPTR=rows is not None), _OPTIONS)
+    launch(
+        _gather_kernel,
+        grid,
+        (
+            out,
+            out.stride(0),
+            cache_arg,
+            cache.stride(0),
+            cache.stride(1),
+            cache.stride(2),
+            block_table,
+            block_table.stride(0),
+            block_table.stride(1),
+            req_ids,
+            positions,
+            ctx_dst if ctx_dst is not None else req_ids,
+            n_ctx,
+            ctx_programs,
+            *chunk_row_args(rows, req_ids),
+            # k_pe comes with kv_c (set above when absent); scale is a float where not scale_is_ptr
+            kv_c,
+            kv_c.stride(0),
+            kv_c.stride(-1),
+            k_pe,
+            k_pe.stride(0),  # type: ignore[union-attr]
+            k_pe.stride(-1),  # type: ignore[union-attr]
+            new_dst,
+            n_new,
+            scale if scale_is_ptr else out,
+            float(scale) if (dequant and not scale_is_ptr) else 1.0,  # type: ignore[arg-type]
+            ko,
+            ko.stride(0),
+            ko.stride(1),
+            ko.shape[1],
+        ),
+        dict(
+            BLOCK_SIZE=cache.shape[1],
+            RANK=rank,
+            LAT=lat,
+            BLOCK_D=next_power_of_2(lat),
+            BLOCK_M=_BLOCK_M,
+            HAS_CTX_DST=ctx_dst is not None,
+            DEQUANT=dequant,
+            SCALE_IS_PTR=scale_is_ptr,
+            OUT_BF16=out.dtype == torch.bfloat16,
+            HAS_KPE_OUT=k_pe_out is not None,
+            BLOCK_R=next_power_of_2(max(lat - rank, 1)),
+            BY_INDPTR=rows is not None,
+        ),
+        _OPTIONS,
+    )
 
 
-def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                         req_ids: Optional[torch.Tensor], positions: Optional[torch.Tensor], kv_cache_scale=None,
-                         k_pe_out: Optional[torch.Tensor] = None, rank: Optional[int] = None, *, rows=None) -> None:
+def gather_latent_triton(
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_ids: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    kv_cache_scale=None,
+    k_pe_out: Optional[torch.Tensor] = None,
+    rank: Optional[int] = None,
+    *,
+    rows=None,
+) -> None:
     """``out[i] = dequant(kv_cache[block_table[req_ids[i], positions[i] // bs], positions[i] % bs])``; with ``rows``
     (a :class:`mla_bridge.cache.ChunkRows`, ``req_ids`` / ``positions`` None) the pairs are the chunk's rows.
 
@@ -203,15 +298,50 @@ def gather_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table:
     strides) in ``out``'s dtype, or float8_e4m3fn with ``kv_cache_scale`` (a float or a 0-d float32 device tensor).
     With ``k_pe_out`` ``[N, H, L - rank]`` (unit last stride): ``out`` ``[N, rank]`` gets the first ``rank`` columns
     and every head of ``k_pe_out`` the rest."""
-    _launch(out, kv_cache, block_table, req_ids, positions, None, None, None, None, kv_cache_scale,
-            kv_cache.shape[-1] if rank is None else rank, k_pe_out, rows)
+    _launch(
+        out,
+        kv_cache,
+        block_table,
+        req_ids,
+        positions,
+        None,
+        None,
+        None,
+        None,
+        kv_cache_scale,
+        kv_cache.shape[-1] if rank is None else rank,
+        k_pe_out,
+        rows,
+    )
 
 
-def fused_latent_triton(out: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, req_ids: torch.Tensor,
-                        positions: torch.Tensor, ctx_dst: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                        new_dst: torch.Tensor, kv_cache_scale=None, k_pe_out: Optional[torch.Tensor] = None) -> None:
+def fused_latent_triton(
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_ids: torch.Tensor,
+    positions: torch.Tensor,
+    ctx_dst: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    new_dst: torch.Tensor,
+    kv_cache_scale=None,
+    k_pe_out: Optional[torch.Tensor] = None,
+) -> None:
     """The fused schedule's key latents in one launch: context rows (as :func:`gather_latent_triton`) to rows
     ``ctx_dst``, ``kv_c[j] ++ k_pe[j]`` (``[T, rank]``, ``[T, rope]``) to rows ``new_dst[j]``; with ``k_pe_out``
     as :func:`gather_latent_triton`."""
-    _launch(out, kv_cache, block_table, req_ids, positions, ctx_dst, kv_c, k_pe, new_dst, kv_cache_scale,
-            kv_c.shape[-1], k_pe_out)
+    _launch(
+        out,
+        kv_cache,
+        block_table,
+        req_ids,
+        positions,
+        ctx_dst,
+        kv_c,
+        k_pe,
+        new_dst,
+        kv_cache_scale,
+        kv_c.shape[-1],
+        k_pe_out,
+    )

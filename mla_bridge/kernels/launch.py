@@ -63,8 +63,8 @@ def spec_key(args: Sequence[Any]) -> Optional[tuple]:
         if t is int:
             if -2147483648 <= a <= 2147483647:
                 push(1 if a == 1 else (16 if a & 15 == 0 else 0))
-            elif -2 ** 63 <= a < 2 ** 64:
-                push((a & 15 == 0, a < 2 ** 63))
+            elif -(2**63) <= a < 2**64:
+                push((a & 15 == 0, a < 2**63))
             else:
                 return None  # beyond uint64: Triton refuses it itself (OverflowError)
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
@@ -118,8 +118,11 @@ def _triton_state() -> tuple:
     if not knobs:
         return ()
     runtime, compilation = getattr(knobs, "runtime", None), getattr(knobs, "compilation", None)
-    return (getattr(runtime, "debug", None), getattr(compilation, "instrumentation_mode", None),
-            getattr(runtime, "add_stages_inspection_hook", None))
+    return (
+        getattr(runtime, "debug", None),
+        getattr(compilation, "instrumentation_mode", None),
+        getattr(runtime, "add_stages_inspection_hook", None),
+    )
 
 
 def _hook_active(hook: Any) -> bool:
@@ -206,8 +209,17 @@ def launch(fn: Any, grid: tuple, args: Sequence[Any], constexprs: dict, options:
     device = _current_device()
     values, opts = tuple(constexprs.values()), tuple(options.values())
     # the values' types too (True == 1 and False == 0 as dict keys, not to Triton)
-    full = (device, key, tuple(constexprs), values, tuple(map(type, values)), tuple(options), opts,
-            tuple(map(type, opts)), _triton_state())
+    full = (
+        device,
+        key,
+        tuple(constexprs),
+        values,
+        tuple(map(type, values)),
+        tuple(options),
+        opts,
+        tuple(map(type, opts)),
+        _triton_state(),
+    )
     cache = _CACHES.get(id(fn))
     if cache is None:
         cache = _CACHES[id(fn)] = {}
@@ -221,5 +233,16 @@ def launch(fn: Any, grid: tuple, args: Sequence[Any], constexprs: dict, options:
         fn[grid](*args, **constexprs, **options)
         return
     k = entry.kernel
-    k.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _current_stream(device),
-          k.function, k.packed_metadata, None, None, None, *args, *entry.tail)
+    k.run(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        _current_stream(device),
+        k.function,
+        k.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *entry.tail,
+    )

@@ -68,10 +68,32 @@ def _log(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _merge_kernel(dst_ptr, dst_lse_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, n_pairs, num_heads,
-                  a_st, a_sh, a_sd, b_st, b_sh, b_sd, d_st, d_sh, d_sd,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, EXACT: tl.constexpr,
-                  OUT_BF16: tl.constexpr, LSE_B_LOG2: tl.constexpr, INF_EMPTY: tl.constexpr):
+def _merge_kernel(
+    dst_ptr,
+    dst_lse_ptr,
+    a_ptr,
+    a_lse_ptr,
+    b_ptr,
+    b_lse_ptr,
+    n_pairs,
+    num_heads,
+    a_st,
+    a_sh,
+    a_sd,
+    b_st,
+    b_sh,
+    b_sd,
+    d_st,
+    d_sh,
+    d_sd,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    EXACT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    LSE_B_LOG2: tl.constexpr,
+    INF_EMPTY: tl.constexpr,
+):
     pid = tl.program_id(0)
     p = pid.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     pmask = p < n_pairs
@@ -100,10 +122,16 @@ def _merge_kernel(dst_ptr, dst_lse_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, n_pa
     dmask = d < HEAD_DIM
     use_a = pmask & (sa != 0)
     use_b = pmask & (sb != 0)
-    oa = tl.load(a_ptr + t[:, None] * a_st + h[:, None] * a_sh + d[None, :] * a_sd,
-                 mask=use_a[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    ob = tl.load(b_ptr + t[:, None] * b_st + h[:, None] * b_sh + d[None, :] * b_sd,
-                 mask=use_b[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    oa = tl.load(
+        a_ptr + t[:, None] * a_st + h[:, None] * a_sh + d[None, :] * a_sd,
+        mask=use_a[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    ob = tl.load(
+        b_ptr + t[:, None] * b_st + h[:, None] * b_sh + d[None, :] * b_sd,
+        mask=use_b[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     o = tl.where(use_a[:, None], oa * sa[:, None], 0.0) + tl.where(use_b[:, None], ob * sb[:, None], 0.0)
     if OUT_BF16:
         # round to nearest even on the bits (as cvt.rn.bf16.f32 and torch's .to(); NaN -> 0x7FC0 as c10::BFloat16)
@@ -113,13 +141,22 @@ def _merge_kernel(dst_ptr, dst_lse_ptr, a_ptr, a_lse_ptr, b_ptr, b_lse_ptr, n_pa
         r = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         r = o.to(dst_ptr.dtype.element_ty)
-    tl.store(dst_ptr + t[:, None] * d_st + h[:, None] * d_sh + d[None, :] * d_sd, r,
-             mask=pmask[:, None] & dmask[None, :])
+    tl.store(
+        dst_ptr + t[:, None] * d_st + h[:, None] * d_sh + d[None, :] * d_sd, r, mask=pmask[:, None] & dmask[None, :]
+    )
     tl.store(dst_lse_ptr + p, lse, mask=pmask)
 
 
-def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, lse_a: torch.Tensor,
-                 out_b: torch.Tensor, lse_b: torch.Tensor, lse_b_log2: bool = False, inf_empty: bool = True) -> None:
+def merge_triton(
+    dst: torch.Tensor,
+    dst_lse: torch.Tensor,
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    lse_b_log2: bool = False,
+    inf_empty: bool = True,
+) -> None:
     """``(dst, dst_lse) <- merge((out_a, lse_a), (out_b, lse_b))``; ``dst`` may be ``out_a`` (in place).
 
     All outs ``[T, H, D]`` with any strides, each fp16/bf16/float32 (``out_a`` and ``dst`` may differ from
@@ -138,8 +175,36 @@ def merge_triton(dst: torch.Tensor, dst_lse: torch.Tensor, out_a: torch.Tensor, 
     block_p = max(1, _ELEMS_PER_PROGRAM // block_d)
     grid = (cdiv(n_pairs, block_p),)
     sa, sb, sd = out_a.stride(), out_b.stride(), dst.stride()
-    launch(_merge_kernel, grid, (dst, dst_lse, out_a, lse_a, out_b, lse_b, n_pairs, h,
-                                 sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], sd[0], sd[1], sd[2]),
-           dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_P=block_p, EXACT=dst.is_cuda,
-                OUT_BF16=dst.dtype == torch.bfloat16, LSE_B_LOG2=bool(lse_b_log2),
-                INF_EMPTY=bool(inf_empty)), LAUNCH_OPTIONS)
+    launch(
+        _merge_kernel,
+        grid,
+        (
+            dst,
+            dst_lse,
+            out_a,
+            lse_a,
+            out_b,
+            lse_b,
+            n_pairs,
+            h,
+            sa[0],
+            sa[1],
+            sa[2],
+            sb[0],
+            sb[1],
+            sb[2],
+            sd[0],
+            sd[1],
+            sd[2],
+        ),
+        dict(
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            BLOCK_P=block_p,
+            EXACT=dst.is_cuda,
+            OUT_BF16=dst.dtype == torch.bfloat16,
+            LSE_B_LOG2=bool(lse_b_log2),
+            INF_EMPTY=bool(inf_empty),
+        ),
+        LAUNCH_OPTIONS,
+    )

@@ -68,9 +68,23 @@ DEQUANT_MAX_STAGES = 2
 
 
 @triton.jit
-def _gemm(a_rows, a_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
-          RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          DEQUANT: tl.constexpr, IEEE: tl.constexpr):
+def _gemm(
+    a_rows,
+    a_elem,
+    rmask,
+    w_ptr,
+    w_first,
+    w_row,
+    n,
+    nmask,
+    s,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """``[BLOCK_M, BLOCK_N]`` float32: rows ``a_rows`` (pointers to element 0 of each row, stride ``a_elem``) times
     weight rows ``w_first + n`` (row stride ``w_row``), over the first ``RANK`` columns. FP8 rows (``DEQUANT``) are
     dequantized as ``float32(stored) * s`` rounded to the weight's dtype by the native conversion (round to nearest
@@ -95,20 +109,60 @@ def _gemm(a_rows, a_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
 
 
 @triton.jit(do_not_specialize=["n_req", "req_start", "first_start", "steps"])  # as the gather's
-def _up_project_kernel(out_ptr, o_row, o_head,
-                       w_ptr, w_row, w_head, w_nope, w_v,
-                       cache_ptr, cs_block, cs_slot, cs_elem,
-                       table_ptr, ts_row, ts_col,
-                       req_ptr, pos_ptr, ctx_dst_ptr, n_ctx, ctx_tiles,
-                       indptr_ptr, n_req, req_start, first_start, steps,
-                       kvc_ptr, kvc_row, kvc_elem, kpe_ptr, kpe_row, kpe_elem, new_dst_ptr, n_new,
-                       scale_ptr, scale_val,
-                       H: tl.constexpr, BLOCK_SIZE: tl.constexpr, RANK: tl.constexpr, NOPE: tl.constexpr,
-                       ROPE: tl.constexpr, VD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                       HAS_CTX_DST: tl.constexpr, HAS_NEW_DST: tl.constexpr, DEQUANT: tl.constexpr,
-                       SCALE_IS_PTR: tl.constexpr, OUT_BF16: tl.constexpr, IEEE: tl.constexpr,
-                       BY_INDPTR: tl.constexpr):
+def _up_project_kernel(
+    out_ptr,
+    o_row,
+    o_head,
+    w_ptr,
+    w_row,
+    w_head,
+    w_nope,
+    w_v,
+    cache_ptr,
+    cs_block,
+    cs_slot,
+    cs_elem,
+    table_ptr,
+    ts_row,
+    ts_col,
+    req_ptr,
+    pos_ptr,
+    ctx_dst_ptr,
+    n_ctx,
+    ctx_tiles,
+    indptr_ptr,
+    n_req,
+    req_start,
+    first_start,
+    steps,
+    kvc_ptr,
+    kvc_row,
+    kvc_elem,
+    kpe_ptr,
+    kpe_row,
+    kpe_elem,
+    new_dst_ptr,
+    n_new,
+    scale_ptr,
+    scale_val,
+    H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    RANK: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    VD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_CTX_DST: tl.constexpr,
+    HAS_NEW_DST: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    IEEE: tl.constexpr,
+    BY_INDPTR: tl.constexpr,
+):
     pid = tl.program_id(0)
     tile = pid // (2 * H)
     part = pid % (2 * H)
@@ -138,8 +192,9 @@ def _up_project_kernel(out_ptr, o_row, o_head,
             pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
         blk = tl.load(table_ptr + req * ts_row + (pos // BLOCK_SIZE) * ts_col, mask=rmask, other=0).to(tl.int64)
         src = cache_ptr + blk * cs_block + (pos % BLOCK_SIZE) * cs_slot
-        acc = _gemm(src, cs_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
-                    RANK, BLOCK_M, BLOCK_N, BLOCK_K, DEQUANT, IEEE)
+        acc = _gemm(
+            src, cs_elem, rmask, w_ptr, w_first, w_row, n, nmask, s, RANK, BLOCK_M, BLOCK_N, BLOCK_K, DEQUANT, IEEE
+        )
         if HAS_CTX_DST:
             dst = tl.load(ctx_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
@@ -153,8 +208,23 @@ def _up_project_kernel(out_ptr, o_row, o_head,
     else:
         rows = (tile - ctx_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < n_new
-        acc = _gemm(kvc_ptr + rows * kvc_row, kvc_elem, rmask, w_ptr, w_first, w_row, n, nmask, s,
-                    RANK, BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE)
+        acc = _gemm(
+            kvc_ptr + rows * kvc_row,
+            kvc_elem,
+            rmask,
+            w_ptr,
+            w_first,
+            w_row,
+            n,
+            nmask,
+            s,
+            RANK,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            False,
+            IEEE,
+        )
         if HAS_NEW_DST:
             dst = tl.load(new_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
@@ -163,16 +233,29 @@ def _up_project_kernel(out_ptr, o_row, o_head,
             m = rmask[:, None] & r_mask[None, :]
             pe = tl.load(kpe_ptr + rows[:, None] * kpe_row + r[None, :] * kpe_elem, mask=m, other=0)
             tl.store(out_ptr + dst[:, None] * o_row + h * o_head + NOPE + r[None, :], pe.to(ty), mask=m)
-    tl.store(out_ptr + dst[:, None] * o_row + h * o_head + col0 + n[None, :], acc.to(ty),
-             mask=rmask[:, None] & nmask[None, :])
+    tl.store(
+        out_ptr + dst[:, None] * o_row + h * o_head + col0 + n[None, :],
+        acc.to(ty),
+        mask=rmask[:, None] & nmask[None, :],
+    )
 
 
-def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Tensor] = None,
-                      block_table: Optional[torch.Tensor] = None, req_ids: Optional[torch.Tensor] = None,
-                      positions: Optional[torch.Tensor] = None, ctx_dst: Optional[torch.Tensor] = None,
-                      kv_c: Optional[torch.Tensor] = None, k_pe: Optional[torch.Tensor] = None,
-                      new_dst: Optional[torch.Tensor] = None,
-                      kv_cache_scale: Union[None, float, torch.Tensor] = None, rows=None, **config) -> None:
+def up_project_triton(
+    out: torch.Tensor,
+    weight,
+    *,
+    kv_cache: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    req_ids: Optional[torch.Tensor] = None,
+    positions: Optional[torch.Tensor] = None,
+    ctx_dst: Optional[torch.Tensor] = None,
+    kv_c: Optional[torch.Tensor] = None,
+    k_pe: Optional[torch.Tensor] = None,
+    new_dst: Optional[torch.Tensor] = None,
+    kv_cache_scale: Union[None, float, torch.Tensor] = None,
+    rows=None,
+    **config,
+) -> None:
     """Fill ``out [N, H, qk_nope + qk_rope + v_head_dim]`` (contiguous, the plan's dtype) with ``[k_nope | k_pe | v]``
     per head for the context rows (``kv_cache`` through ``block_table`` at ``(req_ids[i], positions[i])``, or at the
     rows of ``rows``, a :class:`mla_bridge.cache.ChunkRows`, to rows ``ctx_dst`` or ``0..n_ctx-1``) and the new rows (``kv_c`` ``[n, rank]``, ``k_pe`` ``[n, rope]``, to rows
@@ -210,23 +293,62 @@ def up_project_triton(out: torch.Tensor, weight, *, kv_cache: Optional[torch.Ten
         kv_c = k_pe = out[:, 0]
     cache = kv_cache.view(torch.uint8) if dequant else kv_cache
     scale_is_ptr = isinstance(kv_cache_scale, torch.Tensor)
-    launch(_up_project_kernel, grid, (
-        out, out.stride(0), out.stride(1),
-        w, w_row, w_head, w_nope, w_v,
-        cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        # block_table comes with kv_cache and k_pe with kv_c (both set above when absent); kv_cache_scale is a float
-        # where not scale_is_ptr
-        block_table, block_table.stride(0), block_table.stride(-1),  # type: ignore[union-attr]
-        req_ids, positions, ctx_dst if ctx_dst is not None else req_ids, n_ctx, ctx_tiles,
-        *chunk_row_args(rows, req_ids),
-        kv_c, kv_c.stride(0), kv_c.stride(-1), k_pe, k_pe.stride(0), k_pe.stride(-1),  # type: ignore[union-attr]
-        new_dst if new_dst is not None else kv_c, n_new,
-        kv_cache_scale if scale_is_ptr else out,
-        float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0),  # type: ignore[arg-type]
-        dict(H=h, BLOCK_SIZE=kv_cache.shape[1], RANK=rank, NOPE=nope, ROPE=rope, VD=vd,
-             BLOCK_M=bm, BLOCK_N=max(16, next_power_of_2(max(nope, vd))), BLOCK_K=bk,
-             BLOCK_R=max(16, next_power_of_2(rope)),
-             HAS_CTX_DST=ctx_dst is not None, HAS_NEW_DST=new_dst is not None, DEQUANT=dequant,
-             SCALE_IS_PTR=scale_is_ptr, OUT_BF16=out.dtype == torch.bfloat16, IEEE=out.dtype == torch.float32,
-             BY_INDPTR=rows is not None),
-        cfg)  # cfg: the compile options left (num_warps, num_stages)
+    launch(
+        _up_project_kernel,
+        grid,
+        (
+            out,
+            out.stride(0),
+            out.stride(1),
+            w,
+            w_row,
+            w_head,
+            w_nope,
+            w_v,
+            cache,
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            # block_table comes with kv_cache and k_pe with kv_c (both set above when absent); kv_cache_scale is a float
+            # where not scale_is_ptr
+            block_table,
+            block_table.stride(0),  # type: ignore[union-attr]
+            block_table.stride(-1),  # type: ignore[union-attr]
+            req_ids,
+            positions,
+            ctx_dst if ctx_dst is not None else req_ids,
+            n_ctx,
+            ctx_tiles,
+            *chunk_row_args(rows, req_ids),
+            kv_c,
+            kv_c.stride(0),
+            kv_c.stride(-1),
+            k_pe,
+            k_pe.stride(0),  # type: ignore[union-attr]
+            k_pe.stride(-1),  # type: ignore[union-attr]
+            new_dst if new_dst is not None else kv_c,
+            n_new,
+            kv_cache_scale if scale_is_ptr else out,
+            float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0,  # type: ignore[arg-type]
+        ),
+        dict(
+            H=h,
+            BLOCK_SIZE=kv_cache.shape[1],
+            RANK=rank,
+            NOPE=nope,
+            ROPE=rope,
+            VD=vd,
+            BLOCK_M=bm,
+            BLOCK_N=max(16, next_power_of_2(max(nope, vd))),
+            BLOCK_K=bk,
+            BLOCK_R=max(16, next_power_of_2(rope)),
+            HAS_CTX_DST=ctx_dst is not None,
+            HAS_NEW_DST=new_dst is not None,
+            DEQUANT=dequant,
+            SCALE_IS_PTR=scale_is_ptr,
+            OUT_BF16=out.dtype == torch.bfloat16,
+            IEEE=out.dtype == torch.float32,
+            BY_INDPTR=rows is not None,
+        ),
+        cfg,
+    )  # cfg: the compile options left (num_warps, num_stages)

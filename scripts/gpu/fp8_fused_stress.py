@@ -41,18 +41,41 @@ BF16 = torch.bfloat16
 def _fused(plan, kv_c, k_pe, cache, table, scale, weight, stages=None):
     """Every pass's (k, v) from the fused kernel (``stages``: its pipeline stages, default its own)."""
     d = weight.dims
-    passes = [dict(kv_cache=cache, block_table=table, req_ids=plan.ctx_req_ids, positions=plan.ctx_positions,
-                   ctx_dst=plan.ctx_dst, kv_c=kv_c, k_pe=k_pe, new_dst=plan.new_dst)] if plan.fused else (
-        [dict(kv_c=kv_c, k_pe=k_pe)] + [dict(kv_cache=cache, block_table=table, req_ids=c.req_ids,
-                                              positions=c.positions) for c in plan.chunks])
+    passes = (
+        [
+            dict(
+                kv_cache=cache,
+                block_table=table,
+                req_ids=plan.ctx_req_ids,
+                positions=plan.ctx_positions,
+                ctx_dst=plan.ctx_dst,
+                kv_c=kv_c,
+                k_pe=k_pe,
+                new_dst=plan.new_dst,
+            )
+        ]
+        if plan.fused
+        else (
+            [dict(kv_c=kv_c, k_pe=k_pe)]
+            + [dict(kv_cache=cache, block_table=table, req_ids=c.req_ids, positions=c.positions) for c in plan.chunks]
+        )
+    )
     out = []
     for p in passes:
-        rows = int(plan.main_kv_indptr[-1]) if plan.fused else (
-            p["kv_c"].shape[0] if "kv_c" in p else p["req_ids"].shape[0])
+        rows = (
+            int(plan.main_kv_indptr[-1])
+            if plan.fused
+            else (p["kv_c"].shape[0] if "kv_c" in p else p["req_ids"].shape[0])
+        )
         buf = torch.empty(rows, d.num_heads, d.head_dim_qk + d.v_head_dim, dtype=BF16, device=cache.device)
-        up_project_triton(buf, weight, kv_cache_scale=scale if "kv_cache" in p else None,
-                          **({} if stages is None else {"num_stages": stages}), **p)
-        out.append((buf[..., : d.head_dim_qk], buf[..., d.head_dim_qk:]))
+        up_project_triton(
+            buf,
+            weight,
+            kv_cache_scale=scale if "kv_cache" in p else None,
+            **({} if stages is None else {"num_stages": stages}),
+            **p,
+        )
+        out.append((buf[..., : d.head_dim_qk], buf[..., d.head_dim_qk :]))
     return out
 
 
@@ -60,49 +83,84 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="runs per case (default 20)")
     parser.add_argument("--bf16", action="store_true", help="also the same cases with a bf16 cache")
-    parser.add_argument("--stages", type=int, default=None,
-                        help="pipeline stages of the fused kernel, its FP8 cap lifted (default: the kernel's own)")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=None,
+        help="pipeline stages of the fused kernel, its FP8 cap lifted (default: the kernel's own)",
+    )
     args = parser.parse_args()
     if args.stages is not None:
         UP.DEQUANT_MAX_STAGES = args.stages
     wrong_total = 0
-    cases = [(fp8, bs, fuse) for fp8 in ((True, False) if args.bf16 else (True,))
-             for bs, fuse in ((16, True), (1, False), (16, False), (1, True))]
+    cases = [
+        (fp8, bs, fuse)
+        for fp8 in ((True, False) if args.bf16 else (True,))
+        for bs, fuse in ((16, True), (1, False), (16, False), (1, True))
+    ]
     for fp8, bs, fuse in cases:
         d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = T._case(
-            bs, fp8, seed=bs + 3 * fp8, chunk_tokens=4096 if fuse else 1024)
-        plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=bs, dtype=BF16,
-                                 fuse_context=fuse, kv_cache_dtype="fp8" if fp8 else None)
+            bs, fp8, seed=bs + 3 * fp8, chunk_tokens=4096 if fuse else 1024
+        )
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=d,
+            workspace=ws,
+            block_size=bs,
+            dtype=BF16,
+            fuse_context=fuse,
+            kv_cache_dtype="fp8" if fp8 else None,
+        )
         cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
         weight = prepare_kv_b_proj(w, d, layout="split")
         raw = w.double().view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)  # k_nope rows, v rows
-        lats = ([fused_latent(plan, kv_c, k_pe, cache, table, s, impl="torch")] if plan.fused else
-                [torch.cat([kv_c, k_pe], -1)] + [gather_latent(cache, table, c.req_ids, c.positions, dtype=BF16,
-                                                               kv_cache_scale=s, impl="torch") for c in plan.chunks])
-        refs = [(torch.einsum("nr,hdr->nhd", x[:, :d.kv_lora_rank].double(), raw[:, :d.qk_nope_head_dim]),
-                 torch.einsum("nr,hdr->nhd", x[:, :d.kv_lora_rank].double(), raw[:, d.qk_nope_head_dim:]))
-                for x in lats]
+        lats = (
+            [fused_latent(plan, kv_c, k_pe, cache, table, s, impl="torch")]
+            if plan.fused
+            else [torch.cat([kv_c, k_pe], -1)]
+            + [
+                gather_latent(cache, table, c.req_ids, c.positions, dtype=BF16, kv_cache_scale=s, impl="torch")
+                for c in plan.chunks
+            ]
+        )
+        refs = [
+            (
+                torch.einsum("nr,hdr->nhd", x[:, : d.kv_lora_rank].double(), raw[:, : d.qk_nope_head_dim]),
+                torch.einsum("nr,hdr->nhd", x[:, : d.kv_lora_rank].double(), raw[:, d.qk_nope_head_dim :]),
+            )
+            for x in lats
+        ]
         wrong = {"separate": 0, "fused": 0}
         for run in range(args.runs):
             junk = torch.randn(int(3e7) + run * 4099, device=cache.device) * 1e20
             del junk
-            for sc in ((s, float(s)) if fp8 else (None,)):
+            for sc in (s, float(s)) if fp8 else (None,):
                 torch.cuda._sleep(int(1e8))
-                results = {"separate": T._passes(plan, kv_c, k_pe, cache, table, sc, weight, "separate"),
-                           "fused": _fused(plan, kv_c, k_pe, cache, table, sc, weight, args.stages)}
+                results = {
+                    "separate": T._passes(plan, kv_c, k_pe, cache, table, sc, weight, "separate"),
+                    "fused": _fused(plan, kv_c, k_pe, cache, table, sc, weight, args.stages),
+                }
                 torch.cuda.synchronize()
                 for name, res in results.items():
                     for pi, ((k, v), (rn, rv)) in enumerate(zip(res, refs)):
-                        n = sum(int(((x.double() - r).abs() > r.abs() * 2.0 ** -7 + 2.0 ** -12).sum())
-                                for x, r in ((k[..., :d.qk_nope_head_dim], rn), (v, rv)))
+                        n = sum(
+                            int(((x.double() - r).abs() > r.abs() * 2.0**-7 + 2.0**-12).sum())
+                            for x, r in ((k[..., : d.qk_nope_head_dim], rn), (v, rv))
+                        )
                         if n:
                             wrong[name] += 1
-                            print(f"{'FP8' if fp8 else 'bf16'} cache, block {bs}, {'fused' if fuse else 'chunked'} "
-                                  f"schedule, run {run}, scale "
-                                  f"{type(sc).__name__}: {name} pass {pi} ({k.shape[0]} rows) has {n} wrong",
-                                  flush=True)
-        print(f"{'FP8' if fp8 else 'bf16'} cache, block {bs}, {'fused' if fuse else 'chunked'} schedule: wrong "
-              f"passes in {(2 if fp8 else 1) * args.runs} runs: {wrong}", flush=True)
+                            print(
+                                f"{'FP8' if fp8 else 'bf16'} cache, block {bs}, {'fused' if fuse else 'chunked'} "
+                                f"schedule, run {run}, scale "
+                                f"{type(sc).__name__}: {name} pass {pi} ({k.shape[0]} rows) has {n} wrong",
+                                flush=True,
+                            )
+        print(
+            f"{'FP8' if fp8 else 'bf16'} cache, block {bs}, {'fused' if fuse else 'chunked'} schedule: wrong "
+            f"passes in {(2 if fp8 else 1) * args.runs} runs: {wrong}",
+            flush=True,
+        )
         wrong_total += sum(wrong.values())
     return 1 if wrong_total else 0
 

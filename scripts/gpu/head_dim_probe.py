@@ -31,7 +31,7 @@ def reference(q, k, v, lens, sm_scale):
 
     outs, lses, a = [], [], 0
     for n in lens:
-        qq, kk, vv = (x[a:a + n].double() for x in (q, k, v))
+        qq, kk, vv = (x[a : a + n].double() for x in (q, k, v))
         s = torch.einsum("qhd,khd->hqk", qq, kk) * sm_scale
         s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), float("-inf"))
         lse = torch.logsumexp(s, -1)
@@ -49,8 +49,16 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    result = {"backend": a.backend, "head_dim_qk": a.head_dim_qk, "head_dim_vo": a.head_dim_vo, "dtype": a.dtype,
-              "ok": False, "max_err": None, "max_lse_err": None, "error": None}
+    result = {
+        "backend": a.backend,
+        "head_dim_qk": a.head_dim_qk,
+        "head_dim_vo": a.head_dim_vo,
+        "dtype": a.dtype,
+        "ok": False,
+        "max_err": None,
+        "max_lse_err": None,
+        "error": None,
+    }
     try:
         import torch
         import flashinfer
@@ -62,12 +70,23 @@ def main(argv=None) -> int:
         q = torch.randn(t, HEADS, a.head_dim_qk, device=dev, generator=g).to(dtype)
         k = torch.randn(t, HEADS, a.head_dim_qk, device=dev, generator=g).to(dtype)
         v = torch.randn(t, HEADS, a.head_dim_vo, device=dev, generator=g).to(dtype)
-        indptr = torch.tensor([0] + [sum(LENS[:i + 1]) for i in range(len(LENS))], dtype=torch.int32)
-        sm_scale = a.head_dim_qk ** -0.5
+        indptr = torch.tensor([0] + [sum(LENS[: i + 1]) for i in range(len(LENS))], dtype=torch.int32)
+        sm_scale = a.head_dim_qk**-0.5
         ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
         w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend=a.backend)
-        w.plan(indptr, indptr, HEADS, HEADS, a.head_dim_qk, head_dim_vo=a.head_dim_vo, causal=True,
-               sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
+        w.plan(
+            indptr,
+            indptr,
+            HEADS,
+            HEADS,
+            a.head_dim_qk,
+            head_dim_vo=a.head_dim_vo,
+            causal=True,
+            sm_scale=sm_scale,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            o_data_type=dtype,
+        )
         # poison the output so that columns a kernel never writes show up
         out = torch.full((t, HEADS, a.head_dim_vo), float("nan"), dtype=dtype, device=dev)
         out, lse = w.run(q, k, v, out=out, return_lse=True, lse_base="ln")
@@ -75,8 +94,11 @@ def main(argv=None) -> int:
         ro, rl = reference(q, k, v, LENS, sm_scale)
         err = (out.double() - ro).abs().nan_to_num(nan=math.inf).max().item()
         lerr = (lse.double() - rl).abs().nan_to_num(nan=math.inf).max().item()
-        result.update(max_err=err if math.isfinite(err) else None, max_lse_err=lerr if math.isfinite(lerr) else None,
-                      ok=bool(err <= OUT_TOL and lerr <= LSE_TOL))
+        result.update(
+            max_err=err if math.isfinite(err) else None,
+            max_lse_err=lerr if math.isfinite(lerr) else None,
+            ok=bool(err <= OUT_TOL and lerr <= LSE_TOL),
+        )
         if not result["ok"]:
             result["error"] = f"wrong values: max out error {err:.3g} (tol {OUT_TOL}), lse {lerr:.3g} (tol {LSE_TOL})"
     except BaseException as err:  # noqa: BLE001 - the case's outcome is the output

@@ -70,8 +70,18 @@ class Case:
         del ref_plan
 
     def plan(self, ws):
-        return plan_ragged(self.qo, self.kv, num_heads=HEADS, head_dim_qk=192, head_dim_vo=128, causal=self.causal,
-                           sm_scale=SCALE, dtype=BF16, workspace=ws, backend=self.backend)
+        return plan_ragged(
+            self.qo,
+            self.kv,
+            num_heads=HEADS,
+            head_dim_qk=192,
+            head_dim_vo=128,
+            causal=self.causal,
+            sm_scale=SCALE,
+            dtype=BF16,
+            workspace=ws,
+            backend=self.backend,
+        )
 
     def error(self, out) -> float:
         return (out.float() - self.ref.float()).abs().max().item()
@@ -79,13 +89,17 @@ class Case:
 
 def cases(backend):
     # Different batch layouts, hence different schedules: a plan that read another's schedule is far off.
-    return (Case(backend, [300, 700], [300, 700], True, 1), Case(backend, [50, 1450, 200], [50, 1450, 200], True, 2),
-            Case(backend, [16, 16], [6000, 3000], False, 3))
+    return (
+        Case(backend, [300, 700], [300, 700], True, 1),
+        Case(backend, [50, 1450, 200], [50, 1450, 200], True, 2),
+        Case(backend, [16, 16], [6000, 3000], False, 3),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # a pooled wrapper is never re-planned while the previous plan's copy or run is queued
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_drop_and_replan_while_the_gpu_is_busy(backend):
@@ -128,8 +142,18 @@ def test_vllm_step_plans_replaced_each_step(backend):
     torch.cuda._sleep(SLEEP)
     for step in steps + steps:
         qo = torch.tensor(step.qo, dtype=torch.int32)
-        plans = PrefillStepPlans(qo, [ChunkIndptrs(0, qo, qo)], num_heads=HEADS, head_dim_qk=192, head_dim_vo=128,
-                                 sm_scale=SCALE, dtype=BF16, device=dev(), workspace=ws, backend=backend)
+        plans = PrefillStepPlans(
+            qo,
+            [ChunkIndptrs(0, qo, qo)],
+            num_heads=HEADS,
+            head_dim_qk=192,
+            head_dim_vo=128,
+            sm_scale=SCALE,
+            dtype=BF16,
+            device=dev(),
+            workspace=ws,
+            backend=backend,
+        )
         outs.append((step, plans.run_new_tokens(step.q, step.k, step.v, False)))
     torch.cuda.synchronize()
     assert max(step.error(out) for step, out in outs) < TOL
@@ -138,6 +162,7 @@ def test_vllm_step_plans_replaced_each_step(backend):
 # ---------------------------------------------------------------------------------------------------------------
 # a run on another stream is ordered after its plan's copies
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_plan_on_default_stream_run_on_another(backend):
@@ -156,6 +181,7 @@ def test_plan_on_default_stream_run_on_another(backend):
 # ---------------------------------------------------------------------------------------------------------------
 # fa2 and cutlass ignore out's strides
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("view", ["last_dim_slice", "head_slice"])
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -182,8 +208,15 @@ def test_mla_prefill_into_a_strided_out(backend, ref):
     require(backend)
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 0, 250], 16, dtype=BF16, device=dev())
-    plan = PrefillPlan.build(batch.query_lens, batch.context_lens, dims=dims, workspace=Workspace(dev()),
-                             block_size=16, dtype=BF16, backend=backend)
+    plan = PrefillPlan.build(
+        batch.query_lens,
+        batch.context_lens,
+        dims=dims,
+        workspace=Workspace(dev()),
+        block_size=16,
+        dtype=BF16,
+        backend=backend,
+    )
     args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
     expected = mla_prefill(*args)
     buf = torch.full((sum(batch.query_lens), dims.num_heads, 256), float("nan"), dtype=BF16, device=dev())
@@ -196,6 +229,7 @@ def test_mla_prefill_into_a_strided_out(backend, ref):
 # ---------------------------------------------------------------------------------------------------------------
 # fa2 plans running at once on two streams never share split-KV temporaries
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_two_fa2_plans_on_two_streams():
     require("flashinfer-fa2")
@@ -223,6 +257,7 @@ def test_two_fa2_plans_on_two_streams():
 # growing the float workspace under live plans
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_growth_while_a_live_plan_is_queued():
     require("flashinfer-fa2")
     small = Case("flashinfer-fa2", [300, 700], [300, 700], True, 6)
@@ -248,6 +283,7 @@ def test_growth_while_a_live_plan_is_queued():
 # ---------------------------------------------------------------------------------------------------------------
 # a captured CUDA graph keeps its plan's wrapper
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _captured(plan, case):
     """A CUDA graph of ``plan.run`` into static out/lse (warm-up on a side stream first, as torch recommends)."""
@@ -320,13 +356,21 @@ def test_retain_for_graph_hands_the_wrapper_back(backend):
 # PrefillPlan.build does not block the host on queued GPU work
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 3, 250], 16, dtype=BF16, device=dev())
     ws = Workspace(dev(), chunk_tokens=4096 if fuse else 128)  # 293 context tokens: fused, or three chunks
-    build = lambda: PrefillPlan.build(batch.query_lens, batch.context_lens, dims=dims, workspace=ws,  # noqa: E731
-                                      block_size=16, dtype=BF16, fuse_context=fuse)
+    build = lambda: PrefillPlan.build(  # noqa: E731
+        batch.query_lens,
+        batch.context_lens,
+        dims=dims,
+        workspace=ws,
+        block_size=16,
+        dtype=BF16,
+        fuse_context=fuse,
+    )
     args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table)
     expected = mla_prefill(*args, build())  # warm-up: allocator and page-locked blocks, kernels compiled
     torch.cuda.synchronize()
@@ -350,8 +394,15 @@ def test_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse):
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 3, 250], 16, dtype=BF16, device=dev())
     ws = Workspace(dev(), chunk_tokens=4096 if fuse else 128)
     args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table)
-    build = lambda: PrefillPlan.build(batch.query_lens, batch.context_lens, dims=dims, workspace=ws,  # noqa: E731
-                                      block_size=16, dtype=BF16, fuse_context=fuse)
+    build = lambda: PrefillPlan.build(  # noqa: E731
+        batch.query_lens,
+        batch.context_lens,
+        dims=dims,
+        workspace=ws,
+        block_size=16,
+        dtype=BF16,
+        fuse_context=fuse,
+    )
     mla_prefill(*args, build())
     torch.cuda.synchronize()
     plan = build()

@@ -72,8 +72,9 @@ def test_a_graph_captured_after_growth_gets_a_region_its_plan_fits_in():
     # out / lse outside the graph: the first capture allocates nothing from the pool but fa2's float region, so what
     # the second capture allocates (its out and lse) comes right after that region in the pool's segment
     static = (torch.empty_like(tiny.ref), torch.empty_like(tiny.ref_lse))
-    first = capture(lambda: first_plan.run(tiny.q, tiny.k, tiny.v, out=static[0], lse=static[1]), plans=[first_plan],
-                    pool=pool)
+    first = capture(
+        lambda: first_plan.run(tiny.q, tiny.k, tiny.v, out=static[0], lse=static[1]), plans=[first_plan], pool=pool
+    )
     first.replay()
     first.release()
     del first_plan
@@ -87,7 +88,8 @@ def test_a_graph_captured_after_growth_gets_a_region_its_plan_fits_in():
     second = capture(lambda: second_plan.run(split.q, split.k, split.v), plans=[second_plan], pool=pool)
     captured = [n for capturing, n in made if capturing]
     assert captured and min(captured) >= planned, (
-        f"the captured run's float region: {captured} bytes, for a plan laid out in {planned}")
+        f"the captured run's float region: {captured} bytes, for a plan laid out in {planned}"
+    )
     wrong = 0
     for _ in range(5):
         torch.cuda._sleep(SLEEP)
@@ -103,8 +105,7 @@ def test_two_graphs_of_one_fa2_plan_replayed_at_once_on_two_streams():
     plan = case.plan(Workspace(torch.device("cuda", torch.cuda.current_device())))
     want = _alone(plan, case)
     outs = [(torch.empty_like(want[0]), torch.empty_like(want[1])) for _ in range(2)]
-    graphs = [capture(lambda o=o, s=s: plan.run(case.q, case.k, case.v, out=o, lse=s), plans=[plan])
-              for o, s in outs]
+    graphs = [capture(lambda o=o, s=s: plan.run(case.q, case.k, case.v, out=o, lse=s), plans=[plan]) for o, s in outs]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     wrong = []
     for i in range(60):

@@ -63,13 +63,29 @@ def long_request():
 def _run(batch, backend, chunk_tokens, fuse):
     """mla_prefill with the weight prepared once (``batch.weight``) on the separate k/v path: the k/v bits
     partials_merged_once makes for its partials."""
-    plan = PrefillPlan.build(batch.query_lens, batch.context_lens, dims=batch.dims, block_size=batch.block_size,
-                             workspace=Workspace(dev(), chunk_tokens=chunk_tokens), dtype=BF16, fuse_context=fuse,
-                             backend=backend)
+    plan = PrefillPlan.build(
+        batch.query_lens,
+        batch.context_lens,
+        dims=batch.dims,
+        block_size=batch.block_size,
+        workspace=Workspace(dev(), chunk_tokens=chunk_tokens),
+        dtype=BF16,
+        fuse_context=fuse,
+        backend=backend,
+    )
     assert plan.backend.name == backend and plan.fused == fuse
     torch.cuda._sleep(int(1e8))
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.weight, batch.cache, batch.block_table, plan,
-                           return_lse=True, kv_impl="separate")
+    out, lse = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.weight,
+        batch.cache,
+        batch.block_table,
+        plan,
+        return_lse=True,
+        kv_impl="separate",
+    )
     return plan, out, lse
 
 
@@ -105,8 +121,9 @@ def test_bf16_requests_split_between_chunks(ref, monkeypatch):
     q_lens, c_lens = [24, 8, 0, 16, 32], [200, 0, 40, 150, 120]
     batch = ref.make_mla_batch(dims, q_lens, c_lens, 16, dtype=BF16, seed=5, device=dev())
     batch.weight = prepare_kv_b_proj(batch.w, dims)
-    backend = PrefillPlan.build(q_lens, c_lens, dims=dims, block_size=16, workspace=Workspace(dev()),
-                                dtype=BF16).backend.name
+    backend = PrefillPlan.build(
+        q_lens, c_lens, dims=dims, block_size=16, workspace=Workspace(dev()), dtype=BF16
+    ).backend.name
     plan, out, lse = _run(batch, backend, 7, False)
     assert plan.running_rows == 32 and any(len(s) == 3 for s in plan.merge_steps if s is not None)
     monkeypatch.setenv(M.MERGE_ENV, "torch")

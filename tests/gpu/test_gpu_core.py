@@ -13,8 +13,16 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from mla_bridge import (MLADims, PrefillPlan, Workspace, WorkspaceTooSmallError, merge_attn_states,  # noqa: E402
-                        mla_prefill, plan_ragged, select_backend)
+from mla_bridge import (  # noqa: E402
+    MLADims,
+    PrefillPlan,
+    Workspace,
+    WorkspaceTooSmallError,
+    merge_attn_states,
+    mla_prefill,
+    plan_ragged,
+    select_backend,
+)
 from mla_bridge.merge import merge_attn_states_  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -67,8 +75,18 @@ def ragged_inputs(q_lens, kv_lens, heads, seed=0, strided=False):
 
 
 def run_ragged(backend, q, k, v, qo, kv, causal, ws=None, lse_layout="NH"):
-    plan = plan_ragged(qo, kv, num_heads=q.shape[1], head_dim_qk=192, head_dim_vo=128, causal=causal, sm_scale=SCALE,
-                       dtype=BF16, workspace=ws or Workspace(dev()), backend=backend)
+    plan = plan_ragged(
+        qo,
+        kv,
+        num_heads=q.shape[1],
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=causal,
+        sm_scale=SCALE,
+        dtype=BF16,
+        workspace=ws or Workspace(dev()),
+        backend=backend,
+    )
     assert plan.backend.name == backend
     out, lse = plan.run(q, k, v, lse_layout=lse_layout)
     torch.cuda.synchronize()
@@ -150,11 +168,19 @@ def v2_batch(ref):
 @pytest.mark.parametrize("budget", [16, 100, 326, 100_000])  # one block, splits requests, exactly all, more
 def test_mla_prefill_chunks_vs_float64(ref, v2_batch, budget, fuse):
     batch, (e_out, e_lse) = v2_batch
-    plan = PrefillPlan.build(PREFILL_Q, PREFILL_C, dims=batch.dims, workspace=Workspace(dev(), chunk_tokens=budget),
-                             block_size=16, dtype=BF16, fuse_context=fuse)
+    plan = PrefillPlan.build(
+        PREFILL_Q,
+        PREFILL_C,
+        dims=batch.dims,
+        workspace=Workspace(dev(), chunk_tokens=budget),
+        block_size=16,
+        dtype=BF16,
+        fuse_context=fuse,
+    )
     assert plan.backend.is_flashinfer
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True)
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     torch.cuda.synchronize()
     ref.assert_out_close(out, e_out, atol=OUT_TOL, rtol=PREFILL_RTOL)
     ref.assert_lse_close(lse, e_lse, atol=LSE_TOL)
@@ -168,12 +194,28 @@ def test_merge_round_partials_at_odd_rows_vs_float64(ref, heads):
     dims = MLADims(num_heads=heads, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     q_lens, c_lens = [3, 2, 5], [7, 9, 4]
     batch = ref.make_mla_batch(dims, q_lens, c_lens, 4, dtype=BF16, seed=heads, device=dev())
-    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=16), block_size=4,
-                             dtype=BF16, fuse_context=False)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=16),
+        block_size=4,
+        dtype=BF16,
+        fuse_context=False,
+    )
     assert [(c.part_row, c.merge_rows) for c in plan.chunks] == [(0, None), (5, (0, 10))] and plan.num_merges == 1
     torch.cuda._sleep(int(1e8))
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True, out=torch.full((10, heads, 128), float("nan"), dtype=BF16, device=dev()))
+    out, lse = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        plan,
+        return_lse=True,
+        out=torch.full((10, heads, 128), float("nan"), dtype=BF16, device=dev()),
+    )
     torch.cuda.synchronize()
     e_out, e_lse = ref.mla_reference(batch)
     ref.assert_out_close(out, e_out, atol=OUT_TOL, rtol=PREFILL_RTOL)
@@ -185,10 +227,19 @@ def test_mla_prefill_each_backend(ref, v2_batch, backend):
     require(backend, dtype=BF16, head_dim_qk=192, head_dim_vo=128)
     batch, (e_out, e_lse) = v2_batch
     for budget, fuse in ((50, False), (100_000, True)):
-        plan = PrefillPlan.build(PREFILL_Q, PREFILL_C, dims=batch.dims, workspace=Workspace(dev(), chunk_tokens=budget),
-                                 block_size=16, dtype=BF16, fuse_context=fuse, backend=backend)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True)
+        plan = PrefillPlan.build(
+            PREFILL_Q,
+            PREFILL_C,
+            dims=batch.dims,
+            workspace=Workspace(dev(), chunk_tokens=budget),
+            block_size=16,
+            dtype=BF16,
+            fuse_context=fuse,
+            backend=backend,
+        )
+        out, lse = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+        )
         ref.assert_out_close(out, e_out, atol=OUT_TOL, rtol=PREFILL_RTOL)
         ref.assert_lse_close(lse, e_lse, atol=LSE_TOL)
 
@@ -197,13 +248,23 @@ def test_mla_prefill_each_backend(ref, v2_batch, backend):
 # failure classes on the GPU (their CPU side: tests/test_hardening.py)
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("q_lens,c_lens,budget,fuse", [([2, 2], [3, 9], 4, False), ([2, 2, 2], [3, 0, 9], 4, False),
-                                                       ([2, 2], [3, 9], 100, True)])
+
+@pytest.mark.parametrize(
+    "q_lens,c_lens,budget,fuse",
+    [([2, 2], [3, 9], 4, False), ([2, 2, 2], [3, 0, 9], 4, False), ([2, 2], [3, 9], 100, True)],
+)
 def test_nan_filled_buffers_gpu(ref, monkeypatch, q_lens, c_lens, budget, fuse):
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, q_lens, c_lens, 4, dtype=BF16, seed=2, device=dev())
-    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget), block_size=4,
-                             dtype=BF16, fuse_context=fuse)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=budget),
+        block_size=4,
+        dtype=BF16,
+        fuse_context=fuse,
+    )
     real_empty = torch.empty
     made = []
 
@@ -216,8 +277,9 @@ def test_nan_filled_buffers_gpu(ref, monkeypatch, q_lens, c_lens, budget, fuse):
 
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", nan_empty)
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True)
+        out, lse = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+        )
         torch.cuda.synchronize()
     assert made, "the NaN-filled torch.empty was never used"
     e_out, e_lse = ref.mla_reference(batch)
@@ -247,8 +309,9 @@ def test_zero_length_queries_gpu(ref, qo, kv, causal):
     kv_lens = [b - a for a, b in zip(kv[:-1], kv[1:])]
     q, k, v = ragged_inputs(q_lens, kv_lens, 16, seed=5)
     e_out, e_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=SCALE)
-    for backend in available_backends(dtype=BF16, head_dim_qk=192, head_dim_vo=128, causal=causal, num_heads=16,
-                                      qo_indptr=qo, kv_indptr=kv):
+    for backend in available_backends(
+        dtype=BF16, head_dim_qk=192, head_dim_vo=128, causal=causal, num_heads=16, qo_indptr=qo, kv_indptr=kv
+    ):
         out, lse = run_ragged(backend, q, k, v, qo, kv, causal)
         ref.assert_out_close(out, e_out, atol=OUT_TOL)
         ref.assert_lse_close(lse, e_lse, atol=LSE_TOL)
@@ -262,15 +325,26 @@ def test_extreme_logit_gpu(heads):
     q[..., :128] = -64.0
     k[..., :128] = 64.0
     v = torch.ones(1, heads, 128, dtype=BF16, device=dev())
-    expected = -524288.0 * 192 ** -0.5  # -37837.2
+    expected = -524288.0 * 192**-0.5  # -37837.2
     for backend in available_backends(dtype=BF16, head_dim_qk=192, head_dim_vo=128):
-        plan = plan_ragged([0, 1], [0, 1], num_heads=heads, head_dim_qk=192, head_dim_vo=128, causal=True,
-                           sm_scale=192 ** -0.5, dtype=BF16, workspace=Workspace(dev()), backend=backend)
+        plan = plan_ragged(
+            [0, 1],
+            [0, 1],
+            num_heads=heads,
+            head_dim_qk=192,
+            head_dim_vo=128,
+            causal=True,
+            sm_scale=192**-0.5,
+            dtype=BF16,
+            workspace=Workspace(dev()),
+            backend=backend,
+        )
         out, lse = plan.run(q, k, v)
         torch.cuda.synchronize()
         assert torch.equal(out, torch.ones_like(out)), backend  # a finite "-inf" sentinel gives 0
-        assert torch.allclose(lse.double().cpu(), torch.full((1, heads), expected, dtype=torch.float64),
-                              rtol=1e-3, atol=0), (backend, lse)
+        assert torch.allclose(
+            lse.double().cpu(), torch.full((1, heads), expected, dtype=torch.float64), rtol=1e-3, atol=0
+        ), (backend, lse)
 
 
 @pytest.mark.parametrize("form", ["mla_prefill", "ragged"])
@@ -296,10 +370,14 @@ def test_small_workspace_fa2(ref, form):
             batch = ref.make_mla_batch(dims, q_lens, c_lens, 64, dtype=BF16, seed=8, device=dev(), spare_blocks=1)
             outs = []
             for backend, workspace in (("flashinfer-fa2", ws), ("torch", Workspace(dev()))):
-                plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=workspace, block_size=64, dtype=BF16,
-                                         backend=backend)
-                outs.append(mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table,
-                                        plan, return_lse=True))
+                plan = PrefillPlan.build(
+                    q_lens, c_lens, dims=dims, workspace=workspace, block_size=64, dtype=BF16, backend=backend
+                )
+                outs.append(
+                    mla_prefill(
+                        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+                    )
+                )
             (out, lse), expect = outs
     except WorkspaceTooSmallError as err:
         assert "Buffer overflow" not in str(err) and "bytes" in str(err)
@@ -342,13 +420,15 @@ def test_merge_any_head_count_gpu(heads):
     # in place, on a row slice of a bigger buffer
     big_o = torch.zeros(t + 3, heads, 128, dtype=BF16, device=dev())
     big_l = torch.zeros(t + 3, heads, device=dev())
-    big_o[1:t + 1], big_l[1:t + 1] = oa, la
-    merge_attn_states_(big_o[1:t + 1], big_l[1:t + 1], ob, lb)
+    big_o[1 : t + 1], big_l[1 : t + 1] = oa, la
+    merge_attn_states_(big_o[1 : t + 1], big_l[1 : t + 1], ob, lb)
     torch.cuda.synchronize()
-    torch.testing.assert_close(big_o[1:t + 1].float(), e_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(big_o[1 : t + 1].float(), e_out, atol=1e-2, rtol=1e-2)
     assert torch.isneginf(big_l[1]).all() and not torch.isnan(big_l).any()
-    torch.testing.assert_close(big_l[2:t + 1], e_lse[1:], atol=1e-4, rtol=1e-5)
-    assert torch.equal(big_o[0], torch.zeros_like(big_o[0])) and torch.equal(big_o[t + 1:], torch.zeros_like(big_o[t + 1:]))
+    torch.testing.assert_close(big_l[2 : t + 1], e_lse[1:], atol=1e-4, rtol=1e-5)
+    assert torch.equal(big_o[0], torch.zeros_like(big_o[0])) and torch.equal(
+        big_o[t + 1 :], torch.zeros_like(big_o[t + 1 :])
+    )
 
 
 @pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2", "flashinfer-cutlass"])
@@ -363,8 +443,18 @@ def test_ragged_out_sharing_memory_with_an_input_is_refused_on_the_gpu(backend):
     lens = [37, 300, 64]
     q, k, v = ragged_inputs(lens, lens, 16, seed=4)
     qo = cumsum0(lens)
-    plan = plan_ragged(qo, qo, num_heads=16, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SCALE,
-                       dtype=BF16, workspace=Workspace(dev()), backend=backend)
+    plan = plan_ragged(
+        qo,
+        qo,
+        num_heads=16,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=True,
+        sm_scale=SCALE,
+        dtype=BF16,
+        workspace=Workspace(dev()),
+        backend=backend,
+    )
     want, _ = plan.run(q, k, v)
     saved = q.clone(), v.clone()
     for out, name in ((q[..., :128], "q"), (v, "v"), (k[..., 64:], "k")):
@@ -377,7 +467,7 @@ def test_ragged_out_sharing_memory_with_an_input_is_refused_on_the_gpu(backend):
     t = sum(lens)
     big = torch.empty(t * 16 * (192 + 128), dtype=BF16, device=dev())
     q2 = big[: t * 16 * 192].view(t, 16, 192).copy_(q)
-    out = big[t * 16 * 192:].view(t, 16, 128)
+    out = big[t * 16 * 192 :].view(t, 16, 128)
     assert plan.run(q2, k, v, out=out)[0] is out
     torch.cuda.synchronize()
     assert torch.equal(out, want)

@@ -62,7 +62,9 @@ def test_triton_expansion_equals_torch_ops_bitwise_and_never_synchronizes():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for (counts, firsts, counting_runs), (out, host), ops in zip(cases, got, want):
-        assert (host.is_pinned() or host.numel() == 0) and out.is_cuda  # torch pins no empty tensor and out.dtype == torch.int64 and out.is_contiguous()
+        assert (
+            host.is_pinned() or host.numel() == 0
+        ) and out.is_cuda  # torch pins no empty tensor and out.dtype == torch.int64 and out.is_contiguous()
         if ops is not None:  # (torch's searchsorted is not asked about an empty table: a plan never makes one)
             assert torch.equal(out, ops[0]), (counts.size, counting_runs)
         assert out.cpu().tolist() == _expanded(counts, firsts, counting_runs), (counts.size, counting_runs)

@@ -33,8 +33,10 @@ def dev() -> torch.device:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
-                                              b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32))
+    return a.dtype == b.dtype and torch.equal(
+        a.view(torch.int16) if a.element_size() == 2 else a.view(torch.int32),
+        b.view(torch.int16) if b.element_size() == 2 else b.view(torch.int32),
+    )
 
 
 def _case(block_size: int, fp8: bool, strided: bool, seed: int):
@@ -75,7 +77,7 @@ def test_triton_gather_equals_torch_gather_bitwise(block_size, fp8, strided):
     assert cache.is_contiguous() == (not strided)
     scales = (C._scale_value(scale, cache.device), float(scale)) if fp8 else (None,)
     for s in scales:
-        for out_dtype in ((BF16, torch.float16, torch.float32) if fp8 else (BF16,)):
+        for out_dtype in (BF16, torch.float16, torch.float32) if fp8 else (BF16,):
             torch.cuda._sleep(int(1e8))  # the host runs ahead: the kernels must not read anything not yet written
             a = C.gather_latent(cache, table, req, pos, dtype=out_dtype, kv_cache_scale=s, impl="torch")
             b = C.gather_latent(cache, table, req, pos, dtype=out_dtype, kv_cache_scale=s, impl="triton")
@@ -92,8 +94,15 @@ def test_triton_fused_latent_equals_torch_bitwise(block_size, fp8):
     cache, scale, table, req, pos = _case(block_size, fp8, False, seed=block_size + 1)
     c_lens = [3 * block_size + 1, 5, 2 * block_size]
     q_lens = [4, 0, 9]
-    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace(dev()), block_size=block_size, dtype=BF16,
-                             kv_cache_dtype="fp8" if fp8 else None)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=d,
+        workspace=Workspace(dev()),
+        block_size=block_size,
+        dtype=BF16,
+        kv_cache_dtype="fp8" if fp8 else None,
+    )
     assert plan.fused
     g = torch.Generator().manual_seed(3)
     t = sum(q_lens)
@@ -120,8 +129,15 @@ def test_gather_with_k_pe_out_equals_gather_then_broadcast_bitwise(block_size, f
     s = C._scale_value(scale, cache.device) if fp8 else None
     if fused:
         c_lens, q_lens = [3 * block_size + 1, 5, 2 * block_size], [4, 0, 9]
-        plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace(dev()), block_size=block_size,
-                                 dtype=BF16, kv_cache_dtype="fp8" if fp8 else None)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=d,
+            workspace=Workspace(dev()),
+            block_size=block_size,
+            dtype=BF16,
+            kv_cache_dtype="fp8" if fp8 else None,
+        )
         g = torch.Generator().manual_seed(4)
         kv_c = torch.randn(sum(q_lens), 512, generator=g).to(BF16).to(dev())
         k_pe = torch.randn(sum(q_lens), 64, generator=g).to(BF16).to(dev())
@@ -130,8 +146,16 @@ def test_gather_with_k_pe_out_equals_gather_then_broadcast_bitwise(block_size, f
         full = C.fused_latent(plan, kv_c, k_pe, cache, table, s, impl="torch")
     else:
         rows = req.shape[0]
-        run = lambda impl, out: C.gather_latent(cache, table, req, pos, dtype=BF16, kv_cache_scale=s,  # noqa
-                                                impl=impl, k_pe_out=out)
+        run = lambda impl, out: C.gather_latent(  # noqa: E731
+            cache,
+            table,
+            req,
+            pos,
+            dtype=BF16,
+            kv_cache_scale=s,  # noqa
+            impl=impl,
+            k_pe_out=out,
+        )
         full = C.gather_latent(cache, table, req, pos, dtype=BF16, kv_cache_scale=s, impl="torch")
     got = {}
     for impl in ("torch", "triton"):
@@ -163,17 +187,42 @@ def test_mla_prefill_fp8_cache_vs_float64(ref, preset, fuse, budget, monkeypatch
     dims = MLADims.preset(preset)
     q_lens, c_lens = [5, 0, 17, 3], [40, 9, 100, 0]
     batch, deq = _v_batch(ref, dims, q_lens, c_lens, 16, seed=21)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget), block_size=16,
-                             dtype=BF16, fuse_context=fuse, kv_cache_dtype="fp8")
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=budget),
+        block_size=16,
+        dtype=BF16,
+        fuse_context=fuse,
+        kv_cache_dtype="fp8",
+    )
     torch.cuda._sleep(int(1e8))
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True, kv_cache_scale=batch.scale)
+    out, lse = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        plan,
+        return_lse=True,
+        kv_cache_scale=batch.scale,
+    )
     exp_out, exp_lse = ref.mla_reference(deq)
     ref.assert_out_close(out, exp_out, atol=OUT_TOL, rtol=PREFILL_RTOL)
     ref.assert_lse_close(lse, exp_lse, atol=LSE_TOL, rtol=PREFILL_RTOL)
     monkeypatch.setenv("MLA_BRIDGE_GATHER", "torch")
-    out_t = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                        kv_cache_scale=float(batch.scale))
+    out_t = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        plan,
+        kv_cache_scale=float(batch.scale),
+    )
     assert _bits_equal(out, out_t)  # same kernels after a bitwise-equal gather
 
 
@@ -197,8 +246,11 @@ def test_chunk_gathers_read_the_pass_kv_indptr_on_another_stream(block_size, fp8
     budget = block_size + 3
     kw = dict(block_size=block_size, dtype=dtype, fuse_context=False, kv_cache_dtype="fp8" if fp8 else None)
     cpu = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cpu", chunk_tokens=budget), **kw)
-    w = prepare_kv_b_proj((torch.randn(*d.kv_b_proj_shape, generator=torch.Generator().manual_seed(5)) * 0.05)
-                          .to(dtype).to(dev()), d, layout="split")
+    w = prepare_kv_b_proj(
+        (torch.randn(*d.kv_b_proj_shape, generator=torch.Generator().manual_seed(5)) * 0.05).to(dtype).to(dev()),
+        d,
+        layout="split",
+    )
     s = C._scale_value(scale, cache.device) if fp8 else None
     side = torch.cuda.Stream()
     for attempt in range(2):  # the first compiles every kernel; the second runs them all while the GPU sleeps
@@ -227,8 +279,9 @@ def test_chunk_gathers_read_the_pass_kv_indptr_on_another_stream(block_size, fp8
             want = C.gather_latent(cache, table, req, pos, dtype=dtype, kv_cache_scale=s, impl="torch")
             assert not torch.isnan(want).any() and _bits_equal(lat, want), (attempt, c.req_start, c.first_start)
             ref_buf = torch.empty_like(buf)
-            up_project_triton(ref_buf, w, kv_cache=cache, block_table=table, req_ids=req, positions=pos,
-                              kv_cache_scale=s)
+            up_project_triton(
+                ref_buf, w, kv_cache=cache, block_table=table, req_ids=req, positions=pos, kv_cache_scale=s
+            )
             assert _bits_equal(buf, ref_buf), (attempt, c.req_start)
             # the torch path of a CUDA chunk: its indices made from the rows on the device
             r, p = c.token_indices()

@@ -39,17 +39,26 @@ def _layers(ref, dims, layout, seed):
         cache = batch.cache.clone()
         live = ~torch.isnan(cache)
         cache[live] = torch.randn(int(live.sum()), generator=g, device=dev()).to(BF16)
-        w = (torch.randn(dims.kv_b_proj_shape, generator=g, device=dev()) * dims.kv_lora_rank ** -0.5).to(BF16)
+        w = (torch.randn(dims.kv_b_proj_shape, generator=g, device=dev()) * dims.kv_lora_rank**-0.5).to(BF16)
         rnd = lambda x: torch.randn(x.shape, generator=g, device=dev()).to(BF16)  # noqa: E731
-        layers.append(PrefillLayer(rnd(batch.q), rnd(batch.kv_c), rnd(batch.k_pe), prepare_kv_b_proj(w, dims,
-                                                                                                     layout=layout),
-                                   cache))
+        layers.append(
+            PrefillLayer(
+                rnd(batch.q), rnd(batch.kv_c), rnd(batch.k_pe), prepare_kv_b_proj(w, dims, layout=layout), cache
+            )
+        )
     return layers, batch.block_table
 
 
 def _eager(layers, table, plan, kv_impl=None):
-    return [tuple(t.clone() for t in mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, table, plan,
-                                                  return_lse=True, kv_impl=kv_impl)) for x in layers]
+    return [
+        tuple(
+            t.clone()
+            for t in mla_prefill(
+                x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, table, plan, return_lse=True, kv_impl=kv_impl
+            )
+        )
+        for x in layers
+    ]
 
 
 def _new_inputs(layers, seed):
@@ -75,8 +84,15 @@ def test_graphed_prefill_equals_eager_bitwise(ref, fuse, budget, layout, kv_impl
     the identity layout, whatever the eager default would choose for the pass."""
     dims = MLADims.deepseek_v2_lite()
     layers, table = _layers(ref, dims, layout, seed=1)
-    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
-                             block_size=BLOCK, dtype=BF16, fuse_context=fuse)
+    plan = PrefillPlan.build(
+        Q_LENS,
+        C_LENS,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=budget),
+        block_size=BLOCK,
+        dtype=BF16,
+        fuse_context=fuse,
+    )
     assert plan.backend.is_flashinfer and plan.fused == fuse and (fuse or len(plan.chunks) >= 3)
     graph = capture_prefill(plan, layers, table, return_lse=True, kv_impl=kv_impl)
     assert graph.graphed and graph.capture_ms > 0 and graph.memory_bytes > 0
@@ -98,8 +114,9 @@ def test_warm_up_launches_the_kernels_the_capture_records(ref, monkeypatch):
 
     dims = MLADims.deepseek_v2_lite()
     layers, table = _layers(ref, dims, "split", seed=5)
-    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=256),
-                             block_size=BLOCK, dtype=BF16)
+    plan = PrefillPlan.build(
+        Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=256), block_size=BLOCK, dtype=BF16
+    )
     assert not plan.fused and KV.pass_impl("auto", True, False, 256, "split") == "fused"  # eager: the small passes
     seen = []
     real = KV.pass_impl
@@ -129,13 +146,30 @@ def test_graphed_fp8_cache_takes_one_implementation_for_every_pass(ref, layout):
     layers, table = _layers(ref, dims, layout, seed=7)
     x = layers[0]
     cache8, scale = quantize_latent_cache(x.kv_cache.float())
-    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=256),
-                             block_size=BLOCK, dtype=BF16, kv_cache_dtype="fp8")
+    plan = PrefillPlan.build(
+        Q_LENS,
+        C_LENS,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=256),
+        block_size=BLOCK,
+        dtype=BF16,
+        kv_cache_dtype="fp8",
+    )
     assert not plan.fused and len(plan.chunks) >= 3
 
     def call(kv_impl=None):
-        return mla_prefill(x.q, x.kv_c, x.k_pe, x.kv_b_proj, cache8, table, plan, return_lse=True,
-                           kv_cache_scale=scale, kv_impl=kv_impl)
+        return mla_prefill(
+            x.q,
+            x.kv_c,
+            x.k_pe,
+            x.kv_b_proj,
+            cache8,
+            table,
+            plan,
+            return_lse=True,
+            kv_cache_scale=scale,
+            kv_impl=kv_impl,
+        )
 
     graph = capture(call, plans=[plan])
     layer = PrefillLayer(x.q, x.kv_c, x.k_pe, x.kv_b_proj, cache8, kv_cache_scale=scale)
@@ -160,8 +194,17 @@ def test_graphed_ragged_plan_run_equals_eager_bitwise():
     v = torch.randn(sum(kv_lens), 16, 128, generator=g, device=dev()).to(BF16)
     qo = [0, 100, 107, 407]
     kv = [0, 400, 407, 1407]
-    plan = plan_ragged(qo, kv, num_heads=16, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1147,
-                       dtype=BF16, workspace=Workspace(dev()))
+    plan = plan_ragged(
+        qo,
+        kv,
+        num_heads=16,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=True,
+        sm_scale=0.1147,
+        dtype=BF16,
+        workspace=Workspace(dev()),
+    )
     out = torch.empty(sum(q_lens), 16, 128, dtype=BF16, device=dev())
     lse = torch.empty(sum(q_lens), 16, dtype=torch.float32, device=dev())
     graph = capture(lambda: plan.run(q, k, v, out=out, lse=lse), plans=[plan])
@@ -179,13 +222,22 @@ def test_graphed_ragged_plan_run_equals_eager_bitwise():
 def test_prepared_layouts_vs_float64(ref, fuse, budget, layout):
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, Q_LENS, C_LENS, BLOCK, dtype=BF16, seed=7, device=dev())
-    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
-                             block_size=BLOCK, dtype=BF16, fuse_context=fuse)
+    plan = PrefillPlan.build(
+        Q_LENS,
+        C_LENS,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=budget),
+        block_size=BLOCK,
+        dtype=BF16,
+        fuse_context=fuse,
+    )
     prepared = prepare_kv_b_proj(batch.w, dims, layout=layout)
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, prepared, batch.cache, batch.block_table, plan,
-                           return_lse=True)
-    raw_out, raw_lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                                   return_lse=True)
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, prepared, batch.cache, batch.block_table, plan, return_lse=True
+    )
+    raw_out, raw_lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     torch.cuda.synchronize()
     e_out, e_lse = ref.mla_reference(batch)
     ref.assert_out_close(out, e_out, atol=2e-2, rtol=2e-2)
@@ -217,8 +269,9 @@ def test_replay_after_other_plans_on_the_same_workspace(ref, fuse, budget):
     _assert_bitwise(got, want)
 
 
-@pytest.mark.parametrize("dtype,fuse,budget", [(BF16, True, 100_000), (torch.float32, True, 100_000),
-                                               (torch.float32, False, 256)])
+@pytest.mark.parametrize(
+    "dtype,fuse,budget", [(BF16, True, 100_000), (torch.float32, True, 100_000), (torch.float32, False, 256)]
+)
 def test_replay_on_another_stream_released_there_keeps_the_index_block(ref, dtype, fuse, budget):
     """Captured on the default stream, replayed on a side stream kept busy, released on that stream as
     PrefillGraph.release allows, plan dropped: the plan's device index block (bf16 fused: the expansion's buffer;
@@ -229,8 +282,15 @@ def test_replay_on_another_stream_released_there_keeps_the_index_block(ref, dtyp
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, Q_LENS, C_LENS, BLOCK, dtype=dtype, seed=11, device=dev())
     layer = PrefillLayer(batch.q, batch.kv_c, batch.k_pe, prepare_kv_b_proj(batch.w, dims), batch.cache)
-    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
-                             block_size=BLOCK, dtype=dtype, fuse_context=fuse)
+    plan = PrefillPlan.build(
+        Q_LENS,
+        C_LENS,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=budget),
+        block_size=BLOCK,
+        dtype=dtype,
+        fuse_context=fuse,
+    )
     assert plan.fused == fuse and plan.backend.is_flashinfer == (dtype == BF16)
     want = _eager([layer], batch.block_table, plan, "separate")
     graph = capture_prefill(plan, [layer], batch.block_table, return_lse=True, kv_impl="separate")

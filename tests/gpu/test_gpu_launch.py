@@ -57,7 +57,7 @@ def test_merge_direct_launch_is_bitwise(monkeypatch, misaligned):
         g = torch.Generator(device="cuda").manual_seed(seed)
         out = torch.randn(t, h, d, device="cuda", generator=g).to(BF16)
         big = torch.randn(t, h, d + 8, device="cuda", generator=g).to(BF16)
-        out_b = big[..., 1:d + 1] if misaligned else big[..., :d]
+        out_b = big[..., 1 : d + 1] if misaligned else big[..., :d]
         lse = torch.randn(t, h, device="cuda", generator=g)
         lse_b = torch.randn(t, h, device="cuda", generator=g) * 1.4
         return out, lse, out_b, lse_b
@@ -134,16 +134,25 @@ def test_chunked_mla_prefill_direct_equals_jit(monkeypatch, kv_impl):
     cache = torch.randn(blocks, bs, d.latent_dim, device="cuda", generator=g).to(torch.float8_e4m3fn)
     table = torch.randint(0, blocks, (3, -(-max(c_lens) // bs)), device="cuda", generator=g, dtype=torch.int32)
     scale = torch.tensor(0.05, device="cuda")
-    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=Workspace("cuda", chunk_tokens=1024), block_size=bs,
-                             dtype=BF16, kv_cache_dtype="fp8")
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=d,
+        workspace=Workspace("cuda", chunk_tokens=1024),
+        block_size=bs,
+        dtype=BF16,
+        kv_cache_dtype="fp8",
+    )
     assert len(plan.chunks) >= 4
     results = {}
     for mode in ("jit", "direct", "direct"):
         monkeypatch.setenv(launch_mod.LAUNCH_ENV, mode)
         torch.cuda.synchronize()
         torch.cuda._sleep(int(1e8))
-        runs = [mla_prefill(q, kv_c, k_pe, w, cache, table, plan, return_lse=True, kv_cache_scale=scale,
-                            kv_impl=kv_impl) for _ in range(3)]
+        runs = [
+            mla_prefill(q, kv_c, k_pe, w, cache, table, plan, return_lse=True, kv_cache_scale=scale, kv_impl=kv_impl)
+            for _ in range(3)
+        ]
         torch.cuda.synchronize()
         results.setdefault(mode, []).extend(runs)
     ref_out, ref_lse = results["jit"][0]

@@ -63,7 +63,7 @@ def _all_forms(oa, la, ob, lb):
     forms.append(("out of place", merge_attn_states(oa, la, ob, lb)))
     big = torch.full((t + 4, h, d + 16), 5.0, device=dev()).to(oa.dtype)
     big_l = torch.full((t + 4, h), 5.0, device=dev())
-    view, view_l = big[2:t + 2, :, :d], big_l[2:t + 2]
+    view, view_l = big[2 : t + 2, :, :d], big_l[2 : t + 2]
     view.copy_(oa)
     view_l.copy_(la)
     ob_hm = ob.transpose(0, 1).contiguous().transpose(0, 1)
@@ -89,8 +89,8 @@ def test_triton_merge_matches_torch_merge(d, dtype, h):
     for name, got in forms:
         assert_merge_matches(got, expect, oa, la, ob, lb)
     t = oa.shape[0]
-    assert (big[:2] == 5.0).all() and (big[t + 2:] == 5.0).all() and (big[2:t + 2, :, d:] == 5.0).all()
-    assert (big_l[:2] == 5.0).all() and (big_l[t + 2:] == 5.0).all()
+    assert (big[:2] == 5.0).all() and (big[t + 2 :] == 5.0).all() and (big[2 : t + 2, :, d:] == 5.0).all()
+    assert (big_l[:2] == 5.0).all() and (big_l[t + 2 :] == 5.0).all()
 
 
 @pytest.mark.parametrize("d", [64, 128, 96, 48])
@@ -102,8 +102,11 @@ def test_triton_merge_bitwise_equal_to_torch_merge(d, dtype):
     forms, _, _ = _all_forms(oa, la, ob, lb)
     torch.cuda.synchronize()
     for name, got in forms:
-        assert bitwise(got, expect), (name, (got[0].float() - expect[0].float()).nan_to_num().abs().max().item(),
-                                      (got[1] - expect[1]).nan_to_num().abs().max().item())
+        assert bitwise(got, expect), (
+            name,
+            (got[0].float() - expect[0].float()).nan_to_num().abs().max().item(),
+            (got[1] - expect[1]).nan_to_num().abs().max().item(),
+        )
 
 
 def test_nan_lse_stays_nan_on_cuda():
@@ -121,16 +124,22 @@ def _chunked_case(ref):
     dims = MLADims.deepseek_v2_lite()
     q_lens, c_lens = [5, 0, 17, 3, 40], [40, 9, 100, 0, 77]
     batch = ref.make_mla_batch(dims, q_lens, c_lens, 16, seed=4, dtype=BF16, device=dev())
-    plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=48), block_size=16,
-                             dtype=BF16, fuse_context=False)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=48),
+        block_size=16,
+        dtype=BF16,
+        fuse_context=False,
+    )
     assert len([c for c in plan.chunks if c.plan is not None]) >= 3
     return batch, plan
 
 
 def _run(batch, plan):
     torch.cuda._sleep(int(1e8))
-    return mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                       return_lse=True)
+    return mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True)
 
 
 def test_chunked_prefill_with_the_triton_merge(ref, monkeypatch):

@@ -25,9 +25,16 @@ MODEL_DIMS = {  # (num_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, 
     "axk2": (32, 128, 64, 32, 64),
     "dots3_note-swa": (64, 1024, 192, 64, 128),
 }
-EXPECTED_BACKEND_SM90 = {"kimi_k2": "flashinfer-fa3", "glm4_moe_lite": "flashinfer-fa3", "glm_moe_dsa": "flashinfer-fa3",
-                         "glm5_next": "flashinfer-fa3", "mistral4": "flashinfer-fa3", "minicpm3": "torch",
-                         "axk2": "torch", "dots3_note-swa": "flashinfer-fa2"}
+EXPECTED_BACKEND_SM90 = {
+    "kimi_k2": "flashinfer-fa3",
+    "glm4_moe_lite": "flashinfer-fa3",
+    "glm_moe_dsa": "flashinfer-fa3",
+    "glm5_next": "flashinfer-fa3",
+    "mistral4": "flashinfer-fa3",
+    "minicpm3": "torch",
+    "axk2": "torch",
+    "dots3_note-swa": "flashinfer-fa2",
+}
 Q_LENS, C_LENS = [37, 5, 64, 1], [100, 0, 33, 250]
 
 
@@ -45,14 +52,31 @@ def test_model_dims_bf16_equal_float64(ref, name, kv_impl, kv_cache):
     exp_out, exp_lse = ref.mla_reference(batch)
     (oa, orel), (la, lrel) = TOLERANCE["bfloat16"]
     for chunk, fuse in ((100_000, True), (128, False)):
-        plan = PrefillPlan.build(Q_LENS, C_LENS, dims=dims, workspace=Workspace("cuda", chunk_tokens=chunk),
-                                 block_size=16, dtype=torch.bfloat16, fuse_context=fuse,
-                                 kv_cache_dtype="fp8" if kv_cache == "fp8" else None)
+        plan = PrefillPlan.build(
+            Q_LENS,
+            C_LENS,
+            dims=dims,
+            workspace=Workspace("cuda", chunk_tokens=chunk),
+            block_size=16,
+            dtype=torch.bfloat16,
+            fuse_context=fuse,
+            kv_cache_dtype="fp8" if kv_cache == "fp8" else None,
+        )
         if torch.cuda.get_device_capability()[0] == 9:
             assert plan.backend.name == EXPECTED_BACKEND_SM90[name], plan.backend.reason
         torch.cuda._sleep(int(5e7))  # keep the GPU busy so the host runs ahead
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan,
-                               return_lse=True, kv_cache_scale=scale, kv_impl=kv_impl)
+        out, lse = mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            cache,
+            batch.block_table,
+            plan,
+            return_lse=True,
+            kv_cache_scale=scale,
+            kv_impl=kv_impl,
+        )
         out64, lse64 = out.double().cpu(), lse.double().cpu()
         ex_out = ((out64 - exp_out.cpu()).abs() - (oa + orel * exp_out.cpu().abs())).max().item()
         ex_lse = ((lse64 - exp_lse.cpu()).abs() - (la + lrel * exp_lse.cpu().abs())).max().item()

@@ -15,8 +15,17 @@ import torch.autograd.forward_ad as fwAD
 
 pytestmark = pytest.mark.gpu
 
-from mla_bridge import (MLADims, PrefillPlan, PreparedKVBProj, Workspace, merge_attn_states,  # noqa: E402
-                        mla_prefill, plan_ragged, prepare_kv_b_proj, quantize_latent_cache)
+from mla_bridge import (  # noqa: E402
+    MLADims,
+    PrefillPlan,
+    PreparedKVBProj,
+    Workspace,
+    merge_attn_states,
+    mla_prefill,
+    plan_ragged,
+    prepare_kv_b_proj,
+    quantize_latent_cache,
+)
 
 BF16 = torch.bfloat16
 SENTINEL = 7.0
@@ -27,8 +36,15 @@ def _batch(ref):
     dev = torch.device("cuda", torch.cuda.current_device())
     batch = ref.make_mla_batch(dims, [40, 9], [300, 70], 16, dtype=BF16, seed=5, device=dev)
     cache, scale = quantize_latent_cache(torch.nan_to_num(batch.cache))
-    plan = PrefillPlan.build([40, 9], [300, 70], dims=dims, workspace=Workspace(dev, chunk_tokens=128),
-                             block_size=16, dtype=BF16, kv_cache_dtype="fp8")
+    plan = PrefillPlan.build(
+        [40, 9],
+        [300, 70],
+        dims=dims,
+        workspace=Workspace(dev, chunk_tokens=128),
+        block_size=16,
+        dtype=BF16,
+        kv_cache_dtype="fp8",
+    )
     assert plan.chunks  # main pass, then context chunks that read the scale
     return dims, batch, cache, scale, plan
 
@@ -42,8 +58,10 @@ def test_gpu_prefill_refuses_scale_weight_and_tangent(ref):
     args = (batch.q, batch.kv_c, batch.k_pe)
     want = mla_prefill(*args, split, cache, batch.block_table, plan, kv_cache_scale=scale)
     cases = [("kv_cache_scale", split, scale.clone().requires_grad_(True))]
-    cases += [("kv_b_proj_weight.weight", PreparedKVBProj(dims, w.layout, w.weight.clone().requires_grad_(True)),
-               scale) for w in (split, identity)]
+    cases += [
+        ("kv_b_proj_weight.weight", PreparedKVBProj(dims, w.layout, w.weight.clone().requires_grad_(True)), scale)
+        for w in (split, identity)
+    ]
     for name, weight, s in cases:
         out = torch.full_like(want, SENTINEL)
         torch.cuda._sleep(int(1e8))  # the host runs ahead: the refusal must not need the GPU
@@ -71,8 +89,17 @@ def test_gpu_ragged_run_and_merge_refuse_out_lse_and_inputs_requiring_grad():
     k = torch.randn(80, 16, 192, generator=g).to(dev, BF16)
     v = torch.randn(80, 16, 128, generator=g).to(dev, BF16)
     ind_q, ind_k = torch.tensor([0, 20, 50], dtype=torch.int32), torch.tensor([0, 30, 80], dtype=torch.int32)
-    plan = plan_ragged(ind_q, ind_k, num_heads=16, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=0.1,
-                       dtype=BF16, workspace=Workspace(dev))
+    plan = plan_ragged(
+        ind_q,
+        ind_k,
+        num_heads=16,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=True,
+        sm_scale=0.1,
+        dtype=BF16,
+        workspace=Workspace(dev),
+    )
     assert plan.backend.is_flashinfer, plan
     want = plan.run(q, k, v)
     for name, shape, dtype in (("out", (50, 16, 128), BF16), ("lse", (50, 16), torch.float32)):

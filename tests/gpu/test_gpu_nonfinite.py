@@ -29,8 +29,11 @@ BF16 = torch.bfloat16
 Q_LENS = [1000, 50]
 BAD = 700  # request 0's new token carrying the NaN
 BACKENDS = ("flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2", "torch")
-SCHEDULES = {"no context": ([0, 0], 100_000, True), "fused": ([100, 30], 100_000, True),
-             "chunked": ([100, 30], 64, True)}
+SCHEDULES = {
+    "no context": ([0, 0], 100_000, True),
+    "fused": ([100, 30], 100_000, True),
+    "chunked": ([100, 30], 64, True),
+}
 
 
 def dev() -> torch.device:
@@ -46,13 +49,22 @@ def setup(ref, backend, schedule, seed):
     c_lens, budget, fuse = SCHEDULES[schedule]
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, Q_LENS, c_lens, 16, dtype=dtype, seed=seed, device=dev())
-    plan = PrefillPlan.build(Q_LENS, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=budget),
-                             block_size=16, dtype=dtype, fuse_context=fuse, backend=backend)
+    plan = PrefillPlan.build(
+        Q_LENS,
+        c_lens,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=budget),
+        block_size=16,
+        dtype=dtype,
+        fuse_context=fuse,
+        backend=backend,
+    )
     assert plan.backend.name == backend and plan.fused == (schedule == "fused")
 
     def run():
-        out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                               return_lse=True)
+        out, lse = mla_prefill(
+            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+        )
         torch.cuda.synchronize()
         return out.float().cpu(), lse.cpu()
 
@@ -85,8 +97,10 @@ def test_nan_in_a_new_token(ref, backend, schedule):
     t = sum(Q_LENS)
     sees = (torch.arange(t) >= BAD) & (torch.arange(t) < Q_LENS[0])
     blind = ~finite_rows(out) & ~sees
-    print(f"\n{backend:>18} {schedule:>10}: NaN in kv_c[{BAD}]: out non-finite in rows that cannot see it: "
-          f"{runs(blind) or 'none'}")
+    print(
+        f"\n{backend:>18} {schedule:>10}: NaN in kv_c[{BAD}]: out non-finite in rows that cannot see it: "
+        f"{runs(blind) or 'none'}"
+    )
     assert torch.equal(~finite_rows(lse), sees), f"lse non-finite in {runs(~finite_rows(lse))}"
     assert not finite_rows(out)[sees].any()
     far = torch.arange(t) < BAD - 256  # keys end more than 256 keys before the NaN key (offset as in the schedule)
@@ -94,7 +108,7 @@ def test_nan_in_a_new_token(ref, backend, schedule):
     assert torch.equal(out[far], clean_out[far]) and torch.equal(lse[far], clean_lse[far])
     assert not blind[far].any()
     if blind.any():  # one run of rows right before the first row that sees the key, shorter than 256
-        (first, last), = runs(blind)
+        ((first, last),) = runs(blind)
         assert last == BAD - 1 and last - first < 256
     if backend == "torch":
         assert not blind.any()
@@ -137,11 +151,13 @@ def test_positive_infinite_logit_in_a_context_chunk_is_not_dropped(ref, backend)
     drop the pass and return finite values). Request 1 is bitwise as without it."""
     batch, run = setup(ref, backend, "chunked", seed=9)
     rope = batch.dims.qk_rope_head_dim
-    batch.q[:Q_LENS[0], :, -rope:] = batch.q[:Q_LENS[0], :, -rope:].abs() + 0.1
+    batch.q[: Q_LENS[0], :, -rope:] = batch.q[: Q_LENS[0], :, -rope:].abs() + 0.1
     clean_out, clean_lse = run()
     block, slot = divmod(40, 16)
     batch.cache[int(batch.block_table[0, block]), slot, batch.dims.kv_lora_rank] = float("inf")
     out, lse = run()
     rows = torch.isfinite(out.reshape(out.shape[0], -1)).all(-1)
-    assert not rows[:Q_LENS[0]].any(), f"{backend}: {int(rows[:Q_LENS[0]].sum())} rows of request 0 finite"
-    assert torch.equal(out[Q_LENS[0]:], clean_out[Q_LENS[0]:]) and torch.equal(lse[Q_LENS[0]:], clean_lse[Q_LENS[0]:])
+    assert not rows[: Q_LENS[0]].any(), f"{backend}: {int(rows[: Q_LENS[0]].sum())} rows of request 0 finite"
+    assert torch.equal(out[Q_LENS[0] :], clean_out[Q_LENS[0] :]) and torch.equal(
+        lse[Q_LENS[0] :], clean_lse[Q_LENS[0] :]
+    )

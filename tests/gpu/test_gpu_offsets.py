@@ -23,8 +23,15 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from mla_bridge import (MLADims, PrefillPlan, Workspace, mla_prefill, plan_ragged, ragged_prefill,  # noqa: E402
-                        select_backend)
+from mla_bridge import (  # noqa: E402
+    MLADims,
+    PrefillPlan,
+    Workspace,
+    mla_prefill,
+    plan_ragged,
+    ragged_prefill,
+    select_backend,
+)
 from mla_bridge.prefill import prefill_memory_bytes  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -61,15 +68,15 @@ def mla_inputs(block_size=64, seed=0):
     blocks = [-(-c // block_size) for c in C_LENS]
     cache = torch.randn(sum(blocks), block_size, V3.latent_dim, generator=g, device=dev(), dtype=BF16)
     u = torch.randn(V3.kv_lora_rank, generator=g, device=dev())
-    cache[blocks[0]:, :, :V3.kv_lora_rank] += (2.0 * u).to(BF16)
+    cache[blocks[0] :, :, : V3.kv_lora_rank] += (2.0 * u).to(BF16)
     table = torch.zeros(2, max(blocks), dtype=torch.int32, device=dev())
-    table[0, :blocks[0]] = torch.arange(blocks[0], dtype=torch.int32, device=dev())
-    table[1, :blocks[1]] = torch.arange(blocks[0], sum(blocks), dtype=torch.int32, device=dev())
+    table[0, : blocks[0]] = torch.arange(blocks[0], dtype=torch.int32, device=dev())
+    table[1, : blocks[1]] = torch.arange(blocks[0], sum(blocks), dtype=torch.int32, device=dev())
     t = sum(Q_LENS)
     q = torch.randn(t, 128, 192, generator=g, device=dev(), dtype=BF16)
     kv_c = torch.randn(t, V3.kv_lora_rank, generator=g, device=dev(), dtype=BF16)
     k_pe = torch.randn(t, V3.qk_rope_head_dim, generator=g, device=dev(), dtype=BF16)
-    w = (torch.randn(V3.kv_b_proj_shape, generator=g, device=dev()) * V3.kv_lora_rank ** -0.5).to(BF16)
+    w = (torch.randn(V3.kv_b_proj_shape, generator=g, device=dev()) * V3.kv_lora_rank**-0.5).to(BF16)
     return q, kv_c, k_pe, w, cache, table
 
 
@@ -81,11 +88,10 @@ def test_fa2_forced_chunk_past_2_32_is_split_and_right(ref):
     x = mla_inputs()
     ws = Workspace(dev(), chunk_tokens=120_000)
     torch.cuda._sleep(SLEEP)
-    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=V3, workspace=ws, block_size=64, dtype=BF16,
-                             backend="flashinfer-fa2")
+    plan = PrefillPlan.build(Q_LENS, C_LENS, dims=V3, workspace=ws, block_size=64, dtype=BF16, backend="flashinfer-fa2")
     assert not plan.fused and [c.num_tokens for c in plan.chunks] == [104_857, 15_143]
     assert {c.plan.backend.name for c in plan.chunks} == {"flashinfer-fa2"} == {plan.main.backend.name}
-    assert max(c.num_tokens for c in plan.chunks) * ROW < 2 ** 32
+    assert max(c.num_tokens for c in plan.chunks) * ROW < 2**32
     out, lse = mla_prefill(*x, plan, return_lse=True)
     torch.cuda.synchronize()
     assert ws.int_workspace_growths == 0
@@ -93,8 +99,15 @@ def test_fa2_forced_chunk_past_2_32_is_split_and_right(ref):
     del plan
     gc.collect()
     torch.cuda.empty_cache()
-    expect_plan = PrefillPlan.build(Q_LENS, C_LENS, dims=V3, workspace=Workspace(dev(), chunk_tokens=120_000),
-                                    block_size=64, dtype=BF16, backend="torch")
+    expect_plan = PrefillPlan.build(
+        Q_LENS,
+        C_LENS,
+        dims=V3,
+        workspace=Workspace(dev(), chunk_tokens=120_000),
+        block_size=64,
+        dtype=BF16,
+        backend="torch",
+    )
     want_out, want_lse = mla_prefill(*x, expect_plan, return_lse=True)
     want_out, want_lse = want_out.double().cpu(), want_lse.double().cpu()
     assert want_out[8:].abs().mean() > 0.5 > want_out[:8].abs().mean()  # the rows a wrapped read would get wrong
@@ -111,7 +124,7 @@ def test_ragged_views_past_2_32_are_routed_or_refused(ref):
     n = sum(C_LENS)
     g = torch.Generator(device=dev()).manual_seed(1)
     buf = torch.randn(n, 128, 320, generator=g, device=dev(), dtype=BF16)
-    buf[C_LENS[0]:, :, 192:] += 2.0
+    buf[C_LENS[0] :, :, 192:] += 2.0
     k, v = buf[..., :192], buf[..., 192:]
     q = torch.randn(sum(Q_LENS), 128, 192, generator=g, device=dev(), dtype=BF16)
     qo, kv = [0, 8, 16], [0, C_LENS[0], n]
@@ -119,8 +132,18 @@ def test_ragged_views_past_2_32_are_routed_or_refused(ref):
     torch.cuda._sleep(SLEEP)
     with pytest.raises(ValueError, match=r"flashinfer-fa2.*offset limit.*k, counted through its strides"):
         ragged_prefill(q, k, v, qo, kv, causal=False, sm_scale=scale, backend="flashinfer-fa2")
-    plan = plan_ragged(qo, kv, num_heads=128, head_dim_qk=192, head_dim_vo=128, causal=False, sm_scale=scale,
-                       dtype=BF16, workspace=Workspace(dev()), backend="flashinfer-fa2")
+    plan = plan_ragged(
+        qo,
+        kv,
+        num_heads=128,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=False,
+        sm_scale=scale,
+        dtype=BF16,
+        workspace=Workspace(dev()),
+        backend="flashinfer-fa2",
+    )
     out = torch.full((16, 128, 128), 7.0, dtype=BF16, device=dev())
     with pytest.raises(ValueError, match=r"k reaches .* elements through its strides.*flashinfer-fa2"):
         plan.run(q, k, v, out=out)
@@ -162,20 +185,31 @@ def test_chunked_plan_holds_megabytes_not_gigabytes(ref, backend):
     grown = torch.cuda.memory_allocated() - before
     peak = torch.cuda.max_memory_allocated() - before
     device_bytes, host_bytes = plan.flashinfer_bytes
-    print(f"\n{plan.backend.name}: {plan.num_plans} plans, {grown / 2**20:.2f} MiB held after the build (peak "
-          f"{peak / 2**20:.2f} MiB), "
-          f"flashinfer_bytes {device_bytes / 2**20:.2f} MiB device + {host_bytes / 2**20:.2f} MiB page-locked")
+    print(
+        f"\n{plan.backend.name}: {plan.num_plans} plans, {grown / 2**20:.2f} MiB held after the build (peak "
+        f"{peak / 2**20:.2f} MiB), "
+        f"flashinfer_bytes {device_bytes / 2**20:.2f} MiB device + {host_bytes / 2**20:.2f} MiB page-locked"
+    )
     assert plan.num_plans == 115 and plan.backend.is_flashinfer
     assert peak < 24 * 2**20 and grown < 16 * 2**20 and host_bytes < 16 * 2**20
     assert device_bytes <= grown + 2**20  # what the plans say they hold is what the build kept (indptr copies aside)
     assert prefill_memory_bytes(plan) >= device_bytes
-    out, lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                           return_lse=True)
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
     torch.cuda.synchronize()
     assert ws.int_workspace_growths == 0
-    expect = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=2048),
-                               block_size=64, dtype=BF16, backend="torch")
-    want_out, want_lse = mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table,
-                                     expect, return_lse=True)
+    expect = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace(dev(), chunk_tokens=2048),
+        block_size=64,
+        dtype=BF16,
+        backend="torch",
+    )
+    want_out, want_lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, expect, return_lse=True
+    )
     ref.assert_out_close(out, want_out.double(), atol=OUT_TOL, rtol=RTOL)
     ref.assert_lse_close(lse, want_lse.double(), atol=LSE_TOL)

@@ -62,11 +62,13 @@ def test_cuda_index_tensors_equal_the_cpu_ones_while_the_gpu_runs_behind(q_lens,
     """Two plans built back to back while the GPU sleeps, the first dropped before the second is built (its
     page-locked table must not be handed to the second while its copy is queued): both equal the CPU plan."""
     ws = Workspace(dev(), chunk_tokens=chunk)
-    cpu = PrefillPlan.build(q_lens, c_lens, dims=DIMS, workspace=Workspace("cpu", chunk_tokens=chunk),
-                            block_size=16, dtype=BF16)
+    cpu = PrefillPlan.build(
+        q_lens, c_lens, dims=DIMS, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=16, dtype=BF16
+    )
     other_q, other_c = [q + 1 for q in q_lens], [c + 3 for c in c_lens]
-    cpu_other = PrefillPlan.build(other_q, other_c, dims=DIMS, workspace=Workspace("cpu", chunk_tokens=chunk),
-                                  block_size=16, dtype=BF16)
+    cpu_other = PrefillPlan.build(
+        other_q, other_c, dims=DIMS, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=16, dtype=BF16
+    )
     torch.cuda._sleep(SLEEP)
     first = PrefillPlan.build(other_q, other_c, dims=DIMS, workspace=ws, block_size=16, dtype=BF16)
     assert first.fused == cpu_other.fused
@@ -98,7 +100,7 @@ def test_device_expansion_never_synchronizes():
     assert host.is_pinned()
     got = out.cpu()
     assert torch.equal(got[: 128 * 2048], torch.arange(2048).repeat(128))
-    assert torch.equal(got[128 * 2048:], torch.arange(128).repeat_interleave(2048))
+    assert torch.equal(got[128 * 2048 :], torch.arange(128).repeat_interleave(2048))
 
 
 def test_batch_128_with_context_makes_two_flashinfer_plans():

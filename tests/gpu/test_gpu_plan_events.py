@@ -47,8 +47,10 @@ def test_reused_events_order_runs_on_another_stream_after_their_own_plan(backend
         assert p._kernel.lease is lease and id(lease.plan_event) in made
         with torch.cuda.stream(side):
             outs.append((case, p.run(case.q, case.k, case.v)[0]))
-        assert id(lease.run_events[side.cuda_stream]) in made and lease.run_events[side.cuda_stream] is not \
-            lease.plan_event
+        assert (
+            id(lease.run_events[side.cuda_stream]) in made
+            and lease.run_events[side.cuda_stream] is not lease.plan_event
+        )
         del p
         gc.collect()
         torch.cuda.synchronize()

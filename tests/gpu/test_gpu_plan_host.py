@@ -34,8 +34,10 @@ def test_context_stream_never_synchronizes_and_equals_numpy():
     torch.cuda._sleep(SLEEP)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        made = [half(table, 2 * total, total, dev)
-                for half in (plan_mod._expand_on_device_triton, plan_mod._expand_on_device)]
+        made = [
+            half(table, 2 * total, total, dev)
+            for half in (plan_mod._expand_on_device_triton, plan_mod._expand_on_device)
+        ]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     counts = np.diff(cum)

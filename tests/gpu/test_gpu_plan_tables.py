@@ -24,7 +24,7 @@ SLEEP = int(2e8)  # GPU cycles (about 0.1 s on the H200): far longer than the ho
 
 @pytest.mark.parametrize("shape", [(129,), (2, 516), (1,)])
 def test_page_locked_table_is_pinned_and_exact(shape):
-    table = np.random.default_rng(0).integers(-2 ** 40, 2 ** 40, size=shape, dtype=np.int64)
+    table = np.random.default_rng(0).integers(-(2**40), 2**40, size=shape, dtype=np.int64)
     host = plan_mod._page_locked(table)
     assert host.is_pinned() and host.dtype == torch.int64 and tuple(host.shape) == shape and host.is_contiguous()
     assert torch.equal(host, torch.from_numpy(table))

@@ -28,8 +28,16 @@ def dev() -> torch.device:
 
 def _usable(backend: str, causal: bool) -> bool:
     try:
-        select_backend(dev(), requested=backend, dtype=BF16, out_dtype=BF16, head_dim_qk=192, head_dim_vo=128,
-                       causal=causal, num_heads=16)
+        select_backend(
+            dev(),
+            requested=backend,
+            dtype=BF16,
+            out_dtype=BF16,
+            head_dim_qk=192,
+            head_dim_vo=128,
+            causal=causal,
+            num_heads=16,
+        )
         return True
     except ValueError:
         return False
@@ -54,8 +62,18 @@ def _case(causal, seed=0):
 
 
 def _plan(qo, kv, causal, backend, ws):
-    return plan_ragged(qo, kv, num_heads=16, head_dim_qk=192, head_dim_vo=128, causal=causal, sm_scale=0.1147,
-                       dtype=BF16, workspace=ws, backend=backend)
+    return plan_ragged(
+        qo,
+        kv,
+        num_heads=16,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=causal,
+        sm_scale=0.1147,
+        dtype=BF16,
+        workspace=ws,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -108,11 +126,19 @@ def test_chunked_prefill_same_with_and_without_the_direct_run(ref, monkeypatch):
     results = []
     for direct in ("1", "0"):
         monkeypatch.setenv(DIRECT_ENV, direct)
-        plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=Workspace(dev(), chunk_tokens=48),
-                                 block_size=16, dtype=BF16, fuse_context=False)
+        plan = PrefillPlan.build(
+            q_lens,
+            c_lens,
+            dims=dims,
+            workspace=Workspace(dev(), chunk_tokens=48),
+            block_size=16,
+            dtype=BF16,
+            fuse_context=False,
+        )
         torch.cuda._sleep(int(1e8))
-        results.append(mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan,
-                                   return_lse=True))
+        results.append(
+            mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True)
+        )
     torch.cuda.synchronize()
     (o1, l1), (o2, l2) = results
     assert torch.equal(_bits(o1), _bits(o2)) and torch.equal(_bits(l1), _bits(l2))

@@ -47,11 +47,16 @@ def _env() -> dict:
 
 def _run(code: str, args: list, timeout: float, tmp_path: Path) -> subprocess.CompletedProcess:
     """``python -c code args`` with every thread's stack printed (faulthandler) if it runs 60 s short of timeout."""
-    prog = (f"import faulthandler, sys; faulthandler.dump_traceback_later({max(30, timeout - 60)}, exit=True); "
-            + code)
+    prog = f"import faulthandler, sys; faulthandler.dump_traceback_later({max(30, timeout - 60)}, exit=True); " + code
     try:
-        return subprocess.run([sys.executable, "-c", prog, *args], cwd=tmp_path, env=_env(), capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-c", prog, *args],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as err:
         out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
         errs = (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
@@ -65,8 +70,12 @@ def test_default_bench_finishes_with_complete_json_and_plot(tmp_path):
     from mla_bridge.bench.common import DEFAULT_SECTIONS as SECTIONS
 
     js, png = tmp_path / "b.json", tmp_path / "b.png"
-    res = _run("from mla_bridge.cli import main; sys.exit(main(sys.argv[1:]))",
-               ["bench", "--repeats", "3", "--warmup", "1", "--json", str(js), "--plot", str(png)], 900, tmp_path)
+    res = _run(
+        "from mla_bridge.cli import main; sys.exit(main(sys.argv[1:]))",
+        ["bench", "--repeats", "3", "--warmup", "1", "--json", str(js), "--plot", str(png)],
+        900,
+        tmp_path,
+    )
     tail = f"--- stdout\n{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-8000:]}"
     assert res.returncode == 0, tail
     data = json.loads(js.read_text())
@@ -78,21 +87,30 @@ def test_default_bench_finishes_with_complete_json_and_plot(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- 2. phases
-@pytest.mark.parametrize("args,gpu_bound", [
-    (["--batch", "4", "--prompt-len", "10000"], True),  # phases once summed to 4.17 ms for a 3.26 ms layer
-    # fused, 1.61 ms; on the H200 of 2026-12-01 partly host-bound: phases 1.379 ms (GPU time), layer 1.489 ms
-    (["--batch", "4", "--prompt-len", "2000", "--context-lens", "8000,8000,8000,8000"], False),
-    # 4 chunks, 1.91 ms eager against 1.73 ms from a CUDA graph: partly host-bound
-    (["--batch", "4", "--prompt-len", "2000", "--context-lens", "8000,8000,8000,8000", "--chunk-tokens", "8192"],
-     False),
-])
+@pytest.mark.parametrize(
+    "args,gpu_bound",
+    [
+        (["--batch", "4", "--prompt-len", "10000"], True),  # phases once summed to 4.17 ms for a 3.26 ms layer
+        # fused, 1.61 ms; on the H200 of 2026-12-01 partly host-bound: phases 1.379 ms (GPU time), layer 1.489 ms
+        (["--batch", "4", "--prompt-len", "2000", "--context-lens", "8000,8000,8000,8000"], False),
+        # 4 chunks, 1.91 ms eager against 1.73 ms from a CUDA graph: partly host-bound
+        (
+            ["--batch", "4", "--prompt-len", "2000", "--context-lens", "8000,8000,8000,8000", "--chunk-tokens", "8192"],
+            False,
+        ),
+    ],
+)
 def test_cli_phase_times_add_up_to_the_layer(tmp_path, args, gpu_bound):
     """GPU-bound layers: the phase times (GPU time, the GPU kept ahead of the host) sum to the layer time within 5%.
     A partly host-bound layer: the phases never add up to more than the layer, and with the host gaps reported
     apart they account for it. The JSON says how they were measured."""
     js = tmp_path / "p.json"
-    res = _run("from mla_bridge.cli import main; sys.exit(main(sys.argv[1:]))",
-               ["prefill", *args, "--layers", "8", "--check-requests", "0", "--json", str(js)], 600, tmp_path)
+    res = _run(
+        "from mla_bridge.cli import main; sys.exit(main(sys.argv[1:]))",
+        ["prefill", *args, "--layers", "8", "--check-requests", "0", "--json", str(js)],
+        600,
+        tmp_path,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     t = json.loads(js.read_text())["timings_ms"]
     phases, timing = t["phases"], t["phase_timing"]
@@ -161,7 +179,7 @@ def test_merge_over_32_bit_elements(monkeypatch):
     Triton merge (the default on CUDA) indexes in int64 and merges all rows in one launch. Both, on the same inputs,
     out of place and in place. Needs about 35 GB (two inputs of 8.6 GB, an output, an in-place copy)."""
     t, h, d = 262_208, 128, 128  # 2**32 + 64 * 16384 elements
-    assert t * h * d > 2 ** 32
+    assert t * h * d > 2**32
     oa, la, ob, lb = _partials(t, h, d, BF16, seed=1)
     check = torch.cat([torch.arange(0, 64), torch.arange(262_080, 262_208), torch.arange(t - 256, t)]).to(dev())
     eo, el = merge64(oa[check], la[check], ob[check], lb[check])
@@ -169,7 +187,7 @@ def test_merge_over_32_bit_elements(monkeypatch):
         monkeypatch.setenv("MLA_BRIDGE_MERGE", impl)
         choice = select_merge((t, h, d), BF16, "cuda")
         assert choice.name == impl
-        assert choice.rows_per_piece == t if impl == "triton" else choice.rows_per_piece * h * d < 2 ** 32
+        assert choice.rows_per_piece == t if impl == "triton" else choice.rows_per_piece * h * d < 2**32
         out, lse = merge_attn_states(oa, la, ob, lb)
         torch.testing.assert_close(out[check].double(), eo, atol=2e-2, rtol=1e-2)
         torch.testing.assert_close(lse[check].double(), el, atol=1e-4, rtol=1e-5)
@@ -187,7 +205,7 @@ def _ragged64(q, k, v, lens, sm_scale):
     """float64 causal attention per request (q_len == kv_len): out, natural-log lse."""
     outs, lses, a = [], [], 0
     for n in lens:
-        qq, kk, vv = (x[a:a + n].double() for x in (q, k, v))
+        qq, kk, vv = (x[a : a + n].double() for x in (q, k, v))
         s = torch.einsum("qhd,khd->hqk", qq, kk) * sm_scale
         s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), -math.inf)
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv))
@@ -206,8 +224,23 @@ def _ragged_inputs(lens, heads, d_qk, d_vo, dtype=BF16, seed=0):
     return mk(d_qk), mk(d_qk), mk(d_vo), indptr
 
 
-@pytest.mark.parametrize("dims", [(16, 16), (32, 32), (48, 48), (64, 64), (80, 80), (96, 96), (112, 112),
-                                  (128, 128), (160, 160), (192, 192), (192, 128), (72, 72)])
+@pytest.mark.parametrize(
+    "dims",
+    [
+        (16, 16),
+        (32, 32),
+        (48, 48),
+        (64, 64),
+        (80, 80),
+        (96, 96),
+        (112, 112),
+        (128, 128),
+        (160, 160),
+        (192, 192),
+        (192, 128),
+        (72, 72),
+    ],
+)
 def test_ragged_prefill_any_head_dim_is_right(dims):
     """Whatever the dispatch table picks for a head dim, it runs and matches float64 (head dim 16 with 4 heads
     failed in fa2 with "Invalid configuration : NUM_MMA_Q=1 NUM_MMA_D_QK=1"; 72 returned wrong columns)."""
@@ -215,8 +248,17 @@ def test_ragged_prefill_any_head_dim_is_right(dims):
     lens = [17, 128, 300]
     q, k, v, indptr = _ragged_inputs(lens, heads, *dims, seed=dims[0])
     sm_scale = dims[0] ** -0.5
-    plan = plan_ragged(indptr, indptr, num_heads=heads, head_dim_qk=dims[0], head_dim_vo=dims[1], causal=True,
-                       sm_scale=sm_scale, dtype=BF16, workspace=Workspace(dev()))
+    plan = plan_ragged(
+        indptr,
+        indptr,
+        num_heads=heads,
+        head_dim_qk=dims[0],
+        head_dim_vo=dims[1],
+        causal=True,
+        sm_scale=sm_scale,
+        dtype=BF16,
+        workspace=Workspace(dev()),
+    )
     if dims[0] % 64 or dims[1] % 64:
         assert plan.backend.name == "torch" and "fallback" in plan.backend.reason
     out, lse = plan.run(q, k, v)
@@ -246,7 +288,7 @@ def test_head_dim_16_four_heads_runs_on_torch():
 #: most 2**-8 (bf16's unit roundoff; the max term, exactly 1, carries none), so the denominator is off by a relative
 #: 2**-8 at most and the natural-log LSE by ln(1 + 2**-8) = 3.9e-3; float32 arithmetic adds ~1e-5. fa3 sums P in
 #: float32 and stays within 1e-3. Errors of independent roundings mostly cancel, so large errors are rare.
-FA2_LSE_BOUND_BF16 = math.log1p(2.0 ** -8) + 1e-4
+FA2_LSE_BOUND_BF16 = math.log1p(2.0**-8) + 1e-4
 
 
 def test_fa2_lse_accuracy():
@@ -262,16 +304,37 @@ def test_fa2_lse_accuracy():
     heads, lens = 32, [17, 64, 129, 256, 333, 512, 700, 977]
     q, k, v, indptr = _ragged_inputs(lens, heads, 192, 128, seed=11)
     ws = Workspace(dev())
-    plan = plan_ragged(indptr, indptr, num_heads=heads, head_dim_qk=192, head_dim_vo=128, causal=True,
-                       sm_scale=dims.softmax_scale, dtype=BF16, workspace=ws, backend="flashinfer-fa2")
+    plan = plan_ragged(
+        indptr,
+        indptr,
+        num_heads=heads,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=True,
+        sm_scale=dims.softmax_scale,
+        dtype=BF16,
+        workspace=ws,
+        backend="flashinfer-fa2",
+    )
     assert plan.spec.sm_scale == dims.softmax_scale and type(plan.spec.sm_scale) is float
     out, lse = plan.run(q, k, v)
     torch.cuda.synchronize()
     # the raw wrapper on the same float workspace, so that nothing but what mla_bridge passes can differ
     raw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws.float_workspace, kv_layout="NHD", backend="fa2")
     ip = torch.tensor(indptr, dtype=torch.int32)
-    raw.plan(ip, ip, heads, heads, 192, head_dim_vo=128, causal=True, sm_scale=dims.softmax_scale, q_data_type=BF16,
-             kv_data_type=BF16, o_data_type=BF16)
+    raw.plan(
+        ip,
+        ip,
+        heads,
+        heads,
+        192,
+        head_dim_vo=128,
+        causal=True,
+        sm_scale=dims.softmax_scale,
+        q_data_type=BF16,
+        kv_data_type=BF16,
+        o_data_type=BF16,
+    )
     raw_out, raw_lse = raw.run(q, k, v, return_lse=True, lse_base="ln")
     torch.cuda.synchronize()
     assert torch.equal(lse, raw_lse) and torch.equal(out, raw_out)

@@ -35,8 +35,9 @@ def _nothing(name: str) -> None:
     pass
 
 
-def _case(block_size: int, fp8: bool, seed: int, q_lens=(300, 0, 129, 1), c_lens=(700, 1500, 3, 257),
-          chunk_tokens=1024):
+def _case(
+    block_size: int, fp8: bool, seed: int, q_lens=(300, 0, 129, 1), c_lens=(700, 1500, 3, 257), chunk_tokens=1024
+):
     """A shuffled paged cache with NaN in every slot no request reads, DeepSeek-V2-Lite dims."""
     g = torch.Generator().manual_seed(seed)
     d = MLADims.deepseek_v2_lite()
@@ -60,7 +61,7 @@ def _case(block_size: int, fp8: bool, seed: int, q_lens=(300, 0, 129, 1), c_lens
     kv_c = torch.randn(t, d.kv_lora_rank, generator=g).to(BF16).to(dev())
     k_pe = torch.randn(t, d.qk_rope_head_dim, generator=g).to(BF16).to(dev())
     q = torch.randn(t, d.num_heads, d.head_dim_qk, generator=g).to(BF16).to(dev())
-    w = (torch.randn(*d.kv_b_proj_shape, generator=g) * d.kv_lora_rank ** -0.5).to(BF16).to(dev())
+    w = (torch.randn(*d.kv_b_proj_shape, generator=g) * d.kv_lora_rank**-0.5).to(BF16).to(dev())
     ws = Workspace(dev(), chunk_tokens=chunk_tokens)
     return d, ws, list(q_lens), list(c_lens), cache, scale, table.to(dev()), q, kv_c, k_pe, w
 
@@ -75,7 +76,7 @@ def _passes(plan, kv_c, k_pe, cache, table, scale, weight, impl):
 def _within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
     """|a - b| <= one bf16 step (2**-7 relative) of the larger, plus 2**-14 for sums that cancel to near zero."""
     a, b = a.float(), b.float()
-    bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 2.0 ** -14
+    bound = torch.maximum(a.abs(), b.abs()) * 2.0**-7 + 2.0**-14
     bad = (a - b).abs() > bound
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} elements differ by more than one bf16 rounding"
 
@@ -85,14 +86,23 @@ def _within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_fused_kernel_equals_gather_then_gemm(block_size, fp8, layout, fuse):
-    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(block_size, fp8, seed=block_size + 3 * fp8,
-                                                                         chunk_tokens=4096 if fuse else 1024)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=block_size, dtype=BF16,
-                             fuse_context=fuse, kv_cache_dtype="fp8" if fp8 else None)
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
+        block_size, fp8, seed=block_size + 3 * fp8, chunk_tokens=4096 if fuse else 1024
+    )
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=d,
+        workspace=ws,
+        block_size=block_size,
+        dtype=BF16,
+        fuse_context=fuse,
+        kv_cache_dtype="fp8" if fp8 else None,
+    )
     assert plan.fused == fuse and (fuse or len(plan.chunks) >= 2)
     cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
     weight = prepare_kv_b_proj(w, d, layout=layout)
-    for scale_arg in ((s, float(s)) if fp8 else (None,)):
+    for scale_arg in (s, float(s)) if fp8 else (None,):
         torch.cuda._sleep(int(1e8))  # the host runs ahead: the kernel must read only what was written before it
         a = _passes(plan, kv_c, k_pe, cache, table, scale_arg, weight, "separate")
         b = _passes(plan, kv_c, k_pe, cache, table, scale_arg, weight, "fused")
@@ -110,10 +120,19 @@ def test_fused_kernel_equals_gather_then_gemm(block_size, fp8, layout, fuse):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_mla_prefill_with_fused_kernel_matches_separate_and_float64(monkeypatch, fp8, fuse):
-    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(16, fp8, seed=11 + fp8,
-                                                                         chunk_tokens=4096 if fuse else 1024)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse,
-                             kv_cache_dtype="fp8" if fp8 else None)
+    d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
+        16, fp8, seed=11 + fp8, chunk_tokens=4096 if fuse else 1024
+    )
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=d,
+        workspace=ws,
+        block_size=16,
+        dtype=BF16,
+        fuse_context=fuse,
+        kv_cache_dtype="fp8" if fp8 else None,
+    )
     weight = prepare_kv_b_proj(w, d)
     outs = {}
     for impl in ("separate", "fused"):
@@ -137,17 +156,17 @@ def test_mla_prefill_with_fused_kernel_matches_separate_and_float64(monkeypatch,
         ctx = lat[ids].reshape(-1, d.latent_dim)[:cl]
         if fp8:
             ctx = ctx.to(BF16).double()  # the kernel rounds the dequantized product to bf16 once
-        new = torch.cat([kv_c[row:row + ql], k_pe[row:row + ql]], dim=-1).double()
+        new = torch.cat([kv_c[row : row + ql], k_pe[row : row + ql]], dim=-1).double()
         keys = torch.cat([ctx, new])
         kn = torch.einsum("nr,hdr->nhd", keys[:, : d.kv_lora_rank], wv[:, : d.qk_nope_head_dim])
-        vv = torch.einsum("nr,hdr->nhd", keys[:, : d.kv_lora_rank], wv[:, d.qk_nope_head_dim:])
-        kk = torch.cat([kn, keys[:, None, d.kv_lora_rank:].expand(-1, d.num_heads, -1)], dim=-1)
-        s = torch.einsum("qhd,khd->hqk", q64[row:row + ql], kk) * d.softmax_scale
+        vv = torch.einsum("nr,hdr->nhd", keys[:, : d.kv_lora_rank], wv[:, d.qk_nope_head_dim :])
+        kk = torch.cat([kn, keys[:, None, d.kv_lora_rank :].expand(-1, d.num_heads, -1)], dim=-1)
+        s = torch.einsum("qhd,khd->hqk", q64[row : row + ql], kk) * d.softmax_scale
         n = cl + ql
         mask = torch.arange(n)[None, :] <= (torch.arange(ql)[:, None] + cl)
         s = s.masked_fill(~mask.to(s.device), float("-inf"))
         ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv)
-        torch.testing.assert_close(ob[row:row + ql].double(), ref, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(ob[row : row + ql].double(), ref, atol=2e-2, rtol=2e-2)
         row += ql
 
 
@@ -159,8 +178,17 @@ def _launch_repeatedly(plan, kv_c, k_pe, cache, table, scale, weight, launches: 
 
     d = weight.dims
     shape = (int(plan.main_kv_indptr[-1]), d.num_heads, d.head_dim_qk + d.v_head_dim)
-    args = dict(kv_cache=cache, block_table=table, req_ids=plan.ctx_req_ids, positions=plan.ctx_positions,
-                ctx_dst=plan.ctx_dst, kv_c=kv_c, k_pe=k_pe, new_dst=plan.new_dst, kv_cache_scale=scale)
+    args = dict(
+        kv_cache=cache,
+        block_table=table,
+        req_ids=plan.ctx_req_ids,
+        positions=plan.ctx_positions,
+        ctx_dst=plan.ctx_dst,
+        kv_c=kv_c,
+        k_pe=k_pe,
+        new_dst=plan.new_dst,
+        kv_cache_scale=scale,
+    )
     first = torch.empty(shape, dtype=BF16, device=dev())
     up_project_triton(first, weight, **args)
     differing = torch.zeros((), dtype=torch.int64, device=dev())
@@ -182,13 +210,14 @@ def test_fp8_fused_kernel_gives_the_same_bits_in_every_launch():
     it with probability above 99%. Every launch equals the first bitwise, and the first is within one bf16 rounding
     of the separate path."""
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(1, True, seed=4, chunk_tokens=4096)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=1, dtype=BF16, fuse_context=True,
-                             kv_cache_dtype="fp8")
+    plan = PrefillPlan.build(
+        q_lens, c_lens, dims=d, workspace=ws, block_size=1, dtype=BF16, fuse_context=True, kv_cache_dtype="fp8"
+    )
     cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
     weight = prepare_kv_b_proj(w, d, layout="split")
     first, differing = _launch_repeatedly(plan, kv_c, k_pe, cache, table, s, weight, 1000)
     assert differing == 0, f"{differing} of 1000 launches differ from the first"
-    (k, v), = _passes(plan, kv_c, k_pe, cache, table, s, weight, "separate")
+    ((k, v),) = _passes(plan, kv_c, k_pe, cache, table, s, weight, "separate")
     nope, qk = d.qk_nope_head_dim, d.head_dim_qk
     assert torch.equal(first[..., nope:qk], k[..., nope:])
     _within_one_rounding(first[..., :nope], k[..., :nope])
@@ -220,15 +249,15 @@ def test_split_layout_row_blocks_equal_the_identity_layout(monkeypatch):
 
     d = MLADims.deepseek_v2_lite()
     g = torch.Generator(device=dev()).manual_seed(5)
-    w = (torch.randn(*d.kv_b_proj_shape, device=dev(), generator=g) * d.kv_lora_rank ** -0.5).to(BF16)
-    latent = torch.randn(3500, 600, device=dev(), generator=g).to(BF16)[:, 7:7 + d.latent_dim]  # strided rows
+    w = (torch.randn(*d.kv_b_proj_shape, device=dev(), generator=g) * d.kv_lora_rank**-0.5).to(BF16)
+    latent = torch.randn(3500, 600, device=dev(), generator=g).to(BF16)[:, 7 : 7 + d.latent_dim]  # strided rows
     monkeypatch.setattr(W, "SPLIT_GEMM_ROWS", 1000)
     torch.cuda._sleep(int(1e8))
     k, v = prepare_kv_b_proj(w, d, layout="split").up_project(latent)
     ki, vi = prepare_kv_b_proj(w, d, layout="identity").up_project(latent)
     torch.cuda.synchronize()
     nope = d.qk_nope_head_dim
-    assert torch.equal(k[..., nope:], latent[:, d.kv_lora_rank:].unsqueeze(1).expand(-1, d.num_heads, -1))
+    assert torch.equal(k[..., nope:], latent[:, d.kv_lora_rank :].unsqueeze(1).expand(-1, d.num_heads, -1))
     _within_one_rounding(k[..., :nope], ki[..., :nope])
     _within_one_rounding(v, vi)
 
@@ -238,8 +267,13 @@ def test_auto_sends_large_gathered_passes_to_cublas(monkeypatch, fuse):
     """kv_impl="auto" with the default (split) weight: a gathered pass of at least SEPARATE_FROM_ROWS rows takes the
     separate path, a smaller one the fused kernel; mla_prefill's result matches the fused kernel everywhere."""
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
-        16, False, seed=21, q_lens=(200, 57), c_lens=(KV.SEPARATE_FROM_ROWS + 700, 300),
-        chunk_tokens=2 * KV.SEPARATE_FROM_ROWS if fuse else KV.SEPARATE_FROM_ROWS)
+        16,
+        False,
+        seed=21,
+        q_lens=(200, 57),
+        c_lens=(KV.SEPARATE_FROM_ROWS + 700, 300),
+        chunk_tokens=2 * KV.SEPARATE_FROM_ROWS if fuse else KV.SEPARATE_FROM_ROWS,
+    )
     plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse)
     weight = prepare_kv_b_proj(w, d)
     assert weight.layout == "split"
@@ -283,9 +317,18 @@ def test_raw_weight_is_read_in_place_with_the_prepared_bits(monkeypatch, fp8, fu
     import mla_bridge.weights as W
 
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
-        16, fp8, seed=41 + fp8, q_lens=(200, 57, 3), c_lens=(9000, 300, 0), chunk_tokens=16384 if fuse else 8192)
-    plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=fuse,
-                             kv_cache_dtype="fp8" if fp8 else None)
+        16, fp8, seed=41 + fp8, q_lens=(200, 57, 3), c_lens=(9000, 300, 0), chunk_tokens=16384 if fuse else 8192
+    )
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=d,
+        workspace=ws,
+        block_size=16,
+        dtype=BF16,
+        fuse_context=fuse,
+        kv_cache_dtype="fp8" if fp8 else None,
+    )
     cache, s = C.check_kv_cache(cache, scale, plan.kv_cache_dtype)
     raw, split = W.as_prepared(w, d, BF16, dev()), prepare_kv_b_proj(w, d)
     assert raw.layout == W.CHECKPOINT_LAYOUT and raw.weight.data_ptr() == w.data_ptr()
@@ -296,8 +339,10 @@ def test_raw_weight_is_read_in_place_with_the_prepared_bits(monkeypatch, fp8, fu
     outs = {}
     for impl in ("auto", "fused"):
         torch.cuda._sleep(int(1e8))
-        outs[impl] = [mla_prefill(q, kv_c, k_pe, weight, cache, table, plan, return_lse=True, kv_cache_scale=scale,
-                                  kv_impl=impl) for weight in (w, split)]
+        outs[impl] = [
+            mla_prefill(q, kv_c, k_pe, weight, cache, table, plan, return_lse=True, kv_cache_scale=scale, kv_impl=impl)
+            for weight in (w, split)
+        ]
     torch.cuda.synchronize()
     for (ka, va), (kb, vb) in zip(a, b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
@@ -314,8 +359,13 @@ def test_held_raw_weight_view_sees_an_in_place_update_under_auto():
     import mla_bridge.weights as W
 
     d, ws, q_lens, c_lens, cache, scale, table, q, kv_c, k_pe, w = _case(
-        16, False, seed=43, q_lens=(200, 57, 3), c_lens=(KV.SEPARATE_FROM_ROWS + 800, 300, 0),
-        chunk_tokens=KV.SEPARATE_FROM_ROWS)
+        16,
+        False,
+        seed=43,
+        q_lens=(200, 57, 3),
+        c_lens=(KV.SEPARATE_FROM_ROWS + 800, 300, 0),
+        chunk_tokens=KV.SEPARATE_FROM_ROWS,
+    )
     plan = PrefillPlan.build(q_lens, c_lens, dims=d, workspace=ws, block_size=16, dtype=BF16, fuse_context=False)
     rows = [KV.pass_impl("auto", True, False, c.req_ids.shape[0], "split") for c in plan.chunks]
     assert "separate" in rows and "fused" in rows, rows

@@ -16,19 +16,23 @@ from mla_bridge import MLADims  # noqa: E402
 
 import mla_bridge_jax as mj  # noqa: E402
 
-SM = 192 ** -0.5
+SM = 192**-0.5
 QO, KV = [0, 3, 3, 4, 9], [0, 5, 5, 6, 11]  # lengths q [3, 0, 1, 5], kv [5, 0, 1, 5]: kv_len >= q_len
 
 
 def _qkv(t=9, s=11, h=4, dtype=jnp.bfloat16, seed=0):
     rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal((t, h, 192)), dtype), jnp.asarray(rng.standard_normal((s, h, 192)), dtype),
-            jnp.asarray(rng.standard_normal((s, h, 128)), dtype))
+    return (
+        jnp.asarray(rng.standard_normal((t, h, 192)), dtype),
+        jnp.asarray(rng.standard_normal((s, h, 192)), dtype),
+        jnp.asarray(rng.standard_normal((s, h, 128)), dtype),
+    )
 
 
 def _core(q, k, v, qo=QO, kv=KV, causal=True):
-    return mla_bridge.ragged_prefill(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v), qo, kv,
-                                     causal=causal, sm_scale=SM)
+    return mla_bridge.ragged_prefill(
+        torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v), qo, kv, causal=causal, sm_scale=SM
+    )
 
 
 def _equal(jx, tx) -> bool:
@@ -43,9 +47,15 @@ class _RunSpy:
         orig = mla_bridge.RaggedPlan.run
 
         def run(plan, q, k, v, *, out=None, lse=None, lse_layout="NH"):
-            self.calls.append(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
-                                   out=None if out is None else out.data_ptr(),
-                                   lse=None if lse is None else lse.data_ptr()))
+            self.calls.append(
+                dict(
+                    q=q.data_ptr(),
+                    k=k.data_ptr(),
+                    v=v.data_ptr(),
+                    out=None if out is None else out.data_ptr(),
+                    lse=None if lse is None else lse.data_ptr(),
+                )
+            )
             return orig(plan, q, k, v, out=out, lse=lse, lse_layout=lse_layout)
 
         monkeypatch.setattr(mla_bridge.RaggedPlan, "run", run)
@@ -54,6 +64,7 @@ class _RunSpy:
 # --------------------------------------------------------------------------------------------------------------
 # values and zero copy
 # --------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_eager_and_jit_bitwise_equal_core(causal):
@@ -108,8 +119,9 @@ def test_jit_plans_once_per_trace(monkeypatch):
 
 
 def test_plan_ragged_run_ragged_eager_and_jit(monkeypatch):
-    plan = mj.plan_ragged(QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
-                          dtype=jnp.bfloat16)
+    plan = mj.plan_ragged(
+        QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM, dtype=jnp.bfloat16
+    )
     assert isinstance(plan, mla_bridge.RaggedPlan) and plan.spec.device == torch.device("cpu")
     made = []
     monkeypatch.setattr(mla_bridge, "plan_ragged", lambda *a, **kw: made.append(1))
@@ -125,8 +137,11 @@ def test_plan_ragged_run_ragged_eager_and_jit(monkeypatch):
 def test_indptrs_as_numpy_torch_and_concrete_jax_arrays():
     q, k, v = _qkv()
     core_out, _ = _core(q, k, v)
-    for qo, kv in ((np.array(QO, np.int32), np.array(KV, np.int64)), (torch.tensor(QO), torch.tensor(KV)),
-                   (jnp.asarray(QO), jnp.asarray(KV))):
+    for qo, kv in (
+        (np.array(QO, np.int32), np.array(KV, np.int64)),
+        (torch.tensor(QO), torch.tensor(KV)),
+        (jnp.asarray(QO), jnp.asarray(KV)),
+    ):
         out, _ = mj.ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=SM)
         assert _equal(out, core_out)
         out, _ = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, qo, kv, causal=True, sm_scale=SM))(q, k, v)
@@ -135,8 +150,10 @@ def test_indptrs_as_numpy_torch_and_concrete_jax_arrays():
 
 def test_empty_batch_and_no_keys():
     q, k, v = _qkv(t=3, s=0)
-    for fn in (mj.ragged_prefill, jax.jit(mj.ragged_prefill, static_argnums=(3, 4),
-                                         static_argnames=("causal", "sm_scale"))):
+    for fn in (
+        mj.ragged_prefill,
+        jax.jit(mj.ragged_prefill, static_argnums=(3, 4), static_argnames=("causal", "sm_scale")),
+    ):
         out, lse = fn(q, k, v, (0, 3), (0, 0), causal=False, sm_scale=SM)
         assert np.array_equal(np.asarray(out, np.float32), np.zeros((3, 4, 128), np.float32))
         assert np.all(np.isneginf(np.asarray(lse)))
@@ -150,8 +167,10 @@ def test_mla_prefill_eager_and_jit():
     rng = np.random.default_rng(3)
     ql, cl, bs = [2, 3], [5, 0], 4
     t = sum(ql)
-    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-            ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))]
+    args = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))
+    ]
     table = jnp.asarray([[2, 0], [-1, -1]], jnp.int32)
     plan = mj.build_plan(jnp.asarray(ql), np.asarray(cl), dims=dims, block_size=bs, dtype=jnp.float32)
     targs = [torch.from_dlpack(a) for a in args] + [torch.from_dlpack(table)]
@@ -168,8 +187,10 @@ def test_mla_prefill_return_lse_must_be_a_bool_under_jit_too(value):
     it was taken for its truthiness ("no" returned (out, lse), None returned out)."""
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     rng = np.random.default_rng(3)
-    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-            ((2, 4, 24), (2, 32), (2, 8), dims.kv_b_proj_shape, (1, 4, 40))]
+    args = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((2, 4, 24), (2, 32), (2, 8), dims.kv_b_proj_shape, (1, 4, 40))
+    ]
     table = jnp.zeros((1, 1), jnp.int32)
     plan = mj.build_plan([2], [0], dims=dims, block_size=4, dtype=jnp.float32)
     with pytest.raises(TypeError, match="^return_lse must be a bool"):
@@ -188,21 +209,28 @@ def test_mla_prefill_with_prepared_weight_eager_and_jit(layout):
     rng = np.random.default_rng(4)
     ql, cl, bs = [2, 3], [5, 0], 4
     t = sum(ql)
-    q, kv_c, k_pe, w, cache = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-                               ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))]
+    q, kv_c, k_pe, w, cache = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))
+    ]
     table = jnp.asarray([[2, 0], [-1, -1]], jnp.int32)
     plan = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.float32)
     prepared = mj.prepare_kv_b_proj(w, dims, layout=layout)
     assert isinstance(prepared, mla_bridge.PreparedKVBProj) and prepared.layout == layout
     targs = [torch.from_dlpack(a) for a in (q, kv_c, k_pe)]
-    core_out, core_lse = mla_bridge.mla_prefill(*targs, mla_bridge.prepare_kv_b_proj(torch.from_dlpack(w), dims,
-                                                                                     layout=layout),
-                                                torch.from_dlpack(cache), torch.from_dlpack(table), plan,
-                                                return_lse=True)
+    core_out, core_lse = mla_bridge.mla_prefill(
+        *targs,
+        mla_bridge.prepare_kv_b_proj(torch.from_dlpack(w), dims, layout=layout),
+        torch.from_dlpack(cache),
+        torch.from_dlpack(table),
+        plan,
+        return_lse=True,
+    )
     out = mj.mla_prefill(q, kv_c, k_pe, prepared, cache, table, plan)
     assert _equal(out, core_out)
     jout, jlse = jax.jit(lambda q, c, p, kc, bt: mj.mla_prefill(q, c, p, prepared, kc, bt, plan, return_lse=True))(
-        q, kv_c, k_pe, cache, table)
+        q, kv_c, k_pe, cache, table
+    )
     assert _equal(jout, core_out) and _equal(jlse, core_lse)
     if layout == "identity":  # the raw jax weight gives the same bits
         assert _equal(mj.mla_prefill(q, kv_c, k_pe, w, cache, table, plan), core_out)
@@ -213,6 +241,7 @@ def test_mla_prefill_with_prepared_weight_eager_and_jit(layout):
 # --------------------------------------------------------------------------------------------------------------
 # bad input: clear errors naming the argument, raised before anything runs
 # --------------------------------------------------------------------------------------------------------------
+
 
 def test_non_jax_inputs_are_named():
     q, k, v = _qkv()
@@ -280,8 +309,10 @@ def test_mla_prefill_validation_is_the_cores(jit):
     dims = MLADims(num_heads=4)
     plan = mj.build_plan([2], dims=dims, block_size=4, dtype=jnp.float32)
     rng = np.random.default_rng(0)
-    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-            ((2, 4, 192), (2, 500), (2, 64), dims.kv_b_proj_shape, (1, 4, 576))]
+    args = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((2, 4, 192), (2, 500), (2, 64), dims.kv_b_proj_shape, (1, 4, 576))
+    ]
     table = jnp.zeros((1, 1), jnp.int32)
     call = lambda *a: mj.mla_prefill(*a, plan)  # noqa: E731
     with pytest.raises(ValueError, match=r"kv_c must be \[T=2, kv_lora_rank=512\], got \[2, 500\]"):
@@ -308,6 +339,7 @@ def test_unknown_jit_route():
 # transformations
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_grad_raises_inference_only():
     q, k, v = _qkv(dtype=jnp.float32)
     loss = lambda a: mj.ragged_prefill(a, k, v, QO, KV, causal=True, sm_scale=SM)[0].sum()  # noqa: E731
@@ -323,8 +355,10 @@ def test_grad_of_mla_prefill_raises():
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     plan = mj.build_plan([2], dims=dims, block_size=4, dtype=jnp.float32)
     rng = np.random.default_rng(0)
-    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-            ((2, 4, 24), (2, 32), (2, 8), dims.kv_b_proj_shape, (1, 4, 40))]
+    args = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((2, 4, 24), (2, 32), (2, 8), dims.kv_b_proj_shape, (1, 4, 40))
+    ]
     table = jnp.zeros((1, 1), jnp.int32)
     with pytest.raises(mj.InferenceOnlyError, match="inference only"):
         jax.grad(lambda w: mj.mla_prefill(args[0], args[1], args[2], w, args[4], table, plan).sum())(args[3])
@@ -359,7 +393,8 @@ def test_tvm_ffi_route_is_refused_on_cpu_and_auto_falls_back(monkeypatch):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"jit_route='tvm_ffi' cannot serve this call: needs a CUDA device"):
         jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM, jit_route="tvm_ffi"))(
-            q, k, v)
+            q, k, v
+        )
     monkeypatch.setenv(mj.ENV_JIT_ROUTE, "auto")
     out, _ = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
     assert _equal(out, _core(q, k, v)[0])
@@ -373,8 +408,10 @@ def test_out_of_range_block_table_under_jit_surfaces_the_real_message():
     rng = np.random.default_rng(3)
     ql, cl, bs = [2, 3], [5, 0], 4
     t = sum(ql)
-    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-            ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))]
+    args = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))
+    ]
     table = jnp.asarray([[7, 0], [-1, -1]], jnp.int32)  # block 7 of a 3-block cache
     plan = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.float32)
     with pytest.raises(Exception) as info:
@@ -391,7 +428,9 @@ def test_a_bad_jit_route_from_the_environment_is_named(monkeypatch):
     caller never gave; the message now names the variable."""
     q, k, v = _qkv()
     monkeypatch.setenv(mj.ENV_JIT_ROUTE, "AUTO")
-    with pytest.raises(ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE \(jit_route not given\) must be one of .*'AUTO'"):
+    with pytest.raises(
+        ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE \(jit_route not given\) must be one of .*'AUTO'"
+    ):
         mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM)
     with pytest.raises(ValueError, match=r"^\$MLA_BRIDGE_JAX_JIT_ROUTE"):
         jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k, v)
@@ -406,8 +445,9 @@ def test_bad_jit_route_and_deleted_arrays_are_refused_eagerly_too():
     with pytest.raises(ValueError, match="jit_route must be one of"):
         mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM, jit_route="bogus")
     # run_ragged too: its eager call took any jit_route
-    plan = mj.plan_ragged(QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
-                          dtype=q.dtype)
+    plan = mj.plan_ragged(
+        QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM, dtype=q.dtype
+    )
     with pytest.raises(ValueError, match="jit_route must be one of"):
         mj.run_ragged(plan, q, k, v, jit_route="bogus")
     gone = jnp.array(q)
@@ -430,8 +470,9 @@ def test_a_bad_max_plans_variable_is_refused_by_name(raw, monkeypatch):
         max_plans_from_env()
     if raw == "abc":  # what a user sees: the import fails naming the variable
         env = dict(os.environ, MLA_BRIDGE_JAX_MAX_PLANS=raw, JAX_PLATFORMS="cpu")
-        done = subprocess.run([sys.executable, "-c", "import mla_bridge_jax"], env=env, capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", "import mla_bridge_jax"], env=env, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode != 0 and "MLA_BRIDGE_JAX_MAX_PLANS='abc': expected a positive int" in done.stderr
 
 
@@ -450,11 +491,11 @@ def test_max_plans_variable_takes_positive_ints_and_defaults(monkeypatch):
 def test_a_dtype_that_is_not_one_is_refused_by_name_at_plan_time(dtype):
     """dtype=None planned float64 (numpy reads None as float64), refused only at run time ("q must have dtype
     torch.float64 (the plan's)"); "bogus" raised numpy's "data type 'bogus' not understood", naming no argument."""
-    dims = MLADims(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                   softmax_scale=0.3)
+    dims = MLADims(
+        num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, softmax_scale=0.3
+    )
     with pytest.raises(TypeError, match="^dtype must be a JAX, numpy or torch dtype"):
-        mj.plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=True, sm_scale=SM,
-                       dtype=dtype)
+        mj.plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=True, sm_scale=SM, dtype=dtype)
     with pytest.raises(TypeError, match="^dtype must be a JAX, numpy or torch dtype"):
         mj.build_plan([2], [3], dims=dims, block_size=4, dtype=dtype)
     if not isinstance(dtype, (str, type(None))):  # None: the compute dtype; strings are the core's ("fp8", "auto")
@@ -479,7 +520,8 @@ def test_a_cache_dtype_torch_lacks_is_a_type_error_naming_kv_cache_dtype(name):
     """build_plan(kv_cache_dtype=jnp.float8_e3m4) raised AttributeError: module 'torch' has no attribute ..."""
     if not hasattr(jnp, name):
         pytest.skip(f"this JAX has no {name}")
-    dims = MLADims(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                   softmax_scale=0.3)
+    dims = MLADims(
+        num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, softmax_scale=0.3
+    )
     with pytest.raises(TypeError, match=f"^kv_cache_dtype {name} has no torch counterpart"):
         mj.build_plan([2], [3], dims=dims, block_size=4, dtype=jnp.float32, kv_cache_dtype=getattr(jnp, name))

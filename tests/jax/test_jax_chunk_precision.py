@@ -32,12 +32,18 @@ def test_bf16_error_does_not_grow_with_the_chunk_count():
     table = _jax(batch.block_table, jnp.int32)
     errs = {}
     for name, chunk_tokens, fuse in (("fused", 100_000, True), ("chunked", 4, False)):
-        plan = mj.build_plan([32], [512], dims=dims, block_size=16, fuse_context=fuse,
-                             workspace=Workspace("cpu", chunk_tokens=chunk_tokens))
+        plan = mj.build_plan(
+            [32],
+            [512],
+            dims=dims,
+            block_size=16,
+            fuse_context=fuse,
+            workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+        )
         assert plan.fused == fuse and len(plan.chunks) == (0 if fuse else 128)
         out = np.asarray(mj.mla_prefill(*args, table, plan).astype(jnp.float32), np.float64)
         jitted = jax.jit(lambda *a: mj.mla_prefill(*a, plan))(*args, table)
         assert np.array_equal(np.asarray(jitted.astype(jnp.float32)), out.astype(np.float32))
         errs[name] = float(np.abs(out - ref_out).max())
-    bound = max(1.5 * errs["fused"], 2.0 ** -8 * float(np.abs(ref_out).max()))
+    bound = max(1.5 * errs["fused"], 2.0**-8 * float(np.abs(ref_out).max()))
     assert errs["chunked"] <= bound, (errs, bound)

@@ -15,7 +15,7 @@ import mla_bridge  # noqa: E402
 
 import mla_bridge_jax as mj  # noqa: E402
 
-SM = 192 ** -0.5
+SM = 192**-0.5
 T, H = 6, 4
 QO = KV = [0, 2, 6]
 
@@ -106,16 +106,20 @@ def test_eager_calls_order_xla_after_the_torch_work_on_their_views(monkeypatch, 
 
     events = []
     monkeypatch.setattr(api, "order_xla_after_torch", lambda device: events.append(("order", device)), raising=False)
-    owner, name = {"ragged_prefill": (mla_bridge, "ragged_prefill"), "run_ragged": (RaggedPlan, "run"),
-                   "mla_prefill": (mla_bridge, "mla_prefill")}[entry]
+    owner, name = {
+        "ragged_prefill": (mla_bridge, "ragged_prefill"),
+        "run_ragged": (RaggedPlan, "run"),
+        "mla_prefill": (mla_bridge, "mla_prefill"),
+    }[entry]
     real = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a, **kw: (events.append("core"), real(*a, **kw))[1])
     if entry == "mla_prefill":
-        dims = mla_bridge.MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                                  v_head_dim=16)
+        dims = mla_bridge.MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
         rng = np.random.default_rng(3)
-        args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-                ((5, 4, 24), (5, 32), (5, 8), dims.kv_b_proj_shape, (3, 4, 40))]
+        args = [
+            jnp.asarray(rng.standard_normal(s), jnp.float32)
+            for s in ((5, 4, 24), (5, 32), (5, 8), dims.kv_b_proj_shape, (3, 4, 40))
+        ]
         plan = mj.build_plan([2, 3], [5, 0], dims=dims, block_size=4, dtype=jnp.float32)
         mj.mla_prefill(*args, jnp.asarray([[2, 0], [-1, -1]], jnp.int32), plan)
     else:
@@ -124,8 +128,9 @@ def test_eager_calls_order_xla_after_the_torch_work_on_their_views(monkeypatch, 
         if entry == "ragged_prefill":
             mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=SM)
         else:
-            plan = mj.plan_ragged(QO, KV, num_heads=H, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM,
-                                  dtype=jnp.bfloat16)
+            plan = mj.plan_ragged(
+                QO, KV, num_heads=H, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM, dtype=jnp.bfloat16
+            )
             mj.run_ragged(plan, q, k, v)
     assert events == ["core", ("order", torch.device("cpu"))]
 

@@ -14,8 +14,13 @@ pytest.importorskip("jax")
 def test_example_runs_on_cpu(repo_root):
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([repo_root, os.path.join(repo_root, "adapters"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(repo_root, "examples", "jax_prefill.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(repo_root, "examples", "jax_prefill.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "same as eager: True" in proc.stdout
     err = float(proc.stdout.strip().splitlines()[-1].split(":")[-1])

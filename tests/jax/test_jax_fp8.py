@@ -23,8 +23,9 @@ def _inputs(seed=3):
     rng = np.random.default_rng(seed)
     ql, cl, bs = [2, 3], [5, 6], 4
     t = sum(ql)
-    args = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
-            ((t, 4, 24), (t, 32), (t, 8), DIMS.kv_b_proj_shape)]
+    args = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((t, 4, 24), (t, 32), (t, 8), DIMS.kv_b_proj_shape)
+    ]
     latent = torch.from_numpy(rng.standard_normal((5, bs, 40)).astype(np.float32)) * 2
     cache8, scale = quantize_latent_cache(latent)
     table = jnp.asarray([[2, 0], [4, 1]], jnp.int32)
@@ -44,21 +45,30 @@ def test_torch_from_dlpack_takes_jax_float8_zero_copy():
 def test_mla_prefill_fp8_eager_and_jit(as_uint8, chunked):
     ql, cl, bs, args, cache8, scale, table = _inputs()
     ws = mla_bridge.Workspace("cpu", chunk_tokens=4 if chunked else 1000)
-    plan = mj.build_plan(ql, cl, dims=DIMS, block_size=bs, dtype=jnp.float32, workspace=ws,
-                         kv_cache_dtype=jnp.uint8 if as_uint8 else jnp.float8_e4m3fn)
+    plan = mj.build_plan(
+        ql,
+        cl,
+        dims=DIMS,
+        block_size=bs,
+        dtype=jnp.float32,
+        workspace=ws,
+        kv_cache_dtype=jnp.uint8 if as_uint8 else jnp.float8_e4m3fn,
+    )
     assert plan.kv_cache_dtype == torch.float8_e4m3fn and plan.fused == (not chunked)
     jcache = jnp.asarray(cache8.view(torch.uint8).numpy())
     if not as_uint8:
         jcache = jax.lax.bitcast_convert_type(jcache, jnp.float8_e4m3fn)
     targs = [torch.from_dlpack(a) for a in args]
-    core = mla_bridge.mla_prefill(*targs, cache8, torch.from_dlpack(table), plan, return_lse=True,
-                                  kv_cache_scale=scale)
+    core = mla_bridge.mla_prefill(*targs, cache8, torch.from_dlpack(table), plan, return_lse=True, kv_cache_scale=scale)
     for s in (scale, jnp.float32(scale), jnp.asarray([scale], jnp.float32)):
         out, lse = mj.mla_prefill(*args, jcache, table, plan, return_lse=True, kv_cache_scale=s)
         assert torch.equal(torch.from_dlpack(out), core[0]) and torch.equal(torch.from_dlpack(lse), core[1])
         f = jax.jit(lambda *a: mj.mla_prefill(*a[:-1], plan, return_lse=True, kv_cache_scale=a[-1]))
-        jout, jlse = f(*args, jcache, table, s) if not isinstance(s, float) else \
-            jax.jit(lambda *a: mj.mla_prefill(*a, plan, return_lse=True, kv_cache_scale=s))(*args, jcache, table)
+        jout, jlse = (
+            f(*args, jcache, table, s)
+            if not isinstance(s, float)
+            else jax.jit(lambda *a: mj.mla_prefill(*a, plan, return_lse=True, kv_cache_scale=s))(*args, jcache, table)
+        )
         assert torch.equal(torch.from_dlpack(jout), core[0]) and torch.equal(torch.from_dlpack(jlse), core[1])
 
 
@@ -71,8 +81,7 @@ def test_fp8_refusals_at_trace_time():
     with pytest.raises(ValueError, match="finite and > 0"):
         jax.jit(lambda *a: mj.mla_prefill(*a, plan, kv_cache_scale=-1.0))(*args, jcache, table)
     with pytest.raises(TypeError, match="float32 tensor"):
-        jax.jit(lambda *a: mj.mla_prefill(*a[:-1], plan, kv_cache_scale=a[-1]))(*args, jcache, table,
-                                                                                  jnp.int32(1))
+        jax.jit(lambda *a: mj.mla_prefill(*a[:-1], plan, kv_cache_scale=a[-1]))(*args, jcache, table, jnp.int32(1))
     plan32 = mj.build_plan(ql, cl, dims=DIMS, block_size=bs, dtype=jnp.float32)
     with pytest.raises(TypeError, match="kv_cache_dtype='fp8'"):
         jax.jit(lambda *a: mj.mla_prefill(*a, plan32, kv_cache_scale=scale))(*args, jcache, table)
@@ -97,7 +106,7 @@ def test_mla_prefill_fp8_on_gpu_zero_copy_eager_and_jit(as_uint8, monkeypatch):
     t = sum(ql)
     nb = sum(-(-c // bs) for c in cl) + 1
     host = [rng.standard_normal(s).astype(np.float32) for s in ((t, 16, 192), (t, 512), (t, 64), dims.kv_b_proj_shape)]
-    host[3] *= 512 ** -0.5
+    host[3] *= 512**-0.5
     cache8, scale = quantize_latent_cache(torch.from_numpy(rng.standard_normal((nb, bs, 576)).astype(np.float32)))
     table = np.full((3, 8), -1, np.int32)
     perm, i = rng.permutation(nb), 0
@@ -120,10 +129,23 @@ def test_mla_prefill_fp8_on_gpu_zero_copy_eager_and_jit(as_uint8, monkeypatch):
         return orig(*a, **kw)
 
     for chunk in (4096, 64):
-        plan = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.bfloat16, kv_cache_dtype="fp8",
-                             workspace=Workspace(dev, chunk_tokens=chunk))
-        core = orig(*(torch.from_dlpack(a) for a in args), torch.from_dlpack(jcache), torch.from_dlpack(jtable),
-                    plan, return_lse=True, kv_cache_scale=torch.from_dlpack(jscale))
+        plan = mj.build_plan(
+            ql,
+            cl,
+            dims=dims,
+            block_size=bs,
+            dtype=jnp.bfloat16,
+            kv_cache_dtype="fp8",
+            workspace=Workspace(dev, chunk_tokens=chunk),
+        )
+        core = orig(
+            *(torch.from_dlpack(a) for a in args),
+            torch.from_dlpack(jcache),
+            torch.from_dlpack(jtable),
+            plan,
+            return_lse=True,
+            kv_cache_scale=torch.from_dlpack(jscale),
+        )
         monkeypatch.setattr(mla_bridge, "mla_prefill", spy)
         out, lse = mj.mla_prefill(*args, jcache, jtable, plan, return_lse=True, kv_cache_scale=jscale)
         monkeypatch.setattr(mla_bridge, "mla_prefill", orig)

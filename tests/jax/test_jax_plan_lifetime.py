@@ -25,19 +25,22 @@ import mla_bridge  # noqa: E402
 import mla_bridge_jax as mj  # noqa: E402
 from mla_bridge_jax import api  # noqa: E402
 
-SM = 192 ** -0.5
+SM = 192**-0.5
 
 
 def _qkv(t, s, h=2, seed=0):
     rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal((t, h, 192)), jnp.bfloat16),
-            jnp.asarray(rng.standard_normal((s, h, 192)), jnp.bfloat16),
-            jnp.asarray(rng.standard_normal((s, h, 128)), jnp.bfloat16))
+    return (
+        jnp.asarray(rng.standard_normal((t, h, 192)), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal((s, h, 192)), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal((s, h, 128)), jnp.bfloat16),
+    )
 
 
 def _core(q, k, v, qo):
-    return mla_bridge.ragged_prefill(torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v), qo, qo,
-                                     causal=True, sm_scale=SM)[0]
+    return mla_bridge.ragged_prefill(
+        torch.from_dlpack(q), torch.from_dlpack(k), torch.from_dlpack(v), qo, qo, causal=True, sm_scale=SM
+    )[0]
 
 
 class _PlanCounter:
@@ -63,8 +66,9 @@ def test_traced_plans_are_bounded_and_replanned_when_evicted(monkeypatch):
     monkeypatch.setattr(api, "MAX_TRACED_PLANS", 2, raising=False)
     counter = _PlanCounter(monkeypatch)
     layouts = [[0, n] for n in (3, 4, 5, 6, 7)]  # 5 batch layouts: 5 traces, 5 compiled functions
-    fns = [jax.jit(lambda a, b, c, qo=qo: mj.ragged_prefill(a, b, c, qo, qo, causal=True, sm_scale=SM))
-           for qo in layouts]
+    fns = [
+        jax.jit(lambda a, b, c, qo=qo: mj.ragged_prefill(a, b, c, qo, qo, causal=True, sm_scale=SM)) for qo in layouts
+    ]
     inputs = [_qkv(qo[-1], qo[-1], seed=i) for i, qo in enumerate(layouts)]
     for f, x, qo in zip(fns, inputs, layouts):
         out, _ = f(*x)
@@ -139,7 +143,7 @@ def registry(monkeypatch, stand_in):
         return stand_in.stand_in, [torch.full((1,), float(plan.value)), None, None, None, None, None], [1, 2, 3, 4, 5]
 
     monkeypatch.setattr(route, "record", record)
-    monkeypatch.setattr(route, "_remaker", lambda plan, value=None: (lambda v=plan.value: FakePlan(v)), raising=False)
+    monkeypatch.setattr(route, "_remaker", lambda plan, value=None: lambda v=plan.value: FakePlan(v), raising=False)
     monkeypatch.setattr(route, "MAX_PLANS", 2, raising=False)
     FakePlan.made = []
     yield route

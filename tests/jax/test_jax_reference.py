@@ -27,20 +27,21 @@ def _loop_reference(q, k, v, qo, kv, causal, sm):
         lq, lk = qo[r + 1] - qo[r], kv[r + 1] - kv[r]
         for i in range(lq):
             for hh in range(h):
-                s = np.array([q[qo[r] + i, hh] @ k[kv[r] + j, hh] * sm for j in range(lk)
-                              if not causal or j <= i + lk - lq])
+                s = np.array(
+                    [q[qo[r] + i, hh] @ k[kv[r] + j, hh] * sm for j in range(lk) if not causal or j <= i + lk - lq]
+                )
                 if s.size:
                     m = s.max()
                     p = np.exp(s - m)
                     lse[qo[r] + i, hh] = m + np.log(p.sum())
-                    out[qo[r] + i, hh] = (p / p.sum()) @ v[kv[r]: kv[r] + s.size, hh]
+                    out[qo[r] + i, hh] = (p / p.sum()) @ v[kv[r] : kv[r] + s.size, hh]
     return out, lse
 
 
 CASES = [
     ([3, 0, 1, 4], [3, 0, 1, 4], True),
-    ([2, 3, 1], [5, 3, 0], True),     # kv longer (bottom-right), and a request with queries but no keys
-    ([4, 1], [2, 0], True),           # q longer than kv: the first rows see no key
+    ([2, 3, 1], [5, 3, 0], True),  # kv longer (bottom-right), and a request with queries but no keys
+    ([4, 1], [2, 0], True),  # q longer than kv: the first rows see no key
     ([1, 0, 2], [4, 3, 0], False),
 ]
 
@@ -52,8 +53,9 @@ def test_matches_float64_loop(q_lens, kv_lens, causal):
     q = rng.standard_normal((qo[-1], 2, 24)).astype(np.float32)
     k = rng.standard_normal((kv[-1], 2, 24)).astype(np.float32)
     v = rng.standard_normal((kv[-1], 2, 8)).astype(np.float32)
-    out, lse = reference.ragged_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), qo, kv, causal=causal,
-                                          sm_scale=SM)
+    out, lse = reference.ragged_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), qo, kv, causal=causal, sm_scale=SM
+    )
     want_out, want_lse = _loop_reference(q, k, v, qo, kv, causal, SM)
     assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-5)
@@ -69,10 +71,12 @@ def test_matches_torch_core_float32(q_lens, kv_lens, causal):
     qo, kv = np.cumsum([0] + q_lens).tolist(), np.cumsum([0] + kv_lens).tolist()
     q, k = (rng.standard_normal((n, 4, 192)).astype(np.float32) for n in (qo[-1], kv[-1]))
     v = rng.standard_normal((kv[-1], 4, 128)).astype(np.float32)
-    core_out, core_lse = mla_bridge.ragged_prefill(*(torch.from_numpy(x) for x in (q, k, v)), qo, kv, causal=causal,
-                                                   sm_scale=192 ** -0.5)
-    out, lse = reference.ragged_attention(*(jnp.asarray(x) for x in (q, k, v)), qo, kv, causal=causal,
-                                          sm_scale=192 ** -0.5)
+    core_out, core_lse = mla_bridge.ragged_prefill(
+        *(torch.from_numpy(x) for x in (q, k, v)), qo, kv, causal=causal, sm_scale=192**-0.5
+    )
+    out, lse = reference.ragged_attention(
+        *(jnp.asarray(x) for x in (q, k, v)), qo, kv, causal=causal, sm_scale=192**-0.5
+    )
     np.testing.assert_allclose(np.asarray(out), core_out.numpy(), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(lse), core_lse.numpy(), atol=1e-5, rtol=0)
 
@@ -82,8 +86,9 @@ def test_jit_with_static_or_traced_indptrs():
     q, k = (jnp.asarray(rng.standard_normal((7, 2, 16)), jnp.float32) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((7, 2, 8)), jnp.float32)
     eager = reference.ragged_attention(q, k, v, [0, 3, 7], [0, 3, 7], causal=True, sm_scale=SM)
-    static = jax.jit(lambda a, b, c: reference.ragged_attention(a, b, c, (0, 3, 7), (0, 3, 7), causal=True,
-                                                                sm_scale=SM))(q, k, v)
+    static = jax.jit(
+        lambda a, b, c: reference.ragged_attention(a, b, c, (0, 3, 7), (0, 3, 7), causal=True, sm_scale=SM)
+    )(q, k, v)
     traced_fn = jax.jit(lambda a, b, c, qo, kv: reference.ragged_attention(a, b, c, qo, kv, causal=True, sm_scale=SM))
     traced = traced_fn(q, k, v, jnp.asarray([0, 3, 7]), jnp.asarray([0, 3, 7]))
     for got in (static, traced):

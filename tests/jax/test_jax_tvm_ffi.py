@@ -50,8 +50,12 @@ def stand_in():
 
 def test_shim_runs_compiled_function_under_jit(stand_in):
     ws = torch.full((4,), 10.0)
-    pid = route.set_entry(stand_in.stand_in, [ws, [1, 2, 3], None, None, None, None, None, True, 0.5],
-                          [2, 3, 4, 5, 6], torch.device("cpu"))
+    pid = route.set_entry(
+        stand_in.stand_in,
+        [ws, [1, 2, 3], None, None, None, None, None, True, 0.5],
+        [2, 3, 4, 5, 6],
+        torch.device("cpu"),
+    )
     x = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)
     q, k = jnp.asarray(x), jnp.asarray(x + 1)
     out_types = (jax.ShapeDtypeStruct((2, 3, 4), jnp.float32), jax.ShapeDtypeStruct((2, 3), jnp.float32))
@@ -66,8 +70,12 @@ def test_shim_runs_compiled_function_under_jit(stand_in):
 
 
 def test_shim_refuses_another_device(stand_in):
-    pid = route.set_entry(stand_in.stand_in, [torch.zeros(1), [], None, None, None, None, None, False, 1.0],
-                          [2, 3, 4, 5, 6], torch.device("cuda", 3))
+    pid = route.set_entry(
+        stand_in.stand_in,
+        [torch.zeros(1), [], None, None, None, None, None, False, 1.0],
+        [2, 3, 4, 5, 6],
+        torch.device("cuda", 3),
+    )
     q = jnp.zeros((1, 1, 8), jnp.float32)
     out_types = (jax.ShapeDtypeStruct((1, 1, 4), jnp.float32), jax.ShapeDtypeStruct((1, 1), jnp.float32))
     with pytest.raises(Exception, match="was made for device 3"):
@@ -81,11 +89,30 @@ def _flashinfer_like_module(compiled):
     backend = "fa3"
     ragged_run_func = compiled
 
-    def ragged_run(ws, iws, info, q, k, v, qo, kv, o, lse, mask_mode, layout, window_left, enable_pdl,
-                   logits_soft_cap, sm_scale):
+    def ragged_run(
+        ws, iws, info, q, k, v, qo, kv, o, lse, mask_mode, layout, window_left, enable_pdl, logits_soft_cap, sm_scale
+    ):
         if backend == "fa3":
-            ragged_run_func(ws, iws, info, q, k, v, qo, kv, o, lse, mask_mode, layout, window_left, enable_pdl,
-                            None, logits_soft_cap, sm_scale, 1.0)
+            ragged_run_func(
+                ws,
+                iws,
+                info,
+                q,
+                k,
+                v,
+                qo,
+                kv,
+                o,
+                lse,
+                mask_mode,
+                layout,
+                window_left,
+                enable_pdl,
+                None,
+                logits_soft_cap,
+                sm_scale,
+                1.0,
+            )
         return o
 
     return types.SimpleNamespace(ragged_run=ragged_run)
@@ -95,8 +122,9 @@ def test_recorder_clones_ragged_run_without_touching_it():
     launched = []
     module = _flashinfer_like_module(lambda *a: launched.append(a))
     q, out = object(), object()
-    compiled, args = route._compiled_and_args(module.ragged_run, ["ws", "iws", [7], q, "k", "v", "qo", "kv", out,
-                                                                  "lse", 1, 0, -1, False, 0.0, 0.25])
+    compiled, args = route._compiled_and_args(
+        module.ragged_run, ["ws", "iws", [7], q, "k", "v", "qo", "kv", out, "lse", 1, 0, -1, False, 0.0, 0.25]
+    )
     assert launched == []  # the real compiled function never ran
     assert args[3] is q and args[8] is out and args[-3:] == [0.0, 0.25, 1.0] and len(args) == 18
     compiled("x")
@@ -108,7 +136,16 @@ def test_recorder_clones_ragged_run_without_touching_it():
 def test_why_not_on_cpu_plans():
     import mla_bridge
 
-    plan = mla_bridge.plan_ragged([0, 2], [0, 2], num_heads=1, head_dim_qk=192, head_dim_vo=128, causal=True,
-                                  sm_scale=0.1, dtype=torch.bfloat16, workspace=mla_bridge.Workspace("cpu"))
+    plan = mla_bridge.plan_ragged(
+        [0, 2],
+        [0, 2],
+        num_heads=1,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        causal=True,
+        sm_scale=0.1,
+        dtype=torch.bfloat16,
+        workspace=mla_bridge.Workspace("cpu"),
+    )
     assert "CUDA" in route.why_not(plan)
     assert "RaggedPlan" in route.why_not(object())

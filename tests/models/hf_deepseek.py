@@ -27,12 +27,30 @@ import torch
 
 YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096}
 PUBLISHED = {  # the attention fields of deepseek-ai/DeepSeek-V2-Lite and deepseek-ai/DeepSeek-V3 config.json
-    "v2-lite": dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
-                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
-                    rope_theta=10000, rope_scaling={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}),
-    "v3": dict(num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536,
-               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
-               rope_theta=10000, rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "v2-lite": dict(
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+        rope_theta=10000,
+        rope_scaling={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+    ),
+    "v3": dict(
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+        rope_theta=10000,
+        rope_scaling={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
 }
 CAPTURE_IMPL = "mla_bridge_test_capture"
 
@@ -43,10 +61,23 @@ def make_config(name: str, *, num_layers: int = 1, hidden_size: int = 256, vocab
     import transformers
 
     cls = transformers.DeepseekV2Config if name == "v2-lite" else transformers.DeepseekV3Config
-    fields = dict(PUBLISHED[name], hidden_size=hidden_size, intermediate_size=128, moe_intermediate_size=32,
-                  num_hidden_layers=num_layers, first_k_dense_replace=num_layers, vocab_size=vocab_size,
-                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, initializer_range=0.05,
-                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    fields = dict(
+        PUBLISHED[name],
+        hidden_size=hidden_size,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=num_layers,
+        first_k_dense_replace=num_layers,
+        vocab_size=vocab_size,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if name == "v3":
         fields.update(n_group=1, topk_group=1)
     fields.update(overrides)
@@ -69,8 +100,9 @@ def load(folder, attn_implementation: str = "eager", dtype=torch.float32, device
     import transformers
 
     register_capture()
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn_implementation,
-                                                              dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation=attn_implementation, dtype=dtype
+    )
     return model.to(device).eval()
 
 
@@ -100,9 +132,16 @@ def _capturing_eager(module, query, key, value, attention_mask, scaling=None, dr
     eager = sys.modules[type(module).__module__].eager_attention_forward
     out, weights = eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if _RECORDER is not None:
-        _RECORDER.calls.append(Call(module.layer_idx, query.detach().clone(), key.detach().clone(), float(scaling),
-                                    None if attention_mask is None else attention_mask.detach().clone(),
-                                    out.detach().clone()))
+        _RECORDER.calls.append(
+            Call(
+                module.layer_idx,
+                query.detach().clone(),
+                key.detach().clone(),
+                float(scaling),
+                None if attention_mask is None else attention_mask.detach().clone(),
+                out.detach().clone(),
+            )
+        )
     return out, weights
 
 
@@ -193,15 +232,30 @@ def run_request(model, tokens: torch.Tensor, context_len: int, layer: int = 0) -
     kv_c = torch.cat(seen["kv_c"])
     k_pe = call.key[0, 0, :, nope:].contiguous()
     assert kv_c.shape[0] == k_pe.shape[0] == tokens.shape[0]
-    return Captured(query=call.query[0].transpose(0, 1).contiguous(), kv_c=kv_c, k_pe=k_pe, out=call.out[0],
-                    scaling=call.scaling,
-                    hidden=seen["hidden"][-1][0], attn_out=seen["attn_out"][-1][0], context_len=context_len,
-                    prefix_hidden=seen["hidden"][0][0] if context_len else None,
-                    prefix_attn_out=seen["attn_out"][0][0] if context_len else None)
+    return Captured(
+        query=call.query[0].transpose(0, 1).contiguous(),
+        kv_c=kv_c,
+        k_pe=k_pe,
+        out=call.out[0],
+        scaling=call.scaling,
+        hidden=seen["hidden"][-1][0],
+        attn_out=seen["attn_out"][-1][0],
+        context_len=context_len,
+        prefix_hidden=seen["hidden"][0][0] if context_len else None,
+        prefix_attn_out=seen["attn_out"][0][0] if context_len else None,
+    )
 
 
-def page(latents: list, block_size: int, *, latent_dim: int, seed: int = 0, spare_blocks: int = 2,
-         dtype=torch.float32, device="cpu"):
+def page(
+    latents: list,
+    block_size: int,
+    *,
+    latent_dim: int,
+    seed: int = 0,
+    spare_blocks: int = 2,
+    dtype=torch.float32,
+    device="cpu",
+):
     """A paged latent cache ``[num_blocks, block_size, latent_dim]`` holding each request's context latents
     ``latents[r]`` ``[c_r, latent_dim]`` in shuffled blocks; unused slots NaN, block_table padding -1."""
     g = torch.Generator().manual_seed(seed)
@@ -216,33 +270,68 @@ def page(latents: list, block_size: int, *, latent_dim: int, seed: int = 0, spar
             blk = order[nxt]
             nxt += 1
             table[r, b] = blk
-            rows = x[b * block_size:(b + 1) * block_size]
+            rows = x[b * block_size : (b + 1) * block_size]
             cache[blk, : rows.shape[0]] = rows.to("cpu", dtype)
     return cache.to(device), table.to(device)
 
 
 #: Small attention dims of the sparse-attention (DSA) models' tests: MLA with an indexer, dense MLPs only.
-DSA_SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=8,
-                 num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                 v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, index_head_dim=16,
-                 index_n_heads=4, initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DSA_SMALL = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    kv_lora_rank=32,
+    q_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    index_head_dim=16,
+    index_n_heads=4,
+    initializer_range=0.05,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
-def dsa_model(model_type: str, *, index_topk: int, num_layers: int = 2, seed: int = 0, sinks: float = None,
-              attn_implementation: str = "eager", dtype=torch.float32, device: str = "cpu", **overrides):
+def dsa_model(
+    model_type: str,
+    *,
+    index_topk: int,
+    num_layers: int = 2,
+    seed: int = 0,
+    sinks: float = None,
+    attn_implementation: str = "eager",
+    dtype=torch.float32,
+    device: str = "cpu",
+    **overrides,
+):
     """A random transformers model of ``model_type`` ("deepseek_v32", "glm_moe_dsa", "hy_v4": MLA whose indexer picks
     ``index_topk`` keys per query) at :data:`DSA_SMALL` dims, dense MLPs, in eval mode; ``sinks``: every attention
     layer's ``sinks`` parameter (hy_v4's per-head sink logits) drawn around that value instead of its initial 0.
     Equal ``seed`` and config give equal weights whatever ``attn_implementation``."""
     import transformers
 
-    fields = dict(DSA_SMALL, num_hidden_layers=num_layers, index_topk=index_topk, first_k_dense_replace=num_layers,
-                  mlp_layer_types=["dense"] * num_layers)
+    fields = dict(
+        DSA_SMALL,
+        num_hidden_layers=num_layers,
+        index_topk=index_topk,
+        first_k_dense_replace=num_layers,
+        mlp_layer_types=["dense"] * num_layers,
+    )
     fields.update(overrides)
     config = transformers.AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                          attn_implementation=attn_implementation)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=attn_implementation
+    )
     if sinks is not None:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():

@@ -46,8 +46,15 @@ def head_dims(model_type: str, variant: str = "") -> tuple[int, int, int]:
     return src.qk_nope_head_dim, src.qk_rope_head_dim, src.v_head_dim
 
 
-def make_model(model_type: str, *, variant: str = "", seed: int = 0, attn_implementation: str = "eager",
-               dtype=torch.float32, device="cpu"):
+def make_model(
+    model_type: str,
+    *,
+    variant: str = "",
+    seed: int = 0,
+    attn_implementation: str = "eager",
+    dtype=torch.float32,
+    device="cpu",
+):
     """A random model of ``model_type`` with one MLA layer at the model's head dims; returns ``(model, base)`` where
     ``base`` is the decoder stack (``base.layers[0].self_attn`` the MLA attention). Skips the test under a
     transformers older than the one whose MLA classes these tests read (5.25: several model types, and the config
@@ -60,12 +67,32 @@ def make_model(model_type: str, *, variant: str = "", seed: int = 0, attn_implem
     cls, text = text_config_class(model_type)
     nope, rope, v = head_dims(model_type, variant)
     h = HEADS[model_type]
-    kw = dict(hidden_size=16 * h, num_attention_heads=h, num_key_value_heads=h, kv_lora_rank=32, q_lora_rank=32,
-              qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, intermediate_size=64,
-              moe_intermediate_size=16, vocab_size=64, num_hidden_layers=1, n_routed_experts=4,
-              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-              index_head_dim=rope + 16, index_n_heads=4, index_topk=INDEX_TOPK, initializer_range=0.05,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw = dict(
+        hidden_size=16 * h,
+        num_attention_heads=h,
+        num_key_value_heads=h,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        vocab_size=64,
+        num_hidden_layers=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        index_head_dim=rope + 16,
+        index_n_heads=4,
+        index_topk=INDEX_TOPK,
+        initializer_range=0.05,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     layer_types = getattr(text, "layer_types", None) if model_type != "dots3_note" else ["indexed_attention"]
     if layer_types:
         kw["layer_types"] = [next(t for t in layer_types if "linear" not in t)]
@@ -75,13 +102,26 @@ def make_model(model_type: str, *, variant: str = "", seed: int = 0, attn_implem
             kw["per_layer_config"] = {}
         else:  # the sliding-window layer's dims, without its window (sequences here are far shorter)
             kw["layer_types"] = ["sliding_attention"]
-            kw.update(swa_num_attention_heads=h, swa_num_key_value_heads=h, swa_q_lora_rank=32, swa_kv_lora_rank=48,
-                      swa_head_dim=nope + rope, swa_qk_nope_head_dim=nope, swa_v_head_dim=v, sliding_window=512)
+            kw.update(
+                swa_num_attention_heads=h,
+                swa_num_key_value_heads=h,
+                swa_q_lora_rank=32,
+                swa_kv_lora_rank=48,
+                swa_head_dim=nope + rope,
+                swa_qk_nope_head_dim=nope,
+                swa_v_head_dim=v,
+                sliding_window=512,
+            )
     if hasattr(text, "mlp_layer_types"):
         kw["mlp_layer_types"] = ["dense"]
     if model_type == "kimi_linear":
-        kw["linear_attn_config"] = {"full_attn_layers": [1], "kda_layers": [], "head_dim": 16, "num_heads": 4,
-                                    "short_conv_kernel_size": 4}
+        kw["linear_attn_config"] = {
+            "full_attn_layers": [1],
+            "kda_layers": [],
+            "head_dim": 16,
+            "num_heads": 4,
+            "short_conv_kernel_size": 4,
+        }
     if model_type == "longcat_flash":
         kw.update(num_hidden_layers=2, ffn_hidden_size=64, expert_ffn_hidden_size=16)  # one layer: two MLA
     config = cls(**kw)

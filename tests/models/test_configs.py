@@ -23,32 +23,61 @@ transformers = pytest.importorskip("transformers")
 
 #: model_type -> (modeling module, attention class) of transformers 5.25
 ATTENTION = {
-    "deepseek_v2": ("deepseek_v2", "DeepseekV2Attention"), "deepseek_v3": ("deepseek_v3", "DeepseekV3Attention"),
-    "kimi_k25": ("deepseek_v3", "DeepseekV3Attention"), "sarvam_mla": ("deepseek_v3", "DeepseekV3Attention"),
-    "youtu": ("youtu", "YoutuAttention"), "axk1": ("axk1", "AXK1Attention"), "axk2": ("axk2", "AXK2Attention"),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2Attention"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3Attention"),
+    "kimi_k25": ("deepseek_v3", "DeepseekV3Attention"),
+    "sarvam_mla": ("deepseek_v3", "DeepseekV3Attention"),
+    "youtu": ("youtu", "YoutuAttention"),
+    "axk1": ("axk1", "AXK1Attention"),
+    "axk2": ("axk2", "AXK2Attention"),
     "bailing_hybrid": ("bailing_hybrid", "BailingHybridAttention"),
-    "kimi_linear": ("kimi_linear", "KimiLinearAttention"), "longcat_flash": ("longcat_flash", "LongcatFlashMLA"),
+    "kimi_linear": ("kimi_linear", "KimiLinearAttention"),
+    "longcat_flash": ("longcat_flash", "LongcatFlashMLA"),
     "deepseek_v32": ("deepseek_v32", "DeepseekV32Attention"),
-    "glm4_moe_lite": ("glm4_moe_lite", "Glm4MoeLiteAttention"), "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaAttention"),
-    "hy_v4": ("hy_v4", "HYV4Attention"), "hy_v4_vl": ("hy_v4_vl", "HYV4VLAttention"),
-    "glm5_next": ("glm5_next", "Glm5NextTextAttention"), "mistral4": ("mistral4", "Mistral4Attention"),
-    "mistral_large4": ("mistral_large4", "MistralLarge4TextAttention"), "minicpm3": ("minicpm3", "MiniCPM3Attention"),
+    "glm4_moe_lite": ("glm4_moe_lite", "Glm4MoeLiteAttention"),
+    "glm_moe_dsa": ("glm_moe_dsa", "GlmMoeDsaAttention"),
+    "hy_v4": ("hy_v4", "HYV4Attention"),
+    "hy_v4_vl": ("hy_v4_vl", "HYV4VLAttention"),
+    "glm5_next": ("glm5_next", "Glm5NextTextAttention"),
+    "mistral4": ("mistral4", "Mistral4Attention"),
+    "mistral_large4": ("mistral_large4", "MistralLarge4TextAttention"),
+    "minicpm3": ("minicpm3", "MiniCPM3Attention"),
     "dots3_note": ("dots3_note", "Dots3NoteTextAttention"),
 }
 #: (num_heads, kv_lora_rank, qk_nope, qk_rope, v) of transformers' default config (dots3_note: layer 0, layer 2)
 DEFAULT_DIMS = {
-    "deepseek_v2": (32, 512, 128, 64, 128), "deepseek_v3": (128, 512, 128, 64, 128),
-    "kimi_k25": (128, 512, 128, 64, 128), "youtu": (16, 512, 128, 64, 128), "sarvam_mla": (64, 512, 128, 64, 128),
-    "axk1": (64, 512, 128, 64, 128), "bailing_hybrid": (32, 512, 128, 64, 128),
-    "kimi_linear": (32, 512, 128, 64, 128), "longcat_flash": (64, 512, 128, 64, 128),
-    "deepseek_v32": (128, 512, 128, 64, 128), "glm4_moe_lite": (20, 512, 192, 64, 256),
-    "glm_moe_dsa": (64, 512, 192, 64, 256), "hy_v4": (32, 512, 192, 64, 256), "hy_v4_vl": (64, 512, 192, 64, 256),
-    "glm5_next": (64, 512, 256, 0, 256), "mistral4": (32, 256, 64, 64, 128), "mistral_large4": (64, 512, 64, 64, 128),
-    "minicpm3": (40, 256, 64, 32, 64), "axk2": (32, 128, 64, 32, 64),
-    "dots3_note": (128, 512, 128, 64, 128), ("dots3_note", 2): (64, 1024, 192, 64, 128),
+    "deepseek_v2": (32, 512, 128, 64, 128),
+    "deepseek_v3": (128, 512, 128, 64, 128),
+    "kimi_k25": (128, 512, 128, 64, 128),
+    "youtu": (16, 512, 128, 64, 128),
+    "sarvam_mla": (64, 512, 128, 64, 128),
+    "axk1": (64, 512, 128, 64, 128),
+    "bailing_hybrid": (32, 512, 128, 64, 128),
+    "kimi_linear": (32, 512, 128, 64, 128),
+    "longcat_flash": (64, 512, 128, 64, 128),
+    "deepseek_v32": (128, 512, 128, 64, 128),
+    "glm4_moe_lite": (20, 512, 192, 64, 256),
+    "glm_moe_dsa": (64, 512, 192, 64, 256),
+    "hy_v4": (32, 512, 192, 64, 256),
+    "hy_v4_vl": (64, 512, 192, 64, 256),
+    "glm5_next": (64, 512, 256, 0, 256),
+    "mistral4": (32, 256, 64, 64, 128),
+    "mistral_large4": (64, 512, 64, 64, 128),
+    "minicpm3": (40, 256, 64, 32, 64),
+    "axk2": (32, 128, 64, 32, 64),
+    "dots3_note": (128, 512, 128, 64, 128),
+    ("dots3_note", 2): (64, 1024, 192, 64, 128),
 }
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 NESTED = ("kimi_k25", "mistral_large4", "glm5_next", "hy_v4_vl", "dots3_note")
 
@@ -65,8 +94,11 @@ def make_config(model_type: str, rope=None):
     text = _text(config)
     layer_types = getattr(text, "layer_types", None) or []
     kw = text.to_dict()
-    if isinstance(kw.get("rope_parameters"), dict) and set(kw["rope_parameters"]) <= set(layer_types) \
-            and kw["rope_parameters"]:
+    if (
+        isinstance(kw.get("rope_parameters"), dict)
+        and set(kw["rope_parameters"]) <= set(layer_types)
+        and kw["rope_parameters"]
+    ):
         kw["rope_parameters"] = {lt: dict(rope) for lt in kw["rope_parameters"]}  # per layer type (dots3_note)
     else:
         kw["rope_parameters"] = dict(rope)
@@ -107,8 +139,9 @@ def test_from_hf_config_equals_the_attention_module(tmp_path, model_type, rope):
         assert _dims_of(attn) == DEFAULT_DIMS[key]
         for form, source in _forms(config, tmp_path).items():
             d = MLADims.from_hf_config(source, layer=layer)
-            assert (d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) \
-                == DEFAULT_DIMS[key], form
+            assert (d.num_heads, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == DEFAULT_DIMS[
+                key
+            ], form
             assert d.softmax_scale == attn.scaling, (form, d.softmax_scale, attn.scaling)  # exactly
             assert d.latent_dim == d.kv_lora_rank + d.qk_rope_head_dim
 
@@ -122,13 +155,13 @@ def test_yarn_rule_per_model(model_type):
     factor = (0.1 * 0.707 * math.log(40) + 1) ** 2
     want = plain.softmax_scale * (1 if model_type in ("kimi_linear", "glm5_next") else factor)
     assert yarn.softmax_scale == pytest.approx(want, rel=1e-12)
-    assert plain.softmax_scale == pytest.approx(plain.head_dim_qk ** -0.5, rel=1e-15)
+    assert plain.softmax_scale == pytest.approx(plain.head_dim_qk**-0.5, rel=1e-15)
 
 
 def test_mistral4_default_is_yarn_scaled():
     # transformers' Mistral4Config defaults to YaRN factor 128, mscale_all_dim 1: 128 ** -0.5 * (0.1 ln 128 + 1) ** 2
     d = MLADims.from_hf_config(transformers.AutoConfig.for_model("mistral4"))
-    assert d.softmax_scale == pytest.approx(128 ** -0.5 * (0.1 * math.log(128) + 1) ** 2, rel=1e-12)
+    assert d.softmax_scale == pytest.approx(128**-0.5 * (0.1 * math.log(128) + 1) ** 2, rel=1e-12)
 
 
 @pytest.mark.parametrize("model_type", NESTED)
@@ -171,13 +204,16 @@ def test_non_mla_config_is_refused(model_type):
         MLADims.from_hf_config(transformers.AutoConfig.for_model(model_type))
 
 
-@pytest.mark.parametrize("change,field", [
-    (dict(qk_head_dim=200), "qk_head_dim"),
-    (dict(num_key_value_heads=1), "num_key_value_heads"),
-    (dict(qk_rope_head_dim=-1), "qk_rope_head_dim"),
-    (dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
-    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}), "rope_parameters"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (dict(qk_head_dim=200), "qk_head_dim"),
+        (dict(num_key_value_heads=1), "num_key_value_heads"),
+        (dict(qk_rope_head_dim=-1), "qk_rope_head_dim"),
+        (dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
+        (dict(rope_scaling={"type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}), "rope_parameters"),
+    ],
+)
 def test_contradicting_fields_are_refused_by_name(change, field):
     d = transformers.AutoConfig.for_model("glm4_moe_lite").to_dict()
     d.update(change)
@@ -188,5 +224,5 @@ def test_contradicting_fields_are_refused_by_name(change, field):
 def test_zero_rope_dims():
     d = MLADims.from_hf_config(transformers.AutoConfig.for_model("glm5_next"), layer=3)
     assert (d.head_dim_qk, d.head_dim_vo, d.latent_dim, d.kv_b_proj_shape) == (256, 256, 512, (64 * 512, 512))
-    assert d.softmax_scale == 256 ** -0.5
+    assert d.softmax_scale == 256**-0.5
     assert json.loads(json.dumps(d.__dict__))["qk_rope_head_dim"] == 0

@@ -9,8 +9,11 @@ import sys
 
 import pytest
 
-_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
-                        "bench_transformers_ttft.py")
+_EXAMPLE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "examples",
+    "bench_transformers_ttft.py",
+)
 
 
 def _load():
@@ -24,16 +27,39 @@ def _load():
 def test_ttft_script_quick(tmp_path, two_torch_threads):
     mod = _load()
     out = tmp_path / "ttft.json"
-    rows = mod.main(["--quick", "--layers", "1", "--prompt-len", "8", "--batch", "1", "--warmup", "0",
-                     "--repeats", "1", "--json", str(out)])
+    rows = mod.main(
+        [
+            "--quick",
+            "--layers",
+            "1",
+            "--prompt-len",
+            "8",
+            "--batch",
+            "1",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert [r["attn_implementation"] for r in rows] == ["sdpa", "mla_bridge"]
     assert all(r["ttft_ms"] > 0 for r in rows)
     assert rows[-1]["same_first_token"] is True and rows[-1]["ratio_sdpa_over_mla_bridge"] > 0
     assert out.exists()
 
 
-@pytest.mark.parametrize("args", [["--batch", "0"], ["--repeats", "0"], ["--prompt-len", "0"], ["--layers", "x"],
-                                  ["--json", "/nonexistent-dir/x.json"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--batch", "0"],
+        ["--repeats", "0"],
+        ["--prompt-len", "0"],
+        ["--layers", "x"],
+        ["--json", "/nonexistent-dir/x.json"],
+    ],
+)
 def test_ttft_script_refuses_bad_arguments_before_work(args, capsys, tmp_path):
     """--batch 0 and --repeats 0 gave tracebacks after the model was built, --prompt-len 0 silently ran 64 tokens, and
     an unwritable --json failed only at the end."""
@@ -45,6 +71,10 @@ def test_ttft_script_refuses_bad_arguments_before_work(args, capsys, tmp_path):
 
 @pytest.mark.parametrize("name", ["prefill_deepseek_v2_lite.py", "jax_prefill.py"])
 def test_examples_answer_help_without_running(name):
-    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(_EXAMPLE), name), "--help"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(_EXAMPLE), name), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0 and res.stdout.startswith("usage:"), res.stderr[-2000:]

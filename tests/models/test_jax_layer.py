@@ -25,8 +25,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from . import hf_deepseek as H  # noqa: E402
 
-_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
-                        "jax_deepseek_attention.py")
+_EXAMPLE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "examples",
+    "jax_deepseek_attention.py",
+)
 
 
 def _example():
@@ -57,8 +60,9 @@ def test_jax_layer_equals_transformers_attention(checkpoint, example, one_torch_
     folder = checkpoint(name)
     model = H.load(folder, H.CAPTURE_IMPL)
     g = torch.Generator().manual_seed(7)
-    caps = [H.run_request(model, torch.randint(3, model.config.vocab_size, (c + n,), generator=g), c)
-            for c, n in REQUESTS]
+    caps = [
+        H.run_request(model, torch.randint(3, model.config.vocab_size, (c + n,), generator=g), c) for c, n in REQUESTS
+    ]
 
     cfg = example.DeepseekAttentionConfig.from_hf_config(folder)
     assert cfg.rope_layout == {"v2-lite": "interleaved", "v3": "interleaved_to_half"}[name]
@@ -73,10 +77,12 @@ def test_jax_layer_equals_transformers_attention(checkpoint, example, one_torch_
     pages._free = list(np.random.default_rng(0).permutation(16))  # shuffled blocks
     cache = pages.empty(cfg.dims, jnp.float32)
     reqs = list(range(len(REQUESTS)))
-    for step_no, (hidden_of, want_of, ctx_of, new_of) in enumerate([
-        (lambda c: c.prefix_hidden, lambda c: c.prefix_attn_out, lambda c: 0, lambda c: c.context_len),
-        (lambda c: c.hidden, lambda c: c.attn_out, lambda c: c.context_len, lambda c: c.hidden.shape[0]),
-    ]):
+    for step_no, (hidden_of, want_of, ctx_of, new_of) in enumerate(
+        [
+            (lambda c: c.prefix_hidden, lambda c: c.prefix_attn_out, lambda c: 0, lambda c: c.context_len),
+            (lambda c: c.hidden, lambda c: c.attn_out, lambda c: c.context_len, lambda c: c.hidden.shape[0]),
+        ]
+    ):
         c_lens, q_lens = [ctx_of(c) for c in caps], [new_of(c) for c in caps]
         for r, c, n in zip(reqs, c_lens, q_lens):
             pages.reserve(r, c + n)
@@ -84,8 +90,14 @@ def test_jax_layer_equals_transformers_attention(checkpoint, example, one_torch_
         step = example.make_prefill_step(cfg, plan)
         hidden = jnp.asarray(torch.cat([hidden_of(c) for c in caps]).numpy())
         positions = jnp.asarray(np.concatenate([np.arange(c, c + n) for c, n in zip(c_lens, q_lens)]), jnp.int32)
-        out, cache = step(params, hidden, positions, jnp.asarray(pages.slots(reqs, c_lens, q_lens)), cache,
-                          jnp.asarray(pages.block_table(reqs)))
+        out, cache = step(
+            params,
+            hidden,
+            positions,
+            jnp.asarray(pages.slots(reqs, c_lens, q_lens)),
+            cache,
+            jnp.asarray(pages.block_table(reqs)),
+        )
         want = torch.cat([want_of(c) for c in caps]).double().numpy()
         assert np.abs(want).max() > 0.05
         np.testing.assert_allclose(_np(out), want, atol=1e-4, rtol=0, err_msg=f"step {step_no}")
@@ -102,7 +114,9 @@ def test_rope_layouts_differ(example):
     # Guards the layout test above: the three layouts give different vectors for the same input.
     x = jnp.arange(8.0).reshape(1, 8) + 1
     pos, inv = jnp.array([3]), jnp.asarray(np.array([1.0, 0.1, 0.01, 0.001], np.float32))
-    outs = [_np(example.apply_rope(x, pos, inv, 1.0, layout)) for layout in ("interleaved", "interleaved_to_half", "half")]
+    outs = [
+        _np(example.apply_rope(x, pos, inv, 1.0, layout)) for layout in ("interleaved", "interleaved_to_half", "half")
+    ]
     assert not np.allclose(outs[0], outs[1]) and not np.allclose(outs[1], outs[2])
     np.testing.assert_allclose(np.sort(outs[0].ravel()), np.sort(outs[1].ravel()), rtol=1e-6)  # same values, reordered
 
@@ -118,8 +132,10 @@ def test_jax_layer_bf16_gpu(checkpoint, example, name):
     folder = checkpoint(name)
     model = H.load(folder, H.CAPTURE_IMPL)  # float32 reference on the CPU
     g = torch.Generator().manual_seed(7)
-    caps = [H.run_request(model, torch.randint(3, model.config.vocab_size, (c + n,), generator=g), c)
-            for c, n in [(300, 57), (129, 200)]]
+    caps = [
+        H.run_request(model, torch.randint(3, model.config.vocab_size, (c + n,), generator=g), c)
+        for c, n in [(300, 57), (129, 200)]
+    ]
     cfg = example.DeepseekAttentionConfig.from_hf_config(folder)
     params = example.load_attention_weights(folder, 0, jnp.bfloat16)
     pages = example.PagedLatentCache(num_blocks=64, block_size=16, max_blocks_per_request=32)
@@ -137,8 +153,14 @@ def test_jax_layer_bf16_gpu(checkpoint, example, name):
         step = example.make_prefill_step(cfg, plan)
         hidden = jnp.asarray(torch.cat([hidden_of(c) for c in caps]).numpy()).astype(jnp.bfloat16)
         positions = jnp.asarray(np.concatenate([np.arange(c, c + n) for c, n in zip(c_lens, q_lens)]), jnp.int32)
-        out, cache = step(params, hidden, positions, jnp.asarray(pages.slots(reqs, c_lens, q_lens)), cache,
-                          jnp.asarray(pages.block_table(reqs)))
+        out, cache = step(
+            params,
+            hidden,
+            positions,
+            jnp.asarray(pages.slots(reqs, c_lens, q_lens)),
+            cache,
+            jnp.asarray(pages.block_table(reqs)),
+        )
         want = torch.cat([want_of(c) for c in caps]).double().numpy()
         err, wmax = np.abs(_np(out) - want).max(), np.abs(want).max()
         print(f"{name}: JAX layer bf16 err {err:.3g}, max |out| {wmax:.3g}")

@@ -59,7 +59,8 @@ def test_new_tokens_over_a_cached_prefix_equal_transformers(folder, torch_model,
         torch_model(ids[:, :9], past_key_values=cache)
         want = torch_model(ids[:, 9:], past_key_values=cache).logits.numpy()
     _, latents = models.make_forward(cfg, batch=2, seq_len=9, attention=attention)(
-        params, jnp.asarray(ids[:, :9].numpy(), dtype=jnp.int32))
+        params, jnp.asarray(ids[:, :9].numpy(), dtype=jnp.int32)
+    )
     forward = models.make_forward(cfg, batch=2, seq_len=5, prefix_len=9, attention=attention)
     got, _ = forward(params, jnp.asarray(ids[:, 9:].numpy(), dtype=jnp.int32), latents)
     assert float(abs(got - want).max()) < 1e-4, float(abs(got - want).max())
@@ -97,9 +98,10 @@ def test_gpu_bf16_logits_within_transformers_own_spread(folder, prefix):
         cache = None
         if prefix:
             cache = models.make_forward(cfg, batch=3, seq_len=prefix, attention=attention, dtype=jnp.bfloat16)(
-                params, jnp.asarray(ids[:, :prefix].numpy(), dtype=jnp.int32))[1]
-        got, _ = models.make_forward(cfg, batch=3, seq_len=new, prefix_len=prefix, attention=attention,
-                                     dtype=jnp.bfloat16)(params, jnp.asarray(ids[:, prefix:].numpy(), dtype=jnp.int32),
-                                                         cache)
+                params, jnp.asarray(ids[:, :prefix].numpy(), dtype=jnp.int32)
+            )[1]
+        got, _ = models.make_forward(
+            cfg, batch=3, seq_len=new, prefix_len=prefix, attention=attention, dtype=jnp.bfloat16
+        )(params, jnp.asarray(ids[:, prefix:].numpy(), dtype=jnp.int32), cache)
         err = float(abs(np.asarray(got) - truth).max())
         assert err <= 1.5 * spread, (attention, err, spread)

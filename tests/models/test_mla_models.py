@@ -58,8 +58,18 @@ def _requests(model, base, requests, seed=0):
     return [M.run_request(model, base, torch.randint(3, 64, (c + n,), generator=g), c) + (c,) for c, n in requests]
 
 
-def mla_bridge_out(dims, attn, caps, *, chunk_tokens, fuse_context, block_size=4, dtype=torch.float32,
-                   device="cpu", kv_cache_dtype=None):
+def mla_bridge_out(
+    dims,
+    attn,
+    caps,
+    *,
+    chunk_tokens,
+    fuse_context,
+    block_size=4,
+    dtype=torch.float32,
+    device="cpu",
+    kv_cache_dtype=None,
+):
     """mla_prefill over the captured requests (see the module docstring), sinks merged in; returns (out, plan)."""
     cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
     ctx = [torch.cat([kv_c[:c], k_pe[:c]], dim=-1) for _, _, _, kv_c, k_pe, _, c in caps]
@@ -72,16 +82,24 @@ def mla_bridge_out(dims, attn, caps, *, chunk_tokens, fuse_context, block_size=4
     else:
         cache = cast(cache)
     q = cast(torch.cat([x[0] for x in caps]))
-    kv_c = cast(torch.cat([x[3][x[6]:] for x in caps]))
-    k_pe = cast(torch.cat([x[4][x[6]:] for x in caps]))
-    plan = PrefillPlan.build([x[0].shape[0] for x in caps], [x[6] for x in caps], dims=dims,
-                             workspace=Workspace(device, chunk_tokens=chunk_tokens), block_size=block_size,
-                             dtype=dtype, fuse_context=fuse_context, kv_cache_dtype=kv_cache_dtype)
-    out, lse = mla_prefill(q, kv_c, k_pe, cast(attn.kv_b_proj.weight.detach()), cache, table, plan,
-                           return_lse=True, kv_cache_scale=scale)
+    kv_c = cast(torch.cat([x[3][x[6] :] for x in caps]))
+    k_pe = cast(torch.cat([x[4][x[6] :] for x in caps]))
+    plan = PrefillPlan.build(
+        [x[0].shape[0] for x in caps],
+        [x[6] for x in caps],
+        dims=dims,
+        workspace=Workspace(device, chunk_tokens=chunk_tokens),
+        block_size=block_size,
+        dtype=dtype,
+        fuse_context=fuse_context,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    out, lse = mla_prefill(
+        q, kv_c, k_pe, cast(attn.kv_b_proj.weight.detach()), cache, table, plan, return_lse=True, kv_cache_scale=scale
+    )
     sinks = getattr(attn, "sinks", None)
     if sinks is not None:  # one more key per head: logit sinks[h], value 0 (hy_v4's eager softmax over keys + sink)
-        out = (out.float() * torch.sigmoid(lse.float() - sinks.detach().float().to(lse.device))[..., None])
+        out = out.float() * torch.sigmoid(lse.float() - sinks.detach().float().to(lse.device))[..., None]
     return out, plan
 
 
@@ -92,8 +110,12 @@ def test_mla_prefill_equals_the_models_attention(models, two_torch_threads, name
     attn = M.mla_attention(base)
     model_type, _ = _split(name)
     dims = MLADims.from_hf_config(base.config, layer=0)  # the small config, read as a user's would be
-    assert (dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim) == \
-        (attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim)
+    assert (dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim) == (
+        attn.num_heads,
+        attn.qk_nope_head_dim,
+        attn.qk_rope_head_dim,
+        attn.v_head_dim,
+    )
     assert dims.softmax_scale == attn.scaling
     requests = NO_CONTEXT if case == "no-context" else PREFIX
     caps = _requests(model, base, requests)
@@ -151,6 +173,7 @@ def test_fp8_cache_of_transformers_latents(models, two_torch_threads, name):
 
 # ------------------------------------------------------------------------------------------------------------ GPU
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["no-context", "fused", "chunks"])
 @pytest.mark.parametrize("name", MODELS)
@@ -160,8 +183,9 @@ def test_mla_prefill_bf16_gpu_equals_float64(name, case):
     transformers' float64 eager attention over the same rounded inputs, and of transformers' float32 output within
     the same bound plus the bf16 rounding of the inputs (relative 2e-2 of the largest output)."""
     H.register_capture()
-    model, base = M.make_model(_split(name)[0], variant=_split(name)[1], attn_implementation=H.CAPTURE_IMPL, seed=1,
-                               device="cuda")
+    model, base = M.make_model(
+        _split(name)[0], variant=_split(name)[1], attn_implementation=H.CAPTURE_IMPL, seed=1, device="cuda"
+    )
     attn = M.mla_attention(base)
     dims = MLADims.from_hf_config(base.config, layer=0)
     requests = NO_CONTEXT if case == "no-context" else PREFIX
@@ -169,11 +193,18 @@ def test_mla_prefill_bf16_gpu_equals_float64(name, case):
     caps = _requests(model, base, requests)
     chunk_tokens, fuse, _ = SCHEDULES.get(case, (1024, True, None))
     torch.cuda._sleep(int(1e8))  # keep the GPU busy so the host runs ahead
-    out, plan = mla_bridge_out(dims, attn, caps, chunk_tokens=chunk_tokens, fuse_context=fuse,
-                               dtype=torch.bfloat16, device="cuda")
+    out, plan = mla_bridge_out(
+        dims, attn, caps, chunk_tokens=chunk_tokens, fuse_context=fuse, dtype=torch.bfloat16, device="cuda"
+    )
     # float64 reference: transformers' eager function on float64 copies of the bf16-rounded inputs
-    model64, base64 = M.make_model(_split(name)[0], variant=_split(name)[1], attn_implementation=H.CAPTURE_IMPL,
-                                   seed=1, dtype=torch.float64, device="cuda")
+    model64, base64 = M.make_model(
+        _split(name)[0],
+        variant=_split(name)[1],
+        attn_implementation=H.CAPTURE_IMPL,
+        seed=1,
+        dtype=torch.float64,
+        device="cuda",
+    )
     attn64 = M.mla_attention(base64)
     rounded = []
     for q, o, s, kv_c, k_pe, y, c in caps:
@@ -183,9 +214,8 @@ def test_mla_prefill_bf16_gpu_equals_float64(name, case):
     w = attn64.kv_b_proj.weight.detach().to(torch.bfloat16).double()
     for q, _, s, kv_c, k_pe, _, c in rounded:
         kv = (kv_c @ w.T).view(kv_c.shape[0], dims.num_heads, -1)
-        k = torch.cat([kv[..., : dims.qk_nope_head_dim],
-                       k_pe[:, None, :].expand(-1, dims.num_heads, -1)], dim=-1)
-        v = kv[..., dims.qk_nope_head_dim:]
+        k = torch.cat([kv[..., : dims.qk_nope_head_dim], k_pe[:, None, :].expand(-1, dims.num_heads, -1)], dim=-1)
+        v = kv[..., dims.qk_nope_head_dim :]
         n, L = q.shape[0], kv_c.shape[0]
         logits = torch.einsum("qhd,khd->hqk", q, k) * dims.softmax_scale
         mask = torch.arange(L, device=q.device)[None, :] <= (torch.arange(n, device=q.device)[:, None] + L - n)
@@ -196,7 +226,7 @@ def test_mla_prefill_bf16_gpu_equals_float64(name, case):
         p = torch.softmax(logits, dim=-1)[..., :L]
         ref.append(torch.einsum("hqk,khd->qhd", p, v))
     ref = torch.cat(ref)
-    excess = ((out.double() - ref).abs() - (2e-2 + 2.0 ** -7 * ref.abs())).max().item()
+    excess = ((out.double() - ref).abs() - (2e-2 + 2.0**-7 * ref.abs())).max().item()
     print(f"{name} {case}: backend {plan.backend.name}, max excess over the bf16 tolerance {excess:.3g}")
     assert excess <= 0, (name, case, excess)
     want = torch.cat([x[1] for x in caps]).double()
@@ -215,11 +245,13 @@ def test_transformers_function_bf16_gpu_within_sdpa_spread(name, monkeypatch):
     mt, var = _split(name)
     ref_impl = "eager" if mt in M.EAGER_ONLY else "sdpa"
     want_model, want_base = M.make_model(mt, variant=var, seed=1, device="cuda")
-    ours_model, ours_base = M.make_model(mt, variant=var, seed=1, attn_implementation=impl, dtype=torch.bfloat16,
-                                         device="cuda")
+    ours_model, ours_base = M.make_model(
+        mt, variant=var, seed=1, attn_implementation=impl, dtype=torch.bfloat16, device="cuda"
+    )
     try:
-        spread_model, spread_base = M.make_model(mt, variant=var, seed=1, attn_implementation=ref_impl,
-                                                 dtype=torch.bfloat16, device="cuda")
+        spread_model, spread_base = M.make_model(
+            mt, variant=var, seed=1, attn_implementation=ref_impl, dtype=torch.bfloat16, device="cuda"
+        )
     except ValueError:  # no sdpa for this model type
         spread_model, spread_base = M.make_model(mt, variant=var, seed=1, dtype=torch.bfloat16, device="cuda")
     for requests in (NO_CONTEXT, PREFIX):

@@ -33,18 +33,26 @@ def _captured(model, requests, seed=0):
     return [H.run_request(model, torch.randint(3, vocab, (c + n,), generator=g), c) for c, n in requests]
 
 
-def _run_mla_bridge(dims, weight, caps, *, chunk_tokens, fuse_context, block_size=4, dtype=torch.float32,
-                    device="cpu", ws=None):
+def _run_mla_bridge(
+    dims, weight, caps, *, chunk_tokens, fuse_context, block_size=4, dtype=torch.float32, device="cpu", ws=None
+):
     """Pack the captured requests into one ragged batch and run mla_prefill; returns (out [T, H, v], plan)."""
     cast = lambda x: x.to(device=device, dtype=dtype)  # noqa: E731
     ctx = [torch.cat([c.kv_c[: c.context_len], c.k_pe[: c.context_len]], dim=-1) for c in caps]
     cache, table = H.page(ctx, block_size, latent_dim=dims.latent_dim, dtype=dtype, device=device)
     q = cast(torch.cat([c.query for c in caps]))
-    kv_c = cast(torch.cat([c.kv_c[c.context_len:] for c in caps]))
-    k_pe = cast(torch.cat([c.k_pe[c.context_len:] for c in caps]))
+    kv_c = cast(torch.cat([c.kv_c[c.context_len :] for c in caps]))
+    k_pe = cast(torch.cat([c.k_pe[c.context_len :] for c in caps]))
     ws = ws or Workspace(device, chunk_tokens=chunk_tokens)
-    plan = PrefillPlan.build([c.query.shape[0] for c in caps], [c.context_len for c in caps], dims=dims,
-                             workspace=ws, block_size=block_size, dtype=dtype, fuse_context=fuse_context)
+    plan = PrefillPlan.build(
+        [c.query.shape[0] for c in caps],
+        [c.context_len for c in caps],
+        dims=dims,
+        workspace=ws,
+        block_size=block_size,
+        dtype=dtype,
+        fuse_context=fuse_context,
+    )
     return mla_prefill(q, kv_c, k_pe, cast(weight), cache, table, plan), plan
 
 
@@ -72,8 +80,9 @@ def test_mla_prefill_equals_transformers_attention(models, two_torch_threads, na
     chunk_tokens, fuse, expected = SCHEDULES.get(case, (1024, True, (False, 0)))
     caps = _captured(model, requests)
     assert all(c.scaling == attn.scaling for c in caps)
-    out, plan = _run_mla_bridge(dims, attn.kv_b_proj.weight.detach(), caps, chunk_tokens=chunk_tokens,
-                                fuse_context=fuse)
+    out, plan = _run_mla_bridge(
+        dims, attn.kv_b_proj.weight.detach(), caps, chunk_tokens=chunk_tokens, fuse_context=fuse
+    )
     assert (plan.fused, len(plan.chunks)) == expected
     want = torch.cat([c.out for c in caps])
     assert want.abs().max() > 0.1  # a real signal, not near-zero outputs
@@ -86,7 +95,7 @@ def test_wrong_scale_would_show(models, two_torch_threads, name):
     model, dims = models(name)
     attn = model.model.layers[0].self_attn
     caps = _captured(model, PREFIX)
-    wrong = MLADims(num_heads=dims.num_heads, softmax_scale=192 ** -0.5)
+    wrong = MLADims(num_heads=dims.num_heads, softmax_scale=192**-0.5)
     out, _ = _run_mla_bridge(wrong, attn.kv_b_proj.weight.detach(), caps, chunk_tokens=1024, fuse_context=True)
     assert (out - torch.cat([c.out for c in caps])).abs().max() > 1e-2
 
@@ -108,13 +117,22 @@ def test_mla_prefill_equals_transformers_attention_bf16_gpu(checkpoint, name, ca
     chunk_tokens, fuse, _ = SCHEDULES.get(case, (1024, True, None))
     caps = _captured(model, requests)
     torch.cuda._sleep(int(1e8))  # keep the GPU busy so the host runs ahead
-    out, plan = _run_mla_bridge(dims, attn.kv_b_proj.weight.detach(), caps, chunk_tokens=chunk_tokens,
-                                fuse_context=fuse, dtype=torch.bfloat16, device="cuda")
+    out, plan = _run_mla_bridge(
+        dims,
+        attn.kv_b_proj.weight.detach(),
+        caps,
+        chunk_tokens=chunk_tokens,
+        fuse_context=fuse,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     assert plan.backend.flashinfer_backend is not None  # FlashInfer ran, not the torch fallback
     want = torch.cat([c.out for c in caps]).float()
     err, wmax = (out.float() - want).abs().max().item(), want.abs().max().item()
     bf16_model = H.load(folder, H.CAPTURE_IMPL, dtype=torch.bfloat16, device="cuda")
     spread = (torch.cat([c.out for c in _captured(bf16_model, requests)]).float() - want).abs().max().item()
-    print(f"{name} {case}: mla_bridge bf16 err {err:.3g}, transformers bf16 eager err {spread:.3g}, max |out| {wmax:.3g}")
+    print(
+        f"{name} {case}: mla_bridge bf16 err {err:.3g}, transformers bf16 eager err {spread:.3g}, max |out| {wmax:.3g}"
+    )
     assert err <= 2e-2 * wmax, (err, spread, wmax)
     assert err <= max(2 * spread, 1e-2 * wmax), (err, spread, wmax)

@@ -39,22 +39,33 @@ def pair(v2_folder):
 @pytest.fixture
 def no_hand_back(monkeypatch):
     """Fail if any call would be handed back to transformers (so the test measures mla_bridge, not sdpa)."""
+
     def refuse(reason, *args, **kwargs):
         raise AssertionError(f"handed back to transformers: {reason}")
+
     monkeypatch.setattr(mbt_attention, "_hand_back", refuse)
 
 
 def _generate(model, input_ids, attention_mask=None, steps=STEPS, **kwargs):
     with torch.no_grad():
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps,
-                              min_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                              pad_token_id=0, **kwargs)
+        return model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **kwargs,
+        )
 
 
 def test_registered_name_is_the_model_attention(pair):
     eager, ours = pair
     assert ours.config._attn_implementation == "mla_bridge"
     from transformers import AttentionInterface
+
     assert AttentionInterface()["mla_bridge"] is mbt.mla_bridge_attention
 
 
@@ -68,7 +79,7 @@ def test_prompt_logits_and_greedy_steps_equal_eager(pair, no_hand_back, two_torc
     g_want, g_got = _generate(eager, prompt), _generate(ours, prompt)
     assert g_got.sequences.shape[1] == prompt.shape[1] + STEPS
     assert torch.equal(g_got.sequences, g_want.sequences)
-    assert len(set(g_want.sequences[0, prompt.shape[1]:].tolist())) > 1  # not one token repeated
+    assert len(set(g_want.sequences[0, prompt.shape[1] :].tolist())) > 1  # not one token repeated
     for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
     with torch.no_grad():  # the whole generated sequence in one forward: every position again
@@ -223,7 +234,11 @@ def test_unpadded_batches_read_q_k_v_in_place(pair, no_hand_back, monkeypatch, t
     served = calls[-layers:], runs[-layers:]  # the last forward's layers
     assert len(served[0]) == layers
     for (query, key, value), made in zip(*served):
-        assert query.shape[0] == batch and query.shape[2] == new and key.shape[2] == (prefix if case != "prompt" else 0) + new
+        assert (
+            query.shape[0] == batch
+            and query.shape[2] == new
+            and key.shape[2] == (prefix if case != "prompt" else 0) + new
+        )
         assert len(made) == batch  # one call per batch row
         for r, (q, k, v, kw) in enumerate(made):
             assert kw.get("return_lse") is False and kw.get("lse") is None
@@ -231,7 +246,7 @@ def test_unpadded_batches_read_q_k_v_in_place(pair, no_hand_back, monkeypatch, t
                 assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()  # a view, not a copy
                 assert _kernel_ready(x)  # FlashInfer reads it through its strides: RaggedPlan.run copies nothing
             assert torch.equal(q, query[r].transpose(0, 1)) and torch.equal(v, value[r].transpose(0, 1))
-    monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10 ** 9)  # the rows packed into one call instead
+    monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10**9)  # the rows packed into one call instead
     calls.clear(), runs.clear()
     packed = forward(ours)
     assert all(len(made) == 1 and made[0][0].shape[0] == batch * new for made in runs[-layers:])
@@ -253,7 +268,7 @@ def test_sinks_on_rows_read_in_place(no_hand_back, monkeypatch, two_torch_thread
     mask = torch.ones(20, 20, dtype=torch.bool).tril()[None, None]
     want, _ = m.eager_attention_forward(module, q, k, v, _additive(mask), scaling=0.3)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
-    monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10 ** 9)
+    monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10**9)
     packed, _ = mbt.mla_bridge_attention(module, q, k, v, None, scaling=0.3, s_aux=sinks)
     assert torch.equal(out, packed)
 
@@ -279,11 +294,19 @@ def test_padded_batch_is_gathered_without_a_host_sync_per_layer(pair, no_hand_ba
 
 # ---- the mask conversion ------------------------------------------------------------------------------------------
 
+
 def _sdpa_mask(padding, q_len, kv_len):
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    return sdpa_mask(batch_size=padding.shape[0], q_length=q_len, kv_length=kv_len, q_offset=kv_len - q_len,
-                     mask_function=causal_mask_function, attention_mask=padding, allow_is_causal_skip=False)
+    return sdpa_mask(
+        batch_size=padding.shape[0],
+        q_length=q_len,
+        kv_length=kv_len,
+        q_offset=kv_len - q_len,
+        mask_function=causal_mask_function,
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+    )
 
 
 @pytest.mark.parametrize("q_len,kv_len", [(6, 6), (2, 6), (1, 6)])
@@ -292,7 +315,7 @@ def test_padding_masks_become_ragged_lengths(q_len, kv_len):
     left = torch.ones(2, kv_len, dtype=torch.bool)
     left[0, :2] = False
     q_valid, key_valid = mbt.ragged_from_mask(_sdpa_mask(left, q_len, kv_len), 2, q_len, kv_len, cpu)
-    assert torch.equal(key_valid, left) and torch.equal(q_valid, left[:, kv_len - q_len:])
+    assert torch.equal(key_valid, left) and torch.equal(q_valid, left[:, kv_len - q_len :])
     for slot in (kv_len - 1, 3):  # right padding, padding inside
         padding = torch.ones(2, kv_len, dtype=torch.bool)
         padding[1, slot] = False
@@ -352,6 +375,7 @@ def test_masks_are_checked_in_blocks_of_queries(monkeypatch):
 
 # ---- what is handed back -------------------------------------------------------------------------------------------
 
+
 def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2, grad=None, **kwargs):
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, heads, q_len, 24, generator=g)
@@ -362,19 +386,22 @@ def _call(module, mask=None, dropout=0.0, q_len=4, kv_len=4, heads=2, kv_heads=2
     return mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3, dropout=dropout, **kwargs), (q, k, v)
 
 
-@pytest.mark.parametrize("change,reason", [
-    (dict(dropout=0.1), "dropout"),
-    (dict(sliding_window=2), "sliding window"),
-    (dict(cu_seq_lens_q=torch.tensor([0, 2, 4])), "packed sequences"),
-    (dict(position_bias=torch.zeros(1, 2, 4, 4)), "position_bias"),  # sdpa adds it to the logits
-    (dict(kv_heads=1), "GQA"),
-    (dict(is_causal=False), "non-causal"),
-    (dict(mask=torch.zeros(1, 1, 4, 4)), "mask"),
-    (dict(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool)), "other than causal over each row"),
-    (dict(grad="q"), "autograd"),
-    (dict(grad="k"), "autograd"),
-    (dict(grad="v"), "autograd"),
-])
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (dict(dropout=0.1), "dropout"),
+        (dict(sliding_window=2), "sliding window"),
+        (dict(cu_seq_lens_q=torch.tensor([0, 2, 4])), "packed sequences"),
+        (dict(position_bias=torch.zeros(1, 2, 4, 4)), "position_bias"),  # sdpa adds it to the logits
+        (dict(kv_heads=1), "GQA"),
+        (dict(is_causal=False), "non-causal"),
+        (dict(mask=torch.zeros(1, 1, 4, 4)), "mask"),
+        (dict(mask=torch.ones(1, 1, 4, 4, dtype=torch.bool)), "other than causal over each row"),
+        (dict(grad="q"), "autograd"),
+        (dict(grad="k"), "autograd"),
+        (dict(grad="v"), "autograd"),
+    ],
+)
 def test_unservable_calls_go_to_sdpa(monkeypatch, caplog, change, reason):
     seen = {}
 
@@ -383,6 +410,7 @@ def test_unservable_calls_go_to_sdpa(monkeypatch, caplog, change, reason):
         return "sdpa-out", None
 
     import transformers.integrations.sdpa_attention as sdpa_mod
+
     monkeypatch.setattr(sdpa_mod, "sdpa_attention_forward", fake_sdpa)
     mbt_attention._warned.clear()
     module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace())
@@ -391,7 +419,6 @@ def test_unservable_calls_go_to_sdpa(monkeypatch, caplog, change, reason):
     assert out == "sdpa-out" and weights is None
     assert seen["scaling"] == 0.3 and seen["dropout"] == change.get("dropout", 0.0)
     assert reason in caplog.text and "sdpa" in caplog.text
-
 
 
 def test_forward_mode_tangents_go_to_sdpa(monkeypatch):
@@ -415,13 +442,15 @@ def test_output_attentions_goes_to_eager(two_torch_threads):
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
 
     fake = type("FakeAttention", (types.SimpleNamespace,), {"__module__": m.__name__})  # eager found by module
-    module = fake(is_causal=True, config=types.SimpleNamespace(output_attentions=True), num_key_value_groups=1,
-                  training=False)
+    module = fake(
+        is_causal=True, config=types.SimpleNamespace(output_attentions=True), num_key_value_groups=1, training=False
+    )
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
     (out, weights), (q, k, v) = _call(module, mask=mask)
     assert weights is not None and weights.shape == (1, 2, 4, 4)
-    want, _ = m.eager_attention_forward(module, q, k, v, torch.zeros(1, 1, 4, 4).masked_fill(~mask, torch.finfo(q.dtype).min),
-                                        scaling=0.3)
+    want, _ = m.eager_attention_forward(
+        module, q, k, v, torch.zeros(1, 1, 4, 4).masked_fill(~mask, torch.finfo(q.dtype).min), scaling=0.3
+    )
     torch.testing.assert_close(out, want)
 
 
@@ -431,8 +460,9 @@ def test_served_call_equals_eager_on_a_continuation(two_torch_threads):
 
     padding = torch.tensor([[0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     mask = _sdpa_mask(padding, 3, 7)
-    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1,
-                                   training=False)
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+    )
     (out, weights), (q, k, v) = _call(module, mask=mask, q_len=3, kv_len=7)
     assert weights is None
     add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -447,8 +477,9 @@ def test_one_broadcast_mask_serves_calls_of_other_batch_sizes(two_torch_threads)
     ("q has 12 tokens but qo_indptr[-1] = 8")."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
 
-    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1,
-                                   training=False)
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+    )
     mask = torch.ones(4, 6, dtype=torch.bool).tril(2)[None, None]  # bottom-right causal, [1, 1, 4, 6]
     add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     g = torch.Generator().manual_seed(7)
@@ -464,8 +495,9 @@ def test_a_forced_backend_is_obeyed_on_the_same_lengths(monkeypatch, two_torch_t
     """The adapter's plan is kept across calls of equal lengths; its key now holds the backend asked for
     (``MLA_BRIDGE_BACKEND``) and the workspace, as the core's PlanCache key does. Before, a backend forced between two
     calls of equal lengths was ignored (the old plan ran), and obeyed only once the lengths changed."""
-    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1,
-                                   training=False)
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+    )
     monkeypatch.delenv("MLA_BRIDGE_BACKEND", raising=False)
     (out, _), _ = _call(module)
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", "flashinfer-fa2")  # cannot serve on the CPU: refused by name
@@ -488,8 +520,9 @@ def _fake_module(model_file: str, heads: int = 2, kv_heads: int = 2, **attrs):
 
     mod = importlib.import_module(f"transformers.models.{model_file}.modeling_{model_file}")
     fake = type("FakeAttention", (types.SimpleNamespace,), {"__module__": mod.__name__})
-    return fake(is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=heads // kv_heads,
-                training=False, **attrs), mod
+    return fake(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=heads // kv_heads, training=False, **attrs
+    ), mod
 
 
 def _additive(mask):
@@ -506,8 +539,10 @@ def _topk_indices(q_len, kv_len, topk, seed=0, batch=1):
 
 def _dsa_pair(model_type, index_topk, **kw):
     name = mbt.register()
-    return (H.dsa_model(model_type, index_topk=index_topk, **kw),
-            H.dsa_model(model_type, index_topk=index_topk, attn_implementation=name, **kw))
+    return (
+        H.dsa_model(model_type, index_topk=index_topk, **kw),
+        H.dsa_model(model_type, index_topk=index_topk, attn_implementation=name, **kw),
+    )
 
 
 def _left_padded(lens, vocab, seed):
@@ -564,8 +599,11 @@ def test_indices_are_folded_into_the_mask(mask_kind, kv_heads, two_torch_threads
     mask = {"none": None, "bool": causal, "float": _additive(causal)}[mask_kind]
     indices = _topk_indices(6, 6, 2, seed=1, batch=2)
     g = torch.Generator().manual_seed(12)
-    q, k, v = (torch.randn(2, 2, 6, 24, generator=g), torch.randn(2, kv_heads, 6, 24, generator=g),
-               torch.randn(2, kv_heads, 6, 16, generator=g))
+    q, k, v = (
+        torch.randn(2, 2, 6, 24, generator=g),
+        torch.randn(2, kv_heads, 6, 24, generator=g),
+        torch.randn(2, kv_heads, 6, 16, generator=g),
+    )
     out, _ = mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3, indices=indices)
     keep = torch.zeros(2, 6, 6, dtype=torch.bool).scatter(-1, indices.long(), True)[:, None]
     want, _ = m.eager_attention_forward(module, q, k, v, _additive(causal & keep), scaling=0.3)
@@ -574,12 +612,15 @@ def test_indices_are_folded_into_the_mask(mask_kind, kv_heads, two_torch_threads
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("indices,match", [
-    (torch.zeros(1, 4, 2), "integer"),
-    (torch.zeros(2, 4, 2, dtype=torch.int32), r"\[1, 4, k\]"),
-    (torch.zeros(1, 4, dtype=torch.int64), r"\[1, 4, k\]"),
-    ([[0, 1]], "tensor"),
-])
+@pytest.mark.parametrize(
+    "indices,match",
+    [
+        (torch.zeros(1, 4, 2), "integer"),
+        (torch.zeros(2, 4, 2, dtype=torch.int32), r"\[1, 4, k\]"),
+        (torch.zeros(1, 4, dtype=torch.int64), r"\[1, 4, k\]"),
+        ([[0, 1]], "tensor"),
+    ],
+)
 def test_malformed_indices_are_refused_by_name(indices, match):
     module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace())
     with pytest.raises((TypeError, ValueError), match=rf"indices.*{match}"):
@@ -624,12 +665,15 @@ def test_s_aux_is_served_as_a_sink_partial(no_hand_back, two_torch_threads):
     assert (want - dense).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("model_file,change", [
-    ("gemma2", dict(softcap=0.5)),  # sdpa refuses softcap
-    ("inkling2", dict(sinks=torch.full((1, 2, 4, 1), 2.0))),  # per-query sink logits: sdpa ignores them
-    ("hy_v4", dict(s_aux=torch.tensor([3.0, 2.0]), kv_heads=1)),  # GQA is handed back; sdpa ignores s_aux
-    ("hy_v4", dict(s_aux=torch.tensor([3.0, 2.0]), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))),  # not causal
-])
+@pytest.mark.parametrize(
+    "model_file,change",
+    [
+        ("gemma2", dict(softcap=0.5)),  # sdpa refuses softcap
+        ("inkling2", dict(sinks=torch.full((1, 2, 4, 1), 2.0))),  # per-query sink logits: sdpa ignores them
+        ("hy_v4", dict(s_aux=torch.tensor([3.0, 2.0]), kv_heads=1)),  # GQA is handed back; sdpa ignores s_aux
+        ("hy_v4", dict(s_aux=torch.tensor([3.0, 2.0]), mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))),  # not causal
+    ],
+)
 def test_keywords_only_eager_honours_go_to_the_models_eager(model_file, change, two_torch_threads):
     """A call handed back with a keyword sdpa does not honour (softcap, sinks, s_aux) goes to the model's own eager
     function, with the mask made additive; its output equals that function's."""
@@ -662,6 +706,7 @@ def test_unknown_keywords_are_refused_by_name(monkeypatch, change):
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 def test_bf16_gpu_logits_within_transformers_own_spread(v2_folder, no_hand_back):
@@ -708,19 +753,37 @@ def test_dsa_bf16_gpu_logits(monkeypatch, index_topk):
     handed = []
     real = mbt_attention._hand_back
     monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))
-    dims = dict(num_attention_heads=16, num_key_value_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                v_head_dim=128, kv_lora_rank=512, q_lora_rank=64, hidden_size=256, index_head_dim=128,
-                index_n_heads=8)
+    dims = dict(
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        kv_lora_rank=512,
+        q_lora_rank=64,
+        hidden_size=256,
+        index_head_dim=128,
+        index_n_heads=8,
+    )
     ids, mask = _left_padded([300, 177], 64, seed=0)
     ids, mask = ids.cuda(), mask.cuda()
     valid = mask.bool()
     logits = {}
     with torch.no_grad():
-        truth = H.dsa_model("deepseek_v32", index_topk=index_topk, device="cuda", **dims)(
-            ids, attention_mask=mask).logits[valid].float()
+        truth = (
+            H.dsa_model("deepseek_v32", index_topk=index_topk, device="cuda", **dims)(ids, attention_mask=mask)
+            .logits[valid]
+            .float()
+        )
         for impl in ("eager", "sdpa", name):
-            model = H.dsa_model("deepseek_v32", index_topk=index_topk, attn_implementation=impl,
-                                dtype=torch.bfloat16, device="cuda", **dims)
+            model = H.dsa_model(
+                "deepseek_v32",
+                index_topk=index_topk,
+                attn_implementation=impl,
+                dtype=torch.bfloat16,
+                device="cuda",
+                **dims,
+            )
             torch.cuda._sleep(int(1e8))  # keep the GPU busy so the host runs ahead
             logits[impl] = model(ids, attention_mask=mask).logits[valid].float()
     err = {impl: (x - truth).abs().max().item() for impl, x in logits.items()}
@@ -731,6 +794,7 @@ def test_dsa_bf16_gpu_logits(monkeypatch, index_topk):
     else:
         assert handed and all("indices" in r for r in handed), handed
         assert torch.equal(logits[name], logits["sdpa"]), (logits[name] - logits["sdpa"]).abs().max().item()
+
 
 def test_training_step_gradients_equal_eager(pair, two_torch_threads):
     """A training step (autograd recording, DeepSeek's attention_dropout 0): the call goes to sdpa, whose backward
@@ -789,7 +853,7 @@ def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand
                 assert kw.get("return_lse") is False
                 for x, src in ((q, query), (k, key), (v, value)):
                     assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and _kernel_ready(x)
-        monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10 ** 9)
+        monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10**9)
         torch.cuda._sleep(int(1e8))
         packed = model(ids).logits.float()
         truth = H.load(v2_folder, "eager", device="cuda")(ids).logits.float()

@@ -20,8 +20,20 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["RaggedCase", "PrefillCase", "RAGGED_CASES", "PREFILL_CASES", "DTYPES", "TOLERANCES", "ragged_inputs",
-           "prefill_inputs", "cumsum0", "to_torch", "HEAD_DIM_QK", "HEAD_DIM_VO"]
+__all__ = [
+    "RaggedCase",
+    "PrefillCase",
+    "RAGGED_CASES",
+    "PREFILL_CASES",
+    "DTYPES",
+    "TOLERANCES",
+    "ragged_inputs",
+    "prefill_inputs",
+    "cumsum0",
+    "to_torch",
+    "HEAD_DIM_QK",
+    "HEAD_DIM_VO",
+]
 
 HEAD_DIM_QK, HEAD_DIM_VO = 192, 128  # DeepSeek MLA prefill (qk_nope 128 + rope 64; v 128)
 DTYPES = ("bfloat16", "float32")
@@ -54,7 +66,7 @@ class RaggedCase:
 
     @property
     def sm_scale(self) -> float:
-        return HEAD_DIM_QK ** -0.5
+        return HEAD_DIM_QK**-0.5
 
     def __str__(self) -> str:
         return self.name
@@ -79,7 +91,8 @@ def ragged_inputs(case: RaggedCase) -> dict:
         q=rng.standard_normal((t, case.heads, HEAD_DIM_QK), dtype=np.float32),
         k=rng.standard_normal((s, case.heads, HEAD_DIM_QK), dtype=np.float32),
         v=rng.standard_normal((s, case.heads, HEAD_DIM_VO), dtype=np.float32),
-        qo_indptr=case.qo_indptr, kv_indptr=case.kv_indptr,
+        qo_indptr=case.qo_indptr,
+        kv_indptr=case.kv_indptr,
     )
 
 
@@ -110,8 +123,14 @@ PREFILL_CASES: tuple[PrefillCase, ...] = (
 )
 
 
-def prefill_inputs(case: PrefillCase, *, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
-                   qk_nope_head_dim: int = 128, v_head_dim: int = 128) -> dict:
+def prefill_inputs(
+    case: PrefillCase,
+    *,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    qk_nope_head_dim: int = 128,
+    v_head_dim: int = 128,
+) -> dict:
     """New tokens' ``q [T,H,192]``, ``kv_c [T,512]``, ``k_pe [T,64]``, ``kv_b_proj_weight [H*256, 512]``, the paged
     latent cache ``kv_cache [num_blocks, block_size, 576]`` (float32 numpy; unused blocks NaN) and
     ``block_table [batch, max_blocks]`` int32 (blocks in a seeded random order, padding -1)."""
@@ -121,8 +140,9 @@ def prefill_inputs(case: PrefillCase, *, kv_lora_rank: int = 512, qk_rope_head_d
     q = rng.standard_normal((t, h, qk_nope_head_dim + qk_rope_head_dim), dtype=np.float32)
     kv_c = rng.standard_normal((t, kv_lora_rank), dtype=np.float32)
     k_pe = rng.standard_normal((t, qk_rope_head_dim), dtype=np.float32)
-    w = (rng.standard_normal((h * (qk_nope_head_dim + v_head_dim), kv_lora_rank), dtype=np.float32)
-         * np.float32(kv_lora_rank ** -0.5))
+    w = rng.standard_normal((h * (qk_nope_head_dim + v_head_dim), kv_lora_rank), dtype=np.float32) * np.float32(
+        kv_lora_rank**-0.5
+    )
     bs = case.block_size
     blocks = [-(-c // bs) for c in case.context_lens]
     num_blocks = sum(blocks) + case.spare_blocks
@@ -137,7 +157,7 @@ def prefill_inputs(case: PrefillCase, *, kv_lora_rank: int = 512, qk_rope_head_d
             nxt += 1
             table[r, b] = blk
             n = min(bs, c - b * bs)
-            cache[blk, :n] = ctx[b * bs: b * bs + n]
+            cache[blk, :n] = ctx[b * bs : b * bs + n]
     return dict(q=q, kv_c=kv_c, k_pe=k_pe, kv_b_proj_weight=w, kv_cache=cache, block_table=table)
 
 

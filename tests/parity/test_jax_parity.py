@@ -24,8 +24,15 @@ from mla_bridge import MLADims, PrefillPlan, Workspace  # noqa: E402
 import mla_bridge_jax as mj  # noqa: E402
 from mla_bridge_jax import reference  # noqa: E402
 
-from .inputs import (DTYPES, PREFILL_CASES, RAGGED_CASES, TOLERANCES, prefill_inputs, ragged_inputs,  # noqa: E402
-                     to_torch)
+from .inputs import (  # noqa: E402
+    DTYPES,
+    PREFILL_CASES,
+    RAGGED_CASES,
+    TOLERANCES,
+    prefill_inputs,
+    ragged_inputs,
+    to_torch,
+)
 
 PLATFORMS = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 
@@ -57,8 +64,10 @@ def _as_torch(x: jax.Array) -> torch.Tensor:
 def _assert_bitwise(adapter, core, what: str) -> None:
     a = _as_torch(adapter)
     assert a.shape == core.shape and a.dtype == core.dtype, (what, a.shape, core.shape, a.dtype, core.dtype)
-    assert torch.equal(a, core), f"{what}: adapter and core differ (max |diff| " \
-                                 f"{(a.double() - core.double()).abs().nan_to_num(0).max().item():.3g})"
+    assert torch.equal(a, core), (
+        f"{what}: adapter and core differ (max |diff| "
+        f"{(a.double() - core.double()).abs().nan_to_num(0).max().item():.3g})"
+    )
 
 
 def _assert_close_to_reference(out, lse, ref_out, ref_lse, dtype: str, what: str) -> None:
@@ -67,8 +76,9 @@ def _assert_close_to_reference(out, lse, ref_out, ref_lse, dtype: str, what: str
     lse = np.asarray(_as_torch(lse).cpu()) if isinstance(lse, jax.Array) else lse.cpu().numpy()
     ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
     assert not np.isnan(out).any() and not np.isnan(lse).any(), f"{what}: NaN"
-    assert np.abs(out - ref_out).max(initial=0.0) <= tol["out"], \
+    assert np.abs(out - ref_out).max(initial=0.0) <= tol["out"], (
         f"{what}: out max |diff| {np.abs(out - ref_out).max():.3g} > {tol['out']}"
+    )
     inf = np.isinf(ref_lse)
     assert np.array_equal(np.isinf(lse), inf) and np.array_equal(lse[inf], ref_lse[inf]), f"{what}: lse -inf pattern"
     diff = np.abs(lse[~inf] - ref_lse[~inf]).max(initial=0.0)
@@ -110,20 +120,33 @@ def test_mla_prefill_parity(case, dtype, platform):
     x = prefill_inputs(case)
     dims = MLADims(num_heads=case.heads)
     tdtype = getattr(torch, dtype)
-    plan = PrefillPlan.build(case.query_lens, case.context_lens, dims=dims, block_size=case.block_size, dtype=tdtype,
-                             workspace=Workspace(tdev, chunk_tokens=case.chunk_tokens))
+    plan = PrefillPlan.build(
+        case.query_lens,
+        case.context_lens,
+        dims=dims,
+        block_size=case.block_size,
+        dtype=tdtype,
+        workspace=Workspace(tdev, chunk_tokens=case.chunk_tokens),
+    )
     assert plan.fused == case.fused
     targs = [to_torch(x[n], dtype, tdev) for n in _MLA_NAMES]
     jargs = [_jax(x[n], dtype, jdev) for n in _MLA_NAMES]
     core_out, core_lse = mla_bridge.mla_prefill(*targs, plan, return_lse=True)
 
-    jplan = mj.build_plan(case.query_lens, case.context_lens, dims=dims, block_size=case.block_size, dtype=dtype,
-                          workspace=Workspace(tdev, chunk_tokens=case.chunk_tokens))
+    jplan = mj.build_plan(
+        case.query_lens,
+        case.context_lens,
+        dims=dims,
+        block_size=case.block_size,
+        dtype=dtype,
+        workspace=Workspace(tdev, chunk_tokens=case.chunk_tokens),
+    )
     assert (jplan.fused, len(jplan.chunks)) == (plan.fused, len(plan.chunks))
     eager = mj.mla_prefill(*jargs, jplan, return_lse=True)
     jitted = jax.jit(lambda *a: mj.mla_prefill(*a, jplan, return_lse=True))(*jargs)
-    ref = reference.mla_attention(*jargs[:5], x["block_table"], case.query_lens, case.context_lens,
-                                  sm_scale=dims.softmax_scale)
+    ref = reference.mla_attention(
+        *jargs[:5], x["block_table"], case.query_lens, case.context_lens, sm_scale=dims.softmax_scale
+    )
     for what, (out, lse) in (("eager", eager), ("jit", jitted)):
         _assert_bitwise(out, core_out, f"{case} {what} out")
         _assert_bitwise(lse, core_lse, f"{case} {what} lse")

@@ -48,24 +48,53 @@ def _metadata(q_lens, kv_lens, dtype, as_chunk):
     chunked = None
     if as_chunk:
         chunk = _make(
-            MLACommonPrefillMetadata.ContextChunk, index=0, request_slice=slice(0, n), token_slice=slice(0, int(qo[-1])),
-            continuation_token_end=int(qo[1]), is_continuation=False, num_context_tokens=int(kv[-1]),
-            query_start_loc=qo, max_query_len=max(q_lens), cu_seq_lens=kv, starts=torch.zeros(n, dtype=torch.int32),
-            max_seq_len=max(kv_lens), seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+            MLACommonPrefillMetadata.ContextChunk,
+            index=0,
+            request_slice=slice(0, n),
+            token_slice=slice(0, int(qo[-1])),
+            continuation_token_end=int(qo[1]),
+            is_continuation=False,
+            num_context_tokens=int(kv[-1]),
+            query_start_loc=qo,
+            max_query_len=max(q_lens),
+            cu_seq_lens=kv,
+            starts=torch.zeros(n, dtype=torch.int32),
+            max_seq_len=max(kv_lens),
+            seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
             token_to_seq=torch.repeat_interleave(torch.arange(n, dtype=torch.int32), torch.tensor(kv_lens)),
-            all_rows_active=all(q_lens) and all(kv_lens))
-        chunked = _make(MLACommonPrefillMetadata.ChunkedContextMetadata, context_lens=kv[1:] - kv[:-1],
-                        workspace=torch.empty(0), chunks=[chunk], context_lens_list=list(kv_lens),
-                        empty_token_slices=[])
-    md = _make(MLACommonPrefillMetadata, block_table=torch.zeros(n, 1, dtype=torch.int32), query_start_loc=qo,
-               max_query_len=max(q_lens), chunked_context=chunked, q_data_type=dtype, output_dtype=dtype,
-               query_lens_cpu=qo[1:] - qo[:-1])
+            all_rows_active=all(q_lens) and all(kv_lens),
+        )
+        chunked = _make(
+            MLACommonPrefillMetadata.ChunkedContextMetadata,
+            context_lens=kv[1:] - kv[:-1],
+            workspace=torch.empty(0),
+            chunks=[chunk],
+            context_lens_list=list(kv_lens),
+            empty_token_slices=[],
+        )
+    md = _make(
+        MLACommonPrefillMetadata,
+        block_table=torch.zeros(n, 1, dtype=torch.int32),
+        query_start_loc=qo,
+        max_query_len=max(q_lens),
+        chunked_context=chunked,
+        q_data_type=dtype,
+        output_dtype=dtype,
+        query_lens_cpu=qo[1:] - qo[:-1],
+    )
     return md, (chunked.chunks[0] if as_chunk else None)
 
 
 def _adapter(heads, sm_scale):
-    return MLABridgePrefillBackend(num_heads=heads, scale=sm_scale, kv_lora_rank=512, qk_nope_head_dim=128,
-                                   qk_rope_head_dim=64, v_head_dim=128, vllm_config=None)
+    return MLABridgePrefillBackend(
+        num_heads=heads,
+        scale=sm_scale,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vllm_config=None,
+    )
 
 
 # vLLM's new-token pass is causal with kv == q; causal cases with other key lengths never reach the adapter.
@@ -76,8 +105,10 @@ VLLM_CASES = [c for c in inputs.RAGGED_CASES if not c.causal or c.q_lens == c.kv
 @pytest.mark.parametrize("case", VLLM_CASES, ids=str)
 def test_shared_ragged_cases_bitwise(case, dtype_name):
     dtype = DTYPES[dtype_name]
-    x = {k: (torch.from_numpy(v).to(dtype) if isinstance(v, np.ndarray) else v)
-         for k, v in inputs.ragged_inputs(case).items()}
+    x = {
+        k: (torch.from_numpy(v).to(dtype) if isinstance(v, np.ndarray) else v)
+        for k, v in inputs.ragged_inputs(case).items()
+    }
     backend = _adapter(case.heads, case.sm_scale)
     md, chunk = _metadata(case.q_lens, case.kv_lens, dtype, as_chunk=not case.causal)
     backend.prepare_metadata(md)
@@ -85,8 +116,9 @@ def test_shared_ragged_cases_bitwise(case, dtype_name):
         out, lse = backend.run_prefill_new_tokens(x["q"], x["k"], x["v"], return_softmax_lse=True)
     else:
         out, lse = backend.run_prefill_context_chunk(chunk, x["q"], x["k"], x["v"])
-    ref_out, ref_lse = ragged_prefill(x["q"], x["k"], x["v"], case.qo_indptr, case.kv_indptr, causal=case.causal,
-                                      sm_scale=case.sm_scale)
+    ref_out, ref_lse = ragged_prefill(
+        x["q"], x["k"], x["v"], case.qo_indptr, case.kv_indptr, causal=case.causal, sm_scale=case.sm_scale
+    )
     assert backend._plans.main.backend.name == "torch"
     assert torch.equal(out, ref_out)
     assert lse.shape == (case.heads, sum(case.q_lens))

@@ -24,8 +24,9 @@ import torch
 try:
     import mla_bridge_vllm.plans  # noqa: F401
 except ImportError:  # the project is not installed: import the adapter from the checkout
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                    "adapters"))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "adapters")
+    )
 
 from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans, host_indptr_from_lens, vllm_strides  # noqa: E402
 
@@ -60,8 +61,11 @@ def chunk_layout(context_lens: Sequence[int], workspace_tokens: int, block_size:
             remaining = context_lens[r] - start
             if used + remaining > workspace_tokens:
                 # split at a block boundary, leaving at least one token for the next chunk
-                split = min(max_chunk, (remaining - 1) // block_size * block_size,
-                            (workspace_tokens - used) // block_size * block_size)
+                split = min(
+                    max_chunk,
+                    (remaining - 1) // block_size * block_size,
+                    (workspace_tokens - used) // block_size * block_size,
+                )
                 if split > 0:
                     starts.append(start)
                     lens.append(split)
@@ -95,12 +99,15 @@ def make_inputs(query_lens, context_lens, heads, dtype, device, seed=0) -> MLAIn
     t = sum(query_lens)
     cast = lambda x: x.to(dtype=dtype, device=device)  # noqa: E731
     return MLAInputs(
-        list(query_lens), list(context_lens), heads,
+        list(query_lens),
+        list(context_lens),
+        heads,
         q=cast(torch.randn(t, heads, NOPE + ROPE, generator=g)),
         kv_c=cast(torch.randn(t, RANK, generator=g)),
         k_pe=cast(torch.randn(t, 1, ROPE, generator=g)),
-        w=cast(torch.randn(heads * (NOPE + VDIM), RANK, generator=g) * RANK ** -0.5),
-        context=[cast(torch.randn(c, RANK + ROPE, generator=g)) for c in context_lens])
+        w=cast(torch.randn(heads * (NOPE + VDIM), RANK, generator=g) * RANK**-0.5),
+        context=[cast(torch.randn(c, RANK + ROPE, generator=g)) for c in context_lens],
+    )
 
 
 def up_project(x: MLAInputs, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +130,9 @@ def merge_like_vllm(output, prefix_output, prefix_lse, suffix_output, suffix_lse
     tot = pe + se
     empty = tot == 0
     tot_safe = torch.where(empty, torch.ones_like(tot), tot)
-    merged = (prefix_output.float() * (pe / tot_safe).t().unsqueeze(-1)
-              + suffix_output.float() * (se / tot_safe).t().unsqueeze(-1))
+    merged = prefix_output.float() * (pe / tot_safe).t().unsqueeze(-1) + suffix_output.float() * (
+        se / tot_safe
+    ).t().unsqueeze(-1)
     output.copy_(merged.masked_fill(empty.t().unsqueeze(-1), 0.0).to(output.dtype))
     if output_lse is not None:
         output_lse.copy_(torch.where(empty, torch.full_like(m, float("-inf")), torch.log(tot_safe) + m_safe))
@@ -137,16 +145,32 @@ class KernelPathResult:
     plans: PrefillStepPlans
 
 
-def run_like_vllm(x: MLAInputs, chunks: Sequence[Chunk], sm_scale: float, backend: Optional[str] = None,
-                  workspace=None) -> KernelPathResult:
+def run_like_vllm(
+    x: MLAInputs, chunks: Sequence[Chunk], sm_scale: float, backend: Optional[str] = None, workspace=None
+) -> KernelPathResult:
     """The adapter's calls for one layer of one step, driven as vLLM's ``forward_mha`` drives them."""
     device, dtype, h = x.q.device, x.q.dtype, x.heads
     qo = host_indptr_from_lens(torch.tensor(x.query_lens))  # = host_indptr_from_lens(query_lens_cpu)
     plans = PrefillStepPlans(
-        qo, [ChunkIndptrs(c.index, qo[c.request_slice.start:c.request_slice.stop + 1] - qo[c.request_slice.start],
-                          host_indptr_from_lens(torch.tensor(c.seq_lens))) for c in chunks],
-        num_heads=h, head_dim_qk=NOPE + ROPE, head_dim_vo=VDIM, sm_scale=sm_scale, dtype=dtype, device=device,
-        workspace=workspace, backend=backend, strides=vllm_strides(h, NOPE, VDIM))  # as the backend plans
+        qo,
+        [
+            ChunkIndptrs(
+                c.index,
+                qo[c.request_slice.start : c.request_slice.stop + 1] - qo[c.request_slice.start],
+                host_indptr_from_lens(torch.tensor(c.seq_lens)),
+            )
+            for c in chunks
+        ],
+        num_heads=h,
+        head_dim_qk=NOPE + ROPE,
+        head_dim_vo=VDIM,
+        sm_scale=sm_scale,
+        dtype=dtype,
+        device=device,
+        workspace=workspace,
+        backend=backend,
+        strides=vllm_strides(h, NOPE, VDIM),
+    )  # as the backend plans
     passes = []
     k, v = up_project(x, x.kv_c, x.k_pe)
     has_context = bool(chunks)
@@ -162,7 +186,7 @@ def run_like_vllm(x: MLAInputs, chunks: Sequence[Chunk], sm_scale: float, backen
     ctx_lse = torch.full((h, t), float("-inf"), dtype=torch.float32, device=device)
     for c in chunks:
         r0, r1 = c.request_slice.start, c.request_slice.stop
-        latent = torch.cat([x.context[r][s:s + n] for r, s, n in zip(range(r0, r1), c.starts, c.seq_lens)])
+        latent = torch.cat([x.context[r][s : s + n] for r, s, n in zip(range(r0, r1), c.starts, c.seq_lens)])
         ck, cv = up_project(x, latent[:, :RANK], latent[:, RANK:].unsqueeze(1))
         tok0, tok1 = qo_list[r0], qo_list[r1]
         out, lse = plans.run_context_chunk(c.index, x.q[tok0:tok1], ck, cv)
@@ -170,10 +194,16 @@ def run_like_vllm(x: MLAInputs, chunks: Sequence[Chunk], sm_scale: float, backen
         init = tok0
         if c.is_continuation:  # accumulate_mla_context_chunk: the first request's rows merge, the rest are set
             init = qo_list[r0 + 1]
-            merge_like_vllm(ctx_out[tok0:init], ctx_out[tok0:init], ctx_lse[:, tok0:init], out[:init - tok0],
-                            lse[:, :init - tok0], output_lse=ctx_lse[:, tok0:init])
-        ctx_out[init:tok1] = out[init - tok0:]
-        ctx_lse[:, init:tok1] = lse[:, init - tok0:]
+            merge_like_vllm(
+                ctx_out[tok0:init],
+                ctx_out[tok0:init],
+                ctx_lse[:, tok0:init],
+                out[: init - tok0],
+                lse[:, : init - tok0],
+                output_lse=ctx_lse[:, tok0:init],
+            )
+        ctx_out[init:tok1] = out[init - tok0 :]
+        ctx_lse[:, init:tok1] = lse[:, init - tok0 :]
     final = torch.empty(t, h, VDIM, dtype=dtype, device=device)
     merge_like_vllm(final, ctx_out, ctx_lse, suffix_out, suffix_lse)
     return KernelPathResult(final, passes, plans)
@@ -187,14 +217,18 @@ def reference(x: MLAInputs, sm_scale: float) -> torch.Tensor:
     for n, c, ctx in zip(x.query_lens, x.context_lens, x.context):
         if n == 0:
             continue
-        latent = torch.cat([ctx, torch.cat([x.kv_c[start:start + n], x.k_pe[start:start + n, 0]], -1)]).double()
+        latent = torch.cat([ctx, torch.cat([x.kv_c[start : start + n], x.k_pe[start : start + n, 0]], -1)]).double()
         kv = (latent[:, :RANK] @ w.t()).view(-1, x.heads, NOPE + VDIM)
         k = torch.cat([kv[..., :NOPE], latent[:, RANK:].unsqueeze(1).expand(-1, x.heads, -1)], -1)
         mask = torch.ones(n, c + n, dtype=torch.bool, device=x.q.device)
         mask[:, c:] = torch.ones(n, n, dtype=torch.bool, device=x.q.device).tril()
         o = torch.nn.functional.scaled_dot_product_attention(
-            x.q[start:start + n].double().transpose(0, 1), k.transpose(0, 1), kv[..., NOPE:].transpose(0, 1),
-            attn_mask=mask, scale=sm_scale)
-        out[start:start + n] = o.transpose(0, 1)
+            x.q[start : start + n].double().transpose(0, 1),
+            k.transpose(0, 1),
+            kv[..., NOPE:].transpose(0, 1),
+            attn_mask=mask,
+            scale=sm_scale,
+        )
+        out[start : start + n] = o.transpose(0, 1)
         start += n
     return out

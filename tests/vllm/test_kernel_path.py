@@ -34,7 +34,10 @@ CPU_CASE = ([5, 3, 4, 6, 3, 2], [20, 30, 0, 100, 10, 0], 4, 64, 16)
 def test_chunk_layout_cases():
     chunks = K.chunk_layout([20, 30, 0, 100, 10, 0], 64, 16)
     assert [(c.request_slice, c.starts, c.seq_lens) for c in chunks] == [
-        (slice(0, 2), (0, 0), (20, 30)), (slice(3, 4), (0,), (64,)), (slice(3, 5), (64, 0), (36, 10))]
+        (slice(0, 2), (0, 0), (20, 30)),
+        (slice(3, 4), (0,), (64,)),
+        (slice(3, 5), (64, 0), (36, 10)),
+    ]
     assert [c.is_continuation for c in chunks] == [False, False, True]
     assert K.chunk_layout([0, 0], 64, 16) == []
     for ctx, ws, bs in ((GPU_CASES["v2lite_h16"][1], 1024, 16), ([4000, 3000], 4096, 64), ([33, 64, 1], 32, 16)):
@@ -74,8 +77,9 @@ def _check(x, chunks, backend, workspace=None):
     assert all(p.backend.name == backend for p in res.plans.chunks.values())
     ref = K.reference(x, V2_LITE)
     assert torch.isfinite(res.out).all()
-    torch.testing.assert_close(res.out.double(), ref, **(OUT_TOL if x.q.dtype != torch.float32 else
-                                                         dict(atol=1e-5, rtol=1e-5)))
+    torch.testing.assert_close(
+        res.out.double(), ref, **(OUT_TOL if x.q.dtype != torch.float32 else dict(atol=1e-5, rtol=1e-5))
+    )
     return res
 
 
@@ -140,15 +144,27 @@ def test_an_out_sharing_memory_with_q_k_or_v_is_refused_on_the_kernel_path():
     g = torch.Generator().manual_seed(0)
     h, dqk, dvo = 2, 24, 16
     qo = host_indptr_from_lens([3, 2])
-    plans = PrefillStepPlans(qo, [ChunkIndptrs(0, qo, host_indptr_from_lens([4, 5]))], num_heads=h, head_dim_qk=dqk,
-                             head_dim_vo=dvo, sm_scale=0.2, dtype=torch.float32, device="cpu")
-    q, k, v = torch.randn(5, h, dqk, generator=g), torch.randn(5, h, dqk, generator=g), torch.randn(5, h, dvo, generator=g)
+    plans = PrefillStepPlans(
+        qo,
+        [ChunkIndptrs(0, qo, host_indptr_from_lens([4, 5]))],
+        num_heads=h,
+        head_dim_qk=dqk,
+        head_dim_vo=dvo,
+        sm_scale=0.2,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    q, k, v = (
+        torch.randn(5, h, dqk, generator=g),
+        torch.randn(5, h, dqk, generator=g),
+        torch.randn(5, h, dvo, generator=g),
+    )
     kc, vc = torch.randn(9, h, dqk, generator=g), torch.randn(9, h, dvo, generator=g)
     saved = [x.clone() for x in (q, k, v, kc, vc)]
     for out, name in ((q[..., :dvo], "q"), (v, "v"), (k[..., :dvo], "k")):
         with pytest.raises(ValueError, match=rf"^out shares memory with {name}"):
             plans.run_new_tokens(q, k, v, True, out=out)
-    for out, name in ((q[..., dqk - dvo:], "q"), (kc[:5, :, :dvo], "k"), (vc[4:], "v")):
+    for out, name in ((q[..., dqk - dvo :], "q"), (kc[:5, :, :dvo], "k"), (vc[4:], "v")):
         with pytest.raises(ValueError, match=rf"^out shares memory with {name}"):
             plans.run_context_chunk(0, q, kc, vc, out=out)
     assert all(torch.equal(x, s) for x, s in zip((q, k, v, kc, vc), saved))

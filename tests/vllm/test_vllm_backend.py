@@ -41,8 +41,15 @@ def test_satisfies_vllm_base_class():
     assert issubclass(MLABridgePrefillBackend, MLAPrefillBackend)
     assert not inspect.isabstract(MLABridgePrefillBackend)
     assert MLABridgePrefillBackend.__abstractmethods__ == frozenset()
-    backend = MLABridgePrefillBackend(num_heads=16, scale=0.1147, kv_lora_rank=512, qk_nope_head_dim=128,
-                                      qk_rope_head_dim=64, v_head_dim=128, vllm_config=None)
+    backend = MLABridgePrefillBackend(
+        num_heads=16,
+        scale=0.1147,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vllm_config=None,
+    )
     clone = backend.clone()
     assert type(clone) is MLABridgePrefillBackend and clone is not backend
     assert (clone.num_heads, clone.scale, clone.v_head_dim) == (16, 0.1147, 128)
@@ -87,8 +94,9 @@ def _as_cuda(monkeypatch, capability):
     selector._auto_select_mla_prefill_backend.cache_clear()
 
 
-@pytest.mark.parametrize("capability,backend", [((9, 0), "flashinfer-fa3"), ((8, 0), "flashinfer-fa2"),
-                                                ((12, 0), "flashinfer-fa2")])
+@pytest.mark.parametrize(
+    "capability,backend", [((9, 0), "flashinfer-fa3"), ((8, 0), "flashinfer-fa2"), ((12, 0), "flashinfer-fa2")]
+)
 def test_vllm_selector_picks_it_from_attention_config(custom_slot, monkeypatch, capability, backend):
     """vLLM's own ``get_mla_prefill_backend`` with ``mla_prefill_backend="custom"``, on a (stated) CUDA device with
     FlashInfer present, returns the adapter; mla_bridge's dispatch names the kernel it will run."""
@@ -104,13 +112,17 @@ def test_vllm_selector_picks_it_from_attention_config(custom_slot, monkeypatch, 
     assert choice.name == backend
 
 
-@pytest.mark.parametrize("case,capability,dtype,flashinfer,match", [
-    ("no flashinfer", (9, 0), torch.bfloat16, False, "flashinfer-python is not installed"),
-    ("pre-Ampere", (7, 5), torch.bfloat16, True, "needs SM80"),
-    ("float32 on CUDA", (9, 0), torch.float32, True, "float16/bfloat16"),
-])
-def test_vllm_selector_refuses_what_no_kernel_serves(custom_slot, monkeypatch, case, capability, dtype, flashinfer,
-                                                      match):
+@pytest.mark.parametrize(
+    "case,capability,dtype,flashinfer,match",
+    [
+        ("no flashinfer", (9, 0), torch.bfloat16, False, "flashinfer-python is not installed"),
+        ("pre-Ampere", (7, 5), torch.bfloat16, True, "needs SM80"),
+        ("float32 on CUDA", (9, 0), torch.float32, True, "float16/bfloat16"),
+    ],
+)
+def test_vllm_selector_refuses_what_no_kernel_serves(
+    custom_slot, monkeypatch, case, capability, dtype, flashinfer, match
+):
     """vLLM raises with mla_bridge's reason rather than silently running the float32 torch reference on a GPU."""
     import vllm_harness
 
@@ -176,8 +188,9 @@ def test_cli_flag_sets_the_custom_slot():
     except ImportError:  # older vLLM
         from vllm.utils import FlexibleArgumentParser
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct",
-                              "--attention-config.mla_prefill_backend", "CUSTOM"])
+    args = parser.parse_args(
+        ["--model", "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct", "--attention-config.mla_prefill_backend", "CUSTOM"]
+    )
     attention_config = EngineArgs.from_cli_args(args).attention_config
     if isinstance(attention_config, dict):
         from vllm.config import AttentionConfig

@@ -105,8 +105,9 @@ def test_lse_is_natural_log_heads_by_tokens(setup):
             qo = kv = [0] + torch.tensor(batch.query_lens).cumsum(0).tolist()
             expect = H.ragged_lse_reference(q, k, qo, kv, causal=True)
         else:
-            expect = H.ragged_lse_reference(q, k, chunk.query_start_loc.tolist(), chunk.cu_seq_lens.tolist(),
-                                            causal=False)
+            expect = H.ragged_lse_reference(
+                q, k, chunk.query_start_loc.tolist(), chunk.cu_seq_lens.tolist(), causal=False
+            )
         torch.testing.assert_close(lse.double(), expect, **tol)
         torch.testing.assert_close(lse, lse_vllm.float(), **tol)
         # the test tells the conventions apart: base 2 is off by a factor 1/ln 2
@@ -183,10 +184,16 @@ def test_plans_once_per_step_from_host_copies(setup, monkeypatch):
     # Poison every device indptr: plans made from the host copies are unchanged.
     poison = lambda t: torch.full_like(t, -7)  # noqa: E731
     poisoned = dataclasses.replace(
-        md, query_start_loc=poison(md.query_start_loc),
-        chunked_context=dataclasses.replace(md.chunked_context, chunks=[
-            dataclasses.replace(c, query_start_loc=poison(c.query_start_loc), cu_seq_lens=poison(c.cu_seq_lens))
-            for c in md.chunked_context.chunks]))
+        md,
+        query_start_loc=poison(md.query_start_loc),
+        chunked_context=dataclasses.replace(
+            md.chunked_context,
+            chunks=[
+                dataclasses.replace(c, query_start_loc=poison(c.query_start_loc), cu_seq_lens=poison(c.cu_seq_lens))
+                for c in md.chunked_context.chunks
+            ],
+        ),
+    )
     fresh = step.backend.clone()
     fresh.prepare_metadata(poisoned)
     assert torch.equal(fresh._plans.main.qo_indptr, plans.main.qo_indptr)
@@ -209,7 +216,7 @@ def test_errors_are_clear(setup):
     fresh = ours.backend.clone()
     q = batch.q[:3]
     with pytest.raises(RuntimeError, match="prepare_metadata"):
-        fresh.run_prefill_new_tokens(q, q, q[..., :H.VDIM], return_softmax_lse=False)
+        fresh.run_prefill_new_tokens(q, q, q[..., : H.VDIM], return_softmax_lse=False)
     with pytest.raises(NotImplementedError, match="FP8"):
         ours.backend.run_prefill_new_tokens(q, q, q, False, output_scale=torch.ones(1))
     md = dataclasses.replace(ours.metadata.prefill, q_data_type=torch.float8_e4m3fn)
@@ -217,12 +224,15 @@ def test_errors_are_clear(setup):
         fresh.prepare_metadata(md)
 
 
-@pytest.mark.parametrize("query_lens,context_lens,workspace", [
-    ((5, 3, 4, 6, 3, 2), (20, 30, 0, 100, 10, 0), 64),
-    ((37, 5, 30, 64, 2, 9), (500, 0, 1200, 33, 0, 70), 1024),
-    ((3, 2, 2), (33, 64, 1), 32),
-    ((2, 2), (0, 0), 64),
-])
+@pytest.mark.parametrize(
+    "query_lens,context_lens,workspace",
+    [
+        ((5, 3, 4, 6, 3, 2), (20, 30, 0, 100, 10, 0), 64),
+        ((37, 5, 30, 64, 2, 9), (500, 0, 1200, 33, 0, 70), 1024),
+        ((3, 2, 2), (33, 64, 1), 32),
+        ((2, 2), (0, 0), 64),
+    ],
+)
 def test_kernel_path_chunk_layout_is_vllms(query_lens, context_lens, workspace):
     """tests/vllm/kernel_path.py (the vLLM-free GPU test's driver) packs chunks exactly as vLLM's builder does."""
     import kernel_path
@@ -230,8 +240,11 @@ def test_kernel_path_chunk_layout_is_vllms(query_lens, context_lens, workspace):
     batch = H.make_batch(torch.bfloat16, query_lens, context_lens)
     step = H.build_step(H.make_layer(torch.bfloat16, batch.w), batch, workspace_tokens=workspace)
     ctx = step.metadata.prefill.chunked_context
-    theirs = [] if ctx is None else [(c.request_slice, tuple(c.seq_lens.tolist()), c.is_continuation)
-                                     for c in ctx.chunks]
-    ours = [(c.request_slice, c.seq_lens, c.is_continuation)
-            for c in kernel_path.chunk_layout(context_lens, workspace, H.BLOCK)]
+    theirs = (
+        [] if ctx is None else [(c.request_slice, tuple(c.seq_lens.tolist()), c.is_continuation) for c in ctx.chunks]
+    )
+    ours = [
+        (c.request_slice, c.seq_lens, c.is_continuation)
+        for c in kernel_path.chunk_layout(context_lens, workspace, H.BLOCK)
+    ]
     assert ours == theirs

@@ -42,17 +42,21 @@ def test_selectable_with_an_fp8_cache_and_gets_bf16_queries(monkeypatch, capabil
     from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
 
     mla_bridge_vllm.register()
-    vc = VllmConfig(model_config=ModelConfig(model=H._model_dir(), skip_tokenizer_init=True, dtype=torch.bfloat16,
-                                             max_model_len=1024),
-                    cache_config=CacheConfig(block_size=H.BLOCK, cache_dtype="fp8"),
-                    attention_config=AttentionConfig(mla_prefill_backend="custom"))
+    vc = VllmConfig(
+        model_config=ModelConfig(
+            model=H._model_dir(), skip_tokenizer_init=True, dtype=torch.bfloat16, max_model_len=1024
+        ),
+        cache_config=CacheConfig(block_size=H.BLOCK, cache_dtype="fp8"),
+        attention_config=AttentionConfig(mla_prefill_backend="custom"),
+    )
     assert vc.cache_config.cache_dtype == "fp8"
     monkeypatch.setattr(mla_bridge.dispatch, "flashinfer_version", lambda: "0.7.4")
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(*capability))
-    monkeypatch.setattr(current_platform, "is_device_capability_family",
-                        lambda fam, device_id=0: capability[0] * 10 == fam)
+    monkeypatch.setattr(
+        current_platform, "is_device_capability_family", lambda fam, device_id=0: capability[0] * 10 == fam
+    )
     selector._auto_select_mla_prefill_backend.cache_clear()
     assert selector.get_mla_prefill_backend(vc) is MLABridgePrefillBackend
     with set_current_vllm_config(vc):
@@ -71,14 +75,22 @@ def test_forward_on_vllms_dequantized_cache_matches_mla_bridge_fp8():
     out_vllm = H.forward(step, batch)
 
     ws = mla_bridge.Workspace("cpu", chunk_tokens=H.WORKSPACE_TOKENS)
-    plan = mla_bridge.PrefillPlan.build(batch.query_lens, batch.context_lens, dims=mla_bridge.MLADims(
-        num_heads=H.HEADS, softmax_scale=H.SCALE), workspace=ws, block_size=H.BLOCK, dtype=dtype,
-        kv_cache_dtype="fp8")
-    out_core = mla_bridge.mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, cache8, batch.block_table, plan,
-                                      kv_cache_scale=scale)
+    plan = mla_bridge.PrefillPlan.build(
+        batch.query_lens,
+        batch.context_lens,
+        dims=mla_bridge.MLADims(num_heads=H.HEADS, softmax_scale=H.SCALE),
+        workspace=ws,
+        block_size=H.BLOCK,
+        dtype=dtype,
+        kv_cache_dtype="fp8",
+    )
+    out_core = mla_bridge.mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, cache8, batch.block_table, plan, kv_cache_scale=scale
+    )
     # the float64 reference over the dequantized latents (the unpaged copies, dequantized the same way)
-    batch.context = [(quantize_latent_cache(c.float(), scale)[0].float() * float(scale)).to(dtype)
-                     for c in batch.context]
+    batch.context = [
+        (quantize_latent_cache(c.float(), scale)[0].float() * float(scale)).to(dtype) for c in batch.context
+    ]
     ref = H.reference(batch)
     for out in (out_vllm, out_core):
         assert torch.isfinite(out).all()

@@ -75,12 +75,27 @@ _LAYER_COUNT = [0]
 def _model_dir() -> str:
     path = tempfile.mkdtemp(prefix="mla_bridge_vllm_model_")
     config = {
-        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
-        "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 1,
-        "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "kv_lora_rank": RANK, "q_lora_rank": None,
-        "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE, "v_head_dim": VDIM, "vocab_size": 128,
-        "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "n_routed_experts": 4, "n_shared_experts": 1,
-        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6,
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "kv_lora_rank": RANK,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": NOPE,
+        "qk_rope_head_dim": ROPE,
+        "v_head_dim": VDIM,
+        "vocab_size": 128,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "rms_norm_eps": 1e-6,
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
@@ -98,8 +113,9 @@ def _init_distributed(vc: VllmConfig) -> None:
     port = s.getsockname()[1]
     s.close()
     with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo"
+        )
         initialize_model_parallel(1, 1)
 
 
@@ -110,8 +126,7 @@ def vllm_config(dtype: torch.dtype) -> VllmConfig:
         vc = VllmConfig(
             model_config=ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype=dtype, max_model_len=1024),
             cache_config=CacheConfig(block_size=BLOCK),
-            attention_config=AttentionConfig(mla_prefill_backend="custom",
-                                             **({"backend": CPU_MLA} if CPU_MLA else {})),
+            attention_config=AttentionConfig(mla_prefill_backend="custom", **({"backend": CPU_MLA} if CPU_MLA else {})),
         )
         _init_distributed(vc)
         _CONFIGS[dtype] = vc
@@ -142,14 +157,25 @@ class Batch:
         qsl = torch.tensor([0] + torch.tensor(list(self.query_lens)).cumsum(0).tolist(), dtype=torch.int32)
         seq = torch.tensor([a + b for a, b in zip(self.query_lens, self.context_lens)], dtype=torch.int32)
         return CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=len(self.query_lens),
-            num_actual_tokens=self.num_tokens, max_query_len=max(self.query_lens), max_seq_len=int(seq.max()),
-            block_table_tensor=self.block_table, slot_mapping=torch.zeros(self.num_tokens, dtype=torch.int64),
-            seq_lens_cpu_upper_bound=seq.clone())
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.clone(),
+            seq_lens=seq,
+            num_reqs=len(self.query_lens),
+            num_actual_tokens=self.num_tokens,
+            max_query_len=max(self.query_lens),
+            max_seq_len=int(seq.max()),
+            block_table_tensor=self.block_table,
+            slot_mapping=torch.zeros(self.num_tokens, dtype=torch.int64),
+            seq_lens_cpu_upper_bound=seq.clone(),
+        )
 
 
-def make_batch(dtype: torch.dtype, query_lens: Sequence[int] = QUERY_LENS,
-               context_lens: Sequence[int] = CONTEXT_LENS, seed: int = 0) -> Batch:
+def make_batch(
+    dtype: torch.dtype,
+    query_lens: Sequence[int] = QUERY_LENS,
+    context_lens: Sequence[int] = CONTEXT_LENS,
+    seed: int = 0,
+) -> Batch:
     g = torch.Generator().manual_seed(seed)
     t = sum(query_lens)
     blocks = [-(-c // BLOCK) for c in context_lens]
@@ -164,8 +190,8 @@ def make_batch(dtype: torch.dtype, query_lens: Sequence[int] = QUERY_LENS,
             table[r, b] = order[nxt]
             nxt += 1
             n = min(BLOCK, c - b * BLOCK)
-            cache[table[r, b], :n] = context[r][b * BLOCK: b * BLOCK + n]
-    w = (torch.randn(HEADS * (NOPE + VDIM), RANK, generator=g) * RANK ** -0.5).to(dtype)
+            cache[table[r, b], :n] = context[r][b * BLOCK : b * BLOCK + n]
+    w = (torch.randn(HEADS * (NOPE + VDIM), RANK, generator=g) * RANK**-0.5).to(dtype)
     q = torch.randn(t, HEADS, NOPE + ROPE, generator=g).to(dtype)
     kv_c = torch.randn(t, RANK, generator=g).to(dtype)
     k_pe = torch.randn(t, 1, ROPE, generator=g).to(dtype)
@@ -186,11 +212,25 @@ def make_layer(dtype: torch.dtype, w: torch.Tensor, prefill_class_path: str = AD
     try:
         torch.set_default_dtype(dtype)
         with set_current_vllm_config(vc):
-            kv_b_proj = ColumnParallelLinear(RANK, HEADS * (NOPE + VDIM), bias=False, params_dtype=dtype,
-                                             prefix=prefix.replace(".attn", ".kv_b_proj"))
-            layer = MLAAttention(num_heads=HEADS, scale=SCALE, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
-                                 v_head_dim=VDIM, q_lora_rank=None, kv_lora_rank=RANK, kv_b_proj=kv_b_proj,
-                                 cache_config=vc.cache_config, prefix=prefix)
+            kv_b_proj = ColumnParallelLinear(
+                RANK,
+                HEADS * (NOPE + VDIM),
+                bias=False,
+                params_dtype=dtype,
+                prefix=prefix.replace(".attn", ".kv_b_proj"),
+            )
+            layer = MLAAttention(
+                num_heads=HEADS,
+                scale=SCALE,
+                qk_nope_head_dim=NOPE,
+                qk_rope_head_dim=ROPE,
+                v_head_dim=VDIM,
+                q_lora_rank=None,
+                kv_lora_rank=RANK,
+                kv_b_proj=kv_b_proj,
+                cache_config=vc.cache_config,
+                prefix=prefix,
+            )
             with torch.no_grad():
                 kv_b_proj.weight.copy_(w)
             kv_b_proj.quant_method.process_weights_after_loading(kv_b_proj)
@@ -217,9 +257,14 @@ class Step:
 def build_step(layer: MLAAttention, batch: Batch, workspace_tokens: int = WORKSPACE_TOKENS) -> Step:
     vc = vllm_config(batch.dtype)
     spec = layer.get_kv_cache_spec(vc)
-    with set_current_vllm_config(vc), mock.patch.object(
-            MLACommonMetadataBuilder, "determine_chunked_prefill_workspace_size",
-            staticmethod(lambda _config: workspace_tokens)):
+    with (
+        set_current_vllm_config(vc),
+        mock.patch.object(
+            MLACommonMetadataBuilder,
+            "determine_chunked_prefill_workspace_size",
+            staticmethod(lambda _config: workspace_tokens),
+        ),
+    ):
         builder = layer.attn_backend.get_builder_cls()(spec, [layer.layer_name], vc, torch.device("cpu"))
         metadata = builder.build(0, batch.common_metadata())
     return Step(layer, metadata, builder._prefill_backend)
@@ -241,23 +286,25 @@ def reference(batch: Batch) -> torch.Tensor:
     out = torch.zeros(batch.num_tokens, HEADS, VDIM, dtype=torch.float64)
     start = 0
     for n, c, ctx in zip(batch.query_lens, batch.context_lens, batch.context):
-        new = torch.cat([batch.kv_c[start:start + n], batch.k_pe[start:start + n, 0]], dim=-1)
+        new = torch.cat([batch.kv_c[start : start + n], batch.k_pe[start : start + n, 0]], dim=-1)
         latent = torch.cat([ctx, new]).double()
         kv = (latent[:, :RANK] @ w.t()).view(-1, HEADS, NOPE + VDIM)
         k = torch.cat([kv[..., :NOPE], latent[:, RANK:].unsqueeze(1).expand(-1, HEADS, -1)], dim=-1)
         v = kv[..., NOPE:]
         mask = torch.ones(n, c + n, dtype=torch.bool)
         mask[:, c:] = torch.ones(n, n, dtype=torch.bool).tril()
-        q = batch.q[start:start + n].double()
+        q = batch.q[start : start + n].double()
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=SCALE)
-        out[start:start + n] = o.transpose(0, 1)
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=SCALE
+        )
+        out[start : start + n] = o.transpose(0, 1)
         start += n
     return out
 
 
-def ragged_lse_reference(q: torch.Tensor, k: torch.Tensor, qo: Sequence[int], kv: Sequence[int],
-                         causal: bool) -> torch.Tensor:
+def ragged_lse_reference(
+    q: torch.Tensor, k: torch.Tensor, qo: Sequence[int], kv: Sequence[int], causal: bool
+) -> torch.Tensor:
     """Natural-log LSE ``[H, T]`` in float64 of a ragged batch (bottom-right causal when ``causal``)."""
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
     for r in range(len(qo) - 1):
