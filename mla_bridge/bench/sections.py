@@ -242,9 +242,12 @@ def _loop_job(ctx: Ctx, case: ContextCase, budget_label: str, budget: int, ci: i
         ms=per_layer,
         flops=attn + up,
         **meta,
-        note=f"plans: {p1 - p0} at build + {p2 - p1} in {ctx.layers * (1 + warm)} layers "
-        f"(expected {plan.num_plans}: main + distinct shapes of {len(plan.chunks)} chunk(s))"
-        + ("" if flashinfer else "; torch backend makes no FlashInfer plans")
+        note=(
+            f"plans: {p1 - p0} at build + {p2 - p1} in {ctx.layers * (1 + warm)} layers "
+            f"(expected {plan.num_plans}: main + distinct shapes of {len(plan.chunks)} chunk(s))"
+            if flashinfer
+            else f"torch backend: no FlashInfer plan to count; {ctx.layers} layers on one plan"
+        )
         + "; ms per layer",
     )
     row.host_ms = timing.host_ms / ctx.layers
