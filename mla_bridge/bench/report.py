@@ -215,9 +215,13 @@ def render(console: Any, rows: list[Row], checks: list[Check], env: dict, peaks:
         console.print(table)
     hidden = [r for r in rows if not r.applies]
     if hidden:
-        needs = sorted({r.note for r in hidden})
+        # a skipped row says what it needs; a row that ran but does not apply (a CUDA-graph path run eagerly
+        # where no graph can be captured) is named by what it is
+        needs = sorted(
+            {r.note if r.status == "skipped" else "CUDA graph replay: no graph here, run eagerly" for r in hidden}
+        )
         console.print(
-            f"Not shown: {len(hidden)} rows of paths this machine cannot run ({'; '.join(needs)}); "
+            f"Not shown: {len(hidden)} rows that do not apply on this machine ({'; '.join(needs)}); "
             "the JSON lists them.",
             highlight=False,
             markup=False,
