@@ -29,49 +29,14 @@ import time
 
 import torch
 
-V2_LITE = dict(
-    num_attention_heads=16,
-    num_key_value_heads=16,
-    kv_lora_rank=512,
-    q_lora_rank=None,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    max_position_embeddings=163840,
-    rope_theta=10000,
-    rope_scaling={
-        "type": "yarn",
-        "factor": 40,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-        "original_max_position_embeddings": 4096,
-    },
-    hidden_size=2048,
-    intermediate_size=10944,
-    vocab_size=102400,
-    rms_norm_eps=1e-6,
-)
+from mla_bridge.bench.ttft import model_fields  # the bench's model: DeepSeek-V2-Lite's sizes, all layers dense
 
 
 def build(folder: str, layers: int, quick: bool) -> None:
     """Write the random model to ``folder`` (``save_pretrained``)."""
     import transformers
 
-    fields = dict(
-        V2_LITE,
-        num_hidden_layers=layers,
-        first_k_dense_replace=layers,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=64,
-        tie_word_embeddings=False,
-    )
-    if quick:
-        fields.update(hidden_size=256, intermediate_size=256, vocab_size=512)
-    config = transformers.DeepseekV2Config(**fields)
+    config = transformers.DeepseekV2Config(**model_fields(quick, layers))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32 if quick else torch.bfloat16)
     model.save_pretrained(folder)  # about 1.5 GB in bf16 at the full size
