@@ -347,9 +347,10 @@ def _h200_like_rows() -> list:
         rows.append(
             Row("main", case, M.PATHS[1] + " x", status="skipped", note="needs CUDA", applies=False, order=(0, i, 9))
         )
-    kv_paths = (C.FUSED_KV_PATH, C.FUSED_KV_GRAPH, C.SEPARATE_KV_PATH, C.SEPARATE_KV_GRAPH)
+    names = ("eager", "graph", "handwritten", "fused kv", "fused kv graph", "separate kv", "separate kv graph")
+    names += ("gather", "up-projection", "gemm", "attention", "merge")
     for i, case in enumerate(("4x(8000+2000), all context", "4x(8000+2000), 4 chunks", "64x128 new, no context")):
-        for j, path in enumerate((C.PATHS[0], C.PATHS[20], C.PATHS[2]) + kv_paths + C.PATHS[3:8]):
+        for j, path in enumerate(map(C.path, names)):
             rows.append(
                 Row(
                     "context",
@@ -603,9 +604,11 @@ def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index)
 
 
 @pytest.mark.parametrize("budget_index", [0, 1])
-def test_isolated_phases_are_mla_prefills_steps(budget_index):
+def test_phases_alone_are_the_phases_mla_prefill_reports(budget_index):
+    """The bench times mla_prefill's phases alone through its own phase_hook (no copy of the pipeline): every phase
+    the layer reports gets a timing of each timed layer, and the layer's result is mla_prefill's."""
     from mla_bridge.bench.cases import context_cases
-    from mla_bridge.bench.context import _Phases, make_inputs
+    from mla_bridge.bench.context import make_inputs
 
     ctx = _ctx()
     case = context_cases(True)[1]
@@ -619,52 +622,24 @@ def test_isolated_phases_are_mla_prefills_steps(budget_index):
         block_size=case.block_size,
         dtype=ctx.dtype,
     )
-    want, want_lse = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, return_lse=True)
-    ph = _Phases(x, plan)  # runs the attention once into ph.out / ph.lse
-    ph.merge()
-    torch.testing.assert_close(ph.out, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ph.lse, want_lse, atol=1e-5, rtol=1e-5)
-    assert plan.fused == (budget_index == 0)
+    want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan)
+    seen, outs = [], []
 
+    def layer(hook):
+        def spy(name):
+            seen.append(name)
+            hook(name)
 
-def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monkeypatch):
-    """On CUDA a chunk names its rows by its kv_indptr (ContextChunk.rows, no per-token tensors): mla_prefill's gather
-    reads them so (mla_bridge.cache.gather_rows, one Triton launch), and the bench's gather phase, which times "the
-    gather of mla_prefill", must make the same calls, not expand per-token indices (twice) for gather_latent. A CPU
-    plan whose chunks' rows carry no host indices stands in for the CUDA one."""
-    import dataclasses
+        outs.append(mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan, phase_hook=spy))
 
-    import mla_bridge.bench.context as bench_context
-    import mla_bridge.cache as cache_mod
-    import mla_bridge.kv as kv_mod
-    from mla_bridge.bench.cases import context_cases
-
-    ctx = _ctx()
-    case = context_cases(True)[1]
-    x = bench_context.make_inputs(ctx, case, 1)
-    ws = Workspace("cpu", chunk_tokens=case.budgets[1][1])
-    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype)
-    assert not plan.fused and plan.chunks
-    plan.chunks = [dataclasses.replace(c, rows=c.rows._replace(indices=None)) for c in plan.chunks]
-    calls = []
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    for mod in (kv_mod, bench_context):
-        monkeypatch.setattr(mod, "gather_rows", spy("rows", cache_mod.gather_rows), raising=False)
-        monkeypatch.setattr(mod, "gather_latent", spy("tokens", cache_mod.gather_latent), raising=False)
-    want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, kv_impl="separate")
-    assert calls == ["rows"] * sum(c.plan is not None for c in plan.chunks)
-    calls.clear()
-    ph = bench_context._Phases(x, plan)
-    assert calls == ["rows"] * len(plan.chunks)
-    ph.merge()
-    torch.testing.assert_close(ph.out, want, atol=1e-5, rtol=1e-5)
+    times = ctx.phases_alone(layer)
+    reported = [n for n in dict.fromkeys(seen) if n != "end"]
+    assert list(times) == reported
+    assert {"gather", "up-projection", "main pass"} <= set(times)
+    assert ("merge" in times) == (not plan.fused) and plan.fused == (budget_index == 0)
+    for t in times.values():
+        assert t.repeats == ctx.repeats and len(t.samples) == ctx.repeats and t.ms >= 0
+    torch.testing.assert_close(outs[-1], want, atol=1e-5, rtol=1e-5)
 
 
 def test_backend_auto_is_accepted_like_prefill(tmp_path):

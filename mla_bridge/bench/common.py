@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,8 @@ __all__ = [
     "Job",
     "Timing",
     "Ctx",
+    "Variant",
+    "variants",
     "causal_pairs",
     "attention_flops",
     "gemm_flops",
@@ -156,6 +158,54 @@ class Job:
     label: str
     fn: Callable[["Ctx"], list]
     optional: bool = False
+
+
+#: What a variant may need, as its skipped row names it.
+NEEDS = {"cuda": "CUDA", "flashinfer": "FlashInfer", "triton": "Triton", "jax": "JAX"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One path of a section, as data: ``label`` is its rows' ``path`` in the JSON (and the report's key), ``order``
+    its display place within a case, ``needs`` what the machine must have (keys of :data:`NEEDS`; a variant that
+    lacks one is recorded as not applying here, with ``"needs ..."`` as its note), ``note`` the note of its measured
+    row (a format string the section fills), ``args`` what the section's builder reads to make its call."""
+
+    name: str
+    label: str
+    order: float = 0.0
+    needs: tuple[str, ...] = ()
+    note: str = ""
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    def missing(self, ctx: "Ctx") -> Optional[str]:
+        """``"needs CUDA and Triton"`` (every need, when one is missing) or None when this machine has them all."""
+        if all(_has(ctx, n) for n in self.needs):
+            return None
+        return "needs " + " and ".join(NEEDS[n] for n in self.needs)
+
+
+def variants(*table: Variant) -> dict[str, Variant]:
+    """A section's variants by name (names unique), in table order."""
+    out = {v.name: v for v in table}
+    assert len(out) == len(table), "variant names must be unique"
+    return out
+
+
+def _has(ctx: "Ctx", need: str) -> bool:
+    if need == "cuda":
+        return ctx.cuda
+    if need == "flashinfer":
+        return ctx.cuda and flashinfer_importable()
+    if need == "triton":
+        from ..kernels import triton_available
+
+        return ctx.cuda and triton_available()
+    if need == "jax":
+        import importlib.util
+
+        return importlib.util.find_spec("jax") is not None
+    raise ValueError(f"unknown need {need!r}; choose from {', '.join(NEEDS)}")
 
 
 @dataclass
@@ -300,6 +350,68 @@ class Ctx:
             r,
             None if gpu is None else statistics.median(gpu),
         )
+
+    def phases_alone(self, run_layer: Callable[[Callable[[str], None]], Any]) -> dict[str, Timing]:
+        """Each phase of ``run_layer(phase_hook)`` (one ``mla_prefill`` layer, :func:`mla_bridge.prefill.mla_prefill`
+        reports its phases to the hook) timed alone: at each boundary the device is synchronized and, on CUDA, kept
+        busy while the host issues the phase between two CUDA events, as :meth:`time` times a call (a sample is the
+        larger of the phase's GPU and host time; its passes in one layer add up). ``warmup`` untimed layers, then
+        ``repeats`` timed ones; returns a :class:`Timing` per phase name, in the order the layer reports them."""
+        t = time.perf_counter()
+        for _ in range(max(1 if self.cuda else 0, self.warmup)):
+            t = time.perf_counter()
+            run_layer(lambda name: None)
+        spin = _spin_ms((time.perf_counter() - t) * 1e3)
+        self.sync()
+        marks: list[list[tuple[str, Any, Any, float]]] = []  # per layer: (phase, start event, end event, host ms)
+        current: list = []
+
+        def hook(name: str) -> None:
+            now = time.perf_counter()
+            if current:
+                phase, ev0, t0 = current.pop()
+                ev1 = self._event()
+                marks[-1].append((phase, ev0, ev1, (now - t0) * 1e3))
+            if name == "end":
+                return
+            self.sync()
+            if self.cuda:
+                from ..profiling import keep_gpu_busy
+
+                keep_gpu_busy(self.device, spin)
+            current.append((name, self._event(), time.perf_counter()))
+
+        for _ in range(max(1, self.repeats)):
+            marks.append([])
+            run_layer(hook)
+        self.sync()
+        per: dict[str, list[list[float]]] = {}  # phase -> [samples, gpu, host] per layer
+        for layer in marks:
+            sums: dict[str, list[float]] = {}
+            for phase, ev0, ev1, host in layer:
+                gpu = ev0.elapsed_time(ev1) if self.cuda else host
+                acc = sums.setdefault(phase, [0.0, 0.0, 0.0])
+                acc[0], acc[1], acc[2] = acc[0] + max(gpu, host), acc[1] + gpu, acc[2] + host
+            for phase, acc in sums.items():
+                for lst, v in zip(per.setdefault(phase, [[], [], []]), acc):
+                    lst.append(v)
+        return {
+            phase: Timing(
+                statistics.median(s),
+                statistics.median(h),
+                [round(v, 6) for v in s],
+                len(s),
+                statistics.median(g) if self.cuda else None,
+            )
+            for phase, (s, g, h) in per.items()
+        }
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     # ------------------------------------------------------------------ rows
     def row(

@@ -344,7 +344,7 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
     def ratio(r: Row) -> Optional[float]:
         return r.extra.get("vs_attention_plus_gemm")
 
-    cp = context.PATHS
+    cp = context.path
     main_series = tuple(
         zip(
             main_pass.PATHS,
@@ -358,14 +358,18 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
         )
     )
     graphed = "CUDA graph replay" if env.get("gpu") else "capture_prefill (runs eagerly on the CPU)"
-    layer = ((cp[0], "eager"), (cp[20], graphed))
+    layer = ((cp("eager"), "eager"), (cp("graph"), graphed))
     kv = (
-        (context.FUSED_KV_PATH, "fused kernel, eager"),
-        (context.FUSED_KV_GRAPH, "fused kernel, graphed"),
-        (context.SEPARATE_KV_PATH, "gather + cuBLAS, eager"),
-        (context.SEPARATE_KV_GRAPH, "gather + cuBLAS, graphed"),
+        (cp("fused kv"), "fused kernel, eager"),
+        (cp("fused kv graph"), "fused kernel, graphed"),
+        (cp("separate kv"), "gather + cuBLAS, eager"),
+        (cp("separate kv graph"), "gather + cuBLAS, graphed"),
     )
-    times = ((cp[0], "mla_prefill, eager"), (cp[20], "mla_prefill, " + graphed), (cp[2], "hand-written pipeline"))
+    times = (
+        (cp("eager"), "mla_prefill, eager"),
+        (cp("graph"), "mla_prefill, " + graphed),
+        (cp("handwritten"), "hand-written pipeline"),
+    )
 
     applies = env.get("mode") == "full" and bool(env.get("gpu"))
     panels = []
