@@ -43,6 +43,7 @@ FAKE_JAX_ROWS = [
         "backend": "torch",
         "ms": 0.5,
         "tflops": 0.001,
+        "flops": 5e5,
         "vs_torch": 1.0,
         "note": "",
     },
@@ -84,15 +85,12 @@ def _ctx():
     )
 
 
-def _fake_jax_module(calls: list):
-    mod = types.ModuleType("mla_bridge_jax.bench")
-
+def _fake_compare(calls: list):
     def compare(cases=(), *, warmup=5, iters=50, seed=0, backend=None):
         calls.append(dict(cases=cases, warmup=warmup, iters=iters, seed=seed, backend=backend))
         return [dict(r) for r in FAKE_JAX_ROWS]
 
-    mod.compare = compare
-    return mod
+    return compare
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +100,7 @@ def cpu_run(tmp_path_factory):
     calls: list = []
     console = _quiet_console()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "mla_bridge_jax.bench", _fake_jax_module(calls))
+        mp.setattr("mla_bridge.bench.jax_rows.compare", _fake_compare(calls))
         mp.delenv("MLA_BRIDGE_BACKEND", raising=False)
         # flex_attention's eager set-up costs seconds on a CPU: its own (slow) test below runs it.
         args = _parse(
@@ -472,7 +470,7 @@ def test_sections_flag_picks_sections(tmp_path):
 
 
 def test_missing_jax_adapter_skips_with_a_note(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mla_bridge_jax.bench", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "mla_bridge_jax", None)  # import raises ImportError
     path = tmp_path / "b.json"
     assert run(_parse(["--device", "cpu", "--sections", "jax", "--json", str(path)]), console=_quiet_console()) == 0
     rows = [r for r in json.loads(path.read_text())["rows"] if r["section"] == "jax"]

@@ -12,7 +12,8 @@ Public API:
   * :mod:`mla_bridge_jax.reference` -- pure-JAX float32 references (``ragged_attention``, ``mla_attention``).
   * :func:`sharded_ragged_prefill`, :func:`build_sharded_plans` + :func:`sharded_mla_prefill` -- heads sharded over
     a mesh axis with ``shard_map``.
-  * :mod:`mla_bridge_jax.bench` -- ``compare()``, the GPU microbenchmark (imported on use).
+  The adapter against the torch core is timed by the bench (``mla-bridge bench --sections jax``,
+  :mod:`mla_bridge.bench.jax_rows`), which imports this package; this package never imports the bench.
 """
 
 import atexit

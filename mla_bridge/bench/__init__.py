@@ -8,7 +8,8 @@ Sections (``--sections``, default all):
   3 ``merge``   ``merge_attn_states`` GB/s at 16 and 128 heads.
   4 ``plan``    host time of ``PrefillPlan.build`` at batch 1/16/128; FlashInfer plans in a 61-layer loop.
   5 ``memory``  peak extra device memory of ``mla_prefill`` against the workspace budget plus the output.
-  6 ``jax``     ``mla_bridge_jax.bench.compare`` when importable.
+  6 ``jax``     the JAX adapter against the torch core (:mod:`mla_bridge.bench.jax_rows`), when JAX and
+                ``mla_bridge_jax`` import.
   7 ``ttft``    time to first token of a small DeepSeek-V2 model (V2-Lite attention dims, 4 dense layers):
                 transformers sdpa vs mla_bridge, the JAX model's cuDNN / XLA attention vs mla_bridge_jax, each with
                 attention's share of the forward (:mod:`mla_bridge.bench.ttft`). Not in the default set: asked for
@@ -175,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
-    from . import context, main_pass, sections as other, ttft
+    from . import context, jax_rows, main_pass, sections as other, ttft
 
     makers = {
         "main": main_pass.jobs,
@@ -183,7 +184,7 @@ def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
         "merge": other.merge_jobs,
         "plan": other.plan_jobs,
         "memory": other.memory_jobs,
-        "jax": other.jax_jobs,
+        "jax": jax_rows.jobs,
         "ttft": ttft.jobs,
     }
     jobs = []

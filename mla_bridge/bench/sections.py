@@ -1,10 +1,7 @@
-"""Sections 3-6: merge bandwidth, planning (host time, plans per 61-layer loop), peak memory, and the JAX adapter."""
+"""Sections 3-5: merge bandwidth, planning (host time, plans per 61-layer loop), peak memory."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import os
 import statistics
 import time
 from typing import Any, Callable
@@ -19,7 +16,7 @@ from .cases import ContextCase, context_cases, dims_for, loop_case
 from .common import Ctx, Job, Row, flashinfer_importable, fmt_err
 from .context import budget_bytes, handwritten_pipeline, make_inputs, peak_extra
 
-__all__ = ["merge_jobs", "plan_jobs", "memory_jobs", "jax_jobs", "normalize_jax_row"]
+__all__ = ["merge_jobs", "plan_jobs", "memory_jobs"]
 
 GIB = 1024**3
 
@@ -391,112 +388,3 @@ def memory_jobs(ctx: Ctx) -> list[Job]:
                 Job("memory", f"memory {case.name}, {label}", lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i))  # type: ignore[misc]
             )
     return out
-
-
-# ------------------------------------------------------------------------------------------------ 6. JAX
-_JAX_KNOWN = {
-    "section",
-    "case",
-    "path",
-    "status",
-    "ms",
-    "host_ms",
-    "tflops",
-    "gbps",
-    "fraction",
-    "flops",
-    "bytes",
-    "seq_len",
-    "heads",
-    "repeats",
-    "note",
-    "error",
-}
-
-
-def normalize_jax_row(ctx: Ctx, d: dict, i: int) -> Row:
-    """A row of ``mla_bridge_jax.bench.compare`` in this report's schema (unknown keys go to ``extra``)."""
-    d = dict(d)
-    path = str(d.pop("path", None) or d.pop("name", None) or d.pop("impl", None) or f"jax row {i}")
-    case = str(d.pop("case", None) or d.pop("shape", None) or "")
-    ms = d.pop("ms", None)
-    flops = d.pop("flops", None)
-    status = d.pop("status", "ok" if ms is not None else "skipped")
-    if status not in ("ok", "skipped"):
-        status = "skipped"
-    note = str(d.pop("note", "") or "")
-    error = d.pop("error", None)
-    known = {k: d.pop(k) for k in list(d) if k in _JAX_KNOWN}
-    row = ctx.row(
-        "jax",
-        case,
-        path,
-        ms=float(ms) if ms is not None else None,
-        flops=float(flops) if flops else None,
-        note=note,
-        order=(5, i, 0),
-    )
-    row.status = status
-    row.error = None if error is None else str(error)
-    for key in ("host_ms", "seq_len", "heads", "repeats"):
-        if known.get(key) is not None:
-            setattr(row, key, known[key])
-    if row.tflops is None and known.get("tflops") is not None:
-        row.tflops = float(known["tflops"])
-        peak = ctx.peaks.get("matmul_tflops")
-        row.fraction = row.tflops / peak if peak else None
-        row.fraction_of = "matmul_peak" if peak else None
-    if row.gbps is None and known.get("gbps") is not None:
-        row.gbps = float(known["gbps"])
-    row.extra.update(d)
-    if row.flops is None and row.tflops is not None:
-        row.extra.setdefault("flops_convention", "the adapter's own")
-    return row
-
-
-def _jax_kwargs(ctx: Ctx, params: Any) -> dict:
-    """What to hand ``compare``: only parameters it names; framework-neutral values only (its ``dtype`` is a JAX
-    dtype, so none is passed). Quick mode asks for one tiny case when it takes ``cases``."""
-    kwargs: dict = {}
-    for name in ("iters", "repeats"):
-        if name in params:
-            kwargs[name] = ctx.repeats
-    for name, value in (("warmup", ctx.warmup), ("seed", ctx.seed), ("quick", ctx.quick)):
-        if name in params:
-            kwargs[name] = value
-    if ctx.backend is not None and "backend" in params:
-        kwargs["backend"] = ctx.backend
-    if ctx.quick and "cases" in params:
-        kwargs["cases"] = (("tiny 2x32", (32, 32)),)
-    return kwargs
-
-
-def _jax_job(ctx: Ctx) -> list[Row]:
-    path = "mla_bridge_jax.bench.compare"
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
-    try:
-        mod = importlib.import_module("mla_bridge_jax.bench")
-        compare = mod.compare
-    except Exception as err:  # noqa: BLE001
-        return [
-            ctx.skipped(
-                "jax",
-                "JAX adapter",
-                path,
-                "JAX section skipped: mla_bridge_jax.bench.compare is not importable",
-                err,
-                order=(5, 0, 0),
-            )
-        ]
-    try:
-        kwargs = _jax_kwargs(ctx, inspect.signature(compare).parameters)
-        result = compare(**kwargs)
-        rows = [normalize_jax_row(ctx, dict(d), i) for i, d in enumerate(result or [])]
-    except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped("jax", "JAX adapter", path, "failed: " + fmt_err(err, 160), err, order=(5, 0, 0))]
-    return rows or [ctx.skipped("jax", "JAX adapter", path, "compare() returned no rows", order=(5, 0, 0))]
-
-
-def jax_jobs(ctx: Ctx) -> list[Job]:
-    return [Job("jax", "JAX adapter (mla_bridge_jax.bench.compare)", _jax_job)]
