@@ -37,8 +37,8 @@ from typing import Any, Optional, Sequence
 
 __all__ = ["add_arguments", "run", "main", "SECTIONS"]
 
-from ..cli.args import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
-from ..cli.args import seed as seed_type  # noqa: E402
+from ..argtypes import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
+from ..argtypes import seed as seed_type  # noqa: E402
 from .common import DEFAULT_SECTIONS, SECTIONS  # noqa: E402  (light: imports torch only)
 
 _ALIASES = {str(i + 1): name for i, name in enumerate(SECTIONS)}
@@ -78,7 +78,7 @@ def _skip(text: str) -> set:
 
 
 def plot_file(text: str):
-    """``--plot``: a file path :func:`mla_bridge.cli.args.output_file` accepts, whose suffix (if any) names an image
+    """``--plot``: a file path :func:`mla_bridge.argtypes.output_file` accepts, whose suffix (if any) names an image
     format matplotlib writes (none: PNG, matplotlib's default), checked when the flags are parsed, before any work.
 
     Raises:

@@ -390,7 +390,7 @@ def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, fp8: dict, name: str, sk
     def gather_bytes(cache_e: int) -> int:
         return x.num_context * d.latent_dim * (cache_e + e) + (2 * x.num_tokens * d.latent_dim * e if plan.fused else 0)
 
-    work = {
+    work: dict[str, dict[str, Any]] = {
         "gather": dict(nbytes=gather_bytes(e), note=f"{gather_impl(ctx.device)} gather; latent rows read + written"),
         "up-projection": dict(flops=up),
         "attention": dict(flops=attn),
@@ -399,7 +399,7 @@ def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, fp8: dict, name: str, sk
         "torch gather": dict(nbytes=gather_bytes(e), note="the torch fallback"),
         "fp8 torch gather": dict(nbytes=gather_bytes(1), note="the torch fallback"),
     }
-    runs = [("", run_of(_layer(x, plan)), None)]
+    runs: list[tuple[str, Callable, Optional[str]]] = [("", run_of(_layer(x, plan)), None)]
     if fp8.get("layer") is not None:
         runs.append(("fp8 ", run_of(fp8["layer"]), None))
     rows: list[Row] = []
@@ -552,7 +552,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     against the hand-written pipeline; on the host-bound cases, graphed and eager against eager before the per-pass
     choice (``ContextCase.eager_ms_before``)."""
 
-    def ok(v: str) -> Optional[Row]:
+    def ok(v: str) -> Any:  # the row of an ok path (its ms set), or None
         row = by_path.get(path(v))
         return row if row is not None and row.status == "ok" else None
 
@@ -566,7 +566,7 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     base = None
     if ok("gemm") and ok("attention"):
         # the kernels' GPU time (their CUDA events): a sample's host time, when the host lags, is no kernel work
-        base = sum(r.extra.get("gpu_ms", r.ms) for r in map(ok, ("gemm", "attention")))  # type: ignore[union-attr]
+        base = sum(r.extra.get("gpu_ms", r.ms) for r in map(ok, ("gemm", "attention")))
         note = "the targets' denominator: the two kernels' GPU time (CUDA events)"
         rows.append(
             ctx.row(

@@ -1,4 +1,5 @@
-"""argparse value types shared by ``mla-bridge prefill`` and ``mla-bridge bench``: each names what it expected."""
+"""argparse value types shared by ``mla-bridge prefill`` and ``mla-bridge bench`` (below both, so that the bench
+never imports the CLI): each names what it expected."""
 
 from __future__ import annotations
 
