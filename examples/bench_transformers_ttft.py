@@ -59,7 +59,7 @@ def ttft(model, ids: torch.Tensor, warmup: int, repeats: int) -> tuple[list[floa
 
 
 def main(argv=None) -> list[dict]:
-    from mla_bridge.argtypes import nonnegative_int, positive_int
+    from mla_bridge.cli.args import nonnegative_int, positive_int
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and prompts (CPU smoke run)")

@@ -787,7 +787,7 @@ def test_bench_plot_takes_the_formats_matplotlib_writes():
 
 def test_output_file_leaves_nothing_behind(tmp_path):
     """The check writes and removes a sibling temporary file; an existing file is opened for append, unchanged."""
-    from mla_bridge.argtypes import output_file, write_output
+    from mla_bridge.cli.args import output_file, write_output
 
     target = tmp_path / "out.json"
     assert output_file(str(target)) == target and list(tmp_path.iterdir()) == []

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..argtypes import write_output
+from .args import write_output
 from .table import _row
 
 

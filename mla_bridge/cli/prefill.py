@@ -15,7 +15,7 @@ from typing import Any
 
 from .batch import _flops, _make_inputs, _resolve_device_dtype, _resolve_workload, _sample_requests
 from .checkpoint import load_kv_b_proj_weight
-from ..argtypes import write_output
+from .args import write_output
 from .errors import CLIError
 from .memory import check_fits, estimate_run_memory
 from .table import _lens_text, _ms, _row, _tol_text
