@@ -29,6 +29,7 @@ __all__ = [
     "Ctx",
     "Variant",
     "variants",
+    "Case",
     "causal_pairs",
     "attention_flops",
     "gemm_flops",
@@ -206,6 +207,51 @@ def _has(ctx: "Ctx", need: str) -> bool:
 
         return importlib.util.find_spec("jax") is not None
     raise ValueError(f"unknown need {need!r}; choose from {', '.join(NEEDS)}")
+
+
+#: A section's first ``order`` field (the report sorts rows by ``order``).
+SECTION_INDEX = {name: i for i, name in enumerate(("main", "context", "merge", "plan", "memory", "jax"))}
+
+
+@dataclass
+class Case:
+    """One case of a section: makes its rows by variant name (``table``), each with the case's ``fields``
+    (``seq_len``, ``heads``) and ``order`` ``(section index, ci, variant order)``."""
+
+    ctx: "Ctx"
+    section: str
+    name: str
+    table: Mapping[str, Variant]
+    ci: int
+    fields: dict = field(default_factory=dict)
+
+    def meta(self, v: str, **kw: Any) -> dict[str, Any]:
+        return dict(self.fields, order=(SECTION_INDEX[self.section], self.ci, self.table[v].order), **kw)
+
+    def skip(self, v: str, note: str, err: Optional[BaseException] = None, *, applies: bool = True, **kw: Any) -> Row:
+        """A skipped row of ``v`` (``applies`` False: a path this machine cannot run at all, :meth:`Ctx.not_here`)."""
+        if not applies:
+            return self.ctx.not_here(self.section, self.name, self.table[v].label, note, **self.meta(v, **kw))
+        return self.ctx.skipped(self.section, self.name, self.table[v].label, note, err, **self.meta(v, **kw))
+
+    def failed(self, v: str, err: BaseException, what: str = "failed", **kw: Any) -> Row:
+        """After ``err``: the device recovered (:meth:`Ctx.recover`), a skipped row saying ``what: <error>``."""
+        self.ctx.recover()
+        return self.skip(v, f"{what}: " + fmt_err(err, 160), err, **kw)
+
+    def unavailable(self, v: str, skip_name: Optional[str] = None) -> Optional[Row]:
+        """The skipped row of ``v`` when ``--skip skip_name`` was given or the machine lacks what it needs."""
+        if skip_name is not None and skip_name in self.ctx.skip:
+            return self.skip(v, f"--skip {skip_name}")
+        why = self.table[v].missing(self.ctx)
+        return None if why is None else self.skip(v, why, applies=False)
+
+    def item(self, v: str, fn: Callable[[], Any], **kw: Any) -> tuple[str, Callable[[], Any], dict]:
+        """A :meth:`Ctx.measure_many` item of ``v``."""
+        return (self.table[v].label, fn, self.meta(v, **kw))
+
+    def measure(self, items: Sequence[tuple], **kw: Any) -> list[Row]:
+        return self.ctx.measure_many(self.section, self.name, items, **kw)
 
 
 @dataclass

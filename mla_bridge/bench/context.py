@@ -20,6 +20,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -727,12 +728,11 @@ def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspac
 
 
 def jobs(ctx: Ctx) -> list[Job]:
-    out = []
-    for k, case in enumerate(context_cases(ctx.quick)):
-        for bi, (label, _) in enumerate(case.budgets):
-            fn = lambda c, cs=case, b=bi, i=10 * k + bi: _case_job(c, cs, b, i)  # noqa: E731
-            out.append(Job(SECTION, f"context {case.name}, {label}", fn))  # type: ignore[arg-type]
-    return out
+    return [
+        Job(SECTION, f"context {case.name}, {label}", partial(_case_job, case=case, bi=bi, ci=10 * k + bi))
+        for k, case in enumerate(context_cases(ctx.quick))
+        for bi, (label, _) in enumerate(case.budgets)
+    ]
 
 
 def merge_phase_bytes(plan: PrefillPlan, e: int) -> int:

@@ -347,7 +347,7 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
     cp = context.path
     main_series = tuple(
         zip(
-            main_pass.PATHS,
+            (v.label for v in main_pass.VARIANTS.values()),
             (
                 "mla_bridge (RaggedPlan.run)",
                 "raw FlashInfer (wrapper.run)",
