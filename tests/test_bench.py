@@ -343,7 +343,15 @@ def _h200_like_rows() -> list:
         for j, path in enumerate(v.label for v in M.VARIANTS.values()):
             rows.append(Row("main", case, path, ms=1.0, tflops=700.0 - 50 * j, order=(0, i, j)))
         rows.append(
-            Row("main", case, M.VARIANTS["raw"].label + " x", status="skipped", note="needs CUDA", applies=False, order=(0, i, 9))
+            Row(
+                "main",
+                case,
+                M.VARIANTS["raw"].label + " x",
+                status="skipped",
+                note="needs CUDA",
+                applies=False,
+                order=(0, i, 9),
+            )
         )
     names = ("eager", "graph", "handwritten", "fused kv", "fused kv graph", "separate kv", "separate kv graph")
     names += ("gather", "up-projection", "gemm", "attention", "merge")

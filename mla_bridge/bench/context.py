@@ -35,7 +35,7 @@ from ..ragged import plan_ragged
 from ..weights import PreparedKVBProj, prepare_kv_b_proj
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for
-from .common import Ctx, Job, Row, Variant, attention_flops, fmt_err, gemm_flops, indptr, plan_raw, variants
+from .common import Case, Ctx, Job, Row, Variant, attention_flops, fmt_err, gemm_flops, indptr, plan_raw, variants
 
 __all__ = ["jobs", "VARIANTS", "path", "Inputs", "make_inputs", "handwritten_pipeline", "handwritten_backend"]
 
@@ -305,14 +305,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     flops = attn_flops + up_flops
     seq = x.num_context + x.num_tokens
 
-    def meta(v: str) -> dict[str, Any]:
-        return dict(seq_len=seq, heads=case.heads, order=(1, ci, VARIANTS[v].order))
-
-    def skip(v: str, note: str, err: Optional[BaseException] = None, applies: bool = True) -> Row:
-        if applies:
-            return ctx.skipped(SECTION, name, path(v), note, err, **meta(v))
-        return ctx.not_here(SECTION, name, path(v), note, **meta(v))
-
+    meta, skip = (c := Case(ctx, SECTION, name, VARIANTS, ci, dict(seq_len=seq, heads=case.heads))).meta, c.skip
     ws = Workspace(ctx.device, chunk_tokens=budget)
     build = dict(dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype, backend=ctx.backend)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -13,7 +14,7 @@ from ..plan import PrefillPlan
 from ..prefill import mla_prefill
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for, loop_case
-from .common import Ctx, Job, Row, flashinfer_importable, fmt_err
+from .common import Case, Ctx, Job, Row, Variant, fmt_err, variants
 from .context import budget_bytes, handwritten_pipeline, make_inputs, peak_extra
 
 __all__ = ["merge_jobs", "plan_jobs", "memory_jobs"]
@@ -22,75 +23,50 @@ GIB = 1024**3
 
 
 # ------------------------------------------------------------------------------------------------ 3. merge
-MERGE_PATHS = (
-    "merge_attn_states",
-    "merge_attn_states_ (in place, as in mla_prefill)",
-    "flashinfer.merge_state (raw, base-2 lse)",
+MERGE = variants(
+    Variant("ours", "merge_attn_states", 0, note="read 2 partials + write 1 (out and lse)"),
+    Variant("ours in place", "merge_attn_states_ (in place, as in mla_prefill)", 1),
+    Variant("raw", "flashinfer.merge_state (raw, base-2 lse)", 2, ("cuda", "flashinfer")),
 )
 
 
 def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
-    tokens = (2048 if ctx.quick else 2**20) // heads  # the same bytes at every head count
-    d = 128
-    case = f"{heads}h x {tokens} tokens, d {d}"
+    tokens, d = (2048 if ctx.quick else 2**20) // heads, 128  # the same bytes at every head count
+    c = Case(ctx, "merge", f"{heads}h x {tokens} tokens, d {d}", MERGE, ci, dict(heads=heads, seq_len=tokens))
     g = ctx.generator(2000 + ci)
     out_a, out_b = ctx.randn(tokens, heads, d, gen=g), ctx.randn(tokens, heads, d, gen=g)
     lse_a = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     lse_b = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     nbytes = 3 * tokens * heads * (d * out_a.element_size() + 4)
-    meta: Callable[[int], dict[str, Any]] = lambda pi: dict(  # noqa: E731
-        heads=heads, seq_len=tokens, order=(2, ci, pi)
-    )
     acc_out, acc_lse = out_a.clone(), lse_a.clone()
     items = [
-        (
-            MERGE_PATHS[0],
-            lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
-            dict(nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0)),
-        ),
-        (MERGE_PATHS[1], lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), dict(nbytes=nbytes, **meta(1))),
+        c.item("ours", lambda: merge_attn_states(out_a, lse_a, out_b, lse_b), nbytes=nbytes, note=MERGE["ours"].note),
+        c.item("ours in place", lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), nbytes=nbytes),
     ]
-    skipped = []
-    if not ctx.cuda or not flashinfer_importable():
-        skipped.append(ctx.not_here("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
-    elif heads * (d // max(16 // out_a.element_size(), d // 32)) > 1024:
+    skipped = [row] if (row := c.unavailable("raw")) else []
+    threads = d // max(16 // out_a.element_size(), d // 32)
+    if not skipped and heads * threads > 1024:
         # FlashInfer 0.7.4 launches head_dim/vec x heads threads per block: above 64 heads at bf16, d 128, the
         # launch fails (seen on the H200), and a failed launch can poison the next kernel's error check.
-        skipped.append(
-            ctx.skipped(
-                "merge",
-                case,
-                MERGE_PATHS[2],
-                f"not run: FlashInfer's merge_state fails to "
-                f"launch above 64 heads at bf16, d {d} (block of {heads} x "
-                f"{d // max(16 // out_a.element_size(), d // 32)} threads > 1024); "
-                f"merge_attn_states folds heads into rows",
-                **meta(2),
-            )
+        why = (
+            f"not run: FlashInfer's merge_state fails to launch above 64 heads at bf16, d {d} (block of {heads} x "
+            f"{threads} threads > 1024); merge_attn_states folds heads into rows"
         )
-    else:
+        skipped.append(c.skip("raw", why))
+    elif not skipped:
         from flashinfer import merge_state
 
         s_a, s_b = lse_a * 1.4426950408889634, lse_b * 1.4426950408889634
-        items.append((MERGE_PATHS[2], lambda: merge_state(out_a, s_a, out_b, s_b), dict(nbytes=nbytes, **meta(2))))
-    rows = ctx.measure_many("merge", case, items) + skipped
+        items.append(c.item("raw", lambda: merge_state(out_a, s_a, out_b, s_b), nbytes=nbytes))
+    rows = c.measure(items) + skipped
     main = rows[0]
-    ctx.check(
-        f"merge {heads} heads: merge_attn_states GB/s",
-        main.gbps,
-        ">=",
-        2500.0,
-        main.note if main.status != "ok" else "",
-    )
+    note = main.note if main.status != "ok" else ""
+    ctx.check(f"merge {heads} heads: merge_attn_states GB/s", main.gbps, ">=", 2500.0, note)
     return rows
 
 
 def merge_jobs(ctx: Ctx) -> list[Job]:
-    # mypy cannot infer a lambda with default arguments (each binds its loop values)
-    return [
-        Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i))  # type: ignore[misc]
-        for i, h in enumerate((16, 128))
-    ]
+    return [Job("merge", f"merge {h} heads", partial(_merge_job, heads=h, ci=i)) for i, h in enumerate((16, 128))]
 
 
 # ------------------------------------------------------------------------------------------------ 4. plan
@@ -270,50 +246,39 @@ def _loop_job(ctx: Ctx, case: ContextCase, budget_label: str, budget: int, ci: i
 
 
 def plan_jobs(ctx: Ctx) -> list[Job]:
-    out = []
-    ci = 0
-    for with_context in (False, True):
-        for batch in (1, 16, 128):
-            out.append(
-                Job(
-                    "plan",
-                    f"plan build batch {batch}" + (" with context" if with_context else ""),
-                    lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i),  # type: ignore[misc]
-                )
-            )
-            ci += 1
+    builds = [(w, b) for w in (False, True) for b in (1, 16, 128)]
+    out = [
+        Job(
+            "plan",
+            f"plan build batch {b}" + (" with context" if w else ""),
+            partial(_build_time_job, batch=b, with_context=w, ci=i),
+        )
+        for i, (w, b) in enumerate(builds)
+    ]
     first = loop_case(ctx.quick)
     main_only = ContextCase(
-        f"{first.batch}x{first.new} new, no context",
-        first.batch,
-        0,
-        first.new,
-        (("no context", first.context),),
-        first.block_size,
-        heads=first.heads,
-    )
+        f"{first.batch}x{first.new} new, no context", first.batch, 0, first.new, (("no context", first.context),),
+        first.block_size, heads=first.heads,
+    )  # fmt: skip
     loops = [(main_only, "no context", first.context)] + [(first, label, b) for label, b in first.budgets]
     for i, (case, label, budget) in enumerate(loops):
-        out.append(
-            Job(
-                "plan",
-                f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else ""),
-                lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k),  # type: ignore[misc]
-            )
-        )
+        name = f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else "")
+        out.append(Job("plan", name, partial(_loop_job, case=case, budget_label=label, budget=budget, ci=i)))
     return out
 
 
 # ------------------------------------------------------------------------------------------------ 5. memory
-MEMORY_PATHS = ("mla_prefill peak extra memory", "hand-written pipeline peak extra memory")
+MEMORY = variants(
+    Variant("ours", "mla_prefill peak extra memory", 0, ("cuda",)),
+    Variant("handwritten", "hand-written pipeline peak extra memory", 1, ("flashinfer",)),
+)
 
 
 def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     label, budget = case.budgets[bi]
-    name = f"{case.name}, {label}"
     x = make_inputs(ctx, case, 4000 + ci)
-    seq = x.num_context + x.num_tokens
-    meta = lambda pi: dict(heads=x.dims.num_heads, seq_len=seq, order=(4, ci, pi))  # noqa: E731
+    fields = dict(heads=x.dims.num_heads, seq_len=x.num_context + x.num_tokens)
+    c = Case(ctx, "memory", f"{case.name}, {label}", MEMORY, ci, fields)
     ws = Workspace(ctx.device, chunk_tokens=budget)
     plan = PrefillPlan.build(
         x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype, backend=ctx.backend
@@ -321,70 +286,42 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     limit = budget_bytes(x, plan)
     if not ctx.cuda:
         return [
-            ctx.not_here(
-                "memory",
-                name,
-                MEMORY_PATHS[0],
-                "needs CUDA (torch.cuda memory statistics)",
-                extra={"budget_bytes": limit},
-                **meta(0),
-            )
+            c.skip("ours", "needs CUDA (torch.cuda memory statistics)", applies=False, extra={"budget_bytes": limit})
         ]
+    what = f"memory {c.name}: peak extra / (workspace budget + output)"
     rows = []
-    try:
-        peak = peak_extra(ctx, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan))
-        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunk(s)"
-    except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        rows.append(ctx.skipped("memory", name, MEMORY_PATHS[0], "failed: " + fmt_err(err, 160), err, **meta(0)))
-        ctx.check(f"memory {name}: peak extra / (workspace budget + output)", None, "<=", 1.0, rows[-1].note)
-    else:
+
+    def peak_row(v: str, fn: Callable[[], Any], note: str) -> Row:
+        peak = peak_extra(ctx, fn)
         ratio = peak / limit["total"]
+        extra = {"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio}
+        note = note.format(peak=peak / GIB, ratio=ratio)
+        return Row("memory", c.name, MEMORY[v].label, bytes=float(peak), note=note, extra=extra, **c.meta(v))
+
+    try:
+        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunk(s)"
+        note = f"{sched}: peak {{peak:.3f}} GiB vs budget {limit['total'] / GIB:.3f} GiB ({{ratio:.2f}}x)"
         rows.append(
-            Row(
-                "memory",
-                name,
-                MEMORY_PATHS[0],
-                bytes=float(peak),
-                note=f"{sched}: peak {peak / GIB:.3f} GiB vs budget {limit['total'] / GIB:.3f} GiB ({ratio:.2f}x)",
-                extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio},
-                **meta(0),
-            )
+            peak_row("ours", lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan), note)
         )
         ctx.check(
-            f"memory {name}: peak extra / (workspace budget + output)",
-            ratio,
-            "<=",
-            1.0,
-            "budget: mla_bridge.prefill.prefill_memory_bytes(plan)",
+            what, rows[-1].extra["peak_over_budget"], "<=", 1.0, "budget: mla_bridge.prefill.prefill_memory_bytes(plan)"
         )
-    if flashinfer_importable():
+    except Exception as err:  # noqa: BLE001
+        rows.append(c.failed("ours", err))
+        ctx.check(what, None, "<=", 1.0, rows[-1].note)
+    if MEMORY["handwritten"].missing(ctx) is None:
         try:
             layer = handwritten_pipeline(ctx, x, budget)
-            peak = peak_extra(ctx, layer)
-            rows.append(
-                Row(
-                    "memory",
-                    name,
-                    MEMORY_PATHS[1],
-                    bytes=float(peak),
-                    note=f"peak {peak / GIB:.3f} GiB ({peak / limit['total']:.2f}x the same budget)",
-                    extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": peak / limit["total"]},
-                    **meta(1),
-                )
-            )
+            rows.append(peak_row("handwritten", layer, "peak {peak:.3f} GiB ({ratio:.2f}x the same budget)"))
         except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            rows.append(ctx.skipped("memory", name, MEMORY_PATHS[1], "failed: " + fmt_err(err, 160), err, **meta(1)))
+            rows.append(c.failed("handwritten", err))
     return rows
 
 
 def memory_jobs(ctx: Ctx) -> list[Job]:
-    out = []
-    for k, case in enumerate(context_cases(ctx.quick)):
-        for bi, (label, _) in enumerate(case.budgets):
-            ci = 10 * k + bi
-            out.append(
-                Job("memory", f"memory {case.name}, {label}", lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i))  # type: ignore[misc]
-            )
-    return out
+    return [
+        Job("memory", f"memory {case.name}, {label}", partial(_memory_job, case=case, bi=bi, ci=10 * k + bi))
+        for k, case in enumerate(context_cases(ctx.quick))
+        for bi, (label, _) in enumerate(case.budgets)
+    ]
