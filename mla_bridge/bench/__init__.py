@@ -340,33 +340,15 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
             for job in jobs:
                 progress.update(task, description=job.label)
                 started, n_before = time.perf_counter(), len(rows)
+                whole = dict(section=job.section, case=job.label, path="(whole job)", status="skipped", order=(9, 0, 0))
                 try:
                     if budget is not None and ctx.elapsed() > budget + HARD_MARGIN_S:
-                        rows.append(
-                            Row(
-                                job.section,
-                                job.label,
-                                "(whole job)",
-                                status="skipped",
-                                note=f"time budget spent ({budget:.0f} + {HARD_MARGIN_S:.0f} s)",
-                                order=(9, 0, 0),
-                            )
-                        )
+                        rows.append(Row(**whole, note=f"time budget spent ({budget:.0f} + {HARD_MARGIN_S:.0f} s)"))  # type: ignore[arg-type]
                     else:
                         rows.extend(job.fn(ctx))
                 except Exception as err:  # noqa: BLE001 - one broken job never ends the run
                     ctx.recover()
-                    rows.append(
-                        Row(
-                            job.section,
-                            job.label,
-                            "(whole job)",
-                            status="skipped",
-                            note="failed: " + fmt_err(err, 160),
-                            error=fmt_err(err),
-                            order=(9, 0, 0),
-                        )
-                    )
+                    rows.append(Row(**whole, note="failed: " + fmt_err(err, 160), error=fmt_err(err)))  # type: ignore[arg-type]
                 seconds = time.perf_counter() - started
                 job_times.append({"section": job.section, "job": job.label, "seconds": round(seconds, 3)})
                 done = rows[n_before:]

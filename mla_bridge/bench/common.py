@@ -373,29 +373,32 @@ class Ctx:
         w = self.warmup if warmup is None else warmup
         if self.cuda:
             w = max(1, w)
-        busy = self._warm_up(fn, w)
-        host: list[float] = []
-        if self.cuda:
-            events = []
-            for _ in range(r):
-                events.append(self._issue(fn, busy, host))
-                busy = _spin_ms(host[-1])
-            torch.cuda.synchronize(self.device)
-            samples, gpu = _event_samples(events, host)
-        else:
-            samples, gpu = [], None
-            for _ in range(r):
-                t = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t) * 1e3)
-            host = samples
-        return Timing(
-            statistics.median(samples),
-            statistics.median(host),
-            [round(s, 6) for s in samples],
-            r,
-            None if gpu is None else statistics.median(gpu),
-        )
+        return self._rounds([fn], [self._warm_up(fn, w)], r)[0]
+
+    def _rounds(self, fns: Sequence[Callable[[], Any]], busy: Sequence[float], r: int) -> list[Timing]:
+        """``r`` interleaved rounds of ``fns`` (each taking every place in a round in turn, :func:`_rotated`; ``busy``
+        their first GPU spins), a :class:`Timing` each; exceptions propagate."""
+        busy = list(busy)
+        host: list[list[float]] = [[] for _ in fns]
+        events: list[list] = [[] for _ in fns]
+        for rep in range(r):
+            for i in _rotated(range(len(fns)), rep):
+                if self.cuda:
+                    events[i].append(self._issue(fns[i], busy[i], host[i]))
+                    busy[i] = _spin_ms(host[i][-1])
+                else:
+                    t = time.perf_counter()
+                    fns[i]()
+                    host[i].append((time.perf_counter() - t) * 1e3)
+        self.sync()
+        out = []
+        for ev, h in zip(events, host):
+            samples, gpu = _event_samples(ev, h) if self.cuda else (h, None)
+            med_gpu = None if gpu is None else statistics.median(gpu)
+            out.append(
+                Timing(statistics.median(samples), statistics.median(h), [round(x, 6) for x in samples], r, med_gpu)
+            )
+        return out
 
     def phases_alone(self, run_layer: Callable[[Callable[[str], None]], Any]) -> dict[str, Timing]:
         """Each phase of ``run_layer(phase_hook)`` (one ``mla_prefill`` layer, :func:`mla_bridge.prefill.mla_prefill`
@@ -559,26 +562,8 @@ class Ctx:
             except Exception as err:  # noqa: BLE001 - reported in the row
                 self.recover()
                 rows[i] = self._failed(section, case, path, err, kw)
-        samples: dict[int, list[float]] = {i: [] for i in live}
-        host: dict[int, list[float]] = {i: [] for i in live}
-        gpu: dict[int, list[float]] = {}
         try:
-            if self.cuda:
-                events: dict[int, list] = {i: [] for i in live}
-                for rep in range(r):
-                    for i in _rotated(live, rep):
-                        events[i].append(self._issue(items[i][1], busy[i], host[i]))
-                        busy[i] = _spin_ms(host[i][-1])
-                torch.cuda.synchronize(self.device)
-                for i in live:
-                    samples[i], gpu[i] = _event_samples(events[i], host[i])
-            else:
-                for rep in range(r):
-                    for i in _rotated(live, rep):
-                        t = time.perf_counter()
-                        items[i][1]()
-                        samples[i].append((time.perf_counter() - t) * 1e3)
-                host = samples
+            timings = self._rounds([items[i][1] for i in live], [busy[i] for i in live], r)
         except Exception as err:  # noqa: BLE001 - time each alone, so that the row that fails is the one named
             self.recover()
             for i in live:
@@ -589,16 +574,9 @@ class Ctx:
                     else self.measure_many(section, case, [items[i]], repeats=r, warmup=0)[0]
                 )
             return [row for row in rows if row is not None]
-        for i in live:
+        for i, timing in zip(live, timings):
             path, _, kw = items[i]
             kw = dict(kw)
-            timing = Timing(
-                statistics.median(samples[i]),
-                statistics.median(host[i]),
-                [round(s, 6) for s in samples[i]],
-                r,
-                statistics.median(gpu[i]) if i in gpu else None,
-            )
             rows[i] = self.row(
                 section, case, path, timing, flops=kw.pop("flops", None), nbytes=kw.pop("nbytes", None), **kw
             )
