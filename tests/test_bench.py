@@ -725,3 +725,20 @@ def test_ttft_section_quick_on_the_cpu(tmp_path):
         )
         jax_rows = [r for p, r in mine.items() if "JAX" in p]
         assert jax_rows and all(r["status"] == "ok" or r["note"] for r in jax_rows)
+
+
+def test_bench_sits_on_top_of_the_import_graph():
+    """The core never imports the bench, the CLI or an adapter; the bench never imports the CLI, and imports JAX and
+    mla_bridge_jax only when its jax section runs."""
+    import subprocess
+
+    code = (
+        "import sys, mla_bridge, mla_bridge.prefill, mla_bridge.profiling\n"
+        "bad = [m for m in sys.modules if m.startswith(('mla_bridge.bench', 'mla_bridge.cli', 'mla_bridge_'))]\n"
+        "assert not bad, bad\n"
+        "import mla_bridge.bench, mla_bridge.bench.context, mla_bridge.bench.jax_rows\n"
+        "bad = [m for m in sys.modules if m.startswith(('mla_bridge.cli', 'mla_bridge_', 'jax'))]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
