@@ -30,6 +30,7 @@ __all__ = [
     "Variant",
     "variants",
     "Case",
+    "beside_raw",
     "causal_pairs",
     "attention_flops",
     "gemm_flops",
@@ -655,6 +656,49 @@ class Ctx:
         self._workspace = None
         self._raw_float_ws = None
         self.recover()
+
+
+def beside_raw(
+    c: Case,
+    core: str,
+    raw: str,
+    plan: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    flops: float,
+    raw_note: str = "",
+    fi_missing: str = "",
+) -> list[Row]:
+    """``[core row, raw row]``: ``plan.run(q, k, v)`` (a :class:`mla_bridge.RaggedPlan`, variant ``core``) and a raw
+    FlashInfer wrapper planned on the same spec (variant ``raw``, ``--skip raw`` to leave out), timed
+    interleaved; the core row gets ``vs_raw`` (raw ms / core ms) when both ran. ``raw_note`` follows the raw row's
+    backend in its note, ``fi_missing`` the "needs CUDA and FlashInfer" of a plan without a FlashInfer backend."""
+    items = [c.item(core, lambda: plan.run(q, k, v), flops=flops, note=f"backend {plan.backend.name}")]
+    fb, sp = plan.backend.flashinfer_backend, plan.spec
+    raw_row = None
+    if "raw" in c.ctx.skip:
+        raw_row = c.skip(raw, "--skip raw")
+    elif fb is None:
+        raw_row = c.skip(raw, "needs CUDA and FlashInfer" + fi_missing, applies=False)
+    else:
+        try:
+            wrapper = c.ctx.raw_wrapper(fb, 0)
+            plan_raw(
+                wrapper, sp.qo_indptr, sp.kv_indptr, heads=sp.num_heads, causal=sp.causal, sm_scale=sp.sm_scale,
+                dtype=c.ctx.dtype,
+            )  # fmt: skip
+            run = lambda: wrapper.run(q, k, v, return_lse=True)  # noqa: E731
+            items.append(c.item(raw, run, flops=flops, note=f"backend {fb}{raw_note}"))
+        except Exception as err:  # noqa: BLE001
+            raw_row = c.failed(raw, err, "plan failed", flops=flops)
+    rows = c.measure(items)
+    core_row, raw_row = rows[0], raw_row or rows[1]
+    if core_row.status == raw_row.status == "ok":  # an ok row has its ms
+        core_row.extra["vs_raw"] = raw_row.ms / core_row.ms  # type: ignore[operator]
+        core_row.note += f"; {raw_row.ms / core_row.ms:.3f}x raw"  # type: ignore[operator]
+    return [core_row, raw_row]
 
 
 def plan_raw(

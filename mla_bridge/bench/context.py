@@ -19,7 +19,7 @@ import contextlib
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Iterator, Optional
 
@@ -35,7 +35,20 @@ from ..ragged import plan_ragged
 from ..weights import PreparedKVBProj, prepare_kv_b_proj
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for
-from .common import Case, Ctx, Job, Row, Variant, attention_flops, fmt_err, gemm_flops, indptr, plan_raw, variants
+from .common import (
+    Case,
+    Ctx,
+    Job,
+    Row,
+    Variant,
+    attention_flops,
+    beside_raw,
+    fmt_err,
+    gemm_flops,
+    indptr,
+    plan_raw,
+    variants,
+)
 
 __all__ = ["jobs", "VARIANTS", "path", "Inputs", "make_inputs", "handwritten_pipeline", "handwritten_backend"]
 
@@ -370,7 +383,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     rows += _in_layer_rows(ctx, x, plan, name, by_path[path("eager")], meta)
     _fp8_summary(ctx, name, {r.path: r for r in rows}, fp8)
     if case.context:
-        rows += _context_pass_rows(ctx, x, budget, name, ws, meta)
+        rows += _context_pass_rows(c, x, budget, ws)
     return rows
 
 
@@ -664,60 +677,32 @@ def _fp8_summary(ctx: Ctx, name: str, by_path: dict, fp8: dict) -> None:
             a.note += f"; {a.ms / b.ms:.3f}x the torch gather"
 
 
-def _context_pass_rows(ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspace, meta) -> list[Row]:
+def _context_pass_rows(c: Case, x: Inputs, budget: int, ws: Workspace) -> list[Row]:
     """One context chunk alone (the first of the schedule): non-causal, its requests' new tokens over it."""
-    d = x.dims
+    ctx, d = c.ctx, x.dims
     spans = schedule_context_chunks(x.c_lens, budget)[0]
     r0, r1 = spans[0][0], spans[-1][0] + 1
     kv_lens = [0] * (r1 - r0)
     for r, s, e in spans:
         kv_lens[r - r0] = e - s
     q_lens = x.q_lens[r0:r1]
-    qo, kv = indptr(q_lens), indptr(kv_lens)
     q0 = sum(x.q_lens[:r0])
     q = x.q[q0 : q0 + sum(q_lens)]
     flops = attention_flops(q_lens, kv_lens, causal=False, heads=d.num_heads)
-    case = f"{name}: chunk 0 (q {'+'.join(map(str, q_lens))} over kv {'+'.join(map(str, kv_lens))})"
-    m0, m1 = (dict(meta(v), seq_len=sum(kv_lens)) for v in ("context pass", "context pass raw"))
+    name = f"{c.name}: chunk 0 (q {'+'.join(map(str, q_lens))} over kv {'+'.join(map(str, kv_lens))})"
+    c = replace(c, name=name, fields=dict(c.fields, seq_len=sum(kv_lens)))
     heads = dict(num_heads=d.num_heads, head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo)
     try:
         req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
         pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
         k, v = x.wp.up_project(gather_latent(x.kv_cache, x.block_table, req_ids, pos, dtype=ctx.dtype))
         plan = plan_ragged(
-            qo, kv, **heads, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype, workspace=ws, backend=ctx.backend
-        )
+            indptr(q_lens), indptr(kv_lens), **heads, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype,
+            workspace=ws, backend=ctx.backend,
+        )  # fmt: skip
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped(SECTION, case, path("context pass"), "failed: " + fmt_err(err, 160), err, **m0)]
-    items = [
-        (path("context pass"), lambda: plan.run(q, k, v), dict(flops=flops, note=f"backend {plan.backend.name}", **m0))
-    ]
-    fb, raw_path = plan.backend.flashinfer_backend, path("context pass raw")
-    raw = None
-    if fb is None or "raw" in ctx.skip:
-        raw = (
-            ctx.skipped(SECTION, case, raw_path, "--skip raw", **m1)
-            if fb
-            else ctx.not_here(SECTION, case, raw_path, "needs CUDA and FlashInfer", **m1)
-        )
-    else:
-        try:
-            wrapper = ctx.raw_wrapper(fb, 0)
-            plan_raw(wrapper, qo, kv, heads=d.num_heads, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype)
-            run = lambda: wrapper.run(q, k, v, return_lse=True)  # noqa: E731
-            items.append((raw_path, run, dict(flops=flops, note=f"backend {fb}", **m1)))
-        except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            raw = ctx.skipped(SECTION, case, raw_path, "plan failed: " + fmt_err(err, 160), err, **m1)
-    measured = ctx.measure_many(SECTION, case, items)
-    core = measured[0]
-    if raw is None:
-        raw = measured[1]
-    if core.status == raw.status == "ok":  # an ok row has its ms
-        core.extra["vs_raw"] = raw.ms / core.ms  # type: ignore[operator]
-        core.note += f"; {raw.ms / core.ms:.3f}x raw"  # type: ignore[operator]
-    return [core, raw]
+        return [c.failed("context pass", err)]
+    return beside_raw(c, "context pass", "context pass raw", plan, q, k, v, flops=flops)
 
 
 def jobs(ctx: Ctx) -> list[Job]:

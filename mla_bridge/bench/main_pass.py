@@ -12,7 +12,7 @@ import torch
 
 from ..ragged import plan_ragged
 from .cases import TORCH_BACKEND_MAX_WORK, MainShape, dims_for, main_shapes
-from .common import Case, Ctx, Job, Row, Variant, attention_flops, causal_pairs, indptr, plan_raw, variants
+from .common import Case, Ctx, Job, Row, Variant, attention_flops, beside_raw, causal_pairs, indptr, variants
 
 __all__ = ["jobs", "VARIANTS"]
 
@@ -49,41 +49,20 @@ def _core_and_raw(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     c = _case(ctx, shape, ci)
     q, k, v = _tensors(ctx, shape, ci)
     flops = attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
-    rows: list[Row] = []
-    items = []
-    plan = None
     try:
         plan = _plan(ctx, shape, ctx.backend)
-        items.append(c.item("core", lambda: plan.run(q, k, v), flops=flops, note=f"backend {plan.backend.name}"))
     except Exception as err:  # noqa: BLE001 - e.g. the fa3 JIT compile failed
-        rows.append(c.failed("core", err, "plan failed", flops=flops))
-    fi_backend = plan.backend.flashinfer_backend if plan is not None else None
-    raw_row = None
-    if "raw" in ctx.skip:
-        raw_row = c.skip("raw", "--skip raw")
-    elif fi_backend is None and plan is not None:
-        raw_row = c.skip("raw", "needs CUDA and FlashInfer (the plan runs the torch backend)", applies=False)
-    elif fi_backend is None:
-        raw_row = c.skip("raw", "no plan")
+        rows = [
+            c.failed("core", err, "plan failed", flops=flops),
+            c.skip("raw", "--skip raw" if "raw" in ctx.skip else "no plan"),
+        ]
     else:
-        try:
-            wrapper = ctx.raw_wrapper(fi_backend)
-            qo, scale = indptr(shape.lens), dims_for(shape.heads).softmax_scale
-            plan_raw(wrapper, qo, qo, heads=shape.heads, causal=True, sm_scale=scale, dtype=ctx.dtype)
-            note = f"backend {fi_backend}, base-2 lse"
-            items.append(c.item("raw", lambda: wrapper.run(q, k, v, return_lse=True), flops=flops, note=note))
-        except Exception as err:  # noqa: BLE001
-            raw_row = c.failed("raw", err, "plan failed", flops=flops)
-    rows.extend(c.measure(items))  # interleaved: the ratio is what counts
-    if raw_row is not None:
-        rows.append(raw_row)
-    core, raw = rows[0], rows[1]
+        note = " (the plan runs the torch backend)"
+        rows = beside_raw(c, "core", "raw", plan, q, k, v, flops=flops, raw_note=", base-2 lse", fi_missing=note)
+    core, raw = rows
     what = f"main {shape.name}: mla_bridge / raw FlashInfer throughput"
     if core.status == raw.status == "ok":
-        ratio = raw.ms / core.ms  # type: ignore[operator]  # an ok row has its ms
-        core.extra["vs_raw"] = ratio
-        core.note += f"; {ratio:.3f}x raw"
-        ctx.check(what, ratio, ">=", 0.98, "no extra copies, syncs or per-call planning")
+        ctx.check(what, core.extra["vs_raw"], ">=", 0.98, "no extra copies, syncs or per-call planning")
     elif ctx.cuda:
         ctx.check(what, None, ">=", 0.98, "not measured: " + (core.note if core.status != "ok" else raw.note))
     rows.append(_sdpa(ctx, c, shape, q, k, v, flops))
