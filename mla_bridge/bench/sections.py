@@ -70,12 +70,18 @@ def merge_jobs(ctx: Ctx) -> list[Job]:
 
 
 # ------------------------------------------------------------------------------------------------ 4. plan
+PLAN = variants(
+    Variant("build", "PrefillPlan.build host time", 0),
+    Variant("flashinfer", "PrefillPlan.build: FlashInfer plan() calls", 1),
+    Variant("own", "PrefillPlan.build: our own host work", 2),
+)
+
+
 def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[Row]:
     dims = dims_for(16)
     new, cached = 512, (2048 if with_context else 0)
-    case = f"batch {batch}: {new} new" + (f" + {cached} cached" if cached else "") + " per request"
-    path = "PrefillPlan.build host time"
-    meta: dict[str, Any] = dict(heads=16, seq_len=batch * (new + cached), order=(3, ci, 0))
+    name = f"batch {batch}: {new} new" + (f" + {cached} cached" if cached else "") + " per request"
+    c = Case(ctx, "plan", name, PLAN, ci, dict(heads=16, seq_len=batch * (new + cached)))
     ws = Workspace(ctx.device)
     q_lens, c_lens = [new] * batch, [cached] * batch
     in_flashinfer = [0.0]
@@ -110,59 +116,30 @@ def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[R
             fi_times.append(in_flashinfer[0] * 1e3)
         plans = ws.plans_made - p0
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        row = ctx.skipped("plan", case, path, "failed: " + fmt_err(err, 160), err, **meta)
-        rows = [row]
+        rows = [row := c.failed("build", err)]
     else:
-        ms = statistics.median(times)
-        fi_ms = statistics.median(fi_times)
+        ms, fi_ms = statistics.median(times), statistics.median(fi_times)
         own = statistics.median([t - f for t, f in zip(times, fi_times)])
         ratio = own / fi_ms if fi_ms > 0 else None
-        split = {
-            "flashinfer_plans": plans,
-            "flashinfer_plan_ms": fi_ms,
-            "own_host_ms": own,
-            "own_over_flashinfer": ratio,
-        }
-        row = Row(
-            "plan",
-            case,
-            path,
-            ms=ms,
-            host_ms=ms,
-            repeats=len(times),
-            note=f"{shape}, {backend}, host time, {plans} FlashInfer plan(s)",
-            extra={"ms_samples": [round(t, 6) for t in times], "schedule": shape, "backend": backend, **split},
-            **meta,
+        split = dict(flashinfer_plans=plans, flashinfer_plan_ms=fi_ms, own_host_ms=own, own_over_flashinfer=ratio)
+        figures = (
+            ("build", ms, f"{shape}, {backend}, host time, {plans} FlashInfer plan(s)"),
+            ("flashinfer", fi_ms, f"{plans} plan(s)"),
+            ("own", own, "build minus FlashInfer's plan()" + (f"; {ratio:.2f}x of it" if ratio else "")),
         )
-        rows = [row] + [
+        rows = [
             Row(
-                "plan",
-                case,
-                p,
-                ms=v,
-                host_ms=v,
-                repeats=len(times),
-                note=n,
-                extra=dict(split),
-                **dict(meta, order=(3, ci, k + 1)),
+                "plan", name, PLAN[v].label, ms=t, host_ms=t, repeats=len(times), note=n, extra=dict(split), **c.meta(v)
             )
-            for k, (p, v, n) in enumerate(
-                (
-                    ("PrefillPlan.build: FlashInfer plan() calls", fi_ms, f"{plans} plan(s)"),
-                    (
-                        "PrefillPlan.build: our own host work",
-                        own,
-                        "build minus FlashInfer's plan()" + (f"; {ratio:.2f}x of it" if ratio else ""),
-                    ),
-                )
-            )
+            for v, t, n in figures
         ]
+        row = rows[0]
+        row.extra = {"ms_samples": [round(t, 6) for t in times], "schedule": shape, "backend": backend, **split}
     if batch == 128:
-        ctx.check(f"plan: PrefillPlan.build host ms, {case}", row.ms, "<=", 1.0)
+        ctx.check(f"plan: PrefillPlan.build host ms, {name}", row.ms, "<=", 1.0)
     if batch == 128 and with_context:
         ctx.check(
-            f"plan: own host work / FlashInfer plan() time, {case}",
+            f"plan: own host work / FlashInfer plan() time, {name}",
             row.extra.get("own_over_flashinfer"),
             "<=",
             0.20,
