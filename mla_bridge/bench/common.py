@@ -286,38 +286,27 @@ def _event_samples(events: Sequence[tuple], host: Sequence[float]) -> tuple[list
     return [max(g, h) for g, h in zip(gpu, host)], gpu
 
 
+@dataclass(kw_only=True, eq=False)
 class Ctx:
     """The run's settings and shared state (device, dtype, timers, peaks, reusable FlashInfer objects)."""
 
-    def __init__(
-        self,
-        *,
-        device: torch.device,
-        quick: bool,
-        repeats: int,
-        warmup: int,
-        seed: int,
-        backend: Optional[str],
-        skip: set,
-        budget_s: Optional[float],
-        console: Any,
-        layers: int = 61,
-    ):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.quick = quick
+    device: torch.device
+    quick: bool
+    repeats: int
+    warmup: int
+    seed: int
+    backend: Optional[str]
+    skip: set
+    budget_s: Optional[float]
+    console: Any
+    layers: int = 61
+    peaks: dict = field(default_factory=dict, init=False)
+    checks: list[Check] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.repeats = repeats
-        self.warmup = warmup
-        self.seed = seed
-        self.backend = backend
-        self.skip = skip
-        self.budget_s = budget_s
-        self.console = console
-        self.layers = layers
         self.t0 = time.perf_counter()
-        self.peaks: dict = {}
-        self.checks: list[Check] = []
         self._raw_float_ws: Optional[torch.Tensor] = None
         self._raw_wrappers: dict = {}
         self._workspace: Any = None

@@ -40,6 +40,7 @@ from .common import (
     Ctx,
     Job,
     Row,
+    Timing,
     Variant,
     attention_flops,
     beside_raw,
@@ -318,7 +319,8 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     flops = attn_flops + up_flops
     seq = x.num_context + x.num_tokens
 
-    meta, skip = (c := Case(ctx, SECTION, name, VARIANTS, ci, dict(seq_len=seq, heads=case.heads))).meta, c.skip
+    c = Case(ctx, SECTION, name, VARIANTS, ci, dict(seq_len=seq, heads=case.heads))
+    meta, skip = c.meta, c.skip
     ws = Workspace(ctx.device, chunk_tokens=budget)
     build = dict(dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype, backend=ctx.backend)
     try:
@@ -361,7 +363,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     (skipped if isinstance(hand, Row) else items).append(hand)
     if case.context:
         rank = x.dims.kv_lora_rank
-        sizes = [int(plan.main_kv_indptr[-1])] if plan.fused else [x.num_tokens] + [c.num_tokens for c in plan.chunks]
+        sizes = [int(plan.main_kv_indptr[-1])] if plan.fused else [x.num_tokens] + [ch.num_tokens for ch in plan.chunks]
         g = ctx.generator(3000 + ci)
         latents = [ctx.randn(n, rank, gen=g) for n in sizes]
         # the bare kv_b_proj GEMM (kv_c @ W.T) of each pass: the up-projection's inherent work, the stricter yardstick
@@ -406,9 +408,9 @@ def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, fp8: dict, name: str, sk
         "torch gather": dict(nbytes=gather_bytes(e), note="the torch fallback"),
         "fp8 torch gather": dict(nbytes=gather_bytes(1), note="the torch fallback"),
     }
-    runs: list[tuple[str, Callable, Optional[str]]] = [("", run_of(_layer(x, plan)), None)]
+    runs: list[tuple[str, Callable, Optional[str]]] = [("", _separate(_layer(x, plan)), None)]
     if fp8.get("layer") is not None:
-        runs.append(("fp8 ", run_of(fp8["layer"]), None))
+        runs.append(("fp8 ", _separate(fp8["layer"]), None))
     rows: list[Row] = []
     if gather_impl(ctx.device) != "torch":
         runs += [(prefix + "torch ", fn, "torch") for prefix, fn, _ in runs]
@@ -435,19 +437,18 @@ def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, fp8: dict, name: str, sk
     return rows
 
 
-def run_of(layer: Callable[..., torch.Tensor]) -> Callable[[Callable[[str], None]], Any]:
+def _separate(layer: Callable[..., torch.Tensor]) -> Callable[[Callable[[str], None]], Any]:
     """A layer of the separate k/v path (its gather a phase of its own) as ``phase_hook -> out``."""
     return lambda hook: layer(phase_hook=hook, kv_impl="separate")
 
 
-def _summed(timings: list) -> Any:
+def _summed(timings: list[Timing]) -> Timing:
     """Phases reported together (the main pass and the context chunks): their samples added per layer."""
     if len(timings) == 1:
         return timings[0]
-    first = timings[0]
     samples = [round(sum(s), 6) for s in zip(*(t.samples for t in timings))]
-    gpu = None if first.gpu_ms is None else sum(t.gpu_ms for t in timings)
-    return type(first)(statistics.median(samples), sum(t.host_ms for t in timings), samples, first.repeats, gpu)
+    gpu = None if timings[0].gpu_ms is None else sum(t.gpu_ms or 0.0 for t in timings)
+    return Timing(statistics.median(samples), sum(t.host_ms for t in timings), samples, timings[0].repeats, gpu)
 
 
 def _graph_item(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, v: Variant, flops: float, meta: dict):
