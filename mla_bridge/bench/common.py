@@ -506,25 +506,6 @@ class Ctx:
         Triton): recorded in the JSON with ``applies`` False, not printed and not plotted."""
         return Row(section=section, case=case, path=path, status="skipped", note=note, applies=False, **kw)
 
-    def measure(
-        self,
-        section: str,
-        case: str,
-        path: str,
-        fn: Callable[[], Any],
-        *,
-        flops: Optional[float] = None,
-        nbytes: Optional[float] = None,
-        repeats: Optional[int] = None,
-        warmup: Optional[int] = None,
-        **kw: Any,
-    ) -> Row:
-        """Time ``fn`` into a row; a failure (a kernel that does not compile or launch, out of memory) becomes a
-        skipped row carrying the error text, and the run goes on."""
-        return self.measure_many(
-            section, case, [(path, fn, dict(flops=flops, nbytes=nbytes, **kw))], repeats=repeats, warmup=warmup
-        )[0]
-
     def measure_many(
         self,
         section: str,

@@ -44,7 +44,6 @@ from .common import (
     Variant,
     attention_flops,
     beside_raw,
-    fmt_err,
     gemm_flops,
     indptr,
     plan_raw,
@@ -326,8 +325,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     try:
         plan = PrefillPlan.build(x.q_lens, x.c_lens, **build)  # type: ignore[arg-type]
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [skip("eager", "plan failed: " + fmt_err(err, 160), err)]
+        return [c.failed("eager", err, "plan failed")]
     run = _layer(x, plan)
     sched = "fused (one causal pass)" if plan.fused else f"{len(plan.chunks)} chunk(s)"
     extra = {"chunk_tokens": budget, "fused": plan.fused, "chunks": len(plan.chunks), "backend": plan.backend.name}
@@ -348,7 +346,7 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
         if "graph" not in v.args:
             items.append((v.label, lambda kw=kw: run(**kw), keywords))
             continue
-        graph_item, graph = _graph_item(ctx, x, plan, name, v, flops, meta(v.name))
+        graph_item, graph = _graph_item(c, x, plan, v, flops)
         (skipped if graph is None else items).append(graph_item)
         graphs.append(graph)
     if plan.fused:
@@ -357,9 +355,8 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
             note = f"main pass + {len(plan2.chunks)} chunk(s) + merge"
             items.append((path("chunked"), _layer(x, plan2), dict(flops=flops, note=note, **meta("chunked"))))
         except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            skipped.append(skip("chunked", "failed: " + fmt_err(err, 160), err))
-    hand = _handwritten_item(ctx, x, budget, flops, skip, meta("handwritten"))
+            skipped.append(c.failed("chunked", err))
+    hand = _handwritten_item(c, x, budget, flops)
     (skipped if isinstance(hand, Row) else items).append(hand)
     if case.context:
         rank = x.dims.kv_lora_rank
@@ -369,31 +366,31 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
         # the bare kv_b_proj GEMM (kv_c @ W.T) of each pass: the up-projection's inherent work, the stricter yardstick
         gemm = lambda: [torch.matmul(lat, x.w.t()) for lat in latents]  # noqa: E731
         items.append((path("gemm"), gemm, dict(flops=up_flops, **meta("gemm"))))
-    fp8 = _fp8_setup(ctx, x, plan, run, name, skip)
+    fp8 = _fp8_setup(c, x, plan, run)
     if fp8.get("run") is not None:
         note = f"fp8_e4m3 cache, {gather_impl(ctx.device)} gather"
         fp8_extra = dict(extra, kv_cache_scale=float(fp8["scale"]))
         items.append((path("fp8"), fp8["run"], dict(flops=flops, note=note, extra=fp8_extra, **meta("fp8"))))
-    rows = ctx.measure_many(SECTION, name, items) + skipped + fp8["skipped"]
+    rows = c.measure(items) + skipped + fp8["skipped"]
     for graph in graphs:
         if graph is not None:
             graph.release()  # its private pool goes back before the next case
     if case.context:
-        rows += _phase_rows(ctx, x, plan, fp8, name, skip, meta)
+        rows += _phase_rows(c, x, plan, fp8)
     by_path = {r.path: r for r in rows}
-    rows += _summary_rows(ctx, case, bi, name, by_path, flops, meta)
-    rows += _in_layer_rows(ctx, x, plan, name, by_path[path("eager")], meta)
+    rows += _summary_rows(c, case, bi, by_path, flops)
+    rows += _in_layer_rows(c, x, plan, by_path[path("eager")])
     _fp8_summary(ctx, name, {r.path: r for r in rows}, fp8)
     if case.context:
         rows += _context_pass_rows(c, x, budget, ws)
     return rows
 
 
-def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, fp8: dict, name: str, skip, meta) -> list[Row]:
+def _phase_rows(c: Case, x: Inputs, plan: PrefillPlan, fp8: dict) -> list[Row]:
     """mla_prefill's phases, each run alone (:meth:`Ctx.phases_alone`, through its ``phase_hook``), with the separate
     k/v path so that the gather is a phase of its own: the default gather and the torch one, on the bf16 and the FP8
     cache. Bytes of a gather: context rows read (in the cache's dtype) and written, new rows read and written."""
-    d, e = x.dims, x.q.element_size()
+    ctx, d, e, skip = c.ctx, x.dims, x.q.element_size(), c.skip
     attn, up = x.flops()
 
     def gather_bytes(cache_e: int) -> int:
@@ -423,8 +420,7 @@ def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, fp8: dict, name: str, sk
             with _gather_forced(impl):
                 times = ctx.phases_alone(layer)
         except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            rows.append(skip(prefix + "gather", "phases failed: " + fmt_err(err, 160), err))
+            rows.append(c.failed(prefix + "gather", err, "phases failed"))
             continue
         for v in names:
             phases = VARIANTS[v].args["phase"]
@@ -433,7 +429,7 @@ def _phase_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, fp8: dict, name: str, sk
                 rows.append(skip(key, "fused schedule: one pass, nothing to merge"))
                 continue
             timing = _summed([times[p] for p in phases if p in times])
-            rows.append(ctx.row(SECTION, name, path(key), timing, **work[key], **meta(key)))
+            rows.append(ctx.row(SECTION, c.name, path(key), timing, **work[key], **c.meta(key)))
     return rows
 
 
@@ -451,7 +447,7 @@ def _summed(timings: list[Timing]) -> Timing:
     return Timing(statistics.median(samples), sum(t.host_ms for t in timings), samples, timings[0].repeats, gpu)
 
 
-def _graph_item(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, v: Variant, flops: float, meta: dict):
+def _graph_item(c: Case, x: Inputs, plan: PrefillPlan, v: Variant, flops: float):
     """``(item, graph)``: mla_prefill of this layer (``v``'s weight and kv_impl) captured in a CUDA graph
     (:func:`mla_bridge.graphs.capture_prefill`) as a ``measure_many`` item, with the capture time and the graph's
     memory in ``extra``; or ``(skipped row, None)``. On the CPU the same API runs eagerly."""
@@ -459,8 +455,7 @@ def _graph_item(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, v: Variant, f
     try:
         graph = capture_prefill(plan, [layer], x.block_table, kv_impl=v.args.get("kv_impl"))
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return ctx.skipped(SECTION, name, v.label, "capture failed: " + fmt_err(err, 160), err, **meta), None
+        return c.failed(v.name, err, "capture failed"), None
     note = (
         f"captured in {graph.capture_ms:.1f} ms (+ {graph.warmup_ms:.1f} ms warm-up), graph pool "
         f"{graph.memory_bytes / 2**20:.1f} MiB"
@@ -475,21 +470,20 @@ def _graph_item(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, v: Variant, f
     }
     # a CUDA graph row applies where a graph was captured: on the CPU the same API runs eagerly, a row kept in the JSON
     # (the API is exercised) but not printed or plotted as a graph replay
-    return (v.label, graph.replay, dict(flops=flops, note=note, extra=extra, applies=graph.graphed, **meta)), graph
+    return c.item(v.name, graph.replay, flops=flops, note=note, extra=extra, applies=graph.graphed), graph
 
 
-def _in_layer_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row, meta) -> list[Row]:
+def _in_layer_rows(c: Case, x: Inputs, plan: PrefillPlan, full: Row) -> list[Row]:
     """mla_prefill's phases timed inside the layer by :func:`mla_bridge.profiling.time_phases` (CUDA events at the
     phase boundaries with the GPU ahead of the host; host issue time and idle-GPU gaps apart), and their sum against
     the layer's own time (``full``, the mla_prefill row): within 5% on a GPU."""
-    total_v = "in layer: sum of phases"
+    ctx, name, meta, total_v = c.ctx, c.name, c.meta, "in layer: sum of phases"
     try:
         times, _ = time_phases(
             lambda hook: _layer(x, plan)(phase_hook=hook), ctx.device, layers=max(1, min(ctx.repeats, 5))
         )
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped(SECTION, name, path(total_v), "failed: " + fmt_err(err, 160), err, **meta(total_v))]
+        return [c.failed(total_v, err)]
     d, e = x.dims, x.q.element_size()
     attn, up = x.flops()
     main_attn = attn if plan.fused else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads)
@@ -537,28 +531,24 @@ def _in_layer_rows(ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row,
     return rows
 
 
-def _handwritten_item(ctx: Ctx, x: Inputs, budget: int, flops: float, skip, meta: dict):
+def _handwritten_item(c: Case, x: Inputs, budget: int, flops: float):
     """The hand-written pipeline as a ``measure_many`` item, or a skipped row."""
-    why = VARIANTS["handwritten"].missing(ctx)
-    if "handwritten" in ctx.skip or why:
-        return skip("handwritten", "--skip handwritten") if not why else skip("handwritten", why, applies=False)
+    unavailable = c.unavailable("handwritten", "handwritten")
+    if unavailable is not None:
+        return unavailable
     try:
-        layer = handwritten_pipeline(ctx, x, budget)
-        fb = handwritten_backend(ctx)
+        layer = handwritten_pipeline(c.ctx, x, budget)
+        fb = handwritten_backend(c.ctx)
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return skip("handwritten", "plan failed: " + fmt_err(err, 160), err)
-    return (
-        path("handwritten"),
-        layer,
-        dict(flops=flops, note=f"torch gather, matmul, cat, {fb} per chunk, merge_state", **meta),
-    )
+        return c.failed("handwritten", err, "plan failed")
+    return c.item("handwritten", layer, flops=flops, note=f"torch gather, matmul, cat, {fb} per chunk, merge_state")
 
 
-def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict, flops: float, meta) -> list[Row]:
+def _summary_rows(c: Case, case: ContextCase, bi: int, by_path: dict, flops: float) -> list[Row]:
     """Sums of the phases run alone, and the targets: each mla_prefill path against (attention + GEMM alone) and
     against the hand-written pipeline; on the host-bound cases, graphed and eager against eager before the per-pass
     choice (``ContextCase.eager_ms_before``)."""
+    ctx, name, meta = c.ctx, c.name, c.meta
 
     def ok(v: str) -> Any:  # the row of an ok path (its ms set), or None
         row = by_path.get(path(v))
@@ -633,12 +623,13 @@ def _summary_rows(ctx: Ctx, case: ContextCase, bi: int, name: str, by_path: dict
     return rows
 
 
-def _fp8_setup(ctx: Ctx, x: Inputs, plan: PrefillPlan, run, name: str, skip) -> dict:
+def _fp8_setup(c: Case, x: Inputs, plan: PrefillPlan, run: Callable[..., torch.Tensor]) -> dict:
     """The FP8-cache layer of a case (same inputs, the cache quantized once) and its error against the bf16-cache
     result (the quantization error), computed once, untimed."""
-    res: dict = {"skipped": [], "rel_err": None, "applies": x.num_context > 0}
+    ctx = c.ctx
+    res: dict[str, Any] = {"skipped": [], "rel_err": None, "applies": x.num_context > 0}
     if x.num_context == 0:
-        res["skipped"].append(skip("fp8", "no context: the cache is not read"))
+        res["skipped"].append(c.skip("fp8", "no context: the cache is not read"))
         return res
     try:
         cache8, scale = quantize_latent_cache(x.kv_cache)
@@ -648,8 +639,7 @@ def _fp8_setup(ctx: Ctx, x: Inputs, plan: PrefillPlan, run, name: str, skip) -> 
         ref = run().float()
         res["rel_err"] = float((layer().float() - ref).abs().max() / ref.abs().max())
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        res["skipped"].append(skip("fp8", "failed: " + fmt_err(err, 160), err))
+        res["skipped"].append(c.failed("fp8", err))
         return res
     res.update(layer=layer, run=lambda: layer(), scale=scale)
     return res
