@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .common import Ctx, Job, Row, Variant, fmt_err
+from .common import Case, Ctx, Job, Row, Variant
 
 __all__ = ["compare", "DEFAULT_CASES", "format_rows", "jobs", "VARIANT"]
 
@@ -200,10 +200,10 @@ def format_rows(rows: Sequence[dict]) -> str:
 
 
 def _job(ctx: Ctx) -> list[Row]:
-    v, case = VARIANT, "JAX adapter"
-    why = v.missing(ctx)
+    c = Case(ctx, "jax", "JAX adapter", {"jax": VARIANT}, 0)
+    why = VARIANT.missing(ctx)
     if why:
-        return [ctx.skipped("jax", case, v.label, f"JAX section skipped: {why}", order=(5, 0, 0))]
+        return [c.skip("jax", f"JAX section skipped: {why}")]
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
     kwargs: dict = dict(warmup=ctx.warmup, iters=ctx.repeats, seed=ctx.seed, backend=ctx.backend)
     if ctx.quick:
@@ -211,11 +211,9 @@ def _job(ctx: Ctx) -> list[Row]:
     try:
         result = compare(**kwargs)
     except ImportError as err:
-        note = "JAX section skipped: mla_bridge_jax is not importable"
-        return [ctx.skipped("jax", case, v.label, note, err, order=(5, 0, 0))]
+        return [c.skip("jax", "JAX section skipped: mla_bridge_jax is not importable", err)]
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped("jax", case, v.label, "failed: " + fmt_err(err, 160), err, order=(5, 0, 0))]
+        return [c.failed("jax", err)]
     rows = []
     for i, d in enumerate(result):
         ms, flops = d.get("ms"), d.get("flops")
@@ -224,7 +222,7 @@ def _job(ctx: Ctx) -> list[Row]:
         row.seq_len, row.heads, row.repeats = d.get("seq_len"), d.get("heads"), d.get("repeats")
         row.extra.update(backend=d.get("backend"), vs_torch=d.get("vs_torch"))
         rows.append(row)
-    return rows or [ctx.skipped("jax", case, v.label, "compare() returned no rows", order=(5, 0, 0))]
+    return rows or [c.skip("jax", "compare() returned no rows")]
 
 
 def jobs(ctx: Ctx) -> list[Job]:
