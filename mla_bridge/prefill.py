@@ -43,6 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .checks import not_a_bool, offsets_why_not
 from .cache import ChunkRows, check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
 from .backends.flashinfer import direct_enabled
@@ -51,7 +52,7 @@ from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .ragged import _not_a_bool, _offsets_why_not, shares_memory
+from .ragged import shares_memory
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = [
@@ -148,7 +149,7 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
         )
     if not q.is_contiguous():  # the passes were planned for a contiguous q: a strided one must reach no farther
         limit, backend = plan.offset_limit
-        reason = None if limit is None else _offsets_why_not("q", q, limit, backend)
+        reason = None if limit is None else offsets_why_not("q", q, limit, backend)
         if reason is not None:
             raise ValueError(reason)
     if kv_c.shape != (t, d.kv_lora_rank):
@@ -327,7 +328,7 @@ def mla_prefill(
             ``phase_hook`` that is not callable; raised before any kernel runs.
     """
     if not isinstance(return_lse, bool):
-        raise _not_a_bool("return_lse", return_lse)
+        raise not_a_bool("return_lse", return_lse)
     if phase_hook is not None and not callable(phase_hook):
         raise TypeError(
             f"phase_hook must be callable (called with each phase's name) or None, got {type(phase_hook).__name__}"
@@ -455,7 +456,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
     if not isinstance(prepared_weight, bool):
-        raise _not_a_bool("prepared_weight", prepared_weight)
+        raise not_a_bool("prepared_weight", prepared_weight)
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens

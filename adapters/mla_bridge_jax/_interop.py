@@ -43,6 +43,7 @@ __all__ = [
     "buffer_device",
     "xla_stream",
     "order_xla_after_torch",
+    "release_tokens",
 ]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
@@ -257,6 +258,12 @@ def order_xla_after_torch(device: torch.device) -> None:
     if _after is None:
         _after = jax.jit(lambda t: t + 1)
     _after(jax.dlpack.from_dlpack(token))  # the result is dropped: its computation's place in the stream is the point
+
+
+def release_tokens() -> None:
+    """Drop the per-device ordering tokens of :func:`order_xla_after_torch` (at interpreter exit, while CUDA is up);
+    the next call makes a new one."""
+    _TOKENS.clear()
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:

@@ -40,7 +40,7 @@ from jax.experimental.buffer_callback import buffer_callback
 import mla_bridge as _core
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
-from mla_bridge.ragged import _not_a_bool
+from mla_bridge.checks import not_a_bool
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (
@@ -639,7 +639,7 @@ def mla_prefill(
         InferenceOnlyError: on differentiation.
     """
     if not isinstance(return_lse, bool):  # the core checks it eagerly; a traced call never reaches the core with it
-        raise _not_a_bool("return_lse", return_lse)
+        raise not_a_bool("return_lse", return_lse)
     plans = _plans_by_device(plan)
     plan = next(iter(plans.values()))  # the same lengths, dims and dtypes on every device: validation reads it
     prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None

@@ -76,7 +76,7 @@ import mla_bridge
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
 from mla_bridge.merge import merge_attn_states_
-from mla_bridge.ragged import _kernel_ready
+from mla_bridge.checks import kernel_ready
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -363,7 +363,7 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
 def _strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
     """The ``(token, head)`` strides a kernel reads ``[N, H, D]`` ``x`` through in place, or None (contiguous, or
     copied contiguous by :meth:`mla_bridge.RaggedPlan.run` because FlashInfer cannot read its strides)."""
-    return None if x.is_contiguous() or not _kernel_ready(x) else (x.stride(0), x.stride(1))
+    return None if x.is_contiguous() or not kernel_ready(x) else (x.stride(0), x.stride(1))
 
 
 def _plan(

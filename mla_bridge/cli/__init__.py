@@ -30,8 +30,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-# DEMO_CONTEXT_LENS and _resolve_workload are imported from here by the tests.
-from .batch import DEMO_BATCH, DEMO_CONTEXT_LENS, DEMO_PROMPT_LEN, _resolve_workload  # noqa: F401
+# DEMO_CONTEXT_LENS and resolve_workload are imported from here by the tests.
+from .batch import DEMO_BATCH, DEMO_CONTEXT_LENS, DEMO_PROMPT_LEN, resolve_workload  # noqa: F401
 from .checkpoint import load_kv_b_proj_weight
 from .args import int_list, nonnegative_int, output_file, positive_int
 from .args import seed as seed_type

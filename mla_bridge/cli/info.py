@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .args import write_output
-from .table import _row
+from .table import add_row
 
 
 def _package_version(name: str) -> Optional[str]:
@@ -135,10 +135,10 @@ def cmd_info(args, console) -> int:
     table = Table(title="mla-bridge info", title_justify="left", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("")
-    _row(table, "mla-bridge", __version__)
-    _row(table, "python", f"{info['python']} ({sys.executable})")
-    _row(table, "torch", info["torch"])
-    _row(
+    add_row(table, "mla-bridge", __version__)
+    add_row(table, "python", f"{info['python']} ({sys.executable})")
+    add_row(table, "torch", info["torch"])
+    add_row(
         table,
         "CUDA",
         f"available, torch built with CUDA {info['torch_cuda']}"
@@ -146,35 +146,39 @@ def cmd_info(args, console) -> int:
         else f"not available (torch CUDA build: {info['torch_cuda'] or 'none, CPU build'})",
     )
     for d in info["devices"]:
-        _row(table, f"device cuda:{d['index']}", f"{d['name']}, capability {d['capability'][0]}.{d['capability'][1]}")
+        add_row(
+            table, f"device cuda:{d['index']}", f"{d['name']}, capability {d['capability'][0]}.{d['capability'][1]}"
+        )
     if not info["devices"]:
-        _row(table, "device", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
-    _row(table, "FlashInfer", info["flashinfer"] or "not installed (pip install 'mla-bridge[flashinfer]')")
-    _row(
+        add_row(table, "device", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
+    add_row(table, "FlashInfer", info["flashinfer"] or "not installed (pip install 'mla-bridge[flashinfer]')")
+    add_row(
         table,
         "FlashInfer JIT cache",
         f"{info['flashinfer_jit_cache']}"
         + ("" if os.environ.get("FLASHINFER_WORKSPACE_BASE") else " (set FLASHINFER_WORKSPACE_BASE to move it)"),
     )
-    _row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
+    add_row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
     table.add_section()
-    _row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
+    add_row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
     for name, what, default, where in ENV_VARIABLES:
         value = os.environ.get(name)
         info[name] = value
         info["environment"].append(
             {"name": name, "value": value, "default": default, "meaning": what, "read_by": where}
         )
-        _row(table, f"  {name}", (f"{value!r}" if value is not None else f"unset (default: {default})") + f"; {what}")
+        add_row(
+            table, f"  {name}", (f"{value!r}" if value is not None else f"unset (default: {default})") + f"; {what}"
+        )
     table.add_section()
-    _row(
+    add_row(
         table,
         "dtype",
         f"{dtype_name}: what mla-bridge prefill (--dtype auto) and bench use on {device.type}"
         + ("" if device.type == "cuda" else "; the API takes bfloat16, float16 and float32 here too"),
     )
     for path, what in COMPUTE_DTYPES:
-        _row(table, f"  {path}", what)
+        add_row(table, f"  {path}", what)
     table.add_section()
     try:
         choice = select_backend(dtype=dtype, head_dim_qk=192, head_dim_vo=128, causal=True)
@@ -184,16 +188,16 @@ def cmd_info(args, console) -> int:
             "dtype": dtype_name,
             "passed_over": [list(p) for p in choice.passed_over],
         }
-        _row(
+        add_row(
             table,
             "backend",
             Text.assemble((choice.name, "green"), f" for {dtype_name}, head dims 192/128, causal: {choice.reason}"),
         )
         for name, why in choice.passed_over:
-            _row(table, "  passed over", f"{name}: {why}")
+            add_row(table, "  passed over", f"{name}: {why}")
     except ValueError as err:
         info["backend"] = {"error": str(err), "dtype": dtype_name}
-        _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
+        add_row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
     from ..dims import PRESETS
 
     info["presets"] = {}
@@ -214,7 +218,7 @@ def cmd_info(args, console) -> int:
             "softmax_scale": d.softmax_scale,
             "backend": served,
         }
-        _row(
+        add_row(
             table,
             f"--model {name}",
             f"{d.num_heads} heads, q/k {d.qk_nope_head_dim}+{d.qk_rope_head_dim}, "
@@ -224,10 +228,12 @@ def cmd_info(args, console) -> int:
     try:  # what mla_prefill would run besides the backend; a switch that cannot serve is named here
         kernels = kernel_choices(device, dtype, MLADims.deepseek_v2_lite())
         info["kernels"] = kernels
-        _row(table, "kernels", ", ".join(f"{k}: {v}" for k, v in kernels.items()) + f" ({dtype_name} on {device.type})")
+        add_row(
+            table, "kernels", ", ".join(f"{k}: {v}" for k, v in kernels.items()) + f" ({dtype_name} on {device.type})"
+        )
     except (ValueError, TypeError, RuntimeError) as err:
         info["kernels"] = {"error": str(err)}
-        _row(table, "kernels", Text.assemble(("error", "bold red"), f": {err}"))
+        add_row(table, "kernels", Text.assemble(("error", "bold red"), f": {err}"))
     console.print(table)
     if getattr(args, "json", None) is not None:
         write_output(args.json, json.dumps(info, indent=2) + "\n")
