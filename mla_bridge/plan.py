@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from . import switches
 from .cache import ChunkRows, resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, OFFSET_LIMITS, device_capability, select_backend
@@ -871,7 +871,7 @@ def _launch_expand(table: torch.Tensor, total: int, counting: int) -> torch.Tens
 def _requested_backend(backend: Optional[str]) -> Optional[str]:
     """The backend asked for: ``backend``, else ``MLA_BRIDGE_BACKEND`` (as :func:`mla_bridge.select_backend` reads
     it), else None."""
-    return backend if backend is not None else (os.environ.get(ENV_VAR) or None)
+    return backend if backend is not None else (switches.raw(ENV_VAR) or None)
 
 
 def _plan_key(

@@ -46,9 +46,8 @@ import torch
 from .checks import not_a_bool, offsets_why_not
 from .cache import ChunkRows, check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
-from .backends.flashinfer import direct_enabled
+from . import switches
 from .inference import refuse_autograd
-from .kernels.launch import mode as launch_mode
 from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
@@ -64,15 +63,9 @@ __all__ = [
     "ENV_SWITCHES",
 ]
 
-#: The environment switches of mla_bridge's kernel choices (each read by its own chooser, per call).
-ENV_SWITCHES = (
-    "MLA_BRIDGE_BACKEND",
-    "MLA_BRIDGE_KV",
-    "MLA_BRIDGE_GATHER",
-    "MLA_BRIDGE_MERGE",
-    "MLA_BRIDGE_FLASHINFER_DIRECT",
-    "MLA_BRIDGE_TRITON_LAUNCH",
-)
+#: The environment switches of mla_bridge's kernel choices (each read by its own chooser, per call; all of them,
+#: with what they do: :data:`mla_bridge.switches.SWITCHES`, listed by ``mla-bridge info``).
+ENV_SWITCHES = switches.KERNEL_SWITCHES
 
 
 def validate_prefill_inputs(
@@ -238,7 +231,7 @@ def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Opti
     Raises:
         ValueError / TypeError / RuntimeError: what :func:`mla_bridge.kv.kv_impl`,
             :func:`mla_bridge.cache.gather_impl`, :func:`mla_bridge.select_merge`,
-            :func:`mla_bridge.kernels.launch.mode` and :func:`mla_bridge.backends.flashinfer.direct_enabled` raise for
+            :func:`mla_bridge.switches.triton_launch` and :func:`mla_bridge.switches.flashinfer_direct` raise for
             a switch that cannot serve (the message names it).
     """
     from .kernels import triton_available
@@ -246,8 +239,8 @@ def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Opti
     from .dispatch import flashinfer_version
 
     device = torch.device(device)
-    launch = launch_mode()
-    direct = direct_enabled()  # read (and a bad value refused) even where FlashInfer is missing
+    launch = switches.triton_launch()
+    direct = switches.flashinfer_direct()  # read (and a bad value refused) even where FlashInfer is missing
     return {
         "kv": _kv.kv_impl(device, kv_impl, dtype),
         "gather": gather_impl(device),
@@ -346,8 +339,8 @@ def mla_prefill(
         if plan.chunks
         else None
     )
-    launch_mode()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
-    direct_enabled()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
+    switches.triton_launch()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
+    switches.flashinfer_direct()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
     hook = phase_hook if phase_hook is not None else (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:

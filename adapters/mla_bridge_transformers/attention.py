@@ -65,7 +65,6 @@ any boolean mask of another structure (right or inner padding, packed sequences,
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -73,6 +72,7 @@ from typing import Any, Optional
 import torch
 
 import mla_bridge
+from mla_bridge import switches
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
 from mla_bridge.merge import merge_attn_states_
@@ -392,7 +392,7 @@ def _plan(
         dtype,
         device,
         strides,
-        os.environ.get(ENV_VAR) or None,
+        switches.raw(ENV_VAR) or None,
         id(workspace),
     )
     plan = _plan_cache.get(key)

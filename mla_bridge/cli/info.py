@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import switches
 from .args import write_output
 from .table import add_row
 
@@ -24,54 +25,10 @@ def _package_version(name: str) -> Optional[str]:
         return None
 
 
-#: Every environment variable mla_bridge and its adapters read: (name, what it chooses, its default, where it is
-#: read). tests/test_cli.py checks this list against the source, so a new variable cannot be left out.
-ENV_VARIABLES = (
-    (
-        "MLA_BRIDGE_BACKEND",
-        "the attention backend: flashinfer-cutlass, flashinfer-fa3, flashinfer-fa2 or torch",
-        "the dispatch table",
-        "mla_bridge.dispatch",
-    ),
-    (
-        "MLA_BRIDGE_KV",
-        "how a pass builds k and v: fused (one Triton kernel), separate (gather + GEMM) or auto",
-        "auto",
-        "mla_bridge.kv",
-    ),
-    ("MLA_BRIDGE_GATHER", "the paged-cache gather: triton, torch or auto", "auto", "mla_bridge.cache"),
-    ("MLA_BRIDGE_MERGE", "the merge of partials: triton, flashinfer, torch or auto", "auto", "mla_bridge.merge"),
-    (
-        "MLA_BRIDGE_FLASHINFER_DIRECT",
-        "fa2/fa3 runs call FlashInfer's ragged_run directly (1) or wrapper.run (0)",
-        "1",
-        "mla_bridge.backends.flashinfer",
-    ),
-    (
-        "MLA_BRIDGE_TRITON_LAUNCH",
-        "Triton launches: direct (the compiled launcher) or jit (kernel[grid])",
-        "direct",
-        "mla_bridge.kernels.launch",
-    ),
-    (
-        "MLA_BRIDGE_JAX_JIT_ROUTE",
-        "the JAX adapter's route under jax.jit: tvm_ffi, buffer_callback or auto",
-        "auto",
-        "mla_bridge_jax.api",
-    ),
-    (
-        "MLA_BRIDGE_JAX_MAX_PLANS",
-        "plans a compiled JAX function keeps per route (a positive int; read at import)",
-        "16",
-        "mla_bridge_jax._interop",
-    ),
-    (
-        "MLA_BRIDGE_DEBUG",
-        "mla-bridge prints the traceback of an unexpected error (1), not one line (exit code 3)",
-        "0",
-        "mla_bridge.cli",
-    ),
-)
+#: Every environment variable mla_bridge and its adapters read, as :data:`mla_bridge.switches.SWITCHES` lists them:
+#: (name, what it chooses, its default, where it is read). tests/test_cli.py checks the list against the source, so
+#: a new variable cannot be left out.
+ENV_VARIABLES = tuple((sw.name, sw.doc, sw.default, sw.read_by) for sw in switches.SWITCHES)
 
 #: The dtype each path computes in (what the code does, whatever the input dtype).
 COMPUTE_DTYPES = (
@@ -161,14 +118,24 @@ def cmd_info(args, console) -> int:
     add_row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
     table.add_section()
     add_row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
-    for name, what, default, where in ENV_VARIABLES:
-        value = os.environ.get(name)
-        info[name] = value
+    for sw in switches.SWITCHES:
+        value = switches.raw(sw.name)  # as set, unvalidated: info reports, the readers refuse
+        info[sw.name] = value
         info["environment"].append(
-            {"name": name, "value": value, "default": default, "meaning": what, "read_by": where}
+            {
+                "name": sw.name,
+                "value": value,
+                "default": sw.default,
+                "values": sw.values,
+                "meaning": sw.doc,
+                "read_by": sw.read_by,
+            }
         )
         add_row(
-            table, f"  {name}", (f"{value!r}" if value is not None else f"unset (default: {default})") + f"; {what}"
+            table,
+            f"  {sw.name}",
+            (f"{value!r}" if value is not None else f"unset (default: {sw.default})")
+            + f"; {sw.doc}; values: {sw.values}",
         )
     table.add_section()
     add_row(
