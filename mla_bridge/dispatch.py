@@ -424,11 +424,14 @@ class BackendChoice:
         name: one of :data:`BACKEND_NAMES`.
         reason: why it was picked (in words).
         passed_over: ``(name, reason)`` for each preferred row that could not serve.
+        forced: True when the backend was asked for by name (``requested=`` / ``backend=``, or
+            ``MLA_BRIDGE_BACKEND``) rather than picked by the table (``reason`` then says which: "forced by ...").
     """
 
     name: str
     reason: str
     passed_over: tuple[tuple[str, str], ...] = ()
+    forced: bool = False
 
     @property
     def flashinfer_backend(self) -> Optional[str]:
@@ -612,7 +615,7 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
                 f"{source}: backend {requested!r} cannot serve this request on {_cap(capability)} "
                 f"({reason}); it supports {spec.supports}"
             )
-        return BackendChoice(spec.name, f"forced by {source}")
+        return BackendChoice(spec.name, f"forced by {source}", forced=True)
 
     passed_over: list[tuple[str, str]] = []
     for spec in BACKENDS:
