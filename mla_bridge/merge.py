@@ -109,11 +109,6 @@ def _heads_per_row(num_heads: int, head_dim: int, elem_size: int) -> int:
     return g
 
 
-def _forced_merge() -> Optional[str]:
-    """``$MLA_BRIDGE_MERGE`` as one of :data:`MERGE_IMPLS`, or ``None`` (unset, empty or "auto")."""
-    return switches.merge()
-
-
 def select_merge(
     shape: tuple[int, int, int],
     dtype: torch.dtype,
@@ -143,7 +138,7 @@ def select_merge(
             not take or off CUDA without ``TRITON_INTERPRET=1``. RuntimeError: it forces triton where Triton does not
             import.
     """
-    forced = _forced_merge()
+    forced = switches.merge()  # one of MERGE_IMPLS, or None (another value is refused there)
     if forced == "triton" and device_type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"{MERGE_ENV}=triton runs a Triton kernel: it needs a CUDA device, got {device_type} "
