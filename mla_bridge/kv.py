@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import Callable, Iterator, Optional
 
 import torch
 
+from . import switches
 from .cache import fused_latent, gather_rows
 from .weights import CHECKPOINT_LAYOUT, DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: The implementations a pass can use (module docstring).
-KV_IMPLS = ("fused", "separate")
+KV_IMPLS = switches.KV_IMPLS  # ("fused", "separate")
 #: Output dtypes the fused kernel computes (float32 accumulation, one rounding); float64 is not among them.
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The dtypes "auto" gives the fused kernel: those measured (on the H200: bf16; fp16 takes the same code).
@@ -123,16 +123,15 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
         raise TypeError(
             f"kv_impl must be a string ({', '.join(KV_IMPLS)} or 'auto') or None, got {type(requested).__name__}"
         )
-    where = "kv_impl" if requested is not None else "MLA_BRIDGE_KV"
-    raw = requested if requested is not None else os.environ.get("MLA_BRIDGE_KV", "")
-    choice = raw.strip().lower()
+    where = "kv_impl" if requested is not None else switches.KV
+    choice = requested.strip().lower() if requested is not None else switches.kv()  # the variable: checked there
     if (requested is None and choice == "") or choice == "auto":
         from .kernels import triton_available
 
         usable = dtype is None or dtype in AUTO_FUSED_DTYPES
         return "auto" if usable and torch.device(device).type == "cuda" and triton_available() else "separate"
     if choice not in KV_IMPLS:
-        raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {raw!r}")
+        raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {requested!r}")
     if choice == "fused":
         from .kernels import triton_available, triton_interpreting
 

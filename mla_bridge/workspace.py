@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
+from .checks import checked_device
+
 __all__ = [
     "Workspace",
     "WorkspaceTooSmallError",
@@ -95,33 +97,6 @@ def current_stream(device: torch.device) -> tuple[int, Any]:
     if stream is None:
         stream = _STREAMS[(index, ptr)] = torch.cuda.current_stream(index)
     return ptr, stream
-
-
-def _checked_device(device: "torch.device | str") -> torch.device:
-    """``device`` as a concrete torch.device ("cpu", or "cuda:<index>" of a CUDA device that exists).
-
-    Raises:
-        ValueError: not a device, a device type other than cpu/cuda, CUDA unavailable, or no such CUDA device.
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from err
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {dev}")
-    if dev.type == "cpu":
-        return torch.device("cpu")  # "cpu:0" is the CPU too: tensors made on it report plain "cpu"
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {dev}: CUDA is not available here (torch {torch.__version__}, "
-                f"CUDA build: {torch.version.cuda or 'none'})"
-            )
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device {dev}: only {torch.cuda.device_count()} CUDA device(s)")
-        dev = torch.device("cuda", index)
-    return dev
 
 
 class _Lease:
@@ -339,7 +314,7 @@ class Workspace:
         max_float_workspace_bytes = int(max_float_workspace_bytes)
         if isinstance(max_idle_wrappers, bool) or not isinstance(max_idle_wrappers, int) or max_idle_wrappers < 0:
             raise ValueError(f"Workspace: max_idle_wrappers must be an int >= 0, got {max_idle_wrappers!r}")
-        self.device = _checked_device(device)
+        self.device = checked_device(device)
         self.float_workspace_bytes = float_workspace_bytes
         self.max_float_workspace_bytes = max(max_float_workspace_bytes, float_workspace_bytes)
         self._chunk_tokens = chunk_tokens
@@ -642,7 +617,7 @@ _DEFAULT_LOCK = threading.Lock()
 
 def default_workspace(device: "torch.device | str") -> Workspace:
     """The process-wide :class:`Workspace` for ``device``, made on first use (what the one-shot calls share)."""
-    dev = _checked_device(device)
+    dev = checked_device(device)
     ws = _DEFAULT_WORKSPACES.get(dev)
     if ws is None:
         with _DEFAULT_LOCK:

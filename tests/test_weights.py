@@ -10,7 +10,7 @@ import torch
 import mla_bridge.weights as weights_mod
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, Workspace, mla_prefill, prepare_kv_b_proj
 from mla_bridge.prefill import prefill_memory_bytes
-from mla_bridge.ragged import _kernel_ready
+from mla_bridge.checks import kernel_ready
 from mla_bridge.weights import up_projection_weight
 
 QUERY_LENS = [3, 4, 1, 0, 5]
@@ -103,7 +103,7 @@ def test_split_layout_k_and_v(tiny_dims, dtype):
     torch.testing.assert_close(v.double(), kv[..., d.qk_nope_head_dim :], **tol)
     # one buffer, strided views the kernels read in place
     assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-    assert _kernel_ready(k) and _kernel_ready(v)
+    assert kernel_ready(k) and kernel_ready(v)
 
 
 @pytest.mark.parametrize("layout", ["split", "identity"])

@@ -28,8 +28,8 @@ except ImportError as err:  # a clear error naming the framework and the extra, 
 
 from mla_bridge import MLADims, Workspace
 
-from . import _interop, api
-from ._interop import from_torch
+from . import api
+from ._interop import from_torch, release_tokens
 from ._interop import to_torch as _to_torch
 from .api import (
     ENV_JIT_ROUTE,
@@ -65,7 +65,7 @@ def _release_at_exit() -> None:
         pass
     with api._traced_lock:
         api._traced_plans.clear()
-    _interop._TOKENS.clear()
+    release_tokens()
     gc.collect()
 
 

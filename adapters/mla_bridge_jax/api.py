@@ -26,7 +26,6 @@ the batch elements one after another (``vmap_method="sequential"``), each with t
 from __future__ import annotations
 
 import math
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -38,9 +37,10 @@ import torch
 from jax.experimental.buffer_callback import buffer_callback
 
 import mla_bridge as _core
+from mla_bridge import switches
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
-from mla_bridge.ragged import _not_a_bool
+from mla_bridge.checks import not_a_bool
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (
@@ -73,10 +73,10 @@ __all__ = [
 
 #: Routes a traced call can take: "buffer_callback" (any platform) and "tvm_ffi" (CUDA, FlashInfer fa2/fa3 plans,
 #: needs jax-tvm-ffi); "auto" picks tvm_ffi when it can serve, else buffer_callback.
-JIT_ROUTES = ("auto", "buffer_callback", "tvm_ffi")
+JIT_ROUTES = switches.JIT_ROUTES  # ("auto", "buffer_callback", "tvm_ffi")
 #: The environment variable choosing the route under ``jax.jit`` when ``jit_route`` is not given (one of
 #: :data:`JIT_ROUTES`).
-ENV_JIT_ROUTE = "MLA_BRIDGE_JAX_JIT_ROUTE"
+ENV_JIT_ROUTE = switches.JAX_JIT_ROUTE
 
 
 class InferenceOnlyError(NotImplementedError):
@@ -186,11 +186,11 @@ def _spread_over_devices() -> Optional[str]:
 
 def _check_route(requested: Optional[str]) -> str:
     """``requested`` (or ``$MLA_BRIDGE_JAX_JIT_ROUTE``, or "auto") checked against :data:`JIT_ROUTES`."""
-    route = requested or os.environ.get(ENV_JIT_ROUTE) or "auto"
-    if route not in JIT_ROUTES:
-        where = "jit_route" if requested else f"${ENV_JIT_ROUTE} (jit_route not given)"
-        raise ValueError(f"{where} must be one of {list(JIT_ROUTES)}, got {route!r}")
-    return route
+    if not requested:
+        return switches.jax_jit_route()  # the variable, checked there
+    if requested not in JIT_ROUTES:
+        raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {requested!r}")
+    return requested
 
 
 def _route(requested: Optional[str], plan: Any) -> str:
@@ -246,7 +246,7 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
         try:
             call = tvm_ffi.ragged_call(plan, out_types)
         except LookupError:  # FlashInfer's wrapper is not the one the recorder knows
-            if jit_route == "tvm_ffi" or os.environ.get(ENV_JIT_ROUTE) == "tvm_ffi":
+            if jit_route == "tvm_ffi" or switches.raw(ENV_JIT_ROUTE) == "tvm_ffi":
                 raise
     if call is None:
         call = buffer_callback(_ragged_callback(plans), out_types, vmap_method="sequential")
@@ -639,7 +639,7 @@ def mla_prefill(
         InferenceOnlyError: on differentiation.
     """
     if not isinstance(return_lse, bool):  # the core checks it eagerly; a traced call never reaches the core with it
-        raise _not_a_bool("return_lse", return_lse)
+        raise not_a_bool("return_lse", return_lse)
     plans = _plans_by_device(plan)
     plan = next(iter(plans.values()))  # the same lengths, dims and dtypes on every device: validation reads it
     prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None

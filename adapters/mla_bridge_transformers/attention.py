@@ -65,7 +65,6 @@ any boolean mask of another structure (right or inner padding, packed sequences,
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -73,10 +72,11 @@ from typing import Any, Optional
 import torch
 
 import mla_bridge
+from mla_bridge import switches
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
 from mla_bridge.merge import merge_attn_states_
-from mla_bridge.ragged import _kernel_ready
+from mla_bridge.checks import kernel_ready
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -363,7 +363,7 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
 def _strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
     """The ``(token, head)`` strides a kernel reads ``[N, H, D]`` ``x`` through in place, or None (contiguous, or
     copied contiguous by :meth:`mla_bridge.RaggedPlan.run` because FlashInfer cannot read its strides)."""
-    return None if x.is_contiguous() or not _kernel_ready(x) else (x.stride(0), x.stride(1))
+    return None if x.is_contiguous() or not kernel_ready(x) else (x.stride(0), x.stride(1))
 
 
 def _plan(
@@ -392,7 +392,7 @@ def _plan(
         dtype,
         device,
         strides,
-        os.environ.get(ENV_VAR) or None,
+        switches.raw(ENV_VAR) or None,
         id(workspace),
     )
     plan = _plan_cache.get(key)

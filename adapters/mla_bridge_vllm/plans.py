@@ -62,7 +62,7 @@ def servable(
             choice = select_backend(capability=(int(capability[0]), int(capability[1])), **kw)
     except ValueError as err:  # a backend forced through MLA_BRIDGE_BACKEND cannot serve, or none serves the dtype
         return False, str(err)
-    if capability is None or choice.is_flashinfer or choice.reason.startswith("forced"):
+    if capability is None or choice.is_flashinfer or choice.forced:
         return True, f"{choice.name}: {choice.reason}"
     reasons = "; ".join(f"{name}: {why}" for name, why in choice.passed_over)
     return False, f"no FlashInfer backend serves capability {capability[0]}.{capability[1]} ({reasons})"
@@ -74,7 +74,7 @@ _WARNED = [False]
 def _warn_if_reference(*plans: RaggedPlan) -> None:
     """Once per process: a batch on a GPU that no FlashInfer kernel serves runs the (slow) float32 torch reference."""
     for plan in plans:
-        if plan.backend.name == "torch" and not plan.backend.reason.startswith("forced") and not _WARNED[0]:
+        if plan.backend.name == "torch" and not plan.backend.forced and not _WARNED[0]:
             _WARNED[0] = True
             why = "; ".join(f"{name}: {reason}" for name, reason in plan.backend.passed_over)
             warnings.warn(

@@ -46,13 +46,13 @@ backend), ``wrapper.run`` is called as before. ``MLA_BRIDGE_FLASHINFER_DIRECT=0`
 from __future__ import annotations
 
 import math
-import os
 import threading
 import types
 from typing import Any, Optional
 
 import torch
 
+from .. import switches
 from ..workspace import current_stream
 
 __all__ = [
@@ -67,7 +67,7 @@ __all__ = [
 
 _LN2 = math.log(2.0)
 #: ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` makes every run go through ``wrapper.run`` (for comparison).
-DIRECT_ENV = "MLA_BRIDGE_FLASHINFER_DIRECT"
+DIRECT_ENV = switches.FLASHINFER_DIRECT
 
 
 def direct_enabled() -> bool:
@@ -77,13 +77,7 @@ def direct_enabled() -> bool:
     Raises:
         ValueError: any other value (the message names the variable).
     """
-    raw = os.environ.get(DIRECT_ENV, "")
-    value = raw.strip().lower()
-    if value in ("", "1", "auto"):
-        return True
-    if value == "0":
-        return False
-    raise ValueError(f"{DIRECT_ENV}={raw!r}: expected 1 (direct runs, the default), 0 (wrapper.run) or auto")
+    return switches.flashinfer_direct()
 
 
 #: wrapper attributes whose current value is put into the recorded call at every run

@@ -214,7 +214,7 @@ def test_unpadded_batches_read_q_k_v_in_place(pair, no_hand_back, monkeypatch, t
     Before, every run's q and k were copies (another storage)."""
     from transformers import DynamicCache
 
-    from mla_bridge.ragged import _kernel_ready
+    from mla_bridge.checks import kernel_ready
 
     eager, ours = pair
     calls, runs = _probe_runs(monkeypatch)
@@ -244,7 +244,7 @@ def test_unpadded_batches_read_q_k_v_in_place(pair, no_hand_back, monkeypatch, t
             assert kw.get("return_lse") is False and kw.get("lse") is None
             for x, src in ((q, query), (k, key), (v, value)):
                 assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()  # a view, not a copy
-                assert _kernel_ready(x)  # FlashInfer reads it through its strides: RaggedPlan.run copies nothing
+                assert kernel_ready(x)  # FlashInfer reads it through its strides: RaggedPlan.run copies nothing
             assert torch.equal(q, query[r].transpose(0, 1)) and torch.equal(v, value[r].transpose(0, 1))
     monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10**9)  # the rows packed into one call instead
     calls.clear(), runs.clear()
@@ -838,7 +838,7 @@ def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand
     transformers' q, k, v (FlashInfer reads their strides: RaggedPlan.run copies nothing), and its logits are bitwise
     those of the rows packed into one call (contiguous copies, the layout before), and within transformers' own bf16
     spread (sdpa against eager) of the float32 eager model. The GPU is kept busy so the host runs ahead."""
-    from mla_bridge.ragged import _kernel_ready
+    from mla_bridge.checks import kernel_ready
 
     mbt.register()
     calls, runs = _probe_runs(monkeypatch)
@@ -852,7 +852,7 @@ def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand
             for q, k, v, kw in made:
                 assert kw.get("return_lse") is False
                 for x, src in ((q, query), (k, key), (v, value)):
-                    assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and _kernel_ready(x)
+                    assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and kernel_ready(x)
         monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10**9)
         torch.cuda._sleep(int(1e8))
         packed = model(ids).logits.float()
