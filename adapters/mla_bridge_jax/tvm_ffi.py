@@ -18,7 +18,8 @@ How it works (CUDA, FlashInfer fa2/fa3 plans, jax-tvm-ffi installed):
      (``lse.mul_(ln 2)``, one float32 multiply) is done by XLA after the call: bitwise the same.
 
 If any step cannot be done (no jax-tvm-ffi, a CPU or torch-backend plan, a FlashInfer whose wrapper no longer looks
-like 0.7's), :func:`why_not` says why and the ``auto`` route uses ``buffer_callback`` instead.
+like 0.7's or whose version the recording does not know), :func:`why_not` says why and the ``auto`` route uses
+``buffer_callback`` instead.
 
 Lifetime: a compiled XLA executable may run a registered plan at any later time, and nothing
 tells this module when the executable is gone, so the registry is a bounded cache. At most :data:`MAX_PLANS`
