@@ -11,7 +11,10 @@ things mla_bridge does need more than those, and each rests on the wrapper's pri
   ``_cached_module`` is a ``types.SimpleNamespace`` and ``ragged_run`` a Python function that reorders its arguments
   for the compiled ``ragged_run_func`` it closes over;
 * per-stream float workspaces (fa2's split-KV partials): ``run()`` reads the wrapper's one
-  ``_float_workspace_buffer`` attribute (:func:`float_workspace`, :func:`set_float_workspace`);
+  ``_float_workspace_buffer`` attribute (:func:`float_workspace`, :func:`set_float_workspace`); and int workspaces
+  sized to the plan (:meth:`mla_bridge.Workspace.fit_int_workspace`): ``plan()`` writes its schedule into
+  ``_pin_memory_int_workspace_buffer`` and copies it to ``_int_workspace_buffer``, both read as they are
+  (:func:`int_workspace`, :func:`set_int_workspace`);
 * memory accounting and the chunk gather's device indptr: the buffers ``plan()`` fills, ``_int_workspace_buffer``
   (and its page-locked twin ``_pin_memory_int_workspace_buffer``), ``_plan_info``, ``_qo_indptr_buf`` and
   ``_kv_indptr_buf`` (:data:`LIVE_BUFFERS`, :func:`held_bytes`, :func:`device_kv_indptr`).
@@ -24,6 +27,9 @@ route). Where no ``flashinfer-python`` distribution is found (a source checkout,
 tests) the structural checks alone decide. The buffer accessors read what is there (``getattr`` with a default)
 and need no gate. ``tests/gpu/test_gpu_flashinfer_internals.py`` checks on a GPU that a recorded call gives the bits
 of the wrapper's public ``run()``.
+
+It imports only :mod:`mla_bridge.dispatch` (for the installed version), so that :mod:`mla_bridge.workspace`, which
+pools the wrappers below the backends, reaches their buffers through it too: its layer is the workspace's.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ __all__ = [
     "live_values",
     "float_workspace",
     "set_float_workspace",
+    "int_workspace",
+    "set_int_workspace",
     "device_kv_indptr",
     "held_bytes",
 ]
@@ -210,6 +218,19 @@ def float_workspace(wrapper: Any, default: Any = None) -> Any:
 def set_float_workspace(wrapper: Any, buf: torch.Tensor) -> None:
     """Point the wrapper's ``run()`` at float workspace ``buf`` (the caller serialises this with its runs)."""
     setattr(wrapper, _FLOAT_WORKSPACE, buf)
+
+
+def int_workspace(wrapper: Any) -> Optional[torch.Tensor]:
+    """The wrapper's device int workspace, where its runs read the schedule (None where it has none: a stand-in)."""
+    buf = getattr(wrapper, "_int_workspace_buffer", None)
+    return buf if isinstance(buf, torch.Tensor) else None
+
+
+def set_int_workspace(wrapper: Any, device_buf: torch.Tensor, host_buf: torch.Tensor) -> None:
+    """Give the wrapper the int workspace ``device_buf`` and its page-locked twin ``host_buf`` (the same size), which
+    its next ``plan()`` writes and copies (nothing queued may still read the buffers replaced)."""
+    wrapper._int_workspace_buffer = device_buf
+    setattr(wrapper, _PINNED_INT_WORKSPACE, host_buf)
 
 
 def device_kv_indptr(wrapper: Any, host: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
