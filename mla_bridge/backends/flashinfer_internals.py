@@ -1,35 +1,28 @@
 """FlashInfer's private internals: the one module of mla_bridge and its adapters that reads or writes them.
 
-FlashInfer's ragged wrapper (``BatchPrefillWithRaggedKVCacheWrapper``) documents ``plan()`` and ``run()``. Three
-things mla_bridge does need more than those, and each rests on the wrapper's private structure in FlashInfer 0.7.x
-(``flashinfer/prefill.py``):
+Beyond the ragged wrapper's documented ``plan()`` and ``run()``, mla_bridge relies on its private structure in
+FlashInfer 0.7.x (``flashinfer/prefill.py``) for three things:
 
-* the host time of a run: :class:`mla_bridge.backends.flashinfer.DirectRun` and the JAX adapter's XLA custom call
-  (``mla_bridge_jax.tvm_ffi``) call the function ``run()`` ends in with the argument list ``run()`` builds, recorded
-  once per plan (:func:`record_ragged_run`; for XLA, one level further down, the compiled TVM-FFI function:
-  :func:`compiled_call`). ``run()`` ends in exactly one call ``self._cached_module.ragged_run(*run_args)``, where
-  ``_cached_module`` is a ``types.SimpleNamespace`` and ``ragged_run`` a Python function that reorders its arguments
-  for the compiled ``ragged_run_func`` it closes over;
-* per-stream float workspaces (fa2's split-KV partials): ``run()`` reads the wrapper's one
-  ``_float_workspace_buffer`` attribute (:func:`float_workspace`, :func:`set_float_workspace`); and int workspaces
-  sized to the plan (:meth:`mla_bridge.Workspace.fit_int_workspace`): ``plan()`` writes its schedule into
-  ``_pin_memory_int_workspace_buffer`` and copies it to ``_int_workspace_buffer``, both read as they are
-  (:func:`int_workspace`, :func:`set_int_workspace`);
-* memory accounting and the chunk gather's device indptr: the buffers ``plan()`` fills, ``_int_workspace_buffer``
-  (and its page-locked twin ``_pin_memory_int_workspace_buffer``), ``_plan_info``, ``_qo_indptr_buf`` and
-  ``_kv_indptr_buf`` (:data:`LIVE_BUFFERS`, :func:`held_bytes`, :func:`device_kv_indptr`).
+* host time per run: :class:`mla_bridge.backends.flashinfer.DirectRun` and the JAX adapter's XLA call
+  (``mla_bridge_jax.tvm_ffi``) replay the call ``run()`` ends in, recorded once per plan (:func:`record_ragged_run`:
+  ``run()`` makes exactly one call ``self._cached_module.ragged_run(*run_args)``, ``_cached_module`` a
+  ``types.SimpleNamespace``; for XLA one level further down, :func:`compiled_call`: ``ragged_run`` reorders its
+  arguments for the compiled TVM-FFI ``ragged_run_func`` it closes over);
+* workspaces: fa2's per-stream float workspace is the ``_float_workspace_buffer`` that ``run()`` reads, and the int
+  workspace sized to each plan is ``_int_workspace_buffer`` with its page-locked twin
+  ``_pin_memory_int_workspace_buffer``, where ``plan()`` writes (:func:`float_workspace`, :func:`int_workspace`
+  and their setters);
+* memory accounting and the chunk gather's device indptr: the buffers ``plan()`` fills (:data:`LIVE_BUFFERS`,
+  :func:`held_bytes`, :func:`device_kv_indptr`).
 
-Version gate: the call recording is made only for the FlashInfer versions this module was written against
-(:data:`KNOWN_VERSIONS`, the ``flashinfer-python`` range of pyproject.toml); for another installed version
-:func:`version_why_not` says so and :func:`record_ragged_run` refuses (``LookupError``), and the callers keep the
-public path as for any recording that cannot be made (``wrapper.run``; in the JAX adapter the ``buffer_callback``
-route). Where no ``flashinfer-python`` distribution is found (a source checkout, or a stand-in wrapper in the
-tests) the structural checks alone decide. The buffer accessors read what is there (``getattr`` with a default)
-and need no gate. ``tests/gpu/test_gpu_flashinfer_internals.py`` checks on a GPU that a recorded call gives the bits
-of the wrapper's public ``run()``.
-
-It imports only :mod:`mla_bridge.dispatch` (for the installed version), so that :mod:`mla_bridge.workspace`, which
-pools the wrappers below the backends, reaches their buffers through it too: its layer is the workspace's.
+Version gate: the call is recorded only for the FlashInfer versions this module knows (:data:`KNOWN_VERSIONS`,
+pyproject's ``flashinfer-python`` range); for another one :func:`record_ragged_run` refuses (``LookupError``, the
+reason from :func:`version_why_not`) and the callers keep the public path, as for any recording that cannot be made
+(``wrapper.run``; the JAX adapter's ``buffer_callback`` route). Without a ``flashinfer-python`` distribution (a
+source checkout, a test's stand-in wrapper) the structural checks alone decide; the buffer accessors read what is
+there. ``tests/gpu/test_gpu_flashinfer_internals.py`` checks on a GPU that a recorded call gives the bits of
+``run()``. This module imports only :mod:`mla_bridge.dispatch`, so the workspace, which pools the wrappers below
+the backends, uses it too.
 """
 
 from __future__ import annotations
