@@ -48,7 +48,7 @@ from .cache import ChunkRows, check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
 from . import switches
 from .inference import refuse_autograd
-from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
+from .kv import KVInputs, chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
 from .ragged import shares_memory
@@ -354,10 +354,10 @@ def mla_prefill(
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight: taken as it is (no copy)
-    if plan.fused:
-        k, v = fused_schedule_kv(plan, kv_c, k_pe, kv_cache, block_table, scale, weight, hook, impl, gather)
-    else:
-        k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
+    inputs = KVInputs(
+        weight, kv_c, k_pe, kv_cache, block_table, kv_cache_scale=scale, hook=hook, impl=impl, gather=gather
+    )
+    k, v = fused_schedule_kv(plan, inputs) if plan.fused else new_tokens_kv(inputs)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
     # One partial out / lse for every merge round (plan.chunks' part_row / merge_rows): the chunks of a round write
@@ -371,7 +371,7 @@ def mla_prefill(
         if chunk.plan is None:
             continue
         del k, v  # free the previous pass's buffers before this chunk allocates its own
-        k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl, gather)
+        k, v = chunk_kv(chunk, inputs)
         hook("context chunk")
         if part_out is None:
             n = plan.partial_rows

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
+from .backends import flashinfer_internals as internals
 from .checks import checked_device
 
 __all__ = [
@@ -419,11 +420,11 @@ class Workspace:
                 lease = _Lease(factory(base, backend), backend)
                 self.wrappers_created += 1
                 slots.append(lease)
-            elif getattr(lease.wrapper, "_float_workspace_buffer", base) is not base:
+            elif internals.float_workspace(lease.wrapper, base) is not base:
                 # fa2 plans size their split-KV partials against this buffer (FlashInfer reads its numel): after a
                 # growth, or an external runtime's region (FlashInferRaggedKernel.external_wrapper), point it back at
                 # the current workspace.
-                lease.wrapper._float_workspace_buffer = base
+                internals.set_float_workspace(lease.wrapper, base)
             lease.owner = weakref.ref(owner)
             lease.last_acquired = now
             lease.plan_event = None
@@ -439,8 +440,8 @@ class Workspace:
         times it are kept. Call it on a lease :meth:`acquire` just handed out, before its ``plan()``: nothing queued
         reads the buffers it replaces (a new wrapper's constructor buffers, or those of a plan whose copies and runs
         have completed). A wrapper without an int workspace (a stand-in) is left alone."""
-        buf = getattr(lease.wrapper, "_int_workspace_buffer", None)
-        if not isinstance(buf, torch.Tensor):
+        buf = internals.int_workspace(lease.wrapper)
+        if buf is None:
             return
         target = max(MIN_INT_WORKSPACE_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
         have = buf.numel() * buf.element_size()
@@ -448,9 +449,10 @@ class Workspace:
             self._set_int_workspace(lease.wrapper, target)
 
     def _set_int_workspace(self, wrapper: Any, nbytes: int) -> None:
-        wrapper._int_workspace_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        wrapper._pin_memory_int_workspace_buffer = torch.empty(
-            nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+        internals.set_int_workspace(
+            wrapper,
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device),
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"),
         )
 
     def acquire_wrapper(self, backend: str, owner: object, factory: Callable[[torch.Tensor, str], Any]) -> Any:
@@ -564,8 +566,8 @@ class Workspace:
                 if match is None:
                     raise
                 what, size, available = match.group(1), int(match.group(2)), int(match.group(3))
-                buf = getattr(lease.wrapper, "_int_workspace_buffer", None) if lease is not None else None
-                if what not in _FLOAT_ALLOCATIONS and isinstance(buf, torch.Tensor) and what not in grown_int:
+                buf = internals.int_workspace(lease.wrapper) if lease is not None else None
+                if what not in _FLOAT_ALLOCATIONS and buf is not None and what not in grown_int:
                     assert lease is not None  # buf is lease.wrapper's
                     grown_int.add(what)
                     have = buf.numel() * buf.element_size()
@@ -598,10 +600,10 @@ class Workspace:
                 for slots in self._slots.values():
                     for slot in slots:
                         if slot is not planning and slot.free():
-                            slot.wrapper.reset_workspace_buffer(buf, slot.wrapper._int_workspace_buffer)
+                            slot.wrapper.reset_workspace_buffer(buf, internals.int_workspace(slot.wrapper))
             buf = self.float_workspace
-            if planning is not None and getattr(planning.wrapper, "_float_workspace_buffer", None) is not buf:
-                planning.wrapper.reset_workspace_buffer(buf, planning.wrapper._int_workspace_buffer)
+            if planning is not None and internals.float_workspace(planning.wrapper) is not buf:
+                planning.wrapper.reset_workspace_buffer(buf, internals.int_workspace(planning.wrapper))
 
     def __repr__(self) -> str:
         pooled = sum(len(s) for s in self._slots.values())

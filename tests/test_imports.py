@@ -103,7 +103,7 @@ def test_prefill_asks_the_switches_module_not_the_kernel_choosers():
 #: the bench sits on top.
 LAYERS = (
     ("mla_bridge.dims", "mla_bridge.checks", "mla_bridge.switches", "mla_bridge.inference", "mla_bridge.profiling"),
-    ("mla_bridge.dispatch", "mla_bridge.workspace", "mla_bridge.kernels"),
+    ("mla_bridge.dispatch", "mla_bridge.workspace", "mla_bridge.kernels", "mla_bridge.backends.flashinfer_internals"),
     ("mla_bridge.backends", "mla_bridge.merge", "mla_bridge.weights", "mla_bridge.reference"),
     ("mla_bridge.ragged", "mla_bridge.cache"),
     ("mla_bridge.plan", "mla_bridge.kv", "mla_bridge.plan_cache"),

@@ -274,7 +274,7 @@ def up_project_triton(
     if dequant:
         cfg["num_stages"] = min(cfg["num_stages"], DEQUANT_MAX_STAGES)
     bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, next_power_of_2(rank)))
-    w, w_row, w_head, w_nope, w_v = weight._rows()  # each head's k_nope and v rows, in any layout
+    w, w_row, w_head, w_nope, w_v = weight.kernel_rows()  # each head's k_nope and v rows, in any layout
     if rows is not None and (req_ids is not None or positions is not None):
         raise ValueError("up_project_triton: give the context rows as rows= or as req_ids / positions, not both")
     if (rows is not None or req_ids is not None) and (kv_cache is None or block_table is None):
