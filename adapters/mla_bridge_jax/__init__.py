@@ -27,8 +27,9 @@ except ImportError as err:  # a clear error naming the framework and the extra, 
     ) from err
 
 from mla_bridge import MLADims, Workspace
+from mla_bridge.plan_cache import shared_plan_cache
 
-from . import _interop, api
+from . import _interop
 from ._interop import from_torch
 from ._interop import to_torch as _to_torch
 from .api import (
@@ -63,8 +64,7 @@ def _release_at_exit() -> None:
         jax.clear_caches()
     except Exception:  # noqa: BLE001 - a JAX without it, or already shut down: nothing more to release here
         pass
-    with api._traced_lock:
-        api._traced_plans.clear()
+    shared_plan_cache().clear()
     _interop._TOKENS.clear()
     gc.collect()
 

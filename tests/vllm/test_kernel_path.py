@@ -195,7 +195,11 @@ def test_new_tokens_compute_an_lse_only_when_asked(monkeypatch):
         cache=PlanCache(),
     )  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(5, h, dqk, generator=g), torch.randn(5, h, dqk, generator=g), torch.randn(5, h, dvo, generator=g)
+    q, k, v = (
+        torch.randn(5, h, dqk, generator=g),
+        torch.randn(5, h, dqk, generator=g),
+        torch.randn(5, h, dvo, generator=g),
+    )
     out = plans.run_new_tokens(q, k, v, False)
     assert isinstance(out, torch.Tensor) and out.shape == (5, h, dvo) and asked == [False]
     want, lse = plans.run_new_tokens(q, k, v, True)
