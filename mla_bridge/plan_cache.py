@@ -61,7 +61,7 @@ def _strides_part(strides: Optional[Sequence]) -> Any:
         return False
     if len(parts) != 3 or any(p is not None and (len(p) != 2 or None in p) for p in parts):
         return False
-    return parts
+    return None if parts == (None, None, None) else parts  # all contiguous: as no strides
 
 
 def _ragged_key(
