@@ -61,7 +61,7 @@ ENV_VARIABLES = (
     ),
     (
         "MLA_BRIDGE_JAX_MAX_PLANS",
-        "plans a compiled JAX function keeps per route (a positive int; read at import)",
+        "plans the shared plan cache and the JAX tvm_ffi registry each keep (a positive int; read at import)",
         "16",
         "mla_bridge_jax._interop",
     ),
