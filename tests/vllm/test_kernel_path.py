@@ -225,3 +225,23 @@ def test_equal_steps_share_their_plans():
     assert a.main is b.main and a.chunks[0] is b.chunks[0] and a.main is not a.chunks[0]
     assert c.main is not a.main and c.chunks[0] is not a.chunks[0]
     assert (cache.hits, cache.misses) == (2, 4)
+
+
+def test_step_plans_come_from_the_shared_cache_by_default():
+    """Without a cache of its own, a step's plans are the shared cache's: the plan the cache keeps for the step's
+    main pass is the one the step runs, and an equal step makes no new plan."""
+    from mla_bridge.plan_cache import shared_plan_cache
+    from mla_bridge_vllm.plans import PrefillStepPlans
+
+    cache = shared_plan_cache()
+    qo = host_indptr_from_lens([4, 1])
+    args = dict(num_heads=2, head_dim_qk=24, head_dim_vo=16, sm_scale=0.123, dtype=torch.float32, device="cpu")
+    first = PrefillStepPlans(qo, [], **args)
+    misses = cache.misses
+    again = PrefillStepPlans(qo, [], **args)
+    assert again.main is first.main and cache.misses == misses
+    key = cache.ragged_key(
+        qo, qo, num_heads=2, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.123, dtype=torch.float32,
+        workspace=first.main.workspace,
+    )  # fmt: skip
+    assert cache.lookup(key) is first.main
