@@ -369,17 +369,21 @@ def _strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
     return None if x.is_contiguous() or not _kernel_ready(x) else (x.stride(0), x.stride(1))
 
 
-def _plan(q_lens: tuple, kv_lens: tuple, qkv: tuple, query: torch.Tensor, d_vo: int, sm_scale: float):
-    """The batch's causal plan for the ``[N, H, D]`` tensors ``qkv`` it will run on (those of one batch row when each
-    row runs on its own; ``()`` for an empty batch), from the plan cache the adapters share
-    (:func:`mla_bridge.plan_cache.shared_plan_cache`, keyed on everything it depends on: the lengths, sizes, scale,
-    dtype, the ``(q, k, v)`` strides it reads (``plan_ragged(strides=...)``), the backend asked for
-    (``MLA_BRIDGE_BACKEND``, read now) and the workspace). The layers of one forward find it through the key of the
-    last call's arguments, without re-making the indptrs."""
-    found = tuple(_strides(x) for x in qkv)
-    strides = None if all(x is None for x in found) else found
-    _, heads, _, d_qk = query.shape
-    dtype, device = query.dtype, query.device
+def _plan(
+    q_lens: tuple,
+    kv_lens: tuple,
+    heads: int,
+    d_qk: int,
+    d_vo: int,
+    sm_scale: float,
+    dtype,
+    device,
+    strides: Optional[tuple] = None,
+):
+    """The batch's causal plan from the plan cache the adapters share (:func:`mla_bridge.plan_cache.shared_plan_cache`,
+    keyed on everything it depends on: the lengths, sizes, scale, dtype, the ``(q, k, v)`` strides it reads
+    (``plan_ragged(strides=...)``), the backend asked for (``MLA_BRIDGE_BACKEND``, read now) and the workspace). The
+    layers of one forward find it through the key of the last call's arguments, without re-making the indptrs."""
     workspace = mla_bridge.workspace.default_workspace(device)
     local = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, strides, os.environ.get(ENV_VAR) or None)
     cache = shared_plan_cache()
@@ -460,7 +464,18 @@ def mla_bridge_attention(
             (query[r].transpose(0, 1), key[r, :, :keys].transpose(0, 1), value[r, :, :keys].transpose(0, 1))
             for r in range(b)
         ]
-        plan = _plan((q_len,), (keys,), rows[0] if rows else (), query, d_vo, sm_scale)
+        strides = tuple(_strides(x) for x in rows[0]) if rows else (None, None, None)
+        plan = _plan(
+            (q_len,),
+            (keys,),
+            h,
+            d_qk,
+            d_vo,
+            sm_scale,
+            query.dtype,
+            query.device,
+            None if strides == (None, None, None) else strides,
+        )
         full = query.new_empty(b, q_len, h, d_vo)
         lse = None if sinks is None else torch.empty(b, q_len, h, dtype=torch.float32, device=query.device)
         for r, (q, k, v) in enumerate(rows):
@@ -477,7 +492,18 @@ def mla_bridge_attention(
         else:  # padded: the valid rows only, gathered by index (made once per mask: no host sync here)
             q = query.transpose(1, 2)[q_rows]
             k, v = key.transpose(1, 2)[key_rows], value.transpose(1, 2)[key_rows]
-        plan = _plan(q_lens, kv_lens, (q, k, v), query, d_vo, sm_scale)
+        strides = tuple(_strides(x) for x in (q, k, v))
+        plan = _plan(
+            q_lens,
+            kv_lens,
+            h,
+            d_qk,
+            d_vo,
+            sm_scale,
+            query.dtype,
+            query.device,
+            None if strides == (None, None, None) else strides,
+        )
         if sinks is None:
             out, lse = plan.run(q, k, v, return_lse=False), None
         else:
