@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -42,7 +40,7 @@ from .checks import as_lengths, check_length_sums, checked_device, not_a_bool, p
 from .ragged import RaggedPlan, checked_plan_sizes, plan_checked
 from .workspace import Workspace, current_stream
 
-__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
+__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "lookup_key", "keep_key"]
 
 
 @dataclass(frozen=True)
@@ -907,107 +905,62 @@ def _plan_key(
     )
 
 
-class PlanCache:
-    """Reuse of :class:`PrefillPlan` across batches: a plan is handed out again only when EVERYTHING it depends on is
-    equal (:attr:`PrefillPlan.key`: the per-request query and context lengths, dims, dtype, cache dtype, block size,
-    chunk budget, backend, workspace and device), never on a partial key.
-
-    Args:
-        maxsize: plans kept (least recently used dropped first; default 8). Each kept plan holds its pooled FlashInfer
-            wrappers (1 + distinct chunk shapes per plan; what they hold: :attr:`PrefillPlan.flashinfer_bytes`).
-
-    Attributes: ``hits``, ``misses`` (counts of :meth:`get`).
-
-    Threads: one cache may be shared by threads. Its look-ups, reorderings, insertions and evictions run under one
-    lock (a hit is never evicted by another thread between its look-up and its reordering); a miss builds its plan
-    outside the lock, so threads build different plans at once, and where two threads built the same key at once
-    both get the plan inserted first.
+def lookup_key(
+    query_lens: Sequence[int],
+    context_lens: Optional[Sequence[int]] = None,
+    *,
+    dims: MLADims,
+    workspace: Workspace,
+    block_size: int,
+    device: "torch.device | str | None" = None,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: Optional[str] = None,
+    fuse_context: bool = True,
+    kv_cache_dtype=None,
+) -> tuple[list, list, int, Optional[tuple]]:
+    """The key :meth:`PrefillPlan.build` would give its plan for these arguments (:attr:`PrefillPlan.key`), made
+    before building it, for a cache's look-up (:class:`mla_bridge.plan_cache.PlanCache`): ``(query_lens, context_lens,
+    block_size, key)`` with the lengths and block size as build reads them; ``key`` is None where ``dims`` or
+    ``workspace`` is not of its type (build then raises). What build refuses in the lengths, block size and schedule
+    switch is refused here, before any look-up (``4.0 == 4`` and ``1 == True`` as key parts).
 
     Raises:
-        ValueError: ``maxsize`` not a positive int.
+        TypeError / ValueError: as :meth:`PrefillPlan.build` for the lengths, ``block_size`` and ``fuse_context``.
     """
-
-    def __init__(self, maxsize: int = 8):
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize <= 0:
-            raise ValueError(f"PlanCache: maxsize must be a positive int, got {maxsize!r}")
-        self.maxsize = maxsize
-        self._plans: "OrderedDict[tuple, PrefillPlan]" = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(
-        self,
-        query_lens: Sequence[int],
-        context_lens: Optional[Sequence[int]] = None,
-        *,
-        dims: MLADims,
-        workspace: Workspace,
-        block_size: int,
-        device: "torch.device | str | None" = None,
-        dtype: torch.dtype = torch.bfloat16,
-        backend: Optional[str] = None,
-        fuse_context: bool = True,
-        kv_cache_dtype=None,
-    ) -> PrefillPlan:
-        """The plan of :meth:`PrefillPlan.build` for these arguments: a kept one whose key is equal, else a new one
-        (kept). Same arguments and errors as :meth:`PrefillPlan.build`."""
-        q_lens = as_lengths("query_lens", query_lens)
-        c_lens = [0] * len(q_lens) if context_lens is None else as_lengths("context_lens", context_lens)
-        key = None  # (without a Workspace and MLADims, build raises)
-        # what build refuses is refused here too, before the look-up (4.0 == 4 and 1 == True as key parts)
-        _check_fuse_context(fuse_context)
-        block_size = positive_int("block_size", block_size)
-        if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
-            dev = workspace.device if device is None else checked_device(device)
-            key = _plan_key(
-                q_lens,
-                c_lens,
-                dims,
-                workspace,
-                block_size,
-                dev,
-                dtype,
-                _requested_backend(backend),
-                fuse_context,
-                resolve_kv_cache_dtype(kv_cache_dtype, dtype),
-                workspace.chunk_tokens,
-            )
-            with self._lock:  # another thread's eviction must not come between the look-up and the reordering
-                plan = self._plans.get(key)
-                if plan is not None:
-                    self._plans.move_to_end(key)
-                    self.hits += 1
-                    return plan
-        plan = PrefillPlan.build(
+    q_lens = as_lengths("query_lens", query_lens)
+    c_lens = [0] * len(q_lens) if context_lens is None else as_lengths("context_lens", context_lens)
+    _check_fuse_context(fuse_context)
+    block_size = positive_int("block_size", block_size)
+    key = None
+    if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
+        dev = workspace.device if device is None else checked_device(device)
+        key = _plan_key(
             q_lens,
             c_lens,
-            dims=dims,
-            workspace=workspace,
-            block_size=block_size,
-            device=device,
-            dtype=dtype,
-            backend=backend,
-            fuse_context=fuse_context,
-            kv_cache_dtype=kv_cache_dtype,
-        )  # outside the lock: FlashInfer plans take time
-        if key is not None:  # the plan's key: the same arguments, read at the same moment (not made twice)
-            plan._key = key
-        key = plan.key
-        with self._lock:
-            self.misses += 1
-            kept = self._plans.get(key)  # another thread built the same plan meanwhile: one plan for both
-            if kept is not None:
-                self._plans.move_to_end(key)
-                return kept
-            self._plans[key] = plan
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
-        return plan
+            dims,
+            workspace,
+            block_size,
+            dev,
+            dtype,
+            _requested_backend(backend),
+            fuse_context,
+            resolve_kv_cache_dtype(kv_cache_dtype, dtype),
+            workspace.chunk_tokens,
+        )
+    return q_lens, c_lens, block_size, key
 
-    def __len__(self) -> int:
-        return len(self._plans)
 
-    def clear(self) -> None:
-        """Drop every kept plan (their wrappers go back to the workspace pool once nothing else holds them)."""
-        with self._lock:
-            self._plans.clear()
+def keep_key(plan: PrefillPlan, key: Optional[tuple]) -> PrefillPlan:
+    """``plan`` with :attr:`PrefillPlan.key` set to ``key`` (from :func:`lookup_key` on the arguments it was built
+    from, read at the same moment), so the key is not made twice; ``None`` leaves it to be made on first use."""
+    if key is not None:
+        plan._key = key
+    return plan
+
+
+def __getattr__(name: str):
+    if name == "PlanCache":  # its home is mla_bridge.plan_cache (above this module); kept importable from here
+        from .plan_cache import PlanCache
+
+        return PlanCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

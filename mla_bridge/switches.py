@@ -142,7 +142,7 @@ SWITCHES: tuple[Switch, ...] = (
         JAX_MAX_PLANS,
         "a positive int",
         "16",
-        "plans a compiled JAX function keeps per route",
+        "plans the shared plan cache (mla_bridge.plan_cache) and the JAX tvm_ffi registry each keep",
         "mla_bridge_jax, at import",
     ),
     Switch(

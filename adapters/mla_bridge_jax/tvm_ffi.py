@@ -335,13 +335,15 @@ def why_not(plan: Any) -> Optional[str]:
 
 
 def _remaker(plan: Any) -> Callable[[], Any]:
-    """How to make ``plan`` again from its host data (the same indptrs, sizes, backend and workspace)."""
-    from mla_bridge import plan_ragged
+    """How to find ``plan`` again from its host data (the same indptrs, sizes, backend and workspace): in the plan
+    cache the adapters share (:func:`mla_bridge.plan_cache.shared_plan_cache`), which plans it anew when it no longer
+    keeps it."""
+    from mla_bridge.plan_cache import shared_plan_cache
 
     s, workspace, backend = plan.spec, plan.workspace, plan.backend.name
 
     def remake() -> Any:
-        return plan_ragged(
+        return shared_plan_cache().get_ragged(
             s.qo_indptr,
             s.kv_indptr,
             num_heads=s.num_heads,
