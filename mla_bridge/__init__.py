@@ -8,7 +8,8 @@ from .cache import quantize_latent_cache
 from .dims import MLADims
 from .dispatch import BACKEND_NAMES, BackendChoice, select_backend
 from .merge import merge_attn_states
-from .plan import PlanCache, PrefillPlan
+from .plan import PrefillPlan
+from .plan_cache import PlanCache
 from .prefill import mla_prefill
 from .graphs import PrefillGraph, PrefillLayer, capture_prefill
 from .ragged import RaggedPlan, plan_ragged, ragged_prefill

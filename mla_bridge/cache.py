@@ -31,11 +31,11 @@ are named either token by token (``req_ids`` / ``positions``) or by the chunk's 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional, Union
 
 import torch
 
+from . import switches
 from .weights import broadcast_heads
 
 __all__ = [
@@ -294,13 +294,11 @@ def gather_impl(device: torch.device) -> str:
     """
     from .kernels import triton_available, triton_interpreting
 
-    forced = os.environ.get("MLA_BRIDGE_GATHER", "auto").strip().lower()
-    if forced in ("", "auto"):
+    forced = switches.gather()  # "auto", "torch" or "triton" (another value is refused there)
+    if forced == "auto":
         return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
     if forced == "torch":
         return "torch"
-    if forced != "triton":
-        raise ValueError(f"MLA_BRIDGE_GATHER={forced!r}: expected torch, triton or auto")
     if not triton_available():
         raise ValueError("MLA_BRIDGE_GATHER=triton, but Triton does not import here")
     if torch.device(device).type != "cuda" and not triton_interpreting():

@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import functools
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+from . import switches
 
 __all__ = [
     "BackendChoice",
@@ -81,7 +82,7 @@ __all__ = [
     "pass_extents",
 ]
 
-ENV_VAR = "MLA_BRIDGE_BACKEND"
+ENV_VAR = switches.BACKEND
 CUTLASS_PLAN_WORK_CAPACITY = 131072  # FlashInfer: work-index buffers are allocated at this fixed size
 CUTLASS_PLAN_QO_TILE_SIZE = 256  # FlashInfer: one work item per (q tile of 256, head, request)
 #: Capability majors the cutlass row serves (SM100/SM103, SM110): the only row that reads per-request lengths, so
@@ -411,6 +412,7 @@ BACKENDS: tuple[BackendSpec, ...] = (
 #: The names of the backends in the dispatch table, in priority order (what ``backend=`` and ``MLA_BRIDGE_BACKEND``
 #: accept, besides "auto").
 BACKEND_NAMES: tuple[str, ...] = tuple(spec.name for spec in BACKENDS)
+assert BACKEND_NAMES == switches.BACKEND_NAMES, "the switch lists the table's backends, in its order"
 _BY_NAME = {spec.name: spec for spec in BACKENDS}
 
 
@@ -422,11 +424,14 @@ class BackendChoice:
         name: one of :data:`BACKEND_NAMES`.
         reason: why it was picked (in words).
         passed_over: ``(name, reason)`` for each preferred row that could not serve.
+        forced: True when the backend was asked for by name (``requested=`` / ``backend=``, or
+            ``MLA_BRIDGE_BACKEND``) rather than picked by the table (``reason`` then says which: "forced by ...").
     """
 
     name: str
     reason: str
     passed_over: tuple[tuple[str, str], ...] = ()
+    forced: bool = False
 
     @property
     def flashinfer_backend(self) -> Optional[str]:
@@ -536,7 +541,7 @@ def select_backend(
     flashinfer = flashinfer_version() is not None
     source = "requested"
     if requested is None:
-        requested = (os.environ.get(ENV_VAR) or "").strip().lower() or None  # read as the other switches are
+        requested = switches.backend()  # read per call, as the other switches are
         source = ENV_VAR
     key = None
     if capability is None or capability[0] not in CUTLASS_MAJORS:
@@ -610,7 +615,7 @@ def _walk_table(req: Request, requested: Optional[str], source: str) -> BackendC
                 f"{source}: backend {requested!r} cannot serve this request on {_cap(capability)} "
                 f"({reason}); it supports {spec.supports}"
             )
-        return BackendChoice(spec.name, f"forced by {source}")
+        return BackendChoice(spec.name, f"forced by {source}", forced=True)
 
     passed_over: list[tuple[str, str]] = []
     for spec in BACKENDS:

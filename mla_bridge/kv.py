@@ -20,8 +20,13 @@ implementations, chosen in ONE place (:func:`kv_impl` per call, :func:`pass_impl
   :func:`pass_impl`.
 
 A raw weight (:data:`mla_bridge.weights.CHECKPOINT_LAYOUT`) is read in place by the fused kernel; a separate pass
-takes its split form (:meth:`mla_bridge.PreparedKVBProj._gemm_form`, made once per call) and "auto" chooses for it as
+takes its split form (:meth:`mla_bridge.PreparedKVBProj.gemm_form`, made once per call) and "auto" chooses for it as
 for the split layout.
+
+Each pass's builder (:func:`fused_schedule_kv`, :func:`new_tokens_kv`, :func:`chunk_kv`) reads the call's inputs
+from one :class:`KVInputs`, and meets the prepared weight only through its up-projection methods
+(:meth:`~mla_bridge.PreparedKVBProj.gemm_buffer`, :meth:`~mla_bridge.PreparedKVBProj.up_project_unchecked`, and
+in the fused kernel :meth:`~mla_bridge.PreparedKVBProj.kernel_rows`).
 
 Both give k and v as strided views of one ``[N, H, 320]`` buffer. The k_pe columns are equal between them (the
 identity layout's GEMM writes +0.0 where the kernel copies a -0.0);
@@ -33,11 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
-from typing import Callable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
+from . import switches
 from .cache import fused_latent, gather_rows
 from .weights import CHECKPOINT_LAYOUT, DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
@@ -52,13 +58,14 @@ __all__ = [
     "SEPARATE_FROM_ROWS_NEW",
     "SEPARATE_FROM_ROWS_FP8",
     "capture_rule",
+    "KVInputs",
     "fused_schedule_kv",
     "new_tokens_kv",
     "chunk_kv",
 ]
 
 #: The implementations a pass can use (module docstring).
-KV_IMPLS = ("fused", "separate")
+KV_IMPLS = switches.KV_IMPLS  # ("fused", "separate")
 #: Output dtypes the fused kernel computes (float32 accumulation, one rounding); float64 is not among them.
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: The dtypes "auto" gives the fused kernel: those measured (on the H200: bf16; fp16 takes the same code).
@@ -123,16 +130,15 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
         raise TypeError(
             f"kv_impl must be a string ({', '.join(KV_IMPLS)} or 'auto') or None, got {type(requested).__name__}"
         )
-    where = "kv_impl" if requested is not None else "MLA_BRIDGE_KV"
-    raw = requested if requested is not None else os.environ.get("MLA_BRIDGE_KV", "")
-    choice = raw.strip().lower()
+    where = "kv_impl" if requested is not None else switches.KV
+    choice = requested.strip().lower() if requested is not None else switches.kv()  # the variable: checked there
     if (requested is None and choice == "") or choice == "auto":
         from .kernels import triton_available
 
         usable = dtype is None or dtype in AUTO_FUSED_DTYPES
         return "auto" if usable and torch.device(device).type == "cuda" and triton_available() else "separate"
     if choice not in KV_IMPLS:
-        raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {raw!r}")
+        raise ValueError(f"{where} must be one of {KV_IMPLS} or 'auto', got {requested!r}")
     if choice == "fused":
         from .kernels import triton_available, triton_interpreting
 
@@ -237,11 +243,47 @@ def _pass_impl(
     return pass_impl(mode, gathered, kv_cache_fp8, rows, layout, capturing)
 
 
-def _split_buffer(n: int, weight: PreparedKVBProj, device: torch.device):
-    """For a separate pass that gathers: the split layout's key/value buffer and its k_pe columns, which the gather
-    fills (the k_pe broadcast in the gather's launch); ``(None, None)`` for the identity layout, whose GEMM copies
-    k_pe through its identity block."""
-    return weight._split_buffer(n, device) if weight.layout == "split" else (None, None)
+def _no_phase(name: str) -> None:
+    """The phase hook of a call that times nothing."""
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class KVInputs:
+    """What every pass of one ``mla_prefill`` call builds its k and v from (made once per call, after its checks).
+
+    Attributes:
+        weight: the call's :class:`mla_bridge.PreparedKVBProj` (:func:`mla_bridge.weights.as_prepared`).
+        kv_c: the new tokens' latent ``[T, kv_lora_rank]``; k_pe: their RoPE key ``[T, qk_rope_head_dim]``; both in
+            the plan's dtype, on its device (which :attr:`dtype` and :attr:`device` read).
+        kv_cache: the paged latent cache ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``, and
+            kv_cache_scale its FP8 scale (a float or a float32 tensor; None for an unquantized cache), both as
+            :func:`mla_bridge.cache.check_kv_cache` gives them.
+        block_table: ``[num_requests, max_blocks]`` integer block ids.
+        hook: called with ``"gather"`` before a separate pass's gather and ``"up-projection"`` before its GEMM (the
+            fused kernel is one "up-projection" phase); default: nothing.
+        impl / gather: the call's choices of :func:`kv_impl` / :func:`mla_bridge.cache.gather_impl` (None: asked
+            per pass).
+    """
+
+    weight: PreparedKVBProj
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    kv_cache_scale: Union[None, float, torch.Tensor] = None
+    hook: Hook = _no_phase
+    impl: Optional[str] = None
+    gather: Optional[str] = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The plan's dtype (``kv_c``'s)."""
+        return self.kv_c.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The plan's device (``kv_c``'s)."""
+        return self.kv_c.device
 
 
 def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torch.device):
@@ -250,98 +292,74 @@ def _kv_buffer(n: int, weight: PreparedKVBProj, dtype: torch.dtype, device: torc
     return out, out[..., : d.head_dim_qk], out[..., d.head_dim_qk :]
 
 
-def fused_schedule_kv(
-    plan,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    kv_cache_scale,
-    weight: PreparedKVBProj,
-    hook: Hook,
-    impl: Optional[str] = None,
-    gather: Optional[str] = None,
-):
+def fused_schedule_kv(plan, inputs: KVInputs):
     """k, v of the fused schedule's one pass: ``main_kv_indptr[-1]`` keys, each request's context rows (placed by
-    ``plan.ctx_dst``) followed by its new tokens (``plan.new_dst``). ``kv_cache`` / ``kv_cache_scale`` as checked by
-    :func:`mla_bridge.cache.check_kv_cache`; ``k_pe`` ``[T, rope]``. Calls ``hook("gather")`` before a separate gather
-    and ``hook("up-projection")`` before the GEMM (the fused kernel is one "up-projection" phase). ``impl`` /
-    ``gather``: the choices of :func:`kv_impl` / :func:`mla_bridge.cache.gather_impl`, when the caller made them (the
-    pass's own implementation is :func:`pass_impl` of ``impl``: this pass gathers, from an FP8 cache when
-    ``kv_cache_scale`` is given)."""
+    ``plan.ctx_dst``) followed by its new tokens (``plan.new_dst``), from ``inputs`` (:class:`KVInputs`). Calls
+    ``inputs.hook`` as :class:`KVInputs` says. The pass's own implementation is :func:`pass_impl` of
+    ``inputs.impl``: this pass gathers, from an FP8 cache when ``inputs.kv_cache_scale`` is given."""
+    x, weight, scale = inputs, inputs.weight, inputs.kv_cache_scale
     keys = int(plan.main_kv_indptr[-1])
-    if _pass_impl(impl, plan.device, plan.dtype, True, kv_cache_scale is not None, keys, weight.gemm_layout) == "fused":
-        hook("up-projection")
+    if _pass_impl(x.impl, plan.device, plan.dtype, True, scale is not None, keys, weight.gemm_layout) == "fused":
+        x.hook("up-projection")
         from .kernels.up_project import up_project_triton
 
         out, k, v = _kv_buffer(keys, weight, plan.dtype, plan.device)
         up_project_triton(
             out,
             weight,
-            kv_cache=kv_cache,
-            block_table=block_table,
+            kv_cache=x.kv_cache,
+            block_table=x.block_table,
             req_ids=plan.ctx_req_ids,
             positions=plan.ctx_positions,
             ctx_dst=plan.ctx_dst,
-            kv_c=kv_c,
-            k_pe=k_pe,
+            kv_c=x.kv_c,
+            k_pe=x.k_pe,
             new_dst=plan.new_dst,
-            kv_cache_scale=kv_cache_scale,
+            kv_cache_scale=scale,
         )
         return k, v
-    hook("gather")
-    weight = weight._gemm_form()
-    buf, k_pe_out = _split_buffer(keys, weight, plan.device)
-    latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather, k_pe_out=k_pe_out)
-    hook("up-projection")
-    return weight._up_project(latent, buf=buf)
+    x.hook("gather")
+    buf, k_pe_out = weight.gemm_buffer(keys, plan.device)
+    latent = fused_latent(plan, x.kv_c, x.k_pe, x.kv_cache, x.block_table, scale, impl=x.gather, k_pe_out=k_pe_out)
+    x.hook("up-projection")
+    return weight.up_project_unchecked(latent, buf=buf)
 
 
-def new_tokens_kv(
-    kv_c: torch.Tensor, k_pe: torch.Tensor, weight: PreparedKVBProj, hook: Hook, impl: Optional[str] = None
-):
-    """k, v of the new tokens alone (the chunked schedule's main pass): ``kv_c`` ``[T, rank]``, ``k_pe`` ``[T, rope]``.
-    Hooks as :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they
-    are, the identity layout after concatenating them)."""
-    if _pass_impl(impl, kv_c.device, kv_c.dtype, False, False, kv_c.shape[0], weight.gemm_layout) == "fused":
-        hook("up-projection")
+def new_tokens_kv(inputs: KVInputs):
+    """k, v of the new tokens alone (the chunked schedule's main pass), ``inputs.kv_c`` and ``inputs.k_pe``. Hooks as
+    :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they are, the
+    identity layout after concatenating them)."""
+    x, weight, kv_c = inputs, inputs.weight, inputs.kv_c
+    if _pass_impl(x.impl, kv_c.device, kv_c.dtype, False, False, kv_c.shape[0], weight.gemm_layout) == "fused":
+        x.hook("up-projection")
         from .kernels.up_project import up_project_triton
 
         out, k, v = _kv_buffer(kv_c.shape[0], weight, kv_c.dtype, kv_c.device)
-        up_project_triton(out, weight, kv_c=kv_c, k_pe=k_pe)
+        up_project_triton(out, weight, kv_c=kv_c, k_pe=x.k_pe)
         return k, v
-    hook("up-projection")
-    return weight._gemm_form()._up_project(kv_c, k_pe)
+    x.hook("up-projection")
+    return weight.up_project_unchecked(kv_c, x.k_pe)
 
 
-def chunk_kv(
-    chunk,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    kv_cache_scale,
-    weight: PreparedKVBProj,
-    dtype: torch.dtype,
-    hook: Hook,
-    impl: Optional[str] = None,
-    gather: Optional[str] = None,
-):
+def chunk_kv(chunk, inputs: KVInputs):
     """k, v of one context chunk (:class:`mla_bridge.plan.ContextChunk`): its ``chunk.num_tokens`` context rows in
-    order, named by ``chunk.rows`` (:class:`mla_bridge.cache.ChunkRows`). Hooks as :func:`fused_schedule_kv`."""
-    rows = chunk.num_tokens
-    if _pass_impl(impl, kv_cache.device, dtype, True, kv_cache_scale is not None, rows, weight.gemm_layout) == "fused":
-        hook("up-projection")
+    order, named by ``chunk.rows`` (:class:`mla_bridge.cache.ChunkRows`), read from ``inputs.kv_cache``. Hooks as
+    :func:`fused_schedule_kv`."""
+    x, weight, scale, dtype = inputs, inputs.weight, inputs.kv_cache_scale, inputs.dtype
+    device, rows = x.kv_cache.device, chunk.num_tokens
+    if _pass_impl(x.impl, device, dtype, True, scale is not None, rows, weight.gemm_layout) == "fused":
+        x.hook("up-projection")
         from .kernels.up_project import up_project_triton
 
-        out, k, v = _kv_buffer(rows, weight, dtype, kv_cache.device)
+        out, k, v = _kv_buffer(rows, weight, dtype, device)
         up_project_triton(
-            out, weight, kv_cache=kv_cache, block_table=block_table, rows=chunk.rows, kv_cache_scale=kv_cache_scale
+            out, weight, kv_cache=x.kv_cache, block_table=x.block_table, rows=chunk.rows, kv_cache_scale=scale
         )
         return k, v
-    hook("gather")
-    weight = weight._gemm_form()
-    buf, k_pe_out = _split_buffer(rows, weight, kv_cache.device)
+    x.hook("gather")
+    buf, k_pe_out = weight.gemm_buffer(rows, device)
     latent = gather_rows(
-        kv_cache, block_table, chunk.rows, dtype=dtype, kv_cache_scale=kv_cache_scale, impl=gather, k_pe_out=k_pe_out
+        x.kv_cache, x.block_table, chunk.rows, dtype=dtype, kv_cache_scale=scale, impl=x.gather, k_pe_out=k_pe_out
     )
-    hook("up-projection")
-    return weight._up_project(latent, buf=buf)
+    x.hook("up-projection")
+    return weight.up_project_unchecked(latent, buf=buf)

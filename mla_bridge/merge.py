@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, cast
 
 import torch
 
+from . import switches
 from .dispatch import flashinfer_version
 from .inference import refuse_autograd
 from .kernels import triton_available, triton_interpreting
@@ -77,8 +77,8 @@ FLASHINFER_MERGE_ELEMENT_LIMIT = 2**32
 #: most this many elements, so that a merge of any size needs bounded extra memory (2 GiB of float32 per copy).
 TORCH_MERGE_PIECE_ELEMENTS = 2**29
 #: The environment variable forcing a merge implementation (one of :data:`MERGE_IMPLS`, or "auto"/unset).
-MERGE_ENV = "MLA_BRIDGE_MERGE"
-MERGE_IMPLS = ("triton", "flashinfer", "torch")
+MERGE_ENV = switches.MERGE
+MERGE_IMPLS = switches.MERGE_IMPLS  # ("triton", "flashinfer", "torch")
 
 
 @dataclass(frozen=True)
@@ -107,19 +107,6 @@ def _heads_per_row(num_heads: int, head_dim: int, elem_size: int) -> int:
     while g > 1 and (num_heads % g or g * threads_per_head > 1024):
         g -= 1
     return g
-
-
-def _forced_merge() -> Optional[str]:
-    """``$MLA_BRIDGE_MERGE`` as one of :data:`MERGE_IMPLS`, or ``None`` (unset, empty or "auto")."""
-    value = os.environ.get(MERGE_ENV)
-    if value is None:
-        return None
-    forced = value.strip().lower()
-    if forced in ("", "auto"):
-        return None
-    if forced not in MERGE_IMPLS:
-        raise ValueError(f"{MERGE_ENV}={value!r}: expected one of {', '.join(MERGE_IMPLS)} or auto")
-    return forced
 
 
 def select_merge(
@@ -151,7 +138,7 @@ def select_merge(
             not take or off CUDA without ``TRITON_INTERPRET=1``. RuntimeError: it forces triton where Triton does not
             import.
     """
-    forced = _forced_merge()
+    forced = switches.merge()  # one of MERGE_IMPLS, or None (another value is refused there)
     if forced == "triton" and device_type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"{MERGE_ENV}=triton runs a Triton kernel: it needs a CUDA device, got {device_type} "

@@ -25,23 +25,22 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
+from . import switches
 from .cache import ChunkRows, resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, OFFSET_LIMITS, device_capability, select_backend
 from .kernels import triton_available
-from .ragged import INT32_MAX, RaggedPlan, _checked_plan_sizes, _not_a_bool, _plan_checked, _positive_int
-from .workspace import Workspace, _checked_device, current_stream
+from .checks import as_lengths, check_length_sums, checked_device, not_a_bool, positive_int
+from .ragged import RaggedPlan, checked_plan_sizes, plan_checked
+from .workspace import Workspace, current_stream
 
-__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "PlanCache"]
+__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "lookup_key", "keep_key"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +112,7 @@ def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> l
         ValueError: ``chunk_tokens`` not a positive int (0 or a negative budget would never fill a chunk: the loop
             would not end).
     """
-    chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
+    chunk_tokens = positive_int("chunk_tokens", chunk_tokens)
     chunks: list[list[tuple[int, int, int]]] = []
     current: list[tuple[int, int, int]] = []
     room = chunk_tokens
@@ -130,52 +129,6 @@ def schedule_context_chunks(context_lens: Sequence[int], chunk_tokens: int) -> l
     if current:
         chunks.append(current)
     return chunks
-
-
-def _lengths(name: str, values: Sequence[int]) -> list[int]:
-    if isinstance(values, (dict, set, frozenset, str, bytes)):  # keys, no order, or characters: not lengths
-        raise TypeError(f"{name} must be a sequence of ints (one per request), got {type(values).__name__}")
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1:
-            raise ValueError(f"{name} must be 1-D [batch], got shape {list(values.shape)}")
-        if values.dtype.is_floating_point or values.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got {values.dtype}")
-        values = values.tolist()
-    try:
-        values = list(values)
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of ints (one per request), got {type(values).__name__}") from None
-    if set(map(type, values)) <= {int} and (not values or min(values) >= 0):
-        return values  # plain non-negative ints (the common case): no per-item work in Python
-    out = []
-    for r, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int):
-            try:
-                import numpy as np
-
-                if not isinstance(v, np.integer):
-                    raise TypeError
-                v = int(v)
-            except TypeError:
-                raise TypeError(f"{name}[{r}] must be an int, got {v!r}") from None
-        if v < 0:
-            raise ValueError(f"{name}[{r}] = {v} is negative")
-        out.append(int(v))
-    return out
-
-
-def _check_length_sums(q_lens: list[int], c_lens: list[int]) -> tuple[int, int]:
-    """New and context tokens each index int32 offsets (qo_indptr, block positions, vLLM's seq_lens): refuse sums
-    beyond ``2**31 - 1`` in O(requests), before any per-token or per-chunk work. Returns the two sums."""
-    totals = []
-    for name, lens in (("query_lens", q_lens), ("context_lens", c_lens)):
-        total = sum(lens)
-        if total > INT32_MAX:
-            raise ValueError(
-                f"{name} sum to {total} tokens, beyond what an int32 indptr holds (2**31 - 1 = {INT32_MAX} tokens)"
-            )
-        totals.append(total)
-    return totals[0], totals[1]
 
 
 #: The most context chunks one plan holds. Each is host bookkeeping (:class:`ContextChunk`, its kv_indptr and rows:
@@ -211,11 +164,11 @@ def _check_chunk_count(total_context: int, chunk_tokens: int) -> None:
 
 def _check_fuse_context(fuse_context) -> None:
     if not isinstance(fuse_context, bool):
-        raise _not_a_bool("fuse_context", fuse_context)
+        raise not_a_bool("fuse_context", fuse_context)
 
 
 def _indptr(lens: np.ndarray) -> np.ndarray:
-    """int32 ``[0, l0, l0 + l1, ...]`` (numpy) of non-negative int64 lengths whose sum :func:`_check_length_sums` has
+    """int32 ``[0, l0, l0 + l1, ...]`` (numpy) of non-negative int64 lengths whose sum :func:`check_length_sums` has
     checked (so every prefix fits int32: accumulated straight into an int32 buffer)."""
     out = np.zeros(lens.size + 1, dtype=np.int32)
     np.cumsum(lens, out=out[1:])
@@ -330,21 +283,21 @@ class PrefillPlan:
         _check_fuse_context(fuse_context)
         self = object.__new__(cls)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-        q_lens = _lengths("query_lens", query_lens)
-        c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
+        q_lens = as_lengths("query_lens", query_lens)
+        c_lens = [0] * len(q_lens) if context_lens is None else as_lengths("context_lens", context_lens)
         if len(c_lens) != len(q_lens):
             raise ValueError(f"context_lens has {len(c_lens)} entries but query_lens has {len(q_lens)}")
-        num_new, total_context = _check_length_sums(q_lens, c_lens)
+        num_new, total_context = check_length_sums(q_lens, c_lens)
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims must be an MLADims, got {type(dims).__name__}")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
-        block_size = _positive_int("block_size", block_size)
-        dev = workspace.device if device is None else _checked_device(device)
+        block_size = positive_int("block_size", block_size)
+        dev = workspace.device if device is None else checked_device(device)
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")
         # Every pass shares these sizes: checked once here, before any index tensor or plan is made.
-        self._sizes = _checked_plan_sizes(
+        self._sizes = checked_plan_sizes(
             num_heads=dims.num_heads,
             head_dim_qk=dims.head_dim_qk,
             head_dim_vo=dims.head_dim_vo,
@@ -454,7 +407,7 @@ class PrefillPlan:
         """One pass's :class:`RaggedPlan`: int32 indptrs ``qo``, ``kv`` made here from checked lengths (their last
         entries, the token counts, known here; ``qo_indptr`` / ``kv_indptr``: the tensors viewing them where made
         already), sizes checked and the device's capability read once in :meth:`build`."""
-        return _plan_checked(
+        return plan_checked(
             torch.from_numpy(qo) if qo_indptr is None else qo_indptr,
             torch.from_numpy(kv) if kv_indptr is None else kv_indptr,
             causal=causal,
@@ -916,7 +869,7 @@ def _launch_expand(table: torch.Tensor, total: int, counting: int) -> torch.Tens
 def _requested_backend(backend: Optional[str]) -> Optional[str]:
     """The backend asked for: ``backend``, else ``MLA_BRIDGE_BACKEND`` (as :func:`mla_bridge.select_backend` reads
     it), else None."""
-    return backend if backend is not None else (os.environ.get(ENV_VAR) or None)
+    return backend if backend is not None else (switches.raw(ENV_VAR) or None)
 
 
 def _plan_key(
@@ -952,107 +905,62 @@ def _plan_key(
     )
 
 
-class PlanCache:
-    """Reuse of :class:`PrefillPlan` across batches: a plan is handed out again only when EVERYTHING it depends on is
-    equal (:attr:`PrefillPlan.key`: the per-request query and context lengths, dims, dtype, cache dtype, block size,
-    chunk budget, backend, workspace and device), never on a partial key.
-
-    Args:
-        maxsize: plans kept (least recently used dropped first; default 8). Each kept plan holds its pooled FlashInfer
-            wrappers (1 + distinct chunk shapes per plan; what they hold: :attr:`PrefillPlan.flashinfer_bytes`).
-
-    Attributes: ``hits``, ``misses`` (counts of :meth:`get`).
-
-    Threads: one cache may be shared by threads. Its look-ups, reorderings, insertions and evictions run under one
-    lock (a hit is never evicted by another thread between its look-up and its reordering); a miss builds its plan
-    outside the lock, so threads build different plans at once, and where two threads built the same key at once
-    both get the plan inserted first.
+def lookup_key(
+    query_lens: Sequence[int],
+    context_lens: Optional[Sequence[int]] = None,
+    *,
+    dims: MLADims,
+    workspace: Workspace,
+    block_size: int,
+    device: "torch.device | str | None" = None,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: Optional[str] = None,
+    fuse_context: bool = True,
+    kv_cache_dtype=None,
+) -> tuple[list, list, int, Optional[tuple]]:
+    """The key :meth:`PrefillPlan.build` would give its plan for these arguments (:attr:`PrefillPlan.key`), made
+    before building it, for a cache's look-up (:class:`mla_bridge.plan_cache.PlanCache`): ``(query_lens, context_lens,
+    block_size, key)`` with the lengths and block size as build reads them; ``key`` is None where ``dims`` or
+    ``workspace`` is not of its type (build then raises). What build refuses in the lengths, block size and schedule
+    switch is refused here, before any look-up (``4.0 == 4`` and ``1 == True`` as key parts).
 
     Raises:
-        ValueError: ``maxsize`` not a positive int.
+        TypeError / ValueError: as :meth:`PrefillPlan.build` for the lengths, ``block_size`` and ``fuse_context``.
     """
-
-    def __init__(self, maxsize: int = 8):
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize <= 0:
-            raise ValueError(f"PlanCache: maxsize must be a positive int, got {maxsize!r}")
-        self.maxsize = maxsize
-        self._plans: "OrderedDict[tuple, PrefillPlan]" = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(
-        self,
-        query_lens: Sequence[int],
-        context_lens: Optional[Sequence[int]] = None,
-        *,
-        dims: MLADims,
-        workspace: Workspace,
-        block_size: int,
-        device: "torch.device | str | None" = None,
-        dtype: torch.dtype = torch.bfloat16,
-        backend: Optional[str] = None,
-        fuse_context: bool = True,
-        kv_cache_dtype=None,
-    ) -> PrefillPlan:
-        """The plan of :meth:`PrefillPlan.build` for these arguments: a kept one whose key is equal, else a new one
-        (kept). Same arguments and errors as :meth:`PrefillPlan.build`."""
-        q_lens = _lengths("query_lens", query_lens)
-        c_lens = [0] * len(q_lens) if context_lens is None else _lengths("context_lens", context_lens)
-        key = None  # (without a Workspace and MLADims, build raises)
-        # what build refuses is refused here too, before the look-up (4.0 == 4 and 1 == True as key parts)
-        _check_fuse_context(fuse_context)
-        block_size = _positive_int("block_size", block_size)
-        if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
-            dev = workspace.device if device is None else _checked_device(device)
-            key = _plan_key(
-                q_lens,
-                c_lens,
-                dims,
-                workspace,
-                block_size,
-                dev,
-                dtype,
-                _requested_backend(backend),
-                fuse_context,
-                resolve_kv_cache_dtype(kv_cache_dtype, dtype),
-                workspace.chunk_tokens,
-            )
-            with self._lock:  # another thread's eviction must not come between the look-up and the reordering
-                plan = self._plans.get(key)
-                if plan is not None:
-                    self._plans.move_to_end(key)
-                    self.hits += 1
-                    return plan
-        plan = PrefillPlan.build(
+    q_lens = as_lengths("query_lens", query_lens)
+    c_lens = [0] * len(q_lens) if context_lens is None else as_lengths("context_lens", context_lens)
+    _check_fuse_context(fuse_context)
+    block_size = positive_int("block_size", block_size)
+    key = None
+    if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
+        dev = workspace.device if device is None else checked_device(device)
+        key = _plan_key(
             q_lens,
             c_lens,
-            dims=dims,
-            workspace=workspace,
-            block_size=block_size,
-            device=device,
-            dtype=dtype,
-            backend=backend,
-            fuse_context=fuse_context,
-            kv_cache_dtype=kv_cache_dtype,
-        )  # outside the lock: FlashInfer plans take time
-        if key is not None:  # the plan's key: the same arguments, read at the same moment (not made twice)
-            plan._key = key
-        key = plan.key
-        with self._lock:
-            self.misses += 1
-            kept = self._plans.get(key)  # another thread built the same plan meanwhile: one plan for both
-            if kept is not None:
-                self._plans.move_to_end(key)
-                return kept
-            self._plans[key] = plan
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
-        return plan
+            dims,
+            workspace,
+            block_size,
+            dev,
+            dtype,
+            _requested_backend(backend),
+            fuse_context,
+            resolve_kv_cache_dtype(kv_cache_dtype, dtype),
+            workspace.chunk_tokens,
+        )
+    return q_lens, c_lens, block_size, key
 
-    def __len__(self) -> int:
-        return len(self._plans)
 
-    def clear(self) -> None:
-        """Drop every kept plan (their wrappers go back to the workspace pool once nothing else holds them)."""
-        with self._lock:
-            self._plans.clear()
+def keep_key(plan: PrefillPlan, key: Optional[tuple]) -> PrefillPlan:
+    """``plan`` with :attr:`PrefillPlan.key` set to ``key`` (from :func:`lookup_key` on the arguments it was built
+    from, read at the same moment), so the key is not made twice; ``None`` leaves it to be made on first use."""
+    if key is not None:
+        plan._key = key
+    return plan
+
+
+def __getattr__(name: str):
+    if name == "PlanCache":  # its home is mla_bridge.plan_cache (above this module); kept importable from here
+        from .plan_cache import PlanCache
+
+        return PlanCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,15 +43,15 @@ from typing import Callable, Optional
 
 import torch
 
+from .checks import not_a_bool, offsets_why_not
 from .cache import ChunkRows, check_kv_cache, gather_impl, gather_row_bytes
 from . import kv as _kv
-from .backends.flashinfer import direct_enabled
+from . import switches
 from .inference import refuse_autograd
-from .kernels.launch import mode as launch_mode
-from .kv import chunk_kv, fused_schedule_kv, new_tokens_kv
+from .kv import KVInputs, chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
-from .ragged import _not_a_bool, _offsets_why_not, shares_memory
+from .ragged import shares_memory
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = [
@@ -63,15 +63,9 @@ __all__ = [
     "ENV_SWITCHES",
 ]
 
-#: The environment switches of mla_bridge's kernel choices (each read by its own chooser, per call).
-ENV_SWITCHES = (
-    "MLA_BRIDGE_BACKEND",
-    "MLA_BRIDGE_KV",
-    "MLA_BRIDGE_GATHER",
-    "MLA_BRIDGE_MERGE",
-    "MLA_BRIDGE_FLASHINFER_DIRECT",
-    "MLA_BRIDGE_TRITON_LAUNCH",
-)
+#: The environment switches of mla_bridge's kernel choices (each read by its own chooser, per call; all of them,
+#: with what they do: :data:`mla_bridge.switches.SWITCHES`, listed by ``mla-bridge info``).
+ENV_SWITCHES = switches.KERNEL_SWITCHES
 
 
 def validate_prefill_inputs(
@@ -148,7 +142,7 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
         )
     if not q.is_contiguous():  # the passes were planned for a contiguous q: a strided one must reach no farther
         limit, backend = plan.offset_limit
-        reason = None if limit is None else _offsets_why_not("q", q, limit, backend)
+        reason = None if limit is None else offsets_why_not("q", q, limit, backend)
         if reason is not None:
             raise ValueError(reason)
     if kv_c.shape != (t, d.kv_lora_rank):
@@ -237,7 +231,7 @@ def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Opti
     Raises:
         ValueError / TypeError / RuntimeError: what :func:`mla_bridge.kv.kv_impl`,
             :func:`mla_bridge.cache.gather_impl`, :func:`mla_bridge.select_merge`,
-            :func:`mla_bridge.kernels.launch.mode` and :func:`mla_bridge.backends.flashinfer.direct_enabled` raise for
+            :func:`mla_bridge.switches.triton_launch` and :func:`mla_bridge.switches.flashinfer_direct` raise for
             a switch that cannot serve (the message names it).
     """
     from .kernels import triton_available
@@ -245,8 +239,8 @@ def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Opti
     from .dispatch import flashinfer_version
 
     device = torch.device(device)
-    launch = launch_mode()
-    direct = direct_enabled()  # read (and a bad value refused) even where FlashInfer is missing
+    launch = switches.triton_launch()
+    direct = switches.flashinfer_direct()  # read (and a bad value refused) even where FlashInfer is missing
     return {
         "kv": _kv.kv_impl(device, kv_impl, dtype),
         "gather": gather_impl(device),
@@ -327,7 +321,7 @@ def mla_prefill(
             ``phase_hook`` that is not callable; raised before any kernel runs.
     """
     if not isinstance(return_lse, bool):
-        raise _not_a_bool("return_lse", return_lse)
+        raise not_a_bool("return_lse", return_lse)
     if phase_hook is not None and not callable(phase_hook):
         raise TypeError(
             f"phase_hook must be callable (called with each phase's name) or None, got {type(phase_hook).__name__}"
@@ -345,8 +339,8 @@ def mla_prefill(
         if plan.chunks
         else None
     )
-    launch_mode()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
-    direct_enabled()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
+    switches.triton_launch()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
+    switches.flashinfer_direct()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
     hook = phase_hook if phase_hook is not None else (lambda name: None)
     dims, t = plan.dims, plan.num_tokens
     if out is None:
@@ -360,10 +354,10 @@ def mla_prefill(
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight: taken as it is (no copy)
-    if plan.fused:
-        k, v = fused_schedule_kv(plan, kv_c, k_pe, kv_cache, block_table, scale, weight, hook, impl, gather)
-    else:
-        k, v = new_tokens_kv(kv_c, k_pe, weight, hook, impl)
+    inputs = KVInputs(
+        weight, kv_c, k_pe, kv_cache, block_table, kv_cache_scale=scale, hook=hook, impl=impl, gather=gather
+    )
+    k, v = fused_schedule_kv(plan, inputs) if plan.fused else new_tokens_kv(inputs)
     hook("main pass")
     plan.main.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
     # One partial out / lse for every merge round (plan.chunks' part_row / merge_rows): the chunks of a round write
@@ -377,7 +371,7 @@ def mla_prefill(
         if chunk.plan is None:
             continue
         del k, v  # free the previous pass's buffers before this chunk allocates its own
-        k, v = chunk_kv(chunk, kv_cache, block_table, scale, weight, plan.dtype, hook, impl, gather)
+        k, v = chunk_kv(chunk, inputs)
         hook("context chunk")
         if part_out is None:
             n = plan.partial_rows
@@ -455,7 +449,7 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
     if not isinstance(prepared_weight, bool):
-        raise _not_a_bool("prepared_weight", prepared_weight)
+        raise not_a_bool("prepared_weight", prepared_weight)
     d = plan.dims
     e = torch.empty((), dtype=plan.dtype).element_size()
     lat, p, h, t = d.latent_dim, d.head_dim_qk + d.head_dim_vo, d.num_heads, plan.num_tokens

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from .backends import make_kernel
+from .checks import INT32_MAX, as_sm_scale, kernel_ready, not_a_bool, offsets_why_not, positive_int, strided_extent
 from .dispatch import OFFSET_LIMITS, TORCH_DTYPES, BackendChoice, select_backend
 from .inference import forward_ad_active, refuse_autograd
 from .workspace import Workspace, default_workspace
@@ -39,7 +39,6 @@ __all__ = [
 
 IndptrLike = Union[torch.Tensor, Sequence[int]]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-INT32_MAX = 2**31 - 1  # the largest token offset an int32 indptr holds
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -205,47 +204,10 @@ def _apart(
     return lse is None or lse.untyped_storage().data_ptr() not in read
 
 
-def _kernel_ready(x: torch.Tensor) -> bool:
-    """FlashInfer reads [N, H, D] through (stride_n, stride_h) with a unit last stride and 16-byte alignment."""
-    st = x.stride()
-    align = 16 // x.element_size()
-    if st[-1] == 1 and st[0] % align == 0 and st[1] % align == 0 and x.data_ptr() % 16 == 0:
-        return True
-    return x.numel() == 0
-
-
-def _extent(x: torch.Tensor) -> int:
-    """One past the largest element offset of ``x`` from its first element, through its strides (non-negative):
-    ``1 + sum((n - 1) * stride)``, 0 when empty (:func:`mla_bridge.dispatch.tensor_extent` of a tensor at hand)."""
-    if x.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-
-
 def _within(limit: int, *tensors: torch.Tensor) -> bool:
     """Every tensor reaches below ``limit`` through its strides (a contiguous one: its element count): the common
-    case of :func:`_offsets_why_not`, cheaply."""
-    return all((x.numel() if x.is_contiguous() else _extent(x)) < limit for x in tensors)
-
-
-def _offsets_why_not(name: str, x: torch.Tensor, limit: int, backend: str) -> Optional[str]:
-    """Why a kernel of ``backend`` (32-bit offsets below ``limit``, :data:`mla_bridge.dispatch.OFFSET_LIMITS`) cannot
-    read ``x``, or ``None``: one FlashInfer reads in place (:func:`_kernel_ready`) must reach below ``limit`` through
-    its strides, one it is handed a contiguous copy of, through its element count."""
-    strided = _kernel_ready(x) and not x.is_contiguous()
-    extent = _extent(x) if strided else x.numel()
-    if extent < limit:
-        return None
-    how = (
-        f"pass {name} contiguous, or plan with strides= so that the dispatch routes the pass to a backend that "
-        f"addresses it"
-        if strided
-        else "split the batch"
-    )
-    return (
-        f"{name} reaches {extent} elements through its strides {list(x.stride())} (shape {list(x.shape)}), past "
-        f"the 32-bit element offsets of {backend}, the backend this plan was made for (limit {limit}): {how}"
-    )
+    case of :func:`offsets_why_not`, cheaply."""
+    return all((x.numel() if x.is_contiguous() else strided_extent(x)) < limit for x in tensors)
 
 
 class _RunShapes:
@@ -423,7 +385,7 @@ class RaggedPlan:
                     and out.shape == c.out
                     and out.dtype == dt
                     and out.device == dev
-                    and (not c.flashinfer or _kernel_ready(out))
+                    and (not c.flashinfer or kernel_ready(out))
                 )
             )
             and (
@@ -469,7 +431,7 @@ class RaggedPlan:
         # autograd, a history recorded for them would be stale
         if out is not None:
             _check_tensor("out", out, (t, h, s.head_dim_vo), s.dtype, s.device)
-            if self.backend.is_flashinfer and not _kernel_ready(out):
+            if self.backend.is_flashinfer and not kernel_ready(out):
                 raise ValueError(
                     f"out must have a unit last stride and 16-byte aligned strides for "
                     f"{self.backend.name}, got strides {out.stride()}"
@@ -484,7 +446,7 @@ class RaggedPlan:
         limit = self._shapes().limit
         if limit is not None:
             for name, x in (("q", q), ("k", k), ("v", v)):
-                reason = _offsets_why_not(name, x, limit, self.backend.name)
+                reason = offsets_why_not(name, x, limit, self.backend.name)
                 if reason is not None:
                     raise ValueError(reason)
 
@@ -527,7 +489,7 @@ class RaggedPlan:
             raise ValueError(f"lse_base must be 'ln' (natural log) or 'log2', got {lse_base!r}")
         if return_lse is not True:
             if not isinstance(return_lse, bool):
-                raise _not_a_bool("return_lse", return_lse)
+                raise not_a_bool("return_lse", return_lse)
             if lse is not None:
                 raise ValueError("lse is given but return_lse=False: pass one or the other")
         self.validate(q, k, v, out, lse, lse_layout)
@@ -541,11 +503,11 @@ class RaggedPlan:
             if lse is not None:
                 lse.fill_(float("-inf"))
         elif c.flashinfer:
-            if not _kernel_ready(q):
+            if not kernel_ready(q):
                 q = q.contiguous()
-            if not _kernel_ready(k):
+            if not kernel_ready(k):
                 k = k.contiguous()
-            if not _kernel_ready(v):
+            if not kernel_ready(v):
                 v = v.contiguous()
             self._kernel.run(q, k, v, out, lse, lse_layout, lse_base)
         else:
@@ -561,47 +523,6 @@ class RaggedPlan:
             f"kv_tokens={s.num_kv_tokens}, heads={s.num_heads}, dims={s.head_dim_qk}/{s.head_dim_vo}, "
             f"causal={s.causal}, dtype={s.dtype})"
         )
-
-
-def _not_a_bool(name: str, value: Any) -> TypeError:
-    """The error for a flag that is not a Python bool, naming the value's type with its module (numpy 2's bool is
-    named ``bool`` too)."""
-    kind = type(value)
-    where = "" if kind.__module__ == "builtins" else kind.__module__ + "."
-    return TypeError(f"{name} must be a bool (True or False), got {value!r} of type {where}{kind.__qualname__}")
-
-
-def as_sm_scale(sm_scale: Any) -> float:
-    """``sm_scale`` as a Python float: any real scalar (int, float, numpy, a 0-d torch tensor, a concrete JAX scalar),
-    positive and finite in float32 (the kernels' logit type).
-
-    Raises:
-        ValueError: a bool, a non-number, a traced value (it must be static: the plan is made on the host), zero,
-            negative, NaN, or beyond float32.
-    """
-    value = None
-    if not isinstance(sm_scale, (bool, str, bytes)):
-        try:
-            value = float(sm_scale)
-        except Exception:  # noqa: BLE001 - a tracer, a string, a tensor of several elements...
-            value = None
-    if value is None or not (0 < value <= _FLOAT32_MAX):
-        raise ValueError(
-            f"sm_scale must be a positive finite float (a static value, not a traced one; at most "
-            f"{_FLOAT32_MAX:.3g}), got {sm_scale!r}"
-        )
-    return value
-
-
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if type(value) is int and value > 0:
-        return value  # the common case, without the abstract-class check of numbers.Integral
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 def plan_ragged(
@@ -650,7 +571,7 @@ def plan_ragged(
     kv = as_host_indptr("kv_indptr", kv_indptr)
     if qo.numel() != kv.numel():
         raise ValueError(f"qo_indptr has {qo.numel()} entries but kv_indptr has {kv.numel()}; both are [batch + 1]")
-    sizes = _checked_plan_sizes(
+    sizes = checked_plan_sizes(
         num_heads=num_heads,
         head_dim_qk=head_dim_qk,
         head_dim_vo=head_dim_vo,
@@ -658,21 +579,21 @@ def plan_ragged(
         dtype=dtype,
         workspace=workspace,
     )
-    return _plan_checked(qo, kv, causal=bool(causal), backend=backend, strides=strides, **sizes)
+    return plan_checked(qo, kv, causal=bool(causal), backend=backend, strides=strides, **sizes)
 
 
-def _checked_plan_sizes(
+def checked_plan_sizes(
     *, num_heads: int, head_dim_qk: int, head_dim_vo: int, sm_scale: float, dtype: torch.dtype, workspace: Workspace
 ) -> dict:
-    """:func:`plan_ragged`'s checks of everything but the indptrs, as the keyword arguments of :func:`_plan_checked`
+    """:func:`plan_ragged`'s checks of everything but the indptrs, as the keyword arguments of :func:`plan_checked`
     (sizes as ints, ``sm_scale`` as a float). A caller that plans several passes of one batch checks once.
 
     Raises:
         TypeError / ValueError: as :func:`plan_ragged` (the message names the argument).
     """
-    num_heads = _positive_int("num_heads", num_heads)
-    head_dim_qk = _positive_int("head_dim_qk", head_dim_qk)
-    head_dim_vo = _positive_int("head_dim_vo", head_dim_vo)
+    num_heads = positive_int("num_heads", num_heads)
+    head_dim_qk = positive_int("head_dim_qk", head_dim_qk)
+    head_dim_vo = positive_int("head_dim_vo", head_dim_vo)
     sm_scale = as_sm_scale(sm_scale)
     if not isinstance(dtype, torch.dtype) or dtype not in TORCH_DTYPES:
         raise TypeError(
@@ -695,7 +616,7 @@ def _checked_plan_sizes(
     )
 
 
-def _plan_checked(
+def plan_checked(
     qo: torch.Tensor,
     kv: torch.Tensor,
     *,
@@ -717,7 +638,7 @@ def _plan_checked(
 
     For indptrs that are valid by construction -- int32 CPU tensors of equal length, starting at 0, non-decreasing,
     as :func:`as_host_indptr` returns them or :func:`indptr_from_lens` makes them from checked lengths (what
-    :class:`mla_bridge.PrefillPlan` plans every pass with) -- and sizes from :func:`_checked_plan_sizes`. The plan
+    :class:`mla_bridge.PrefillPlan` plans every pass with) -- and sizes from :func:`checked_plan_sizes`. The plan
     holds ``qo`` and ``kv`` (do not write to them afterwards). Gives the same :class:`RaggedPlan` as
     :func:`plan_ragged` on the same values. ``num_qo_tokens`` / ``num_kv_tokens``: ``qo[-1]`` / ``kv[-1]`` where the
     caller knows them (the spec's token counts are then not read from the tensors: a lock and an element read each).
@@ -789,7 +710,7 @@ def ragged_prefill(
     if workspace is None:
         workspace = default_workspace(q.device)
     # what the kernel will read: a tensor it reads in place through its strides, another one copied contiguous
-    strides = tuple(None if x.is_contiguous() or not _kernel_ready(x) else tuple(x.stride()[:2]) for x in (q, k, v))
+    strides = tuple(None if x.is_contiguous() or not kernel_ready(x) else tuple(x.stride()[:2]) for x in (q, k, v))
     plan = plan_ragged(
         qo_indptr,
         kv_indptr,

@@ -21,7 +21,7 @@ Two layouts, chosen in one place (:data:`DEFAULT_LAYOUT`, or ``layout=`` per cal
   writing through an ``out=`` view of batch stride 320), one per :data:`SPLIT_GEMM_ROWS` rows, fill the v and k_nope
   columns, and the k_pe broadcast (:func:`broadcast_heads`: a Triton kernel on CUDA, torch's ``copy_`` elsewhere)
   writes k_pe into every head; for rows gathered from the cache the gather writes it there itself
-  (:meth:`PreparedKVBProj._split_buffer`, :func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``). No extra FLOPs.
+  (:meth:`PreparedKVBProj.gemm_buffer`, :func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``). No extra FLOPs.
   k_nope and v equal the identity layout's within float32 accumulation-order rounding (the GEMM sums 512 products
   instead of 512 plus 64 exact zeros); k_pe is copied exactly in both.
 
@@ -61,7 +61,7 @@ LAYOUTS = ("identity", "split")
 #: The layout of a raw weight handed to ``mla_prefill`` (:func:`as_prepared`): the checkpoint's
 #: ``[H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`` itself, not a copy. The fused kernel reads its k_nope and v
 #: rows where they lie; a separate pass's GEMM needs the split layout, made from it on first use and kept by that
-#: object (:meth:`PreparedKVBProj._gemm_form`) for one call: :func:`as_prepared` gives every ``mla_prefill`` call an
+#: object (:meth:`PreparedKVBProj.gemm_form`) for one call: :func:`as_prepared` gives every ``mla_prefill`` call an
 #: object of its own (a held one too, :meth:`PreparedKVBProj._per_call`), so an in-place update of the weight is
 #: read by every pass of the next call, never a copy from an earlier one. Not a layout :func:`prepare_kv_b_proj`
 #: makes: preparing once at load time is the fast form.
@@ -146,7 +146,7 @@ class PreparedKVBProj:
     weight: torch.Tensor
     # Set per object by __post_init__ through object.__setattr__ (frozen), never as fields (ClassVar keeps them out of
     # the dataclass's fields): the identity or split weight transposed for the GEMM (None for the checkpoint
-    # layout, which reaches _up_project only through its _gemm_form); the checkpoint layout's split form once made.
+    # layout, whose GEMM runs on its gemm_form); the checkpoint layout's split form once made.
     _weight_t: ClassVar[torch.Tensor]
     _gemm: ClassVar[Optional["PreparedKVBProj"]]
 
@@ -157,7 +157,7 @@ class PreparedKVBProj:
         if not isinstance(self.weight, torch.Tensor) or tuple(self.weight.shape) != want:
             got = list(self.weight.shape) if isinstance(self.weight, torch.Tensor) else type(self.weight).__name__
             raise ValueError(f"a {self.layout!r} weight must be {list(want)} (prepare_kv_b_proj makes it), got {got}")
-        # the fused kernel (_rows) reads each row's columns at unit stride, and a split weight's heads at a whole
+        # the fused kernel (kernel_rows) reads each row's columns at unit stride, and a split weight's heads at a whole
         # number of rows apart; a weight made otherwise (prepare_kv_b_proj's are contiguous) would be read wrong there
         st = self.weight.stride()
         if st[-1] != 1 or (self.layout == "split" and (st[1] <= 0 or st[0] % st[1])):
@@ -172,7 +172,7 @@ class PreparedKVBProj:
                 + ("" if checkpoint else " (prepare_kv_b_proj makes it contiguous)")
             )
         # the GEMM's B operand as a view, made once (a .t() per call is host time on the per-layer path); the
-        # checkpoint layout's GEMM form is made on first use (_gemm_form)
+        # checkpoint layout's GEMM form is made on first use (gemm_form)
         object.__setattr__(
             self,
             "_weight_t",
@@ -196,19 +196,24 @@ class PreparedKVBProj:
     @property
     def gemm_layout(self) -> str:
         """The layout the separate path's GEMM runs with: :attr:`layout`, or for the checkpoint layout the split one
-        it is rearranged into (:meth:`_gemm_form`)."""
+        it is rearranged into (:meth:`gemm_form`)."""
         return "split" if self.layout == CHECKPOINT_LAYOUT else self.layout
 
     def _per_call(self) -> "PreparedKVBProj":
         """This object, or for the checkpoint layout a new one over the same weight, whose split form
-        (:meth:`_gemm_form`) is made afresh: a copy kept from an earlier call would not see an in-place update of the
+        (:meth:`gemm_form`) is made afresh: a copy kept from an earlier call would not see an in-place update of the
         weight, which the fused kernel reads where it lies."""
         return PreparedKVBProj(self.dims, self.layout, self.weight) if self.layout == CHECKPOINT_LAYOUT else self
 
-    def _gemm_form(self) -> "PreparedKVBProj":
+    # The up-projection as mla_bridge's own passes (:mod:`mla_bridge.kv`) and the fused kernel
+    # (:mod:`mla_bridge.kernels.up_project`) use it: these four methods are the whole interface between them and this
+    # module. They check nothing (``mla_prefill`` validated its inputs once per layer); callers from outside use
+    # :meth:`up_project`.
+
+    def gemm_form(self) -> "PreparedKVBProj":
         """What the separate path's GEMM reads: this object, or for the checkpoint layout its split form, made by
-        :func:`prepare_kv_b_proj` on the first call and kept by this object (a copy of the weight; the callers hold
-        the object for one call: :meth:`_per_call`)."""
+        :func:`prepare_kv_b_proj` on the first call and kept by this object (a copy of the weight; ``mla_prefill``
+        holds the object for one call: :meth:`_per_call`). Its layout is :attr:`gemm_layout`."""
         if self.layout != CHECKPOINT_LAYOUT:
             return self
         gemm = self._gemm
@@ -217,11 +222,11 @@ class PreparedKVBProj:
             object.__setattr__(self, "_gemm", gemm)
         return gemm
 
-    def _rows(self) -> tuple[torch.Tensor, int, int, int, int]:
+    def kernel_rows(self) -> tuple[torch.Tensor, int, int, int, int]:
         """Where the fused kernel (:mod:`mla_bridge.kernels.up_project`) finds head ``h``'s weight rows: ``(weight,
         row stride in elements, rows per head, first k_nope row, first v row)``, the rows of head ``h`` starting at
         row ``h * rows_per_head`` and each row's first ``kv_lora_rank`` elements at unit stride (the identity
-        layout's padding and identity block are never read)."""
+        layout's padding and identity block are never read). Any layout, the checkpoint one read in place."""
         d, w = self.dims, self.weight
         nope, rope, vd = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim
         if self.layout == "identity":  # [H * (nope + rope + vd), rank + rope]: per head k_nope rows, I, v rows
@@ -229,6 +234,28 @@ class PreparedKVBProj:
         if self.layout == "split":  # [H, vd + nope, rank]: per head v rows, then k_nope rows
             return w, w.stride(1), w.stride(0) // w.stride(1), vd, 0
         return w, w.stride(0), nope + vd, 0, nope  # checkpoint [H * (nope + vd), rank]: k_nope rows, then v rows
+
+    def gemm_buffer(self, n: int, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """For a separate pass that gathers ``n`` rows: ``(buf, k_pe_out)``, the split layout's key/value buffer
+        ``[n, H, v_head_dim + head_dim_qk]`` (per head ``[v | k_nope | k_pe]``, this weight's dtype, on ``device``)
+        and the view of its k_pe columns ``[n, H, qk_rope_head_dim]``, for a gather that writes k_pe into every head
+        itself (:func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``) before :meth:`up_project_unchecked` with
+        ``buf``; ``(None, None)`` where :attr:`gemm_layout` is "identity" (its GEMM copies k_pe through the identity
+        block)."""
+        if self.gemm_layout == "identity":
+            return None, None
+        d = self.dims
+        buf = torch.empty(n, d.num_heads, d.v_head_dim + d.head_dim_qk, dtype=self.dtype, device=device)
+        return buf, buf[:, :, d.v_head_dim + d.qk_nope_head_dim :]
+
+    def up_project_unchecked(
+        self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None, buf: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`up_project` past its checks, by the GEMM of :meth:`gemm_form` (the checkpoint layout's split form
+        made here on first use). ``buf``: a :meth:`gemm_buffer` whose k_pe columns are written already; then
+        ``latent`` needs only its first ``kv_lora_rank`` columns and no k_pe broadcast runs here (ignored by the
+        identity layout, for which :meth:`gemm_buffer` gives None)."""
+        return self.gemm_form()._project(latent, k_pe, buf)
 
     def up_project(
         self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None
@@ -269,23 +296,12 @@ class PreparedKVBProj:
                 f"k_pe must be [N={latent.shape[0]}, qk_rope_head_dim={d.qk_rope_head_dim}], got {list(k_pe.shape)}"
             )
         refuse_autograd(named + (("weight", self.weight),))
-        return self._per_call()._gemm_form()._up_project(latent, k_pe)
+        return self._per_call().up_project_unchecked(latent, k_pe)
 
-    def _split_buffer(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split layout's key/value buffer ``[n, H, v_head_dim + head_dim_qk]`` (per head ``[v | k_nope | k_pe]``)
-        and the view of its k_pe columns ``[n, H, qk_rope_head_dim]``, for a gather that writes k_pe there itself
-        (:func:`mla_bridge.cache.gather_latent`'s ``k_pe_out``) before :meth:`_up_project` with ``buf``."""
-        d = self.dims
-        buf = torch.empty(n, d.num_heads, d.v_head_dim + d.head_dim_qk, dtype=self.dtype, device=device)
-        return buf, buf[:, :, d.v_head_dim + d.qk_nope_head_dim :]
-
-    def _up_project(
-        self, latent: torch.Tensor, k_pe: Optional[torch.Tensor] = None, buf: Optional[torch.Tensor] = None
+    def _project(
+        self, latent: torch.Tensor, k_pe: Optional[torch.Tensor], buf: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`up_project` past its checks (``mla_prefill`` validated its inputs once per layer), on a weight of the
-        identity or split layout (the separate path takes :meth:`_gemm_form`). ``buf`` (split layout): a
-        :meth:`_split_buffer` whose k_pe columns are written already; then ``latent`` needs only its first
-        ``kv_lora_rank`` columns and no k_pe broadcast runs here."""
+        """:meth:`up_project_unchecked` on a weight of the identity or split layout."""
         d = self.dims
         h, qk, vd, r = d.num_heads, d.head_dim_qk, d.v_head_dim, d.kv_lora_rank
         n = latent.shape[0]

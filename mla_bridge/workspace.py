@@ -24,6 +24,9 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
+from .backends import flashinfer_internals as internals
+from .checks import checked_device
+
 __all__ = [
     "Workspace",
     "WorkspaceTooSmallError",
@@ -95,33 +98,6 @@ def current_stream(device: torch.device) -> tuple[int, Any]:
     if stream is None:
         stream = _STREAMS[(index, ptr)] = torch.cuda.current_stream(index)
     return ptr, stream
-
-
-def _checked_device(device: "torch.device | str") -> torch.device:
-    """``device`` as a concrete torch.device ("cpu", or "cuda:<index>" of a CUDA device that exists).
-
-    Raises:
-        ValueError: not a device, a device type other than cpu/cuda, CUDA unavailable, or no such CUDA device.
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from err
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {dev}")
-    if dev.type == "cpu":
-        return torch.device("cpu")  # "cpu:0" is the CPU too: tensors made on it report plain "cpu"
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {dev}: CUDA is not available here (torch {torch.__version__}, "
-                f"CUDA build: {torch.version.cuda or 'none'})"
-            )
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device {dev}: only {torch.cuda.device_count()} CUDA device(s)")
-        dev = torch.device("cuda", index)
-    return dev
 
 
 class _Lease:
@@ -339,7 +315,7 @@ class Workspace:
         max_float_workspace_bytes = int(max_float_workspace_bytes)
         if isinstance(max_idle_wrappers, bool) or not isinstance(max_idle_wrappers, int) or max_idle_wrappers < 0:
             raise ValueError(f"Workspace: max_idle_wrappers must be an int >= 0, got {max_idle_wrappers!r}")
-        self.device = _checked_device(device)
+        self.device = checked_device(device)
         self.float_workspace_bytes = float_workspace_bytes
         self.max_float_workspace_bytes = max(max_float_workspace_bytes, float_workspace_bytes)
         self._chunk_tokens = chunk_tokens
@@ -444,11 +420,11 @@ class Workspace:
                 lease = _Lease(factory(base, backend), backend)
                 self.wrappers_created += 1
                 slots.append(lease)
-            elif getattr(lease.wrapper, "_float_workspace_buffer", base) is not base:
+            elif internals.float_workspace(lease.wrapper, base) is not base:
                 # fa2 plans size their split-KV partials against this buffer (FlashInfer reads its numel): after a
                 # growth, or an external runtime's region (FlashInferRaggedKernel.external_wrapper), point it back at
                 # the current workspace.
-                lease.wrapper._float_workspace_buffer = base
+                internals.set_float_workspace(lease.wrapper, base)
             lease.owner = weakref.ref(owner)
             lease.last_acquired = now
             lease.plan_event = None
@@ -464,8 +440,8 @@ class Workspace:
         times it are kept. Call it on a lease :meth:`acquire` just handed out, before its ``plan()``: nothing queued
         reads the buffers it replaces (a new wrapper's constructor buffers, or those of a plan whose copies and runs
         have completed). A wrapper without an int workspace (a stand-in) is left alone."""
-        buf = getattr(lease.wrapper, "_int_workspace_buffer", None)
-        if not isinstance(buf, torch.Tensor):
+        buf = internals.int_workspace(lease.wrapper)
+        if buf is None:
             return
         target = max(MIN_INT_WORKSPACE_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
         have = buf.numel() * buf.element_size()
@@ -473,9 +449,10 @@ class Workspace:
             self._set_int_workspace(lease.wrapper, target)
 
     def _set_int_workspace(self, wrapper: Any, nbytes: int) -> None:
-        wrapper._int_workspace_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        wrapper._pin_memory_int_workspace_buffer = torch.empty(
-            nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+        internals.set_int_workspace(
+            wrapper,
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device),
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"),
         )
 
     def acquire_wrapper(self, backend: str, owner: object, factory: Callable[[torch.Tensor, str], Any]) -> Any:
@@ -589,8 +566,8 @@ class Workspace:
                 if match is None:
                     raise
                 what, size, available = match.group(1), int(match.group(2)), int(match.group(3))
-                buf = getattr(lease.wrapper, "_int_workspace_buffer", None) if lease is not None else None
-                if what not in _FLOAT_ALLOCATIONS and isinstance(buf, torch.Tensor) and what not in grown_int:
+                buf = internals.int_workspace(lease.wrapper) if lease is not None else None
+                if what not in _FLOAT_ALLOCATIONS and buf is not None and what not in grown_int:
                     assert lease is not None  # buf is lease.wrapper's
                     grown_int.add(what)
                     have = buf.numel() * buf.element_size()
@@ -623,10 +600,10 @@ class Workspace:
                 for slots in self._slots.values():
                     for slot in slots:
                         if slot is not planning and slot.free():
-                            slot.wrapper.reset_workspace_buffer(buf, slot.wrapper._int_workspace_buffer)
+                            slot.wrapper.reset_workspace_buffer(buf, internals.int_workspace(slot.wrapper))
             buf = self.float_workspace
-            if planning is not None and getattr(planning.wrapper, "_float_workspace_buffer", None) is not buf:
-                planning.wrapper.reset_workspace_buffer(buf, planning.wrapper._int_workspace_buffer)
+            if planning is not None and internals.float_workspace(planning.wrapper) is not buf:
+                planning.wrapper.reset_workspace_buffer(buf, internals.int_workspace(planning.wrapper))
 
     def __repr__(self) -> str:
         pooled = sum(len(s) for s in self._slots.values())
@@ -642,7 +619,7 @@ _DEFAULT_LOCK = threading.Lock()
 
 def default_workspace(device: "torch.device | str") -> Workspace:
     """The process-wide :class:`Workspace` for ``device``, made on first use (what the one-shot calls share)."""
-    dev = _checked_device(device)
+    dev = checked_device(device)
     ws = _DEFAULT_WORKSPACES.get(dev)
     if ws is None:
         with _DEFAULT_LOCK:

@@ -560,9 +560,11 @@ def test_busy_wrappers_are_never_freed(gpu):
 
 def test_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
     plans_mod = pytest.importorskip("mla_bridge_vllm.plans")
+    from mla_bridge.plan_cache import PlanCache
     from mla_bridge.ragged import indptr_from_lens
 
     ws = Workspace("cuda:0")
+    cache = PlanCache(maxsize=2)  # one step's plans: a step's plans are dropped when the next one is planned
 
     def step(q_lens, ctx_lens):
         qo = indptr_from_lens(q_lens)
@@ -577,6 +579,7 @@ def test_vllm_step_plans_replaced_while_the_gpu_runs_behind(gpu):
             dtype=BF16,
             device="cuda:0",
             workspace=ws,
+            cache=cache,
         )
 
     seen = []

@@ -99,14 +99,14 @@ def partials_merged_once(batch, plan, weight):
 
     from mla_bridge import kv as KV
 
-    nothing = lambda name: None  # noqa: E731
     k_pe = batch.k_pe.reshape(batch.kv_c.shape[0], -1)
-    k, v = KV.new_tokens_kv(batch.kv_c, k_pe, weight, nothing, "separate")
+    inputs = KV.KVInputs(weight, batch.kv_c, k_pe, batch.cache, batch.block_table, impl="separate")
+    k, v = KV.new_tokens_kv(inputs)
     o, lse = plan.main.run(batch.q, k, v)
     parts = [(0, plan.num_tokens, o, lse)]
     for c in plan.chunks:
         if c.plan is not None:
-            k, v = KV.chunk_kv(c, batch.cache, batch.block_table, None, weight, plan.dtype, nothing, "separate")
+            k, v = KV.chunk_kv(c, inputs)
             o, lse2 = c.plan.run(batch.q[c.q_start : c.q_end], k, v, lse_base="log2")
             parts.append((c.q_start, c.q_end, o, lse2 * math.log(2.0)))  # the float32 multiply of the merges
     total = parts[0][3].double().cpu().clone()

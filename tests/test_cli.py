@@ -219,14 +219,14 @@ def test_prefill_check_catches_a_wrong_result(tmp_path, monkeypatch, capsys):
 
 
 def test_defaults_are_the_demo_batch_and_seed_workloads_in_help(capsys):
-    from mla_bridge.cli import DEMO_CONTEXT_LENS, _resolve_workload, build_parser
+    from mla_bridge.cli import DEMO_CONTEXT_LENS, resolve_workload, build_parser
 
     parser = build_parser()
-    w = _resolve_workload(parser.parse_args(["prefill"]))
+    w = resolve_workload(parser.parse_args(["prefill"]))
     assert w.query_lens == [256] * 4 and w.context_lens == list(DEMO_CONTEXT_LENS)
-    w = _resolve_workload(parser.parse_args(["prefill", "--batch", "4", "--prompt-len", "10000"]))
+    w = resolve_workload(parser.parse_args(["prefill", "--batch", "4", "--prompt-len", "10000"]))
     assert w.query_lens == [10000] * 4 and w.context_lens == [0] * 4
-    w = _resolve_workload(parser.parse_args(["prefill", "--context-lens", "8000", "--prompt-len", "2000"]))
+    w = resolve_workload(parser.parse_args(["prefill", "--context-lens", "8000", "--prompt-len", "2000"]))
     assert w.query_lens == [2000] * 4 and w.context_lens == [8000] * 4
     assert main(["prefill", "--help"]) == 0
     text = capsys.readouterr().out
@@ -683,7 +683,7 @@ def test_sizes_that_cannot_fit_are_refused_before_anything_is_allocated(argv, wo
     def no_inputs(*a, **k):
         raise AssertionError("inputs were allocated")
 
-    monkeypatch.setattr(prefill_cmd, "_make_inputs", no_inputs)
+    monkeypatch.setattr(prefill_cmd, "make_inputs", no_inputs)
     assert main(["prefill", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err

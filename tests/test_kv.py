@@ -229,7 +229,6 @@ def interpreted_cases() -> str:
     from mla_bridge.cache import check_kv_cache, quantize_latent_cache
 
     d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
-    nothing = lambda name: None  # noqa: E731
     q_lens, c_lens, bs = [5, 0, 7], [9, 20, 3], 4
     n = 0
     for dtype in (torch.float32, torch.float16):
@@ -267,12 +266,11 @@ def interpreted_cases() -> str:
                     for sc in (scale, float(scale)) if fp8 else (None,):
                         got = {}
                         for impl in ("separate", "fused"):
+                            x = KV.KVInputs(w, kv_c, k_pe, cache, table, kv_cache_scale=sc, impl=impl)
                             if plan.fused:
-                                got[impl] = [KV.fused_schedule_kv(plan, kv_c, k_pe, cache, table, sc, w, nothing, impl)]
+                                got[impl] = [KV.fused_schedule_kv(plan, x)]
                             else:
-                                got[impl] = [KV.new_tokens_kv(kv_c, k_pe, w, nothing, impl)] + [
-                                    KV.chunk_kv(c, cache, table, sc, w, dtype, nothing, impl) for c in plan.chunks
-                                ]
+                                got[impl] = [KV.new_tokens_kv(x)] + [KV.chunk_kv(c, x) for c in plan.chunks]
                         assert len(got["fused"]) == (1 if fuse else 1 + len(plan.chunks)) >= (1 if fuse else 3)
                         for i, ((ka, va), (kb, vb)) in enumerate(zip(got["separate"], got["fused"])):
                             assert not torch.isnan(kb).any() and not torch.isnan(vb).any(), "an unused slot was read"
@@ -354,7 +352,6 @@ def interpreted_raw_weight_cases() -> str:
     from mla_bridge import prepare_kv_b_proj
 
     d = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
-    nothing = lambda name: None  # noqa: E731
     q_lens, c_lens, bs = [5, 0, 7], [9, 20, 3], 4
     n = 0
     for dtype in (torch.float32, torch.float16):
@@ -376,13 +373,11 @@ def interpreted_raw_weight_cases() -> str:
             )
             got = []
             for weight in (raw, split):
+                x = KV.KVInputs(weight, kv_c, k_pe, cache, table, impl="fused")
                 if plan.fused:
-                    got.append([KV.fused_schedule_kv(plan, kv_c, k_pe, cache, table, None, weight, nothing, "fused")])
+                    got.append([KV.fused_schedule_kv(plan, x)])
                 else:
-                    got.append(
-                        [KV.new_tokens_kv(kv_c, k_pe, weight, nothing, "fused")]
-                        + [KV.chunk_kv(c, cache, table, None, weight, dtype, nothing, "fused") for c in plan.chunks]
-                    )
+                    got.append([KV.new_tokens_kv(x)] + [KV.chunk_kv(c, x) for c in plan.chunks])
             assert len(got[0]) == (1 if fuse else 1 + len(plan.chunks)) >= (1 if fuse else 3)
             for (ka, va), (kb, vb) in zip(*got):
                 assert torch.equal(ka, kb) and torch.equal(va, vb), (dtype, fuse)

@@ -416,12 +416,13 @@ def test_merge_rounds_equal_one_merge_per_chunk_bitwise(ref, tiny_dims, block_si
     )
     planned = [c for c in plan.chunks if c.plan is not None]
     weight = __import__("mla_bridge").prepare_kv_b_proj(batch.w, tiny_dims)
-    nothing = lambda name: None  # noqa: E731
-    k, v = KV.new_tokens_kv(batch.kv_c, batch.k_pe.reshape(batch.kv_c.shape[0], -1), weight, nothing, "separate")
+    k_pe = batch.k_pe.reshape(batch.kv_c.shape[0], -1)
+    inputs = KV.KVInputs(weight, batch.kv_c, k_pe, batch.cache, batch.block_table, impl="separate")
+    k, v = KV.new_tokens_kv(inputs)
     want_out, want_lse = plan.main.run(batch.q, k, v)
     merge = select_merge((1, tiny_dims.num_heads, tiny_dims.v_head_dim), plan.dtype, "cpu")
     for c in planned:
-        k, v = KV.chunk_kv(c, batch.cache, batch.block_table, None, weight, plan.dtype, nothing, "separate")
+        k, v = KV.chunk_kv(c, inputs)
         part_out, part_lse = c.plan.run(batch.q[c.q_start : c.q_end], k, v, lse_base="log2")
         merge_planned_(
             merge, want_out[c.q_start : c.q_end], want_lse[c.q_start : c.q_end], part_out, part_lse, lse_b_base="log2"

@@ -207,6 +207,43 @@ def test_direct_run_refuses_what_it_does_not_know():
     assert w._cached_module is module  # restored
 
 
+@pytest.mark.parametrize(
+    "version,known",
+    [
+        ("0.7.2", True),
+        ("0.7.4", True),
+        ("0.7.10.post1", True),
+        ("0.7.1", False),
+        ("0.6.9", False),
+        ("0.8.0", False),
+        ("0.8.0rc1", False),
+        ("1.0", False),
+        ("unknown", False),
+    ],
+)
+def test_direct_run_is_recorded_only_for_known_flashinfer_versions(monkeypatch, version, known):
+    """The version gate of mla_bridge.backends.flashinfer_internals: outside flashinfer-python 0.7.2..0.7.x the
+    recording is refused as for any wrapper it does not know (DirectRun.record gives None: the kernel calls
+    wrapper.run), with the reason in words; no distribution found (a stand-in): the structure alone decides."""
+    from mla_bridge import dispatch
+    from mla_bridge.backends import flashinfer_internals as internals
+
+    reason = internals.version_why_not(version)
+    assert (reason is None) == known
+    if not known:
+        assert version in reason and "public run()" in reason
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: version)
+    w = FakeWrapper()
+    direct = DirectRun.record(w, SHAPES, torch.float32, torch.device("cpu"))
+    assert (direct is not None) == known and w.runs == int(known)
+    assert internals.recording_why_not(w) == reason
+    if not known:
+        with pytest.raises(LookupError, match="outside the versions"):
+            internals.record_ragged_run(w, *(torch.empty(s) for s in SHAPES))
+    monkeypatch.setattr(dispatch, "flashinfer_version", lambda: None)
+    assert internals.version_why_not() is None
+
+
 def test_run_lse_base_log2():
     """lse_base="log2": the natural-log LSE times log2(e) (the torch backend converts; FlashInfer skips its own
     conversion, tests/gpu/test_gpu_run_path.py); empty rows stay -inf; out unchanged; unknown bases refused first."""
@@ -237,16 +274,16 @@ def test_device_kv_indptr_is_the_copy_plan_made_or_none():
     """RaggedPlan.device_kv_indptr (what a chunk's gather reads) is the wrapper's own ``_kv_indptr_buf`` only when it
     has the plan's kind: int32, the plan's length, on the workspace's device; anything else gives None (then the
     plan makes its own copy)."""
-    from mla_bridge.backends.flashinfer import _device_indptr
+    from mla_bridge.backends.flashinfer_internals import device_kv_indptr
 
     host = torch.tensor([0, 3, 5], dtype=torch.int32)
     cpu = torch.device("cpu")
     good = types.SimpleNamespace(_kv_indptr_buf=host.clone())
-    assert _device_indptr(good, "_kv_indptr_buf", host, cpu) is good._kv_indptr_buf
+    assert device_kv_indptr(good, host, cpu) is good._kv_indptr_buf
     for buf in (None, host.long(), host[:2].clone(), [0, 3, 5]):
-        assert _device_indptr(types.SimpleNamespace(_kv_indptr_buf=buf), "_kv_indptr_buf", host, cpu) is None
-    assert _device_indptr(types.SimpleNamespace(), "_kv_indptr_buf", host, cpu) is None
-    assert _device_indptr(good, "_kv_indptr_buf", host, torch.device("meta")) is None
+        assert device_kv_indptr(types.SimpleNamespace(_kv_indptr_buf=buf), host, cpu) is None
+    assert device_kv_indptr(types.SimpleNamespace(), host, cpu) is None
+    assert device_kv_indptr(good, host, torch.device("meta")) is None
     plan = plan_ragged(
         [0, 2],
         [0, 3],

@@ -50,11 +50,11 @@ def test_plan_refuses_length_sums_beyond_int32_at_once(dims, q_lens, c_lens, nam
 def test_plan_at_the_int32_edge_of_query_lens_is_not_refused_by_the_length_check(dims):
     """A sum of exactly 2**31 - 1 passes the length check (whatever happens after it is another matter): the
     check is on the sum, not on a rounder number."""
-    from mla_bridge.plan import _check_length_sums
+    from mla_bridge.checks import check_length_sums
 
-    _check_length_sums([INT32_MAX], [INT32_MAX])
+    check_length_sums([INT32_MAX], [INT32_MAX])
     with pytest.raises(ValueError, match="context_lens"):
-        _check_length_sums([0], [INT32_MAX + 1])
+        check_length_sums([0], [INT32_MAX + 1])
 
 
 @pytest.mark.gpu

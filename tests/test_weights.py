@@ -10,7 +10,7 @@ import torch
 import mla_bridge.weights as weights_mod
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, Workspace, mla_prefill, prepare_kv_b_proj
 from mla_bridge.prefill import prefill_memory_bytes
-from mla_bridge.ragged import _kernel_ready
+from mla_bridge.checks import kernel_ready
 from mla_bridge.weights import up_projection_weight
 
 QUERY_LENS = [3, 4, 1, 0, 5]
@@ -103,7 +103,7 @@ def test_split_layout_k_and_v(tiny_dims, dtype):
     torch.testing.assert_close(v.double(), kv[..., d.qk_nope_head_dim :], **tol)
     # one buffer, strided views the kernels read in place
     assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-    assert _kernel_ready(k) and _kernel_ready(v)
+    assert kernel_ready(k) and kernel_ready(v)
 
 
 @pytest.mark.parametrize("layout", ["split", "identity"])
@@ -270,11 +270,11 @@ def test_raw_weight_is_taken_as_it_is(tiny_dims):
     assert p.layout == weights_mod.CHECKPOINT_LAYOUT and p.weight.data_ptr() == w.data_ptr()
     assert p.gemm_layout == "split"
     assert p._gemm is None  # nothing rearranged yet
-    gemm = p._gemm_form()
+    gemm = p.gemm_form()
     assert gemm.layout == "split" and torch.equal(gemm.weight, prepare_kv_b_proj(w, d).weight)
-    assert p._gemm_form() is gemm  # made once
+    assert p.gemm_form() is gemm  # made once
     # the fused kernel's addressing: head h's k_nope row j at h * rows + first_nope + j, v rows likewise
-    weight, row, per_head, first_nope, first_v = p._rows()
+    weight, row, per_head, first_nope, first_v = p.kernel_rows()
     flat = weight.reshape(-1)
     for h in range(d.num_heads):
         for j in (0, d.qk_nope_head_dim - 1):
@@ -284,7 +284,7 @@ def test_raw_weight_is_taken_as_it_is(tiny_dims):
             assert torch.equal(flat[(h * per_head + first_v + j) * row :][: d.kv_lora_rank], gemm.weight[h, j])
     for layout in weights_mod.LAYOUTS:  # the prepared layouts' addressing gives the same rows
         q = prepare_kv_b_proj(w, d, layout=layout)
-        weight, row, per_head, first_nope, first_v = q._rows()
+        weight, row, per_head, first_nope, first_v = q.kernel_rows()
         flat = weight.reshape(-1)
         h, j = d.num_heads - 1, 3
         got = flat[(h * per_head + first_nope + j) * row :][: d.kv_lora_rank]
@@ -399,7 +399,7 @@ def test_prepared_weight_must_be_readable_by_the_fused_kernel(tiny_dims):
     k, v = p.up_project(latent)
     k0, v0 = PreparedKVBProj(d, "split", split).up_project(latent)
     assert torch.equal(k, k0) and torch.equal(v, v0)
-    assert p._rows()[1:3] == (d.kv_lora_rank, split.shape[1] + 3)
+    assert p.kernel_rows()[1:3] == (d.kv_lora_rank, split.shape[1] + 3)
 
 
 def interpreted_prepared_view_cases() -> str:
@@ -411,7 +411,7 @@ def interpreted_prepared_view_cases() -> str:
     g = torch.Generator().manual_seed(2)
     w = torch.randn(d.kv_b_proj_shape, generator=g) * 0.2
     kv_c, k_pe = torch.randn(9, d.kv_lora_rank, generator=g), torch.randn(9, d.qk_rope_head_dim, generator=g)
-    nothing = lambda name: None  # noqa: E731
+    no_cache = (torch.empty(0, 1, d.latent_dim), torch.empty(0, 1, dtype=torch.int32))  # new tokens alone
     n = 0
     for layout in weights_mod.LAYOUTS:
         ref = prepare_kv_b_proj(w, d, layout=layout)
@@ -424,9 +424,9 @@ def interpreted_prepared_view_cases() -> str:
             heads = torch.randn(shape[0], shape[1] + 3, shape[2], generator=g)
             heads[:, 1 : 1 + shape[1]] = ref.weight
             views.append(heads[:, 1 : 1 + shape[1]])  # padded heads, offset
-        want = KV.new_tokens_kv(kv_c, k_pe, ref, nothing, "fused")
+        want = KV.new_tokens_kv(KV.KVInputs(ref, kv_c, k_pe, *no_cache, impl="fused"))
         for view in views:
-            got = KV.new_tokens_kv(kv_c, k_pe, PreparedKVBProj(d, layout, view), nothing, "fused")
+            got = KV.new_tokens_kv(KV.KVInputs(PreparedKVBProj(d, layout, view), kv_c, k_pe, *no_cache, impl="fused"))
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), layout
             n += 1
     return f"ok {n}"
@@ -462,7 +462,7 @@ def test_prepared_weight_is_freed_when_dropped(tiny_dims):
         lambda w: weights_mod.as_prepared(w, tiny_dims, torch.float32, torch.device("cpu")),
     ):
         p = make(torch.randn(tiny_dims.kv_b_proj_shape))
-        p._gemm_form()
+        p.gemm_form()
         ref = weakref.ref(p)
         gc.disable()
         try:

@@ -9,7 +9,6 @@ Public API:
   * :func:`build_plan` + :func:`mla_prefill` -- MLA prefill with the paged latent cache and context chunks;
     :func:`prepare_kv_b_proj` prepares each layer's weight once, at load time.
   * :func:`from_torch` / :func:`to_torch` -- DLPack conversion (one device copy for views DLPack cannot pass).
-  * :mod:`mla_bridge_jax.reference` -- pure-JAX float32 references (``ragged_attention``, ``mla_attention``).
   * :func:`sharded_ragged_prefill`, :func:`build_sharded_plans` + :func:`sharded_mla_prefill` -- heads sharded over
     a mesh axis with ``shard_map``.
   The adapter against the torch core is timed by the bench (``mla-bridge bench --sections jax``,
@@ -28,9 +27,9 @@ except ImportError as err:  # a clear error naming the framework and the extra, 
     ) from err
 
 from mla_bridge import MLADims, Workspace
+from mla_bridge.plan_cache import shared_plan_cache
 
-from . import _interop, api
-from ._interop import from_torch
+from ._interop import from_torch, release_tokens
 from ._interop import to_torch as _to_torch
 from .api import (
     ENV_JIT_ROUTE,
@@ -43,7 +42,6 @@ from .api import (
     ragged_prefill,
     run_ragged,
 )
-from . import reference
 from .sharding import build_sharded_plans, head_shardings, sharded_mla_prefill, sharded_ragged_prefill, shard_map
 
 
@@ -64,9 +62,8 @@ def _release_at_exit() -> None:
         jax.clear_caches()
     except Exception:  # noqa: BLE001 - a JAX without it, or already shut down: nothing more to release here
         pass
-    with api._traced_lock:
-        api._traced_plans.clear()
-    _interop._TOKENS.clear()
+    shared_plan_cache().clear()
+    release_tokens()
     gc.collect()
 
 
@@ -81,7 +78,6 @@ __all__ = [
     "mla_prefill",
     "from_torch",
     "to_torch",
-    "reference",
     "sharded_ragged_prefill",
     "sharded_mla_prefill",
     "build_sharded_plans",

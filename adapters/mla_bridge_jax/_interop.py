@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from mla_bridge import switches
+
 __all__ = [
     "to_torch",
     "to_jax",
@@ -43,31 +45,24 @@ __all__ = [
     "buffer_device",
     "xla_stream",
     "order_xla_after_torch",
+    "release_tokens",
 ]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
 
 
 #: Plans the adapter holds at once (traced plans; registered tvm-ffi plans), each a pooled FlashInfer wrapper.
-ENV_MAX_PLANS = "MLA_BRIDGE_JAX_MAX_PLANS"
+ENV_MAX_PLANS = switches.JAX_MAX_PLANS
 
 
 def max_plans_from_env(default: int = 16) -> int:
-    """``$MLA_BRIDGE_JAX_MAX_PLANS`` as a positive int (``default`` when unset or empty), read at import.
+    """``$MLA_BRIDGE_JAX_MAX_PLANS`` as a positive int (``default`` when unset or empty), read at import
+    (:func:`mla_bridge.switches.jax_max_plans`).
 
     Raises:
         ValueError: any other value (not an integer, or below 1), naming the variable.
     """
-    raw = os.environ.get(ENV_MAX_PLANS, "")
-    if not raw.strip():
-        return default
-    try:
-        n = int(raw.strip())
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{ENV_MAX_PLANS}={raw!r}: expected a positive int (plans held at once; unset: {default})")
-    return n
+    return switches.jax_max_plans(default)
 
 
 def is_tracer(x: Any) -> bool:
@@ -257,6 +252,12 @@ def order_xla_after_torch(device: torch.device) -> None:
     if _after is None:
         _after = jax.jit(lambda t: t + 1)
     _after(jax.dlpack.from_dlpack(token))  # the result is dropped: its computation's place in the stream is the point
+
+
+def release_tokens() -> None:
+    """Drop the per-device ordering tokens of :func:`order_xla_after_torch` (at interpreter exit, while CUDA is up);
+    the next call makes a new one."""
+    _TOKENS.clear()
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:

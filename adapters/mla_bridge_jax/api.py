@@ -26,10 +26,8 @@ the batch elements one after another (``vmap_method="sequential"``), each with t
 from __future__ import annotations
 
 import math
-import os
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -38,9 +36,11 @@ import torch
 from jax.experimental.buffer_callback import buffer_callback
 
 import mla_bridge as _core
+from mla_bridge import switches
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
-from mla_bridge.ragged import _not_a_bool
+from mla_bridge.checks import not_a_bool
+from mla_bridge.plan_cache import shared_plan_cache
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (
@@ -73,10 +73,10 @@ __all__ = [
 
 #: Routes a traced call can take: "buffer_callback" (any platform) and "tvm_ffi" (CUDA, FlashInfer fa2/fa3 plans,
 #: needs jax-tvm-ffi); "auto" picks tvm_ffi when it can serve, else buffer_callback.
-JIT_ROUTES = ("auto", "buffer_callback", "tvm_ffi")
+JIT_ROUTES = switches.JIT_ROUTES  # ("auto", "buffer_callback", "tvm_ffi")
 #: The environment variable choosing the route under ``jax.jit`` when ``jit_route`` is not given (one of
 #: :data:`JIT_ROUTES`).
-ENV_JIT_ROUTE = "MLA_BRIDGE_JAX_JIT_ROUTE"
+ENV_JIT_ROUTE = switches.JAX_JIT_ROUTE
 
 
 class InferenceOnlyError(NotImplementedError):
@@ -108,44 +108,47 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
     return torch.full((), fill, dtype=torch_dtype(dtype), device=device).expand(tuple(shape))
 
 
-#: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) held at once, process-wide, most recently used
-#: last; each holds a pooled FlashInfer wrapper (:attr:`mla_bridge.RaggedPlan.flashinfer_bytes`);
-#: ``$MLA_BRIDGE_JAX_MAX_PLANS``.
-MAX_TRACED_PLANS = max_plans_from_env()
-_traced_plans: "OrderedDict[tuple[int, torch.device], Any]" = OrderedDict()
-_traced_lock = threading.Lock()
+#: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) live in the plan cache the adapters share
+#: (:func:`mla_bridge.plan_cache.shared_plan_cache`); ``$MLA_BRIDGE_JAX_MAX_PLANS`` (read at import, a positive int)
+#: sets its bound (unset: its default, 16). Each plan holds a pooled FlashInfer wrapper
+#: (:attr:`mla_bridge.RaggedPlan.flashinfer_bytes`).
+MAX_TRACED_PLANS = max_plans_from_env(default=shared_plan_cache().maxsize)
+shared_plan_cache().maxsize = MAX_TRACED_PLANS
 
 
-def _forget_traced(owner: int) -> None:
-    with _traced_lock:
-        for key in [key for key in _traced_plans if key[0] == owner]:
-            del _traced_plans[key]
+def _discard(keys: dict) -> None:
+    cache = shared_plan_cache()
+    for key in list(keys.values()):
+        cache.discard(key)
 
 
 class _Plans:
     """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill: the caller's, held as long
-    as the compiled function holds this object) or plans made on first use for each device a callback runs on
-    (ragged_prefill, shard_map over several devices).
+    as the compiled function holds this object) or, given the plan's arguments (``spec``: :func:`mla_bridge.plan_ragged`'s
+    but the workspace), plans found in the plan cache the adapters share
+    (:func:`mla_bridge.plan_cache.shared_plan_cache`) for each device a callback runs on (ragged_prefill, shard_map
+    over several devices): this object keeps only their keys.
 
-    Made plans live in a process-wide cache bounded by :data:`MAX_TRACED_PLANS` (least recently used out) and no
-    longer than this object, i.e. than the compiled function whose callback holds it; an evicted one is made again
-    on its next use (host planning, the run ordered after its copies by the core). The core keeps a dropped plan's
-    wrapper out of the pool until the GPU has finished the work queued with it."""
+    The shared cache bounds the plans held (least recently used out); this object's plans are dropped from it when it
+    dies, i.e. with the compiled function whose callback holds it; an evicted one is made again on its next use (host
+    planning, the run ordered after its copies by the core). The core keeps a dropped plan's wrapper out of the pool
+    until the GPU has finished the work queued with it."""
 
-    def __init__(self, make: Optional[Callable[[torch.device], Any]] = None, plan: Any = None):
-        self._make = make
+    def __init__(self, spec: Optional[dict] = None, plan: Any = None):
+        self._spec = spec
         self._plans: dict[torch.device, Any] = {}
+        self._keys: dict[torch.device, Optional[tuple]] = {}
         if plan is not None:
             self._plans[self._device_of(plan)] = plan
-        if make is not None:
-            weakref.finalize(self, _forget_traced, id(self))
+        if spec is not None:
+            weakref.finalize(self, _discard, self._keys)
 
     @staticmethod
     def _device_of(plan: Any) -> torch.device:
         return plan.spec.device if isinstance(plan, RaggedPlan) else plan.device
 
     def get(self, device: torch.device) -> Any:
-        if self._make is None:
+        if self._spec is None:
             plan = self._plans.get(device)
             if plan is not None:
                 return plan
@@ -154,18 +157,12 @@ class _Plans:
                 f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
                 f"build the plan for that device (device=...)"
             )
-        key = (id(self), device)
-        with _traced_lock:
-            plan = _traced_plans.get(key)
-            if plan is not None:
-                _traced_plans.move_to_end(key)
-                return plan
-        plan = self._make(device)
-        with _traced_lock:
-            _traced_plans[key] = plan
-            _traced_plans.move_to_end(key)
-            while len(_traced_plans) > max(1, MAX_TRACED_PLANS):
-                _traced_plans.popitem(last=False)
+        cache = shared_plan_cache()
+        plan = cache.lookup(self._keys.get(device))
+        if plan is None:
+            spec = dict(self._spec, workspace=default_workspace(device))
+            plan = cache.get_ragged(**spec)
+            self._keys[device] = cache.ragged_key(**spec)
         return plan
 
 
@@ -186,11 +183,11 @@ def _spread_over_devices() -> Optional[str]:
 
 def _check_route(requested: Optional[str]) -> str:
     """``requested`` (or ``$MLA_BRIDGE_JAX_JIT_ROUTE``, or "auto") checked against :data:`JIT_ROUTES`."""
-    route = requested or os.environ.get(ENV_JIT_ROUTE) or "auto"
-    if route not in JIT_ROUTES:
-        where = "jit_route" if requested else f"${ENV_JIT_ROUTE} (jit_route not given)"
-        raise ValueError(f"{where} must be one of {list(JIT_ROUTES)}, got {route!r}")
-    return route
+    if not requested:
+        return switches.jax_jit_route()  # the variable, checked there
+    if requested not in JIT_ROUTES:
+        raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {requested!r}")
+    return requested
 
 
 def _route(requested: Optional[str], plan: Any) -> str:
@@ -246,7 +243,7 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
         try:
             call = tvm_ffi.ragged_call(plan, out_types)
         except LookupError:  # FlashInfer's wrapper is not the one the recorder knows
-            if jit_route == "tvm_ffi" or os.environ.get(ENV_JIT_ROUTE) == "tvm_ffi":
+            if jit_route == "tvm_ffi" or switches.raw(ENV_JIT_ROUTE) == "tvm_ffi":
                 raise
     if call is None:
         call = buffer_callback(_ragged_callback(plans), out_types, vmap_method="sequential")
@@ -314,22 +311,9 @@ def ragged_prefill(
         return to_jax(out), to_jax(lse)
 
     heads, d_qk, d_vo = _heads_dims(q, v)
-
-    def make(device: torch.device) -> RaggedPlan:
-        return _core.plan_ragged(
-            qo,
-            kv,
-            num_heads=heads,
-            head_dim_qk=d_qk,
-            head_dim_vo=d_vo,
-            causal=causal,
-            sm_scale=sm_scale,
-            dtype=torch_dtype(q.dtype),
-            workspace=default_workspace(device),
-            backend=backend,
-        )
-
-    plans = _Plans(make)
+    spec = dict(qo_indptr=qo, kv_indptr=kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal)
+    spec.update(sm_scale=sm_scale, dtype=torch_dtype(q.dtype), backend=backend)
+    plans = _Plans(spec)
     plan = plans.get(default_torch_device())
     return _ragged_traced(plans, plan, q, k, v, jit_route)
 
@@ -639,7 +623,7 @@ def mla_prefill(
         InferenceOnlyError: on differentiation.
     """
     if not isinstance(return_lse, bool):  # the core checks it eagerly; a traced call never reaches the core with it
-        raise _not_a_bool("return_lse", return_lse)
+        raise not_a_bool("return_lse", return_lse)
     plans = _plans_by_device(plan)
     plan = next(iter(plans.values()))  # the same lengths, dims and dtypes on every device: validation reads it
     prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mla_bridge import MLADims, Workspace
-from mla_bridge.ragged import _not_a_bool
+from mla_bridge.checks import not_a_bool
 
 from ._interop import torch_device_of
 from .api import build_plan, mla_prefill, ragged_prefill
@@ -182,7 +182,7 @@ def sharded_mla_prefill(
         ValueError: ``axis`` not in ``mesh``; H not divisible by its size; errors of :func:`mla_bridge_jax.mla_prefill`.
     """
     if not isinstance(return_lse, bool):  # mla_prefill inside the shard_map is always asked for the lse
-        raise _not_a_bool("return_lse", return_lse)
+        raise not_a_bool("return_lse", return_lse)
     n = _axis_size(mesh, axis)
     if not hasattr(kv_b_proj_weight, "ndim"):
         raise TypeError(

@@ -5,8 +5,9 @@ How it works (CUDA, FlashInfer fa2/fa3 plans, jax-tvm-ffi installed):
      ``plan()`` fills the wrapper's workspace buffers and plan info).
   2. :func:`register` records, once per plan, the exact argument list FlashInfer's ``wrapper.run`` would hand its
      compiled TVM-FFI function ``ragged_run`` (workspace buffers, plan info, index buffers, mask mode, scale...),
-     by running the wrapper's Python ``run`` against recorders: nothing is launched. The five per-call tensors
-     (q, k, v, out, lse) are located in that list by identity.
+     by running the wrapper's Python ``run`` against recorders (:mod:`mla_bridge.backends.flashinfer_internals`,
+     the core's one home for FlashInfer's private structure, with its version gate): nothing is launched. The five
+     per-call tensors (q, k, v, out, lse) are located in that list by identity.
   3. A 60-line C++ shim (compiled once with ``tvm_ffi.cpp.load_inline``) keeps ``plan id -> (function, recorded
      arguments, slots)`` and is registered as the XLA FFI target ``mla_bridge_jax_ragged_run`` through
      ``jax_tvm_ffi.register_ffi_target(arg_spec=["attrs.plan_id", "args", "rets"])``. At run time XLA calls the
@@ -17,7 +18,8 @@ How it works (CUDA, FlashInfer fa2/fa3 plans, jax-tvm-ffi installed):
      (``lse.mul_(ln 2)``, one float32 multiply) is done by XLA after the call: bitwise the same.
 
 If any step cannot be done (no jax-tvm-ffi, a CPU or torch-backend plan, a FlashInfer whose wrapper no longer looks
-like 0.7's), :func:`why_not` says why and the ``auto`` route uses ``buffer_callback`` instead.
+like 0.7's or whose version the recording does not know), :func:`why_not` says why and the ``auto`` route uses
+``buffer_callback`` instead.
 
 Lifetime: a compiled XLA executable may run a registered plan at any later time, and nothing
 tells this module when the executable is gone, so the registry is a bounded cache. At most :data:`MAX_PLANS`
@@ -38,7 +40,6 @@ import atexit
 import itertools
 import math
 import threading
-import types
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -46,6 +47,7 @@ import numpy as np
 
 import jax
 import torch
+from mla_bridge.backends import flashinfer_internals as internals
 
 from ._interop import ENV_MAX_PLANS, max_plans_from_env
 
@@ -250,44 +252,26 @@ def _kernel_wrapper(plan: Any, for_xla: bool = True) -> Any:
     # streams (allocated on first use: not when only asking whether the route can serve).
     external = getattr(plan, "external_flashinfer_wrapper", None) if for_xla else None
     wrapper = external(f"xla:{plan.spec.device}") if external is not None else getattr(plan, "flashinfer_wrapper", None)
-    if wrapper is None or not hasattr(wrapper, "_cached_module"):
+    if wrapper is None:
         raise LookupError("the plan holds no FlashInfer wrapper this route knows (mla_bridge or FlashInfer changed)")
+    reason = internals.recording_why_not(wrapper)
+    if reason is not None:
+        raise LookupError(reason)
     return wrapper
-
-
-def _compiled_and_args(py_ragged_run: Callable, py_args: list) -> tuple[Any, list]:
-    """FlashInfer 0.7: ``module.ragged_run`` is a Python function that reorders its arguments for the compiled
-    ``ragged_run_func`` (a free variable). Run a copy of it whose ``ragged_run_func`` records instead of launching."""
-    code = py_ragged_run.__code__
-    if "ragged_run_func" not in code.co_freevars:
-        raise LookupError("FlashInfer's ragged_run no longer calls a compiled ragged_run_func")
-    recorded: list = []
-    cells = []
-    compiled = None
-    assert py_ragged_run.__closure__ is not None  # it has free variables (ragged_run_func among them)
-    for name, cell in zip(code.co_freevars, py_ragged_run.__closure__):
-        if name == "ragged_run_func":
-            compiled = cell.cell_contents
-            cells.append(types.CellType(lambda *a: recorded.append(list(a))))
-        else:
-            cells.append(cell)
-    clone = types.FunctionType(code, py_ragged_run.__globals__, code.co_name, py_ragged_run.__defaults__, tuple(cells))
-    clone.__kwdefaults__ = py_ragged_run.__kwdefaults__
-    clone(*py_args)
-    if len(recorded) != 1:
-        raise LookupError(f"FlashInfer's ragged_run called its compiled function {len(recorded)} times")
-    return compiled, recorded[0]
 
 
 def record(plan: Any) -> tuple[Any, list, list[int]]:
     """``(compiled ragged_run, its argument list, slots of q/k/v/out/lse)`` for a planned FlashInfer fa2/fa3 batch,
-    exactly as the core's :meth:`RaggedPlan.run` would call it (``lse_layout="NH"``); nothing is launched.
+    exactly as the core's :meth:`RaggedPlan.run` would call it (``lse_layout="NH"``); nothing is launched
+    (:func:`mla_bridge.backends.flashinfer_internals.record_ragged_run`, then
+    :func:`~mla_bridge.backends.flashinfer_internals.compiled_call`).
 
     Stand-ins for q/k/v/out/lse are one-element tensors expanded to the plan's shapes (no memory); should FlashInfer
     refuse those, real (uninitialised) tensors are used once.
 
     Raises:
-        LookupError: FlashInfer's wrapper does not look like 0.7's, or refused the stand-ins.
+        LookupError: FlashInfer's wrapper does not look like 0.7's (or its version is not one the recording knows),
+            or refused the stand-ins.
     """
     try:
         return _record(plan, lambda shape, dtype, dev: torch.empty((), dtype=dtype, device=dev).expand(*shape))
@@ -309,29 +293,10 @@ def _record(plan: Any, make: Callable) -> tuple[Any, list, list[int]]:
     q, k = make((t, h, s.head_dim_qk), s.dtype, s.device), make((n, h, s.head_dim_qk), s.dtype, s.device)
     v, out = make((n, h, s.head_dim_vo), s.dtype, s.device), make((t, h, s.head_dim_vo), s.dtype, s.device)
     lse = make((t, h), torch.float32, s.device)
-    module = wrapper._cached_module
-    if not isinstance(module, types.SimpleNamespace) or not callable(getattr(module, "ragged_run", None)):
-        raise LookupError("FlashInfer's wrapper module has no ragged_run")
-    py_calls: list = []
-    proxy = types.SimpleNamespace(**vars(module))
-    proxy.ragged_run = lambda *a: py_calls.append(list(a))
-    wrapper._cached_module = proxy
-    try:
-        # The core's FlashInfer kernel calls run(..., lse_base="ln"); "log2" differs only in the finishing multiply
-        # (done by XLA here) and avoids writing into the stand-in lse.
-        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="log2", lse_layout="NH")
-    finally:
-        wrapper._cached_module = module
-    if len(py_calls) != 1:
-        raise LookupError(f"FlashInfer's run called ragged_run {len(py_calls)} times")
-    compiled, args = _compiled_and_args(module.ragged_run, py_calls[0])
-    slots = []
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)):
-        hits = [i for i, a in enumerate(args) if a is x]
-        if len(hits) != 1:
-            raise LookupError(f"{name} appears {len(hits)} times in FlashInfer's compiled call")
-        slots.append(hits[0])
-    return compiled, args, slots
+    # The core's FlashInfer kernel calls run(..., lse_base="ln"); the recording's "log2" differs only in the finishing
+    # multiply (done by XLA here) and avoids writing into the stand-in lse.
+    compiled, args = internals.compiled_call(*internals.record_ragged_run(wrapper, q, k, v, out, lse))
+    return compiled, args, internals.argument_slots(args, (q, k, v, out, lse))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -370,13 +335,15 @@ def why_not(plan: Any) -> Optional[str]:
 
 
 def _remaker(plan: Any) -> Callable[[], Any]:
-    """How to make ``plan`` again from its host data (the same indptrs, sizes, backend and workspace)."""
-    from mla_bridge import plan_ragged
+    """How to find ``plan`` again from its host data (the same indptrs, sizes, backend and workspace): in the plan
+    cache the adapters share (:func:`mla_bridge.plan_cache.shared_plan_cache`), which plans it anew when it no longer
+    keeps it."""
+    from mla_bridge.plan_cache import shared_plan_cache
 
     s, workspace, backend = plan.spec, plan.workspace, plan.backend.name
 
     def remake() -> Any:
-        return plan_ragged(
+        return shared_plan_cache().get_ragged(
             s.qo_indptr,
             s.kv_indptr,
             num_heads=s.num_heads,

@@ -25,8 +25,9 @@ Conversion (no attention math here):
   :data:`_ROW_CALL_MIN_QUERIES` queries (decode steps) are packed into one call instead. A padded batch gathers its valid query and
   key rows (index tensors made once per mask, no host sync per layer) into one ragged batch of one request per row,
   and scatters the output back. The LSE is computed only where it is used (sinks).
-* Plans (:func:`mla_bridge.plan_ragged`) are reused while the lengths and strides stay the same: every layer of one
-  forward shares one plan. The mask is checked once per mask object, not per layer (in blocks of queries, never a
+* Plans (:func:`mla_bridge.plan_ragged`) come from the plan cache the adapters share
+  (:func:`mla_bridge.plan_cache.shared_plan_cache`): every layer of one forward shares one plan, and a later forward of
+  equal lengths and strides reuses it. The mask is checked once per mask object, not per layer (in blocks of queries, never a
   ``[B, Q, K]`` temporary; one device-to-host copy); no mask costs no device work.
 
 The keywords models pass (every ``modeling_*.py`` of transformers 5.25), each served or handed to an implementation
@@ -65,7 +66,6 @@ any boolean mask of another structure (right or inner padding, packed sequences,
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -73,10 +73,13 @@ from typing import Any, Optional
 import torch
 
 import mla_bridge
+from mla_bridge import switches
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
 from mla_bridge.merge import merge_attn_states_
-from mla_bridge.ragged import _kernel_ready
+from mla_bridge.checks import kernel_ready
+from mla_bridge.plan_cache import shared_plan_cache
+from mla_bridge.ragged import indptr_from_lens
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -130,7 +133,8 @@ _EAGER_KEYWORDS = ("s_aux", "sinks", "softcap", "output_attentions")
 
 logger = logging.getLogger("mla_bridge_transformers")
 _warned: set[str] = set()
-_plan_cache: dict[tuple, Any] = {}
+# [(the last call's plan arguments with its workspace's id, the shared cache's key of its plan)], replaced whole
+_last_key: list = [(None, None)]
 # [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them]
 _mask_cache: list = [None, None, None]
 #: Queries per batch row from which an unpadded batch runs one kernel call per row, in place; below it (decode
@@ -363,7 +367,7 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
 def _strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
     """The ``(token, head)`` strides a kernel reads ``[N, H, D]`` ``x`` through in place, or None (contiguous, or
     copied contiguous by :meth:`mla_bridge.RaggedPlan.run` because FlashInfer cannot read its strides)."""
-    return None if x.is_contiguous() or not _kernel_ready(x) else (x.stride(0), x.stride(1))
+    return None if x.is_contiguous() or not kernel_ready(x) else (x.stride(0), x.stride(1))
 
 
 def _plan(
@@ -377,31 +381,17 @@ def _plan(
     device,
     strides: Optional[tuple] = None,
 ):
-    """The batch's plan, kept while everything it depends on is equal: the lengths, sizes, scale, dtype, device, the
-    ``(q, k, v)`` strides it reads (``plan_ragged(strides=...)``), the backend asked for (``MLA_BRIDGE_BACKEND``, read
-    now) and the workspace (by identity), as the core's :class:`mla_bridge.PlanCache` keys a plan (a
-    :class:`mla_bridge.RaggedPlan` has no chunk budget to key)."""
+    """The batch's causal plan from the plan cache the adapters share (:func:`mla_bridge.plan_cache.shared_plan_cache`,
+    keyed on everything it depends on: the lengths, sizes, scale, dtype, the ``(q, k, v)`` strides it reads
+    (``plan_ragged(strides=...)``), the backend asked for (``MLA_BRIDGE_BACKEND``, read now) and the workspace). The
+    layers of one forward find it through the key of the last call's arguments, without re-making the indptrs."""
     workspace = mla_bridge.workspace.default_workspace(device)
-    key = (
-        q_lens,
-        kv_lens,
-        heads,
-        d_qk,
-        d_vo,
-        sm_scale,
-        dtype,
-        device,
-        strides,
-        os.environ.get(ENV_VAR) or None,
-        id(workspace),
-    )
-    plan = _plan_cache.get(key)
+    local = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, strides, switches.raw(ENV_VAR) or None)
+    cache = shared_plan_cache()
+    last_local, last_key = _last_key[0]
+    plan = cache.lookup(last_key) if last_local == (local, id(workspace)) else None
     if plan is None:
-        _plan_cache.clear()  # one live plan: the layers of one forward share it
-        qo, kv = mla_bridge.ragged.indptr_from_lens(q_lens), mla_bridge.ragged.indptr_from_lens(kv_lens)
-        plan = _plan_cache[key] = mla_bridge.plan_ragged(
-            qo,
-            kv,
+        args: dict = dict(
             num_heads=heads,
             head_dim_qk=d_qk,
             head_dim_vo=d_vo,
@@ -411,6 +401,9 @@ def _plan(
             workspace=workspace,
             strides=strides,
         )
+        qo, kv = indptr_from_lens(q_lens), indptr_from_lens(kv_lens)
+        plan = cache.get_ragged(qo, kv, **args)
+        _last_key[0] = ((local, id(workspace)), cache.ragged_key(qo, kv, **args))
     return plan
 
 

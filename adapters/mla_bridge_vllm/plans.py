@@ -3,8 +3,10 @@ such as the H200).
 
 One :class:`PrefillStepPlans` per vLLM scheduler step: a causal :class:`mla_bridge.RaggedPlan` for the new tokens
 (``kv_indptr == qo_indptr``) and one non-causal plan per vLLM context chunk, all planned from host (CPU) indptrs.
-Each run returns what vLLM's MLA prefill expects: ``out [T, H, v_head_dim]`` and, when asked, the LSE in natural log,
-laid out ``[H, T]`` (``RaggedPlan.run(..., lse_layout="HN")``, written that way by the kernel, no transpose copy).
+Each run returns what vLLM's MLA prefill expects: ``out [T, H, v_head_dim]`` and, when asked (and only then
+computed), the LSE in natural log, laid out ``[H, T]`` (``RaggedPlan.run(..., lse_layout="HN")``, written that way by
+the kernel, no transpose copy). Plans come from the one plan cache the adapters share
+(:func:`mla_bridge.plan_cache.shared_plan_cache`): a step equal to an earlier one reuses its plans.
 
 :func:`servable` answers "can mla_bridge serve this?" for vLLM's capability/dtype/dims questions by asking
 :func:`mla_bridge.select_backend` (the one dispatch table); there is no second table here.
@@ -18,7 +20,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mla_bridge import RaggedPlan, plan_ragged, select_backend
+from mla_bridge import RaggedPlan, select_backend
+from mla_bridge.plan_cache import PlanCache, shared_plan_cache
 from mla_bridge.ragged import indptr_from_lens as host_indptr_from_lens
 from mla_bridge.workspace import Workspace, default_workspace
 
@@ -62,7 +65,7 @@ def servable(
             choice = select_backend(capability=(int(capability[0]), int(capability[1])), **kw)
     except ValueError as err:  # a backend forced through MLA_BRIDGE_BACKEND cannot serve, or none serves the dtype
         return False, str(err)
-    if capability is None or choice.is_flashinfer or choice.reason.startswith("forced"):
+    if capability is None or choice.is_flashinfer or choice.forced:
         return True, f"{choice.name}: {choice.reason}"
     reasons = "; ".join(f"{name}: {why}" for name, why in choice.passed_over)
     return False, f"no FlashInfer backend serves capability {capability[0]}.{capability[1]} ({reasons})"
@@ -74,7 +77,7 @@ _WARNED = [False]
 def _warn_if_reference(*plans: RaggedPlan) -> None:
     """Once per process: a batch on a GPU that no FlashInfer kernel serves runs the (slow) float32 torch reference."""
     for plan in plans:
-        if plan.backend.name == "torch" and not plan.backend.reason.startswith("forced") and not _WARNED[0]:
+        if plan.backend.name == "torch" and not plan.backend.forced and not _WARNED[0]:
             _WARNED[0] = True
             why = "; ".join(f"{name}: {reason}" for name, reason in plan.backend.passed_over)
             warnings.warn(
@@ -106,6 +109,8 @@ class PrefillStepPlans:
         backend: force an mla_bridge backend by name (default: :func:`select_backend` decides per plan).
         strides: ``(q, k, v)`` strides of the tensors the runs will be handed (:func:`vllm_strides` for vLLM's;
             default: contiguous), for the dispatch's bound on 32-bit element offsets (:func:`mla_bridge.plan_ragged`).
+        cache: where the plans are looked up and kept (default: :func:`mla_bridge.plan_cache.shared_plan_cache`): a
+            step whose lengths, sizes and chunks equal an earlier one's reuses its plans.
 
     vLLM replaces a step's plans at the next step while the GPU may still run the last one: that is safe, since the
     workspace pool gives a dropped plan's FlashInfer wrapper to a later plan only once the GPU has finished the work
@@ -126,7 +131,9 @@ class PrefillStepPlans:
         workspace: Optional[Workspace] = None,
         backend: Optional[str] = None,
         strides: Optional[Sequence] = None,
+        cache: Optional[PlanCache] = None,
     ):
+        plans = shared_plan_cache() if cache is None else cache
         ws = workspace if workspace is not None else default_workspace(device)
         common: dict[str, Any] = dict(
             num_heads=num_heads,
@@ -138,9 +145,9 @@ class PrefillStepPlans:
             backend=backend,
             strides=strides,
         )
-        self.main: RaggedPlan = plan_ragged(qo_indptr, qo_indptr, causal=True, **common)
+        self.main: RaggedPlan = plans.get_ragged(qo_indptr, qo_indptr, causal=True, **common)
         self.chunks: dict[int, RaggedPlan] = {
-            c.index: plan_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks
+            c.index: plans.get_ragged(c.qo_indptr, c.kv_indptr, causal=False, **common) for c in chunks
         }
         if ws.device.type == "cuda":
             _warn_if_reference(self.main, *self.chunks.values())
@@ -153,9 +160,12 @@ class PrefillStepPlans:
         return_softmax_lse: bool,
         out: Optional[torch.Tensor] = None,
     ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
-        """Causal attention of the new tokens: ``out`` or ``(out, lse [H, T] natural log)``."""
-        out, lse = self.main.run(q, k, v, out=out, lse_layout="HN")
-        return (out, lse) if return_softmax_lse else out
+        """Causal attention of the new tokens: ``out``, or ``(out, lse [H, T] natural log)`` with
+        ``return_softmax_lse`` (only then is an LSE computed: FlashInfer's ``return_lse=False`` otherwise).
+
+        Raises:
+            TypeError: ``return_softmax_lse`` not a bool; the core's errors (:meth:`mla_bridge.RaggedPlan.run`)."""
+        return self.main.run(q, k, v, out=out, lse_layout="HN", return_lse=return_softmax_lse)
 
     def run_context_chunk(
         self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor] = None

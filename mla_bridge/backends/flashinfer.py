@@ -39,21 +39,23 @@ once per plan (:class:`DirectRun`), then converts the LSE to natural log with on
 per-call Python. The wrapper's buffers (int workspace, plan info, indptr buffers) are read from the wrapper at every
 call, never taken from the recording; fa2's float workspace is the call's argument (its stream's region). Where the
 recording
-cannot be made (a FlashInfer whose run does not end in exactly one ``_cached_module.ragged_run`` call, another
-backend), ``wrapper.run`` is called as before. ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` turns the direct call off.
+cannot be made (a FlashInfer whose run does not end in exactly one ``_cached_module.ragged_run`` call, a FlashInfer
+version outside those the recording knows, another backend), ``wrapper.run`` is called as before.
+``MLA_BRIDGE_FLASHINFER_DIRECT=0`` turns the direct call off. Every read or write of the wrapper's private attributes
+goes through :mod:`mla_bridge.backends.flashinfer_internals`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
-import types
 from typing import Any, Optional
 
 import torch
 
+from .. import switches
 from ..workspace import current_stream
+from . import flashinfer_internals as internals
 
 __all__ = [
     "make_kernel",
@@ -67,7 +69,7 @@ __all__ = [
 
 _LN2 = math.log(2.0)
 #: ``MLA_BRIDGE_FLASHINFER_DIRECT=0`` makes every run go through ``wrapper.run`` (for comparison).
-DIRECT_ENV = "MLA_BRIDGE_FLASHINFER_DIRECT"
+DIRECT_ENV = switches.FLASHINFER_DIRECT
 
 
 def direct_enabled() -> bool:
@@ -77,19 +79,8 @@ def direct_enabled() -> bool:
     Raises:
         ValueError: any other value (the message names the variable).
     """
-    raw = os.environ.get(DIRECT_ENV, "")
-    value = raw.strip().lower()
-    if value in ("", "1", "auto"):
-        return True
-    if value == "0":
-        return False
-    raise ValueError(f"{DIRECT_ENV}={raw!r}: expected 1 (direct runs, the default), 0 (wrapper.run) or auto")
+    return switches.flashinfer_direct()
 
-
-#: wrapper attributes whose current value is put into the recorded call at every run
-_LIVE_ATTRS = ("_int_workspace_buffer", "_plan_info", "_qo_indptr_buf", "_kv_indptr_buf")
-#: the float workspace: the call's own argument where it has one (fa2's region), else the wrapper's attribute
-_FLOAT_ATTR = "_float_workspace_buffer"
 
 #: FlashInfer backends that build out's strides from its shape (they would write a strided ``out`` wrongly).
 CONTIGUOUS_OUT_BACKENDS = ("fa2", "cutlass")
@@ -164,58 +155,32 @@ class DirectRun:
     @classmethod
     def record(cls, wrapper: Any, shapes: tuple, dtype: torch.dtype, device: torch.device) -> "Optional[DirectRun]":
         """Record ``wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="log2", lse_layout="NH")`` on
-        stand-ins of ``shapes = (q, k, v, out, lse)`` (one element each, expanded: no memory)."""
-        module = getattr(wrapper, "_cached_module", None)
-        if not isinstance(module, types.SimpleNamespace) or not callable(getattr(module, "ragged_run", None)):
+        stand-ins of ``shapes = (q, k, v, out, lse)`` (one element each, expanded: no memory), through
+        :func:`mla_bridge.backends.flashinfer_internals.record_ragged_run`; None where it cannot be made."""
+        if internals.recording_why_not(wrapper) is not None:
             return None
         dtypes = (dtype, dtype, dtype, dtype, torch.float32)
         stand_ins = [torch.empty((), dtype=dt, device=device).expand(*shape) for shape, dt in zip(shapes, dtypes)]
-        calls: list = []
-        proxy = types.SimpleNamespace(**vars(module))
-        proxy.ragged_run = lambda *a: calls.append(list(a))
-        wrapper._cached_module = proxy
         try:
-            q, k, v, out, lse = stand_ins
-            res = wrapper.run(q, k, v, out=out, lse=lse, return_lse=True, lse_base="log2", lse_layout="NH")
+            fn, args = internals.record_ragged_run(wrapper, *stand_ins)
+            slots = internals.argument_slots(args, stand_ins)
+            fw, live = internals.live_slots(wrapper, args)
         except Exception:  # noqa: BLE001 - FlashInfer refused the stand-ins or changed: use wrapper.run
             return None
-        finally:
-            wrapper._cached_module = module
-        if len(calls) != 1 or not isinstance(res, tuple) or res[0] is not out or res[1] is not lse:
-            return None
-        args = calls[0]
-        slots = []
-        for x in stand_ins:
-            hits = [i for i, a in enumerate(args) if a is x]
-            if len(hits) != 1:
-                return None
-            slots.append(hits[0])
-        live: list[tuple[int, str]] = []
-        fw = None
-        for name in (_FLOAT_ATTR,) + _LIVE_ATTRS:
-            value = getattr(wrapper, name, None)
-            hits = [i for i, a in enumerate(args) if value is not None and a is value]
-            if len(hits) > 1:
-                return None
-            if name == _FLOAT_ATTR:
-                fw = hits[0] if hits else None
-            else:
-                live.extend((i, name) for i in hits)
         for i in slots:
             args[i] = None  # the recording keeps no stand-in alive
-        return cls(module.ragged_run, args, slots, tuple(live), fw)
+        return cls(fn, args, slots, live, fw)
 
     def __call__(
         self, wrapper: Any, q, k, v, out, lse, natural: bool = True, float_workspace: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One launch; ``float_workspace``: the float workspace to hand it (default: the wrapper's attribute)."""
+        """One launch; ``float_workspace``: the float workspace to hand it (default: the wrapper's own)."""
         args = self.args.copy()
         args[self.q], args[self.k], args[self.v], args[self.out], args[self.lse] = q, k, v, out, lse
-        for i, name in self.live:
-            args[i] = getattr(wrapper, name)
+        internals.live_values(wrapper, self.live, args)
         fw = self.fw
         if fw is not None:
-            args[fw] = float_workspace if float_workspace is not None else wrapper._float_workspace_buffer
+            args[fw] = float_workspace if float_workspace is not None else internals.float_workspace(wrapper)
         self.fn(*args)
         if natural and lse is not None:
             lse.mul_(_LN2)  # base 2 -> natural log, as FlashInfer's run(..., lse_base="ln") finishes it
@@ -255,29 +220,19 @@ class FlashInferRaggedKernel:
             lease=self.lease,
         )
         # The size plan() laid fa2's split-KV partials out for: the least float workspace a run of this plan needs.
-        self.float_bytes = self.wrapper._float_workspace_buffer.numel() if self._regions else 0
+        self.float_bytes = internals.float_workspace(self.wrapper).numel() if self._regions else 0
         if self._cuda and not torch.cuda.is_current_stream_capturing():
             ptr, stream = current_stream(workspace.device)
             self.lease.record_plan(stream, ptr)
-        self.device_kv_indptr = _device_indptr(self.wrapper, "_kv_indptr_buf", spec.kv_indptr, workspace.device)
+        # Ordered like the plan's other copies (the plan event, order_after_plan); while the plan holds its wrapper
+        # the pool never plans that wrapper again, so the values stay the plan's.
+        self.device_kv_indptr = internals.device_kv_indptr(self.wrapper, spec.kv_indptr, workspace.device)
 
     def held_bytes(self) -> tuple[int, int]:
         """``(device bytes, page-locked host bytes)`` this plan's wrapper holds for it (see the module docstring):
         the int workspace and its page-locked twin, the indptr copies ``plan()`` made, and a plan info made of
         tensors (cutlass's work-index buffers). Read from the wrapper's attributes as they are."""
-        w = self.wrapper
-        device = host = 0
-        for name in ("_int_workspace_buffer", "_qo_indptr_buf", "_kv_indptr_buf"):
-            t = getattr(w, name, None)
-            if isinstance(t, torch.Tensor):
-                device += t.numel() * t.element_size()
-        info = getattr(w, "_plan_info", None)
-        if isinstance(info, (tuple, list)):
-            device += sum(t.numel() * t.element_size() for t in info if isinstance(t, torch.Tensor))
-        pinned = getattr(w, "_pin_memory_int_workspace_buffer", None)
-        if isinstance(pinned, torch.Tensor):
-            host += pinned.numel() * pinned.element_size()
-        return device, host
+        return internals.held_bytes(self.wrapper)
 
     def order_after_plan(self) -> None:
         """Make the current stream wait for this plan's host-to-device copies (nothing on the plan's own stream,
@@ -318,7 +273,7 @@ class FlashInferRaggedKernel:
         if self._regions:
             buf = self.workspace.float_region(key)
             with self._lock:
-                self.wrapper._float_workspace_buffer = buf
+                internals.set_float_workspace(self.wrapper, buf)
         return self.wrapper
 
     def run(self, q, k, v, out, lse, lse_layout, lse_base="ln"):
@@ -370,12 +325,12 @@ class FlashInferRaggedKernel:
             return self._wrapper_run(q, k, v, out, lse, lse_layout, lse_base)
         wrapper = self.wrapper
         with self._lock:  # wrapper.run reads the one attribute: no other thread may point it elsewhere meanwhile
-            previous = wrapper._float_workspace_buffer
-            wrapper._float_workspace_buffer = region
+            previous = internals.float_workspace(wrapper)
+            internals.set_float_workspace(wrapper, region)
             try:
                 return self._wrapper_run(q, k, v, out, lse, lse_layout, lse_base)
             finally:
-                wrapper._float_workspace_buffer = previous
+                internals.set_float_workspace(wrapper, previous)
 
     def _wrapper_run(self, q, k, v, out, lse, lse_layout, lse_base):
         if self._contiguous_out and not out.is_contiguous():
@@ -389,18 +344,6 @@ class FlashInferRaggedKernel:
             q, k, v, out=out, lse=lse, return_lse=lse is not None, lse_base=lse_base, lse_layout=lse_layout
         )
         return out, lse
-
-
-def _device_indptr(wrapper: Any, name: str, host: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
-    """The device copy of the indptr ``host`` that ``plan()`` just queued (FlashInfer 0.7.4 ``prefill.py``: for an
-    explicit backend ``plan()`` sets ``self._kv_indptr_buf = kv_indptr.to(self.device, non_blocking=True)``, and its
-    runs read it), or None where the wrapper holds nothing of that kind (int32, ``host``'s length, on ``device``).
-    Ordered like the plan's other copies (the plan event, :meth:`FlashInferRaggedKernel.order_after_plan`); while the
-    plan holds its wrapper the pool never plans that wrapper again, so the values stay the plan's."""
-    buf = getattr(wrapper, name, None)
-    if isinstance(buf, torch.Tensor) and buf.dtype == torch.int32 and buf.device == device and buf.shape == host.shape:
-        return buf
-    return None
 
 
 def make_kernel(choice: Any, workspace: Any, spec: Any) -> FlashInferRaggedKernel:

@@ -24,14 +24,14 @@ extra: rich, matplotlib, safetensors; a missing one exits 2 naming the extra).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-# DEMO_CONTEXT_LENS and _resolve_workload are imported from here by the tests.
-from .batch import DEMO_BATCH, DEMO_CONTEXT_LENS, DEMO_PROMPT_LEN, _resolve_workload  # noqa: F401
+# DEMO_CONTEXT_LENS and resolve_workload are imported from here by the tests.
+from .. import switches
+from .batch import DEMO_BATCH, DEMO_CONTEXT_LENS, DEMO_PROMPT_LEN, resolve_workload  # noqa: F401
 from .checkpoint import load_kv_b_proj_weight
 from ..argtypes import int_list, nonnegative_int, output_file, positive_int
 from ..argtypes import seed as seed_type
@@ -54,7 +54,7 @@ EXIT_CODES = {
     130: "interrupted (Ctrl-C)",
 }
 #: The environment variable that, set to anything but "" or "0", prints an unexpected error's traceback (as --debug).
-DEBUG_ENV = "MLA_BRIDGE_DEBUG"
+DEBUG_ENV = switches.DEBUG
 EXIT_UNEXPECTED = 3
 
 
@@ -283,7 +283,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _unexpected(command: Optional[str], err: Exception, debug: bool) -> int:
     """Report an unexpected error on stderr (one line; the traceback first when ``debug`` or :data:`DEBUG_ENV` is
     set) and return its exit code, 3."""
-    debug = debug or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    debug = debug or switches.debug()
     if debug:
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     lines = str(err).strip().splitlines()

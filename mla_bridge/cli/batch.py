@@ -23,7 +23,7 @@ class Workload:
     demo: bool
 
 
-def _resolve_workload(args) -> Workload:
+def resolve_workload(args) -> Workload:
     explicit = args.prompt_lens is not None or args.batch is not None or args.prompt_len is not None
     if args.prompt_lens is not None:
         if args.batch is not None or args.prompt_len is not None:
@@ -53,7 +53,7 @@ def _resolve_workload(args) -> Workload:
     return Workload(query_lens, context_lens, demo=not explicit)
 
 
-def _resolve_device_dtype(args):
+def resolve_device_dtype(args):
     import torch
 
     if args.device is None:
@@ -75,7 +75,7 @@ def _resolve_device_dtype(args):
     return device, getattr(torch, name), name
 
 
-def _make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed: int, weight=None):
+def make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed: int, weight=None):
     """Random q / kv_c / k_pe / kv_b_proj weight at the model's dims, and a shuffled paged latent cache.
 
     Scales keep attention away from degenerate (one-hot or uniform) softmax: q, kv_c, k_pe ~ N(0, 1) (kv_c is
@@ -114,7 +114,7 @@ def _make_inputs(dims, workload: Workload, block_size: int, dtype, device, seed:
     return q, kv_c, k_pe, weight, cache.to(device=device, dtype=dtype), block_table.to(device)
 
 
-def _flops(dims, workload: Workload, gathered_context: int) -> tuple[int, int]:
+def batch_flops(dims, workload: Workload, gathered_context: int) -> tuple[int, int]:
     """(attention FLOPs, up-projection FLOPs) of one layer.
 
     Attention: 2 x (q.k pairs) x heads x (head_dim_qk + head_dim_vo), pairs counted exactly per request:
@@ -130,7 +130,7 @@ def _flops(dims, workload: Workload, gathered_context: int) -> tuple[int, int]:
     return attn, up
 
 
-def _sample_requests(query_lens: Sequence[int], k: int) -> list[int]:
+def sample_requests(query_lens: Sequence[int], k: int) -> list[int]:
     """Up to k request ids spread evenly over those with new tokens (first and last included)."""
     ids = [i for i, q in enumerate(query_lens) if q > 0]
     if k <= 0 or not ids:

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import switches
 from .args import write_output
-from .table import _row
+from .table import add_row
 
 
 def _package_version(name: str) -> Optional[str]:
@@ -24,54 +25,10 @@ def _package_version(name: str) -> Optional[str]:
         return None
 
 
-#: Every environment variable mla_bridge and its adapters read: (name, what it chooses, its default, where it is
-#: read). tests/test_cli.py checks this list against the source, so a new variable cannot be left out.
-ENV_VARIABLES = (
-    (
-        "MLA_BRIDGE_BACKEND",
-        "the attention backend: flashinfer-cutlass, flashinfer-fa3, flashinfer-fa2 or torch",
-        "the dispatch table",
-        "mla_bridge.dispatch",
-    ),
-    (
-        "MLA_BRIDGE_KV",
-        "how a pass builds k and v: fused (one Triton kernel), separate (gather + GEMM) or auto",
-        "auto",
-        "mla_bridge.kv",
-    ),
-    ("MLA_BRIDGE_GATHER", "the paged-cache gather: triton, torch or auto", "auto", "mla_bridge.cache"),
-    ("MLA_BRIDGE_MERGE", "the merge of partials: triton, flashinfer, torch or auto", "auto", "mla_bridge.merge"),
-    (
-        "MLA_BRIDGE_FLASHINFER_DIRECT",
-        "fa2/fa3 runs call FlashInfer's ragged_run directly (1) or wrapper.run (0)",
-        "1",
-        "mla_bridge.backends.flashinfer",
-    ),
-    (
-        "MLA_BRIDGE_TRITON_LAUNCH",
-        "Triton launches: direct (the compiled launcher) or jit (kernel[grid])",
-        "direct",
-        "mla_bridge.kernels.launch",
-    ),
-    (
-        "MLA_BRIDGE_JAX_JIT_ROUTE",
-        "the JAX adapter's route under jax.jit: tvm_ffi, buffer_callback or auto",
-        "auto",
-        "mla_bridge_jax.api",
-    ),
-    (
-        "MLA_BRIDGE_JAX_MAX_PLANS",
-        "plans a compiled JAX function keeps per route (a positive int; read at import)",
-        "16",
-        "mla_bridge_jax._interop",
-    ),
-    (
-        "MLA_BRIDGE_DEBUG",
-        "mla-bridge prints the traceback of an unexpected error (1), not one line (exit code 3)",
-        "0",
-        "mla_bridge.cli",
-    ),
-)
+#: Every environment variable mla_bridge and its adapters read, as :data:`mla_bridge.switches.SWITCHES` lists them:
+#: (name, what it chooses, its default, where it is read). tests/test_cli.py checks the list against the source, so
+#: a new variable cannot be left out.
+ENV_VARIABLES = tuple((sw.name, sw.doc, sw.default, sw.read_by) for sw in switches.SWITCHES)
 
 #: The dtype each path computes in (what the code does, whatever the input dtype).
 COMPUTE_DTYPES = (
@@ -135,10 +92,10 @@ def cmd_info(args, console) -> int:
     table = Table(title="mla-bridge info", title_justify="left", show_header=False)
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("")
-    _row(table, "mla-bridge", __version__)
-    _row(table, "python", f"{info['python']} ({sys.executable})")
-    _row(table, "torch", info["torch"])
-    _row(
+    add_row(table, "mla-bridge", __version__)
+    add_row(table, "python", f"{info['python']} ({sys.executable})")
+    add_row(table, "torch", info["torch"])
+    add_row(
         table,
         "CUDA",
         f"available, torch built with CUDA {info['torch_cuda']}"
@@ -146,35 +103,49 @@ def cmd_info(args, console) -> int:
         else f"not available (torch CUDA build: {info['torch_cuda'] or 'none, CPU build'})",
     )
     for d in info["devices"]:
-        _row(table, f"device cuda:{d['index']}", f"{d['name']}, capability {d['capability'][0]}.{d['capability'][1]}")
+        add_row(
+            table, f"device cuda:{d['index']}", f"{d['name']}, capability {d['capability'][0]}.{d['capability'][1]}"
+        )
     if not info["devices"]:
-        _row(table, "device", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
-    _row(table, "FlashInfer", info["flashinfer"] or "not installed (pip install 'mla-bridge[flashinfer]')")
-    _row(
+        add_row(table, "device", f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
+    add_row(table, "FlashInfer", info["flashinfer"] or "not installed (pip install 'mla-bridge[flashinfer]')")
+    add_row(
         table,
         "FlashInfer JIT cache",
         f"{info['flashinfer_jit_cache']}"
         + ("" if os.environ.get("FLASHINFER_WORKSPACE_BASE") else " (set FLASHINFER_WORKSPACE_BASE to move it)"),
     )
-    _row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
+    add_row(table, "JAX", f"{info['jax']} (jaxlib {info['jaxlib']})" if info["jax"] else "not installed")
     table.add_section()
-    _row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
-    for name, what, default, where in ENV_VARIABLES:
-        value = os.environ.get(name)
-        info[name] = value
+    add_row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
+    for sw in switches.SWITCHES:
+        value = switches.raw(sw.name)  # as set, unvalidated: info reports, the readers refuse
+        info[sw.name] = value
         info["environment"].append(
-            {"name": name, "value": value, "default": default, "meaning": what, "read_by": where}
+            {
+                "name": sw.name,
+                "value": value,
+                "default": sw.default,
+                "values": sw.values,
+                "meaning": sw.doc,
+                "read_by": sw.read_by,
+            }
         )
-        _row(table, f"  {name}", (f"{value!r}" if value is not None else f"unset (default: {default})") + f"; {what}")
+        add_row(
+            table,
+            f"  {sw.name}",
+            (f"{value!r}" if value is not None else f"unset (default: {sw.default})")
+            + f"; {sw.doc}; values: {sw.values}",
+        )
     table.add_section()
-    _row(
+    add_row(
         table,
         "dtype",
         f"{dtype_name}: what mla-bridge prefill (--dtype auto) and bench use on {device.type}"
         + ("" if device.type == "cuda" else "; the API takes bfloat16, float16 and float32 here too"),
     )
     for path, what in COMPUTE_DTYPES:
-        _row(table, f"  {path}", what)
+        add_row(table, f"  {path}", what)
     table.add_section()
     try:
         choice = select_backend(dtype=dtype, head_dim_qk=192, head_dim_vo=128, causal=True)
@@ -184,16 +155,16 @@ def cmd_info(args, console) -> int:
             "dtype": dtype_name,
             "passed_over": [list(p) for p in choice.passed_over],
         }
-        _row(
+        add_row(
             table,
             "backend",
             Text.assemble((choice.name, "green"), f" for {dtype_name}, head dims 192/128, causal: {choice.reason}"),
         )
         for name, why in choice.passed_over:
-            _row(table, "  passed over", f"{name}: {why}")
+            add_row(table, "  passed over", f"{name}: {why}")
     except ValueError as err:
         info["backend"] = {"error": str(err), "dtype": dtype_name}
-        _row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
+        add_row(table, "backend", Text.assemble(("error", "bold red"), f": {err}"))
     from ..dims import PRESETS
 
     info["presets"] = {}
@@ -214,7 +185,7 @@ def cmd_info(args, console) -> int:
             "softmax_scale": d.softmax_scale,
             "backend": served,
         }
-        _row(
+        add_row(
             table,
             f"--model {name}",
             f"{d.num_heads} heads, q/k {d.qk_nope_head_dim}+{d.qk_rope_head_dim}, "
@@ -224,10 +195,12 @@ def cmd_info(args, console) -> int:
     try:  # what mla_prefill would run besides the backend; a switch that cannot serve is named here
         kernels = kernel_choices(device, dtype, MLADims.deepseek_v2_lite())
         info["kernels"] = kernels
-        _row(table, "kernels", ", ".join(f"{k}: {v}" for k, v in kernels.items()) + f" ({dtype_name} on {device.type})")
+        add_row(
+            table, "kernels", ", ".join(f"{k}: {v}" for k, v in kernels.items()) + f" ({dtype_name} on {device.type})"
+        )
     except (ValueError, TypeError, RuntimeError) as err:
         info["kernels"] = {"error": str(err)}
-        _row(table, "kernels", Text.assemble(("error", "bold red"), f": {err}"))
+        add_row(table, "kernels", Text.assemble(("error", "bold red"), f": {err}"))
     console.print(table)
     if getattr(args, "json", None) is not None:
         write_output(args.json, json.dumps(info, indent=2) + "\n")

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .batch import _flops, _make_inputs, _resolve_device_dtype, _resolve_workload, _sample_requests
+from .batch import batch_flops, make_inputs, resolve_device_dtype, resolve_workload, sample_requests
 from .checkpoint import load_kv_b_proj_weight
 from .args import write_output
 from .errors import CLIError
 from .memory import check_fits, estimate_run_memory
-from .table import _lens_text, _ms, _row, _tol_text
+from .table import lens_text, ms_text, add_row, tol_text
 from .timing import Timer, phase_breakdown
 
 CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
@@ -88,8 +88,8 @@ def cmd_prefill(args, console) -> int:
         raise CLIError("--model and --checkpoint are exclusive: the checkpoint's config.json gives the dims")
     if args.checkpoint is not None and args.layer is None:
         raise CLIError("--checkpoint needs --layer N (which layer's kv_b_proj.weight to load)")
-    workload = _resolve_workload(args)
-    device, dtype, dtype_name = _resolve_device_dtype(args)
+    workload = resolve_workload(args)
+    device, dtype, dtype_name = resolve_device_dtype(args)
     loaded_weight, weight_text = None, None
     if args.checkpoint is not None:
         cfg_path = Path(args.checkpoint) / "config.json"
@@ -107,7 +107,7 @@ def cmd_prefill(args, console) -> int:
         model_name = args.model or PRESETS[0]
         dims = MLADims.preset(model_name)
     chunk_tokens = args.chunk_tokens or DEFAULT_CHUNK_TOKENS
-    sample = _sample_requests(workload.query_lens, args.check_requests)
+    sample = sample_requests(workload.query_lens, args.check_requests)
     try:
         kernels = kernel_choices(device, dtype, dims)  # a bad MLA_BRIDGE_KV / _GATHER / _MERGE: exit 2, before work
     except (ValueError, TypeError, RuntimeError) as err:
@@ -132,9 +132,9 @@ def cmd_prefill(args, console) -> int:
         check_fits(est, device, skip=args.no_memory_check)
 
     try:
-        from ..plan import _check_length_sums
+        from ..checks import check_length_sums
 
-        _check_length_sums(workload.query_lens, workload.context_lens)
+        check_length_sums(workload.query_lens, workload.context_lens)
     except ValueError as err:
         raise CLIError(f"--prompt-len / --prompt-lens / --context-lens: {err}") from None
     fits()
@@ -173,7 +173,7 @@ def cmd_prefill(args, console) -> int:
         raise CLIError(str(err)) from None
     fits(plan)
     log("making the inputs and the paged cache")
-    q, kv_c, k_pe, weight, cache, block_table = _make_inputs(
+    q, kv_c, k_pe, weight, cache, block_table = make_inputs(
         dims, workload, args.block_size, dtype, device, args.seed, loaded_weight
     )
     if weight_text is None:
@@ -203,7 +203,7 @@ def cmd_prefill(args, console) -> int:
             else "main pass only (no request with cached context has new tokens: its context is not read)"
         )
 
-    attn_flops, up_flops = _flops(dims, workload, plan.num_gathered_context_tokens)
+    attn_flops, up_flops = batch_flops(dims, workload, plan.num_gathered_context_tokens)
     # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
     # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
     warmup = device.type == "cuda" or attn_flops + up_flops < CPU_WARMUP_FLOPS
@@ -331,32 +331,32 @@ def cmd_prefill(args, console) -> int:
     table = Table(title=f"mla-bridge prefill: {model_name}", show_header=False, title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("")
-    _row(
+    add_row(
         table,
         "model dims",
         f"{dims.num_heads} heads, kv_lora_rank {dims.kv_lora_rank}, q/k {dims.qk_nope_head_dim}"
         f"+{dims.qk_rope_head_dim}, v {dims.v_head_dim}, softmax_scale {dims.softmax_scale:.6f}",
     )
-    _row(table, "kv_b_proj weight", weight_text)
-    _row(table, "device", device_text)
-    _row(table, "dtype", dtype_name)
-    _row(table, "backend", Text.assemble((backend.name, "green"), f": {backend.reason}"))
+    add_row(table, "kv_b_proj weight", weight_text)
+    add_row(table, "device", device_text)
+    add_row(table, "dtype", dtype_name)
+    add_row(table, "backend", Text.assemble((backend.name, "green"), f": {backend.reason}"))
     for name, why in backend.passed_over:
-        _row(table, "  passed over", f"{name}: {why}")
+        add_row(table, "  passed over", f"{name}: {why}")
     table.add_section()
-    _row(table, "requests", str(len(workload.query_lens)))
-    _row(table, "new tokens", f"{sum(workload.query_lens)} ({_lens_text(workload.query_lens)})")
-    _row(table, "context tokens", f"{sum(workload.context_lens)} ({_lens_text(workload.context_lens)})")
+    add_row(table, "requests", str(len(workload.query_lens)))
+    add_row(table, "new tokens", f"{sum(workload.query_lens)} ({lens_text(workload.query_lens)})")
+    add_row(table, "context tokens", f"{sum(workload.context_lens)} ({lens_text(workload.context_lens)})")
     cache_text = cache_dtype_name(cache.dtype)
     if kv_scale is not None:
         cache_text += f", kv_cache_scale {kv_scale:.6g} (amax/448)"
-    _row(
+    add_row(
         table,
         "paged cache",
         f"{cache.shape[0]} blocks x {args.block_size} tokens x {dims.latent_dim}, "
         f"shuffled block_table; {cache_text}; {cache_bytes / 2**20:.2f} MiB",
     )
-    _row(table, "schedule", schedule)
+    add_row(table, "schedule", schedule)
     gathered = SEPARATE_FROM_ROWS_FP8 if kv_scale is not None else SEPARATE_FROM_ROWS
     kv_text = {
         "separate": f" ({kernels['gather']} gather + GEMM)",
@@ -365,26 +365,26 @@ def cmd_prefill(args, console) -> int:
         f"new-token rows, {kernels['gather']} gather + GEMM for larger ones)",
     }[kernels["kv"]]
     merge_text = kernels["merge"] if any(c.plan is not None for c in plan.chunks) else "none (no chunk to merge)"
-    _row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
+    add_row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
-    _row(
+    add_row(
         table,
         "plan",
         f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
-        f"{_ms(plan_ms)} (first build{loads}), {_ms(plan_again_ms)} (built again)",
+        f"{ms_text(plan_ms)} (first build{loads}), {ms_text(plan_again_ms)} (built again)",
     )
     table.add_section()
     timing = "CUDA events" if device.type == "cuda" else "time.perf_counter"
     timing += ", after 1 untimed warm-up layer" if warmup else ", no warm-up layer"
     if len(layer_ms) > 1:
-        _row(
+        add_row(
             table,
             "time per layer",
-            f"{_ms(mean_ms)} mean, {_ms(min(layer_ms))} min, {_ms(max(layer_ms))} max "
+            f"{ms_text(mean_ms)} mean, {ms_text(min(layer_ms))} min, {ms_text(max(layer_ms))} max "
             f"over {len(layer_ms)} layers ({timing})",
         )
     else:
-        _row(table, "time per layer", f"{_ms(mean_ms)} ({timing})")
+        add_row(table, "time per layer", f"{ms_text(mean_ms)} ({timing})")
     if phases is not None:
         gpu = device.type == "cuda"
         for name in ("gather + up-projection", "main pass", "context chunks", "merge"):
@@ -392,12 +392,12 @@ def cmd_prefill(args, console) -> int:
                 count = phase_times.passes[name]
                 extra = f" ({count} passes)" if name in ("context chunks", "merge") else ""
                 host = (
-                    f"; host {_ms(phase_times.host_ms[name])} to issue, gap {_ms(phase_times.gap_ms[name])} "
+                    f"; host {ms_text(phase_times.host_ms[name])} to issue, gap {ms_text(phase_times.gap_ms[name])} "
                     f"on an idle GPU"
                     if gpu
                     else ""
                 )
-                _row(table, f"  {name}", f"{_ms(phases[name])}{extra}{host}")
+                add_row(table, f"  {name}", f"{ms_text(phases[name])}{extra}{host}")
         how = (
             f"GPU time, CUDA events at the phase boundaries with the GPU ahead of the host"
             f"{'' if phase_times.host_ran_ahead else ' (NOT reached: figures include host gaps)'}; host gaps "
@@ -405,22 +405,22 @@ def cmd_prefill(args, console) -> int:
             if gpu
             else "time.perf_counter"
         )
-        _row(
+        add_row(
             table,
             "  sum of phases",
-            f"{_ms(phase_times.sum_ms)} ({how}; mean of {phase_times.layers} extra "
+            f"{ms_text(phase_times.sum_ms)} ({how}; mean of {phase_times.layers} extra "
             f"layer(s); output {'identical' if breakdown_diff == 0 else f'within {breakdown_diff:.1e}'} to "
             f"mla_prefill's)",
         )
-    _row(table, "total", f"{_ms(sum(layer_ms))} for {len(layer_ms)} layer(s)")
-    _row(
+    add_row(table, "total", f"{ms_text(sum(layer_ms))} for {len(layer_ms)} layer(s)")
+    add_row(
         table,
         "FLOPs per layer",
         f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
         f"up-projection {up_flops / 1e9:.2f})",
     )
-    _row(table, "throughput", "n/a" if tflops is None else f"{tflops:.3f} TFLOP/s")
-    _row(
+    add_row(table, "throughput", "n/a" if tflops is None else f"{tflops:.3f} TFLOP/s")
+    add_row(
         table,
         "peak extra memory",
         "n/a on CPU"
@@ -430,26 +430,26 @@ def cmd_prefill(args, console) -> int:
     table.add_section()
     if checked:
         verdict = ("PASS", "green") if passed else ("FAIL", "bold red")
-        _row(
+        add_row(
             table,
             "check",
             f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
             f"from the paged cache (mla_bridge.reference"
             f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})",
         )
-        _row(table, "  max abs error out", f"{err_out:.3e} (tolerance {_tol_text(tol_out)})")
-        _row(table, "  max abs error lse", Text.assemble(f"{err_lse:.3e} (tolerance {_tol_text(tol_lse)}) ", verdict))
+        add_row(table, "  max abs error out", f"{err_out:.3e} (tolerance {tol_text(tol_out)})")
+        add_row(table, "  max abs error lse", Text.assemble(f"{err_lse:.3e} (tolerance {tol_text(tol_lse)}) ", verdict))
         if unquantized_cache is not None:
             q_err = max(c["max_abs_err_out_vs_unquantized"] for c in checked)
             q_ref = max(c["max_abs_ref_out_unquantized"] for c in checked)
-            _row(
+            add_row(
                 table,
                 "  fp8 quantization error",
                 f"out vs float64 over the unquantized cache: {q_err:.3e} max abs "
                 f"({q_err / q_ref if q_ref else float('nan'):.2e} of max |out|; reported, not checked)",
             )
     else:
-        _row(table, "check", "skipped (--check-requests 0)")
+        add_row(table, "check", "skipped (--check-requests 0)")
     console.print(table)
 
     results = {
@@ -518,8 +518,8 @@ def cmd_prefill(args, console) -> int:
         console.print(f"results written to {args.json}")
     if passed is False:
         print(
-            f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {_tol_text(tol_out)}), "
-            f"lse {err_lse:.3e} (tolerance {_tol_text(tol_lse)})",
+            f"mla-bridge prefill: check FAILED: max abs error out {err_out:.3e} (tolerance {tol_text(tol_out)}), "
+            f"lse {err_lse:.3e} (tolerance {tol_text(tol_lse)})",
             file=sys.stderr,
         )
         return 1

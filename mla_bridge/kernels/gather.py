@@ -36,7 +36,7 @@ _OPTIONS = dict(num_warps=4)
 
 
 @triton.jit
-def _dequant(x, s, OUT_BF16: tl.constexpr):
+def dequant_tile(x, s, OUT_BF16: tl.constexpr):
     """FP8 e4m3 bytes ``x`` (uint8) -> ``float32(x) * s``, for a bf16 output already rounded to bf16 (the one rounding
     of vLLM's ``gather_and_maybe_dequant_cache``); other outputs are rounded by the caller's cast."""
     x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
@@ -155,7 +155,7 @@ def _gather_kernel(
                 s = tl.load(scale_ptr)
             else:
                 s = scale_val
-            x = _dequant(x, s, OUT_BF16)
+            x = dequant_tile(x, s, OUT_BF16)
         x = x.to(out_ptr.dtype.element_ty)
         if HAS_CTX_DST:
             dst = tl.load(ctx_dst_ptr + rows, mask=rmask, other=0).to(tl.int64)
@@ -167,7 +167,7 @@ def _gather_kernel(
             row0 = cache_ptr + blk * cs_block + (pos % BLOCK_SIZE) * cs_slot
             pe = tl.load(row0[:, None] + (RANK + r)[None, :] * cs_elem, mask=pm, other=0)
             if DEQUANT:
-                pe = _dequant(pe, s, OUT_BF16)
+                pe = dequant_tile(pe, s, OUT_BF16)
             pe = pe.to(ko_ty)
             for h in range(0, n_heads):
                 tl.store(kpe_out_ptr + dst[:, None] * ko_row + h * ko_head + r[None, :], pe, mask=pm)

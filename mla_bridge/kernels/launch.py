@@ -38,16 +38,17 @@ by the kernel modules, on first use.
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import switches
+
 __all__ = ["launch", "spec_key", "LAUNCH_ENV", "LAUNCH_MODES"]
 
 #: The environment variable choosing how kernels are launched: "direct" (default) or "jit" (always kernel[grid]).
-LAUNCH_ENV = "MLA_BRIDGE_TRITON_LAUNCH"
-LAUNCH_MODES = ("direct", "jit")
+LAUNCH_ENV = switches.TRITON_LAUNCH
+LAUNCH_MODES = switches.LAUNCH_MODES  # ("direct", "jit")
 
 
 def spec_key(args: Sequence[Any]) -> Optional[tuple]:
@@ -86,13 +87,7 @@ def mode() -> str:
     Raises:
         ValueError: any other value (the message lists :data:`LAUNCH_MODES`).
     """
-    raw = os.environ.get(LAUNCH_ENV, "")
-    m = raw.strip().lower()
-    if m in ("", "auto", "direct"):
-        return "direct"
-    if m == "jit":
-        return "jit"
-    raise ValueError(f"{LAUNCH_ENV}={raw!r}: expected one of {LAUNCH_MODES} or auto")
+    return switches.triton_launch()
 
 
 _KNOBS: list = []  # triton.knobs once imported (False where Triton has none), looked up once

@@ -56,7 +56,7 @@ import triton.language as tl
 from . import cdiv, next_power_of_2
 from .launch import launch
 
-from .gather import _dequant, chunk_row_args, chunk_rows
+from .gather import dequant_tile, chunk_row_args, chunk_rows
 
 __all__ = ["up_project_triton", "CONFIG", "DEQUANT_MAX_STAGES"]
 
@@ -203,7 +203,7 @@ def _up_project_kernel(
             m = rmask[:, None] & r_mask[None, :]
             pe = tl.load(src[:, None] + (RANK + r)[None, :] * cs_elem, mask=m, other=0)
             if DEQUANT:
-                pe = _dequant(pe, s, OUT_BF16)
+                pe = dequant_tile(pe, s, OUT_BF16)
             tl.store(out_ptr + dst[:, None] * o_row + h * o_head + NOPE + r[None, :], pe.to(ty), mask=m)
     else:
         rows = (tile - ctx_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -274,7 +274,7 @@ def up_project_triton(
     if dequant:
         cfg["num_stages"] = min(cfg["num_stages"], DEQUANT_MAX_STAGES)
     bm, bk = cfg.pop("BLOCK_M"), min(cfg.pop("BLOCK_K"), max(16, next_power_of_2(rank)))
-    w, w_row, w_head, w_nope, w_v = weight._rows()  # each head's k_nope and v rows, in any layout
+    w, w_row, w_head, w_nope, w_v = weight.kernel_rows()  # each head's k_nope and v rows, in any layout
     if rows is not None and (req_ids is not None or positions is not None):
         raise ValueError("up_project_triton: give the context rows as rows= or as req_ids / positions, not both")
     if (rows is not None or req_ids is not None) and (kv_cache is None or block_table is None):

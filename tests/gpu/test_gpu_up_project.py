@@ -31,10 +31,6 @@ def dev() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _nothing(name: str) -> None:
-    pass
-
-
 def _case(
     block_size: int, fp8: bool, seed: int, q_lens=(300, 0, 129, 1), c_lens=(700, 1500, 3, 257), chunk_tokens=1024
 ):
@@ -67,10 +63,10 @@ def _case(
 
 
 def _passes(plan, kv_c, k_pe, cache, table, scale, weight, impl):
+    x = KV.KVInputs(weight, kv_c, k_pe, cache, table, kv_cache_scale=scale, impl=impl)
     if plan.fused:
-        return [KV.fused_schedule_kv(plan, kv_c, k_pe, cache, table, scale, weight, _nothing, impl)]
-    out = [KV.new_tokens_kv(kv_c, k_pe, weight, _nothing, impl)]
-    return out + [KV.chunk_kv(c, cache, table, scale, weight, plan.dtype, _nothing, impl) for c in plan.chunks]
+        return [KV.fused_schedule_kv(plan, x)]
+    return [KV.new_tokens_kv(x)] + [KV.chunk_kv(c, x) for c in plan.chunks]
 
 
 def _within_one_rounding(a: torch.Tensor, b: torch.Tensor) -> None:

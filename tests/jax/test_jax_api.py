@@ -106,16 +106,22 @@ def test_jit_reads_and_writes_xla_buffers_in_place(monkeypatch):
     assert call["out"] == out.unsafe_buffer_pointer() and call["lse"] == lse.unsafe_buffer_pointer()
 
 
-def test_jit_plans_once_per_trace(monkeypatch):
-    made = []
-    orig = mla_bridge.plan_ragged
-    monkeypatch.setattr(mla_bridge, "plan_ragged", lambda *a, **kw: made.append(1) or orig(*a, **kw))
+def test_jit_plans_once_per_trace():
+    """The plan of a traced call is made once (a miss of the plan cache the adapters share) and found there by every
+    call of the compiled function; a second function of the same batch finds it too (no new plan)."""
+    from mla_bridge.plan_cache import shared_plan_cache
+
+    cache = shared_plan_cache()
+    cache.clear()
+    misses, hits = cache.misses, cache.hits
     f = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))
     for seed in range(3):
         q, k, v = _qkv(seed=seed)
         out, _ = f(q, k, v)
         assert _equal(out, _core(q, k, v)[0])
-    assert len(made) == 1
+    assert cache.misses - misses == 1 and cache.hits - hits == 3
+    g = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM) + (1,))
+    assert _equal(g(q, k, v)[0], _core(q, k, v)[0]) and cache.misses - misses == 1
 
 
 def test_plan_ragged_run_ragged_eager_and_jit(monkeypatch):

@@ -2,7 +2,8 @@
 them, within a documented bound; an evicted plan is made again transparently, never read after it was freed.
 
 * buffer_callback route (the CPU jit route): plans made inside a trace (``ragged_prefill`` under ``jax.jit``) are
-  held by a process-wide cache bounded by ``mla_bridge_jax.api.MAX_TRACED_PLANS`` and by the compiled function.
+  held by the plan cache the adapters share (``mla_bridge.plan_cache.shared_plan_cache()``, bounded by its
+  ``maxsize``) and no longer than the compiled function.
 * tvm_ffi route: the registry is bounded by ``mla_bridge_jax.tvm_ffi.MAX_PLANS``; run here with the C++ shim and
   a stand-in compiled kernel (needs jax-tvm-ffi and a C++ compiler, skipped otherwise).
 """
@@ -21,9 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
 import mla_bridge  # noqa: E402
+from mla_bridge import plan_cache  # noqa: E402
 
 import mla_bridge_jax as mj  # noqa: E402
-from mla_bridge_jax import api  # noqa: E402
 
 SM = 192**-0.5
 
@@ -44,18 +45,18 @@ def _core(q, k, v, qo):
 
 
 class _PlanCounter:
-    """Weak references to every RaggedPlan mla_bridge.plan_ragged makes (to count the live ones)."""
+    """Weak references to every RaggedPlan the shared plan cache makes (to count the live ones)."""
 
     def __init__(self, monkeypatch):
         self.refs = []
-        orig = mla_bridge.plan_ragged
+        orig = plan_cache.plan_ragged
 
         def plan_ragged(*a, **kw):
             plan = orig(*a, **kw)
             self.refs.append(weakref.ref(plan))
             return plan
 
-        monkeypatch.setattr(mla_bridge, "plan_ragged", plan_ragged)
+        monkeypatch.setattr(plan_cache, "plan_ragged", plan_ragged)
 
     def live(self) -> int:
         gc.collect()
@@ -63,7 +64,9 @@ class _PlanCounter:
 
 
 def test_traced_plans_are_bounded_and_replanned_when_evicted(monkeypatch):
-    monkeypatch.setattr(api, "MAX_TRACED_PLANS", 2, raising=False)
+    shared = plan_cache.shared_plan_cache()
+    shared.clear()
+    monkeypatch.setattr(shared, "maxsize", 2)
     counter = _PlanCounter(monkeypatch)
     layouts = [[0, n] for n in (3, 4, 5, 6, 7)]  # 5 batch layouts: 5 traces, 5 compiled functions
     fns = [

@@ -16,6 +16,7 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
+from mla_bridge.backends.flashinfer_internals import compiled_call  # noqa: E402
 from mla_bridge_jax import tvm_ffi as route  # noqa: E402
 
 KERNEL = r"""
@@ -122,7 +123,7 @@ def test_recorder_clones_ragged_run_without_touching_it():
     launched = []
     module = _flashinfer_like_module(lambda *a: launched.append(a))
     q, out = object(), object()
-    compiled, args = route._compiled_and_args(
+    compiled, args = compiled_call(
         module.ragged_run, ["ws", "iws", [7], q, "k", "v", "qo", "kv", out, "lse", 1, 0, -1, False, 0.0, 0.25]
     )
     assert launched == []  # the real compiled function never ran

@@ -154,32 +154,36 @@ def test_output_attentions_without_a_mask_is_causal(pair, two_torch_threads):
 
 
 def test_one_plan_and_one_mask_check_per_forward(pair, no_hand_back, monkeypatch, two_torch_threads):
-    import mla_bridge
+    """Every layer of one forward shares one plan (made once, a miss of the plan cache the adapters share, then found
+    there by each other layer) and one mask check; a forward of equal lengths finds the plan again (no new one)."""
+    from mla_bridge.plan_cache import shared_plan_cache
 
     eager, ours = pair
-    counts = {"plan": 0, "mask": 0}
-    real_plan, real_mask = mla_bridge.plan_ragged, mbt_attention._check_mask
-
-    def plan(*a, **k):
-        counts["plan"] += 1
-        return real_plan(*a, **k)
+    counts = {"mask": 0}
+    real_mask = mbt_attention._check_mask
 
     def mask(*a, **k):
         counts["mask"] += 1
         return real_mask(*a, **k)
 
-    monkeypatch.setattr(mla_bridge, "plan_ragged", plan)
     monkeypatch.setattr(mbt_attention, "_check_mask", mask)
-    mbt_attention._plan_cache.clear()
+    cache = shared_plan_cache()
+    cache.clear()
+    misses, hits = cache.misses, cache.hits
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(4))
     pad = torch.ones_like(ids)
     pad[0, :2] = 0
     with torch.no_grad():
         ours(ids, attention_mask=pad)
-    assert ours.config.num_hidden_layers == 2 and counts == {"plan": 1, "mask": 1}
+    layers = ours.config.num_hidden_layers
+    assert layers == 2 and counts == {"mask": 1}
+    assert (cache.misses - misses, cache.hits - hits) == (1, layers - 1)
     with torch.no_grad():
-        ours(ids)  # no padding: transformers passes no mask, nothing to check
-    assert counts == {"plan": 2, "mask": 1}
+        ours(ids)  # no padding: transformers passes no mask, nothing to check; another layout, another plan
+    assert counts == {"mask": 1} and (cache.misses - misses, cache.hits - hits) == (2, 2 * (layers - 1))
+    with torch.no_grad():
+        ours(ids)  # the same layout again: the kept plan, for every layer
+    assert (cache.misses - misses, cache.hits - hits) == (2, 3 * layers - 2)
 
 
 def _probe_runs(monkeypatch):
@@ -214,7 +218,7 @@ def test_unpadded_batches_read_q_k_v_in_place(pair, no_hand_back, monkeypatch, t
     Before, every run's q and k were copies (another storage)."""
     from transformers import DynamicCache
 
-    from mla_bridge.ragged import _kernel_ready
+    from mla_bridge.checks import kernel_ready
 
     eager, ours = pair
     calls, runs = _probe_runs(monkeypatch)
@@ -244,7 +248,7 @@ def test_unpadded_batches_read_q_k_v_in_place(pair, no_hand_back, monkeypatch, t
             assert kw.get("return_lse") is False and kw.get("lse") is None
             for x, src in ((q, query), (k, key), (v, value)):
                 assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()  # a view, not a copy
-                assert _kernel_ready(x)  # FlashInfer reads it through its strides: RaggedPlan.run copies nothing
+                assert kernel_ready(x)  # FlashInfer reads it through its strides: RaggedPlan.run copies nothing
             assert torch.equal(q, query[r].transpose(0, 1)) and torch.equal(v, value[r].transpose(0, 1))
     monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10**9)  # the rows packed into one call instead
     calls.clear(), runs.clear()
@@ -838,7 +842,7 @@ def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand
     transformers' q, k, v (FlashInfer reads their strides: RaggedPlan.run copies nothing), and its logits are bitwise
     those of the rows packed into one call (contiguous copies, the layout before), and within transformers' own bf16
     spread (sdpa against eager) of the float32 eager model. The GPU is kept busy so the host runs ahead."""
-    from mla_bridge.ragged import _kernel_ready
+    from mla_bridge.checks import kernel_ready
 
     mbt.register()
     calls, runs = _probe_runs(monkeypatch)
@@ -852,7 +856,7 @@ def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand
             for q, k, v, kw in made:
                 assert kw.get("return_lse") is False
                 for x, src in ((q, query), (k, key), (v, value)):
-                    assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and _kernel_ready(x)
+                    assert x.untyped_storage().data_ptr() == src.untyped_storage().data_ptr() and kernel_ready(x)
         monkeypatch.setattr(mbt_attention, "_ROW_CALL_MIN_QUERIES", 10**9)
         torch.cuda._sleep(int(1e8))
         packed = model(ids).logits.float()

@@ -171,3 +171,77 @@ def test_an_out_sharing_memory_with_q_k_or_v_is_refused_on_the_kernel_path():
     want, _ = plans.run_new_tokens(q, k, v, True)
     out = torch.empty(5, h, dvo)
     assert plans.run_new_tokens(q, k, v, False, out=out) is out and torch.equal(out, want)
+
+
+def test_new_tokens_compute_an_lse_only_when_asked(monkeypatch):
+    """vLLM's ``return_softmax_lse=False`` (a prefill without context): ``out`` alone comes back and the core is asked
+    for no LSE (FlashInfer's ``return_lse=False``: no LSE buffer, no base conversion); asked, ``(out, lse [H, T])``."""
+    from mla_bridge import RaggedPlan
+    from mla_bridge.plan_cache import PlanCache
+    from mla_bridge_vllm.plans import PrefillStepPlans
+
+    asked = []
+    real_run = RaggedPlan.run
+
+    def run(self, *args, **kwargs):
+        asked.append(kwargs.get("return_lse", True))
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(RaggedPlan, "run", run)
+    h, dqk, dvo = 2, 24, 16
+    qo = host_indptr_from_lens([3, 2])
+    plans = PrefillStepPlans(
+        qo, [], num_heads=h, head_dim_qk=dqk, head_dim_vo=dvo, sm_scale=0.2, dtype=torch.float32, device="cpu",
+        cache=PlanCache(),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(5, h, dqk, generator=g),
+        torch.randn(5, h, dqk, generator=g),
+        torch.randn(5, h, dvo, generator=g),
+    )
+    out = plans.run_new_tokens(q, k, v, False)
+    assert isinstance(out, torch.Tensor) and out.shape == (5, h, dvo) and asked == [False]
+    want, lse = plans.run_new_tokens(q, k, v, True)
+    assert asked == [False, True] and lse.shape == (h, 5) and torch.equal(out, want)
+
+
+def test_equal_steps_share_their_plans():
+    """Two steps of equal lengths and sizes get the same plans from the cache the adapter uses; a step that differs
+    in anything (here: the scale) gets plans of its own."""
+    from mla_bridge.plan_cache import PlanCache
+    from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans
+
+    cache = PlanCache()
+    qo = host_indptr_from_lens([3, 2])
+
+    def step(scale):
+        return PrefillStepPlans(
+            qo, [ChunkIndptrs(0, qo, host_indptr_from_lens([4, 5]))], num_heads=2, head_dim_qk=24, head_dim_vo=16,
+            sm_scale=scale, dtype=torch.float32, device="cpu", cache=cache,
+        )  # fmt: skip
+
+    a, b, c = step(0.2), step(0.2), step(0.3)
+    assert a.main is b.main and a.chunks[0] is b.chunks[0] and a.main is not a.chunks[0]
+    assert c.main is not a.main and c.chunks[0] is not a.chunks[0]
+    assert (cache.hits, cache.misses) == (2, 4)
+
+
+def test_step_plans_come_from_the_shared_cache_by_default():
+    """Without a cache of its own, a step's plans are the shared cache's: the plan the cache keeps for the step's
+    main pass is the one the step runs, and an equal step makes no new plan."""
+    from mla_bridge.plan_cache import shared_plan_cache
+    from mla_bridge_vllm.plans import PrefillStepPlans
+
+    cache = shared_plan_cache()
+    qo = host_indptr_from_lens([4, 1])
+    args = dict(num_heads=2, head_dim_qk=24, head_dim_vo=16, sm_scale=0.123, dtype=torch.float32, device="cpu")
+    first = PrefillStepPlans(qo, [], **args)
+    misses = cache.misses
+    again = PrefillStepPlans(qo, [], **args)
+    assert again.main is first.main and cache.misses == misses
+    key = cache.ragged_key(
+        qo, qo, num_heads=2, head_dim_qk=24, head_dim_vo=16, causal=True, sm_scale=0.123, dtype=torch.float32,
+        workspace=first.main.workspace,
+    )  # fmt: skip
+    assert cache.lookup(key) is first.main

@@ -19,7 +19,7 @@ import vllm_harness as H  # noqa: E402
 if not H.HAS_CPU_MLA_PREFILL:
     pytest.skip(f"vLLM {H.vllm_version()} has no CPU MLA prefill path to drive", allow_module_level=True)
 
-import mla_bridge_vllm.plans  # noqa: E402
+from mla_bridge.plan_cache import shared_plan_cache  # noqa: E402
 from mla_bridge_vllm.backend import MLABridgePrefillBackend  # noqa: E402
 
 # vLLM's own MLA backend test: rtol = atol = 1e-2 at bf16. float32 here is the torch backend against float64.
@@ -157,21 +157,20 @@ def test_plans_once_per_step_from_host_copies(setup, monkeypatch):
     """prepare_metadata plans once per step (1 + one per chunk), never per layer, from host copies that equal vLLM's
     device indptrs; the device indptrs themselves are not read."""
     dtype, batch, ours, _ = setup
-    planned = []
-    real_plan = mla_bridge_vllm.plans.plan_ragged
+    cache = shared_plan_cache()  # every plan the adapter asks for is a miss or a hit of the cache
 
-    def counting_plan(*args, **kwargs):
-        planned.append(args[:2])
-        return real_plan(*args, **kwargs)
+    def asked() -> int:
+        return cache.misses + cache.hits
 
-    monkeypatch.setattr(mla_bridge_vllm.plans, "plan_ragged", counting_plan)
+    before = asked()
     layer = H.make_layer(dtype, batch.w)
     step = H.build_step(layer, batch)
     md = step.metadata.prefill
-    assert len(planned) == 1 + len(md.chunked_context.chunks) == 4
+    assert asked() - before == 1 + len(md.chunked_context.chunks) == 4
+    planned = asked()
     out1 = H.forward(step, batch)
     out2 = H.forward(step, batch, layer=layer)  # a second layer's call on the same step's metadata
-    assert len(planned) == 4 and torch.equal(out1, out2)
+    assert asked() == planned and torch.equal(out1, out2)
 
     plans = step.backend._plans
     assert torch.equal(plans.main.qo_indptr, md.query_start_loc.to(torch.int32))
