@@ -43,6 +43,7 @@ FAKE_JAX_ROWS = [
         "backend": "torch",
         "ms": 0.5,
         "tflops": 0.001,
+        "flops": 5e5,
         "vs_torch": 1.0,
         "note": "",
     },
@@ -84,15 +85,12 @@ def _ctx():
     )
 
 
-def _fake_jax_module(calls: list):
-    mod = types.ModuleType("mla_bridge_jax.bench")
-
+def _fake_compare(calls: list):
     def compare(cases=(), *, warmup=5, iters=50, seed=0, backend=None):
         calls.append(dict(cases=cases, warmup=warmup, iters=iters, seed=seed, backend=backend))
         return [dict(r) for r in FAKE_JAX_ROWS]
 
-    mod.compare = compare
-    return mod
+    return compare
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +100,7 @@ def cpu_run(tmp_path_factory):
     calls: list = []
     console = _quiet_console()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "mla_bridge_jax.bench", _fake_jax_module(calls))
+        mp.setattr("mla_bridge.bench.jax_rows.compare", _fake_compare(calls))
         mp.delenv("MLA_BRIDGE_BACKEND", raising=False)
         # flex_attention's eager set-up costs seconds on a CPU: its own (slow) test below runs it.
         args = _parse(
@@ -342,14 +340,23 @@ def _h200_like_rows() -> list:
 
     rows = []
     for i, case in enumerate(("16h 1x10000", "16h 4x10000", "128h 1x10000", "16h mixed 24 (37..9000, 111057 tok)")):
-        for j, path in enumerate(M.PATHS):
+        for j, path in enumerate(v.label for v in M.VARIANTS.values()):
             rows.append(Row("main", case, path, ms=1.0, tflops=700.0 - 50 * j, order=(0, i, j)))
         rows.append(
-            Row("main", case, M.PATHS[1] + " x", status="skipped", note="needs CUDA", applies=False, order=(0, i, 9))
+            Row(
+                "main",
+                case,
+                M.VARIANTS["raw"].label + " x",
+                status="skipped",
+                note="needs CUDA",
+                applies=False,
+                order=(0, i, 9),
+            )
         )
-    kv_paths = (C.FUSED_KV_PATH, C.FUSED_KV_GRAPH, C.SEPARATE_KV_PATH, C.SEPARATE_KV_GRAPH)
+    names = ("eager", "graph", "handwritten", "fused kv", "fused kv graph", "separate kv", "separate kv graph")
+    names += ("gather", "up-projection", "gemm", "attention", "merge")
     for i, case in enumerate(("4x(8000+2000), all context", "4x(8000+2000), 4 chunks", "64x128 new, no context")):
-        for j, path in enumerate((C.PATHS[0], C.PATHS[20], C.PATHS[2]) + kv_paths + C.PATHS[3:8]):
+        for j, path in enumerate(map(C.path, names)):
             rows.append(
                 Row(
                     "context",
@@ -471,7 +478,7 @@ def test_sections_flag_picks_sections(tmp_path):
 
 
 def test_missing_jax_adapter_skips_with_a_note(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mla_bridge_jax.bench", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "mla_bridge_jax", None)  # import raises ImportError
     path = tmp_path / "b.json"
     assert run(_parse(["--device", "cpu", "--sections", "jax", "--json", str(path)]), console=_quiet_console()) == 0
     rows = [r for r in json.loads(path.read_text())["rows"] if r["section"] == "jax"]
@@ -603,9 +610,11 @@ def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index)
 
 
 @pytest.mark.parametrize("budget_index", [0, 1])
-def test_isolated_phases_are_mla_prefills_steps(budget_index):
+def test_phases_alone_are_the_phases_mla_prefill_reports(budget_index):
+    """The bench times mla_prefill's phases alone through its own phase_hook (no copy of the pipeline): every phase
+    the layer reports gets a timing of each timed layer, and the layer's result is mla_prefill's."""
     from mla_bridge.bench.cases import context_cases
-    from mla_bridge.bench.context import _Phases, make_inputs
+    from mla_bridge.bench.context import make_inputs
 
     ctx = _ctx()
     case = context_cases(True)[1]
@@ -619,52 +628,24 @@ def test_isolated_phases_are_mla_prefills_steps(budget_index):
         block_size=case.block_size,
         dtype=ctx.dtype,
     )
-    want, want_lse = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, return_lse=True)
-    ph = _Phases(x, plan)  # runs the attention once into ph.out / ph.lse
-    ph.merge()
-    torch.testing.assert_close(ph.out, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ph.lse, want_lse, atol=1e-5, rtol=1e-5)
-    assert plan.fused == (budget_index == 0)
+    want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan)
+    seen, outs = [], []
 
+    def layer(hook):
+        def spy(name):
+            seen.append(name)
+            hook(name)
 
-def test_isolated_gather_reads_a_cuda_chunk_by_its_rows_as_mla_prefill_does(monkeypatch):
-    """On CUDA a chunk names its rows by its kv_indptr (ContextChunk.rows, no per-token tensors): mla_prefill's gather
-    reads them so (mla_bridge.cache.gather_rows, one Triton launch), and the bench's gather phase, which times "the
-    gather of mla_prefill", must make the same calls, not expand per-token indices (twice) for gather_latent. A CPU
-    plan whose chunks' rows carry no host indices stands in for the CUDA one."""
-    import dataclasses
+        outs.append(mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan, phase_hook=spy))
 
-    import mla_bridge.bench.context as bench_context
-    import mla_bridge.cache as cache_mod
-    import mla_bridge.kv as kv_mod
-    from mla_bridge.bench.cases import context_cases
-
-    ctx = _ctx()
-    case = context_cases(True)[1]
-    x = bench_context.make_inputs(ctx, case, 1)
-    ws = Workspace("cpu", chunk_tokens=case.budgets[1][1])
-    plan = PrefillPlan.build(x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype)
-    assert not plan.fused and plan.chunks
-    plan.chunks = [dataclasses.replace(c, rows=c.rows._replace(indices=None)) for c in plan.chunks]
-    calls = []
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    for mod in (kv_mod, bench_context):
-        monkeypatch.setattr(mod, "gather_rows", spy("rows", cache_mod.gather_rows), raising=False)
-        monkeypatch.setattr(mod, "gather_latent", spy("tokens", cache_mod.gather_latent), raising=False)
-    want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan, kv_impl="separate")
-    assert calls == ["rows"] * sum(c.plan is not None for c in plan.chunks)
-    calls.clear()
-    ph = bench_context._Phases(x, plan)
-    assert calls == ["rows"] * len(plan.chunks)
-    ph.merge()
-    torch.testing.assert_close(ph.out, want, atol=1e-5, rtol=1e-5)
+    times = ctx.phases_alone(layer)
+    reported = [n for n in dict.fromkeys(seen) if n != "end"]
+    assert list(times) == reported
+    assert {"gather", "up-projection", "main pass"} <= set(times)
+    assert ("merge" in times) == (not plan.fused) and plan.fused == (budget_index == 0)
+    for t in times.values():
+        assert t.repeats == ctx.repeats and len(t.samples) == ctx.repeats and t.ms >= 0
+    torch.testing.assert_close(outs[-1], want, atol=1e-5, rtol=1e-5)
 
 
 def test_backend_auto_is_accepted_like_prefill(tmp_path):
@@ -744,3 +725,20 @@ def test_ttft_section_quick_on_the_cpu(tmp_path):
         )
         jax_rows = [r for p, r in mine.items() if "JAX" in p]
         assert jax_rows and all(r["status"] == "ok" or r["note"] for r in jax_rows)
+
+
+def test_bench_sits_on_top_of_the_import_graph():
+    """The core never imports the bench, the CLI or an adapter; the bench never imports the CLI, and imports JAX and
+    mla_bridge_jax only when its jax section runs."""
+    import subprocess
+
+    code = (
+        "import sys, mla_bridge, mla_bridge.prefill, mla_bridge.profiling\n"
+        "bad = [m for m in sys.modules if m.startswith(('mla_bridge.bench', 'mla_bridge.cli', 'mla_bridge_'))]\n"
+        "assert not bad, bad\n"
+        "import mla_bridge.bench, mla_bridge.bench.context, mla_bridge.bench.jax_rows\n"
+        "bad = [m for m in sys.modules if m.startswith(('mla_bridge.cli', 'mla_bridge_', 'jax'))]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

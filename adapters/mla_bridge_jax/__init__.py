@@ -11,7 +11,8 @@ Public API:
   * :func:`from_torch` / :func:`to_torch` -- DLPack conversion (one device copy for views DLPack cannot pass).
   * :func:`sharded_ragged_prefill`, :func:`build_sharded_plans` + :func:`sharded_mla_prefill` -- heads sharded over
     a mesh axis with ``shard_map``.
-  * :mod:`mla_bridge_jax.bench` -- ``compare()``, the GPU microbenchmark (imported on use).
+  The adapter against the torch core is timed by the bench (``mla-bridge bench --sections jax``,
+  :mod:`mla_bridge.bench.jax_rows`), which imports this package; this package never imports the bench.
 """
 
 import atexit

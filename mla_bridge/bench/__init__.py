@@ -8,7 +8,8 @@ Sections (``--sections``, default all):
   3 ``merge``   ``merge_attn_states`` GB/s at 16 and 128 heads.
   4 ``plan``    host time of ``PrefillPlan.build`` at batch 1/16/128; FlashInfer plans in a 61-layer loop.
   5 ``memory``  peak extra device memory of ``mla_prefill`` against the workspace budget plus the output.
-  6 ``jax``     ``mla_bridge_jax.bench.compare`` when importable.
+  6 ``jax``     the JAX adapter against the torch core (:mod:`mla_bridge.bench.jax_rows`), when JAX and
+                ``mla_bridge_jax`` import.
   7 ``ttft``    time to first token of a small DeepSeek-V2 model (V2-Lite attention dims, 4 dense layers):
                 transformers sdpa vs mla_bridge, the JAX model's cuDNN / XLA attention vs mla_bridge_jax, each with
                 attention's share of the forward (:mod:`mla_bridge.bench.ttft`). Not in the default set: asked for
@@ -36,8 +37,8 @@ from typing import Any, Optional, Sequence
 
 __all__ = ["add_arguments", "run", "main", "SECTIONS"]
 
-from ..cli.args import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
-from ..cli.args import seed as seed_type  # noqa: E402
+from ..argtypes import nonnegative_float, nonnegative_int, output_file, positive_int  # noqa: E402
+from ..argtypes import seed as seed_type  # noqa: E402
 from .common import DEFAULT_SECTIONS, SECTIONS  # noqa: E402  (light: imports torch only)
 
 _ALIASES = {str(i + 1): name for i, name in enumerate(SECTIONS)}
@@ -77,7 +78,7 @@ def _skip(text: str) -> set:
 
 
 def plot_file(text: str):
-    """``--plot``: a file path :func:`mla_bridge.cli.args.output_file` accepts, whose suffix (if any) names an image
+    """``--plot``: a file path :func:`mla_bridge.argtypes.output_file` accepts, whose suffix (if any) names an image
     format matplotlib writes (none: PNG, matplotlib's default), checked when the flags are parsed, before any work.
 
     Raises:
@@ -175,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
-    from . import context, main_pass, sections as other, ttft
+    from . import context, jax_rows, main_pass, sections as other, ttft
 
     makers = {
         "main": main_pass.jobs,
@@ -183,7 +184,7 @@ def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
         "merge": other.merge_jobs,
         "plan": other.plan_jobs,
         "memory": other.memory_jobs,
-        "jax": other.jax_jobs,
+        "jax": jax_rows.jobs,
         "ttft": ttft.jobs,
     }
     jobs = []
@@ -339,33 +340,15 @@ def run(args: argparse.Namespace, console: Optional[Any] = None) -> int:
             for job in jobs:
                 progress.update(task, description=job.label)
                 started, n_before = time.perf_counter(), len(rows)
+                whole = dict(section=job.section, case=job.label, path="(whole job)", status="skipped", order=(9, 0, 0))
                 try:
                     if budget is not None and ctx.elapsed() > budget + HARD_MARGIN_S:
-                        rows.append(
-                            Row(
-                                job.section,
-                                job.label,
-                                "(whole job)",
-                                status="skipped",
-                                note=f"time budget spent ({budget:.0f} + {HARD_MARGIN_S:.0f} s)",
-                                order=(9, 0, 0),
-                            )
-                        )
+                        rows.append(Row(**whole, note=f"time budget spent ({budget:.0f} + {HARD_MARGIN_S:.0f} s)"))  # type: ignore[arg-type]
                     else:
                         rows.extend(job.fn(ctx))
                 except Exception as err:  # noqa: BLE001 - one broken job never ends the run
                     ctx.recover()
-                    rows.append(
-                        Row(
-                            job.section,
-                            job.label,
-                            "(whole job)",
-                            status="skipped",
-                            note="failed: " + fmt_err(err, 160),
-                            error=fmt_err(err),
-                            order=(9, 0, 0),
-                        )
-                    )
+                    rows.append(Row(**whole, note="failed: " + fmt_err(err, 160), error=fmt_err(err)))  # type: ignore[arg-type]
                 seconds = time.perf_counter() - started
                 job_times.append({"section": job.section, "job": job.label, "seconds": round(seconds, 3)})
                 done = rows[n_before:]

@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,10 @@ __all__ = [
     "Job",
     "Timing",
     "Ctx",
+    "Variant",
+    "variants",
+    "Case",
+    "beside_raw",
     "causal_pairs",
     "attention_flops",
     "gemm_flops",
@@ -158,6 +162,99 @@ class Job:
     optional: bool = False
 
 
+#: What a variant may need, as its skipped row names it.
+NEEDS = {"cuda": "CUDA", "flashinfer": "FlashInfer", "triton": "Triton", "jax": "JAX"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One path of a section, as data: ``label`` is its rows' ``path`` in the JSON (and the report's key), ``order``
+    its display place within a case, ``needs`` what the machine must have (keys of :data:`NEEDS`; a variant that
+    lacks one is recorded as not applying here, with ``"needs ..."`` as its note), ``note`` the note of its measured
+    row (a format string the section fills), ``args`` what the section's builder reads to make its call."""
+
+    name: str
+    label: str
+    order: float = 0.0
+    needs: tuple[str, ...] = ()
+    note: str = ""
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    def missing(self, ctx: "Ctx") -> Optional[str]:
+        """``"needs CUDA and Triton"`` (every need, when one is missing) or None when this machine has them all."""
+        if all(_has(ctx, n) for n in self.needs):
+            return None
+        return "needs " + " and ".join(NEEDS[n] for n in self.needs)
+
+
+def variants(*table: Variant) -> dict[str, Variant]:
+    """A section's variants by name (names unique), in table order."""
+    out = {v.name: v for v in table}
+    assert len(out) == len(table), "variant names must be unique"
+    return out
+
+
+def _has(ctx: "Ctx", need: str) -> bool:
+    if need == "cuda":
+        return ctx.cuda
+    if need == "flashinfer":
+        return ctx.cuda and flashinfer_importable()
+    if need == "triton":
+        from ..kernels import triton_available
+
+        return ctx.cuda and triton_available()
+    if need == "jax":
+        import importlib.util
+
+        return importlib.util.find_spec("jax") is not None
+    raise ValueError(f"unknown need {need!r}; choose from {', '.join(NEEDS)}")
+
+
+#: A section's first ``order`` field (the report sorts rows by ``order``).
+SECTION_INDEX = {name: i for i, name in enumerate(("main", "context", "merge", "plan", "memory", "jax"))}
+
+
+@dataclass
+class Case:
+    """One case of a section: makes its rows by variant name (``table``), each with the case's ``fields``
+    (``seq_len``, ``heads``) and ``order`` ``(section index, ci, variant order)``."""
+
+    ctx: "Ctx"
+    section: str
+    name: str
+    table: Mapping[str, Variant]
+    ci: int
+    fields: dict = field(default_factory=dict)
+
+    def meta(self, v: str, **kw: Any) -> dict[str, Any]:
+        return dict(self.fields, order=(SECTION_INDEX[self.section], self.ci, self.table[v].order), **kw)
+
+    def skip(self, v: str, note: str, err: Optional[BaseException] = None, *, applies: bool = True, **kw: Any) -> Row:
+        """A skipped row of ``v`` (``applies`` False: a path this machine cannot run at all, :meth:`Ctx.not_here`)."""
+        if not applies:
+            return self.ctx.not_here(self.section, self.name, self.table[v].label, note, **self.meta(v, **kw))
+        return self.ctx.skipped(self.section, self.name, self.table[v].label, note, err, **self.meta(v, **kw))
+
+    def failed(self, v: str, err: BaseException, what: str = "failed", **kw: Any) -> Row:
+        """After ``err``: the device recovered (:meth:`Ctx.recover`), a skipped row saying ``what: <error>``."""
+        self.ctx.recover()
+        return self.skip(v, f"{what}: " + fmt_err(err, 160), err, **kw)
+
+    def unavailable(self, v: str, skip_name: Optional[str] = None) -> Optional[Row]:
+        """The skipped row of ``v`` when ``--skip skip_name`` was given or the machine lacks what it needs."""
+        if skip_name is not None and skip_name in self.ctx.skip:
+            return self.skip(v, f"--skip {skip_name}")
+        why = self.table[v].missing(self.ctx)
+        return None if why is None else self.skip(v, why, applies=False)
+
+    def item(self, v: str, fn: Callable[[], Any], **kw: Any) -> tuple[str, Callable[[], Any], dict]:
+        """A :meth:`Ctx.measure_many` item of ``v``."""
+        return (self.table[v].label, fn, self.meta(v, **kw))
+
+    def measure(self, items: Sequence[tuple], **kw: Any) -> list[Row]:
+        return self.ctx.measure_many(self.section, self.name, items, **kw)
+
+
 @dataclass
 class Timing:
     ms: float
@@ -189,38 +286,27 @@ def _event_samples(events: Sequence[tuple], host: Sequence[float]) -> tuple[list
     return [max(g, h) for g, h in zip(gpu, host)], gpu
 
 
+@dataclass(kw_only=True, eq=False)
 class Ctx:
     """The run's settings and shared state (device, dtype, timers, peaks, reusable FlashInfer objects)."""
 
-    def __init__(
-        self,
-        *,
-        device: torch.device,
-        quick: bool,
-        repeats: int,
-        warmup: int,
-        seed: int,
-        backend: Optional[str],
-        skip: set,
-        budget_s: Optional[float],
-        console: Any,
-        layers: int = 61,
-    ):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.quick = quick
+    device: torch.device
+    quick: bool
+    repeats: int
+    warmup: int
+    seed: int
+    backend: Optional[str]
+    skip: set
+    budget_s: Optional[float]
+    console: Any
+    layers: int = 61
+    peaks: dict = field(default_factory=dict, init=False)
+    checks: list[Check] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
-        self.repeats = repeats
-        self.warmup = warmup
-        self.seed = seed
-        self.backend = backend
-        self.skip = skip
-        self.budget_s = budget_s
-        self.console = console
-        self.layers = layers
         self.t0 = time.perf_counter()
-        self.peaks: dict = {}
-        self.checks: list[Check] = []
         self._raw_float_ws: Optional[torch.Tensor] = None
         self._raw_wrappers: dict = {}
         self._workspace: Any = None
@@ -277,29 +363,94 @@ class Ctx:
         w = self.warmup if warmup is None else warmup
         if self.cuda:
             w = max(1, w)
-        busy = self._warm_up(fn, w)
-        host: list[float] = []
-        if self.cuda:
-            events = []
-            for _ in range(r):
-                events.append(self._issue(fn, busy, host))
-                busy = _spin_ms(host[-1])
-            torch.cuda.synchronize(self.device)
-            samples, gpu = _event_samples(events, host)
-        else:
-            samples, gpu = [], None
-            for _ in range(r):
-                t = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t) * 1e3)
-            host = samples
-        return Timing(
-            statistics.median(samples),
-            statistics.median(host),
-            [round(s, 6) for s in samples],
-            r,
-            None if gpu is None else statistics.median(gpu),
-        )
+        return self._rounds([fn], [self._warm_up(fn, w)], r)[0]
+
+    def _rounds(self, fns: Sequence[Callable[[], Any]], busy: Sequence[float], r: int) -> list[Timing]:
+        """``r`` interleaved rounds of ``fns`` (each taking every place in a round in turn, :func:`_rotated`; ``busy``
+        their first GPU spins), a :class:`Timing` each; exceptions propagate."""
+        busy = list(busy)
+        host: list[list[float]] = [[] for _ in fns]
+        events: list[list] = [[] for _ in fns]
+        for rep in range(r):
+            for i in _rotated(range(len(fns)), rep):
+                if self.cuda:
+                    events[i].append(self._issue(fns[i], busy[i], host[i]))
+                    busy[i] = _spin_ms(host[i][-1])
+                else:
+                    t = time.perf_counter()
+                    fns[i]()
+                    host[i].append((time.perf_counter() - t) * 1e3)
+        self.sync()
+        out = []
+        for ev, h in zip(events, host):
+            samples, gpu = _event_samples(ev, h) if self.cuda else (h, None)
+            med_gpu = None if gpu is None else statistics.median(gpu)
+            out.append(
+                Timing(statistics.median(samples), statistics.median(h), [round(x, 6) for x in samples], r, med_gpu)
+            )
+        return out
+
+    def phases_alone(self, run_layer: Callable[[Callable[[str], None]], Any]) -> dict[str, Timing]:
+        """Each phase of ``run_layer(phase_hook)`` (one ``mla_prefill`` layer, :func:`mla_bridge.prefill.mla_prefill`
+        reports its phases to the hook) timed alone: at each boundary the device is synchronized and, on CUDA, kept
+        busy while the host issues the phase between two CUDA events, as :meth:`time` times a call (a sample is the
+        larger of the phase's GPU and host time; its passes in one layer add up). ``warmup`` untimed layers, then
+        ``repeats`` timed ones; returns a :class:`Timing` per phase name, in the order the layer reports them."""
+        t = time.perf_counter()
+        for _ in range(max(1 if self.cuda else 0, self.warmup)):
+            t = time.perf_counter()
+            run_layer(lambda name: None)
+        spin = _spin_ms((time.perf_counter() - t) * 1e3)
+        self.sync()
+        marks: list[list[tuple[str, Any, Any, float]]] = []  # per layer: (phase, start event, end event, host ms)
+        current: list = []
+
+        def hook(name: str) -> None:
+            now = time.perf_counter()
+            if current:
+                phase, ev0, t0 = current.pop()
+                ev1 = self._event()
+                marks[-1].append((phase, ev0, ev1, (now - t0) * 1e3))
+            if name == "end":
+                return
+            self.sync()
+            if self.cuda:
+                from ..profiling import keep_gpu_busy
+
+                keep_gpu_busy(self.device, spin)
+            current.append((name, self._event(), time.perf_counter()))
+
+        for _ in range(max(1, self.repeats)):
+            marks.append([])
+            run_layer(hook)
+        self.sync()
+        per: dict[str, list[list[float]]] = {}  # phase -> [samples, gpu, host] per layer
+        for layer in marks:
+            sums: dict[str, list[float]] = {}
+            for phase, ev0, ev1, host in layer:
+                gpu = ev0.elapsed_time(ev1) if self.cuda else host
+                acc = sums.setdefault(phase, [0.0, 0.0, 0.0])
+                acc[0], acc[1], acc[2] = acc[0] + max(gpu, host), acc[1] + gpu, acc[2] + host
+            for phase, acc in sums.items():
+                for lst, v in zip(per.setdefault(phase, [[], [], []]), acc):
+                    lst.append(v)
+        return {
+            phase: Timing(
+                statistics.median(s),
+                statistics.median(h),
+                [round(v, 6) for v in s],
+                len(s),
+                statistics.median(g) if self.cuda else None,
+            )
+            for phase, (s, g, h) in per.items()
+        }
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     # ------------------------------------------------------------------ rows
     def row(
@@ -355,25 +506,6 @@ class Ctx:
         Triton): recorded in the JSON with ``applies`` False, not printed and not plotted."""
         return Row(section=section, case=case, path=path, status="skipped", note=note, applies=False, **kw)
 
-    def measure(
-        self,
-        section: str,
-        case: str,
-        path: str,
-        fn: Callable[[], Any],
-        *,
-        flops: Optional[float] = None,
-        nbytes: Optional[float] = None,
-        repeats: Optional[int] = None,
-        warmup: Optional[int] = None,
-        **kw: Any,
-    ) -> Row:
-        """Time ``fn`` into a row; a failure (a kernel that does not compile or launch, out of memory) becomes a
-        skipped row carrying the error text, and the run goes on."""
-        return self.measure_many(
-            section, case, [(path, fn, dict(flops=flops, nbytes=nbytes, **kw))], repeats=repeats, warmup=warmup
-        )[0]
-
     def measure_many(
         self,
         section: str,
@@ -401,26 +533,8 @@ class Ctx:
             except Exception as err:  # noqa: BLE001 - reported in the row
                 self.recover()
                 rows[i] = self._failed(section, case, path, err, kw)
-        samples: dict[int, list[float]] = {i: [] for i in live}
-        host: dict[int, list[float]] = {i: [] for i in live}
-        gpu: dict[int, list[float]] = {}
         try:
-            if self.cuda:
-                events: dict[int, list] = {i: [] for i in live}
-                for rep in range(r):
-                    for i in _rotated(live, rep):
-                        events[i].append(self._issue(items[i][1], busy[i], host[i]))
-                        busy[i] = _spin_ms(host[i][-1])
-                torch.cuda.synchronize(self.device)
-                for i in live:
-                    samples[i], gpu[i] = _event_samples(events[i], host[i])
-            else:
-                for rep in range(r):
-                    for i in _rotated(live, rep):
-                        t = time.perf_counter()
-                        items[i][1]()
-                        samples[i].append((time.perf_counter() - t) * 1e3)
-                host = samples
+            timings = self._rounds([items[i][1] for i in live], [busy[i] for i in live], r)
         except Exception as err:  # noqa: BLE001 - time each alone, so that the row that fails is the one named
             self.recover()
             for i in live:
@@ -431,16 +545,9 @@ class Ctx:
                     else self.measure_many(section, case, [items[i]], repeats=r, warmup=0)[0]
                 )
             return [row for row in rows if row is not None]
-        for i in live:
+        for i, timing in zip(live, timings):
             path, _, kw = items[i]
             kw = dict(kw)
-            timing = Timing(
-                statistics.median(samples[i]),
-                statistics.median(host[i]),
-                [round(s, 6) for s in samples[i]],
-                r,
-                statistics.median(gpu[i]) if i in gpu else None,
-            )
             rows[i] = self.row(
                 section, case, path, timing, flops=kw.pop("flops", None), nbytes=kw.pop("nbytes", None), **kw
             )
@@ -519,6 +626,49 @@ class Ctx:
         self._workspace = None
         self._raw_float_ws = None
         self.recover()
+
+
+def beside_raw(
+    c: Case,
+    core: str,
+    raw: str,
+    plan: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    flops: float,
+    raw_note: str = "",
+    fi_missing: str = "",
+) -> list[Row]:
+    """``[core row, raw row]``: ``plan.run(q, k, v)`` (a :class:`mla_bridge.RaggedPlan`, variant ``core``) and a raw
+    FlashInfer wrapper planned on the same spec (variant ``raw``, ``--skip raw`` to leave out), timed
+    interleaved; the core row gets ``vs_raw`` (raw ms / core ms) when both ran. ``raw_note`` follows the raw row's
+    backend in its note, ``fi_missing`` the "needs CUDA and FlashInfer" of a plan without a FlashInfer backend."""
+    items = [c.item(core, lambda: plan.run(q, k, v), flops=flops, note=f"backend {plan.backend.name}")]
+    fb, sp = plan.backend.flashinfer_backend, plan.spec
+    raw_row = None
+    if "raw" in c.ctx.skip:
+        raw_row = c.skip(raw, "--skip raw")
+    elif fb is None:
+        raw_row = c.skip(raw, "needs CUDA and FlashInfer" + fi_missing, applies=False)
+    else:
+        try:
+            wrapper = c.ctx.raw_wrapper(fb, 0)
+            plan_raw(
+                wrapper, sp.qo_indptr, sp.kv_indptr, heads=sp.num_heads, causal=sp.causal, sm_scale=sp.sm_scale,
+                dtype=c.ctx.dtype,
+            )  # fmt: skip
+            run = lambda: wrapper.run(q, k, v, return_lse=True)  # noqa: E731
+            items.append(c.item(raw, run, flops=flops, note=f"backend {fb}{raw_note}"))
+        except Exception as err:  # noqa: BLE001
+            raw_row = c.failed(raw, err, "plan failed", flops=flops)
+    rows = c.measure(items)
+    core_row, raw_row = rows[0], raw_row or rows[1]
+    if core_row.status == raw_row.status == "ok":  # an ok row has its ms
+        core_row.extra["vs_raw"] = raw_row.ms / core_row.ms  # type: ignore[operator]
+        core_row.note += f"; {raw_row.ms / core_row.ms:.3f}x raw"  # type: ignore[operator]
+    return [core_row, raw_row]
 
 
 def plan_raw(

@@ -1,91 +1,147 @@
 """Section 2: the context pass and the full ``mla_prefill`` with prefix-cached context.
 
 For each case and chunk budget: ``mla_prefill`` end to end (with the weight prepared once, the raw weight, the split
-k_pe layout, and replayed from a CUDA graph, :mod:`mla_bridge.graphs`); its phases run alone on the same tensors
-(gather by block table, up-projection with and without the k concat, the attention kernels, the merge); the
-hand-written pipeline a user would write without mla_bridge (torch gather by block table, ``kv_b_proj`` matmul,
-``torch.cat`` with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90), ``flashinfer.merge_state``); one context
-pass (non-causal, the new tokens over the first context chunk) through ``RaggedPlan.run`` and the raw wrapper; and
-mla_prefill's phases timed inside the layer by :mod:`mla_bridge.profiling` (the way the CLI times them), whose sum
-is checked against the layer's time (within 5% on a GPU).
+k_pe layout, and replayed from a CUDA graph, :mod:`mla_bridge.graphs`); its phases run alone (each started on an idle
+device, through ``mla_prefill``'s own ``phase_hook``: gather by block table, up-projection, the attention kernels, the
+merge), the bare up-projection GEMM; the hand-written pipeline a user would write without mla_bridge (torch gather by
+block table, ``kv_b_proj`` matmul, ``torch.cat`` with k_pe, one FlashInfer fa3 run per chunk (fa2 off SM90),
+``flashinfer.merge_state``); one context pass (non-causal, the new tokens over the first context chunk) through
+``RaggedPlan.run`` and the raw wrapper; and mla_prefill's phases timed inside the layer by
+:mod:`mla_bridge.profiling` (the way the CLI times them), whose sum is checked against the layer's time (within 5%
+on a GPU). FP8-cache rows time the same case with its cache quantized, beside the bf16-cache ones.
 
-The phases mirror :func:`mla_bridge.prefill.mla_prefill` step by step (they call :mod:`mla_bridge.cache`'s
-``fused_latent`` and ``gather_rows`` and the prepared weight's ``up_project``); keep them in step when it changes.
-FP8-cache rows time the same case with its cache quantized, beside the bf16-cache ones.
+Every path is a :class:`~mla_bridge.bench.common.Variant` of :data:`VARIANTS`, addressed by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+import os
+import statistics
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..merge import merge_attn_states_
-from ..plan import PrefillPlan, schedule_context_chunks
-from ..cache import fused_latent, gather_impl, gather_latent, gather_rows, quantize_latent_cache
+from ..cache import gather_impl, gather_latent, quantize_latent_cache
 from ..graphs import PrefillLayer, capture_prefill
-from ..kernels import triton_available
 from ..kv import kv_impl
+from ..plan import PrefillPlan, schedule_context_chunks
 from ..prefill import mla_prefill, prefill_memory_bytes
+from ..profiling import time_phases
 from ..ragged import plan_ragged
 from ..weights import PreparedKVBProj, prepare_kv_b_proj
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for
-from .common import Ctx, Job, Row, attention_flops, flashinfer_importable, fmt_err, gemm_flops, indptr, plan_raw
+from .common import (
+    Case,
+    Ctx,
+    Job,
+    Row,
+    Timing,
+    Variant,
+    attention_flops,
+    beside_raw,
+    gemm_flops,
+    indptr,
+    plan_raw,
+    variants,
+)
 
-__all__ = ["jobs", "PATHS", "Inputs", "make_inputs", "handwritten_pipeline", "handwritten_backend"]
+__all__ = ["jobs", "VARIANTS", "path", "Inputs", "make_inputs", "handwritten_pipeline", "handwritten_backend"]
 
 SECTION = "context"
-PATHS = (
-    "mla_prefill",
-    "mla_prefill, chunked schedule (fuse_context=False)",
-    "hand-written pipeline",
-    "phase: gather by block_table",
-    "phase: up-projection (GEMM + k concat)",
-    "phase: up-projection GEMM alone",
-    "phase: attention kernels alone",
-    "phase: merge",
-    "sum of phases alone",
-    "attention + GEMM alone",
-    "context pass: RaggedPlan.run",
-    "context pass: raw FlashInfer wrapper.run",
-    "in mla_prefill: gather",
-    "in mla_prefill: up-projection",
-    "in mla_prefill: main pass",
-    "in mla_prefill: context chunk",
-    "in mla_prefill: merge",
-    "in mla_prefill: sum of phases",
-    "mla_prefill, raw weight (read in place; rearranged per call for cuBLAS passes)",
-    "mla_prefill, identity layout (one GEMM with an identity block)",
-    "mla_prefill, CUDA graph replay",
-    "mla_prefill, identity layout, CUDA graph replay",
-    "mla_prefill, FP8 cache",
-    "phase: gather by block_table, FP8 cache",
-    "phase: gather by block_table, torch gather",
-    "phase: gather by block_table, FP8 cache, torch gather",
-    "mla_prefill, fused gather+GEMM kernel (kv_impl='fused')",
-    "mla_prefill, fused gather+GEMM kernel, CUDA graph replay",
-    "mla_prefill, gather + cuBLAS GEMM on every pass (kv_impl='separate')",
-    "mla_prefill, gather + cuBLAS GEMM on every pass, CUDA graph replay",
+_MLA = "mla_prefill, "
+#: The paths of a context case. ``args`` of an mla_prefill variant: the weight (an :class:`Inputs` field), the
+#: ``kv_impl`` and whether it replays a CUDA graph; ``phase`` of a phase variant: the ``phase_hook`` names it sums.
+VARIANTS = variants(
+    Variant("eager", "mla_prefill", 0, note="{sched}, {backend}, k/v {kv}, weight prepared once", args=dict(w="wp")),
+    Variant(
+        "raw weight",
+        _MLA + "raw weight (read in place; rearranged per call for cuBLAS passes)",
+        0.2,
+        note="the checkpoint's kv_b_proj: the fused kernel reads it in place, a cuBLAS pass rearranges it per call",
+        args=dict(w="w"),
+    ),
+    Variant(
+        "identity",
+        _MLA + "identity layout (one GEMM with an identity block)",
+        0.4,
+        note="one GEMM of 320 x 576 per head (40% more FLOPs), k_pe by the identity block",
+        args=dict(w="wp_identity"),
+    ),
+    Variant(
+        "fused kv",
+        _MLA + "fused gather+GEMM kernel (kv_impl='fused')",
+        0.5,
+        ("cuda", "triton"),
+        "one Triton launch per pass: gather + GEMM + k layout",
+        dict(w="wp", kv_impl="fused"),
+    ),
+    Variant(
+        "separate kv",
+        _MLA + "gather + cuBLAS GEMM on every pass (kv_impl='separate')",
+        0.55,
+        ("cuda", "triton"),
+        "every pass: gather, then cuBLAS",
+        dict(w="wp", kv_impl="separate"),
+    ),
+    Variant("graph", _MLA + "CUDA graph replay", 0.6, args=dict(w="wp", graph="eager")),
+    Variant(
+        "fused kv graph",
+        _MLA + "fused gather+GEMM kernel, CUDA graph replay",
+        0.7,
+        ("cuda", "triton"),
+        args=dict(w="wp", kv_impl="fused", graph="fused kv"),
+    ),
+    Variant(
+        "separate kv graph",
+        _MLA + "gather + cuBLAS GEMM on every pass, CUDA graph replay",
+        0.75,
+        ("cuda", "triton"),
+        args=dict(w="wp", kv_impl="separate", graph="separate kv"),
+    ),
+    Variant(
+        "identity graph", _MLA + "identity layout, CUDA graph replay", 0.8, args=dict(w="wp_identity", graph="identity")
+    ),
+    Variant("chunked", _MLA + "chunked schedule (fuse_context=False)", 1),
+    Variant("handwritten", "hand-written pipeline", 2, ("cuda", "flashinfer")),
+    Variant("gather", "phase: gather by block_table", 3, args=dict(phase=("gather",))),
+    Variant("up-projection", "phase: up-projection (GEMM + k concat)", 4, args=dict(phase=("up-projection",))),
+    Variant("gemm", "phase: up-projection GEMM alone", 5),
+    Variant("attention", "phase: attention kernels alone", 6, args=dict(phase=("main pass", "context chunk"))),
+    Variant("merge", "phase: merge", 7, args=dict(phase=("merge",))),
+    Variant("phase sum", "sum of phases alone", 8),
+    Variant("attention + gemm", "attention + GEMM alone", 9),
+    Variant("context pass", "context pass: RaggedPlan.run", 10),
+    Variant("context pass raw", "context pass: raw FlashInfer wrapper.run", 11, ("cuda", "flashinfer")),
+    *(
+        Variant(f"in layer: {p}", f"in mla_prefill: {p}", 12 + i)
+        for i, p in enumerate(("gather", "up-projection", "main pass", "context chunk", "merge", "sum of phases"))
+    ),
+    Variant("fp8", _MLA + "FP8 cache", 22),
+    Variant("fp8 gather", "phase: gather by block_table, FP8 cache", 23),
+    Variant("torch gather", "phase: gather by block_table, torch gather", 24),
+    Variant("fp8 torch gather", "phase: gather by block_table, FP8 cache, torch gather", 25),
 )
+#: mla_prefill's variants timed end to end (in table order), and the graph of each eager one.
+LAYER = [v for v in VARIANTS.values() if "w" in v.args]
 #: mla_prefill's own phases (the phase_hook names), timed inside the layer by mla_bridge.profiling (as the CLI does).
 IN_LAYER_PHASES = ("gather", "up-projection", "main pass", "context chunk", "merge")
 PHASE_SUM_TOLERANCE = 0.05  # the in-layer phases add up to the layer's time within 5%
 #: FP8-cache rows: the same case with its cache quantized (mla_bridge.cache.quantize_latent_cache);
 #: the ratio to the bf16-cache row of the same run is the target (<= 1.02).
 FP8_TARGET = 1.02
-I_FP8, I_FP8_GATHER, I_TORCH_GATHER, I_FP8_TORCH_GATHER = range(
-    PATHS.index("mla_prefill, FP8 cache"), PATHS.index("mla_prefill, FP8 cache") + 4
-)
-#: The fused gather + up-projection kernel on every pass (mla_bridge.kv), eager and graphed; the separate path on
-#: every pass (the default before the per-pass choice, kv_impl="auto"), eager and graphed (a replay has no
-#: host cost per launch: the GPU-faster choice, which the default graph makes too, :func:`mla_bridge.kv.pass_impl`).
-FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH, SEPARATE_KV_GRAPH = PATHS[-4:]
 #: Targets on the four long context cases (mla_prefill / (attention + GEMM alone)), and of the host-bound
 #: cases against their eager figure before it (``ContextCase.eager_ms_before``).
 EAGER_TARGET, GRAPHED_TARGET, GRAPHED_SPEEDUP = 1.12, 1.05, 2.5
+
+
+def path(name: str) -> str:
+    """The JSON ``path`` of the context variant ``name``."""
+    return VARIANTS[name].label
 
 
 @dataclass
@@ -229,81 +285,29 @@ def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[],
     return layer
 
 
-class _Phases:
-    """mla_prefill's steps, each runnable alone on tensors prepared once (see the module docstring)."""
-
-    def __init__(self, x: Inputs, plan: PrefillPlan):
-        d = x.dims
-        self.x, self.plan = x, plan
-        e = x.q.element_size()
-        self.out = torch.empty(x.num_tokens, d.num_heads, d.v_head_dim, dtype=plan.dtype, device=plan.device)
-        self.lse = torch.empty(x.num_tokens, d.num_heads, dtype=torch.float32, device=plan.device)
-        row_bytes = d.latent_dim * e
-        # bytes a gather must move: context rows read (in the cache's dtype) and written, new rows read and written
-        self.gather_bytes = lambda cache_e: (
-            x.num_context * d.latent_dim * (cache_e + e) + (2 * x.num_tokens * row_bytes if plan.fused else 0)
-        )
-        if plan.fused:
-            self.n_keys = int(plan.main_kv_indptr[-1])
-            self.sources = [self.gather()]  # 576-wide latent rows, as mla_prefill passes them
-        else:
-            self.sources = [torch.cat([x.kv_c, x.k_pe], dim=-1)] + self.gather()
-        self.kv = self.up_projection()
-        self.partials = []
-        self.attention()
-        if not plan.fused:
-            self.partials = [
-                c.plan.run(x.q[c.q_start : c.q_end], k, v) if c.plan is not None else None
-                for c, (k, v) in zip(plan.chunks, self.kv[1:])
-            ]
-        rows = sum(c.q_end - c.q_start for c in plan.chunks if c.plan is not None)
-        self.merge_bytes = 3 * rows * d.num_heads * (d.v_head_dim * e + 4)
-
-    def gather(self, cache=None, scale=None, impl=None):
-        """The gather of mla_prefill (``cache``/``scale``: an FP8 copy of the cache; ``impl``: torch or triton)."""
-        x, plan = self.x, self.plan
-        cache = x.kv_cache if cache is None else cache
-        if plan.fused:
-            return fused_latent(plan, x.kv_c, x.k_pe, cache, x.block_table, scale, impl=impl)
-        # as mla_bridge.kv.chunk_kv: by the chunk's rows (on CUDA its kv_indptr, no per-token tensors)
-        return [
-            gather_rows(cache, x.block_table, c.rows, dtype=plan.dtype, kv_cache_scale=scale, impl=impl)
-            for c in plan.chunks
-        ]
-
-    def up_projection(self):
-        return [self.x.wp.up_project(lat) for lat in self.sources]
-
-    def gemm(self):
-        # the bare kv_b_proj GEMM (kv_c @ W.T): the up-projection's inherent work, the stricter yardstick
-        rank = self.x.dims.kv_lora_rank
-        return [torch.matmul(lat[:, :rank], self.x.w.t()) for lat in self.sources]
-
-    def attention(self):
-        plan, q = self.plan, self.x.q
-        k, v = self.kv[0]
-        plan.main.run(q, k, v, out=self.out, lse=self.lse)
-        if not plan.fused:
-            for c, (k, v) in zip(plan.chunks, self.kv[1:]):
-                if c.plan is not None:
-                    c.plan.run(q[c.q_start : c.q_end], k, v)
-
-    def merge(self):
-        for c, part in zip(self.plan.chunks, self.partials):
-            if part is not None:
-                merge_attn_states_(self.out[c.q_start : c.q_end], self.lse[c.q_start : c.q_end], part[0], part[1])
+@contextlib.contextmanager
+def _gather_forced(impl: Optional[str]) -> Iterator[None]:
+    """``MLA_BRIDGE_GATHER`` set to ``impl`` while the block runs (None: unchanged), so that ``mla_prefill``'s own
+    gather runs the torch fallback beside its default."""
+    old = os.environ.get("MLA_BRIDGE_GATHER")
+    if impl is not None:
+        os.environ["MLA_BRIDGE_GATHER"] = impl
+    try:
+        yield
+    finally:
+        if impl is not None:
+            if old is None:
+                os.environ.pop("MLA_BRIDGE_GATHER", None)
+            else:
+                os.environ["MLA_BRIDGE_GATHER"] = old
 
 
-def merge_phase_bytes(plan: PrefillPlan, e: int) -> int:
-    """Bytes the merges of one :func:`mla_bridge.mla_prefill` call move (``e``: the out dtype's size): per step of
-    :attr:`mla_bridge.PrefillPlan.merge_steps`, its rows' out (or float32 running out) and partial read, the merged
-    out (or running out) written, and the float32 LSEs (two read, one written)."""
-    h, dv = plan.dims.num_heads, plan.dims.v_head_dim
-    total = 0
-    for steps in plan.merge_steps:
-        for start, stop, src, dst in steps or ():
-            total += (stop - start) * h * (dv * ((e if src is None else 4) + e + (e if dst is None else 4)) + 12)
-    return total
+def _layer(x: Inputs, plan: PrefillPlan, cache=None, scale=None, **kw: Any) -> Callable[..., torch.Tensor]:
+    """``mla_prefill`` of this case as a function of its keyword arguments (``phase_hook``, ``kv_impl``, ...)."""
+    cache = x.kv_cache if cache is None else cache
+    return lambda **more: mla_prefill(
+        x.q, x.kv_c, x.k_pe, more.pop("w", x.wp), cache, x.block_table, plan, kv_cache_scale=scale, **kw, **more
+    )
 
 
 def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
@@ -311,289 +315,147 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     name = f"{case.name}, {label}"
     x = make_inputs(ctx, case, ci)
     attn_flops, up_flops = x.flops()
+    flops = attn_flops + up_flops
     seq = x.num_context + x.num_tokens
-    # display order pi: the mla_prefill variants (0, 0.2, 0.4, 0.6) first, then the schedule, peers and phases
-    meta: Callable[[float], dict[str, Any]] = lambda pi: dict(  # noqa: E731
-        seq_len=seq, heads=case.heads, order=(1, ci, pi)
-    )
-    rows: list[Row] = []
+
+    c = Case(ctx, SECTION, name, VARIANTS, ci, dict(seq_len=seq, heads=case.heads))
+    meta, skip = c.meta, c.skip
     ws = Workspace(ctx.device, chunk_tokens=budget)
+    build = dict(dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype, backend=ctx.backend)
     try:
-        plan = PrefillPlan.build(
-            x.q_lens,
-            x.c_lens,
-            dims=x.dims,
-            workspace=ws,
-            block_size=case.block_size,
-            dtype=ctx.dtype,
-            backend=ctx.backend,
-        )
+        plan = PrefillPlan.build(x.q_lens, x.c_lens, **build)  # type: ignore[arg-type]
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped(SECTION, name, PATHS[0], "plan failed: " + fmt_err(err, 160), err, **meta(0))]
+        return [c.failed("eager", err, "plan failed")]
+    run = _layer(x, plan)
     sched = "fused (one causal pass)" if plan.fused else f"{len(plan.chunks)} chunk(s)"
     extra = {"chunk_tokens": budget, "fused": plan.fused, "chunks": len(plan.chunks), "backend": plan.backend.name}
-    flops = attn_flops + up_flops
+    fmt = dict(sched=sched, backend=plan.backend.name, kv=kv_impl(ctx.device))
     # Every path of this case is timed interleaved, so that the ratios below hold on a noisy machine.
-    items: list = [
-        (
-            PATHS[0],
-            lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan),
-            dict(
-                flops=flops,
-                note=f"{sched}, {plan.backend.name}, k/v {kv_impl(ctx.device)}, weight prepared once",
-                extra=dict(extra),
-                **meta(0),
-            ),
-        ),
-        (
-            PATHS[18],
-            lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan),
-            dict(
-                flops=flops,
-                note="the checkpoint's kv_b_proj: the fused kernel reads it in place, a cuBLAS "
-                "pass rearranges it per call",
-                **meta(0.2),
-            ),
-        ),
-        (
-            PATHS[19],
-            lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp_identity, x.kv_cache, x.block_table, plan),
-            dict(
-                flops=flops,
-                note="one GEMM of 320 x 576 per head (40% more FLOPs), k_pe by the identity block",
-                **meta(0.4),
-            ),
-        ),
-    ]
+    items: list = []
     skipped: list[Row] = []
     graphs = []
-    fused_kv = ctx.cuda and triton_available()
-    if fused_kv:
-        items.append(
-            (
-                FUSED_KV_PATH,
-                lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan, kv_impl="fused"),
-                dict(flops=flops, note="one Triton launch per pass: gather + GEMM + k layout", **meta(0.5)),
-            )
-        )
-        items.append(
-            (
-                SEPARATE_KV_PATH,
-                lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan, kv_impl="separate"),
-                dict(flops=flops, note="every pass: gather, then cuBLAS", **meta(0.55)),
-            )
-        )
-    else:
-        skipped += [
-            ctx.not_here(SECTION, name, p, "the fused kernel needs CUDA and Triton", **meta(0.5))
-            for p in (FUSED_KV_PATH, FUSED_KV_GRAPH, SEPARATE_KV_PATH, SEPARATE_KV_GRAPH)
-        ]
-    for path, weight, pi, impl in (
-        (PATHS[20], x.wp, 0.6, None),
-        (PATHS[21], x.wp_identity, 0.8, None),
-        (FUSED_KV_GRAPH, x.wp, 0.7, "fused"),
-        (SEPARATE_KV_GRAPH, x.wp, 0.75, "separate"),
-    ):
-        if impl and not fused_kv:
+    for v in LAYER:
+        why = v.missing(ctx)
+        if why:
+            skipped.append(skip(v.name, why, applies=False))
             continue
-        graph_item, graph = _graph_item(ctx, x, plan, weight, name, path, flops, meta(pi), kv_impl=impl)
+        kw = dict(w=getattr(x, v.args["w"]), kv_impl=v.args.get("kv_impl"))
+        keywords = dict(flops=flops, note=v.note.format(**fmt), **meta(v.name))
+        if v.name == "eager":
+            keywords["extra"] = dict(extra)
+        if "graph" not in v.args:
+            items.append((v.label, lambda kw=kw: run(**kw), keywords))
+            continue
+        graph_item, graph = _graph_item(c, x, plan, v, flops)
         (skipped if graph is None else items).append(graph_item)
         graphs.append(graph)
     if plan.fused:
         try:
-            plan2 = PrefillPlan.build(
-                x.q_lens,
-                x.c_lens,
-                dims=x.dims,
-                workspace=ws,
-                block_size=case.block_size,
-                dtype=ctx.dtype,
-                backend=ctx.backend,
-                fuse_context=False,
-            )
-            items.append(
-                (
-                    PATHS[1],
-                    lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan2),
-                    dict(flops=flops, note=f"main pass + {len(plan2.chunks)} chunk(s) + merge", **meta(1)),
-                )
-            )
+            plan2 = PrefillPlan.build(x.q_lens, x.c_lens, fuse_context=False, **build)  # type: ignore[arg-type]
+            note = f"main pass + {len(plan2.chunks)} chunk(s) + merge"
+            items.append((path("chunked"), _layer(x, plan2), dict(flops=flops, note=note, **meta("chunked"))))
         except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            skipped.append(ctx.skipped(SECTION, name, PATHS[1], "failed: " + fmt_err(err, 160), err, **meta(1)))
-    hand = _handwritten_item(ctx, x, budget, name, flops, meta(2))
-    if isinstance(hand, Row):
-        skipped.append(hand)
-    else:
-        items.append(hand)
-    try:
-        ph = _Phases(x, plan) if case.context else None
-    except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        ph = None
-        skipped.append(ctx.skipped(SECTION, name, PATHS[3], "phases failed: " + fmt_err(err, 160), err, **meta(3)))
-    if ph is not None:
-        items += [
-            (
-                PATHS[3],
-                ph.gather,
-                dict(
-                    nbytes=ph.gather_bytes(x.q.element_size()),
-                    note=f"{gather_impl(ctx.device)} gather; latent rows read + written",
-                    **meta(3),
-                ),
-            ),
-            (PATHS[4], ph.up_projection, dict(flops=up_flops, **meta(4))),
-            (PATHS[5], ph.gemm, dict(flops=up_flops, **meta(5))),
-            (PATHS[6], ph.attention, dict(flops=attn_flops, **meta(6))),
-        ]
-        if plan.fused:
-            skipped.append(
-                ctx.skipped(SECTION, name, PATHS[7], "fused schedule: one pass, nothing to merge", **meta(7))
-            )
-        else:
-            items.append(
-                (PATHS[7], ph.merge, dict(nbytes=ph.merge_bytes, note="merge_attn_states_ per chunk", **meta(7)))
-            )
-    fp8 = _fp8_items(ctx, x, plan, ph, name, flops, dict(extra), meta)
-    items += fp8["items"]
-    rows = ctx.measure_many(SECTION, name, items) + skipped + fp8["skipped"]
+            skipped.append(c.failed("chunked", err))
+    hand = _handwritten_item(c, x, budget, flops)
+    (skipped if isinstance(hand, Row) else items).append(hand)
+    if case.context:
+        rank = x.dims.kv_lora_rank
+        sizes = [int(plan.main_kv_indptr[-1])] if plan.fused else [x.num_tokens] + [ch.num_tokens for ch in plan.chunks]
+        g = ctx.generator(3000 + ci)
+        latents = [ctx.randn(n, rank, gen=g) for n in sizes]
+        # the bare kv_b_proj GEMM (kv_c @ W.T) of each pass: the up-projection's inherent work, the stricter yardstick
+        gemm = lambda: [torch.matmul(lat, x.w.t()) for lat in latents]  # noqa: E731
+        items.append((path("gemm"), gemm, dict(flops=up_flops, **meta("gemm"))))
+    fp8 = _fp8_setup(c, x, plan, run)
+    if fp8.get("run") is not None:
+        note = f"fp8_e4m3 cache, {gather_impl(ctx.device)} gather"
+        fp8_extra = dict(extra, kv_cache_scale=float(fp8["scale"]))
+        items.append((path("fp8"), fp8["run"], dict(flops=flops, note=note, extra=fp8_extra, **meta("fp8"))))
+    rows = c.measure(items) + skipped + fp8["skipped"]
     for graph in graphs:
         if graph is not None:
             graph.release()  # its private pool goes back before the next case
-    rows.extend(_summary_rows(ctx, case, bi, name, {r.path: r for r in rows}, attn_flops, up_flops, meta))
-    rows.extend(_in_layer_rows(ctx, x, plan, name, rows[0], meta))
+    if case.context:
+        rows += _phase_rows(c, x, plan, fp8)
+    by_path = {r.path: r for r in rows}
+    rows += _summary_rows(c, case, bi, by_path, flops)
+    rows += _in_layer_rows(c, x, plan, by_path[path("eager")])
     _fp8_summary(ctx, name, {r.path: r for r in rows}, fp8)
     if case.context:
-        rows.extend(_context_pass_rows(ctx, x, budget, name, ws, meta))
+        rows += _context_pass_rows(c, x, budget, ws)
     return rows
 
 
-def _fp8_items(
-    ctx: Ctx, x: Inputs, plan: PrefillPlan, ph, name: str, flops: float, extra: dict, meta: Callable[[int], dict]
-) -> dict:
-    """The FP8-cache paths of a case (same inputs, the cache quantized once), the torch-gather phases, and the
-    FP8 result's error against the bf16-cache result (the quantization error), computed once, untimed."""
-    e = x.q.element_size()
-    res: dict = {"items": [], "skipped": [], "rel_err": None, "applies": x.num_context > 0}
-    if x.num_context == 0:
-        res["skipped"].append(
-            ctx.skipped(SECTION, name, PATHS[I_FP8], "no context: the cache is not read", **meta(I_FP8))
-        )
-        return res
-    try:
-        cache8, scale = quantize_latent_cache(x.kv_cache)
-        plan8 = PrefillPlan.build(
-            x.q_lens,
-            x.c_lens,
-            dims=x.dims,
-            workspace=plan.workspace,
-            block_size=x.case.block_size,
-            dtype=ctx.dtype,
-            backend=ctx.backend,
-            kv_cache_dtype="fp8",
-        )
-        run8 = lambda: mla_prefill(  # noqa: E731
-            x.q,
-            x.kv_c,
-            x.k_pe,
-            x.wp,
-            cache8,
-            x.block_table,
-            plan8,
-            kv_cache_scale=scale,
-        )
-        ref = mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan).float()
-        res["rel_err"] = float((run8().float() - ref).abs().max() / ref.abs().max())
-    except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        res["skipped"].append(
-            ctx.skipped(SECTION, name, PATHS[I_FP8], "failed: " + fmt_err(err, 160), err, **meta(I_FP8))
-        )
-        return res
-    extra["kv_cache_scale"] = float(scale)
-    res["items"].append(
-        (
-            PATHS[I_FP8],
-            run8,
-            dict(flops=flops, note=f"fp8_e4m3 cache, {gather_impl(ctx.device)} gather", extra=extra, **meta(I_FP8)),
-        )
-    )
-    if ph is None:
-        return res
-    res["items"].append(
-        (
-            PATHS[I_FP8_GATHER],
-            lambda: ph.gather(cache8, scale),
-            dict(nbytes=ph.gather_bytes(1), note="fp8 rows read, dequantized rows written", **meta(I_FP8_GATHER)),
-        )
-    )
-    if gather_impl(ctx.device) == "torch":
-        res["skipped"] += [
-            ctx.not_here(SECTION, name, PATHS[i], "the gather above is the torch one here", **meta(i))
-            for i in (I_TORCH_GATHER, I_FP8_TORCH_GATHER)
-        ]
+def _phase_rows(c: Case, x: Inputs, plan: PrefillPlan, fp8: dict) -> list[Row]:
+    """mla_prefill's phases, each run alone (:meth:`Ctx.phases_alone`, through its ``phase_hook``), with the separate
+    k/v path so that the gather is a phase of its own: the default gather and the torch one, on the bf16 and the FP8
+    cache. Bytes of a gather: context rows read (in the cache's dtype) and written, new rows read and written."""
+    ctx, d, e, skip = c.ctx, x.dims, x.q.element_size(), c.skip
+    attn, up = x.flops()
+
+    def gather_bytes(cache_e: int) -> int:
+        return x.num_context * d.latent_dim * (cache_e + e) + (2 * x.num_tokens * d.latent_dim * e if plan.fused else 0)
+
+    work: dict[str, dict[str, Any]] = {
+        "gather": dict(nbytes=gather_bytes(e), note=f"{gather_impl(ctx.device)} gather; latent rows read + written"),
+        "up-projection": dict(flops=up),
+        "attention": dict(flops=attn),
+        "merge": dict(nbytes=merge_phase_bytes(plan, e), note="mla_prefill's merges"),
+        "fp8 gather": dict(nbytes=gather_bytes(1), note="fp8 rows read, dequantized rows written"),
+        "torch gather": dict(nbytes=gather_bytes(e), note="the torch fallback"),
+        "fp8 torch gather": dict(nbytes=gather_bytes(1), note="the torch fallback"),
+    }
+    runs: list[tuple[str, Callable, Optional[str]]] = [("", _separate(_layer(x, plan)), None)]
+    if fp8.get("layer") is not None:
+        runs.append(("fp8 ", _separate(fp8["layer"]), None))
+    rows: list[Row] = []
+    if gather_impl(ctx.device) != "torch":
+        runs += [(prefix + "torch ", fn, "torch") for prefix, fn, _ in runs]
     else:
-        res["items"] += [
-            (
-                PATHS[I_TORCH_GATHER],
-                lambda: ph.gather(impl="torch"),
-                dict(nbytes=ph.gather_bytes(e), note="the torch fallback", **meta(I_TORCH_GATHER)),
-            ),
-            (
-                PATHS[I_FP8_TORCH_GATHER],
-                lambda: ph.gather(cache8, scale, impl="torch"),
-                dict(nbytes=ph.gather_bytes(1), note="the torch fallback", **meta(I_FP8_TORCH_GATHER)),
-            ),
-        ]
-    return res
+        why = "the gather above is the torch one here"
+        rows += [skip(p + "torch gather", why, applies=False) for p, _, _ in runs]
+    for prefix, layer, impl in runs:
+        names = ("gather", "up-projection", "attention", "merge") if not prefix else ("gather",)
+        try:
+            with _gather_forced(impl):
+                times = ctx.phases_alone(layer)
+        except Exception as err:  # noqa: BLE001
+            rows.append(c.failed(prefix + "gather", err, "phases failed"))
+            continue
+        for v in names:
+            phases = VARIANTS[v].args["phase"]
+            key = prefix + v
+            if not any(p in times for p in phases):
+                rows.append(skip(key, "fused schedule: one pass, nothing to merge"))
+                continue
+            timing = _summed([times[p] for p in phases if p in times])
+            rows.append(ctx.row(SECTION, c.name, path(key), timing, **work[key], **c.meta(key)))
+    return rows
 
 
-def _fp8_summary(ctx: Ctx, name: str, by_path: dict, fp8: dict) -> None:
-    """FP8 row against the bf16-cache row of the same run (the <= 1.02 target) and its quantization error."""
-    full, row8 = by_path.get(PATHS[0]), by_path.get(PATHS[I_FP8])
-    if not fp8["applies"]:
-        return
-    if row8 is None or row8.status != "ok":
-        ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", None, "<=", FP8_TARGET, "not measured")
-        return
-    row8.extra["rel_err_vs_unquantized"] = fp8["rel_err"]
-    unquantized = str(ctx.dtype).replace("torch.", "")  # the cache dtype of the unquantized rows
-    row8.note += f"; max |out - out({unquantized} cache)| / max |out| = {fp8['rel_err']:.2e} (quantization error)"
-    ratio = row8.ms / full.ms if full is not None and full.status == "ok" else None
-    if ratio is not None:
-        row8.extra["vs_bf16_cache"] = ratio
-        row8.note += f"; {ratio:.3f}x the {unquantized}-cache row"
-    ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", ratio, "<=", FP8_TARGET, "same run")
-    for fast, slow in ((PATHS[3], PATHS[I_TORCH_GATHER]), (PATHS[I_FP8_GATHER], PATHS[I_FP8_TORCH_GATHER])):
-        a, b = by_path.get(fast), by_path.get(slow)
-        if a is not None and b is not None and a.status == b.status == "ok":
-            a.extra["vs_torch_gather"] = a.ms / b.ms
-            a.note += f"; {a.ms / b.ms:.3f}x the torch gather"
+def _separate(layer: Callable[..., torch.Tensor]) -> Callable[[Callable[[str], None]], Any]:
+    """A layer of the separate k/v path (its gather a phase of its own) as ``phase_hook -> out``."""
+    return lambda hook: layer(phase_hook=hook, kv_impl="separate")
 
 
-def _graph_item(
-    ctx: Ctx,
-    x: Inputs,
-    plan: PrefillPlan,
-    weight: PreparedKVBProj,
-    name: str,
-    path: str,
-    flops: float,
-    meta: dict,
-    kv_impl: Optional[str] = None,
-):
-    """``(item, graph)``: mla_prefill of this layer (``weight`` prepared once) captured in a CUDA graph
+def _summed(timings: list[Timing]) -> Timing:
+    """Phases reported together (the main pass and the context chunks): their samples added per layer."""
+    if len(timings) == 1:
+        return timings[0]
+    samples = [round(sum(s), 6) for s in zip(*(t.samples for t in timings))]
+    gpu = None if timings[0].gpu_ms is None else sum(t.gpu_ms or 0.0 for t in timings)
+    return Timing(statistics.median(samples), sum(t.host_ms for t in timings), samples, timings[0].repeats, gpu)
+
+
+def _graph_item(c: Case, x: Inputs, plan: PrefillPlan, v: Variant, flops: float):
+    """``(item, graph)``: mla_prefill of this layer (``v``'s weight and kv_impl) captured in a CUDA graph
     (:func:`mla_bridge.graphs.capture_prefill`) as a ``measure_many`` item, with the capture time and the graph's
     memory in ``extra``; or ``(skipped row, None)``. On the CPU the same API runs eagerly."""
+    layer = PrefillLayer(x.q, x.kv_c, x.k_pe, getattr(x, v.args["w"]), x.kv_cache)
     try:
-        graph = capture_prefill(
-            plan, [PrefillLayer(x.q, x.kv_c, x.k_pe, weight, x.kv_cache)], x.block_table, kv_impl=kv_impl
-        )
+        graph = capture_prefill(plan, [layer], x.block_table, kv_impl=v.args.get("kv_impl"))
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return ctx.skipped(SECTION, name, path, "capture failed: " + fmt_err(err, 160), err, **meta), None
+        return c.failed(v.name, err, "capture failed"), None
     note = (
         f"captured in {graph.capture_ms:.1f} ms (+ {graph.warmup_ms:.1f} ms warm-up), graph pool "
         f"{graph.memory_bytes / 2**20:.1f} MiB"
@@ -608,58 +470,44 @@ def _graph_item(
     }
     # a CUDA graph row applies where a graph was captured: on the CPU the same API runs eagerly, a row kept in the JSON
     # (the API is exercised) but not printed or plotted as a graph replay
-    return (path, graph.replay, dict(flops=flops, note=note, extra=extra, applies=graph.graphed, **meta)), graph
+    return c.item(v.name, graph.replay, flops=flops, note=note, extra=extra, applies=graph.graphed), graph
 
 
-def _in_layer_rows(
-    ctx: Ctx, x: Inputs, plan: PrefillPlan, name: str, full: Row, meta: Callable[[int], dict]
-) -> list[Row]:
+def _in_layer_rows(c: Case, x: Inputs, plan: PrefillPlan, full: Row) -> list[Row]:
     """mla_prefill's phases timed inside the layer by :func:`mla_bridge.profiling.time_phases` (CUDA events at the
     phase boundaries with the GPU ahead of the host; host issue time and idle-GPU gaps apart), and their sum against
     the layer's own time (``full``, the mla_prefill row): within 5% on a GPU."""
-    from ..profiling import time_phases
-
-    base = 12  # index of "in mla_prefill: gather" in PATHS
+    ctx, name, meta, total_v = c.ctx, c.name, c.meta, "in layer: sum of phases"
     try:
         times, _ = time_phases(
-            lambda hook: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan, phase_hook=hook),
-            ctx.device,
-            layers=max(1, min(ctx.repeats, 5)),
+            lambda hook: _layer(x, plan)(phase_hook=hook), ctx.device, layers=max(1, min(ctx.repeats, 5))
         )
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped(SECTION, name, PATHS[base + 5], "failed: " + fmt_err(err, 160), err, **meta(base + 5))]
+        return [c.failed(total_v, err)]
     d, e = x.dims, x.q.element_size()
     attn, up = x.flops()
     main_attn = attn if plan.fused else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads)
     # what each phase moves or computes: latent rows read + written; the GEMM; the attention; partials read + written
+    gather = (
+        (4 * x.num_context + 2 * x.num_tokens) if plan.fused else 2 * (x.num_context + x.num_tokens)
+    ) * d.latent_dim
     work = {
-        "gather": dict(
-            nbytes=((4 * x.num_context + 2 * x.num_tokens) if plan.fused else 2 * (x.num_context + x.num_tokens))
-            * d.latent_dim
-            * e
-        ),
+        "gather": dict(nbytes=gather * e),
         "up-projection": dict(flops=up),
         "main pass": dict(flops=main_attn),
         "context chunk": dict(flops=attn - main_attn),
         "merge": dict(nbytes=merge_phase_bytes(plan, e)),
     }
     rows = []
-    for i, phase in enumerate(IN_LAYER_PHASES):
+    for phase in IN_LAYER_PHASES:
         if phase in times.phases_ms:
-            row = ctx.row(
-                SECTION,
-                name,
-                PATHS[base + i],
-                ms=times.phases_ms[phase],
-                **work[phase],
-                **meta(base + i),
-                note=f"{times.passes[phase]} pass(es) per layer",
-            )
+            v, n = "in layer: " + phase, times.passes[phase]
+            row = ctx.row(SECTION, name, path(v), ms=times.phases_ms[phase], **work[phase], **meta(v))
+            row.note = f"{n} pass(es) per layer"
             row.host_ms, row.repeats = times.host_ms[phase], times.layers
-            row.extra.update(passes=times.passes[phase], gap_ms=times.gap_ms.get(phase), method=times.method)
+            row.extra.update(passes=n, gap_ms=times.gap_ms.get(phase), method=times.method)
             rows.append(row)
-    total = ctx.row(SECTION, name, PATHS[base + 5], ms=times.sum_ms, flops=attn + up, **meta(base + 5))
+    total = ctx.row(SECTION, name, path(total_v), ms=times.sum_ms, flops=attn + up, **meta(total_v))
     total.repeats = times.layers
     total.extra.update(phase_timing=times.to_dict(), method=times.method)
     ratio = times.sum_ms / full.ms if full.status == "ok" and full.ms else None
@@ -671,149 +519,103 @@ def _in_layer_rows(
     gaps = sum(times.gap_ms.values())
     total.extra["host_gap_ms"] = gaps
     rows.append(total)
+    how = "phases timed inside the layer (mla_bridge.profiling)"
     if gaps > PHASE_SUM_TOLERANCE * times.sum_ms:
         # host-bound: the layer waits for the host, which GPU phase times leave out (reported as gaps instead)
         total.note += f"; host-bound: {gaps:.3f} ms of host gaps on an idle GPU"
-        ctx.check(
-            f"context {name}: in-layer phase sum / mla_prefill (host-bound: GPU time <= layer)",
-            ratio,
-            "<=",
-            1.0 + PHASE_SUM_TOLERANCE,
-            "phases timed inside the layer (mla_bridge.profiling)",
-        )
+        what = "in-layer phase sum / mla_prefill (host-bound: GPU time <= layer)"
+        ctx.check(f"context {name}: {what}", ratio, "<=", 1.0 + PHASE_SUM_TOLERANCE, how)
     else:
-        ctx.check(
-            f"context {name}: |in-layer phase sum / mla_prefill - 1|",
-            None if ratio is None else abs(ratio - 1.0),
-            "<=",
-            PHASE_SUM_TOLERANCE,
-            "phases timed inside the layer (mla_bridge.profiling)",
-        )
+        value = None if ratio is None else abs(ratio - 1.0)
+        ctx.check(f"context {name}: |in-layer phase sum / mla_prefill - 1|", value, "<=", PHASE_SUM_TOLERANCE, how)
     return rows
 
 
-def _handwritten_item(ctx: Ctx, x: Inputs, budget: int, name: str, flops: float, meta: dict):
+def _handwritten_item(c: Case, x: Inputs, budget: int, flops: float):
     """The hand-written pipeline as a ``measure_many`` item, or a skipped row."""
-    if "handwritten" in ctx.skip:
-        return ctx.skipped(SECTION, name, PATHS[2], "--skip handwritten", **meta)
-    if not ctx.cuda or not flashinfer_importable():
-        return ctx.not_here(SECTION, name, PATHS[2], "needs CUDA and FlashInfer", **meta)
+    unavailable = c.unavailable("handwritten", "handwritten")
+    if unavailable is not None:
+        return unavailable
     try:
-        layer = handwritten_pipeline(ctx, x, budget)
-        fb = handwritten_backend(ctx)
+        layer = handwritten_pipeline(c.ctx, x, budget)
+        fb = handwritten_backend(c.ctx)
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return ctx.skipped(SECTION, name, PATHS[2], "plan failed: " + fmt_err(err, 160), err, **meta)
-    return (PATHS[2], layer, dict(flops=flops, note=f"torch gather, matmul, cat, {fb} per chunk, merge_state", **meta))
+        return c.failed("handwritten", err, "plan failed")
+    return c.item("handwritten", layer, flops=flops, note=f"torch gather, matmul, cat, {fb} per chunk, merge_state")
 
 
-def _summary_rows(
-    ctx: Ctx,
-    case: ContextCase,
-    bi: int,
-    name: str,
-    by_path: dict,
-    attn_flops: float,
-    up_flops: float,
-    meta: Callable[[int], dict],
-) -> list[Row]:
+def _summary_rows(c: Case, case: ContextCase, bi: int, by_path: dict, flops: float) -> list[Row]:
     """Sums of the phases run alone, and the targets: each mla_prefill path against (attention + GEMM alone) and
     against the hand-written pipeline; on the host-bound cases, graphed and eager against eager before the per-pass
     choice (``ContextCase.eager_ms_before``)."""
-    ok = lambda p: p in by_path and by_path[p].status == "ok"  # noqa: E731
-    full, hand = by_path.get(PATHS[0]), by_path.get(PATHS[2])
+    ctx, name, meta = c.ctx, c.name, c.meta
+
+    def ok(v: str) -> Any:  # the row of an ok path (its ms set), or None
+        row = by_path.get(path(v))
+        return row if row is not None and row.status == "ok" else None
+
     rows = []
-    if ok(PATHS[3]) and ok(PATHS[4]) and ok(PATHS[6]):
-        parts = [by_path[p].ms for p in (PATHS[3], PATHS[4], PATHS[6], PATHS[7]) if ok(p)]
+    if ok("gather") and ok("up-projection") and ok("attention"):
+        parts = [r.ms for r in map(ok, ("gather", "up-projection", "attention", "merge")) if r]
+        note = "gather + up-projection + attention + merge"
         rows.append(
-            ctx.row(
-                SECTION,
-                name,
-                PATHS[8],
-                ms=sum(parts),
-                flops=attn_flops + up_flops,
-                **meta(8),
-                note="gather + up-projection + attention + merge",
-            )
+            ctx.row(SECTION, name, path("phase sum"), ms=sum(parts), flops=flops, **meta("phase sum"), note=note)
         )
     base = None
-    if ok(PATHS[5]) and ok(PATHS[6]):
+    if ok("gemm") and ok("attention"):
         # the kernels' GPU time (their CUDA events): a sample's host time, when the host lags, is no kernel work
-        base = sum(by_path[p].extra.get("gpu_ms", by_path[p].ms) for p in (PATHS[5], PATHS[6]))
+        base = sum(r.extra.get("gpu_ms", r.ms) for r in map(ok, ("gemm", "attention")))
+        note = "the targets' denominator: the two kernels' GPU time (CUDA events)"
         rows.append(
             ctx.row(
-                SECTION,
-                name,
-                PATHS[9],
-                ms=base,
-                flops=attn_flops + up_flops,
-                **meta(9),
-                note="the targets' denominator: the two kernels' GPU time (CUDA events)",
+                SECTION, name, path("attention + gemm"), ms=base, flops=flops, **meta("attention + gemm"), note=note
             )
         )
     long_case = not case.eager_ms_before
-    # (path, target against attention + GEMM alone on the long cases)
-    for path, target in (
-        (PATHS[0], EAGER_TARGET),
-        (PATHS[20], GRAPHED_TARGET),
-        (PATHS[18], None),
-        (PATHS[19], None),
-        (PATHS[21], None),
-        (FUSED_KV_PATH, None),
-        (FUSED_KV_GRAPH, None),
-        (SEPARATE_KV_PATH, None),
-        (SEPARATE_KV_GRAPH, None),
-    ):
-        row = by_path.get(path)
-        if not ok(path):
+    hand = ok("handwritten")
+    targets = {"eager": EAGER_TARGET, "graph": GRAPHED_TARGET}
+    for v in LAYER:
+        target, row = targets.get(v.name), ok(v.name)
+        what = f"context {name}: {v.label} / (attention + GEMM alone)"
+        if row is None:
             if target and long_case and case.context:
-                ctx.check(
-                    f"context {name}: {path} / (attention + GEMM alone)",
-                    None,
-                    "<=",
-                    target,
-                    "not measured: " + (row.note if row is not None else ""),
-                )
+                missing = by_path.get(v.label)
+                ctx.check(what, None, "<=", target, "not measured: " + (missing.note if missing is not None else ""))
             continue
-        assert row is not None  # ok(path): a row of by_path
         if base is not None:
             ratio = row.ms / base
             row.extra["vs_attention_plus_gemm"] = ratio
             row.note += f"; {ratio:.3f}x attn+GEMM"
             if target and long_case:
-                ctx.check(f"context {name}: {path} / (attention + GEMM alone)", ratio, "<=", target)
+                ctx.check(what, ratio, "<=", target)
         elif target and long_case and case.context:
-            ctx.check(f"context {name}: {path} / (attention + GEMM alone)", None, "<=", target, "phases not measured")
-        if ok(PATHS[2]):
-            assert hand is not None  # ok(PATHS[2]): a row of by_path
+            ctx.check(what, None, "<=", target, "phases not measured")
+        if hand is not None:
             ratio = row.ms / hand.ms
             row.extra["vs_handwritten"] = ratio
             row.note += f"; {ratio:.3f}x hand-written"
-            ctx.check(f"context {name}: {path} / hand-written pipeline", ratio, "<=", 1.0, "never slower")
-    if not ok(PATHS[2]) and ctx.cuda:
-        why = hand.note if hand is not None and hand.status != "ok" else (full.note if full is not None else "")
+            ctx.check(f"context {name}: {v.label} / hand-written pipeline", ratio, "<=", 1.0, "never slower")
+    full = by_path.get(path("eager"))
+    if hand is None and ctx.cuda:
+        h = by_path.get(path("handwritten"))
+        why = h.note if h is not None and h.status != "ok" else (full.note if full is not None else "")
         ctx.check(f"context {name}: mla_prefill / hand-written pipeline", None, "<=", 1.0, "not measured: " + why)
-    for g, e in (
-        (PATHS[20], PATHS[0]),
-        (PATHS[21], PATHS[19]),
-        (FUSED_KV_GRAPH, FUSED_KV_PATH),
-        (SEPARATE_KV_GRAPH, SEPARATE_KV_PATH),
-    ):  # graph / eager
-        if ok(g) and ok(e):
-            by_path[g].extra["speedup_vs_eager"] = by_path[e].ms / by_path[g].ms
-            by_path[g].note += f"; {by_path[e].ms / by_path[g].ms:.2f}x faster than eager"
-    graphed = by_path.get(PATHS[20])
+    for v in (v for v in LAYER if "graph" in v.args):  # graph / eager
+        g, e = ok(v.name), ok(v.args["graph"])
+        if g is not None and e is not None:
+            g.extra["speedup_vs_eager"] = e.ms / g.ms
+            g.note += f"; {e.ms / g.ms:.2f}x faster than eager"
     if case.eager_ms_before:
-        before = case.eager_ms_before[bi]
+        before, graphed, eager = case.eager_ms_before[bi], ok("graph"), ok("eager")
         ctx.check(
             f"context {name}: graphed mla_prefill speedup over the H200 eager baseline ({before} ms)",
-            before / graphed.ms if ok(PATHS[20]) else None,  # type: ignore[union-attr]  # ok: a row of by_path
+            before / graphed.ms if graphed else None,  # type: ignore[operator]
             ">=",
             GRAPHED_SPEEDUP,
         )
         ctx.check(
             f"context {name}: eager mla_prefill ms against the H200 eager baseline ({before} ms)",
-            full.ms if ok(PATHS[0]) else None,  # type: ignore[union-attr]  # ok: a row of by_path
+            eager.ms if eager else None,
             "<=",
             before,
             "no slower",
@@ -821,89 +623,97 @@ def _summary_rows(
     return rows
 
 
-def _context_pass_rows(
-    ctx: Ctx, x: Inputs, budget: int, name: str, ws: Workspace, meta: Callable[[int], dict]
-) -> list[Row]:
+def _fp8_setup(c: Case, x: Inputs, plan: PrefillPlan, run: Callable[..., torch.Tensor]) -> dict:
+    """The FP8-cache layer of a case (same inputs, the cache quantized once) and its error against the bf16-cache
+    result (the quantization error), computed once, untimed."""
+    ctx = c.ctx
+    res: dict[str, Any] = {"skipped": [], "rel_err": None, "applies": x.num_context > 0}
+    if x.num_context == 0:
+        res["skipped"].append(c.skip("fp8", "no context: the cache is not read"))
+        return res
+    try:
+        cache8, scale = quantize_latent_cache(x.kv_cache)
+        build = dict(dims=x.dims, workspace=plan.workspace, block_size=x.case.block_size, dtype=ctx.dtype)
+        plan8 = PrefillPlan.build(x.q_lens, x.c_lens, backend=ctx.backend, kv_cache_dtype="fp8", **build)  # type: ignore[arg-type]
+        layer = _layer(x, plan8, cache8, scale)
+        ref = run().float()
+        res["rel_err"] = float((layer().float() - ref).abs().max() / ref.abs().max())
+    except Exception as err:  # noqa: BLE001
+        res["skipped"].append(c.failed("fp8", err))
+        return res
+    res.update(layer=layer, run=lambda: layer(), scale=scale)
+    return res
+
+
+def _fp8_summary(ctx: Ctx, name: str, by_path: dict, fp8: dict) -> None:
+    """FP8 row against the bf16-cache row of the same run (the <= 1.02 target) and its quantization error."""
+    full, row8 = by_path.get(path("eager")), by_path.get(path("fp8"))
+    if not fp8["applies"]:
+        return
+    if row8 is None or row8.status != "ok":
+        ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", None, "<=", FP8_TARGET, "not measured")
+        return
+    row8.extra["rel_err_vs_unquantized"] = fp8["rel_err"]
+    unquantized = str(ctx.dtype).replace("torch.", "")  # the cache dtype of the unquantized rows
+    row8.note += f"; max |out - out({unquantized} cache)| / max |out| = {fp8['rel_err']:.2e} (quantization error)"
+    ratio = row8.ms / full.ms if full is not None and full.status == "ok" else None
+    if ratio is not None:
+        row8.extra["vs_bf16_cache"] = ratio
+        row8.note += f"; {ratio:.3f}x the {unquantized}-cache row"
+    ctx.check(f"context {name}: mla_prefill FP8 cache / bf16 cache", ratio, "<=", FP8_TARGET, "same run")
+    for fast, slow in (("gather", "torch gather"), ("fp8 gather", "fp8 torch gather")):
+        a, b = by_path.get(path(fast)), by_path.get(path(slow))
+        if a is not None and b is not None and a.status == b.status == "ok":
+            a.extra["vs_torch_gather"] = a.ms / b.ms
+            a.note += f"; {a.ms / b.ms:.3f}x the torch gather"
+
+
+def _context_pass_rows(c: Case, x: Inputs, budget: int, ws: Workspace) -> list[Row]:
     """One context chunk alone (the first of the schedule): non-causal, its requests' new tokens over it."""
-    d = x.dims
+    ctx, d = c.ctx, x.dims
     spans = schedule_context_chunks(x.c_lens, budget)[0]
     r0, r1 = spans[0][0], spans[-1][0] + 1
     kv_lens = [0] * (r1 - r0)
     for r, s, e in spans:
         kv_lens[r - r0] = e - s
     q_lens = x.q_lens[r0:r1]
-    qo = indptr(q_lens)
     q0 = sum(x.q_lens[:r0])
     q = x.q[q0 : q0 + sum(q_lens)]
     flops = attention_flops(q_lens, kv_lens, causal=False, heads=d.num_heads)
-    case = f"{name}: chunk 0 (q {'+'.join(map(str, q_lens))} over kv {'+'.join(map(str, kv_lens))})"
-    m0, m1 = meta(10), meta(11)
-    m0["seq_len"] = m1["seq_len"] = sum(kv_lens)
+    name = f"{c.name}: chunk 0 (q {'+'.join(map(str, q_lens))} over kv {'+'.join(map(str, kv_lens))})"
+    c = replace(c, name=name, fields=dict(c.fields, seq_len=sum(kv_lens)))
+    heads = dict(num_heads=d.num_heads, head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo)
     try:
         req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
         pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
-        lat = gather_latent(x.kv_cache, x.block_table, req_ids, pos, dtype=ctx.dtype)
-        k, v = x.wp.up_project(lat)
+        k, v = x.wp.up_project(gather_latent(x.kv_cache, x.block_table, req_ids, pos, dtype=ctx.dtype))
         plan = plan_ragged(
-            qo,
-            indptr(kv_lens),
-            num_heads=d.num_heads,
-            head_dim_qk=d.head_dim_qk,
-            head_dim_vo=d.head_dim_vo,
-            causal=False,
-            sm_scale=d.softmax_scale,
-            dtype=ctx.dtype,
-            workspace=ws,
-            backend=ctx.backend,
-        )
+            indptr(q_lens), indptr(kv_lens), **heads, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype,
+            workspace=ws, backend=ctx.backend,
+        )  # fmt: skip
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped(SECTION, case, PATHS[10], "failed: " + fmt_err(err, 160), err, **m0)]
-    items = [(PATHS[10], lambda: plan.run(q, k, v), dict(flops=flops, note=f"backend {plan.backend.name}", **m0))]
-    fb = plan.backend.flashinfer_backend
-    raw = None
-    if fb is None or "raw" in ctx.skip:
-        raw = (
-            ctx.skipped(SECTION, case, PATHS[11], "--skip raw", **m1)
-            if fb
-            else ctx.not_here(SECTION, case, PATHS[11], "needs CUDA and FlashInfer", **m1)
-        )
-    else:
-        try:
-            wrapper = ctx.raw_wrapper(fb, 0)
-            plan_raw(
-                wrapper, qo, indptr(kv_lens), heads=d.num_heads, causal=False, sm_scale=d.softmax_scale, dtype=ctx.dtype
-            )
-            items.append(
-                (
-                    PATHS[11],
-                    lambda: wrapper.run(q, k, v, return_lse=True),
-                    dict(flops=flops, note=f"backend {fb}", **m1),
-                )
-            )
-        except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            raw = ctx.skipped(SECTION, case, PATHS[11], "plan failed: " + fmt_err(err, 160), err, **m1)
-    measured = ctx.measure_many(SECTION, case, items)
-    core = measured[0]
-    if raw is None:
-        raw = measured[1]
-    if core.status == raw.status == "ok":
-        # an ok row has its ms
-        core.extra["vs_raw"] = raw.ms / core.ms  # type: ignore[operator]
-        core.note += f"; {raw.ms / core.ms:.3f}x raw"  # type: ignore[operator]
-    return [core, raw]
+        return [c.failed("context pass", err)]
+    return beside_raw(c, "context pass", "context pass raw", plan, q, k, v, flops=flops)
 
 
 def jobs(ctx: Ctx) -> list[Job]:
-    out = []
-    for k, case in enumerate(context_cases(ctx.quick)):
-        for bi, (label, _) in enumerate(case.budgets):
-            ci = 10 * k + bi
-            out.append(
-                Job(SECTION, f"context {case.name}, {label}", lambda c, cs=case, b=bi, i=ci: _case_job(c, cs, b, i))  # type: ignore[misc]
-            )
-    return out
+    return [
+        Job(SECTION, f"context {case.name}, {label}", partial(_case_job, case=case, bi=bi, ci=10 * k + bi))
+        for k, case in enumerate(context_cases(ctx.quick))
+        for bi, (label, _) in enumerate(case.budgets)
+    ]
+
+
+def merge_phase_bytes(plan: PrefillPlan, e: int) -> int:
+    """Bytes the merges of one :func:`mla_bridge.mla_prefill` call move (``e``: the out dtype's size): per step of
+    :attr:`mla_bridge.PrefillPlan.merge_steps`, its rows' out (or float32 running out) and partial read, the merged
+    out (or running out) written, and the float32 LSEs (two read, one written)."""
+    h, dv = plan.dims.num_heads, plan.dims.v_head_dim
+    total = 0
+    for steps in plan.merge_steps:
+        for start, stop, src, dst in steps or ():
+            total += (stop - start) * h * (dv * ((e if src is None else 4) + e + (e if dst is None else 4)) + 12)
+    return total
 
 
 def budget_bytes(x: Inputs, plan: PrefillPlan) -> dict:

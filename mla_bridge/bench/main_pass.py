@@ -5,24 +5,29 @@ a document-causal block mask vs the torch backend (small shapes only on the GPU)
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..ragged import plan_ragged
 from .cases import TORCH_BACKEND_MAX_WORK, MainShape, dims_for, main_shapes
-from .common import Ctx, Job, Row, attention_flops, causal_pairs, fmt_err, indptr, plan_raw
+from .common import Case, Ctx, Job, Row, Variant, attention_flops, beside_raw, causal_pairs, indptr, variants
 
-__all__ = ["jobs", "PATHS"]
+__all__ = ["jobs", "VARIANTS"]
 
 SECTION = "main"
-PATHS = (
-    "mla_bridge RaggedPlan.run",
-    "raw FlashInfer wrapper.run",
-    "torch SDPA (dense)",
-    "flex_attention (doc-causal)",
-    "mla_bridge torch backend",
+VARIANTS = variants(
+    Variant("core", "mla_bridge RaggedPlan.run", 0),
+    Variant("raw", "raw FlashInfer wrapper.run", 1),
+    Variant("sdpa", "torch SDPA (dense)", 2),
+    Variant("flex", "flex_attention (doc-causal)", 3),
+    Variant("torch", "mla_bridge torch backend", 4),
 )
+
+
+def _case(ctx: Ctx, shape: MainShape, ci: int) -> Case:
+    return Case(ctx, SECTION, shape.name, VARIANTS, ci, dict(seq_len=shape.tokens, heads=shape.heads))
 
 
 def _tensors(ctx: Ctx, shape: MainShape, salt: int):
@@ -31,145 +36,57 @@ def _tensors(ctx: Ctx, shape: MainShape, salt: int):
     return (ctx.randn(t, h, 192, gen=g), ctx.randn(t, h, 192, gen=g), ctx.randn(t, h, 128, gen=g))
 
 
-def _meta(shape: MainShape, ci: int, pi: int) -> dict:
-    return dict(seq_len=shape.tokens, heads=shape.heads, order=(0, ci, pi))
-
-
-def _flops(shape: MainShape) -> float:
-    return attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
+def _plan(ctx: Ctx, shape: MainShape, backend: Any):
+    qo = indptr(shape.lens)
+    scale = dims_for(shape.heads).softmax_scale
+    return plan_ragged(
+        qo, qo, num_heads=shape.heads, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=scale,
+        dtype=ctx.dtype, workspace=ctx.workspace(), backend=backend,
+    )  # fmt: skip
 
 
 def _core_and_raw(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
-    dims = dims_for(shape.heads)
+    c = _case(ctx, shape, ci)
     q, k, v = _tensors(ctx, shape, ci)
-    qo = indptr(shape.lens)
-    flops = _flops(shape)
-    rows: list[Row] = []
-    plan = None
+    flops = attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
     try:
-        plan = plan_ragged(
-            qo,
-            qo,
-            num_heads=shape.heads,
-            head_dim_qk=192,
-            head_dim_vo=128,
-            causal=True,
-            sm_scale=dims.softmax_scale,
-            dtype=ctx.dtype,
-            workspace=ctx.workspace(),
-            backend=ctx.backend,
-        )
+        plan = _plan(ctx, shape, ctx.backend)
     except Exception as err:  # noqa: BLE001 - e.g. the fa3 JIT compile failed
-        ctx.recover()
-        rows.append(
-            ctx.skipped(
-                SECTION,
-                shape.name,
-                PATHS[0],
-                "plan failed: " + fmt_err(err, 160),
-                err,
-                flops=flops,
-                **_meta(shape, ci, 0),
-            )
-        )
-    items = []
-    if plan is not None:
-        items.append(
-            (
-                PATHS[0],
-                lambda: plan.run(q, k, v),
-                dict(flops=flops, note=f"backend {plan.backend.name}", **_meta(shape, ci, 0)),
-            )
-        )
-    fi_backend = plan.backend.flashinfer_backend if plan is not None else None
-    raw_row = None
-    if "raw" in ctx.skip:
-        raw_row = ctx.skipped(SECTION, shape.name, PATHS[1], "--skip raw", **_meta(shape, ci, 1))
-    elif fi_backend is None and plan is not None:
-        raw_row = ctx.not_here(
-            SECTION,
-            shape.name,
-            PATHS[1],
-            "needs CUDA and FlashInfer (the plan runs the torch backend)",
-            **_meta(shape, ci, 1),
-        )
-    elif fi_backend is None:
-        raw_row = ctx.skipped(SECTION, shape.name, PATHS[1], "no plan", **_meta(shape, ci, 1))
+        rows = [
+            c.failed("core", err, "plan failed", flops=flops),
+            c.skip("raw", "--skip raw" if "raw" in ctx.skip else "no plan"),
+        ]
     else:
-        try:
-            wrapper = ctx.raw_wrapper(fi_backend)
-            plan_raw(wrapper, qo, qo, heads=shape.heads, causal=True, sm_scale=dims.softmax_scale, dtype=ctx.dtype)
-            items.append(
-                (
-                    PATHS[1],
-                    lambda: wrapper.run(q, k, v, return_lse=True),
-                    dict(flops=flops, note=f"backend {fi_backend}, base-2 lse", **_meta(shape, ci, 1)),
-                )
-            )
-        except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            raw_row = ctx.skipped(
-                SECTION,
-                shape.name,
-                PATHS[1],
-                "plan failed: " + fmt_err(err, 160),
-                err,
-                flops=flops,
-                **_meta(shape, ci, 1),
-            )
-    rows.extend(ctx.measure_many(SECTION, shape.name, items))  # interleaved: the ratio is what counts
-    if raw_row is not None:
-        rows.append(raw_row)
-    core, raw = rows[0], rows[1]
+        note = " (the plan runs the torch backend)"
+        rows = beside_raw(c, "core", "raw", plan, q, k, v, flops=flops, raw_note=", base-2 lse", fi_missing=note)
+    core, raw = rows
+    what = f"main {shape.name}: mla_bridge / raw FlashInfer throughput"
     if core.status == raw.status == "ok":
-        ratio = raw.ms / core.ms  # type: ignore[operator]  # an ok row has its ms
-        core.extra["vs_raw"] = ratio
-        core.note += f"; {ratio:.3f}x raw"
-        ctx.check(
-            f"main {shape.name}: mla_bridge / raw FlashInfer throughput",
-            ratio,
-            ">=",
-            0.98,
-            "no extra copies, syncs or per-call planning",
-        )
+        ctx.check(what, core.extra["vs_raw"], ">=", 0.98, "no extra copies, syncs or per-call planning")
     elif ctx.cuda:
-        ctx.check(
-            f"main {shape.name}: mla_bridge / raw FlashInfer throughput",
-            None,
-            ">=",
-            0.98,
-            "not measured: " + (core.note if core.status != "ok" else raw.note),
-        )
-    rows.append(_sdpa(ctx, shape, ci, q, k, v, flops))
+        ctx.check(what, None, ">=", 0.98, "not measured: " + (core.note if core.status != "ok" else raw.note))
+    rows.append(_sdpa(ctx, c, shape, q, k, v, flops))
     return rows
 
 
-def _sdpa(ctx: Ctx, shape: MainShape, ci: int, q, k, v, flops: float) -> Row:
-    meta = _meta(shape, ci, 2)
+def _sdpa(ctx: Ctx, c: Case, shape: MainShape, q, k, v, flops: float) -> Row:
     if "sdpa" in ctx.skip:
-        return ctx.skipped(SECTION, shape.name, PATHS[2], "--skip sdpa", **meta)
+        return c.skip("sdpa", "--skip sdpa")
     if not shape.equal:
-        return ctx.skipped(SECTION, shape.name, PATHS[2], "ragged batch: dense SDPA needs equal lengths", **meta)
+        return c.skip("sdpa", "ragged batch: dense SDPA needs equal lengths")
     b, length, h = len(shape.lens), shape.lens[0], shape.heads
     scale = dims_for(h).softmax_scale
     try:
         # [B, H, L, D] contiguous copies, made once outside the timing (SDPA's preferred layout).
         qs, ks, vs = (x.view(b, length, h, -1).transpose(1, 2).contiguous() for x in (q, k, v))
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return ctx.skipped(SECTION, shape.name, PATHS[2], "failed: " + fmt_err(err, 160), err, flops=flops, **meta)
+        return c.failed("sdpa", err, flops=flops)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    note = "[B,H,L,D]; torch picks flash/efficient/cuDNN" if ctx.cuda else "[B,H,L,D]"
     with _fused_sdpa_only(ctx):
-        row = ctx.measure(
-            SECTION,
-            shape.name,
-            PATHS[2],
-            lambda: sdpa(qs, ks, vs, is_causal=True, scale=scale),
-            flops=flops,
-            note="[B,H,L,D]; torch picks flash/efficient/cuDNN" if ctx.cuda else "[B,H,L,D]",
-            **meta,
-        )
-    return row
+        return c.measure(
+            [c.item("sdpa", lambda: sdpa(qs, ks, vs, is_causal=True, scale=scale), flops=flops, note=note)]
+        )[0]
 
 
 def _fused_sdpa_only(ctx: Ctx) -> Any:
@@ -191,23 +108,21 @@ def _fused_sdpa_only(ctx: Ctx) -> Any:
 
 
 def _flex(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
-    meta = _meta(shape, ci, 3)
-    flops = _flops(shape)
+    c = _case(ctx, shape, ci)
+    flops = attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
     if "flex" in ctx.skip:
-        return [ctx.skipped(SECTION, shape.name, PATHS[3], "--skip flex", **meta)]
+        return [c.skip("flex", "--skip flex")]
     if ctx.over_budget():
-        return [ctx.skipped(SECTION, shape.name, PATHS[3], f"time budget ({ctx.budget_s:.0f} s) spent", **meta)]
+        return [c.skip("flex", f"time budget ({ctx.budget_s:.0f} s) spent")]
     if shape.equal:
         # Flex's set-up costs seconds per shape eagerly on the CPU and a torch.compile per shape on a GPU (minutes
         # each on the H200 after the JAX section: six shapes read as a hang), so it runs on
         # the ragged shape only, the one its document mask is for.
-        return [
-            ctx.skipped(SECTION, shape.name, PATHS[3], "run on the ragged shape only (a compile per shape)", **meta)
-        ]
+        return [c.skip("flex", "run on the ragged shape only (a compile per shape)")]
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except Exception as err:  # noqa: BLE001
-        return [ctx.skipped(SECTION, shape.name, PATHS[3], "flex_attention unavailable", err, **meta)]
+        return [c.skip("flex", "flex_attention unavailable", err)]
     h, t = shape.heads, shape.tokens
     g = ctx.generator(ci)
     try:
@@ -226,21 +141,13 @@ def _flex(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
         fn = _compiled_flex(ctx, flex_attention)
         scale = dims_for(h).softmax_scale
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped(SECTION, shape.name, PATHS[3], "failed: " + fmt_err(err, 160), err, flops=flops, **meta)]
-    note = "torch.compile'd" if ctx.cuda else "eager (unfused; CPU quick mode)"
+        return [c.failed("flex", err, flops=flops)]
+    note = (
+        "torch.compile'd" if ctx.cuda else "eager (unfused; CPU quick mode)"
+    ) + f", mask sparsity {mask.sparsity():.0f}%"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = ctx.measure(
-            SECTION,
-            shape.name,
-            PATHS[3],
-            lambda: fn(q, k, v, block_mask=mask, scale=scale),
-            flops=flops,
-            note=note + f", mask sparsity {mask.sparsity():.0f}%",
-            **meta,
-        )
-    return [row]
+        return c.measure([c.item("flex", lambda: fn(q, k, v, block_mask=mask, scale=scale), flops=flops, note=note)])
 
 
 def _compiled_flex(ctx: Ctx, flex_attention: Any) -> Any:
@@ -262,76 +169,31 @@ def _compiled_flex(ctx: Ctx, flex_attention: Any) -> Any:
 
 
 def _torch_backend(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
-    meta = _meta(shape, ci, 4)
-    flops = _flops(shape)
+    c = _case(ctx, shape, ci)
+    flops = attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
     if "torch" in ctx.skip:
-        return [ctx.skipped(SECTION, shape.name, PATHS[4], "--skip torch", **meta)]
+        return [c.skip("torch", "--skip torch")]
     work = sum(causal_pairs(n, n) for n in shape.lens) * shape.heads
     if ctx.cuda and not ctx.quick and work > TORCH_BACKEND_MAX_WORK:
-        return [
-            ctx.skipped(
-                SECTION,
-                shape.name,
-                PATHS[4],
-                "slow reference: run only on shapes up to 1x10000 at 16 heads",
-                flops=flops,
-                **meta,
-            )
-        ]
+        return [c.skip("torch", "slow reference: run only on shapes up to 1x10000 at 16 heads", flops=flops)]
     if ctx.over_budget():
-        return [ctx.skipped(SECTION, shape.name, PATHS[4], f"time budget ({ctx.budget_s:.0f} s) spent", **meta)]
-    dims = dims_for(shape.heads)
+        return [c.skip("torch", f"time budget ({ctx.budget_s:.0f} s) spent")]
     q, k, v = _tensors(ctx, shape, ci)
-    qo = indptr(shape.lens)
     try:
-        plan = plan_ragged(
-            qo,
-            qo,
-            num_heads=shape.heads,
-            head_dim_qk=192,
-            head_dim_vo=128,
-            causal=True,
-            sm_scale=dims.softmax_scale,
-            dtype=ctx.dtype,
-            workspace=ctx.workspace(),
-            backend="torch",
-        )
+        plan = _plan(ctx, shape, "torch")
     except Exception as err:  # noqa: BLE001
-        return [ctx.skipped(SECTION, shape.name, PATHS[4], "plan failed", err, **meta)]
+        return [c.skip("torch", "plan failed", err)]
     # The reference is slow on big shapes: fewer repeats there.
     repeats = ctx.repeats if ctx.quick or not ctx.cuda else min(ctx.repeats, 3)
-    return [
-        ctx.measure(
-            SECTION,
-            shape.name,
-            PATHS[4],
-            lambda: plan.run(q, k, v),
-            flops=flops,
-            repeats=repeats,
-            warmup=1,
-            note="blockwise float32 reference",
-            **meta,
-        )
-    ]
+    item = c.item("torch", lambda: plan.run(q, k, v), flops=flops, note="blockwise float32 reference")
+    return c.measure([item], repeats=repeats, warmup=1)
 
 
 def jobs(ctx: Ctx) -> list[Job]:
-    out: list[Job] = []
     shapes = main_shapes(ctx.quick)
-    for ci, shape in enumerate(shapes):
-        # mypy cannot infer a lambda with default arguments (each binds its loop values)
-        out.append(Job(SECTION, f"main {shape.name}", lambda c, s=shape, i=ci: _core_and_raw(c, s, i)))  # type: ignore[misc]
+    out = [Job(SECTION, f"main {s.name}", partial(_core_and_raw, shape=s, ci=i)) for i, s in enumerate(shapes)]
     # Slow peers last, inside the time budget: flex_attention compiles once per shape.
-    for ci, shape in enumerate(shapes):
-        out.append(
-            Job(SECTION, f"main {shape.name}: flex_attention", lambda c, s=shape, i=ci: _flex(c, s, i), optional=True)  # type: ignore[misc]
-        )
-        out.append(
-            Job(
-                SECTION,
-                f"main {shape.name}: torch backend",
-                lambda c, s=shape, i=ci: _torch_backend(c, s, i),  # type: ignore[misc]
-                optional=True,
-            )
-        )
+    for i, s in enumerate(shapes):
+        out.append(Job(SECTION, f"main {s.name}: flex_attention", partial(_flex, shape=s, ci=i), optional=True))
+        out.append(Job(SECTION, f"main {s.name}: torch backend", partial(_torch_backend, shape=s, ci=i), optional=True))
     return out

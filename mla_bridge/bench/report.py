@@ -344,10 +344,10 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
     def ratio(r: Row) -> Optional[float]:
         return r.extra.get("vs_attention_plus_gemm")
 
-    cp = context.PATHS
+    cp = context.path
     main_series = tuple(
         zip(
-            main_pass.PATHS,
+            (v.label for v in main_pass.VARIANTS.values()),
             (
                 "mla_bridge (RaggedPlan.run)",
                 "raw FlashInfer (wrapper.run)",
@@ -358,81 +358,48 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
         )
     )
     graphed = "CUDA graph replay" if env.get("gpu") else "capture_prefill (runs eagerly on the CPU)"
-    layer = ((cp[0], "eager"), (cp[20], graphed))
+    layer = ((cp("eager"), "eager"), (cp("graph"), graphed))
     kv = (
-        (context.FUSED_KV_PATH, "fused kernel, eager"),
-        (context.FUSED_KV_GRAPH, "fused kernel, graphed"),
-        (context.SEPARATE_KV_PATH, "gather + cuBLAS, eager"),
-        (context.SEPARATE_KV_GRAPH, "gather + cuBLAS, graphed"),
+        (cp("fused kv"), "fused kernel, eager"),
+        (cp("fused kv graph"), "fused kernel, graphed"),
+        (cp("separate kv"), "gather + cuBLAS, eager"),
+        (cp("separate kv graph"), "gather + cuBLAS, graphed"),
     )
-    times = ((cp[0], "mla_prefill, eager"), (cp[20], "mla_prefill, " + graphed), (cp[2], "hand-written pipeline"))
+    times = (
+        (cp("eager"), "mla_prefill, eager"),
+        (cp("graph"), "mla_prefill, " + graphed),
+        (cp("handwritten"), "hand-written pipeline"),
+    )
 
     applies = env.get("mode") == "full" and bool(env.get("gpu"))
-    panels = []
-    cases, series = _grouped(rows, "main", main_series, lambda r: r.tflops)
-    if series:
-        panels.append(
-            dict(
-                title="Main pass, causal: throughput by case (higher is better)",
-                cases=cases,
-                series=series,
-                xlabel="TFLOP/s",
-                peak=peaks.get("matmul_tflops"),
-            )
-        )
-    cases, series = _grouped(rows, "context", layer, ratio)
-    if series:
-        panels.append(
-            dict(
-                title="mla_prefill with cached context: time / (attention + GEMM alone), default path "
-                "(lower is better; 1 = the two kernels alone)",
-                cases=cases,
-                series=series,
-                xlabel="ratio",
-                one=True,
-                targets=((context.EAGER_TARGET, "eager"), (context.GRAPHED_TARGET, "graphed")) if applies else (),
-            )
-        )
-    cases, series = _grouped(rows, "context", kv, ratio)
-    if series:
-        panels.append(
-            dict(
-                title="mla_prefill: time / (attention + GEMM alone), one k/v path forced on every pass "
-                "(lower is better)",
-                cases=cases,
-                series=series,
-                xlabel="ratio",
-                one=True,
-            )
-        )
-    cases, series = _grouped(rows, "context", times, lambda r: r.ms)
-    if series:
-        values = [v for _, vals in series for v in vals if v]
-        log = max(values) / min(values) > 20
-        panels.append(
-            dict(
-                title="mla_prefill per layer against the hand-written pipeline (lower is better)",
-                cases=cases,
-                series=series,
-                xlabel="ms per layer" + (" (log scale)" if log else ""),
-                log=log,
-            )
-        )
-    jax_paths = []
+    jax_paths: list[str] = []
     for r in sort_rows(rows):
         if r.section == "jax" and r.applies and r.status == "ok" and r.tflops and r.path not in jax_paths:
             jax_paths.append(r.path)
-    cases, series = _grouped(rows, "jax", tuple((p, p) for p in jax_paths[:6]), lambda r: r.tflops)
-    if series:
-        panels.append(
-            dict(
-                title="JAX adapter: throughput by case (higher is better)",
-                cases=cases,
-                series=series,
-                xlabel="TFLOP/s",
-                peak=peaks.get("matmul_tflops"),
-            )
-        )
+    tflops = dict(xlabel="TFLOP/s", peak=peaks.get("matmul_tflops"))
+    targets = ((context.EAGER_TARGET, "eager"), (context.GRAPHED_TARGET, "graphed")) if applies else ()
+    specs = (  # (section, series, plotted value, title, axis settings)
+        ("main", main_series, lambda r: r.tflops, "Main pass, causal: throughput by case (higher is better)", tflops),
+        ("context", layer, ratio, "mla_prefill with cached context: time / (attention + GEMM alone), default path "
+         "(lower is better; 1 = the two kernels alone)", dict(xlabel="ratio", one=True, targets=targets)),
+        ("context", kv, ratio, "mla_prefill: time / (attention + GEMM alone), one k/v path forced on every pass "
+         "(lower is better)", dict(xlabel="ratio", one=True)),
+        ("context", times, lambda r: r.ms, "mla_prefill per layer against the hand-written pipeline (lower is better)",
+         dict(xlabel="ms per layer")),
+        ("jax", tuple((p, p) for p in jax_paths[:6]), lambda r: r.tflops,
+         "JAX adapter: throughput by case (higher is better)", tflops),
+    )  # fmt: skip
+    panels = []
+    for section, wanted, value, title, axis in specs:
+        cases, series = _grouped(rows, section, wanted, value)
+        if not series:
+            continue
+        panel: dict[str, Any] = dict(title=title, cases=cases, series=series, **axis)
+        if axis["xlabel"] == "ms per layer":
+            values = [v for _, vals in series for v in vals if v]
+            panel["log"] = max(values) / min(values) > 20
+            panel["xlabel"] += " (log scale)" if panel["log"] else ""
+        panels.append(panel)
     return panels
 
 

@@ -1,12 +1,10 @@
-"""Sections 3-6: merge bandwidth, planning (host time, plans per 61-layer loop), peak memory, and the JAX adapter."""
+"""Sections 3-5: merge bandwidth, planning (host time, plans per 61-layer loop), peak memory."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import os
 import statistics
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -16,93 +14,74 @@ from ..plan import PrefillPlan
 from ..prefill import mla_prefill
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for, loop_case
-from .common import Ctx, Job, Row, flashinfer_importable, fmt_err
+from .common import Case, Ctx, Job, Row, Variant, fmt_err, variants
 from .context import budget_bytes, handwritten_pipeline, make_inputs, peak_extra
 
-__all__ = ["merge_jobs", "plan_jobs", "memory_jobs", "jax_jobs", "normalize_jax_row"]
+__all__ = ["merge_jobs", "plan_jobs", "memory_jobs"]
 
 GIB = 1024**3
 
 
 # ------------------------------------------------------------------------------------------------ 3. merge
-MERGE_PATHS = (
-    "merge_attn_states",
-    "merge_attn_states_ (in place, as in mla_prefill)",
-    "flashinfer.merge_state (raw, base-2 lse)",
+MERGE = variants(
+    Variant("ours", "merge_attn_states", 0, note="read 2 partials + write 1 (out and lse)"),
+    Variant("ours in place", "merge_attn_states_ (in place, as in mla_prefill)", 1),
+    Variant("raw", "flashinfer.merge_state (raw, base-2 lse)", 2, ("cuda", "flashinfer")),
 )
 
 
 def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
-    tokens = (2048 if ctx.quick else 2**20) // heads  # the same bytes at every head count
-    d = 128
-    case = f"{heads}h x {tokens} tokens, d {d}"
+    tokens, d = (2048 if ctx.quick else 2**20) // heads, 128  # the same bytes at every head count
+    c = Case(ctx, "merge", f"{heads}h x {tokens} tokens, d {d}", MERGE, ci, dict(heads=heads, seq_len=tokens))
     g = ctx.generator(2000 + ci)
     out_a, out_b = ctx.randn(tokens, heads, d, gen=g), ctx.randn(tokens, heads, d, gen=g)
     lse_a = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     lse_b = ctx.randn(tokens, heads, gen=g, dtype=torch.float32)
     nbytes = 3 * tokens * heads * (d * out_a.element_size() + 4)
-    meta: Callable[[int], dict[str, Any]] = lambda pi: dict(  # noqa: E731
-        heads=heads, seq_len=tokens, order=(2, ci, pi)
-    )
     acc_out, acc_lse = out_a.clone(), lse_a.clone()
     items = [
-        (
-            MERGE_PATHS[0],
-            lambda: merge_attn_states(out_a, lse_a, out_b, lse_b),
-            dict(nbytes=nbytes, note="read 2 partials + write 1 (out and lse)", **meta(0)),
-        ),
-        (MERGE_PATHS[1], lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), dict(nbytes=nbytes, **meta(1))),
+        c.item("ours", lambda: merge_attn_states(out_a, lse_a, out_b, lse_b), nbytes=nbytes, note=MERGE["ours"].note),
+        c.item("ours in place", lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), nbytes=nbytes),
     ]
-    skipped = []
-    if not ctx.cuda or not flashinfer_importable():
-        skipped.append(ctx.not_here("merge", case, MERGE_PATHS[2], "needs CUDA and FlashInfer", **meta(2)))
-    elif heads * (d // max(16 // out_a.element_size(), d // 32)) > 1024:
+    skipped = [row] if (row := c.unavailable("raw")) else []
+    threads = d // max(16 // out_a.element_size(), d // 32)
+    if not skipped and heads * threads > 1024:
         # FlashInfer 0.7.4 launches head_dim/vec x heads threads per block: above 64 heads at bf16, d 128, the
         # launch fails (seen on the H200), and a failed launch can poison the next kernel's error check.
-        skipped.append(
-            ctx.skipped(
-                "merge",
-                case,
-                MERGE_PATHS[2],
-                f"not run: FlashInfer's merge_state fails to "
-                f"launch above 64 heads at bf16, d {d} (block of {heads} x "
-                f"{d // max(16 // out_a.element_size(), d // 32)} threads > 1024); "
-                f"merge_attn_states folds heads into rows",
-                **meta(2),
-            )
+        why = (
+            f"not run: FlashInfer's merge_state fails to launch above 64 heads at bf16, d {d} (block of {heads} x "
+            f"{threads} threads > 1024); merge_attn_states folds heads into rows"
         )
-    else:
+        skipped.append(c.skip("raw", why))
+    elif not skipped:
         from flashinfer import merge_state
 
         s_a, s_b = lse_a * 1.4426950408889634, lse_b * 1.4426950408889634
-        items.append((MERGE_PATHS[2], lambda: merge_state(out_a, s_a, out_b, s_b), dict(nbytes=nbytes, **meta(2))))
-    rows = ctx.measure_many("merge", case, items) + skipped
+        items.append(c.item("raw", lambda: merge_state(out_a, s_a, out_b, s_b), nbytes=nbytes))
+    rows = c.measure(items) + skipped
     main = rows[0]
-    ctx.check(
-        f"merge {heads} heads: merge_attn_states GB/s",
-        main.gbps,
-        ">=",
-        2500.0,
-        main.note if main.status != "ok" else "",
-    )
+    note = main.note if main.status != "ok" else ""
+    ctx.check(f"merge {heads} heads: merge_attn_states GB/s", main.gbps, ">=", 2500.0, note)
     return rows
 
 
 def merge_jobs(ctx: Ctx) -> list[Job]:
-    # mypy cannot infer a lambda with default arguments (each binds its loop values)
-    return [
-        Job("merge", f"merge {h} heads", lambda c, hh=h, i=i: _merge_job(c, hh, i))  # type: ignore[misc]
-        for i, h in enumerate((16, 128))
-    ]
+    return [Job("merge", f"merge {h} heads", partial(_merge_job, heads=h, ci=i)) for i, h in enumerate((16, 128))]
 
 
 # ------------------------------------------------------------------------------------------------ 4. plan
+PLAN = variants(
+    Variant("build", "PrefillPlan.build host time", 0),
+    Variant("flashinfer", "PrefillPlan.build: FlashInfer plan() calls", 1),
+    Variant("own", "PrefillPlan.build: our own host work", 2),
+)
+
+
 def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[Row]:
     dims = dims_for(16)
     new, cached = 512, (2048 if with_context else 0)
-    case = f"batch {batch}: {new} new" + (f" + {cached} cached" if cached else "") + " per request"
-    path = "PrefillPlan.build host time"
-    meta: dict[str, Any] = dict(heads=16, seq_len=batch * (new + cached), order=(3, ci, 0))
+    name = f"batch {batch}: {new} new" + (f" + {cached} cached" if cached else "") + " per request"
+    c = Case(ctx, "plan", name, PLAN, ci, dict(heads=16, seq_len=batch * (new + cached)))
     ws = Workspace(ctx.device)
     q_lens, c_lens = [new] * batch, [cached] * batch
     in_flashinfer = [0.0]
@@ -137,59 +116,30 @@ def _build_time_job(ctx: Ctx, batch: int, with_context: bool, ci: int) -> list[R
             fi_times.append(in_flashinfer[0] * 1e3)
         plans = ws.plans_made - p0
     except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        row = ctx.skipped("plan", case, path, "failed: " + fmt_err(err, 160), err, **meta)
-        rows = [row]
+        rows = [row := c.failed("build", err)]
     else:
-        ms = statistics.median(times)
-        fi_ms = statistics.median(fi_times)
+        ms, fi_ms = statistics.median(times), statistics.median(fi_times)
         own = statistics.median([t - f for t, f in zip(times, fi_times)])
         ratio = own / fi_ms if fi_ms > 0 else None
-        split = {
-            "flashinfer_plans": plans,
-            "flashinfer_plan_ms": fi_ms,
-            "own_host_ms": own,
-            "own_over_flashinfer": ratio,
-        }
-        row = Row(
-            "plan",
-            case,
-            path,
-            ms=ms,
-            host_ms=ms,
-            repeats=len(times),
-            note=f"{shape}, {backend}, host time, {plans} FlashInfer plan(s)",
-            extra={"ms_samples": [round(t, 6) for t in times], "schedule": shape, "backend": backend, **split},
-            **meta,
+        split = dict(flashinfer_plans=plans, flashinfer_plan_ms=fi_ms, own_host_ms=own, own_over_flashinfer=ratio)
+        figures = (
+            ("build", ms, f"{shape}, {backend}, host time, {plans} FlashInfer plan(s)"),
+            ("flashinfer", fi_ms, f"{plans} plan(s)"),
+            ("own", own, "build minus FlashInfer's plan()" + (f"; {ratio:.2f}x of it" if ratio else "")),
         )
-        rows = [row] + [
+        rows = [
             Row(
-                "plan",
-                case,
-                p,
-                ms=v,
-                host_ms=v,
-                repeats=len(times),
-                note=n,
-                extra=dict(split),
-                **dict(meta, order=(3, ci, k + 1)),
+                "plan", name, PLAN[v].label, ms=t, host_ms=t, repeats=len(times), note=n, extra=dict(split), **c.meta(v)
             )
-            for k, (p, v, n) in enumerate(
-                (
-                    ("PrefillPlan.build: FlashInfer plan() calls", fi_ms, f"{plans} plan(s)"),
-                    (
-                        "PrefillPlan.build: our own host work",
-                        own,
-                        "build minus FlashInfer's plan()" + (f"; {ratio:.2f}x of it" if ratio else ""),
-                    ),
-                )
-            )
+            for v, t, n in figures
         ]
+        row = rows[0]
+        row.extra = {"ms_samples": [round(t, 6) for t in times], "schedule": shape, "backend": backend, **split}
     if batch == 128:
-        ctx.check(f"plan: PrefillPlan.build host ms, {case}", row.ms, "<=", 1.0)
+        ctx.check(f"plan: PrefillPlan.build host ms, {name}", row.ms, "<=", 1.0)
     if batch == 128 and with_context:
         ctx.check(
-            f"plan: own host work / FlashInfer plan() time, {case}",
+            f"plan: own host work / FlashInfer plan() time, {name}",
             row.extra.get("own_over_flashinfer"),
             "<=",
             0.20,
@@ -273,50 +223,39 @@ def _loop_job(ctx: Ctx, case: ContextCase, budget_label: str, budget: int, ci: i
 
 
 def plan_jobs(ctx: Ctx) -> list[Job]:
-    out = []
-    ci = 0
-    for with_context in (False, True):
-        for batch in (1, 16, 128):
-            out.append(
-                Job(
-                    "plan",
-                    f"plan build batch {batch}" + (" with context" if with_context else ""),
-                    lambda c, b=batch, w=with_context, i=ci: _build_time_job(c, b, w, i),  # type: ignore[misc]
-                )
-            )
-            ci += 1
+    builds = [(w, b) for w in (False, True) for b in (1, 16, 128)]
+    out = [
+        Job(
+            "plan",
+            f"plan build batch {b}" + (" with context" if w else ""),
+            partial(_build_time_job, batch=b, with_context=w, ci=i),
+        )
+        for i, (w, b) in enumerate(builds)
+    ]
     first = loop_case(ctx.quick)
     main_only = ContextCase(
-        f"{first.batch}x{first.new} new, no context",
-        first.batch,
-        0,
-        first.new,
-        (("no context", first.context),),
-        first.block_size,
-        heads=first.heads,
-    )
+        f"{first.batch}x{first.new} new, no context", first.batch, 0, first.new, (("no context", first.context),),
+        first.block_size, heads=first.heads,
+    )  # fmt: skip
     loops = [(main_only, "no context", first.context)] + [(first, label, b) for label, b in first.budgets]
     for i, (case, label, budget) in enumerate(loops):
-        out.append(
-            Job(
-                "plan",
-                f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else ""),
-                lambda c, cs=case, lb=label, b=budget, k=i: _loop_job(c, cs, lb, b, k),  # type: ignore[misc]
-            )
-        )
+        name = f"{ctx.layers}-layer loop {case.name}" + (f", {label}" if case.context else "")
+        out.append(Job("plan", name, partial(_loop_job, case=case, budget_label=label, budget=budget, ci=i)))
     return out
 
 
 # ------------------------------------------------------------------------------------------------ 5. memory
-MEMORY_PATHS = ("mla_prefill peak extra memory", "hand-written pipeline peak extra memory")
+MEMORY = variants(
+    Variant("ours", "mla_prefill peak extra memory", 0, ("cuda",)),
+    Variant("handwritten", "hand-written pipeline peak extra memory", 1, ("flashinfer",)),
+)
 
 
 def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     label, budget = case.budgets[bi]
-    name = f"{case.name}, {label}"
     x = make_inputs(ctx, case, 4000 + ci)
-    seq = x.num_context + x.num_tokens
-    meta = lambda pi: dict(heads=x.dims.num_heads, seq_len=seq, order=(4, ci, pi))  # noqa: E731
+    fields = dict(heads=x.dims.num_heads, seq_len=x.num_context + x.num_tokens)
+    c = Case(ctx, "memory", f"{case.name}, {label}", MEMORY, ci, fields)
     ws = Workspace(ctx.device, chunk_tokens=budget)
     plan = PrefillPlan.build(
         x.q_lens, x.c_lens, dims=x.dims, workspace=ws, block_size=case.block_size, dtype=ctx.dtype, backend=ctx.backend
@@ -324,179 +263,42 @@ def _memory_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     limit = budget_bytes(x, plan)
     if not ctx.cuda:
         return [
-            ctx.not_here(
-                "memory",
-                name,
-                MEMORY_PATHS[0],
-                "needs CUDA (torch.cuda memory statistics)",
-                extra={"budget_bytes": limit},
-                **meta(0),
-            )
+            c.skip("ours", "needs CUDA (torch.cuda memory statistics)", applies=False, extra={"budget_bytes": limit})
         ]
+    what = f"memory {c.name}: peak extra / (workspace budget + output)"
     rows = []
-    try:
-        peak = peak_extra(ctx, lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan))
-        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunk(s)"
-    except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        rows.append(ctx.skipped("memory", name, MEMORY_PATHS[0], "failed: " + fmt_err(err, 160), err, **meta(0)))
-        ctx.check(f"memory {name}: peak extra / (workspace budget + output)", None, "<=", 1.0, rows[-1].note)
-    else:
+
+    def peak_row(v: str, fn: Callable[[], Any], note: str) -> Row:
+        peak = peak_extra(ctx, fn)
         ratio = peak / limit["total"]
+        extra = {"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio}
+        note = note.format(peak=peak / GIB, ratio=ratio)
+        return Row("memory", c.name, MEMORY[v].label, bytes=float(peak), note=note, extra=extra, **c.meta(v))
+
+    try:
+        sched = "fused" if plan.fused else f"{len(plan.chunks)} chunk(s)"
+        note = f"{sched}: peak {{peak:.3f}} GiB vs budget {limit['total'] / GIB:.3f} GiB ({{ratio:.2f}}x)"
         rows.append(
-            Row(
-                "memory",
-                name,
-                MEMORY_PATHS[0],
-                bytes=float(peak),
-                note=f"{sched}: peak {peak / GIB:.3f} GiB vs budget {limit['total'] / GIB:.3f} GiB ({ratio:.2f}x)",
-                extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": ratio},
-                **meta(0),
-            )
+            peak_row("ours", lambda: mla_prefill(x.q, x.kv_c, x.k_pe, x.wp, x.kv_cache, x.block_table, plan), note)
         )
         ctx.check(
-            f"memory {name}: peak extra / (workspace budget + output)",
-            ratio,
-            "<=",
-            1.0,
-            "budget: mla_bridge.prefill.prefill_memory_bytes(plan)",
+            what, rows[-1].extra["peak_over_budget"], "<=", 1.0, "budget: mla_bridge.prefill.prefill_memory_bytes(plan)"
         )
-    if flashinfer_importable():
+    except Exception as err:  # noqa: BLE001
+        rows.append(c.failed("ours", err))
+        ctx.check(what, None, "<=", 1.0, rows[-1].note)
+    if MEMORY["handwritten"].missing(ctx) is None:
         try:
             layer = handwritten_pipeline(ctx, x, budget)
-            peak = peak_extra(ctx, layer)
-            rows.append(
-                Row(
-                    "memory",
-                    name,
-                    MEMORY_PATHS[1],
-                    bytes=float(peak),
-                    note=f"peak {peak / GIB:.3f} GiB ({peak / limit['total']:.2f}x the same budget)",
-                    extra={"peak_bytes": peak, "budget_bytes": limit, "peak_over_budget": peak / limit["total"]},
-                    **meta(1),
-                )
-            )
+            rows.append(peak_row("handwritten", layer, "peak {peak:.3f} GiB ({ratio:.2f}x the same budget)"))
         except Exception as err:  # noqa: BLE001
-            ctx.recover()
-            rows.append(ctx.skipped("memory", name, MEMORY_PATHS[1], "failed: " + fmt_err(err, 160), err, **meta(1)))
+            rows.append(c.failed("handwritten", err))
     return rows
 
 
 def memory_jobs(ctx: Ctx) -> list[Job]:
-    out = []
-    for k, case in enumerate(context_cases(ctx.quick)):
-        for bi, (label, _) in enumerate(case.budgets):
-            ci = 10 * k + bi
-            out.append(
-                Job("memory", f"memory {case.name}, {label}", lambda c, cs=case, b=bi, i=ci: _memory_job(c, cs, b, i))  # type: ignore[misc]
-            )
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ 6. JAX
-_JAX_KNOWN = {
-    "section",
-    "case",
-    "path",
-    "status",
-    "ms",
-    "host_ms",
-    "tflops",
-    "gbps",
-    "fraction",
-    "flops",
-    "bytes",
-    "seq_len",
-    "heads",
-    "repeats",
-    "note",
-    "error",
-}
-
-
-def normalize_jax_row(ctx: Ctx, d: dict, i: int) -> Row:
-    """A row of ``mla_bridge_jax.bench.compare`` in this report's schema (unknown keys go to ``extra``)."""
-    d = dict(d)
-    path = str(d.pop("path", None) or d.pop("name", None) or d.pop("impl", None) or f"jax row {i}")
-    case = str(d.pop("case", None) or d.pop("shape", None) or "")
-    ms = d.pop("ms", None)
-    flops = d.pop("flops", None)
-    status = d.pop("status", "ok" if ms is not None else "skipped")
-    if status not in ("ok", "skipped"):
-        status = "skipped"
-    note = str(d.pop("note", "") or "")
-    error = d.pop("error", None)
-    known = {k: d.pop(k) for k in list(d) if k in _JAX_KNOWN}
-    row = ctx.row(
-        "jax",
-        case,
-        path,
-        ms=float(ms) if ms is not None else None,
-        flops=float(flops) if flops else None,
-        note=note,
-        order=(5, i, 0),
-    )
-    row.status = status
-    row.error = None if error is None else str(error)
-    for key in ("host_ms", "seq_len", "heads", "repeats"):
-        if known.get(key) is not None:
-            setattr(row, key, known[key])
-    if row.tflops is None and known.get("tflops") is not None:
-        row.tflops = float(known["tflops"])
-        peak = ctx.peaks.get("matmul_tflops")
-        row.fraction = row.tflops / peak if peak else None
-        row.fraction_of = "matmul_peak" if peak else None
-    if row.gbps is None and known.get("gbps") is not None:
-        row.gbps = float(known["gbps"])
-    row.extra.update(d)
-    if row.flops is None and row.tflops is not None:
-        row.extra.setdefault("flops_convention", "the adapter's own")
-    return row
-
-
-def _jax_kwargs(ctx: Ctx, params: Any) -> dict:
-    """What to hand ``compare``: only parameters it names; framework-neutral values only (its ``dtype`` is a JAX
-    dtype, so none is passed). Quick mode asks for one tiny case when it takes ``cases``."""
-    kwargs: dict = {}
-    for name in ("iters", "repeats"):
-        if name in params:
-            kwargs[name] = ctx.repeats
-    for name, value in (("warmup", ctx.warmup), ("seed", ctx.seed), ("quick", ctx.quick)):
-        if name in params:
-            kwargs[name] = value
-    if ctx.backend is not None and "backend" in params:
-        kwargs["backend"] = ctx.backend
-    if ctx.quick and "cases" in params:
-        kwargs["cases"] = (("tiny 2x32", (32, 32)),)
-    return kwargs
-
-
-def _jax_job(ctx: Ctx) -> list[Row]:
-    path = "mla_bridge_jax.bench.compare"
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
-    try:
-        mod = importlib.import_module("mla_bridge_jax.bench")
-        compare = mod.compare
-    except Exception as err:  # noqa: BLE001
-        return [
-            ctx.skipped(
-                "jax",
-                "JAX adapter",
-                path,
-                "JAX section skipped: mla_bridge_jax.bench.compare is not importable",
-                err,
-                order=(5, 0, 0),
-            )
-        ]
-    try:
-        kwargs = _jax_kwargs(ctx, inspect.signature(compare).parameters)
-        result = compare(**kwargs)
-        rows = [normalize_jax_row(ctx, dict(d), i) for i, d in enumerate(result or [])]
-    except Exception as err:  # noqa: BLE001
-        ctx.recover()
-        return [ctx.skipped("jax", "JAX adapter", path, "failed: " + fmt_err(err, 160), err, order=(5, 0, 0))]
-    return rows or [ctx.skipped("jax", "JAX adapter", path, "compare() returned no rows", order=(5, 0, 0))]
-
-
-def jax_jobs(ctx: Ctx) -> list[Job]:
-    return [Job("jax", "JAX adapter (mla_bridge_jax.bench.compare)", _jax_job)]
+    return [
+        Job("memory", f"memory {case.name}, {label}", partial(_memory_job, case=case, bi=bi, ci=10 * k + bi))
+        for k, case in enumerate(context_cases(ctx.quick))
+        for bi, (label, _) in enumerate(case.budgets)
+    ]

@@ -33,8 +33,8 @@ from typing import Any, Optional, Sequence
 from .. import switches
 from .batch import DEMO_BATCH, DEMO_CONTEXT_LENS, DEMO_PROMPT_LEN, resolve_workload  # noqa: F401
 from .checkpoint import load_kv_b_proj_weight
-from .args import int_list, nonnegative_int, output_file, positive_int
-from .args import seed as seed_type
+from ..argtypes import int_list, nonnegative_int, output_file, positive_int
+from ..argtypes import seed as seed_type
 from .errors import CLIError
 from .info import cmd_info
 from .prefill import cmd_prefill

@@ -1,4 +1,4 @@
-"""examples/jax_prefill.py runs on CPU; mla_bridge_jax.bench.compare returns well-formed rows on CPU (smoke)."""
+"""examples/jax_prefill.py runs on CPU; mla_bridge.bench.jax_rows.compare returns well-formed rows on CPU (smoke)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_example_runs_on_cpu(repo_root):
 
 
 def test_bench_compare_rows_on_cpu():
-    from mla_bridge_jax.bench import compare, format_rows
+    from mla_bridge.bench.jax_rows import compare, format_rows
 
     rows = compare([("tiny 2x8", (8, 8)), ("ragged", (3, 5))], heads=2, warmup=1, iters=2, include_xla=True)
     impls = {(r["case"], r["impl"]) for r in rows}

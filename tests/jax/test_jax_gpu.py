@@ -189,7 +189,7 @@ def test_mla_prefill_jit_on_gpu(gpu):
 
 
 def test_bench_compare_smoke_on_gpu(gpu):
-    from mla_bridge_jax.bench import compare
+    from mla_bridge.bench.jax_rows import compare
 
     rows = compare([("causal 2x1024", (1024, 1024))], iters=3, warmup=1)
     by_impl = {r["impl"]: r for r in rows}

@@ -1,5 +1,8 @@
-"""Microbenchmark: the JAX adapter (eager, and under jit on each route) against the torch core and
+"""Section 6: the JAX adapter (eager, and under jit on each route) against the torch core and
 ``jax.nn.dot_product_attention`` (cuDNN, v padded to 192), on the same buffers.
+
+JAX and :mod:`mla_bridge_jax` are imported only when the section runs (the bench sits on top of the package; the
+core never imports an adapter); without them the section is one skipped row saying what is missing.
 
 ``compare()`` returns one dict per (case, implementation): ``case``, ``impl``, ``backend``, ``ms`` (mean wall time per
 call over ``iters`` back-to-back calls, synchronised once at the end, so host overhead shows only when it exceeds
@@ -9,23 +12,26 @@ the kernel), ``tflops`` (``2 * q.k pairs * H * (192 + 128)``, halved for causal:
 tokens) shows per-call overhead. Meant for the GPU (set ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so torch and XLA
 share memory); it also runs on CPU with small cases, for a smoke test.
 
-    from mla_bridge_jax.bench import compare
+    from mla_bridge.bench.jax_rows import compare
     for row in compare():
         print(row)
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
-
-import jax
-import jax.numpy as jnp
 import torch
 
-__all__ = ["compare", "DEFAULT_CASES", "format_rows"]
+from .common import Case, Ctx, Job, Row, Variant
+
+__all__ = ["compare", "DEFAULT_CASES", "format_rows", "jobs", "VARIANT"]
+
+#: The section as one variant: its rows are those :func:`compare` returns (their ``impl`` is the path).
+VARIANT = Variant("jax", "mla_bridge.bench.jax_rows.compare", 0, ("jax",))
 
 #: (name, per-request lengths; causal, q_len == kv_len)
 DEFAULT_CASES: tuple[tuple[str, tuple[int, ...]], ...] = (
@@ -53,6 +59,8 @@ def _time(fn: Callable[[], Any], sync: Callable[[Any], None], warmup: int, iters
 
 
 def _jax_sync(result: Any) -> None:
+    import jax
+
     jax.block_until_ready(result)
 
 
@@ -65,7 +73,7 @@ def compare(
     cases: Sequence[tuple[str, Sequence[int]]] = DEFAULT_CASES,
     *,
     heads: int = 16,
-    dtype: Any = jnp.bfloat16,
+    dtype: Any = None,
     causal: bool = True,
     warmup: int = 5,
     iters: int = 50,
@@ -80,14 +88,20 @@ def compare(
     Args:
         cases: ``(name, lengths)``; each request has ``q_len == kv_len == length``.
         heads: attention heads (16: DeepSeek-V2-Lite; 128: V3).
-        dtype: q/k/v dtype (bf16 by default).
+        dtype: q/k/v dtype (``jnp.bfloat16`` by default).
         routes: jit routes to time (a route that cannot serve gets a row with its reason in ``note``).
         include_cudnn / include_xla: ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` / ``"xla"``
             (equal-length cases only; v padded to 192 and the output sliced back to 128).
         backend: force the core backend (default: the dispatch table).
+
+    Raises:
+        ImportError: JAX or :mod:`mla_bridge_jax` is not importable.
     """
-    import mla_bridge
+    import jax
+    import jax.numpy as jnp
     from mla_bridge_jax import api
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
 
     device = jax.devices()[0]
     d_qk, d_vo = 192, 128
@@ -171,7 +185,6 @@ def compare(
         for r in rows:
             if r["case"] == name and r["ms"]:
                 r["vs_torch"] = base / r["ms"]
-        del plan
     return rows
 
 
@@ -184,6 +197,36 @@ def format_rows(rows: Sequence[dict]) -> str:
         vs = "-" if r["vs_torch"] is None else f"{r['vs_torch']:.3f}"
         lines.append(f"{r['case']:<16} {r['impl']:<52} {r['backend']:<16} {ms:>9} {tf:>9} {vs:>8}  {r['note']}")
     return "\n".join(lines)
+
+
+def _job(ctx: Ctx) -> list[Row]:
+    c = Case(ctx, "jax", "JAX adapter", {"jax": VARIANT}, 0)
+    why = VARIANT.missing(ctx)
+    if why:
+        return [c.skip("jax", f"JAX section skipped: {why}")]
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+    kwargs: dict = dict(warmup=ctx.warmup, iters=ctx.repeats, seed=ctx.seed, backend=ctx.backend)
+    if ctx.quick:
+        kwargs["cases"] = (("tiny 2x32", (32, 32)),)
+    try:
+        result = compare(**kwargs)
+    except ImportError as err:
+        return [c.skip("jax", "JAX section skipped: mla_bridge_jax is not importable", err)]
+    except Exception as err:  # noqa: BLE001
+        return [c.failed("jax", err)]
+    rows = []
+    for i, d in enumerate(result):
+        ms, flops = d.get("ms"), d.get("flops")
+        row = ctx.row("jax", d["case"], d["impl"], ms=ms, flops=flops, note=d.get("note") or "", order=(5, i, 0))
+        row.status = "ok" if ms is not None else "skipped"
+        row.seq_len, row.heads, row.repeats = d.get("seq_len"), d.get("heads"), d.get("repeats")
+        row.extra.update(backend=d.get("backend"), vs_torch=d.get("vs_torch"))
+        rows.append(row)
+    return rows or [c.skip("jax", "compare() returned no rows")]
+
+
+def jobs(ctx: Ctx) -> list[Job]:
+    return [Job("jax", "JAX adapter (mla_bridge.bench.jax_rows.compare)", _job)]
 
 
 if __name__ == "__main__":  # pragma: no cover
