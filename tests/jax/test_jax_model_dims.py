@@ -4,7 +4,9 @@ q/k 192+64, v 256), a zero RoPE dim (glm5_next: 256+0 / 256), MiniCPM3 (40 heads
 
 ``ragged_prefill`` and ``mla_prefill``, eagerly and under ``jax.jit``, give the core's torch result on the same inputs
 bit for bit, and the core's result is within float32 rounding of a float64 attention computed here (numpy) from the
-same inputs. Self-contained: no helper module of the suite is imported.
+same inputs. The JAX model of :mod:`mla_bridge_jax.models` reads its dims from the config: at GLM-4.7-Flash's
+(transformers' glm4_moe_lite, 2 random layers) its logits equal transformers' eager model's. Self-contained: no helper
+module of the suite is imported.
 """
 
 from __future__ import annotations
@@ -188,3 +190,77 @@ def test_mla_prefill_with_prepared_weight_at_model_dims(name):
     assert _equal(mj.mla_prefill(q, kv_c, k_pe, prepared, cache, table, plan), torch.from_dlpack(want))
     jout = jax.jit(lambda q, c, p, kc, bt: mj.mla_prefill(q, c, p, prepared, kc, bt, plan))(q, kv_c, k_pe, cache, table)
     assert _equal(jout, torch.from_dlpack(want))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mla_bridge_jax.models at GLM-4.7-Flash dims, against transformers' glm4_moe_lite
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm_checkpoint(tmp_path_factory):
+    """A random 2-layer glm4_moe_lite (GLM-4.7-Flash's attention: 20 heads, q/k 192+64, v 256, kv_lora_rank 512,
+    interleaved RoPE), dense MLPs and a small body, written by transformers' ``save_pretrained``; its eager model."""
+    transformers = pytest.importorskip("transformers")
+    if "glm4_moe_lite" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no glm4_moe_lite")
+    config = transformers.AutoConfig.for_model(
+        "glm4_moe_lite",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        mlp_layer_types=["dense", "dense"],
+        vocab_size=64,
+        num_attention_heads=20,
+        num_key_value_heads=20,
+        q_lora_rank=48,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    assert (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (
+        512,
+        192,
+        64,
+        256,
+    )
+    assert config.rope_interleave  # DeepSeek-V2's interleaved pairs, as the JAX model rotates them
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    folder = tmp_path_factory.mktemp("glm4-moe-lite-jax-model")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("attention", ["mla_bridge", "xla"])
+def test_jax_model_at_glm_dims_equals_transformers(glm_checkpoint, attention):
+    """The JAX model reads GLM-4.7-Flash's dims from the config (no DeepSeek dims assumed): float32 logits within
+    1e-4 of transformers' eager glm4_moe_lite, for a prompt and for new tokens over a cached prefix."""
+    from transformers import DynamicCache
+
+    from mla_bridge_jax import models
+
+    folder, torch_model = glm_checkpoint
+    cfg = models.DeepseekConfig.from_hf_config(folder)
+    assert (cfg.num_heads, cfg.dims.head_dim_qk, cfg.dims.head_dim_vo) == (20, 256, 256)
+    assert cfg.dims.softmax_scale == 256**-0.5
+    params = models.load_params(folder)
+    ids = torch.randint(3, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = torch_model(ids).logits.numpy()
+        cache = DynamicCache(config=torch_model.config)
+        torch_model(ids[:, :9], past_key_values=cache)
+        want_new = torch_model(ids[:, 9:], past_key_values=cache).logits.numpy()
+    assert want.std() > 0.1
+    got, _ = models.make_forward(cfg, batch=2, seq_len=14, attention=attention)(params, jnp.asarray(ids.numpy()))
+    assert float(abs(np.asarray(got) - want).max()) < 1e-4
+    _, latents = models.make_forward(cfg, batch=2, seq_len=9, attention=attention)(
+        params, jnp.asarray(ids[:, :9].numpy())
+    )
+    assert latents[0].shape == (2, 9, 512 + 64)
+    forward = models.make_forward(cfg, batch=2, seq_len=5, prefix_len=9, attention=attention)
+    got_new, _ = forward(params, jnp.asarray(ids[:, 9:].numpy()), latents)
+    assert float(abs(np.asarray(got_new) - want_new).max()) < 1e-4
