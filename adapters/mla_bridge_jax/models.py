@@ -253,6 +253,11 @@ def _attention_fn(
         attend.plan = plan  # type: ignore[attr-defined]  # kept alive with the function
         return attend
     if attention in ("cudnn", "xla"):
+        if d_v > q_dim(cfg):
+            raise ValueError(
+                f"attention={attention!r} pads v to the q/k head dim, so it needs v_head_dim <= qk_nope_head_dim + "
+                f"qk_rope_head_dim, got {d_v} > {q_dim(cfg)}; use attention='mla_bridge'"
+            )
         mask = None
         if prefix:
             mask = jnp.asarray(np.tril(np.ones((new, total), dtype=bool), prefix))[None, None]
@@ -301,7 +306,8 @@ def make_forward(
         tokens. The mla_bridge plan is made here (host lengths), outside the trace.
 
     Raises:
-        ValueError: an unknown ``attention``; the core's errors when planning (named).
+        ValueError: an unknown ``attention``; ``"cudnn"`` / ``"xla"`` with ``v_head_dim`` above the q/k head dim; the
+            core's errors when planning (named).
     """
     attend = _attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
     inv_freq_np, attention_factor = rope_inv_freq(cfg)

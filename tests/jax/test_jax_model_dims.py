@@ -264,3 +264,19 @@ def test_jax_model_at_glm_dims_equals_transformers(glm_checkpoint, attention):
     forward = models.make_forward(cfg, batch=2, seq_len=5, prefix_len=9, attention=attention)
     got_new, _ = forward(params, jnp.asarray(ids[:, 9:].numpy()), latents)
     assert float(abs(np.asarray(got_new) - want_new).max()) < 1e-4
+
+
+def test_jax_model_refuses_v_wider_than_qk_for_padded_attention():
+    """``"xla"`` / ``"cudnn"`` pad v to the q/k head dim; a v wider than q/k is refused by name (mla_bridge takes it)."""
+    from mla_bridge_jax import models
+
+    dims = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=32)
+    cfg = models.DeepseekConfig(
+        vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=32, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope=None, dims=dims,
+    )  # fmt: skip
+    for attention in ("xla", "cudnn"):
+        with pytest.raises(ValueError, match="needs v_head_dim <= qk_nope_head_dim"):
+            models.make_forward(cfg, batch=1, seq_len=3, attention=attention)
+    assert callable(models.make_forward(cfg, batch=1, seq_len=3, attention="mla_bridge"))
