@@ -28,6 +28,12 @@ Attention implementations (``attention=``):
   ``[B, H, L, L]``. A cached prefix goes through an explicit bottom-right causal mask (cuDNN and XLA both take one).
 * ``"noop"``: zeros of the output's shape: the model's time outside attention.
 
+The MLA dims come from the config (:meth:`DeepseekConfig.from_dict`), none is assumed: the 192 / 128 / 64 above are
+DeepSeek's, and a glm4_moe_lite checkpoint (GLM-4.7-Flash: q/k 192+64, v 256, ``rope_interleave``, dense layers)
+reads and runs the same way (``tests/jax/test_jax_model_dims.py``); v is padded to the q/k head dim for ``"cudnn"`` /
+``"xla"``, so those two need ``v_head_dim <= qk_nope_head_dim + qk_rope_head_dim`` (every MLA model type of
+transformers).
+
 float32 logits. Inference only (the mla_bridge path has no derivative).
 """
 
@@ -217,7 +223,8 @@ def _rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
 def _attention_fn(
     cfg: DeepseekConfig, attention: str, batch: int, new: int, prefix: int, dtype: Any, backend: Optional[str] = None
 ) -> Callable:
-    """``attend(q [B, L, H, 192], k [B, P + L, H, 192], v [B, P + L, H, 128]) -> [B, L, H, 128]``."""
+    """``attend(q [B, L, H, Dqk], k [B, P + L, H, Dqk], v [B, P + L, H, Dv]) -> [B, L, H, Dv]`` (DeepSeek: Dqk 192,
+    Dv 128)."""
     h, d_v, scale = cfg.num_heads, cfg.v_head_dim, cfg.dims.softmax_scale
     total = prefix + new
     if attention == "mla_bridge":
@@ -246,6 +253,11 @@ def _attention_fn(
         attend.plan = plan  # type: ignore[attr-defined]  # kept alive with the function
         return attend
     if attention in ("cudnn", "xla"):
+        if d_v > q_dim(cfg):
+            raise ValueError(
+                f"attention={attention!r} pads v to the q/k head dim, so it needs v_head_dim <= qk_nope_head_dim + "
+                f"qk_rope_head_dim, got {d_v} > {q_dim(cfg)}; use attention='mla_bridge'"
+            )
         mask = None
         if prefix:
             mask = jnp.asarray(np.tril(np.ones((new, total), dtype=bool), prefix))[None, None]
@@ -294,7 +306,8 @@ def make_forward(
         tokens. The mla_bridge plan is made here (host lengths), outside the trace.
 
     Raises:
-        ValueError: an unknown ``attention``; the core's errors when planning (named).
+        ValueError: an unknown ``attention``; ``"cudnn"`` / ``"xla"`` with ``v_head_dim`` above the q/k head dim; the
+            core's errors when planning (named).
     """
     attend = _attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
     inv_freq_np, attention_factor = rope_inv_freq(cfg)

@@ -68,8 +68,13 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
     (the ``vllm.general_plugins`` entry point does that in every vLLM process).
 
     Supported dtypes: float16 and bfloat16 (FlashInfer's); on vLLM's CPU platform any floating dtype (the torch
-    backend computes in float32). Dimensions: whatever the selected FlashInfer kernel takes (192/128 for
-    DeepSeek-V2/V3 everywhere; see :data:`mla_bridge.dispatch.BACKENDS`). No FP8 query/output quantization.
+    backend computes in float32). Dimensions: whatever a FlashInfer kernel of mla_bridge's dispatch table takes
+    (:data:`mla_bridge.dispatch.BACKENDS`) at head dims ``qk_nope_head_dim + qk_rope_head_dim`` / ``v_head_dim``,
+    ``qk_rope_head_dim`` 0 included: 192/128 (DeepSeek-V2/V3, Kimi, ...) and 128/128 (Mistral 4) on SM100 (cutlass),
+    SM90 (fa3) and SM80 (fa2); 256/256 (GLM-4.7-Flash, GLM-5, glm5_next's 256+0) on fa3 (SM90) and fa2 (SM100,
+    SM80); 256/128 (dots3_note's sliding-window layers) on fa2; 96/64 (MiniCPM3) on none, so refused on a GPU with
+    vLLM's words "Model does not have supported MLA dimensions (got ...)" and the dispatch's reason. On vLLM's CPU
+    platform every dims. No FP8 query/output quantization.
 
     FP8 KV cache (``--kv-cache-dtype fp8``): selectable and correct as is. vLLM 0.32's prefill selector asks nothing
     about the cache dtype (``MLAPrefillSelectorConfig`` holds the model dtype and MLA dims only); vLLM dequantizes
@@ -106,10 +111,30 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
 
     @classmethod
     def validate_configuration(cls, device_capability: Any, selector_config: Any) -> list[str]:
-        """One joint question to mla_bridge's dispatch (capability, dtype and dims together), with its reasons."""
-        qk, vo = _head_dims(selector_config.mla_dimensions)
-        ok, why = _servable(device_capability, dtype=selector_config.dtype, head_dim_qk=qk, head_dim_vo=vo)
-        return [] if ok else [f"mla_bridge: {why}"]
+        """Why this backend cannot serve ``selector_config`` (its ``dtype`` and ``mla_dimensions``) on
+        ``device_capability``, as vLLM's base class words it: ``[]`` when mla_bridge's dispatch serves the three
+        together; else one entry per failing part, each with mla_bridge's reason. Dims that the capability and dtype
+        alone would not refuse read ``"Model does not have supported MLA dimensions (got (qk_nope_head_dim=...,
+        qk_rope_head_dim=..., v_head_dim=...); head dims qk/vo; mla_bridge: <reason>)"``, as vLLM's own message
+        for dims starts; a capability or dtype that no backend serves reads ``"mla_bridge: <reason>"``."""
+        dims, dtype = selector_config.mla_dimensions, selector_config.dtype
+        qk, vo = _head_dims(dims)
+        ok, why = _servable(device_capability, dtype=dtype, head_dim_qk=qk, head_dim_vo=vo)
+        if ok:
+            return []
+        reasons = []
+        served, why_not = _servable(device_capability, dtype=dtype)
+        if not served:  # the capability or the dtype alone: say so, then whether the dims would do there
+            reasons.append(f"mla_bridge: {why_not}")
+            if not _servable(device_capability)[0]:
+                return reasons  # nothing serves this device: its dims are no further reason
+            ok, why = _servable(device_capability, head_dim_qk=qk, head_dim_vo=vo)
+            if ok:
+                return reasons
+        reasons.append(
+            f"Model does not have supported MLA dimensions (got {dims}; head dims {qk}/{vo}; mla_bridge: {why})"
+        )
+        return reasons
 
     def supports_out(self) -> bool:
         return True  # both run methods write into a given out [T, H, v_head_dim]
