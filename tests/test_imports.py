@@ -102,7 +102,14 @@ def test_prefill_asks_the_switches_module_not_the_kernel_choosers():
 #: Lowest first. A module's layer is that of the longest prefix listed; the adapters and the CLI share a layer and
 #: the bench sits on top.
 LAYERS = (
-    ("mla_bridge.dims", "mla_bridge.checks", "mla_bridge.switches", "mla_bridge.inference", "mla_bridge.profiling"),
+    (
+        "mla_bridge.dims",
+        "mla_bridge.checks",
+        "mla_bridge.switches",
+        "mla_bridge.argtypes",
+        "mla_bridge.inference",
+        "mla_bridge.profiling",
+    ),
     ("mla_bridge.dispatch", "mla_bridge.workspace", "mla_bridge.kernels", "mla_bridge.backends.flashinfer_internals"),
     ("mla_bridge.backends", "mla_bridge.merge", "mla_bridge.weights", "mla_bridge.reference"),
     ("mla_bridge.ragged", "mla_bridge.cache"),
@@ -189,3 +196,16 @@ def test_core_never_imports_an_adapter(package):
         if target.split(".")[0] != "mla_bridge"
     ]
     assert offending == []
+
+
+def test_the_bench_and_the_cli_do_not_import_each_other_both_ways():
+    """The CLI starts the bench (its ``bench`` subcommand); the bench imports nothing of the CLI."""
+    modules = _modules()
+    back = [
+        f"{name} imports {target}"
+        for name, path in sorted(modules.items())
+        if name.startswith("mla_bridge.bench")
+        for target in _imports(name, path, modules)
+        if target.startswith("mla_bridge.cli")
+    ]
+    assert back == []
