@@ -274,9 +274,8 @@ def one_torch_thread():
 _INTERPRETED = r"""
 import importlib, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
-os.environ.update(dict(a.split("=", 1) for a in sys.argv[4:]))
-sys.path[:0] = sys.argv[1:3]
-module, func = sys.argv[3].split(":")
+os.environ.update(dict(a.split("=", 1) for a in sys.argv[2:]))
+module, func = sys.argv[1].split(":")
 print(getattr(importlib.import_module(module), func)())
 """
 
@@ -296,19 +295,13 @@ def triton_interpreted():
         if torch.cuda.is_available():
             pytest.skip(f"on a GPU machine the compiled kernel is tested in {gpu_tests}")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join([root, os.path.join(root, "adapters"), *filter(None, [os.environ.get("PYTHONPATH")])])
         res = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _INTERPRETED,
-                root,
-                os.path.join(root, "adapters"),
-                target,
-                *(f"{k}={v}" for k, v in env.items()),
-            ],
+            [sys.executable, "-c", _INTERPRETED, target, *(f"{k}={v}" for k, v in env.items())],
             capture_output=True,
             text=True,
             timeout=600,
+            env=dict(os.environ, PYTHONPATH=path),  # the checkout, as pytest's pythonpath gives this process
         )
         assert res.returncode == 0, res.stderr[-3000:]
         return res.stdout

@@ -1,6 +1,6 @@
 """fa2's float workspace under CUDA graphs and threads, and which captures keep a pooled wrapper, on the CPU.
 
-On the fake GPU of tests/test_async_safety.py (recording stand-ins for streams, events and FlashInfer's wrapper), with
+On the fake GPU of tests/helpers/async_fakes.py (recording stand-ins for streams, events and FlashInfer's wrapper), with
 the current stream per thread. fa2 keeps split-KV partials in the float workspace its run is handed, at offsets
 ``plan()`` laid out for the buffer size it saw, so:
 
@@ -28,7 +28,7 @@ import torch
 import mla_bridge.dispatch as dispatch
 from mla_bridge import Workspace
 from mla_bridge.backends import flashinfer as fi_backend
-from tests.test_async_safety import (
+from tests.helpers.async_fakes import (
     DVO,
     FakeGPU,
     H,
@@ -146,7 +146,7 @@ class DirectStandIn:
 
 @pytest.fixture(params=["wrapper_run", "direct"])
 def gpu(request, monkeypatch, fake_cuda_runtime):
-    """A fake SM90 device whose FlashInfer wrapper is the stand-in of test_async_safety (every run through
+    """A fake SM90 device whose FlashInfer wrapper is the stand-in of tests/helpers/async_fakes.py (every run through
     ``wrapper.run``) or :class:`DirectStandIn` (``lse_layout="NH"`` runs take the direct route)."""
     g = ThreadGPU()
     g.kind = request.param

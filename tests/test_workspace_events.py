@@ -1,6 +1,6 @@
 """A pooled wrapper's CUDA events are made once and recorded again by its later plans (host time of planning).
 
-On the fake GPU of tests/test_async_safety.py (recording stand-ins for streams and events; "the GPU" completes events
+On the fake GPU of tests/helpers/async_fakes.py (recording stand-ins for streams and events; "the GPU" completes events
 when the test says so). Every event a lease hands out for a plan or a stream's first run must be one whose last
 record has completed (the fixture below fails otherwise), the plan-ownership ordering must hold unchanged (a run on
 another stream waits on its own plan's record), and a lease reused after the GPU caught up makes no new event. The
@@ -17,12 +17,12 @@ import mla_bridge.dispatch as dispatch
 import mla_bridge.workspace as workspace_module
 from mla_bridge import Workspace
 from mla_bridge.backends import flashinfer as fi_backend
-from tests.test_async_safety import FakeGPU, StandInWrapper, make_event_class, plan, run, wrapper_of
+from tests.helpers.async_fakes import FakeGPU, StandInWrapper, make_event_class, plan, run, wrapper_of
 
 
 @pytest.fixture
 def gpu(monkeypatch, fake_cuda_runtime):
-    """The fake SM90 device of test_async_safety, whose events count how many were made; a lease may hand out an event
+    """The fake SM90 device of tests/helpers/async_fakes.py, whose events count how many were made; a lease may hand out an event
     for a new record (a plan, a stream's first run) only once its last record has completed."""
     g = FakeGPU()
     g.made = []

@@ -12,8 +12,6 @@ Marked ``gpu`` (skipped without CUDA + FlashInfer). On the H200:
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import pytest
 import torch
@@ -131,9 +129,6 @@ def test_one_shot_calls_in_a_row(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vllm_step_plans_replaced_each_step(backend):
     require(backend)
-    adapters = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "adapters")
-    if adapters not in sys.path:
-        sys.path.insert(0, adapters)
     from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans
 
     ws = Workspace(dev())

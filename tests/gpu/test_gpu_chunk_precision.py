@@ -14,15 +14,11 @@ tolerance of float64, and the Triton merge gives the torch merge's bits. Every r
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj, select_backend  # noqa: E402
 from mla_bridge import merge as M  # noqa: E402

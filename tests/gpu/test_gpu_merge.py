@@ -21,15 +21,11 @@ of the GPU.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from mla_bridge import MLADims, PrefillPlan, Workspace, merge_attn_states, mla_prefill  # noqa: E402
 from mla_bridge import merge as M  # noqa: E402
