@@ -150,3 +150,21 @@ def fake_cuda_runtime(monkeypatch):
         install_runtime(monkeypatch.setattr, capability, current_stream, event_class, capturing)
 
     return install
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Make every floating torch.empty (mla_bridge.prefill / ragged / backends all call it) return NaN; the list of the
+    shapes made, so a test can check the NaN-filled buffers were used (tests/test_prefill.py, tests/test_ragged.py)."""
+    real_empty = torch.empty
+    made = []
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+            made.append(tuple(t.shape))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    return made

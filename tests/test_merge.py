@@ -806,3 +806,40 @@ def test_triton_merge_compiles_for_sm90_with_exact_arithmetic():
         assert "lg2.approx" not in code
     fused = ptx("*fp32", dict(LAUNCH_OPTIONS, enable_fp_fusion=True))  # the check can fail: contraction shows
     assert re.search(r"\bfma\.rn\.f32", fused)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the LSE base; any head count (the GPU test covers FlashInfer's merge_state)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_merge_value_is_natural_log():
+    """Partition sums 2 and 8 (lse ln 2, ln 8), values 1 and 0, 1 head, d 1: merged value 2 / 10 = 0.2."""
+    out_a = torch.ones(1, 1, 1)
+    out_b = torch.zeros(1, 1, 1)
+    lse_a = torch.tensor([[math.log(2.0)]])
+    lse_b = torch.tensor([[math.log(8.0)]])
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert abs(out.item() - 0.2) < 1e-6  # a base-2 / base-e mix-up gives 0.119 or 0.277
+    assert abs(lse.item() - math.log(10.0)) < 1e-6
+    merge_attn_states_(out_a, lse_a, out_b, lse_b)
+    assert abs(out_a.item() - 0.2) < 1e-6 and abs(lse_a.item() - math.log(10.0)) < 1e-6
+
+
+@pytest.mark.parametrize("heads", [1, 16, 64, 128, 256])
+def test_merge_any_head_count(heads):
+    g = torch.Generator().manual_seed(heads)
+    oa = torch.randn(3, heads, 128, generator=g).bfloat16()
+    ob = torch.randn(3, heads, 128, generator=g).bfloat16()
+    la, lb = torch.randn(3, heads, generator=g) * 3, torch.randn(3, heads, generator=g) * 3
+    la[0, 0] = -INF
+    out, lse = merge_attn_states(oa, la, ob, lb)
+    # the float32 formula, written out
+    m = torch.maximum(la, lb)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    exp_out = (oa.float() * wa[..., None] + ob.float() * wb[..., None]) / (wa + wb)[..., None]
+    exp_lse = m + torch.log(wa + wb)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, heads, 128)
+    torch.testing.assert_close(out.float(), exp_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, exp_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 0].float(), ob[0, 0].float(), atol=0, rtol=0)
