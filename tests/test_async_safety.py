@@ -367,6 +367,7 @@ def test_captured_without_owner_is_never_reused(gpu):
     gc.collect()
     gpu.finish()
     assert all(wrapper_of(plan(ws, [0, 4])) is not w for _ in range(3))
+    # private: the pool's slots are the only view of a wrapper a captured run may still read (a race with replay)
     assert any(s.wrapper is w for s in ws._slots["fa3"])  # kept alive in the pool, not freed
 
 
@@ -386,7 +387,7 @@ def test_idle_wrappers_above_the_bound_are_freed(gpu):
         p = plan(ws, [0, 4])
         gpu.finish()
         del p
-    assert sum(len(s) for s in ws._slots.values()) <= 1 + 3
+    assert ws.pooled_wrappers <= 1 + 3
     assert ws.wrappers_created == 20
 
 

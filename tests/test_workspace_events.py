@@ -66,6 +66,7 @@ def test_a_reused_wrapper_records_its_plan_event_again_once_the_gpu_is_done(gpu)
     gc.collect()
     gpu.finish()
     c = plan(ws, [0, 6])  # the GPU caught up: a pooled wrapper and its event, recorded again
+    # private: the lease's events are the only view of which record a later run waits on (the race tested here)
     assert len(gpu.made) == 2 and records(gpu)[-1] == (1, c._kernel.lease.plan_event)
     assert c._kernel.lease.plan_event in (event_a, gpu.made[1])
     assert c._kernel.lease.plan_event.done is False  # pending again: the lease stays busy until it completes
@@ -84,7 +85,7 @@ def test_run_events_are_reused_and_a_run_on_another_stream_waits_for_its_own_pla
     gc.collect()
     gpu.finish()
     b = plan(ws, [0, 6])
-    plan_event = b._kernel.lease.plan_event
+    plan_event = b._kernel.lease.plan_event  # private: the only view of the event a run must wait on (a race)
     gpu.current = gpu.stream(7)
     run(b, 6)
     run(b, 6)
