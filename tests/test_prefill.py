@@ -1,8 +1,9 @@
 """mla_prefill (torch backend, CPU) equals unchunked float64 attention over each request's whole sequence.
 
-The reference (tests.helpers.reference.mla_reference) reads the context back from the paged cache through block_table token by
-token, up-projects it with kv_b_proj, and attends with an explicit mask (all context + causal among new tokens).
-Spare cache blocks, the unused tail of each last block and block_table padding are poisoned, block tables shuffled.
+The reference (tests.helpers.reference.mla_reference) reads the context back from the paged cache through block_table
+token by token, up-projects it with kv_b_proj, and attends with an explicit mask (all context + causal among new
+tokens). Spare cache blocks, the unused tail of each last block and block_table padding are poisoned, block tables
+shuffled.
 """
 
 from __future__ import annotations

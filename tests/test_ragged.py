@@ -1,4 +1,5 @@
-"""The torch backend (ragged_prefill / plan_ragged on the CPU) against a float64 dense loop (tests/helpers/reference.py)."""
+"""The torch backend (ragged_prefill / plan_ragged on the CPU) against a float64 dense loop
+(tests/helpers/reference.py)."""
 
 from __future__ import annotations
 

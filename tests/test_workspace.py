@@ -1,6 +1,7 @@
 """Workspace.plan_with_growth: FlashInfer's "Buffer overflow" while planning grows the float workspace and plans
 again, up to ``max_float_workspace_bytes``, then raises WorkspaceTooSmallError naming the size; it never reaches the
-user. A live plan's wrapper keeps the buffers its queued work reads. (Events and leases: tests/test_workspace_events.py.)
+user. A live plan's wrapper keeps the buffers its queued work reads. (Events and leases:
+tests/test_workspace_events.py.)
 """
 
 from __future__ import annotations

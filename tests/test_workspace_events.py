@@ -22,8 +22,8 @@ from tests.helpers.async_fakes import FakeGPU, StandInWrapper, make_event_class,
 
 @pytest.fixture
 def gpu(monkeypatch, fake_cuda_runtime):
-    """The fake SM90 device of tests/helpers/async_fakes.py, whose events count how many were made; a lease may hand out an event
-    for a new record (a plan, a stream's first run) only once its last record has completed."""
+    """The fake SM90 device of tests/helpers/async_fakes.py, whose events count how many were made; a lease may hand
+    out an event for a new record (a plan, a stream's first run) only once its last record has completed."""
     g = FakeGPU()
     g.made = []
     base = make_event_class(g)
