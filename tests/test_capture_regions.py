@@ -1,6 +1,6 @@
 """fa2's float workspace under CUDA graphs and threads, and which captures keep a pooled wrapper, on the CPU.
 
-On the fake GPU of tests/test_async_safety.py (recording stand-ins for streams, events and FlashInfer's wrapper), with
+On the fake GPU of tests/helpers/async_fakes.py (recording stand-ins for streams, events and FlashInfer's wrapper), with
 the current stream per thread. fa2 keeps split-KV partials in the float workspace its run is handed, at offsets
 ``plan()`` laid out for the buffer size it saw, so:
 
@@ -28,7 +28,7 @@ import torch
 import mla_bridge.dispatch as dispatch
 from mla_bridge import Workspace
 from mla_bridge.backends import flashinfer as fi_backend
-from tests.test_async_safety import (
+from tests.helpers.async_fakes import (
     DVO,
     FakeGPU,
     H,
@@ -146,7 +146,7 @@ class DirectStandIn:
 
 @pytest.fixture(params=["wrapper_run", "direct"])
 def gpu(request, monkeypatch, fake_cuda_runtime):
-    """A fake SM90 device whose FlashInfer wrapper is the stand-in of test_async_safety (every run through
+    """A fake SM90 device whose FlashInfer wrapper is the stand-in of tests/helpers/async_fakes.py (every run through
     ``wrapper.run``) or :class:`DirectStandIn` (``lse_layout="NH"`` runs take the direct route)."""
     g = ThreadGPU()
     g.kind = request.param
@@ -234,6 +234,7 @@ def test_two_graphs_of_one_plan_never_share_a_region(gpu):
     r2 = capture(gpu, p, 4, g2)
     assert r1 is not r2, "two graphs of one plan were captured with one float region"
     assert r1.numel() == r2.numel() == ws.float_workspace_bytes
+    # private: the per-stream regions have no public view; sharing one with a capture is the race tested here
     assert all(r is not ws.float_workspace and all(r is not x for x in ws._regions.values()) for r in (r1, r2))
     alive = weakref.ref(r1)
     del r1, r2
@@ -358,6 +359,7 @@ def test_releasing_a_registered_graph_keeps_a_wrapper_another_capture_replays(gp
     assert all(wrapper_of(plan(ws, [0, 4], backend=FA2)) is not w for _ in range(3)), (
         "the wrapper a user's own graph replays went back to the pool"
     )
+    # private: the pool's slots are the only view of a wrapper a graph still replays (a race with its release)
     assert any(s.wrapper is w for s in ws._slots["fa2"])  # kept, not freed
 
 

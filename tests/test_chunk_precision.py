@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj
+from tests.helpers.chunk_precision import assert_rounded_once, partials_merged_once
 
 BF16 = torch.bfloat16
 V2 = MLADims.deepseek_v2_lite()
@@ -51,7 +52,7 @@ def run(batch, chunk_tokens: int, fuse: bool, dtype=BF16):
 def long_request():
     """One request of 64 new + 512 cached tokens, V2-Lite dims, bf16, with its float64 reference and the fused
     schedule's error."""
-    from tests.conftest import make_mla_batch, mla_reference
+    from tests.helpers.reference import make_mla_batch, mla_reference
 
     batch = make_mla_batch(V2, [64], [512], 16, dtype=BF16, seed=0)
     ref_out, ref_lse = mla_reference(batch)
@@ -76,7 +77,7 @@ def test_bf16_error_with_requests_split_between_chunks():
     """Several requests whose contexts straddle chunk edges (a round's first rows continue the previous round's last
     request, its last rows go on in the next), one without context, one without new tokens: every row within the
     bound, and the float32 running rows are one request's rows at most."""
-    from tests.conftest import make_mla_batch, mla_reference
+    from tests.helpers.reference import make_mla_batch, mla_reference
 
     dims = MLADims(num_heads=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     q_lens, c_lens = [24, 8, 0, 16, 32], [200, 0, 40, 150, 120]
@@ -90,51 +91,12 @@ def test_bf16_error_with_requests_split_between_chunks():
         assert plan.running_rows == 32 and plan.num_merges > 4
 
 
-def partials_merged_once(batch, plan, weight):
-    """The plan's own partials -- its main pass and every chunk pass, on the separate k/v path, outs as the kernels
-    write them (the plan's dtype), LSEs as mla_prefill's merges read them -- merged in float64 and rounded once to
-    the plan's dtype; with the merged float64 LSE. What mla_prefill(..., weight, ..., kv_impl="separate") gives up
-    to one rounding flip of the result, whatever the number of chunks (``weight``: a PreparedKVBProj)."""
-    import math
-
-    from mla_bridge import kv as KV
-
-    k_pe = batch.k_pe.reshape(batch.kv_c.shape[0], -1)
-    inputs = KV.KVInputs(weight, batch.kv_c, k_pe, batch.cache, batch.block_table, impl="separate")
-    k, v = KV.new_tokens_kv(inputs)
-    o, lse = plan.main.run(batch.q, k, v)
-    parts = [(0, plan.num_tokens, o, lse)]
-    for c in plan.chunks:
-        if c.plan is not None:
-            k, v = KV.chunk_kv(c, inputs)
-            o, lse2 = c.plan.run(batch.q[c.q_start : c.q_end], k, v, lse_base="log2")
-            parts.append((c.q_start, c.q_end, o, lse2 * math.log(2.0)))  # the float32 multiply of the merges
-    total = parts[0][3].double().cpu().clone()
-    for a, b, _, lse in parts[1:]:
-        total[a:b] = torch.logaddexp(total[a:b], lse.double().cpu())
-    acc = torch.zeros(parts[0][2].shape, dtype=torch.float64)
-    for a, b, o, lse in parts:
-        acc[a:b] += o.double().cpu() * torch.exp(lse.double().cpu() - total[a:b]).unsqueeze(-1)
-    return acc.to(plan.dtype), total
-
-
-def assert_rounded_once(out, want):
-    """Within one unit in the last place of ``want``'s dtype (the float32 running out may round the other way near
-    a rounding boundary), plus 1e-5 x max |want| for the float32 running arithmetic itself (where a row's partials
-    nearly cancel, its small result has a small ulp). One bf16 rounding per merge costs up to 2**-9 x |out| each."""
-    from tests.test_merge import ulp
-
-    diff = (out.double().cpu() - want.double()).abs()
-    excess = diff - ulp(want, want.dtype) - 1e-5 * float(want.double().abs().max())
-    assert excess.max() <= 0, (float(diff.max()), int((excess > 0).sum()))
-
-
 @pytest.mark.parametrize("chunk_tokens", [2, 16, 512])
 def test_chunked_out_is_its_partials_merged_and_rounded_once(chunk_tokens):
     """Whatever the chunk count (256, 32 or 1 chunks of one request; and requests split between chunks), out is the
     float64 merge of the same partials rounded once, within one ulp: no rounding between the merges of a row.
     Before, at 256 chunks, a row's out was rounded 256 times (off by up to 8 ulps of bf16)."""
-    from tests.conftest import make_mla_batch
+    from tests.helpers.reference import make_mla_batch
 
     dims = MLADims(num_heads=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     for q_lens, c_lens in (([64], [512]), ([24, 8, 0, 16, 32], [200, 0, 40, 150, 120])):
@@ -167,7 +129,7 @@ def test_chunked_out_is_its_partials_merged_and_rounded_once(chunk_tokens):
 
 def test_float32_plans_merge_in_out_itself():
     """float32 gains nothing from a float32 running copy: no running rows, out merged in place, as before."""
-    from tests.conftest import make_mla_batch, mla_reference
+    from tests.helpers.reference import make_mla_batch, mla_reference
 
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     batch = make_mla_batch(dims, [9], [100], 4, seed=2)

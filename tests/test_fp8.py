@@ -1,8 +1,8 @@
 """mla_prefill with an FP8 e4m3 latent cache (torch backend, CPU) against float64 over the dequantized cache.
 
-The cache of conftest.make_mla_batch (shuffled blocks, NaN in spare blocks and unused slots, -1 table padding) is
-quantized with mla_bridge.cache.quantize_latent_cache; the reference reads the same bytes back as
-``float64(stored) * scale`` (conftest.mla_reference on that float64 cache, and mla_bridge.reference).
+The cache of tests.helpers.reference.make_mla_batch (shuffled blocks, NaN in spare blocks and unused slots, -1 table
+padding) is quantized with mla_bridge.cache.quantize_latent_cache; the reference reads the same bytes back as
+``float64(stored) * scale`` (tests.helpers.reference.mla_reference on that float64 cache, and mla_bridge.reference).
 """
 
 from __future__ import annotations

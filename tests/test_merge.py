@@ -10,8 +10,7 @@ import torch
 
 from mla_bridge import merge_attn_states
 from mla_bridge.merge import merge_attn_states_
-
-INF = float("inf")
+from tests.helpers.merge_cases import INF, RUNNING_FORMS, assert_merge_matches, bitwise, merge_cases
 
 
 def merge64(out_a, lse_a, out_b, lse_b):
@@ -493,10 +492,9 @@ def test_in_place_merge_refuses_an_expanded_out_before_writing():
 
 
 def test_select_merge_is_decided_once_per_shape():
-    merge_mod._select.cache_clear()
     a = select_merge((123, 16, 128), BF16, "cuda", flashinfer=True, triton=True)
     b = select_merge((123, 16, 128), BF16, "cuda", flashinfer=True, triton=True)
-    assert a is b and merge_mod._select.cache_info().hits == 1
+    assert a is b  # the remembered choice itself, not an equal one made again
     assert select_merge((124, 16, 128), BF16, "cuda", flashinfer=True, triton=True) is not a
 
 
@@ -566,7 +564,7 @@ def test_triton_route_is_one_kernel_call(fake_triton_merge):
 LOG2E = 1.0 / math.log(2.0)
 
 
-def test_base2_lse_b_equals_natural(ref, fake_flashinfer_merge):
+def test_base2_lse_b_equals_natural(ref, fake_flashinfer_merge, monkeypatch):
     """lse_b in base 2 (as FlashInfer writes it), converted as it is read: the merge of its float32 natural-log
     form ``b2 * ln 2`` (what FlashInfer's own conversion gives) bit for bit in the torch merge; within the merge's
     tolerance in FlashInfer's (base 2 throughout there, one rounding fewer)."""
@@ -575,11 +573,9 @@ def test_base2_lse_b_equals_natural(ref, fake_flashinfer_merge):
     natural = b2 * math.log(2.0)
     want = merge_mod._merge_torch(oa, la, ob, natural)
     got_o, got_l = oa.clone(), la.clone()
-    merge_mod._choice, saved = (lambda a, b: MergeChoice("torch", "test", 10**9)), merge_mod._choice
-    try:
-        merge_attn_states_(got_o, got_l, ob, b2, lse_b_base="log2")
-    finally:
-        merge_mod._choice = saved
+    monkeypatch.setenv(merge_mod.MERGE_ENV, "torch")  # the torch merge, chosen through its switch
+    merge_attn_states_(got_o, got_l, ob, b2, lse_b_base="log2")
+    monkeypatch.delenv(merge_mod.MERGE_ENV)
     assert bitwise((got_o, got_l), want)
     # FlashInfer's merge (fake, float64 inside) on finite rows
     g = torch.Generator().manual_seed(12)
@@ -608,17 +604,6 @@ def test_triton_route_checks_before_the_kernel(fake_triton_merge):
     with pytest.raises(ValueError, match="lse must be contiguous"):
         merge_attn_states_(out, torch.zeros(3, 2).t(), torch.zeros(2, 3, 4), torch.zeros(2, 3))
     assert not fake_triton_merge and torch.equal(out, torch.full((2, 3, 4), 7.0))
-
-
-# (src dtype, dst dtype, in place) of merge_planned_ with a float32 running out: a row's first merge (out in the
-# plan's dtype into the float32 running out), a middle one (the running out in place), its last (into out)
-RUNNING_FORMS = [
-    (BF16, torch.float32, False),
-    (torch.float32, torch.float32, True),
-    (torch.float32, BF16, False),
-    (torch.float16, torch.float32, False),
-    (torch.float32, torch.float16, False),
-]
 
 
 @pytest.mark.parametrize("src,dst_dtype,in_place", RUNNING_FORMS)
@@ -662,79 +647,6 @@ def test_merge_planned_hands_dst_to_the_triton_kernel(fake_triton_merge):
 # --------------------------------------------------------------------------------------------------------------
 # the Triton merge (mla_bridge.kernels.merge), interpreted on CPU tensors, against the torch merge
 # --------------------------------------------------------------------------------------------------------------
-
-_MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}  # with the implicit bit
-
-
-def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of ``dtype`` at the magnitude of ``x`` (float64; the smallest normal's at 0)."""
-    x = x.double().abs()
-    _, e = torch.frexp(torch.where(x > 0, x, torch.full_like(x, torch.finfo(dtype).tiny)))
-    return torch.ldexp(torch.ones_like(x), (e - _MANTISSA_BITS[dtype]).to(torch.int32))
-
-
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
-
-
-def assert_merge_matches(got, expect, out_a, lse_a, out_b, lse_b):
-    """The Triton merge against the torch merge (:func:`mla_bridge.merge._merge_torch`) on the same inputs.
-
-    Exact where the result does not depend on exp/log rounding: NaN in the same places (out and lse), -inf in the
-    same places, rows with one empty partial equal to the other partial bit for bit, two empties (0, -inf).
-    Elsewhere the kernel computes the same float32 operations in the same order, but the interpreter's exp/log are
-    numpy's and the torch merge's are torch's (SLEEF on the CPU): they differ by about 1 float32 ulp, so the float32
-    LSE may differ by a few ulps (atol 1e-6 + rtol 4e-7: ms + log(total) with total in [1, 2]) and out, once
-    rounded, by at most 1 ulp of the output dtype plus 1e-6 of the partials' magnitude (only where the float32
-    value sits at a rounding boundary of the output dtype). On CUDA the kernel uses libdevice's expf/logf, the
-    functions torch's CUDA kernels call: tests/gpu/test_gpu_merge.py checks bitwise equality there."""
-    (o, s), (eo, es) = got, expect
-    assert o.dtype == eo.dtype and o.shape == eo.shape and s.dtype == torch.float32 and s.shape == es.shape
-    assert torch.equal(torch.isnan(s), torch.isnan(es)) and torch.equal(torch.isnan(o), torch.isnan(eo))
-    assert torch.equal(torch.isneginf(s), torch.isneginf(es)) and not torch.isposinf(s).any()
-    fin = torch.isfinite(es)
-    assert (s[fin].double() - es[fin].double()).abs().le(1e-6 + 4e-7 * es[fin].double().abs()).all()
-    la, lb = lse_a.clone(), lse_b.clone()
-    empty_a, empty_b = torch.isinf(la), torch.isinf(lb)
-    both = empty_a & empty_b
-    assert torch.equal(o[both], torch.zeros_like(o[both])) and torch.isneginf(s[both]).all()
-    for only, other_out, other_lse in ((empty_a & ~empty_b, out_b, lb), (empty_b & ~empty_a, out_a, la)):
-        rows = only & ~torch.isnan(other_lse)  # exp(0) = 1, log(1) = 0: the other partial exactly
-        assert torch.equal(bits(o[rows]), bits(other_out[rows])) and torch.equal(s[rows], other_lse[rows])
-    ok = ~torch.isnan(o)
-    a_eff = torch.where(empty_a[..., None], 0.0, out_a.double().nan_to_num(0.0))
-    b_eff = torch.where(empty_b[..., None], 0.0, out_b.double().nan_to_num(0.0))
-    tol = ulp(eo, o.dtype) + 1e-6 * (a_eff.abs() + b_eff.abs())
-    diff = (o.double() - eo.double()).abs()
-    assert diff[ok].le(tol[ok]).all(), (o.dtype, diff[ok].max().item())
-
-
-def bitwise(got, expect) -> int:
-    """1 when out and lse are equal bit for bit, NaNs in the same places (whatever their payload), else 0."""
-    (o, s), (eo, es) = got, expect
-    same_nan = torch.equal(torch.isnan(o), torch.isnan(eo)) and torch.equal(torch.isnan(s), torch.isnan(es))
-    return int(
-        same_nan
-        and torch.equal(bits(o)[~torch.isnan(o)], bits(eo)[~torch.isnan(eo)])
-        and torch.equal(bits(s)[~torch.isnan(s)], bits(es)[~torch.isnan(es)])
-    )
-
-
-def merge_cases(d: int, dtype: torch.dtype, seed: int, t: int = 37, h: int = 4):
-    """Partials with every kind of row: finite, -inf / +inf on either side or both, NaN lse on either side, NaN and
-    huge garbage in the empty partials' outs, lse spreads up to 60 (weights far below 1), one subnormal weight."""
-    g = torch.Generator().manual_seed(seed)
-    choices = torch.tensor([-INF, INF, float("nan"), -3.0, 0.0, 2.5, 40.0, -20.0, 1e4])
-    la = choices[torch.randint(0, len(choices), (t, h), generator=g)]
-    lb = choices[torch.randint(0, len(choices), (t, h), generator=g)]
-    la[: t // 2] = torch.randn(t // 2, h, generator=g) * 6  # half the rows finite on both sides
-    lb[: t // 3] = torch.randn(t // 3, h, generator=g) * 6
-    la[t // 2 - 1, 0], lb[t // 2 - 1, 0] = 0.0, -95.0  # exp(-95): a subnormal float32 weight
-    oa = (torch.randn(t, h, d, generator=g) * 3).to(dtype)
-    ob = (torch.randn(t, h, d, generator=g) * 3).to(dtype)
-    oa[torch.isinf(la)] = float("nan")
-    ob[torch.isinf(lb)] = 6e4 if dtype == torch.float16 else 1e30
-    return oa, la, ob, lb
 
 
 def interpreted_merge_cases() -> str:
@@ -891,3 +803,40 @@ def test_triton_merge_compiles_for_sm90_with_exact_arithmetic():
         assert "lg2.approx" not in code
     fused = ptx("*fp32", dict(LAUNCH_OPTIONS, enable_fp_fusion=True))  # the check can fail: contraction shows
     assert re.search(r"\bfma\.rn\.f32", fused)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the LSE base; any head count (the GPU test covers FlashInfer's merge_state)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_merge_value_is_natural_log():
+    """Partition sums 2 and 8 (lse ln 2, ln 8), values 1 and 0, 1 head, d 1: merged value 2 / 10 = 0.2."""
+    out_a = torch.ones(1, 1, 1)
+    out_b = torch.zeros(1, 1, 1)
+    lse_a = torch.tensor([[math.log(2.0)]])
+    lse_b = torch.tensor([[math.log(8.0)]])
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    assert abs(out.item() - 0.2) < 1e-6  # a base-2 / base-e mix-up gives 0.119 or 0.277
+    assert abs(lse.item() - math.log(10.0)) < 1e-6
+    merge_attn_states_(out_a, lse_a, out_b, lse_b)
+    assert abs(out_a.item() - 0.2) < 1e-6 and abs(lse_a.item() - math.log(10.0)) < 1e-6
+
+
+@pytest.mark.parametrize("heads", [1, 16, 64, 128, 256])
+def test_merge_any_head_count(heads):
+    g = torch.Generator().manual_seed(heads)
+    oa = torch.randn(3, heads, 128, generator=g).bfloat16()
+    ob = torch.randn(3, heads, 128, generator=g).bfloat16()
+    la, lb = torch.randn(3, heads, generator=g) * 3, torch.randn(3, heads, generator=g) * 3
+    la[0, 0] = -INF
+    out, lse = merge_attn_states(oa, la, ob, lb)
+    # the float32 formula, written out
+    m = torch.maximum(la, lb)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    exp_out = (oa.float() * wa[..., None] + ob.float() * wb[..., None]) / (wa + wb)[..., None]
+    exp_lse = m + torch.log(wa + wb)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, heads, 128)
+    torch.testing.assert_close(out.float(), exp_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, exp_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 0].float(), ob[0, 0].float(), atol=0, rtol=0)

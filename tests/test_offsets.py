@@ -568,3 +568,104 @@ def test_vllm_adapter_declares_vllms_v_view(fake):
     assert plans.chunks[0].backend.name == "flashinfer-cutlass"
     assert plans.chunks[1].backend.name == "flashinfer-fa2"
     assert "v, counted through its strides" in dict(plans.chunks[1].backend.passed_over)["flashinfer-cutlass"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# contiguous q/k/v at the 32-bit limits (dispatch), and the fused schedule's bound on the CPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+MLA_128_HEADS = dict(dtype=torch.bfloat16, head_dim_qk=192, head_dim_vo=128, num_heads=128, causal=True)
+
+
+@pytest.mark.parametrize(
+    "t,limit,name",
+    [
+        (87382, dispatch.CUTLASS_ELEMENT_LIMIT, "flashinfer-cutlass"),
+        (174763, dispatch.FA2_ELEMENT_LIMIT, "flashinfer-fa2"),
+    ],
+)
+def test_int32_offset_token_counts_are_the_first_past_each_limit(t, limit, name):
+    """The token counts of the dispatch cases below are the first whose contiguous q and k (128 heads, 192 wide) reach
+    each backend's limit: pass_extents' value, against the product written out, on either side of the limit."""
+    at, below = dict(pass_extents(t, t, 128, 192, 128)), dict(pass_extents(t - 1, t - 1, 128, 192, 128))
+    assert at["q"] == at["k"] == t * 128 * 192 >= limit == OFFSET_LIMITS[name]
+    assert below["q"] == below["k"] == (t - 1) * 128 * 192 < limit
+
+
+@pytest.mark.parametrize(
+    "t,cap,expected,limit",
+    [
+        (87381, (10, 0), "flashinfer-cutlass", None),
+        (87382, (10, 0), "flashinfer-fa2", str(2**31)),  # cutlass is held to 2**31 (int strides)
+        (87382, (8, 0), "flashinfer-fa2", None),  # fa2: measured correct up to 2**32 elements
+        (174763, (8, 0), "torch", str(2**32)),  # fa2 wrong past 2**32: refused
+        (174763, (10, 0), "torch", str(2**31)),
+        (87382, (9, 0), "flashinfer-fa3", None),  # fa3: measured correct at 6.4e9 elements
+    ],
+)
+def test_int32_offset_limits_in_dispatch(fi, t, cap, expected, limit):
+    choice = select_backend(capability=cap, cuda_version=(12, 8), qo_indptr=[0, t], kv_indptr=[0, t], **MLA_128_HEADS)
+    assert choice.name == expected
+    if limit is not None:
+        reasons = " ".join(r for _, r in choice.passed_over)
+        assert limit in reasons and str(t * 128 * 192) in reasons
+
+
+@pytest.mark.parametrize(
+    "t,cap,forced",
+    [(87382, (10, 0), "flashinfer-cutlass"), (174763, (8, 0), "flashinfer-fa2"), (174763, (9, 0), "flashinfer-fa2")],
+)
+def test_int32_offsets_forced_backend_refused_before_any_kernel(fi, t, cap, forced):
+    with pytest.raises(ValueError, match=rf"{forced}.*offset limit"):
+        select_backend(
+            capability=cap, cuda_version=(12, 8), qo_indptr=[0, t], kv_indptr=[0, t], requested=forced, **MLA_128_HEADS
+        )
+
+
+@pytest.mark.parametrize("cap,limit,name", [((10, 0), 2**31, "flashinfer-cutlass"), ((8, 0), 2**32, "flashinfer-fa2")])
+def test_int32_offset_limit_is_exclusive(fi, cap, limit, name):
+    """128/128 dims and 128 heads hit the limits exactly: a tensor of exactly the limit is refused, one row less
+    is served."""
+    t = limit // (128 * 128)
+    common = dict(
+        capability=cap,
+        cuda_version=(12, 8),
+        dtype=torch.bfloat16,
+        head_dim_qk=128,
+        head_dim_vo=128,
+        num_heads=128,
+        causal=False,
+    )
+    assert select_backend(qo_indptr=[0, t - 1], kv_indptr=[0, t - 1], **common).name == name
+    choice = select_backend(qo_indptr=[0, t], kv_indptr=[0, t], **common)
+    assert choice.name != name and str(limit) in dict(choice.passed_over)[name]
+
+
+def test_int32_offsets_kv_side_counts_too(fi):
+    """A short q over a long k: the k tensor is what crosses the limit."""
+    choice = select_backend(
+        capability=(10, 0),
+        cuda_version=(12, 8),
+        qo_indptr=[0, 1],
+        kv_indptr=[0, 87382],
+        **dict(MLA_128_HEADS, causal=False),
+    )
+    assert choice.name == "flashinfer-fa2"
+    assert str(2**31) in dict(choice.passed_over)["flashinfer-cutlass"]
+
+
+def test_fused_schedule_stays_under_2_31(tiny_dims):
+    """The fused schedule (context + new keys in one tensor) is not chosen when its keys' k/v buffer would reach
+    2**31 elements, so fusing never changes the backend; the chunked schedule bounds each pass by chunk_tokens. k and
+    v are views of one [keys, H, 192 + 128] buffer: 320 elements per head and key, not 192."""
+    from mla_bridge import MLADims
+
+    dims = MLADims.deepseek_v3()  # 128 heads x (192 + 128)
+    per_token = 128 * 320
+    limit_tokens = -(-(2**31) // per_token)  # 52429
+    ws = Workspace("cpu", chunk_tokens=200_000)
+    small = PrefillPlan.build([1], [limit_tokens - 2], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
+    big = PrefillPlan.build([1], [limit_tokens - 1], dims=dims, workspace=ws, block_size=64, dtype=torch.float32)
+    assert small.fused and not big.fused
+    assert (limit_tokens - 1) * per_token < 2**31 <= limit_tokens * per_token

@@ -22,6 +22,7 @@ import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
 from mla_bridge.plan import schedule_context_chunks
 from tests.fake_device import install_planning, page_locked_on_cpu
+from tests.helpers.run_tables import expanded, index_tensors, run_table, run_tables
 
 BF16 = torch.bfloat16
 
@@ -59,13 +60,6 @@ CASES = [  # (query_lens, context_lens, chunk_tokens): fused, chunked, requests 
 ]
 
 
-def _index_tensors(plan):
-    names = ("ctx_req_ids", "ctx_positions", "ctx_dst", "new_dst")
-    out = {n: getattr(plan, n) for n in names}
-    out.update({f"chunk{i}.{n}": getattr(c, n) for i, c in enumerate(plan.chunks) for n in ("req_ids", "positions")})
-    return out
-
-
 @pytest.mark.parametrize("q_lens,c_lens,chunk", CASES)
 def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens, c_lens, chunk):
     """Every index tensor (fused placements, each chunk's requests and positions) on the CUDA device equals the CPU
@@ -79,7 +73,7 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
         q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=chunk), block_size=4, dtype=BF16
     )
     assert cuda.fused == cpu.fused and len(cuda.chunks) == len(cpu.chunks)
-    got, want = _index_tensors(cuda), _index_tensors(cpu)
+    got, want = index_tensors(cuda), index_tensors(cpu)
     assert got.keys() == want.keys()
     for name in want:
         if want[name] is None:
@@ -136,64 +130,11 @@ def test_context_stream_is_one_expansion_on_cpu_tensors(monkeypatch):
     monkeypatch.setattr(plan_mod, "_page_locked", page_locked_on_cpu)
     c = [3, 0, 2, 0, 0, 4, 1]
     counts, firsts = np.array(c + c), np.array([0] * len(c) + list(range(len(c))))
-    ends, base = _table(counts, firsts, len(c))
+    ends, base = run_table(counts, firsts, len(c))
     out, host = plan_mod._expand_on_device(np.stack([ends, base]), int(ends[-1]), sum(c), torch.device("cpu"))
     assert out.dtype == torch.int64
     assert out.tolist() == [p for n in c for p in range(n)] + [r for r, n in enumerate(c) for _ in range(n)]
     assert host.tolist() == [ends.tolist(), base.tolist()]
-
-
-def _table(counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> tuple[np.ndarray, np.ndarray]:
-    """The run table (ends, bases) of PrefillPlan._expand, written out: a counting run's base is its first value
-    minus where it starts."""
-    ends = np.cumsum(counts).astype(np.int64)
-    starts = ends - counts
-    base = np.array(
-        [f - (s if i < counting_runs else 0) for i, (f, s) in enumerate(zip(firsts, starts))], dtype=np.int64
-    )
-    return ends, base
-
-
-def _expanded(counts, firsts, counting_runs) -> list:
-    """The values _expand stands for, by a loop over the runs."""
-    return [
-        int(f) + (k if i < counting_runs else 0) for i, (n, f) in enumerate(zip(counts, firsts)) for k in range(int(n))
-    ]
-
-
-def run_tables(seed: int = 0, block: int = 1024) -> list:
-    """Run tables ``(counts, firsts, counting_runs)`` for the expansions: random ones with empty runs, and the edges
-    (no runs, only empty runs (total 0), a single run, runs longer than ``block`` tokens, counting 0, counting =
-    total, many runs (a deep binary search), the fused and context-stream tables of a batch)."""
-    rng = np.random.default_rng(seed)
-    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    cases = [
-        (i64([]), i64([]), 0),
-        (i64([0, 0, 0]), i64([4, 5, 6]), 2),
-        (i64([7]), i64([3]), 1),
-        (i64([7]), i64([3]), 0),
-        (i64([3 * block + 5]), i64([-2]), 1),
-        (i64([block + 1, 0, 2 * block]), i64([9, 1, 2**40]), 0),
-        (i64([block, block + 3]), i64([0, 11]), 2),
-        (i64([0, 5, 0, 0, 3, 0]), i64([1, 2, 3, 4, 5, 6]), 6),
-    ]
-    c, q = i64([2048, 0, 5, 2048]), i64([512, 3, 0, 1])
-    b = c.size
-    seq_start = np.cumsum(c + q) - (c + q)
-    cases.append(
-        (
-            np.concatenate([c, c, q, c]),
-            np.concatenate([np.zeros(b, np.int64), seq_start, seq_start + c, np.arange(b)]),
-            3 * b,
-        )
-    )  # the fused schedule's
-    cases.append((np.concatenate([c, c]), np.concatenate([np.zeros(b, np.int64), np.arange(b)]), b))  # the stream
-    for _ in range(8):
-        runs = int(rng.integers(1, 300))
-        counts = rng.choice([0, 0, 1, 2, 7, block - 1, block + 1], size=runs).astype(np.int64)
-        firsts = rng.integers(-(2**33), 2**33, size=runs)
-        cases.append((counts, firsts, int(rng.integers(0, runs + 1))))
-    return cases
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
@@ -204,7 +145,7 @@ def test_expand_equals_the_runs_written_out(fake_cuda, device):
         owner = types.SimpleNamespace(device=torch.device(device), _device_indices=[])
         out = PrefillPlan._expand(owner, counts, firsts, counting_runs)
         assert out.dtype == torch.int64 and out.is_contiguous()
-        assert out.tolist() == _expanded(counts, firsts, counting_runs), (counts.size, counting_runs)
+        assert out.tolist() == expanded(counts, firsts, counting_runs), (counts.size, counting_runs)
         assert len(owner._device_indices) == (device != "cpu")
 
 
@@ -230,7 +171,7 @@ def interpreted_expand_cases() -> str:
     for block in (1024, 16):
         expand_mod.BLOCK = block
         for counts, firsts, counting_runs in run_tables(seed=block, block=block):
-            ends, base = _table(counts, firsts, counting_runs)
+            ends, base = run_table(counts, firsts, counting_runs)
             table = np.stack([ends, base]).reshape(2, counts.size)
             total = int(ends[-1]) if ends.size else 0
             counting = int(ends[counting_runs - 1]) if counting_runs else 0
@@ -238,7 +179,7 @@ def interpreted_expand_cases() -> str:
             torch_ops, _ = plan_mod._expand_on_device(table, total, counting, torch.device("cpu"))
             assert got.dtype == torch.int64 and got.shape == (total,)
             assert torch.equal(got, torch_ops), (block, counts.size, counting_runs)
-            assert got.tolist() == _expanded(counts, firsts, counting_runs)
+            assert got.tolist() == expanded(counts, firsts, counting_runs)
             n += 1
     expand_mod.BLOCK = 1024
     return f"ok {n}"
@@ -573,7 +514,7 @@ def test_cuda_plans_equal_cpu_plans_on_random_batches(fake_cuda, seed):
     ]
     cuda, cpu = made
     assert cuda.fused == cpu.fused and len(cuda.chunks) == len(cpu.chunks)
-    got, want = _index_tensors(cuda), _index_tensors(cpu)
+    got, want = index_tensors(cuda), index_tensors(cpu)
     for name in want:
         assert (got[name] is None) == (want[name] is None) and (
             want[name] is None or torch.equal(got[name], want[name])

@@ -1,8 +1,9 @@
 """mla_prefill (torch backend, CPU) equals unchunked float64 attention over each request's whole sequence.
 
-The reference (conftest.mla_reference) reads the context back from the paged cache through block_table token by
-token, up-projects it with kv_b_proj, and attends with an explicit mask (all context + causal among new tokens).
-Spare cache blocks, the unused tail of each last block and block_table padding are poisoned, block tables shuffled.
+The reference (tests.helpers.reference.mla_reference) reads the context back from the paged cache through block_table
+token by token, up-projects it with kv_b_proj, and attends with an explicit mask (all context + causal among new
+tokens). Spare cache blocks, the unused tail of each last block and block_table padding are poisoned, block tables
+shuffled.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import pytest
 import torch
 
-from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, ragged_prefill
 from mla_bridge.plan import schedule_context_chunks
 
 ATOL = 3e-5
@@ -498,3 +499,119 @@ def test_prefill_memory_bytes_checks_its_arguments():
     )
     with pytest.raises(TypeError, match="^prepared_weight must be a bool \\(True or False\\), got .* of type str"):
         prefill_memory_bytes(plan, prepared_weight="no")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows without keys in a pass, NaN-filled buffers, zero-length queries, q/kv_c/k_pe off by one row
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_prefill(ref, dims, q_lens, c_lens, block_size, chunk_tokens, fuse, seed=0):
+    batch = ref.make_mla_batch(dims, q_lens, c_lens, block_size, seed=seed)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=dims,
+        workspace=Workspace("cpu", chunk_tokens=chunk_tokens),
+        block_size=block_size,
+        dtype=torch.float32,
+        fuse_context=fuse,
+    )
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
+    return batch, plan, out, lse
+
+
+def main_pass_alone(batch, rows):
+    """The causal main pass of some requests' new tokens alone (float32 up-projection in the test, torch backend)."""
+    d = batch.dims
+    q, kv_c, k_pe = batch.q[rows], batch.kv_c[rows], batch.k_pe[rows]
+    kv = (kv_c @ batch.w.t()).view(-1, d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
+    k = torch.cat([kv[..., : d.qk_nope_head_dim], k_pe.unsqueeze(1).expand(-1, d.num_heads, -1)], -1)
+    v = kv[..., d.qk_nope_head_dim :].contiguous()
+    n = q.shape[0]
+    return ragged_prefill(q, k, v, [0, n], [0, n], causal=True, sm_scale=d.softmax_scale, backend="torch")
+
+
+def test_request_without_context_keeps_its_main_pass(ref, tiny_dims):
+    """new [3, 3], context [8, 0], chunk budget 4, block size 4: request 1 has no key in any chunk."""
+    batch, plan, out, lse = run_prefill(ref, tiny_dims, [3, 3], [8, 0], 4, 4, fuse=False)
+    assert not plan.fused and len(plan.chunks) == 2
+    alone_out, alone_lse = main_pass_alone(batch, slice(3, 6))
+    torch.testing.assert_close(out[3:], alone_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse[3:], alone_lse, atol=1e-6, rtol=1e-6)
+    exp_out, exp_lse = ref.mla_reference(batch)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_request_with_no_keys_inside_a_chunk(ref, tiny_dims):
+    """context [2, 0, 2], budget 4: the one chunk spans requests 0..2, request 1 has zero keys in it."""
+    batch, plan, out, lse = run_prefill(ref, tiny_dims, [3, 3, 2], [2, 0, 2], 4, 4, fuse=False)
+    (chunk,) = plan.chunks
+    assert chunk.plan.kv_indptr.tolist() == [0, 2, 2, 4]
+    alone_out, alone_lse = main_pass_alone(batch, slice(3, 6))
+    torch.testing.assert_close(out[3:6], alone_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse[3:6], alone_lse, atol=1e-6, rtol=1e-6)
+    exp_out, exp_lse = ref.mla_reference(batch)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "q_lens,c_lens,budget,fuse",
+    [
+        ([2, 2], [3, 9], 4, False),  # request 0 has keys only in the first chunk
+        ([2, 2, 2], [3, 0, 9], 4, False),  # request 1 has no key inside the first chunk
+        ([2, 2], [3, 9], 100, True),  # fused schedule: one NaN-filled latent buffer for context + new
+    ],
+)
+def test_nan_filled_buffers(ref, tiny_dims, nan_empty, monkeypatch, q_lens, c_lens, budget, fuse):
+    batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=2)
+    plan = PrefillPlan.build(
+        q_lens,
+        c_lens,
+        dims=tiny_dims,
+        workspace=Workspace("cpu", chunk_tokens=budget),
+        block_size=4,
+        dtype=torch.float32,
+        fuse_context=fuse,
+    )
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, return_lse=True
+    )
+    assert len(nan_empty) >= 3, "the NaN-filled torch.empty was not used: the test would prove nothing"
+    monkeypatch.undo()
+    exp_out, exp_lse = ref.mla_reference(batch)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize("fuse,budget", [(True, 100), (False, 2), (False, 100)])
+@pytest.mark.parametrize("q_lens,c_lens", [([1, 0, 1], [2, 0, 4]), ([0, 0, 0, 1], [2, 0, 3, 0])])
+def test_zero_length_queries_in_mla_prefill(ref, tiny_dims, q_lens, c_lens, fuse, budget):
+    """The same key lengths as MLA batches (keys = context + new): [3, 0, 5] and [2, 0, 3, 1]."""
+    batch, plan, out, lse = run_prefill(ref, tiny_dims, q_lens, c_lens, 4, budget, fuse, seed=7)
+    exp_out, exp_lse = ref.mla_reference(batch)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+@pytest.mark.parametrize("which", ["q", "kv_c", "k_pe"])
+def test_prefill_off_by_one_rows_are_refused(ref, tiny_dims, which, delta, monkeypatch):
+    q_lens, c_lens = [3, 2], [5, 6]
+    batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=12)
+    plan = PrefillPlan.build(
+        q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu", chunk_tokens=4), block_size=4, dtype=torch.float32
+    )
+    args = dict(q=batch.q, kv_c=batch.kv_c, k_pe=batch.k_pe)
+    x = args[which]
+    args[which] = torch.randn(x.shape[0] + delta, *x.shape[1:])
+    out = torch.full((5, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
+    ran = []
+    monkeypatch.setattr(type(plan.main), "run", lambda *a, **k: ran.append(1))
+    with pytest.raises(ValueError, match=rf"^{which} must be \[T=5"):
+        mla_prefill(args["q"], args["kv_c"], args["k_pe"], batch.w, batch.cache, batch.block_table, plan, out=out)
+    assert ran == [] and torch.equal(out, torch.full_like(out, 7.0))

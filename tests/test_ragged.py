@@ -1,6 +1,9 @@
-"""The torch backend (ragged_prefill / plan_ragged on the CPU) against a float64 dense loop written in conftest."""
+"""The torch backend (ragged_prefill / plan_ragged on the CPU) against a float64 dense loop
+(tests/helpers/reference.py)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -260,3 +263,136 @@ def test_run_without_lse_returns_out_alone(ref):
     with pytest.raises(ValueError, match="return_lse=False"):
         p.run(q, k, v, lse=lse, return_lse=False)
     assert bool((lse == 9.0).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows without keys in NaN-filled buffers, the LSE base and layout, long keys, zero-length queries, extreme
+# logits, q/k/v off by one row
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_nan_filled_ragged_buffers(ref, nan_empty, monkeypatch):
+    """Rows without keys in a ragged pass are written (0, -inf), never left as an uninitialised buffer."""
+    q, k, v, qo, kv = ref.make_ragged([2, 3, 1], [4, 0, 0], 2, 24, 16, seed=3)
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=False, sm_scale=0.2, backend="torch")
+    out2, lse2 = ragged_prefill(q, k[:0], v[:0], qo, [0, 0, 0, 0], causal=False, sm_scale=0.2, backend="torch")
+    assert nan_empty
+    monkeypatch.undo()
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=False, sm_scale=0.2)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+    assert torch.equal(out2, torch.zeros_like(out2)) and torch.equal(lse2, torch.full_like(lse2, float("-inf")))
+
+
+def test_lse_of_a_pass_is_natural_log(ref):
+    """Two keys of logit 0 and value 1, 0: lse is ln 2 (not 1 = log2 2) and out 0.5."""
+    q = torch.zeros(1, 1, 4)
+    k = torch.zeros(2, 1, 4)
+    v = torch.tensor([[[1.0]], [[0.0]]])
+    out, lse = ragged_prefill(q, k, v, [0, 1], [0, 2], causal=False, sm_scale=1.0, backend="torch")
+    assert out.item() == pytest.approx(0.5, abs=1e-7)
+    assert lse.item() == pytest.approx(math.log(2.0), abs=1e-7)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hn_lse_with_t_not_h_and_a_buffer_of_the_wrong_layout(ref, causal):
+    q, k, v, qo, kv = ref.make_ragged([3, 4], [5, 4], 5, 24, 16, seed=4)  # T = 7, H = 5
+    plan = plan_ragged(
+        qo,
+        kv,
+        num_heads=5,
+        head_dim_qk=24,
+        head_dim_vo=16,
+        causal=causal,
+        sm_scale=0.2,
+        dtype=torch.float32,
+        workspace=Workspace("cpu"),
+    )
+    _, lse_hn = plan.run(q, k, v, lse_layout="HN")
+    assert lse_hn.shape == (5, 7)
+    _, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=0.2)
+    ref.assert_lse_close(lse_hn.t(), exp_lse, atol=ATOL)
+    with pytest.raises(ValueError, match="lse"):
+        plan.run(q, k, v, lse=torch.empty(7, 5), lse_layout="HN")  # an [T, H] buffer for an [H, T] layout
+
+
+def test_single_query_over_long_keys(ref):
+    kv_lens = [1, 2899, 17, 1290, 3000, 640, 2, 2048, 999, 1500, 2600, 504]  # 15500 keys
+    assert sum(kv_lens) == 15500
+    q, k, v, qo, kv = ref.make_ragged([1] * 12, kv_lens, 8, 24, 16, seed=5)
+    assert qo == list(range(13))
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=False, sm_scale=24**-0.5, backend="torch")
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=False, sm_scale=24**-0.5)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("qo,kv", [([0, 1, 1, 2], [0, 3, 3, 8]), ([0, 0, 0, 0, 1], [0, 2, 2, 5, 6])])
+def test_zero_length_queries(ref, qo, kv, causal):
+    q_lens = [b - a for a, b in zip(qo[:-1], qo[1:])]
+    kv_lens = [b - a for a, b in zip(kv[:-1], kv[1:])]
+    q, k, v, _, _ = ref.make_ragged(q_lens, kv_lens, 3, 24, 16, seed=6)
+    out, lse = ragged_prefill(q, k, v, qo, kv, causal=causal, sm_scale=0.2, backend="torch")
+    exp_out, exp_lse = ref.ragged_reference(q, k, v, qo, kv, causal=causal, sm_scale=0.2)
+    assert out.shape == (qo[-1], 3, 16)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_extreme_logit(dtype, heads):
+    """q.k = -524288 exactly (128 x (-64 * 64), exact in fp32 and bf16), sm_scale 192**-0.5, v = 1."""
+    q = torch.zeros(1, heads, 192)
+    k = torch.zeros(1, heads, 192)
+    q[..., :128] = -64.0
+    k[..., :128] = 64.0
+    v = torch.ones(1, heads, 128)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    assert (q[0, 0].double() @ k[0, 0].double()).item() == -524288.0
+    out, lse = ragged_prefill(q, k, v, [0, 1], [0, 1], causal=True, sm_scale=192**-0.5, backend="torch")
+    assert torch.equal(out, torch.ones_like(out))  # exactly v: a finite "-inf" sentinel would give 0
+    expected = -524288.0 * 192**-0.5  # -37837.23 (-37837.6 was the first estimate, within 1e-3 relative)
+    assert torch.allclose(lse.double(), torch.full((1, heads), -37837.6, dtype=torch.float64), rtol=1e-3, atol=0)
+    assert torch.allclose(lse.double(), torch.full((1, heads), expected, dtype=torch.float64), rtol=1e-5, atol=0)
+
+
+def test_extreme_logits_mixed_with_normal_ones(ref):
+    """One key at logit -37837.6 next to keys at ordinary logits: the extreme one weighs nothing, nothing NaNs."""
+    q = torch.zeros(1, 1, 192)
+    q[..., :128] = -64.0
+    k = torch.zeros(3, 1, 192)
+    k[0, :, :128] = 64.0
+    v = torch.tensor([100.0, 1.0, 3.0]).view(3, 1, 1).expand(3, 1, 128).contiguous()
+    out, lse = ragged_prefill(q, k, v, [0, 1], [0, 3], causal=False, sm_scale=192**-0.5, backend="torch")
+    torch.testing.assert_close(out, torch.full((1, 1, 128), 2.0))
+    assert lse.item() == pytest.approx(math.log(2.0), abs=1e-6)
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_ragged_off_by_one_rows_are_refused(ref, which, delta):
+    q, k, v, qo, kv = ref.make_ragged([3, 2], [4, 3], 2, 24, 16, seed=11)
+    tensors = dict(q=q, k=k, v=v)
+    x = tensors[which]
+    tensors[which] = torch.randn(x.shape[0] + delta, *x.shape[1:])
+    out = torch.full((5, 2, 16), 7.0)
+    lse = torch.full((5, 2), 7.0)
+    indptr = "qo_indptr" if which == "q" else "kv_indptr"
+    want = 5 if which == "q" else 7
+    with pytest.raises(ValueError, match=rf"^{which} has {want + delta} tokens but {indptr}\[-1\] = {want}"):
+        ragged_prefill(
+            tensors["q"],
+            tensors["k"],
+            tensors["v"],
+            qo,
+            kv,
+            causal=True,
+            sm_scale=0.2,
+            backend="torch",
+            out=out,
+            lse=lse,
+        )
+    assert torch.equal(out, torch.full((5, 2, 16), 7.0)) and torch.equal(lse, torch.full((5, 2), 7.0))

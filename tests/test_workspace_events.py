@@ -1,6 +1,6 @@
 """A pooled wrapper's CUDA events are made once and recorded again by its later plans (host time of planning).
 
-On the fake GPU of tests/test_async_safety.py (recording stand-ins for streams and events; "the GPU" completes events
+On the fake GPU of tests/helpers/async_fakes.py (recording stand-ins for streams and events; "the GPU" completes events
 when the test says so). Every event a lease hands out for a plan or a stream's first run must be one whose last
 record has completed (the fixture below fails otherwise), the plan-ownership ordering must hold unchanged (a run on
 another stream waits on its own plan's record), and a lease reused after the GPU caught up makes no new event. The
@@ -17,13 +17,13 @@ import mla_bridge.dispatch as dispatch
 import mla_bridge.workspace as workspace_module
 from mla_bridge import Workspace
 from mla_bridge.backends import flashinfer as fi_backend
-from tests.test_async_safety import FakeGPU, StandInWrapper, make_event_class, plan, run, wrapper_of
+from tests.helpers.async_fakes import FakeGPU, StandInWrapper, make_event_class, plan, run, wrapper_of
 
 
 @pytest.fixture
 def gpu(monkeypatch, fake_cuda_runtime):
-    """The fake SM90 device of test_async_safety, whose events count how many were made; a lease may hand out an event
-    for a new record (a plan, a stream's first run) only once its last record has completed."""
+    """The fake SM90 device of tests/helpers/async_fakes.py, whose events count how many were made; a lease may hand
+    out an event for a new record (a plan, a stream's first run) only once its last record has completed."""
     g = FakeGPU()
     g.made = []
     base = make_event_class(g)
@@ -66,6 +66,7 @@ def test_a_reused_wrapper_records_its_plan_event_again_once_the_gpu_is_done(gpu)
     gc.collect()
     gpu.finish()
     c = plan(ws, [0, 6])  # the GPU caught up: a pooled wrapper and its event, recorded again
+    # private: the lease's events are the only view of which record a later run waits on (the race tested here)
     assert len(gpu.made) == 2 and records(gpu)[-1] == (1, c._kernel.lease.plan_event)
     assert c._kernel.lease.plan_event in (event_a, gpu.made[1])
     assert c._kernel.lease.plan_event.done is False  # pending again: the lease stays busy until it completes
@@ -84,7 +85,7 @@ def test_run_events_are_reused_and_a_run_on_another_stream_waits_for_its_own_pla
     gc.collect()
     gpu.finish()
     b = plan(ws, [0, 6])
-    plan_event = b._kernel.lease.plan_event
+    plan_event = b._kernel.lease.plan_event  # private: the only view of the event a run must wait on (a race)
     gpu.current = gpu.stream(7)
     run(b, 6)
     run(b, 6)

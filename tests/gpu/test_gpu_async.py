@@ -12,88 +12,26 @@ Marked ``gpu`` (skipped without CUDA + FlashInfer). On the H200:
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, plan_ragged, ragged_prefill, select_backend  # noqa: E402
-
-BF16 = torch.bfloat16
-SCALE = MLADims.deepseek_v2_lite().softmax_scale
-HEADS = 16
-SLEEP = int(2e8)  # GPU cycles (about 0.1 s on the H200): far longer than any host step below
-TOL = 1e-2
-BACKENDS = ("flashinfer-fa3", "flashinfer-fa2")
-
-
-def dev() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def require(backend: str) -> None:
-    try:
-        select_backend(dev(), requested=backend, dtype=BF16, head_dim_qk=192, head_dim_vo=128)
-    except ValueError:
-        pytest.skip(f"{backend} cannot serve on capability {torch.cuda.get_device_capability()}")
-
-
-def cumsum0(lens):
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return out
-
-
-def inputs(q_lens, kv_lens, seed):
-    g = torch.Generator().manual_seed(seed)
-    t, s = sum(q_lens), sum(kv_lens)
-    q = torch.randn(t, HEADS, 192, generator=g).to(BF16).to(dev())
-    k = torch.randn(s, HEADS, 192, generator=g).to(BF16).to(dev())
-    v = torch.randn(s, HEADS, 128, generator=g).to(BF16).to(dev())
-    return q, k, v
-
-
-class Case:
-    """One ragged batch: inputs, host indptrs, and its reference output (own workspace, synchronized)."""
-
-    def __init__(self, backend, q_lens, kv_lens, causal, seed):
-        self.backend, self.causal = backend, causal
-        self.qo, self.kv = cumsum0(q_lens), cumsum0(kv_lens)
-        self.q, self.k, self.v = inputs(q_lens, kv_lens, seed)
-        ref_plan = self.plan(Workspace(dev()))
-        self.ref, self.ref_lse = ref_plan.run(self.q, self.k, self.v)
-        torch.cuda.synchronize()
-        del ref_plan
-
-    def plan(self, ws):
-        return plan_ragged(
-            self.qo,
-            self.kv,
-            num_heads=HEADS,
-            head_dim_qk=192,
-            head_dim_vo=128,
-            causal=self.causal,
-            sm_scale=SCALE,
-            dtype=BF16,
-            workspace=ws,
-            backend=self.backend,
-        )
-
-    def error(self, out) -> float:
-        return (out.float() - self.ref.float()).abs().max().item()
-
-
-def cases(backend):
-    # Different batch layouts, hence different schedules: a plan that read another's schedule is far off.
-    return (
-        Case(backend, [300, 700], [300, 700], True, 1),
-        Case(backend, [50, 1450, 200], [50, 1450, 200], True, 2),
-        Case(backend, [16, 16], [6000, 3000], False, 3),
-    )
+from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, ragged_prefill  # noqa: E402
+from tests.helpers.gpu_cases import (  # noqa: E402
+    BACKENDS,
+    BF16,
+    HEADS,
+    SCALE,
+    SLEEP,
+    TOL,
+    Case,
+    captured,
+    cases,
+    dev,
+    require,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,9 +69,6 @@ def test_one_shot_calls_in_a_row(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vllm_step_plans_replaced_each_step(backend):
     require(backend)
-    adapters = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "adapters")
-    if adapters not in sys.path:
-        sys.path.insert(0, adapters)
     from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans
 
     ws = Workspace(dev())
@@ -285,28 +220,13 @@ def test_growth_while_a_live_plan_is_queued():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _captured(plan, case):
-    """A CUDA graph of ``plan.run`` into static out/lse (warm-up on a side stream first, as torch recommends)."""
-    out = torch.empty_like(case.ref)
-    lse = torch.empty_like(case.ref_lse)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        plan.run(case.q, case.k, case.v, out=out, lse=lse)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(case.q, case.k, case.v, out=out, lse=lse)
-    return graph, out
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_graph_replays_right_after_its_plan_is_dropped(backend):
     require(backend)
     a, b, c = cases(backend)
     ws = Workspace(dev())
     plan = a.plan(ws)
-    graph, out = _captured(plan, a)
+    graph, out = captured(plan, a)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -333,7 +253,7 @@ def test_retain_for_graph_hands_the_wrapper_back(backend):
     a, b, c = cases(backend)
     ws = Workspace(dev())
     plan = a.plan(ws)
-    graph, out = _captured(plan, a)
+    graph, out = captured(plan, a)
     fin = plan.retain_for_graph(graph)
     del plan
     gc.collect()

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 
 from mla_bridge import Workspace  # noqa: E402
 from mla_bridge.graphs import capture  # noqa: E402
-from tests.gpu.test_gpu_async import BACKENDS, SLEEP, TOL, Case, _captured, cases, require  # noqa: E402
+from tests.helpers.gpu_cases import BACKENDS, SLEEP, TOL, Case, captured, cases, require  # noqa: E402
 
 FA2 = "flashinfer-fa2"
 
@@ -188,7 +188,7 @@ def test_releasing_a_registered_graph_keeps_the_wrapper_a_users_own_graph_replay
     a, b, c = cases(backend)
     ws = Workspace(torch.device("cuda", torch.cuda.current_device()))
     plan = a.plan(ws)
-    own, out = _captured(plan, a)  # the user's own torch.cuda.graph, never registered
+    own, out = captured(plan, a)  # the user's own torch.cuda.graph, never registered
     registered = capture(lambda: plan.run(a.q, a.k, a.v), plans=[plan])
     registered.replay()
     registered.release()

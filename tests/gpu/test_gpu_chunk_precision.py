@@ -14,20 +14,16 @@ tolerance of float64, and the Triton merge gives the torch merge's bits. Every r
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 from mla_bridge import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj, select_backend  # noqa: E402
 from mla_bridge import merge as M  # noqa: E402
-from tests.test_chunk_precision import assert_rounded_once, partials_merged_once  # noqa: E402
-from tests.test_merge import RUNNING_FORMS, bitwise, merge_cases  # noqa: E402
+from tests.helpers.chunk_precision import assert_rounded_once, partials_merged_once  # noqa: E402
+from tests.helpers.merge_cases import RUNNING_FORMS, bitwise, merge_cases  # noqa: E402
 
 BF16 = torch.bfloat16
 OUT_TOL, PREFILL_RTOL = 2e-2, 2e-2  # tests/gpu/test_gpu_core.py's bf16 tolerance of mla_prefill against float64
@@ -53,7 +49,7 @@ def require(backend: str) -> None:
 @pytest.fixture(scope="module")
 def long_request():
     """The CLI's case: one request of 64 new + 4096 cached tokens, V2-Lite dims, bf16, and its float64 reference."""
-    from tests.conftest import make_mla_batch, mla_reference
+    from tests.helpers.reference import make_mla_batch, mla_reference
 
     batch = make_mla_batch(MLADims.deepseek_v2_lite(), [64], [4096], 64, dtype=BF16, seed=0, device=dev())
     batch.weight = prepare_kv_b_proj(batch.w, batch.dims)

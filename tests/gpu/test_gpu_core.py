@@ -2,8 +2,9 @@
 
 Marked ``gpu``: skipped (by tests/conftest.py) unless CUDA is available and FlashInfer imports. Run on the H200:
     .venv/bin/python -m pytest tests/gpu -q -m gpu
-Tolerances: out within 2e-2, lse within 1e-2. The failure classes of tests/test_hardening.py have their GPU tests here,
-under like names.
+Tolerances: out within 2e-2, lse within 1e-2. The failure classes tested on the CPU in tests/test_ragged.py,
+test_prefill.py, test_merge.py and test_workspace.py (NaN-filled buffers, long keys, zero-length queries, extreme
+logits, a small workspace, any head count) have their GPU tests here, under like names.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def test_mla_prefill_each_backend(ref, v2_batch, backend):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# failure classes on the GPU (their CPU side: tests/test_hardening.py)
+# failure classes on the GPU (their CPU side: tests/test_ragged.py, test_prefill.py, test_merge.py, test_workspace.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 

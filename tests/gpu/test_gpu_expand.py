@@ -7,7 +7,7 @@ Triton kernel (:mod:`mla_bridge.kernels.expand`) where Triton imports, four torc
 (:func:`mla_bridge.plan._expand_on_device`). Here, with the GPU kept busy (``torch.cuda._sleep``) so that the host
 runs ahead of it:
 
-* the Triton expansion equals the torch ops bitwise on the run tables of ``tests/test_plan_host.py::run_tables``
+* the Triton expansion equals the torch ops bitwise on the run tables of ``tests/helpers/run_tables.py::run_tables``
   (empty runs, a single run, runs longer than a block, no tokens, counting 0 and counting = total, deep searches),
   and the written-out runs; it queues everything (no synchronizing call: torch's sync debug mode "error");
 * plans at batch 1, 16 and 128, fused and chunked: every index tensor of the Triton-expanded plan equals the torch-op
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.gpu
 
 import mla_bridge.plan as plan_mod  # noqa: E402
 from mla_bridge import MLADims, PrefillPlan, Workspace  # noqa: E402
-from tests.test_plan_host import _expanded, _index_tensors, _table, run_tables  # noqa: E402
+from tests.helpers.run_tables import expanded, index_tensors, run_table, run_tables  # noqa: E402
 
 BF16 = torch.bfloat16
 DIMS = MLADims.deepseek_v2_lite()
@@ -42,7 +42,7 @@ def dev() -> torch.device:
 
 def _args(counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> tuple[np.ndarray, int, int]:
     """(table, total, counting) as PrefillPlan._expand hands them to the device half."""
-    ends, base = _table(counts, firsts, counting_runs)
+    ends, base = run_table(counts, firsts, counting_runs)
     total = int(ends[-1]) if ends.size else 0
     counting = int(ends[counting_runs - 1]) if counting_runs else 0
     return np.stack([ends, base]).reshape(2, counts.size), total, counting
@@ -67,7 +67,7 @@ def test_triton_expansion_equals_torch_ops_bitwise_and_never_synchronizes():
         ) and out.is_cuda  # torch pins no empty tensor and out.dtype == torch.int64 and out.is_contiguous()
         if ops is not None:  # (torch's searchsorted is not asked about an empty table: a plan never makes one)
             assert torch.equal(out, ops[0]), (counts.size, counting_runs)
-        assert out.cpu().tolist() == _expanded(counts, firsts, counting_runs), (counts.size, counting_runs)
+        assert out.cpu().tolist() == expanded(counts, firsts, counting_runs), (counts.size, counting_runs)
 
 
 def _batch(batch: int, fused: bool, seed: int) -> tuple[list, list]:
@@ -101,7 +101,7 @@ def test_plan_index_tensors_equal_torch_ops_and_cpu(batch, fused, monkeypatch):
     cpu_plan = build(Workspace("cpu", chunk_tokens=chunk))
     assert triton_plan.fused == torch_plan.fused == cpu_plan.fused == fused
     assert len(triton_plan.chunks) == len(cpu_plan.chunks) and (fused or len(cpu_plan.chunks) >= 2)
-    got, ops, want = _index_tensors(triton_plan), _index_tensors(torch_plan), _index_tensors(cpu_plan)
+    got, ops, want = index_tensors(triton_plan), index_tensors(torch_plan), index_tensors(cpu_plan)
     assert got.keys() == ops.keys() == want.keys()
     if fused:  # one expansion: one device buffer that every index tensor views
         assert len(triton_plan._device_indices) == 1 and triton_plan._pinned_runs.is_pinned()
@@ -126,4 +126,4 @@ def test_expansion_on_a_device_other_than_the_current_one():
     other = torch.device("cuda", 1 - torch.cuda.current_device())
     for counts, firsts, counting_runs in run_tables(seed=7)[-4:]:
         out, _ = plan_mod._expand_on_device_triton(*_args(counts, firsts, counting_runs), other)
-        assert out.device == other and out.cpu().tolist() == _expanded(counts, firsts, counting_runs)
+        assert out.device == other and out.cpu().tolist() == expanded(counts, firsts, counting_runs)

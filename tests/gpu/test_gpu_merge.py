@@ -11,7 +11,7 @@ of the GPU.
   row/head-strided views, with a non-unit last stride and a non-contiguous lse_b, on rows with every kind of
   partial (finite, -inf/+inf on either side or both, NaN lse, NaN/huge garbage in empty partials, a subnormal
   weight): NaN and -inf in the same places, one-empty rows exactly the other partial, two empties (0, -inf), else
-  within 1 ulp of the output dtype (``assert_merge_matches`` in tests/test_merge.py);
+  within 1 ulp of the output dtype (``assert_merge_matches`` in tests/helpers/merge_cases.py);
 * bit for bit equal to the torch merge (same float32 operations in the same order, libdevice expf/logf, IEEE
   division, no FMA contraction): a separate test, so that a failure says which promise broke;
 * chunked ``mla_prefill``: the Triton merge gives bitwise the torch merge's result (MLA_BRIDGE_MERGE=torch) and is
@@ -21,20 +21,16 @@ of the GPU.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 from mla_bridge import MLADims, PrefillPlan, Workspace, merge_attn_states, mla_prefill  # noqa: E402
 from mla_bridge import merge as M  # noqa: E402
 from mla_bridge.merge import merge_attn_states_, select_merge  # noqa: E402
-from tests.test_merge import assert_merge_matches, bitwise, merge_cases  # noqa: E402
+from tests.helpers.merge_cases import assert_merge_matches, bitwise, merge_cases  # noqa: E402
 
 BF16 = torch.bfloat16
 DTYPES = [BF16, torch.float16, torch.float32]

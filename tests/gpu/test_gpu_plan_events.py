@@ -4,7 +4,7 @@ still order every run after its own plan's copies (FlashInfer fa3 / fa2, bf16, 1
 The GPU is kept busy (``torch.cuda._sleep``) before each plan, so FlashInfer's schedule copy is queued behind the
 sleep while the host plans on and queues the run on another stream; that stream waits on the plan's event, the same
 event object as the previous plan's (re-recorded). A wait that did not cover the new record would run on the
-previous batch's schedule (errors of about 4; the tolerance is 1e-2). Reference: tests/gpu/test_gpu_async.py's.
+previous batch's schedule (errors of about 4; the tolerance is 1e-2). Reference: tests/helpers/gpu_cases.py's.
 
 Marked ``gpu`` (skipped without CUDA + FlashInfer). On the H200:
     .venv/bin/python -m pytest tests/gpu/test_gpu_plan_events.py -q -m gpu
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mla_bridge import Workspace
-from tests.gpu.test_gpu_async import BACKENDS, SLEEP, TOL, cases, dev, require
+from tests.helpers.gpu_cases import BACKENDS, SLEEP, TOL, cases, dev, require
 
 pytestmark = pytest.mark.gpu
 

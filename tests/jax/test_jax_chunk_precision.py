@@ -23,7 +23,7 @@ def test_bf16_error_does_not_grow_with_the_chunk_count():
     """32 new + 512 cached tokens, 4 heads: at 4-token chunks (128 merges of the same rows), eagerly and under
     jax.jit, the error is at most 1.5x the fused schedule's or 2**-8 x max |reference| (1.5e-3 against 1.4e-3 fused;
     before, 9.7e-3)."""
-    from tests.conftest import make_mla_batch, mla_reference
+    from tests.helpers.reference import make_mla_batch, mla_reference
 
     dims = MLADims(num_heads=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     batch = make_mla_batch(dims, [32], [512], 16, dtype=torch.bfloat16, seed=3)

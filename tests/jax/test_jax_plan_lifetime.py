@@ -189,8 +189,7 @@ def test_tvm_ffi_released_plan_fails_clearly(registry):
 
 
 EXIT_SCRIPT = """
-import sys, types, torch, numpy as np, jax, jax.numpy as jnp
-sys.path[:0] = sys.argv[1:]
+import types, torch, numpy as np, jax, jax.numpy as jnp
 import test_jax_plan_lifetime as t
 from mla_bridge_jax import tvm_ffi as route
 import tvm_ffi
@@ -216,7 +215,9 @@ def test_process_with_registered_plans_exits_cleanly(stand_in, tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "exit_check.py"
     script.write_text(EXIT_SCRIPT)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, str(script), here], capture_output=True, text=True, timeout=300, env=env)
+    root = os.path.dirname(os.path.dirname(here))
+    path = os.pathsep.join([here, root, os.path.join(root, "adapters"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert "registered" in res.stdout, res.stdout + res.stderr[-3000:]
     assert res.returncode == 0, (res.returncode, res.stderr[-3000:])

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-_ADAPTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "adapters")
-if _ADAPTERS not in sys.path:  # the adapters import even when the project is not installed
-    sys.path.insert(0, _ADAPTERS)
-
-from . import hf_deepseek  # noqa: E402
+from . import hf_deepseek
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,6 @@ pytest.importorskip("vllm")
 pytest.importorskip("vllm.v1.attention.backends.mla.prefill.base", reason="needs the vllm package")
 
 import dataclasses  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -27,10 +25,9 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillM
 from mla_bridge import ragged_prefill  # noqa: E402
 from mla_bridge_vllm.backend import MLABridgePrefillBackend  # noqa: E402
 
-from . import inputs  # noqa: E402
+import vllm_harness as H  # noqa: E402  (tests/vllm, on pytest's pythonpath)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm"))
-import vllm_harness as H  # noqa: E402
+from . import inputs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -14,21 +14,12 @@ Imports neither vLLM nor its test harness, so it runs where vLLM is not installe
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-try:
-    import mla_bridge_vllm.plans  # noqa: F401
-except ImportError:  # the project is not installed: import the adapter from the checkout
-    sys.path.insert(
-        0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "adapters")
-    )
-
-from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans, host_indptr_from_lens, vllm_strides  # noqa: E402
+from mla_bridge_vllm.plans import ChunkIndptrs, PrefillStepPlans, host_indptr_from_lens, vllm_strides
 
 RANK, NOPE, ROPE, VDIM = 512, 128, 64, 128
 
