@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from .. import switches
 from ..cache import gather_impl, gather_latent, quantize_latent_cache
 from ..graphs import PrefillLayer, capture_prefill
 from ..kv import kv_impl
@@ -289,17 +290,17 @@ def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[],
 def _gather_forced(impl: Optional[str]) -> Iterator[None]:
     """``MLA_BRIDGE_GATHER`` set to ``impl`` while the block runs (None: unchanged), so that ``mla_prefill``'s own
     gather runs the torch fallback beside its default."""
-    old = os.environ.get("MLA_BRIDGE_GATHER")
+    old = os.environ.get(switches.GATHER)
     if impl is not None:
-        os.environ["MLA_BRIDGE_GATHER"] = impl
+        os.environ[switches.GATHER] = impl
     try:
         yield
     finally:
         if impl is not None:
             if old is None:
-                os.environ.pop("MLA_BRIDGE_GATHER", None)
+                os.environ.pop(switches.GATHER, None)
             else:
-                os.environ["MLA_BRIDGE_GATHER"] = old
+                os.environ[switches.GATHER] = old
 
 
 def _layer(x: Inputs, plan: PrefillPlan, cache=None, scale=None, **kw: Any) -> Callable[..., torch.Tensor]:
