@@ -176,7 +176,9 @@ def indexer_topk(
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{name}[{r}] must be a torch.Tensor, got {type(t).__name__}")
                 if t.device != device or (name in ("hidden_states", "q_resid") and t.dtype != dtype):
-                    raise TypeError(f"{name}[{r}] must be {dtype} on {device} (the weights'), got {t.dtype} on {t.device}")
+                    raise TypeError(
+                        f"{name}[{r}] must be {dtype} on {device} (the weights'), got {t.dtype} on {t.device}"
+                    )
             s = x.shape[0]
             if x.dim() != 2 or x.shape[1] != w.wk.shape[1]:
                 raise ValueError(f"hidden_states[{r}] must be [S, hidden_size={w.wk.shape[1]}], got {list(x.shape)}")

@@ -227,7 +227,9 @@ def test_absorbed_weights_are_views_of_kv_b_proj(tiny_dims, layout):
         w_uk, w_uv = prepared.absorbed_weights()
         assert w_uk.shape == (d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank)
         assert w_uv.shape == (d.num_heads, d.v_head_dim, d.kv_lora_rank)
-        assert torch.equal(w_uk, per_head[:, : d.qk_nope_head_dim]) and torch.equal(w_uv, per_head[:, d.qk_nope_head_dim :])
+        assert torch.equal(w_uk, per_head[:, : d.qk_nope_head_dim]) and torch.equal(
+            w_uv, per_head[:, d.qk_nope_head_dim :]
+        )
         assert w_uk.untyped_storage().data_ptr() == prepared.weight.untyped_storage().data_ptr()
 
 
@@ -353,7 +355,15 @@ def test_bad_indices_are_refused_and_nothing_is_written(ref, tiny_dims, case):
     out = torch.full((plan.num_tokens, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
     with pytest.raises(error, match=match):
         mla_prefill(
-            batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, out=out, topk_indices=indices
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            batch.cache,
+            batch.block_table,
+            plan,
+            out=out,
+            topk_indices=indices,
         )
     assert (out == 7.0).all()
 
@@ -399,4 +409,3 @@ def test_other_inputs_are_still_checked(ref, tiny_dims):
         fp8_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, 8, kv_cache_dtype="fp8")
         fp8, _ = quantize_latent_cache(batch.cache)
         mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, fp8, batch.block_table, fp8_plan, topk_indices=indices)
-
