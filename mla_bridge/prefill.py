@@ -476,9 +476,19 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     out; that holds for :func:`mla_bridge.prepare_kv_b_proj`'s layouts, not for a raw weight wrapped by
     :func:`mla_bridge.weights.as_prepared` (checkpoint layout: a pass on the separate path still makes the split copy
     in the call), for which ``prepared_weight=False`` is the bound.
+
+    Raises:
+        TypeError: ``plan`` not a PrefillPlan, ``prepared_weight`` not a bool.
+        ValueError: a plan built with ``index_topk`` (the sparse pass's memory is bounded per chunk of queries, as
+            :mod:`mla_bridge.sparse` says; this formula is the dense passes').
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
+    if plan.index_topk is not None:
+        raise ValueError(
+            f"prefill_memory_bytes counts the dense passes; the plan was built with index_topk={plan.index_topk} "
+            f"for the sparse pass, whose memory is bounded per chunk of queries (mla_bridge.sparse)"
+        )
     if not isinstance(prepared_weight, bool):
         raise not_a_bool("prepared_weight", prepared_weight)
     d = plan.dims

@@ -409,3 +409,12 @@ def test_other_inputs_are_still_checked(ref, tiny_dims):
         fp8_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, 8, kv_cache_dtype="fp8")
         fp8, _ = quantize_latent_cache(batch.cache)
         mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, fp8, batch.block_table, fp8_plan, topk_indices=indices)
+
+
+def test_dense_memory_formula_refuses_a_sparse_plan(tiny_dims):
+    from mla_bridge.prefill import prefill_memory_bytes
+
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, 8)
+    with pytest.raises(ValueError, match="index_topk=8"):
+        prefill_memory_bytes(plan)
+    assert prefill_memory_bytes(plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, None)) > 0
