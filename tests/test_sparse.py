@@ -418,3 +418,13 @@ def test_dense_memory_formula_refuses_a_sparse_plan(tiny_dims):
     with pytest.raises(ValueError, match="index_topk=8"):
         prefill_memory_bytes(plan)
     assert prefill_memory_bytes(plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, None)) > 0
+
+
+def test_capture_refuses_a_sparse_plan(ref, tiny_dims):
+    from mla_bridge import PrefillLayer, capture_prefill
+
+    batch = ref.make_mla_batch(tiny_dims, [3], [5], 4)
+    plan = plan_for(tiny_dims, [3], [5], 4, 4)
+    layer = PrefillLayer(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache)
+    with pytest.raises(ValueError, match="index_topk=4"):
+        capture_prefill(plan, [layer], block_table=batch.block_table)
