@@ -2,6 +2,8 @@
 
 Data flows one way: :class:`MLADims` -> :func:`select_backend` -> :class:`PrefillPlan` / :func:`plan_ragged`
 -> :func:`mla_prefill` / :meth:`RaggedPlan.run` -> :func:`merge_attn_states`. LSEs are natural-log everywhere.
+DeepSeek Sparse Attention: a plan built with ``index_topk`` and ``mla_prefill(..., topk_indices=)``
+(:mod:`mla_bridge.sparse`); :func:`indexer_topk` is a reference indexer that makes such indices.
 """
 
 from .cache import quantize_latent_cache
@@ -11,6 +13,7 @@ from .merge import merge_attn_states
 from .plan import PrefillPlan
 from .plan_cache import PlanCache
 from .prefill import mla_prefill
+from .indexer import IndexerWeights, indexer_topk
 from .graphs import PrefillGraph, PrefillLayer, capture_prefill
 from .ragged import RaggedPlan, plan_ragged, ragged_prefill
 from .weights import PreparedKVBProj, prepare_kv_b_proj
@@ -38,5 +41,7 @@ __all__ = [
     "PrefillLayer",
     "capture_prefill",
     "quantize_latent_cache",
+    "IndexerWeights",
+    "indexer_topk",
     "__version__",
 ]

@@ -162,6 +162,11 @@ def _check_chunk_count(total_context: int, chunk_tokens: int) -> None:
         )
 
 
+def _checked_topk(index_topk) -> Optional[int]:
+    """``index_topk`` as a plan records it: None (dense), or a positive int (sparse attention over the top K keys)."""
+    return None if index_topk is None else positive_int("index_topk", index_topk)
+
+
 def _check_fuse_context(fuse_context) -> None:
     if not isinstance(fuse_context, bool):
         raise not_a_bool("fuse_context", fuse_context)
@@ -197,6 +202,7 @@ class PrefillPlan:
     kv_cache_dtype: torch.dtype
     query_lens: list[int]
     context_lens: list[int]
+    index_topk: Optional[int]
     qo_indptr: torch.Tensor
     main_kv_indptr: torch.Tensor
     fused: bool
@@ -242,6 +248,7 @@ class PrefillPlan:
         backend: Optional[str] = None,
         fuse_context: bool = True,
         kv_cache_dtype=None,
+        index_topk: Optional[int] = None,
     ) -> "PrefillPlan":
         """Plan a batch once: indptrs, the context-chunk schedule, and one :class:`RaggedPlan` per pass.
 
@@ -260,13 +267,19 @@ class PrefillPlan:
             kv_cache_dtype: the paged cache's dtype (``plan.kv_cache_dtype``): None / ``"auto"`` = ``dtype``;
                 ``"fp8"`` / ``torch.float8_e4m3fn`` / ``torch.uint8`` = an FP8 e4m3 cache with one per-tensor
                 scale, dequantized into ``dtype`` in the gather (see :mod:`mla_bridge.cache`).
+            index_topk: None (default) for dense prefill; a positive int ``K`` for DeepSeek Sparse Attention: every
+                :func:`mla_bridge.mla_prefill` call with this plan then takes ``topk_indices [T, K]`` and runs the
+                sparse pass of :mod:`mla_bridge.sparse` (a dense call is refused, as are indices with a dense plan).
+                The dense passes are planned as for ``index_topk=None`` (the sparse pass reads only the plan's
+                lengths, dims and dtypes). :attr:`index_topk`; part of :attr:`key`.
 
         Raises:
             TypeError / ValueError: lengths that are not non-negative ints or differ in count, ``query_lens`` or
                 ``context_lens`` summing beyond ``2**31 - 1`` tokens (checked first, in O(requests)), a chunked
                 schedule of more than :data:`MAX_CONTEXT_CHUNKS` chunks (``sum(context_lens) / chunk_tokens``: the
                 message names both and the host bytes; in O(1), before any chunk), a bad block size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
-                is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``).
+                is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``), an ``index_topk`` that
+                is neither None nor a positive int.
 
         Host work is O(requests + chunks) on CUDA, never a synchronizing call, and one FlashInfer ``plan()`` per
         distinct pass shape. The chunked schedule makes no per-token index tensor there: each chunk's gather reads its
@@ -282,6 +295,7 @@ class PrefillPlan:
         """
         _check_fuse_context(fuse_context)
         self = object.__new__(cls)
+        self.index_topk = _checked_topk(index_topk)
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         q_lens = as_lengths("query_lens", query_lens)
         c_lens = [0] * len(q_lens) if context_lens is None else as_lengths("context_lens", context_lens)
@@ -619,6 +633,7 @@ class PrefillPlan:
                 self._fuse_context,
                 self.kv_cache_dtype,
                 self._chunk_tokens,
+                self.index_topk,
             )
         return key
 
@@ -732,7 +747,9 @@ class PrefillPlan:
         return (
             f"PrefillPlan(batch={self.batch_size}, new_tokens={self.num_tokens}, "
             f"context_tokens={self.num_context_tokens}, fused={self.fused}, chunks={len(self.chunks)}, "
-            f"backend={self.backend.name!r})"
+            f"backend={self.backend.name!r}"
+            + ("" if self.index_topk is None else f", index_topk={self.index_topk}")
+            + ")"
         )
 
 
@@ -884,12 +901,13 @@ def _plan_key(
     fuse_context: bool,
     kv_cache_dtype: torch.dtype,
     chunk_tokens: int,
+    index_topk: Optional[int] = None,
 ) -> tuple:
     """Everything a :class:`PrefillPlan` depends on, hashable: per-request query and context lengths, dims (sizes and
     softmax scale), dtype, the cache dtype (resolved: ``"fp8"`` and ``torch.uint8`` are one key), block size, the chunk
     budget (``chunk_tokens``: ``workspace.chunk_tokens`` when the plan is made or asked for), the backend asked for
     (``requested``: :func:`_requested_backend`), the schedule switch, the workspace (by identity: a plan holds its
-    wrappers) and the device."""
+    wrappers), the device and ``index_topk`` (None for a dense plan)."""
     return (
         tuple(q_lens),
         tuple(c_lens),
@@ -902,6 +920,7 @@ def _plan_key(
         bool(fuse_context),
         id(workspace),
         device,
+        index_topk,
     )
 
 
@@ -917,20 +936,23 @@ def lookup_key(
     backend: Optional[str] = None,
     fuse_context: bool = True,
     kv_cache_dtype=None,
+    index_topk: Optional[int] = None,
 ) -> tuple[list, list, int, Optional[tuple]]:
     """The key :meth:`PrefillPlan.build` would give its plan for these arguments (:attr:`PrefillPlan.key`), made
     before building it, for a cache's look-up (:class:`mla_bridge.plan_cache.PlanCache`): ``(query_lens, context_lens,
     block_size, key)`` with the lengths and block size as build reads them; ``key`` is None where ``dims`` or
     ``workspace`` is not of its type (build then raises). What build refuses in the lengths, block size and schedule
-    switch is refused here, before any look-up (``4.0 == 4`` and ``1 == True`` as key parts).
+    switch (and ``index_topk``) is refused here, before any look-up (``4.0 == 4`` and ``1 == True`` as key parts).
 
     Raises:
-        TypeError / ValueError: as :meth:`PrefillPlan.build` for the lengths, ``block_size`` and ``fuse_context``.
+        TypeError / ValueError: as :meth:`PrefillPlan.build` for the lengths, ``block_size``, ``fuse_context`` and
+            ``index_topk``.
     """
     q_lens = as_lengths("query_lens", query_lens)
     c_lens = [0] * len(q_lens) if context_lens is None else as_lengths("context_lens", context_lens)
     _check_fuse_context(fuse_context)
     block_size = positive_int("block_size", block_size)
+    index_topk = _checked_topk(index_topk)
     key = None
     if isinstance(workspace, Workspace) and isinstance(dims, MLADims):
         dev = workspace.device if device is None else checked_device(device)
@@ -946,6 +968,7 @@ def lookup_key(
             fuse_context,
             resolve_kv_cache_dtype(kv_cache_dtype, dtype),
             workspace.chunk_tokens,
+            index_topk,
         )
     return q_lens, c_lens, block_size, key
 

@@ -153,6 +153,7 @@ class PlanCache:
         backend: Optional[str] = None,
         fuse_context: bool = True,
         kv_cache_dtype=None,
+        index_topk: Optional[int] = None,
     ) -> PrefillPlan:
         """The plan of :meth:`PrefillPlan.build` for these arguments: a kept one whose key is equal, else a new one
         (kept). Same arguments and errors as :meth:`PrefillPlan.build` (what it refuses is refused before the
@@ -168,6 +169,7 @@ class PlanCache:
             backend=backend,
             fuse_context=fuse_context,
             kv_cache_dtype=kv_cache_dtype,
+            index_topk=index_topk,
         )  # key None: without a Workspace and MLADims, build raises
         if key is not None:
             kept = self.lookup(key)
@@ -184,6 +186,7 @@ class PlanCache:
             backend=backend,
             fuse_context=fuse_context,
             kv_cache_dtype=kv_cache_dtype,
+            index_topk=index_topk,
         )  # outside the lock: FlashInfer plans take time
         # the plan's key: the same arguments, read at the same moment (not made twice)
         return self._insert(keep_key(plan, key).key, plan)  # type: ignore[return-value]

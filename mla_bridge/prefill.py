@@ -12,6 +12,8 @@ Steps per layer (all host decisions were made in :class:`mla_bridge.PrefillPlan`
      than once, its request's context split over chunks, is carried in float32 between its merges and rounded to
      the plan's dtype once: :attr:`mla_bridge.PrefillPlan.merge_steps`).
 The formula is DeepSeek-V2's MLA in its "MHA form" (``kv_b_proj`` splits into k_nope and v per head).
+With ``topk_indices`` (a plan built with ``index_topk``: DeepSeek Sparse Attention) the call dispatches to the sparse
+pass of :mod:`mla_bridge.sparse` instead (the absorbed form over each token's selected latent rows).
 
 Non-finite inputs (NaN, inf), per row of ``out`` / ``lse``. A NaN or infinity in a new token's ``kv_c`` makes its key's
 k and v non-finite (the up-projection mixes every latent channel into every head); in its ``k_pe``, its k; in a cached
@@ -52,6 +54,7 @@ from .kv import KVInputs, chunk_kv, fused_schedule_kv, new_tokens_kv
 from .merge import merge_planned_, select_merge
 from .plan import PrefillPlan
 from .ragged import shares_memory
+from .sparse import check_topk_indices, sparse_prefill
 from .weights import PreparedKVBProj, as_prepared, prepared_weight_elements, up_projection_weight  # (moved there)
 
 __all__ = [
@@ -78,6 +81,7 @@ def validate_prefill_inputs(
     plan: PrefillPlan,
     out: Optional[torch.Tensor] = None,
     kv_cache_scale=None,
+    topk_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Check every :func:`mla_prefill` input against ``plan`` on the host; returns ``k_pe`` as ``[T, rope]``.
     ``kv_b_proj_weight`` may be raw or a :class:`mla_bridge.PreparedKVBProj` (checked for the plan's dims, dtype and
@@ -96,9 +100,13 @@ def validate_prefill_inputs(
             :func:`mla_bridge.cache.check_kv_cache` (FP8 without ``kv_cache_scale``, a scale with an unquantized
             cache, a non-finite or non-positive scale, fp8_e5m2 / fp8_ds_mla caches); a strided ``q`` that reaches,
             through its strides, past the 32-bit element offsets of a backend of the plan's passes
-            (:attr:`mla_bridge.PrefillPlan.offset_limit`).
+            (:attr:`mla_bridge.PrefillPlan.offset_limit`); ``topk_indices`` as
+            :func:`mla_bridge.sparse.check_topk_indices` refuses them (given with a dense plan, missing with a sparse
+            one, a bad dtype or shape, on the CPU a non-causal or out-of-range pick).
     """
-    return _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale)[0]
+    return _checked_inputs(
+        q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale, topk_indices
+    )[0]
 
 
 #: The integer dtypes a block_table may hold: torch has no min/max or indexing kernels for the wider unsigned ones
@@ -106,7 +114,7 @@ def validate_prefill_inputs(
 _BLOCK_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale):
+def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale, topk_indices):
     """:func:`validate_prefill_inputs`, returning ``(k_pe [T, rope], kv_cache, kv_cache_scale)`` with the cache and
     scale as :func:`mla_bridge.cache.check_kv_cache` gives them (the view and the value the kernels read)."""
     if not isinstance(plan, PrefillPlan):
@@ -208,13 +216,14 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
             ("kv_cache", kv_cache),
             ("block_table", block_table),
             ("kv_b_proj_weight", weight),
-        ):
+        ) + ((("topk_indices", topk_indices),) if isinstance(topk_indices, torch.Tensor) else ()):
             if shares_memory(out, x):
                 raise ValueError(
                     f"out shares memory with {name}: mla_prefill reads {name} after it starts writing "
                     f"out (every context chunk reads q, its cache rows and the weight again); pass an "
                     f"out of its own"
                 )
+    check_topk_indices(topk_indices, plan)
     return k_pe, checked_cache, scale
 
 
@@ -267,6 +276,7 @@ def mla_prefill(
     phase_hook: Optional[PhaseHook] = None,
     kv_cache_scale=None,
     kv_impl: Optional[str] = None,
+    topk_indices: Optional[torch.Tensor] = None,
 ):
     """MLA prefill attention for one layer: each request's new tokens over its whole sequence (context + new,
     causal among the new tokens).
@@ -303,7 +313,12 @@ def mla_prefill(
             kernel for the smaller passes, the separate path for the others; inside :func:`mla_bridge.kv.capture_rule`,
             as in the captures of :mod:`mla_bridge.graphs`, the GPU-faster path of each pass; the default on CUDA with
             Triton, "separate" elsewhere); ``None`` = :func:`mla_bridge.kv.kv_impl` (the ``MLA_BRIDGE_KV`` environment
-            variable, else the default).
+            variable, else the default). Checked, not read, by the sparse pass.
+        topk_indices: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): int32 ``[T, plan.index_topk]``, the keys of
+            each new token as positions in its request's sequence (context first, then the new tokens), -1 for none;
+            required with a plan built with ``index_topk``, refused otherwise. Each token then attends only its picks
+            (:mod:`mla_bridge.sparse`: the contract, the absorbed form; the torch path, a fused CUDA kernel is not
+            part of this release). ``phase_hook`` then sees "sparse attention" and "end".
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``. Which rows a NaN or
@@ -327,9 +342,25 @@ def mla_prefill(
             f"phase_hook must be callable (called with each phase's name) or None, got {type(phase_hook).__name__}"
         )
     k_pe, kv_cache, scale = _checked_inputs(
-        q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale
+        q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan, out, kv_cache_scale, topk_indices
     )
     impl = _kv.kv_impl(plan.device, kv_impl, plan.dtype)
+    if topk_indices is not None:  # a sparse plan (checked): the sparse pass, its own module
+        return sparse_prefill(
+            q,
+            kv_c,
+            k_pe,
+            as_prepared(kv_b_proj_weight, plan.dims, plan.dtype, plan.device),
+            kv_cache,
+            block_table,
+            plan,
+            topk_indices,
+            out=out,
+            return_lse=return_lse,
+            kv_cache_scale=scale,
+            gather=gather_impl(plan.device) if plan.num_context_tokens else None,
+            hook=phase_hook,
+        )
     # the other kernels of this call, chosen once, now: an environment switch that cannot serve is refused here,
     # before anything is allocated or written (not after the main pass has written out); the gather choice is
     # handed to every pass
@@ -445,9 +476,19 @@ def prefill_memory_bytes(plan: PrefillPlan, *, prepared_weight: bool = False) ->
     out; that holds for :func:`mla_bridge.prepare_kv_b_proj`'s layouts, not for a raw weight wrapped by
     :func:`mla_bridge.weights.as_prepared` (checkpoint layout: a pass on the separate path still makes the split copy
     in the call), for which ``prepared_weight=False`` is the bound.
+
+    Raises:
+        TypeError: ``plan`` not a PrefillPlan, ``prepared_weight`` not a bool.
+        ValueError: a plan built with ``index_topk`` (the sparse pass's memory is bounded per chunk of queries, as
+            :mod:`mla_bridge.sparse` says; this formula is the dense passes').
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
+    if plan.index_topk is not None:
+        raise ValueError(
+            f"prefill_memory_bytes counts the dense passes; the plan was built with index_topk={plan.index_topk} "
+            f"for the sparse pass, whose memory is bounded per chunk of queries (mla_bridge.sparse)"
+        )
     if not isinstance(prepared_weight, bool):
         raise not_a_bool("prepared_weight", prepared_weight)
     d = plan.dims

@@ -206,9 +206,9 @@ class PreparedKVBProj:
         return PreparedKVBProj(self.dims, self.layout, self.weight) if self.layout == CHECKPOINT_LAYOUT else self
 
     # The up-projection as mla_bridge's own passes (:mod:`mla_bridge.kv`) and the fused kernel
-    # (:mod:`mla_bridge.kernels.up_project`) use it: these four methods are the whole interface between them and this
-    # module. They check nothing (``mla_prefill`` validated its inputs once per layer); callers from outside use
-    # :meth:`up_project`.
+    # (:mod:`mla_bridge.kernels.up_project`) use it, and the absorbed form the sparse pass reads
+    # (:mod:`mla_bridge.sparse`): these five methods are the whole interface between them and this module. They check
+    # nothing (``mla_prefill`` validated its inputs once per layer); callers from outside use :meth:`up_project`.
 
     def gemm_form(self) -> "PreparedKVBProj":
         """What the separate path's GEMM reads: this object, or for the checkpoint layout its split form, made by
@@ -234,6 +234,22 @@ class PreparedKVBProj:
         if self.layout == "split":  # [H, vd + nope, rank]: per head v rows, then k_nope rows
             return w, w.stride(1), w.stride(0) // w.stride(1), vd, 0
         return w, w.stride(0), nope + vd, 0, nope  # checkpoint [H * (nope + vd), rank]: k_nope rows, then v rows
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight as the absorbed (MQA) form of attention reads it (:mod:`mla_bridge.sparse`): ``(W_UK [H,
+        qk_nope_head_dim, kv_lora_rank], W_UV [H, v_head_dim, kv_lora_rank])``, views of :attr:`weight` (no copy;
+        any layout, the identity layout's padding and identity block left out), in the weight's dtype and device.
+        ``k_nope[h] = W_UK[h] @ kv_c`` and ``v[h] = W_UV[h] @ kv_c``, so ``q_nope[h] . k_nope[h] = (W_UK[h]^T
+        q_nope[h]) . kv_c``. Checks nothing (the caller validated the weight)."""
+        d, w = self.dims, self.weight
+        h, nope, rope, vd, r = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+        if self.layout == "identity":  # [H * (nope + rope + vd), r + rope]: per head k_nope rows, I, v rows
+            per_head = w.unflatten(0, (h, nope + rope + vd))
+            return per_head[:, :nope, :r], per_head[:, nope + rope :, :r]
+        if self.layout == "split":  # [H, vd + nope, r]: per head v rows, then k_nope rows
+            return w[:, vd:], w[:, :vd]
+        per_head = w.unflatten(0, (h, nope + vd))  # checkpoint [H * (nope + vd), r]: k_nope rows, then v rows
+        return per_head[:, :nope], per_head[:, nope:]
 
     def gemm_buffer(self, n: int, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """For a separate pass that gathers ``n`` rows: ``(buf, k_pe_out)``, the split layout's key/value buffer

@@ -1,0 +1,217 @@
+"""The sparse pass of DeepSeek Sparse Attention (DSA) prefill: each new token attends only the keys its indexer chose.
+
+DeepSeek-V3.2 and GLM-5 keep MLA's latent cache and add a lightning indexer that keeps, for each query token, the top
+``index_topk`` earlier tokens of its sequence (:mod:`mla_bridge.indexer` is a reference one); the attention of that
+query runs over those keys only. :func:`mla_bridge.mla_prefill` serves it with ``topk_indices=`` over a plan built
+with ``PrefillPlan.build(..., index_topk=K)``; this module holds the pass, :mod:`mla_bridge.prefill` only dispatches
+to it.
+
+Design: the sparse plan is a :class:`mla_bridge.PrefillPlan` with :attr:`~mla_bridge.PrefillPlan.index_topk` set,
+not a class of its own: the sparse pass reads what every plan holds (the lengths, ``qo_indptr``, the dims and
+dtypes, the block size), the caller passes the same tensors as for dense prefill, and a :class:`mla_bridge.PlanCache`
+keys both kinds alike (``index_topk`` is part of the key). A plan is for one kind of call: indices with a dense plan,
+or a sparse plan without indices, are refused by name.
+
+**Indices** (``topk_indices``, int32 ``[T, K]``, ``K = plan.index_topk``, on the plan's device): row ``t`` lists the
+keys of new token ``t`` as positions in its own request's sequence, ``0 .. context_lens[r] + query_lens[r] - 1``: the
+first ``context_lens[r]`` positions are the cached context (read from the paged cache through ``block_table``), the
+rest the request's new tokens (read from ``kv_c`` / ``k_pe``, as dense prefill does). ``-1`` marks no key (fewer than
+K picks). A query may pick only positions up to its own (``context_lens[r] + j`` for its ``j``-th new token): on the
+CPU a later position (a non-causal pick), one past the sequence or below -1 is refused with a ValueError naming
+``topk_indices``; on CUDA that is the caller's contract, as ``block_table`` ids are (checking would synchronize every
+layer). A position listed twice in one row is attended twice (as FlashMLA's sparse kernel does); an indexer's top-k
+never lists one twice. The order within a row does not matter.
+
+**The absorbed (MQA) form.** With ``W_UK [H, qk_nope_head_dim, kv_lora_rank]`` and ``W_UV [H, v_head_dim,
+kv_lora_rank]`` the per-head blocks of ``kv_b_proj`` (:meth:`mla_bridge.PreparedKVBProj.absorbed_weights`),
+``q_nope . (W_UK c) = (W_UK^T q_nope) . c``: each head's query becomes ``q_lat = W_UK^T q_nope`` (``kv_lora_rank``
+values) plus its ``q_pe``, scored against the selected latent rows ``c ++ k_pe`` (576 values for DeepSeek, shared by
+every head), ``score = (q_lat . c + q_pe . k_pe) * sm_scale`` with the dense path's softmax scale
+(``plan.dims.softmax_scale``); the softmax runs in float32; ``o_lat = P @ c`` and ``out = W_UV o_lat``
+(``[T, H, v_head_dim]``). The LSE is the natural log of the sum of the exponentials of the scaled scores, ``[T, H]``
+float32, as dense prefill's. A query with no selected key (a row of -1) gets out 0 and lse -inf, the dense passes'
+convention for a row without keys.
+
+**This release: the torch path.** Every device runs the torch implementation below (float32 arithmetic: the selected
+rows are gathered in the plan's dtype, an FP8 cache's dequantized into it as the dense gather does, and then read
+as float32); a fused CUDA kernel is not part of this release, so on CUDA this is a correct fallback, not a fast
+path. Queries go in chunks of at most :data:`SPARSE_CHUNK_QUERIES` and at most :data:`SPARSE_CHUNK_PAIRS` (query,
+selected key) pairs (one query at least), so a call never holds the ``[T, K, 576]`` selected rows of all queries:
+per chunk of ``n`` queries it holds ``n x K`` selected rows (in the plan's dtype and as float32: ``n x K x 576 x (e
++ 4)`` bytes), the scores and probabilities (``3 x n x H x K x 4`` bytes) and the latent query and output (``2 x n
+x H x kv_lora_rank x 4``); for the whole call a float32 copy of ``W_UK`` and ``W_UV`` (none for a float32 weight),
+``out`` and the LSE, and the per-token request and position (16 bytes per new token).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .cache import gather_latent
+from .plan import PrefillPlan
+from .weights import PreparedKVBProj
+
+__all__ = [
+    "SPARSE_CHUNK_PAIRS",
+    "SPARSE_CHUNK_QUERIES",
+    "check_topk_indices",
+    "token_positions",
+    "sparse_prefill",
+]
+
+#: (query, selected key) pairs per chunk of the torch path: 32768 pairs hold 75 MB of float32 latent rows at 576
+#: values per row (module docstring).
+SPARSE_CHUNK_PAIRS = 1 << 15
+#: Queries per chunk at most (bounds the latent queries and outputs, ``n x H x kv_lora_rank`` float32 each, where K
+#: is small).
+SPARSE_CHUNK_QUERIES = 256
+
+
+def token_positions(plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(req_ids, positions)``, int64 ``[T]`` each on the plan's device: the request of each new token and its
+    position in that request's sequence (``context_lens[r] + j`` for the request's ``j``-th new token), the last
+    position its ``topk_indices`` row may name."""
+    dev = plan.device
+    lens = torch.tensor(plan.query_lens, dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(plan.batch_size, dtype=torch.int64), lens, output_size=plan.num_tokens)
+    first = plan.qo_indptr.to(torch.int64)[:-1]
+    ctx = torch.tensor(plan.context_lens, dtype=torch.int64)
+    pos = torch.arange(plan.num_tokens, dtype=torch.int64) - first[req] + ctx[req]
+    return req.to(dev), pos.to(dev)
+
+
+def check_topk_indices(topk_indices, plan: PrefillPlan) -> Optional[torch.Tensor]:
+    """Check ``topk_indices`` against ``plan`` on the host (module docstring): None for a dense plan without
+    indices, else the indices (unchanged).
+
+    Raises:
+        TypeError: not a dense torch.Tensor, or not int32.
+        ValueError: indices with a plan built without ``index_topk``, no indices with a plan built with it, another
+            device, a shape other than ``[T, plan.index_topk]``; on the CPU, a position after the query's own (a
+            non-causal pick), past its request's sequence, or below -1 (the message names the row, the pick and the
+            request).
+    """
+    k = plan.index_topk
+    if topk_indices is None:
+        if k is not None:
+            raise ValueError(
+                f"topk_indices is required: the plan was built with index_topk={k} for sparse attention (build the "
+                f"plan without index_topk for dense prefill)"
+            )
+        return None
+    if k is None:
+        raise ValueError(
+            "topk_indices was given, but the plan was built for dense prefill: build it with "
+            "PrefillPlan.build(..., index_topk=K) for sparse attention"
+        )
+    if not isinstance(topk_indices, torch.Tensor):
+        raise TypeError(f"topk_indices must be a torch.Tensor, got {type(topk_indices).__name__}")
+    if topk_indices.layout != torch.strided:
+        raise TypeError(f"topk_indices must be a dense (strided) tensor, got layout {topk_indices.layout}")
+    if topk_indices.dtype != torch.int32:
+        raise TypeError(f"topk_indices must be int32 (positions, -1 for none), got {topk_indices.dtype}")
+    if topk_indices.device != plan.device:
+        raise ValueError(f"topk_indices is on {topk_indices.device}, but the plan is on {plan.device}")
+    t = plan.num_tokens
+    if topk_indices.shape != (t, k):
+        raise ValueError(
+            f"topk_indices must be [T={t} (new tokens), index_topk={k} (the plan's)], got {list(topk_indices.shape)}"
+        )
+    if topk_indices.device.type == "cpu" and topk_indices.numel():
+        req, own = token_positions(plan)
+        idx = topk_indices.long()
+        bad = (idx < -1) | (idx > own[:, None])
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            p, r = int(idx[row, col]), int(req[row])
+            length = plan.context_lens[r] + plan.query_lens[r]
+            why = (
+                "below -1 (-1 marks no key)"
+                if p < -1
+                else f"past request {r}'s sequence of {length} positions (context {plan.context_lens[r]} + new "
+                f"{plan.query_lens[r]})"
+                if p >= length
+                else f"after the query's own position {int(own[row])} in request {r} (a non-causal pick)"
+            )
+            raise ValueError(f"topk_indices[{row}, {col}] = {p} is {why}")
+    return topk_indices
+
+
+def sparse_prefill(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    weight: PreparedKVBProj,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    plan: PrefillPlan,
+    topk_indices: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+    kv_cache_scale=None,
+    gather: Optional[str] = None,
+    hook: Optional[Callable[[str], None]] = None,
+):
+    """The sparse attention of one layer in the absorbed form (module docstring), the torch path.
+
+    Inputs as :func:`mla_bridge.mla_prefill` takes them, checked there (:func:`check_topk_indices` included):
+    ``k_pe`` as ``[T, qk_rope_head_dim]``, ``kv_cache`` / ``kv_cache_scale`` as
+    :func:`mla_bridge.cache.check_kv_cache` returns them, ``weight`` any layout. ``gather``: the gather
+    implementation for context rows (:func:`mla_bridge.cache.gather_impl`; None: chosen there). ``hook``: called
+    with "sparse attention" before the first chunk and "end" after the last.
+
+    Returns:
+        ``out [T, H, v_head_dim]`` in the plan's dtype (written into ``out`` where given), or ``(out, lse)`` with
+        ``return_lse`` (``lse [T, H]`` float32, natural log; -inf for a row without keys).
+    """
+    d, t, kk = plan.dims, plan.num_tokens, plan.index_topk
+    assert kk is not None  # check_topk_indices refused a dense plan
+    h, nope, rank = d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
+    dev, dtype = plan.device, plan.dtype
+    hook = hook if hook is not None else (lambda name: None)
+    if out is None:
+        out = torch.empty(t, h, d.v_head_dim, dtype=dtype, device=dev)
+    lse = torch.empty(t, h, dtype=torch.float32, device=dev) if return_lse else None
+    hook("sparse attention")
+    w_uk, w_uv = (w.float() for w in weight.absorbed_weights())  # [H, nope, rank], [H, v, rank]
+    req_ids, _ = token_positions(plan)
+    ctx_lens = torch.tensor(plan.context_lens, dtype=torch.int64).to(dev)
+    first_row = plan.qo_indptr.to(torch.int64).to(dev)[:-1]  # each request's first row of kv_c / k_pe
+    step = max(1, min(SPARSE_CHUNK_QUERIES, SPARSE_CHUNK_PAIRS // kk))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        idx = topk_indices[a:b].long()  # [n, K]
+        valid = idx >= 0
+        req = req_ids[a:b, None].expand_as(idx)
+        ctx = ctx_lens[req]
+        from_cache = valid & (idx < ctx)
+        from_new = valid & (idx >= ctx)
+        sel = torch.zeros(b - a, kk, d.latent_dim, dtype=dtype, device=dev)  # -1 picks stay 0 (masked below)
+        cache_req, cache_pos = req[from_cache], idx[from_cache]
+        if cache_req.numel():
+            sel[from_cache] = gather_latent(
+                kv_cache, block_table, cache_req, cache_pos, dtype=dtype, kv_cache_scale=kv_cache_scale, impl=gather
+            )
+        rows = (first_row[req] + idx - ctx)[from_new]
+        if rows.numel():
+            sel[from_new] = torch.cat([kv_c[rows], k_pe[rows]], dim=-1)
+        lat = sel.float()
+        c_sel, pe_sel = lat[..., :rank], lat[..., rank:]
+        qa = q[a:b].float()
+        q_lat = torch.einsum("nhd,hdr->nhr", qa[..., :nope], w_uk)
+        s = torch.einsum("nhr,nkr->nhk", q_lat, c_sel) + torch.einsum("nhp,nkp->nhk", qa[..., nope:], pe_sel)
+        s = s.mul_(d.softmax_scale).masked_fill_(~valid[:, None, :], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # a row without keys: exp(-inf) = 0
+        e = torch.exp(s - m)
+        total = e.sum(dim=-1)  # [n, H]
+        has_keys = valid.any(dim=-1)[:, None]
+        o_lat = torch.einsum("nhk,nkr->nhr", e, c_sel) / torch.where(has_keys, total, 1.0)[..., None]
+        out[a:b] = torch.einsum("nhr,hvr->nhv", o_lat, w_uv).to(dtype)
+        if lse is not None:
+            lse[a:b] = torch.where(has_keys, m.squeeze(-1) + torch.log(total), float("-inf"))
+    hook("end")
+    return (out, lse) if return_lse else out

@@ -1,0 +1,430 @@
+"""Sparse attention prefill (DeepSeek Sparse Attention): mla_prefill(..., topk_indices=) over a plan built with
+index_topk, against a float64 sparse attention written here from the indices in the UNABSORBED form (k = [k_nope
+from the kv_b_proj up-projection, k_pe], v up-projected, a softmax over the selected keys only), which also checks
+the library's absorption (W_UK into the query, W_UV after the attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_bridge import PlanCache, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj, quantize_latent_cache
+from mla_bridge import sparse
+from mla_bridge.cache import dequantize_latent
+
+ATOL = 3e-5
+
+# A mixed batch: requests without context, one without new tokens, one whose context spans several blocks of 64.
+QUERY_LENS = [3, 4, 1, 0, 5, 2]
+CONTEXT_LENS = [0, 37, 5, 9, 70, 0]
+
+
+def own_positions(query_lens, context_lens):
+    """Each new token's position in its request's sequence (the last one it may pick)."""
+    return [c + j for q, c in zip(query_lens, context_lens) for j in range(q)]
+
+
+def random_indices(query_lens, context_lens, k, *, seed=0, fill=1.0, allow_empty=False):
+    """int32 [T, k]: per new token at most min(k, own + 1) distinct causal picks (``fill``: the share of that maximum,
+    at least one unless ``allow_empty``), the rest -1, at shuffled places in the row."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for own in own_positions(query_lens, context_lens):
+        most = min(k, own + 1)
+        lo = 0 if allow_empty else 1
+        m = most if fill >= 1.0 else int(torch.randint(lo, max(lo, int(most * fill)) + 1, (1,), generator=g))
+        picks = torch.randperm(own + 1, generator=g)[:m]
+        row = torch.full((k,), -1, dtype=torch.int32)
+        row[torch.randperm(k, generator=g)[:m]] = picks.to(torch.int32)
+        rows.append(row)
+    return torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.int32)
+
+
+def sparse_reference(batch, indices, cache=None):
+    """float64 sparse attention, unabsorbed: each request's sequence latents (context read back from the paged
+    ``cache`` through block_table token by token, new tokens from kv_c / k_pe), up-projected with kv_b_proj into
+    per-head k = [k_nope, k_pe] and v; row t attends the keys its indices name (-1 skipped; a repeated position
+    counts each time). Returns out [T, H, v_head_dim], lse [T, H] (natural log; -inf and out 0 without keys)."""
+    d = batch.dims
+    h, nope, vdim, rank = d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
+    w = batch.w.double()
+    cache = (batch.cache if cache is None else cache).double()
+    t_all = sum(batch.query_lens)
+    out = torch.zeros(t_all, h, vdim, dtype=torch.float64)
+    lse = torch.full((t_all, h), float("-inf"), dtype=torch.float64)
+    row = 0
+    for r, (n, c) in enumerate(zip(batch.query_lens, batch.context_lens)):
+        bs = batch.block_size
+        ctx = [cache[int(batch.block_table[r, p // bs]), p % bs] for p in range(c)]
+        ctx_t = torch.stack(ctx) if ctx else torch.zeros(0, d.latent_dim, dtype=torch.float64)
+        new = torch.cat([batch.kv_c[row : row + n].double(), batch.k_pe[row : row + n].double()], 1)
+        latent = torch.cat([ctx_t, new])
+        kv = (latent[:, :rank] @ w.t()).view(-1, h, nope + vdim)
+        k = torch.cat([kv[..., :nope], latent[:, rank:].unsqueeze(1).expand(-1, h, -1)], -1)
+        v = kv[..., nope:]
+        for j in range(n):
+            picks = [int(p) for p in indices[row + j] if p >= 0]
+            if picks:
+                q = batch.q[row + j].double()  # [H, 192]
+                s = torch.einsum("hd,mhd->hm", q, k[picks]) * d.softmax_scale
+                lse[row + j] = torch.logsumexp(s, -1)
+                out[row + j] = torch.einsum("hm,mhv->hv", torch.softmax(s, -1), v[picks])
+        row += n
+    return out, lse
+
+
+def plan_for(dims, query_lens, context_lens, block_size, k, *, dtype=torch.float32, chunk_tokens=None, **kw):
+    ws = Workspace("cpu") if chunk_tokens is None else Workspace("cpu", chunk_tokens=chunk_tokens)
+    return PrefillPlan.build(
+        query_lens, context_lens, dims=dims, workspace=ws, block_size=block_size, dtype=dtype, index_topk=k, **kw
+    )
+
+
+def run(batch, plan, indices, **kw):
+    return mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        plan,
+        topk_indices=indices,
+        return_lse=True,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("k", [4, 16, 200])  # 200: more than any request's sequence (75 positions)
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_sparse_equals_float64_sparse_attention(ref, tiny_dims, block_size, k, fuse):
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, seed=block_size + k)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, block_size, k, chunk_tokens=23, fuse_context=fuse)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=k)
+    out, lse = run(batch, plan, indices)
+    exp_out, exp_lse = sparse_reference(batch, indices)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_padding_fewer_keys_than_k_and_rows_without_keys(ref, tiny_dims):
+    """-1 anywhere in a row, rows with fewer picks than K, and rows with none (out 0, lse -inf: the dense passes'
+    convention for a row without keys)."""
+    k = 12
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=3)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=5, fill=0.5, allow_empty=True)
+    indices[2] = -1  # one row without keys for certain
+    out, lse = run(batch, plan, indices)
+    exp_out, exp_lse = sparse_reference(batch, indices)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+
+
+def test_repeated_position_counts_each_time(ref, tiny_dims):
+    """A position listed twice is attended twice (as FlashMLA's sparse kernel): the reference does the same."""
+    batch = ref.make_mla_batch(tiny_dims, [2], [6], 4, seed=8)
+    plan = plan_for(tiny_dims, [2], [6], 4, 3)
+    indices = torch.tensor([[5, 5, 0], [6, 1, 1]], dtype=torch.int32)
+    out, lse = run(batch, plan, indices)
+    exp_out, exp_lse = sparse_reference(batch, indices)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_all_keys_equals_dense_prefill(ref, tiny_dims, fuse):
+    """Each token selecting its whole causal sequence (K at least the longest sequence) is dense prefill: the same
+    out and lse as mla_prefill over a dense plan of the same lengths."""
+    k = max(q + c for q, c in zip(QUERY_LENS, CONTEXT_LENS))
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=11)
+    sparse_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k, chunk_tokens=23, fuse_context=fuse)
+    dense_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, None, chunk_tokens=23, fuse_context=fuse)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=2)  # every causal position, shuffled
+    out, lse = run(batch, sparse_plan, indices)
+    dense_out, dense_lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, dense_plan, return_lse=True
+    )
+    torch.testing.assert_close(out, dense_out, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse, dense_lse, atol=2e-5, rtol=0)
+    exp_out, exp_lse = ref.mla_reference(batch)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_fp8_cache(ref, tiny_dims):
+    """An FP8 cache: the selected context rows are dequantized with the scale as the dense gather does (the
+    reference reads the same dequantized values); with every key selected, the dense FP8 path's result."""
+    k = 20
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=4)
+    fp8, scale = quantize_latent_cache(batch.cache)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k, kv_cache_dtype="fp8")
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=1, fill=0.7)
+    for stored in (fp8, fp8.view(torch.uint8)):
+        out, lse = mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            stored,
+            batch.block_table,
+            plan,
+            topk_indices=indices,
+            return_lse=True,
+            kv_cache_scale=scale,
+        )
+        exp_out, exp_lse = sparse_reference(batch, indices, cache=dequantize_latent(fp8, scale, torch.float32))
+        ref.assert_out_close(out, exp_out, atol=ATOL)
+        ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+    full = max(q + c for q, c in zip(QUERY_LENS, CONTEXT_LENS))
+    all_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, full, kv_cache_dtype="fp8")
+    dense_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, None, kv_cache_dtype="fp8")
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, fp8, batch.block_table)
+    out = mla_prefill(
+        *args, all_plan, topk_indices=random_indices(QUERY_LENS, CONTEXT_LENS, full), kv_cache_scale=scale
+    )
+    torch.testing.assert_close(out, mla_prefill(*args, dense_plan, kv_cache_scale=scale), atol=2e-5, rtol=0)
+
+
+def test_bf16(ref, tiny_dims):
+    """bf16 inputs: within bf16 rounding of the float64 reference (the latent query and the attention in float32,
+    the output rounded once)."""
+    k = 16
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=6, dtype=torch.bfloat16)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k, dtype=torch.bfloat16)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=6, fill=0.8)
+    out, lse = run(batch, plan, indices)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    exp_out, exp_lse = sparse_reference(batch, indices)
+    ref.assert_out_close(out, exp_out, atol=2e-2, rtol=2e-2)
+    ref.assert_lse_close(lse, exp_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["raw", "split", "identity"])
+def test_every_weight_layout(ref, tiny_dims, layout):
+    """The absorbed weights come from any layout of the prepared kv_b_proj (the raw checkpoint weight too)."""
+    k = 10
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=9)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=9)
+    w = batch.w if layout == "raw" else prepare_kv_b_proj(batch.w, tiny_dims, layout=layout)
+    out, lse = mla_prefill(
+        batch.q, batch.kv_c, batch.k_pe, w, batch.cache, batch.block_table, plan, topk_indices=indices, return_lse=True
+    )
+    exp_out, exp_lse = sparse_reference(batch, indices)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+@pytest.mark.parametrize("layout", ["split", "identity"])
+def test_absorbed_weights_are_views_of_kv_b_proj(tiny_dims, layout):
+    d = tiny_dims
+    w = torch.randn(d.kv_b_proj_shape)
+    per_head = w.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+    for prepared in (prepare_kv_b_proj(w, d, layout=layout),):
+        w_uk, w_uv = prepared.absorbed_weights()
+        assert w_uk.shape == (d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank)
+        assert w_uv.shape == (d.num_heads, d.v_head_dim, d.kv_lora_rank)
+        assert torch.equal(w_uk, per_head[:, : d.qk_nope_head_dim]) and torch.equal(
+            w_uv, per_head[:, d.qk_nope_head_dim :]
+        )
+        assert w_uk.untyped_storage().data_ptr() == prepared.weight.untyped_storage().data_ptr()
+
+
+def test_chunks_of_queries_give_the_same_rows(ref, tiny_dims, monkeypatch):
+    """The pass goes through the queries in chunks (bounded memory): tiny chunks give the rows of one chunk."""
+    k = 8
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=12)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=12, fill=0.6)
+    whole_out, whole_lse = run(batch, plan, indices)
+    monkeypatch.setattr(sparse, "SPARSE_CHUNK_PAIRS", 2 * k + 1)  # 2 queries per chunk
+    out, lse = run(batch, plan, indices)
+    torch.testing.assert_close(out, whole_out, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-6, rtol=0)
+    monkeypatch.setattr(sparse, "SPARSE_CHUNK_PAIRS", 1)  # at least one query per chunk
+    out, _ = run(batch, plan, indices)
+    torch.testing.assert_close(out, whole_out, atol=1e-6, rtol=0)
+
+
+def test_out_is_written_in_place_and_phases_reported(ref, tiny_dims):
+    k = 8
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=13)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=13)
+    out = torch.full((plan.num_tokens, tiny_dims.num_heads, tiny_dims.v_head_dim), float("nan"))
+    phases = []
+    got = mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        batch.cache,
+        batch.block_table,
+        plan,
+        out=out,
+        topk_indices=indices,
+        phase_hook=phases.append,
+    )
+    assert got is out and not torch.isnan(out).any()
+    assert phases == ["sparse attention", "end"]
+    ref.assert_out_close(out, sparse_reference(batch, indices)[0], atol=ATOL)
+
+
+def test_no_new_tokens_and_no_context(ref, tiny_dims):
+    """Edge batches: no new tokens at all (an empty result), and requests without any context."""
+    plan = plan_for(tiny_dims, [0, 0], [5, 3], 4, 4)
+    batch = ref.make_mla_batch(tiny_dims, [0, 0], [5, 3], 4)
+    out, lse = run(batch, plan, torch.empty(0, 4, dtype=torch.int32))
+    assert out.shape == (0, tiny_dims.num_heads, tiny_dims.v_head_dim) and lse.shape == (0, tiny_dims.num_heads)
+    batch = ref.make_mla_batch(tiny_dims, [3, 2], [0, 0], 4, seed=2)
+    plan = plan_for(tiny_dims, [3, 2], [0, 0], 4, 2)
+    indices = random_indices([3, 2], [0, 0], 2, seed=2)
+    out, lse = run(batch, plan, indices)
+    exp_out, exp_lse = sparse_reference(batch, indices)
+    ref.assert_out_close(out, exp_out, atol=ATOL)
+    ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+
+
+def test_plan_records_index_topk_in_its_key(tiny_dims):
+    ws = Workspace("cpu")
+    args = dict(dims=tiny_dims, workspace=ws, block_size=16, dtype=torch.float32)
+    dense = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, **args)
+    sparse_plan = PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, index_topk=8, **args)
+    assert dense.index_topk is None and sparse_plan.index_topk == 8 and "index_topk=8" in repr(sparse_plan)
+    assert dense.key != sparse_plan.key != PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, index_topk=9, **args).key
+    cache = PlanCache()
+    a = cache.get(QUERY_LENS, CONTEXT_LENS, index_topk=8, **args)
+    assert cache.get(QUERY_LENS, CONTEXT_LENS, index_topk=8, **args) is a
+    assert cache.get(QUERY_LENS, CONTEXT_LENS, **args) is not a and a.key == sparse_plan.key
+    for bad in (0, -3, True, 2.5, "8"):
+        with pytest.raises(ValueError, match="index_topk must be a positive int"):
+            PrefillPlan.build(QUERY_LENS, CONTEXT_LENS, index_topk=bad, **args)
+        with pytest.raises(ValueError, match="index_topk must be a positive int"):
+            cache.get(QUERY_LENS, CONTEXT_LENS, index_topk=bad, **args)
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+def _refusal_cases(t, k):
+    causal = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=0)
+    own = own_positions(QUERY_LENS, CONTEXT_LENS)
+
+    def with_pick(row, value):
+        x = causal.clone()
+        x[row, 0] = value
+        return x
+
+    # row 3 is request 1's first new token: own position 37, sequence of 41
+    assert own[3] == 37
+    return {
+        "non-causal pick": (with_pick(3, 38), ValueError, r"topk_indices\[3, 0\] = 38 is after the query's own"),
+        "past the sequence": (with_pick(3, 41), ValueError, "past request 1's sequence of 41 positions"),
+        "far out of range": (with_pick(0, 10**6), ValueError, "past request 0's sequence"),
+        "below -1": (with_pick(0, -2), ValueError, "below -1"),
+        "int64": (causal.long(), TypeError, "topk_indices must be int32"),
+        "float": (causal.float(), TypeError, "topk_indices must be int32"),
+        "not a tensor": (causal.tolist(), TypeError, "topk_indices must be a torch.Tensor"),
+        "too few rows": (causal[:-1], ValueError, r"topk_indices must be \[T=15"),
+        "K other than the plan's": (torch.cat([causal, causal[:, :1]], 1), ValueError, "index_topk=8"),
+        "1-d": (causal[:, 0], ValueError, r"topk_indices must be \[T="),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "non-causal pick",
+        "past the sequence",
+        "far out of range",
+        "below -1",
+        "int64",
+        "float",
+        "not a tensor",
+        "too few rows",
+        "K other than the plan's",
+        "1-d",
+    ],
+)
+def test_bad_indices_are_refused_and_nothing_is_written(ref, tiny_dims, case):
+    k = 8
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k)
+    indices, error, match = _refusal_cases(plan.num_tokens, k)[case]
+    out = torch.full((plan.num_tokens, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
+    with pytest.raises(error, match=match):
+        mla_prefill(
+            batch.q,
+            batch.kv_c,
+            batch.k_pe,
+            batch.w,
+            batch.cache,
+            batch.block_table,
+            plan,
+            out=out,
+            topk_indices=indices,
+        )
+    assert (out == 7.0).all()
+
+
+def test_plan_and_indices_must_agree(ref, tiny_dims):
+    """Indices with a plan built for dense prefill, and a sparse plan without indices, are refused by name (nothing
+    written); validate_prefill_inputs refuses the same."""
+    from mla_bridge.prefill import validate_prefill_inputs
+
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16)
+    dense = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, None)
+    sparse_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, 8)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, 8)
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table)
+    out = torch.full((dense.num_tokens, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
+    with pytest.raises(ValueError, match="topk_indices was given, but the plan was built for dense prefill"):
+        mla_prefill(*args, dense, out=out, topk_indices=indices)
+    with pytest.raises(ValueError, match="topk_indices is required: the plan was built with index_topk=8"):
+        mla_prefill(*args, sparse_plan, out=out)
+    assert (out == 7.0).all()
+    with pytest.raises(ValueError, match="built for dense prefill"):
+        validate_prefill_inputs(*args, dense, topk_indices=indices)
+    with pytest.raises(ValueError, match="topk_indices is required"):
+        validate_prefill_inputs(*args, sparse_plan)
+    validate_prefill_inputs(*args, sparse_plan, topk_indices=indices)
+    with pytest.raises(ValueError, match="out shares memory with topk_indices"):
+        shared = torch.zeros(dense.num_tokens * tiny_dims.num_heads * tiny_dims.v_head_dim)
+        idx = shared.view(torch.int32)[: indices.numel()].view(indices.shape)
+        idx.copy_(indices)
+        mla_prefill(*args, sparse_plan, out=shared.view_as(out), topk_indices=idx)
+
+
+def test_other_inputs_are_still_checked(ref, tiny_dims):
+    """The sparse call checks every other input as the dense one does (before the indices)."""
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, 8)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, 8)
+    with pytest.raises(ValueError, match="q must be"):
+        mla_prefill(
+            batch.q[:-1], batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan, topk_indices=indices
+        )
+    with pytest.raises(ValueError, match="kv_cache_scale is required"):
+        fp8_plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, 8, kv_cache_dtype="fp8")
+        fp8, _ = quantize_latent_cache(batch.cache)
+        mla_prefill(batch.q, batch.kv_c, batch.k_pe, batch.w, fp8, batch.block_table, fp8_plan, topk_indices=indices)
+
+
+def test_dense_memory_formula_refuses_a_sparse_plan(tiny_dims):
+    from mla_bridge.prefill import prefill_memory_bytes
+
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, 8)
+    with pytest.raises(ValueError, match="index_topk=8"):
+        prefill_memory_bytes(plan)
+    assert prefill_memory_bytes(plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, None)) > 0
+
+
+def test_capture_refuses_a_sparse_plan(ref, tiny_dims):
+    from mla_bridge import PrefillLayer, capture_prefill
+
+    batch = ref.make_mla_batch(tiny_dims, [3], [5], 4)
+    plan = plan_for(tiny_dims, [3], [5], 4, 4)
+    layer = PrefillLayer(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache)
+    with pytest.raises(ValueError, match="index_topk=4"):
+        capture_prefill(plan, [layer], block_table=batch.block_table)
