@@ -332,22 +332,26 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device):
+def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, first_layer: bool = True):
     """``(q_rows, key_rows, q_lens, kv_lens, keys)`` of a servable mask, else None: ``q_rows`` / ``key_rows`` the
     ``(batch index, position)`` int64 index tensors of the valid queries / keys (device tensors, row-major: the
     packed ragged order), or both None when every query is real and the first ``keys`` keys of every row are the
     valid ones (then each batch row is read in place, :func:`mla_bridge_attention`).
 
     ``None`` (no mask) costs no device work. A mask costs one check and one device-to-host copy (and, padded, the
-    index tensors); the layers of one forward get the same mask object, so the result is kept while that object
-    lives unmodified (``_version``) and the call's batch, query and key lengths and device are the ones it was made
-    for (a ``[1, 1, Q, K]`` mask broadcasts to any batch)."""
+    index tensors); the layers of one forward get the same mask object, so the result is kept for the calls after
+    the first layer's (``first_layer``: the module's ``layer_idx`` is 0 or unknown; that call always reads the mask)
+    while that object lives, unmodified as far as torch counts (``_version``; an inference tensor keeps no count),
+    and the call's batch, query and key lengths and device are the ones it was made for (a ``[1, 1, Q, K]`` mask
+    broadcasts to any batch). So a mask changed in place where torch keeps no count (``.data``, an inference
+    tensor) is read again by the next forward's first layer."""
     if attention_mask is None:
         keys = kv_len if q_len == 1 else min(q_len, kv_len)  # sdpa's is_causal: top-left aligned
         return None, None, (q_len,) * b, (keys,) * b, keys
     ref, key, cached = _mask_cache
-    now = (attention_mask._version, b, q_len, kv_len, device)
-    if ref is not None and ref() is attention_mask and key == now:
+    version = -1 if attention_mask.is_inference() else attention_mask._version
+    now = (version, b, q_len, kv_len, device)
+    if not first_layer and ref is not None and ref() is attention_mask and key == now:
         return cached
     checked = _check_mask(attention_mask, b, q_len, kv_len)
     result = None
@@ -444,7 +448,8 @@ def mla_bridge_attention(
     reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
     b, h, q_len, d_qk = query.shape
     kv_len, d_vo = key.shape[2], value.shape[-1]
-    layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device)
+    first_layer = getattr(module, "layer_idx", None) in (None, 0)
+    layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device, first_layer)
     if reason is None and layout is None:
         reason = (
             "sparse attention (indices: a top-k that leaves out keys a query could see)"

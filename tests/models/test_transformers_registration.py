@@ -153,6 +153,46 @@ def test_output_attentions_without_a_mask_is_causal(pair, two_torch_threads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_left_padded_batch_under_inference_mode_equals_eager(pair, no_hand_back, two_torch_threads):
+    """Under ``torch.inference_mode()`` (the mode serving code runs in) a padded batch's mask is an inference tensor,
+    which has no version counter: reading it raised "Inference tensors do not track version counter"."""
+    eager, ours = pair
+    ids = torch.randint(3, eager.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.inference_mode():
+        want, got = eager(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        g_want, g_got = _generate(eager, ids, mask), _generate(ours, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=0)
+    assert torch.equal(g_got.sequences, g_want.sequences)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_mask_changed_in_place_is_read_again_by_the_first_layer(inference, no_hand_back, two_torch_threads):
+    """The layout of a mask is kept for the layers of one forward (the same mask object); the first layer of a
+    forward (``layer_idx`` 0) reads it again. Before, a mask object changed in place where torch keeps no count of
+    it (through ``.data``, or any change of an inference tensor) kept its old layout: a wrong result."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
+
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False, layer_idx=0
+    )
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(2, 2, 5, 24, generator=g), torch.randn(2, 2, 5, 24, generator=g)
+    v = torch.randn(2, 2, 5, 16, generator=g)
+    paddings = [torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])]
+    with torch.inference_mode(inference):
+        mask = _sdpa_mask(paddings[0].bool(), 5, 5).clone()
+        for padding in paddings:
+            mask.data.copy_(_sdpa_mask(padding.bool(), 5, 5))  # in place, with no count kept
+            add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+            out, _ = mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3)
+            want, _ = m.eager_attention_forward(module, q, k, v, add, scaling=0.3)
+            real = padding.bool()  # [B, Q]: left padding, the real queries are the real tokens
+            torch.testing.assert_close(out[real], want[real], atol=1e-5, rtol=0)
+
+
 def test_one_plan_and_one_mask_check_per_forward(pair, no_hand_back, monkeypatch, two_torch_threads):
     """Every layer of one forward shares one plan (made once, a miss of the plan cache the adapters share, then found
     there by each other layer) and one mask check; a forward of equal lengths finds the plan again (no new one)."""
