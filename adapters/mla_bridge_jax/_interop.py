@@ -272,13 +272,19 @@ def _dlpack_ready(t: torch.Tensor) -> bool:
 def from_torch(t: torch.Tensor) -> jax.Array:
     """A torch tensor as a ``jax.Array`` on the same device: zero-copy when DLPack can pass it as it is, else one
     device copy first (non-contiguous views such as ``t[..., :128]`` or a transpose, or a data pointer that is not
-    16-byte aligned). The result never aliases memory at the wrong strides.
+    16-byte aligned). The result never aliases memory at the wrong strides, and never holds other values.
 
     Raises:
-        TypeError: not a torch tensor.
+        TypeError: not a torch tensor; a 64-bit dtype (int64, uint64, float64, complex128) while JAX's 64-bit types
+            are off (``jax_enable_x64``, off by default), where DLPack would narrow the values to 32 bits.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch expects a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.itemsize == 8 and t.dtype != torch.complex64 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"from_torch: a {t.dtype} tensor would be narrowed to 32 bits (JAX's 64-bit types are off); "
+            f"convert it first or enable jax_enable_x64"
+        )
     t = t.detach()
     if not _dlpack_ready(t):
         t = t.contiguous() if not t.is_contiguous() else t.clone()  # one copy on t's device

@@ -95,6 +95,20 @@ def test_from_torch_wants_a_tensor():
         mj.from_torch(np.zeros(3))
 
 
+@pytest.mark.parametrize(
+    "t", [torch.tensor([2**40, 3]), torch.tensor([1e300, 1.5], dtype=torch.float64)], ids=["int64", "float64"]
+)
+def test_from_torch_refuses_64_bit_values_jax_would_narrow(t):
+    """With JAX's 64-bit types off (its default), DLPack narrows int64 / float64 to 32 bits: 2**40 became 0 and
+    1e300 inf, silently. Refused by name; with ``jax_enable_x64`` the values pass unchanged."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("64-bit types are on in this process")
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        mj.from_torch(t)
+    with jax.enable_x64(True):
+        assert np.array_equal(np.asarray(mj.from_torch(t)), t.numpy())
+
+
 @pytest.mark.parametrize("entry", ["ragged_prefill", "run_ragged", "mla_prefill"])
 def test_eager_calls_order_xla_after_the_torch_work_on_their_views(monkeypatch, entry):
     """DLPack makes torch wait for JAX's writes, nothing makes JAX wait for torch's reads: once an eager call returns,
