@@ -154,12 +154,20 @@ def torch_device_of(device: Any) -> torch.device:
     """The torch device of a JAX device (``jax.Device``), a torch device, or a string such as ``"cuda:0"``.
 
     Raises:
-        ValueError: a JAX platform torch cannot address, or a CUDA device while torch has no CUDA.
+        ValueError: a string torch cannot parse or naming neither CPU nor CUDA (``device`` named), a JAX platform torch
+            cannot address, or a CUDA device while torch has no CUDA.
     """
     if isinstance(device, torch.device):
         dev = device
     elif isinstance(device, str):
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except RuntimeError as err:  # torch's "Expected one of cpu, cuda, ..." for JAX's "gpu" and the like
+            raise ValueError(
+                f"device must be a JAX device, a torch device, 'cpu' or 'cuda[:N]', got {device!r}"
+            ) from err
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be a JAX device, a torch device, 'cpu' or 'cuda[:N]', got {device!r}")
     else:
         platform = getattr(device, "platform", None)
         if platform == "cpu":

@@ -531,3 +531,11 @@ def test_a_cache_dtype_torch_lacks_is_a_type_error_naming_kv_cache_dtype(name):
     )
     with pytest.raises(TypeError, match=f"^kv_cache_dtype {name} has no torch counterpart"):
         mj.build_plan([2], [3], dims=dims, block_size=4, dtype=jnp.float32, kv_cache_dtype=getattr(jnp, name))
+
+
+@pytest.mark.parametrize("device", ["gpu", "tpu:0", "nonsense"])
+def test_a_device_torch_cannot_parse_is_refused_by_name(device):
+    """A device string torch cannot parse ("gpu" is JAX's platform name): a ValueError naming ``device``. Before,
+    torch's own RuntimeError ("Expected one of cpu, cuda, ...") came through."""
+    with pytest.raises(ValueError, match=r"^device must be"):
+        mj.build_plan([2], [0], dims=MLADims(num_heads=4), block_size=4, dtype=jnp.float32, device=device)
