@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import weakref
 from typing import Any, Callable
@@ -46,6 +47,7 @@ __all__ = [
     "xla_stream",
     "order_xla_after_torch",
     "release_tokens",
+    "jax_dtype_names",
 ]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
@@ -346,3 +348,33 @@ def xla_stream(ctx: Any, device: torch.device, get_plan: Callable[[torch.device]
             stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             yield plan
+
+
+#: ``torch.<dtype>`` in a message: every dtype torch names (longest first, so "float8_e4m3fnuz" is not cut short).
+_TORCH_DTYPE_NAME = re.compile(
+    r"\btorch\.("
+    + "|".join(
+        sorted(
+            {str(d)[len("torch.") :] for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=len, reverse=True
+        )
+    )
+    + r")\b"
+)
+
+
+@contextlib.contextmanager
+def jax_dtype_names():
+    """Re-raise the core's TypeError / ValueError with its dtypes named as JAX names them ("torch.bfloat16" ->
+    "bfloat16"): the caller handed JAX arrays, converted to torch only to reach the core. Other errors, and messages
+    naming no torch dtype, pass unchanged."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        named = _TORCH_DTYPE_NAME.sub(r"\1", str(err))
+        renamed = None
+        if named != str(err):
+            with contextlib.suppress(Exception):  # an exception type with another constructor stays as it is
+                renamed = type(err)(named)
+        if renamed is None:
+            raise
+        raise renamed.with_traceback(err.__traceback__) from err.__cause__
