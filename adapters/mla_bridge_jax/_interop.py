@@ -290,7 +290,8 @@ def from_torch(t: torch.Tensor) -> jax.Array:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch expects a torch.Tensor, got {type(t).__name__}")
-    if t.dtype.itemsize == 8 and t.dtype != torch.complex64 and not jax.config.jax_enable_x64:
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a runtime option the Config stub lacks
+    if t.dtype.itemsize == 8 and t.dtype != torch.complex64 and not x64:
         raise TypeError(
             f"from_torch: a {t.dtype} tensor would be narrowed to 32 bits (JAX's 64-bit types are off); "
             f"convert it first or enable jax_enable_x64"
