@@ -51,7 +51,6 @@ from ._interop import (
     host_values,
     is_tracer,
     jax_dtype,
-    max_plans_from_env,
     order_xla_after_torch,
     to_jax,
     to_torch,
@@ -110,11 +109,10 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
 
 
 #: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) live in the plan cache the adapters share
-#: (:func:`mla_bridge.plan_cache.shared_plan_cache`); ``$MLA_BRIDGE_JAX_MAX_PLANS`` (read at import, a positive int)
-#: sets its bound (unset: its default, 16). Each plan holds a pooled FlashInfer wrapper
-#: (:attr:`mla_bridge.RaggedPlan.flashinfer_bytes`).
-MAX_TRACED_PLANS = max_plans_from_env(default=shared_plan_cache().maxsize)
-shared_plan_cache().maxsize = MAX_TRACED_PLANS
+#: (:func:`mla_bridge.plan_cache.shared_plan_cache`), whose bound ``$MLA_BRIDGE_JAX_MAX_PLANS`` sets (a positive int,
+#: read when that cache is first made; unset: 16): its bound as this module found it at import. Each plan holds a
+#: pooled FlashInfer wrapper (:attr:`mla_bridge.RaggedPlan.flashinfer_bytes`).
+MAX_TRACED_PLANS = shared_plan_cache().maxsize
 
 
 def _discard(keys: dict) -> None:
