@@ -61,7 +61,7 @@ DEBUG = "MLA_BRIDGE_DEBUG"
 BACKEND_NAMES = ("flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2", "torch")
 #: How a pass builds its k and v (:func:`mla_bridge.kv.kv_impl`), besides "auto".
 KV_IMPLS = ("fused", "separate")
-#: The merge implementations (:func:`mla_bridge.select_merge`), besides "auto".
+#: The merge implementations (:func:`mla_bridge.merge.select_merge`), besides "auto".
 MERGE_IMPLS = ("triton", "flashinfer", "torch")
 #: How Triton kernels are launched (:mod:`mla_bridge.kernels.launch`).
 LAUNCH_MODES = ("direct", "jit")
