@@ -499,8 +499,8 @@ def select_backend(
         head_dim_qk / head_dim_vo: 192 / 128 for DeepSeek MLA.
         causal, num_heads, qo_indptr, kv_indptr: host lengths, known at plan time (indptrs as sequences of ints,
             integer tensors or numpy arrays); they enable the cutlass checks on q_len > kv_len and on plan work items.
-        requested: force a backend by name (one of :data:`BACKEND_NAMES`, or "auto"); when ``None`` the
-            environment variable ``MLA_BRIDGE_BACKEND`` is read (case-insensitively, spaces stripped).
+        requested: force a backend by name (one of :data:`BACKEND_NAMES`, or "auto"; case-insensitively, spaces
+            stripped); when ``None`` the environment variable ``MLA_BRIDGE_BACKEND`` is read (the same spellings).
         cuda_version: ``(major, minor)`` of the CUDA toolkit (default: ``torch.version.cuda``).
         strides: ``(q, k, v)``, each the ``(stride_n, stride_h)`` in elements the kernel will read that tensor through
             (``None``, or a ``None`` entry: contiguous ``[tokens, heads, head_dim]``). With the indptrs and sizes, they
@@ -540,6 +540,8 @@ def select_backend(
         cuda_version = _parse_cuda_version(torch.version.cuda)
     flashinfer = flashinfer_version() is not None
     source = "requested"
+    if isinstance(requested, str):  # the spellings MLA_BRIDGE_BACKEND takes: spaces stripped, any case
+        requested = requested.strip().lower()
     if requested is None:
         requested = switches.backend()  # read per call, as the other switches are
         source = ENV_VAR

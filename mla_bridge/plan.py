@@ -703,7 +703,7 @@ class PrefillPlan:
         """``(device bytes, page-locked host bytes)`` the FlashInfer plans of this plan's passes hold while it lives
         (:attr:`RaggedPlan.flashinfer_bytes` of the main pass and of each distinct chunk pass): int workspaces sized
         to each pass's schedule, indptr copies, and on cutlass FlashInfer's work-index buffers (about 1.5 MiB per pass
-        plan). Counted in :func:`mla_bridge.prefill_memory_bytes`."""
+        plan). Counted in :func:`mla_bridge.prefill.prefill_memory_bytes`."""
         device = host = 0
         for p in [self.main] + list({id(c.plan): c.plan for c in self.chunks if c.plan is not None}.values()):
             d, h = p.flashinfer_bytes

@@ -311,10 +311,22 @@ class PlanCache:
             self._plans.clear()
 
 
-_SHARED = PlanCache(SHARED_MAXSIZE)
+_SHARED: Optional[PlanCache] = None
+_SHARED_LOCK = threading.Lock()
 
 
 def shared_plan_cache() -> PlanCache:
-    """The process-wide :class:`PlanCache` the adapters share (maxsize :data:`SHARED_MAXSIZE`; its ``maxsize`` may be
-    changed, e.g. lowered to bound the FlashInfer wrappers held)."""
-    return _SHARED
+    """The process-wide :class:`PlanCache` the adapters share (transformers, vLLM, JAX). Made on first use, bounded
+    by ``$MLA_BRIDGE_JAX_MAX_PLANS`` (:func:`mla_bridge.switches.jax_max_plans`, read then; despite its name it
+    bounds this cache for every adapter) or else :data:`SHARED_MAXSIZE`; its ``maxsize`` may be changed later, e.g.
+    lowered to bound the FlashInfer wrappers held.
+
+    Raises:
+        ValueError: ``$MLA_BRIDGE_JAX_MAX_PLANS`` set to anything but a positive int (named), while the cache is not
+            made yet.
+    """
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = PlanCache(switches.jax_max_plans(SHARED_MAXSIZE))
+        return _SHARED

@@ -239,7 +239,7 @@ def kernel_choices(device: torch.device, dtype: torch.dtype, dims, kv_impl: Opti
 
     Raises:
         ValueError / TypeError / RuntimeError: what :func:`mla_bridge.kv.kv_impl`,
-            :func:`mla_bridge.cache.gather_impl`, :func:`mla_bridge.select_merge`,
+            :func:`mla_bridge.cache.gather_impl`, :func:`mla_bridge.merge.select_merge`,
             :func:`mla_bridge.switches.triton_launch` and :func:`mla_bridge.switches.flashinfer_direct` raise for
             a switch that cannot serve (the message names it).
     """

@@ -4,7 +4,7 @@ Every switch is read at the moment its user asks (:data:`SWITCHES` says when: pe
 its function here, which returns the value in the form its user needs or raises a ``ValueError`` naming the
 variable. What a valid value then does, and whether it can serve on this machine (Triton importable, a CUDA
 device), is decided by the module named in :attr:`Switch.read_by`; the errors it raises name the switch too.
-``mla-bridge info`` lists the switches from :data:`SWITCHES` with their values now.
+``mla-bridge info`` lists the switches from :data:`SWITCHES` with their values now, flagging any :func:`problem` finds.
 
 Nothing here imports another module of mla_bridge: this module sits at the bottom of the import graph.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = [
     "Switch",
@@ -43,6 +43,7 @@ __all__ = [
     "jax_jit_route",
     "jax_max_plans",
     "debug",
+    "problem",
 ]
 
 BACKEND = "MLA_BRIDGE_BACKEND"
@@ -60,7 +61,7 @@ DEBUG = "MLA_BRIDGE_DEBUG"
 BACKEND_NAMES = ("flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2", "torch")
 #: How a pass builds its k and v (:func:`mla_bridge.kv.kv_impl`), besides "auto".
 KV_IMPLS = ("fused", "separate")
-#: The merge implementations (:func:`mla_bridge.select_merge`), besides "auto".
+#: The merge implementations (:func:`mla_bridge.merge.select_merge`), besides "auto".
 MERGE_IMPLS = ("triton", "flashinfer", "torch")
 #: How Triton kernels are launched (:mod:`mla_bridge.kernels.launch`).
 LAUNCH_MODES = ("direct", "jit")
@@ -142,8 +143,8 @@ SWITCHES: tuple[Switch, ...] = (
         JAX_MAX_PLANS,
         "a positive int",
         "16",
-        "plans the shared plan cache (mla_bridge.plan_cache) and the JAX tvm_ffi registry each keep",
-        "mla_bridge_jax, at import",
+        "plans the shared plan cache (mla_bridge.plan_cache, all adapters) and the JAX tvm_ffi registry each keep",
+        "mla_bridge.plan_cache, when the shared plan cache is first made; mla_bridge_jax.tvm_ffi, at import",
     ),
     Switch(
         DEBUG,
@@ -267,6 +268,9 @@ def jax_jit_route() -> str:
 def jax_max_plans(default: int = 16) -> int:
     """``MLA_BRIDGE_JAX_MAX_PLANS`` as a positive int (``default`` when unset or blank; spaces stripped).
 
+    Despite its name it bounds the plan cache every adapter shares (:func:`mla_bridge.plan_cache.shared_plan_cache`,
+    read when that cache is first made), as well as the JAX adapter's tvm_ffi registry (read at its import).
+
     Raises:
         ValueError: any other value (not an integer, or below 1), naming the variable.
     """
@@ -286,3 +290,26 @@ def debug() -> bool:
     """``MLA_BRIDGE_DEBUG``: True for "1", "true", "yes" or "on" (case-insensitive, spaces stripped), else False
     (unset, "", "0", "false", "no", "off" or anything else: never an error, it is read while reporting one)."""
     return os.environ.get(DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def problem(name: str) -> Optional[str]:
+    """The message the reader of switch ``name`` would raise for the value set now, or ``None`` (unset, valid, a
+    switch that takes any value, or not a switch). ``mla-bridge info`` flags values with a problem."""
+    readers: dict[str, Callable[[], object]] = {
+        BACKEND: backend,
+        KV: kv,
+        GATHER: gather,
+        MERGE: merge,
+        FLASHINFER_DIRECT: flashinfer_direct,
+        TRITON_LAUNCH: triton_launch,
+        JAX_JIT_ROUTE: jax_jit_route,
+        JAX_MAX_PLANS: jax_max_plans,
+    }
+    reader = readers.get(name)
+    if reader is None:
+        return None
+    try:
+        reader()
+    except ValueError as err:
+        return str(err)
+    return None

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job, set-up included (README): MLA prefill at DeepSeek-Coder-V2-Lite-Instruct's dims.
+# The main job, set-up included (README): MLA prefill at DeepSeek-V2-Lite's dims (the
+# `deepseek-v2-lite` preset, shared by DeepSeek-Coder-V2-Lite-Instruct).
 #
 #   bash scripts/demo.sh                                      4 requests x 256 new tokens, some cached context
 #   bash scripts/demo.sh --batch 4 --prompt-len 10000         the seed workload

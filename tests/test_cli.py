@@ -1060,3 +1060,18 @@ def test_every_command_takes_debug_and_reports_a_crash_as_exit_3(command, monkey
     assert err.startswith(f"mla-bridge {command[0]}: unexpected error: RuntimeError: index 7") and err.count("\n") == 1
     assert main(command + ["--debug"]) == 3
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_info_flags_an_invalid_switch_value(tmp_path, capsys, monkeypatch):
+    """A value a switch's reader refuses (``MLA_BRIDGE_JAX_MAX_PLANS=bogus``) is flagged in the listing, with the
+    reader's message, and as ``invalid`` in the JSON; a valid one has ``invalid: null``. Before, it was listed as if
+    it were taken."""
+    monkeypatch.setenv("MLA_BRIDGE_JAX_MAX_PLANS", "bogus")
+    monkeypatch.setenv("MLA_BRIDGE_KV", "auto")
+    path = tmp_path / "info.json"
+    assert main(["info", "--json", str(path)]) == 0
+    env = {e["name"]: e for e in json.loads(path.read_text())["environment"]}
+    assert "expected a positive int" in env["MLA_BRIDGE_JAX_MAX_PLANS"]["invalid"]
+    assert env["MLA_BRIDGE_KV"]["invalid"] is None
+    text = capsys.readouterr().out  # a table: long cells wrap
+    assert "'bogus' INVALID: MLA_BRIDGE_JAX_MAX_PLANS='bogus'" in text and "expected a positive" in text

@@ -636,3 +636,24 @@ def test_no_backend_serves_a_dtype_nothing_computes(dtype):
     assert ("kv_cache_dtype" in str(err.value)) == (dtype.itemsize == 1 and dtype.is_floating_point)
     for ok in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         assert select_backend("cpu", dtype=ok).name == "torch"
+
+
+def test_backend_argument_takes_the_spellings_the_variable_takes(monkeypatch):
+    """``backend=" TORCH "`` was refused as unknown while ``MLA_BRIDGE_BACKEND=" TORCH "`` was taken: the argument now
+    takes the same spellings (spaces stripped, any case), through select_backend and PrefillPlan.build alike."""
+    from mla_bridge import MLADims, PrefillPlan, Workspace
+
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND", raising=False)
+    for name in ("TORCH", " Torch ", "AUTO"):
+        choice = select_backend(
+            torch.device("cpu"), dtype=torch.float32, head_dim_qk=192, head_dim_vo=128, requested=name
+        )
+        assert choice.name == "torch"
+    plan = PrefillPlan.build(
+        [2], dims=MLADims(num_heads=4), block_size=4, dtype=torch.float32, workspace=Workspace("cpu"), backend="TORCH"
+    )
+    assert plan.backend.name == "torch"
+    with pytest.raises(ValueError, match="requested: unknown backend 'torch-ish'"):
+        select_backend(
+            torch.device("cpu"), dtype=torch.float32, head_dim_qk=192, head_dim_vo=128, requested="Torch-ish"
+        )

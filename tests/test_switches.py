@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -208,3 +209,44 @@ def test_a_backend_asked_for_by_name_is_forced_and_the_table_choice_is_not(monke
     assert by_env.forced and by_env.reason == "forced by MLA_BRIDGE_BACKEND"
     monkeypatch.setenv(switches.BACKEND, "auto")
     assert not select_backend("cpu", **kw).forced
+
+
+def test_max_plans_bounds_the_shared_plan_cache_without_the_jax_adapter():
+    """``MLA_BRIDGE_JAX_MAX_PLANS`` is read when the shared plan cache is first made, by the core: the transformers
+    and vLLM adapters get the bound without JAX imported. Before, only ``import mla_bridge_jax`` applied it, and that
+    import resized the cache the other adapters had already set."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import sys\n"
+        "from mla_bridge.plan_cache import shared_plan_cache\n"
+        "assert shared_plan_cache().maxsize == 3, shared_plan_cache().maxsize\n"
+        "assert 'mla_bridge_jax' not in sys.modules and 'jax' not in sys.modules\n"
+        "shared_plan_cache().maxsize = 7\n"
+        "import mla_bridge_jax\n"
+        "assert shared_plan_cache().maxsize == 7, shared_plan_cache().maxsize\n"
+        "print('OK')\n"
+    )
+    env = dict(os.environ, MLA_BRIDGE_JAX_MAX_PLANS=" 3 ", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "adapters"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+
+
+def test_problem_names_an_invalid_value(monkeypatch):
+    """``switches.problem(name)``: the reader's message for the value set now, or None (unset, valid, or a switch
+    that takes anything); ``mla-bridge info`` flags it."""
+    monkeypatch.setenv(switches.JAX_MAX_PLANS, "bogus")
+    assert switches.problem(switches.JAX_MAX_PLANS) == (
+        "MLA_BRIDGE_JAX_MAX_PLANS='bogus': expected a positive int (plans held at once; unset: 16)"
+    )
+    monkeypatch.setenv(switches.JAX_MAX_PLANS, "4")
+    assert switches.problem(switches.JAX_MAX_PLANS) is None
+    monkeypatch.setenv(switches.BACKEND, "cudnn")
+    assert "unknown backend 'cudnn'" in switches.problem(switches.BACKEND)
+    monkeypatch.setenv(switches.DEBUG, "bogus")
+    assert switches.problem(switches.DEBUG) is None
+    assert {sw.name for sw in switches.SWITCHES if switches.problem(sw.name) is None} >= {switches.DEBUG}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import weakref
 from typing import Any, Callable
@@ -46,6 +47,7 @@ __all__ = [
     "xla_stream",
     "order_xla_after_torch",
     "release_tokens",
+    "jax_dtype_names",
 ]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
@@ -154,12 +156,20 @@ def torch_device_of(device: Any) -> torch.device:
     """The torch device of a JAX device (``jax.Device``), a torch device, or a string such as ``"cuda:0"``.
 
     Raises:
-        ValueError: a JAX platform torch cannot address, or a CUDA device while torch has no CUDA.
+        ValueError: a string torch cannot parse or naming neither CPU nor CUDA (``device`` named), a JAX platform torch
+            cannot address, or a CUDA device while torch has no CUDA.
     """
     if isinstance(device, torch.device):
         dev = device
     elif isinstance(device, str):
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except RuntimeError as err:  # torch's "Expected one of cpu, cuda, ..." for JAX's "gpu" and the like
+            raise ValueError(
+                f"device must be a JAX device, a torch device, 'cpu' or 'cuda[:N]', got {device!r}"
+            ) from err
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be a JAX device, a torch device, 'cpu' or 'cuda[:N]', got {device!r}")
     else:
         platform = getattr(device, "platform", None)
         if platform == "cpu":
@@ -280,7 +290,8 @@ def from_torch(t: torch.Tensor) -> jax.Array:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch expects a torch.Tensor, got {type(t).__name__}")
-    if t.dtype.itemsize == 8 and t.dtype != torch.complex64 and not jax.config.jax_enable_x64:
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a runtime option the Config stub lacks
+    if t.dtype.itemsize == 8 and t.dtype != torch.complex64 and not x64:
         raise TypeError(
             f"from_torch: a {t.dtype} tensor would be narrowed to 32 bits (JAX's 64-bit types are off); "
             f"convert it first or enable jax_enable_x64"
@@ -338,3 +349,33 @@ def xla_stream(ctx: Any, device: torch.device, get_plan: Callable[[torch.device]
             stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             yield plan
+
+
+#: ``torch.<dtype>`` in a message: every dtype torch names (longest first, so "float8_e4m3fnuz" is not cut short).
+_TORCH_DTYPE_NAME = re.compile(
+    r"\btorch\.("
+    + "|".join(
+        sorted(
+            {str(d)[len("torch.") :] for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=len, reverse=True
+        )
+    )
+    + r")\b"
+)
+
+
+@contextlib.contextmanager
+def jax_dtype_names():
+    """Re-raise the core's TypeError / ValueError with its dtypes named as JAX names them ("torch.bfloat16" ->
+    "bfloat16"): the caller handed JAX arrays, converted to torch only to reach the core. Other errors, and messages
+    naming no torch dtype, pass unchanged."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        named = _TORCH_DTYPE_NAME.sub(r"\1", str(err))
+        renamed = None
+        if named != str(err):
+            with contextlib.suppress(Exception):  # an exception type with another constructor stays as it is
+                renamed = type(err)(named)
+        if renamed is None:
+            raise
+        raise renamed.with_traceback(err.__traceback__) from err.__cause__

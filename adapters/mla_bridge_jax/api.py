@@ -44,13 +44,13 @@ from mla_bridge.plan_cache import shared_plan_cache
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (
+    jax_dtype_names,
     buffer_device,
     check_array,
     default_torch_device,
     host_values,
     is_tracer,
     jax_dtype,
-    max_plans_from_env,
     order_xla_after_torch,
     to_jax,
     to_torch,
@@ -109,11 +109,10 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
 
 
 #: Plans made inside traces (``ragged_prefill`` under ``jax.jit``) live in the plan cache the adapters share
-#: (:func:`mla_bridge.plan_cache.shared_plan_cache`); ``$MLA_BRIDGE_JAX_MAX_PLANS`` (read at import, a positive int)
-#: sets its bound (unset: its default, 16). Each plan holds a pooled FlashInfer wrapper
-#: (:attr:`mla_bridge.RaggedPlan.flashinfer_bytes`).
-MAX_TRACED_PLANS = max_plans_from_env(default=shared_plan_cache().maxsize)
-shared_plan_cache().maxsize = MAX_TRACED_PLANS
+#: (:func:`mla_bridge.plan_cache.shared_plan_cache`), whose bound ``$MLA_BRIDGE_JAX_MAX_PLANS`` sets (a positive int,
+#: read when that cache is first made; unset: 16): its bound as this module found it at import. Each plan holds a
+#: pooled FlashInfer wrapper (:attr:`mla_bridge.RaggedPlan.flashinfer_bytes`).
+MAX_TRACED_PLANS = shared_plan_cache().maxsize
 
 
 def _discard(keys: dict) -> None:
@@ -229,7 +228,8 @@ def _ragged_callback(plans: _Plans) -> Callable:
 
 def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional[str]):
     """Validate against ``plan`` now (host, trace time), then emit one custom call."""
-    plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))  # type: ignore[arg-type]  # q, k, v
+    with jax_dtype_names():
+        plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))  # type: ignore[arg-type]
     s = plan.spec
     out_types = (
         jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
@@ -306,7 +306,8 @@ def ragged_prefill(
     kv = host_values("kv_indptr", kv_indptr, where="ragged_prefill")
     if not any(is_tracer(x) for x in (q, k, v)):
         tq, tk, tv = to_torch("q", q), to_torch("k", k), to_torch("v", v)
-        out, lse = _core.ragged_prefill(tq, tk, tv, qo, kv, causal=causal, sm_scale=sm_scale, backend=backend)
+        with jax_dtype_names():
+            out, lse = _core.ragged_prefill(tq, tk, tv, qo, kv, causal=causal, sm_scale=sm_scale, backend=backend)
         order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
         return to_jax(out), to_jax(lse)
 
@@ -384,7 +385,8 @@ def run_ragged(
     _check_qkv(q, k, v)
     _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
     if not any(is_tracer(x) for x in (q, k, v)):
-        out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
+        with jax_dtype_names():
+            out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
         order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
         return to_jax(out), to_jax(lse)
     return _ragged_traced(_Plans(plan=plan), plan, q, k, v, jit_route)
@@ -641,12 +643,13 @@ def mla_prefill(
         scale = to_torch("kv_cache_scale", kv_cache_scale) if scale_array else kv_cache_scale
         tensors = core_args(to_torch)
         # tensors: the six inputs before the plan (mypy cannot tell a list's length)
-        result = _core.mla_prefill(
-            *tensors,
-            plans.get(tensors[0].device, plan),  # type: ignore[call-arg]
-            return_lse=return_lse,
-            kv_cache_scale=scale,
-        )
+        with jax_dtype_names():
+            result = _core.mla_prefill(
+                *tensors,
+                plans.get(tensors[0].device, plan),  # type: ignore[call-arg]
+                return_lse=return_lse,
+                kv_cache_scale=scale,
+            )
         order_xla_after_torch(tensors[0].device)  # nor the inputs (the cache, a raw weight) before the kernels ran
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
 
@@ -657,7 +660,8 @@ def mla_prefill(
         _proxy(kv_cache_scale.shape, kv_cache_scale.dtype, plan.device, 1.0) if scale_array else kv_cache_scale
     )
     # proxies: the six inputs before the plan (mypy cannot tell a list's length)
-    _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)  # type: ignore[call-arg, misc]
+    with jax_dtype_names():
+        _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)  # type: ignore[call-arg, misc]
     d, t = plan.dims, plan.num_tokens
     out_types = (
         jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),

@@ -55,6 +55,8 @@ def head_shardings(mesh: Mesh, axis: str) -> tuple[NamedSharding, NamedSharding]
 
 
 def _axis_size(mesh: Mesh, axis: str) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.shape:
         raise ValueError(
             f"axis {axis!r} is not an axis of the mesh; its axes are {list(mesh.axis_names)} (sizes {dict(mesh.shape)})"
@@ -83,6 +85,7 @@ def sharded_ragged_prefill(
         ``(out [T, H, Dvo] sharded P(None, axis, None), lse [T, H] sharded P(None, axis))``.
 
     Raises:
+        TypeError: ``mesh`` not a ``jax.sharding.Mesh``.
         ValueError: ``axis`` not an axis of ``mesh`` (the message lists the mesh's axes); ``H`` not divisible by
             the axis size; errors of :func:`mla_bridge_jax.ragged_prefill`.
     """
@@ -128,6 +131,7 @@ def build_sharded_plans(
         chunk_tokens: the context-chunk budget of each device's workspace (default: the device's shared one).
 
     Raises:
+        TypeError: ``mesh`` not a ``jax.sharding.Mesh``.
         ValueError: ``axis`` not in ``mesh``; ``H`` not divisible by its size; the core's errors.
     """
     n = _axis_size(mesh, axis)
@@ -179,6 +183,7 @@ def sharded_mla_prefill(
     Raises:
         TypeError: a prepared weight (it is per device: pass the raw weight, split here), or ``kv_cache_scale`` that
             is not a Python float.
+        TypeError: ``mesh`` not a ``jax.sharding.Mesh``.
         ValueError: ``axis`` not in ``mesh``; H not divisible by its size; errors of :func:`mla_bridge_jax.mla_prefill`.
     """
     if not isinstance(return_lse, bool):  # mla_prefill inside the shard_map is always asked for the lse

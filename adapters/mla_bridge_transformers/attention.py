@@ -241,6 +241,22 @@ def fallback_reason(
     return None
 
 
+def _check_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """ValueError naming the tensor: not 4-D ``[batch, heads, tokens, dim]``; key of another batch or dim than query;
+    value of another batch, heads or tokens than key."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, tokens, dim], got shape {list(x.shape)}")
+    if key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
+        raise ValueError(
+            f"key must have query's batch and dim ({query.shape[0]}, {query.shape[3]}), got shape {list(key.shape)}"
+        )
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(
+            f"value must have key's batch, heads and tokens {list(key.shape[:3])}, got shape {list(value.shape)}"
+        )
+
+
 def _refuse_unknown(module, kwargs: dict) -> None:
     unknown = sorted(
         n for n, x in kwargs.items() if x is not None and n not in NEUTRAL_KEYWORDS and n not in HONOURED_KEYWORDS
@@ -433,12 +449,15 @@ def mla_bridge_attention(
         ``(attn_output [B, Q, H, D_v] in query's dtype, None)``; transformers' sdpa / eager result when handed back.
 
     Raises:
+        ValueError: query, key or value not 4-D; key of another batch or ``D_qk`` than query; value of another batch,
+            heads or tokens than key (named), before any work.
         TypeError: a keyword that is neither known (:data:`NEUTRAL_KEYWORDS`, :data:`HONOURED_KEYWORDS`) nor None,
             named; ``indices`` not an integer tensor. ValueError: ``indices`` not ``[B, Q, k]``.
         NotImplementedError: a keyword only eager honours, on a call handed back, where the model's file has no
             ``eager_attention_forward``.
         the core's TypeError / ValueError (e.g. a dtype no backend serves), before any kernel runs.
     """
+    _check_shapes(query, key, value)
     _refuse_unknown(module, kwargs)
     sparse = False
     if kwargs.get("indices") is not None:  # DSA's top-k: into the mask, as transformers does for eager / sdpa

@@ -119,7 +119,8 @@ def cmd_info(args, console) -> int:
     table.add_section()
     add_row(table, "environment", f"the {len(ENV_VARIABLES)} variables mla_bridge reads")
     for sw in switches.SWITCHES:
-        value = switches.raw(sw.name)  # as set, unvalidated: info reports, the readers refuse
+        value = switches.raw(sw.name)  # as set: info reports (flagging a value the reader refuses), never raises
+        invalid = switches.problem(sw.name)
         info[sw.name] = value
         info["environment"].append(
             {
@@ -129,12 +130,14 @@ def cmd_info(args, console) -> int:
                 "values": sw.values,
                 "meaning": sw.doc,
                 "read_by": sw.read_by,
+                "invalid": invalid,
             }
         )
         add_row(
             table,
             f"  {sw.name}",
             (f"{value!r}" if value is not None else f"unset (default: {sw.default})")
+            + (f" INVALID: {invalid}" if invalid else "")
             + f"; {sw.doc}; values: {sw.values}",
         )
     table.add_section()

@@ -3,7 +3,7 @@
 :func:`estimate_run_memory` adds up, per place (the device, and on a GPU run also the host, where the inputs are
 made in float32 first): the inputs (q, kv_c, k_pe, kv_b_proj weight, block_table), the paged latent cache, the plan's
 per-token index tensors (device memory; on the CPU that is host memory made while the plan is built), the layer
-outputs the command holds, and the largest of the transient peaks: :func:`mla_bridge.prefill_memory_bytes` of the plan
+outputs the command holds, and the largest of the transient peaks: :func:`mla_bridge.prefill.prefill_memory_bytes` of the plan
 (plus the torch backend's float32 temporaries), the float64 check of the largest sampled request, and staging the
 cache in float32. Called once without a plan (before the plan is built, whose index tensors are themselves
 allocations) and once with it. :func:`check_fits` compares the totals with :func:`available_bytes` and refuses a run
@@ -58,7 +58,7 @@ def _gib(n: int) -> str:
 
 def _plan_index_bytes(plan) -> int:
     """Bytes of the plan's per-token index tensors (fused: context and new-token placements; chunked: none, the
-    gathers read each chunk's kv_indptr, and a chunk's per-call indices are in :func:`mla_bridge.prefill_memory_bytes`)."""
+    gathers read each chunk's kv_indptr, and a chunk's per-call indices are in :func:`mla_bridge.prefill.prefill_memory_bytes`)."""
     tensors = [plan.ctx_req_ids, plan.ctx_positions, plan.ctx_dst, plan.new_dst]
     for c in plan.chunks:
         tensors += list(c.rows.indices or ())  # None for a plan's chunks (a hand-made ContextChunk may hold some)

@@ -298,7 +298,7 @@ def test_off_by_one_rows_raise_before_running(monkeypatch, delta, jit):
 def test_core_validation_errors_come_through(jit):
     q, k, v = _qkv()
     wrap = (lambda f: jax.jit(f)) if jit else (lambda f: f)
-    with pytest.raises(TypeError, match=r"k must have dtype torch\.bfloat16"):
+    with pytest.raises(TypeError, match=r"k must have dtype bfloat16 \(the plan's\), got float32"):
         wrap(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k.astype(jnp.float32), v)
     with pytest.raises(ValueError, match=r"qo_indptr must be non-decreasing"):
         wrap(lambda a, b, c: mj.ragged_prefill(a, b, c, [0, 5, 3, 4, 9], KV, causal=True, sm_scale=SM))(q, k, v)
@@ -531,3 +531,43 @@ def test_a_cache_dtype_torch_lacks_is_a_type_error_naming_kv_cache_dtype(name):
     )
     with pytest.raises(TypeError, match=f"^kv_cache_dtype {name} has no torch counterpart"):
         mj.build_plan([2], [3], dims=dims, block_size=4, dtype=jnp.float32, kv_cache_dtype=getattr(jnp, name))
+
+
+@pytest.mark.parametrize("device", ["gpu", "tpu:0", "nonsense"])
+def test_a_device_torch_cannot_parse_is_refused_by_name(device):
+    """A device string torch cannot parse ("gpu" is JAX's platform name): a ValueError naming ``device``. Before,
+    torch's own RuntimeError ("Expected one of cpu, cuda, ...") came through."""
+    with pytest.raises(ValueError, match=r"^device must be"):
+        mj.build_plan([2], [0], dims=MLADims(num_heads=4), block_size=4, dtype=jnp.float32, device=device)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "run_ragged"])
+def test_dtype_errors_name_jax_dtypes(how):
+    """A k of another dtype than q: the core's TypeError, its dtypes named as JAX names them ("bfloat16"). Before,
+    the JAX user read torch's ("k must have dtype torch.bfloat16 (the plan's), got torch.float32")."""
+    import jax
+
+    q, k, v = _qkv()
+    k = k.astype(jnp.float32)
+    call = {
+        "eager": lambda: mj.ragged_prefill(q, k, v, QO, KV, causal=True, sm_scale=0.1),
+        "jit": lambda: jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=0.1))(q, k, v),
+        "run_ragged": lambda: mj.run_ragged(
+            mj.plan_ragged(
+                QO,
+                KV,
+                num_heads=4,
+                head_dim_qk=192,
+                head_dim_vo=128,
+                causal=True,
+                sm_scale=0.1,
+                dtype=jnp.bfloat16,
+                device="cpu",
+            ),
+            q,
+            k,
+            v,
+        ),
+    }[how]
+    with pytest.raises(TypeError, match=r"^k must have dtype bfloat16 \(the plan's\), got float32\b"):
+        call()

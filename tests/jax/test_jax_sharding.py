@@ -82,3 +82,20 @@ def test_an_axis_the_mesh_lacks_is_named_with_the_mesh_axes():
     v = jnp.zeros((4, 4, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"axis 'dp' is not an axis of the mesh; its axes are \['heads'\]"):
         mj.sharded_ragged_prefill(q, k, v, [0, 4], [0, 4], mesh=mesh, axis="dp", causal=True, sm_scale=0.1)
+
+
+def test_a_mesh_that_is_not_a_mesh_is_refused_by_name():
+    """``mesh=None`` (anything not a ``jax.sharding.Mesh``): a TypeError naming ``mesh``, before any work. Before, an
+    AttributeError ('NoneType' object has no attribute 'shape')."""
+    import jax.numpy as jnp
+
+    import mla_bridge_jax as mj
+    from mla_bridge import MLADims
+
+    q = jnp.zeros((4, 4, 192), jnp.bfloat16)
+    with pytest.raises(TypeError, match=r"^mesh must be a jax.sharding.Mesh, got NoneType"):
+        mj.sharded_ragged_prefill(
+            q, q, q[..., :128], [0, 4], [0, 4], mesh=None, axis="heads", causal=True, sm_scale=0.1
+        )
+    with pytest.raises(TypeError, match=r"^mesh must be a jax.sharding.Mesh, got NoneType"):
+        mj.build_sharded_plans([4], dims=MLADims(num_heads=4), mesh=None, axis="heads", block_size=4)

@@ -906,3 +906,27 @@ def test_gpu_rows_read_in_place_equal_the_packed_call_bitwise(v2_folder, no_hand
     assert torch.equal(got, packed)
     spread = max((sdpa - truth).abs().max().item(), (eager - truth).abs().max().item())
     assert (got - truth).abs().max().item() <= 1.5 * spread
+
+
+@pytest.mark.parametrize(
+    "shapes,name",
+    [
+        (((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 4, 8)), "value"),  # value's tokens differ from key's
+        (((1, 2, 5, 8), (1, 2, 5, 8), (1, 3, 5, 8)), "value"),  # heads
+        (((1, 2, 5, 8), (2, 2, 5, 8), (2, 2, 5, 8)), "key"),  # key's batch differs from query's
+        (((1, 2, 5, 8), (1, 2, 5, 6), (1, 2, 5, 8)), "key"),  # key's dim differs from query's
+        (((2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)), "query"),  # 3-D
+        (((1, 2, 5, 8), (2, 5, 8), (1, 2, 5, 8)), "key"),
+        (((1, 2, 5, 8), (1, 2, 5, 8), (2, 5, 8)), "value"),
+    ],
+)
+def test_mismatched_shapes_are_refused_by_name(shapes, name):
+    """query / key / value not 4-D ``[batch, heads, tokens, dim]``, or key and value of unequal batch, heads or
+    tokens: a ValueError naming the tensor, before any work. Before, the call failed deep in a reshape ("shape
+    '[10, 3, 4]' is invalid") or an unpacking ("not enough values to unpack")."""
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+    )
+    q, k, v = (torch.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        mbt.mla_bridge_attention(module, q, k, v, None, scaling=0.3)
