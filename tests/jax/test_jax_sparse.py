@@ -152,6 +152,50 @@ def test_jit_with_a_prepared_weight_and_chunked_context_plan():
     assert same_bits(mj.mla_prefill(q, kv_c, k_pe, prepared, cache, table, plan, topk_indices=idx), want_out)
 
 
+@pytest.mark.parametrize("scale_as", ["float", "array"])
+def test_fp8_cache_with_the_scale_as_a_float_or_a_traced_array(scale_as):
+    """An FP8 e4m3 cache: the scale a Python float (closed over) or a jax.Array (under jit the buffer after the
+    indices): eager and jit bitwise the core's."""
+    batch, (q, kv_c, k_pe, w, _, table), indices, _ = setup(seed=5)
+    cache8, scale = mla_bridge.quantize_latent_cache(batch.cache)
+    scale = float(scale)
+    plan = mj.build_plan(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        dims=DIMS["deepseek"],
+        block_size=BLOCK,
+        dtype=jnp.float32,
+        kv_cache_dtype="fp8",
+        index_topk=K,
+    )
+    jcache = jax.lax.bitcast_convert_type(jnp.asarray(cache8.view(torch.uint8).numpy()), jnp.float8_e4m3fn)
+    want_out, want_lse = mla_bridge.mla_prefill(
+        batch.q,
+        batch.kv_c,
+        batch.k_pe,
+        batch.w,
+        cache8,
+        batch.block_table,
+        plan,
+        return_lse=True,
+        kv_cache_scale=scale,
+        topk_indices=torch.from_numpy(indices),
+    )
+    s = scale if scale_as == "float" else jnp.asarray([scale], jnp.float32)
+    idx = jnp.asarray(indices)
+    out, lse = mj.mla_prefill(
+        q, kv_c, k_pe, w, jcache, table, plan, return_lse=True, kv_cache_scale=s, topk_indices=idx
+    )
+    assert same_bits(out, want_out) and same_bits(lse, want_lse)
+    if scale_as == "float":
+        f = jax.jit(lambda *a: mj.mla_prefill(*a[:6], plan, return_lse=True, kv_cache_scale=scale, topk_indices=a[6]))
+        jout, jlse = f(q, kv_c, k_pe, w, jcache, table, idx)
+    else:
+        f = jax.jit(lambda *a: mj.mla_prefill(*a[:6], plan, return_lse=True, kv_cache_scale=a[7], topk_indices=a[6]))
+        jout, jlse = f(q, kv_c, k_pe, w, jcache, table, idx, s)
+    assert same_bits(jout, want_out) and same_bits(jlse, want_lse)
+
+
 def test_every_causal_key_selected_equals_dense_prefill():
     """Indices naming every position up to each token's own (K = the longest sequence, -1 padded): the sparse call
     equals the dense one through the adapter, eagerly and under jit."""
