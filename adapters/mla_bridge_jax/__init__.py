@@ -7,7 +7,8 @@ Public API:
   * :func:`ragged_prefill` -- one-shot ragged attention ``(out, lse)``.
   * :func:`plan_ragged` + :func:`run_ragged` -- plan once (host), run per layer (eager or under jit).
   * :func:`build_plan` + :func:`mla_prefill` -- MLA prefill with the paged latent cache and context chunks;
-    :func:`prepare_kv_b_proj` prepares each layer's weight once, at load time.
+    :func:`prepare_kv_b_proj` prepares each layer's weight once, at load time; with ``build_plan(...,
+    index_topk=K)`` and ``mla_prefill(..., topk_indices=)``, DeepSeek Sparse Attention (the core's sparse pass).
   * :func:`from_torch` / :func:`to_torch` -- DLPack conversion (one device copy for views DLPack cannot pass).
   * :func:`sharded_ragged_prefill`, :func:`build_sharded_plans` + :func:`sharded_mla_prefill` -- heads sharded over
     a mesh axis with ``shard_map``.

@@ -409,6 +409,7 @@ def build_plan(
     backend: Optional[str] = None,
     fuse_context: bool = True,
     kv_cache_dtype: Any = None,
+    index_topk: Optional[int] = None,
 ) -> PrefillPlan:
     """The core's :meth:`mla_bridge.PrefillPlan.build` from host lengths, for :func:`mla_prefill`; build it once per
     batch, outside ``jax.jit``, and share it across layers.
@@ -423,9 +424,13 @@ def build_plan(
         kv_cache_dtype: the paged cache's dtype: None / "auto" (= ``dtype``), "fp8", ``jnp.float8_e4m3fn`` or
             ``jnp.uint8`` (a view of FP8 bytes): an FP8 e4m3 cache with one per-tensor scale (see
             :mod:`mla_bridge.cache`).
+        index_topk: None (default) for dense prefill; a positive int ``K`` for DeepSeek Sparse Attention: the plan
+            then serves :func:`mla_prefill` with ``topk_indices`` int32 ``[T, K]`` (and only with them), as
+            :meth:`mla_bridge.PrefillPlan.build` (:mod:`mla_bridge.sparse`).
 
     Raises:
-        TypeError: traced lengths (named); the core's errors otherwise.
+        TypeError: traced lengths (named); the core's errors otherwise (an ``index_topk`` that is not a positive
+            int included).
     """
     q_lens = host_values("query_lens", query_lens, where="build_plan")
     c_lens = None if context_lens is None else host_values("context_lens", context_lens, where="build_plan")
@@ -444,6 +449,7 @@ def build_plan(
         backend=backend,
         fuse_context=fuse_context,
         kv_cache_dtype=_cache_dtype(kv_cache_dtype),
+        index_topk=index_topk,
     )
 
 
@@ -516,10 +522,18 @@ def _shallow(err: BaseException, what: str) -> BaseException:
     return new
 
 
-def _mla_callback(plans: dict, scale: Any = None, prepared: Optional[PreparedKVBProj] = None) -> Callable:
+def _mla_callback(
+    plans: dict,
+    scale: Any = None,
+    prepared: Optional[PreparedKVBProj] = None,
+    *,
+    sparse: bool = False,
+    scale_buffer: bool = False,
+) -> Callable:
     """The traced call's body; ``plans``: torch device -> its PrefillPlan (one entry, or one per device of a
-    ``shard_map``); ``scale``: a Python float closed over, or None (no scale, or the scale is the last buffer: read on
-    the device); ``prepared``: the prepared weight, a constant of the compiled function (not one of XLA's buffers)."""
+    ``shard_map``); ``scale``: a Python float closed over, or None (no scale, or ``scale_buffer``: the scale is the
+    last buffer, read on the device); ``prepared``: the prepared weight, a constant of the compiled function (not one
+    of XLA's buffers); ``sparse``: ``topk_indices`` is the buffer after ``block_table`` (before a scale buffer)."""
 
     def get_plan(device: torch.device) -> PrefillPlan:
         plan = plans.get(device)
@@ -536,11 +550,14 @@ def _mla_callback(plans: dict, scale: Any = None, prepared: Optional[PreparedKVB
         with xla_stream(ctx, buffer_device(args[0]), get_plan) as plan:
             t_out, t_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
             tensors = [torch.from_dlpack(a) for a in args]
-            s = tensors.pop() if len(tensors) > len(_MLA_ARGS) - (prepared is not None) else scale
+            s = tensors.pop() if scale_buffer else scale
+            topk = tensors.pop() if sparse else None
             if prepared is not None:
                 tensors.insert(3, prepared)
-            try:  # block ids are traced values: the core checks them (on a CPU plan) only now, when the call runs
-                _, lse_full = _core.mla_prefill(*tensors, plan, out=t_out, return_lse=True, kv_cache_scale=s)
+            try:  # block ids and picks are traced values: the core checks them (on a CPU plan) only now, at run time
+                _, lse_full = _core.mla_prefill(
+                    *tensors, plan, out=t_out, return_lse=True, kv_cache_scale=s, topk_indices=topk
+                )
             except (ValueError, TypeError, IndexError) as err:
                 raise _shallow(err, "mla_bridge_jax.mla_prefill") from None
             t_lse.copy_(lse_full)
@@ -565,6 +582,7 @@ def _plans_by_device(plan: Any) -> dict:
             p.block_size,
             p.fused,
             len(p.chunks),
+            p.index_topk,
         )
         for p in plans.values():
             if key(p) != key(first):
@@ -590,6 +608,7 @@ def mla_prefill(
     *,
     return_lse: bool = False,
     kv_cache_scale: Any = None,
+    topk_indices: Optional[jax.Array] = None,
 ):
     """MLA prefill attention of one layer, as :func:`mla_bridge.mla_prefill` (same shapes and conventions).
 
@@ -610,22 +629,38 @@ def mla_prefill(
         kv_cache_scale: the FP8 cache's per-tensor scale: a Python float (static under jit), or a 0-d/1-element
             float32 jax.Array on the plan's device (traced under jit: passed to the custom call as a buffer and read
             on the device). Required for FP8, refused otherwise (as :func:`mla_bridge.mla_prefill`).
+        topk_indices: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): int32 ``[T, K]`` jax.Array (a tracer inside
+            jit) on the plan's device, ``K`` the ``index_topk`` the plan was built with (:func:`build_plan`): each new
+            token's keys as positions in its request's sequence (its cached context first, then its new tokens), -1
+            for none; only positions up to the token's own (:mod:`mla_bridge.sparse`, the contract). Required with a
+            plan built with ``index_topk``, refused otherwise. Handed to the core by DLPack (no copy), which runs the
+            sparse pass (chosen there, on every device).
 
     Returns:
         ``out [T, H, 128]`` in the plan's dtype, or ``(out, lse)``.
 
     Raises:
         TypeError: a non-JAX input (named), a plan that is not a PrefillPlan (or a mapping of them), a
-            ``return_lse`` that is not a bool (eagerly and under jit alike).
+            ``return_lse`` that is not a bool, ``topk_indices`` that is not int32 (its JAX dtype named; eagerly and
+            under jit alike).
         ValueError: per-device plans that differ in anything but their device.
         ValueError / TypeError: the core's ``mla_bridge.prefill.validate_prefill_inputs`` (at trace time
             under jit; block ids on a CPU plan are range-checked when the call runs: under jit that error comes
             inside XLA's ``JaxRuntimeError``, as its last line ``ValueError: mla_bridge_jax.mla_prefill: ...``
-            after a one-frame traceback).
+            after a one-frame traceback); ``topk_indices`` with a dense plan, none with a sparse plan, a shape other
+            than ``[T, plan.index_topk]`` (at trace time under jit); on a CPU plan a non-causal or out-of-range pick
+            (eagerly; under jit when the call runs, inside XLA's ``JaxRuntimeError`` as block ids are).
         InferenceOnlyError: on differentiation.
     """
     if not isinstance(return_lse, bool):  # the core checks it eagerly; a traced call never reaches the core with it
         raise not_a_bool("return_lse", return_lse)
+    if topk_indices is not None:
+        check_array("topk_indices", topk_indices)
+        # here, named as JAX names it: a traced uint32 (no torch dtype in the adapter) would fail making its proxy
+        if jnp.dtype(topk_indices.dtype) != jnp.int32:
+            raise TypeError(
+                f"topk_indices must be int32 (positions, -1 for none), got {jnp.dtype(topk_indices.dtype).name}"
+            )
     plans = _plans_by_device(plan)
     plan = next(iter(plans.values()))  # the same lengths, dims and dtypes on every device: validation reads it
     prepared = kv_b_proj_weight if isinstance(kv_b_proj_weight, PreparedKVBProj) else None
@@ -639,7 +674,9 @@ def mla_prefill(
         return tensors if prepared is None else tensors[:3] + [prepared] + tensors[3:]
 
     scale_array = isinstance(kv_cache_scale, (jax.Array, jax.core.Tracer))
-    if not any(is_tracer(x) for x in args + ((kv_cache_scale,) if scale_array else ())):
+    sparse = topk_indices is not None
+    extra = ((topk_indices,) if sparse else ()) + ((kv_cache_scale,) if scale_array else ())  # buffers after the six
+    if not any(is_tracer(x) for x in args + extra):
         scale = to_torch("kv_cache_scale", kv_cache_scale) if scale_array else kv_cache_scale
         tensors = core_args(to_torch)
         # tensors: the six inputs before the plan (mypy cannot tell a list's length)
@@ -649,6 +686,7 @@ def mla_prefill(
                 plans.get(tensors[0].device, plan),  # type: ignore[call-arg]
                 return_lse=return_lse,
                 kv_cache_scale=scale,
+                topk_indices=to_torch("topk_indices", topk_indices) if sparse else None,
             )
         order_xla_after_torch(tensors[0].device)  # nor the inputs (the cache, a raw weight) before the kernels ran
         return (to_jax(result[0]), to_jax(result[1])) if return_lse else to_jax(result)
@@ -659,16 +697,21 @@ def mla_prefill(
     scale_proxy = (
         _proxy(kv_cache_scale.shape, kv_cache_scale.dtype, plan.device, 1.0) if scale_array else kv_cache_scale
     )
+    # all zeros: valid picks (position 0) for the host checks of a CPU plan; the real values are checked at run time
+    topk_proxy = _proxy(topk_indices.shape, topk_indices.dtype, plan.device) if sparse else None  # type: ignore[union-attr]
     # proxies: the six inputs before the plan (mypy cannot tell a list's length)
     with jax_dtype_names():
-        _core_prefill.validate_prefill_inputs(*proxies, plan, kv_cache_scale=scale_proxy)  # type: ignore[call-arg, misc]
+        _core_prefill.validate_prefill_inputs(  # type: ignore[call-arg, misc]
+            *proxies, plan, kv_cache_scale=scale_proxy, topk_indices=topk_proxy
+        )
     d, t = plan.dims, plan.num_tokens
     out_types = (
         jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
         jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32),
     )
-    call = buffer_callback(
-        _mla_callback(plans, None if scale_array else kv_cache_scale, prepared), out_types, vmap_method="sequential"
+    body = _mla_callback(
+        plans, None if scale_array else kv_cache_scale, prepared, sparse=sparse, scale_buffer=scale_array
     )
-    out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *((kv_cache_scale,) if scale_array else ()))
+    call = buffer_callback(body, out_types, vmap_method="sequential")
+    out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *extra)
     return (out, lse) if return_lse else out

@@ -119,14 +119,15 @@ def build_sharded_plans(
     backend: Optional[str] = None,
     fuse_context: bool = True,
     kv_cache_dtype: Any = None,
+    index_topk: Optional[int] = None,
 ) -> dict:
     """One :class:`mla_bridge.PrefillPlan` per device of ``mesh`` for its share of the heads: ``{torch device:
     plan}``, each planned for ``MLADims(num_heads=H / n)`` (the same softmax scale), for
     :func:`sharded_mla_prefill`. Build it once per batch, outside ``jax.jit``; it is shared by every layer.
 
     Args:
-        query_lens, context_lens, block_size, dtype, backend, fuse_context, kv_cache_dtype: as
-            :func:`mla_bridge_jax.build_plan`.
+        query_lens, context_lens, block_size, dtype, backend, fuse_context, kv_cache_dtype, index_topk: as
+            :func:`mla_bridge_jax.build_plan` (with ``index_topk``, every device's plan is a sparse one).
         dims: the model's dims (all ``H`` heads); ``H`` must be divisible by the size of ``axis``.
         chunk_tokens: the context-chunk budget of each device's workspace (default: the device's shared one).
 
@@ -154,6 +155,7 @@ def build_sharded_plans(
                 backend=backend,
                 fuse_context=fuse_context,
                 kv_cache_dtype=kv_cache_dtype,
+                index_topk=index_topk,
             )
     return plans
 
@@ -171,11 +173,14 @@ def sharded_mla_prefill(
     axis: str,
     return_lse: bool = False,
     kv_cache_scale: Optional[float] = None,
+    topk_indices: Optional[jax.Array] = None,
 ):
     """:func:`mla_bridge_jax.mla_prefill` with heads sharded over ``mesh`` axis ``axis`` (see the module docstring):
     q ``[T, H, 192]`` as ``P(None, axis, None)``, the raw ``kv_b_proj_weight [H * 256, 512]`` as ``P(axis, None)``,
     kv_c, k_pe, the cache and the block table replicated; ``plans`` from :func:`build_sharded_plans`. Works eagerly
-    (inputs placed first) and inside ``jax.jit``.
+    (inputs placed first) and inside ``jax.jit``. ``topk_indices`` (int32 ``[T, K]``, plans built with
+    ``index_topk=K``): as :func:`mla_bridge_jax.mla_prefill`, replicated (every head of a token attends the same
+    keys).
 
     Returns:
         ``out [T, H, 128]`` sharded ``P(None, axis, None)``, or ``(out, lse [T, H] sharded P(None, axis))``.
@@ -201,13 +206,15 @@ def sharded_mla_prefill(
             f"q must be [T, H, 192] with H divisible by mesh axis {axis!r} of size {n}, got shape {list(q.shape)}"
         )
     heads, rep, lse_spec = P(None, axis, None), P(), P(None, axis)
-    in_specs = (heads, rep, rep, P(axis, None), rep, rep)
-    args = (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table)
+    sparse = topk_indices is not None
+    in_specs = (heads, rep, rep, P(axis, None), rep, rep) + ((rep,) if sparse else ())
+    args = (q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table) + ((topk_indices,) if sparse else ())
     if not any(isinstance(x, jax.core.Tracer) for x in args):
         args = tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(args, in_specs))
 
     def body(*a):
-        return mla_prefill(*a, plans, return_lse=True, kv_cache_scale=kv_cache_scale)
+        topk = a[6] if sparse else None
+        return mla_prefill(*a[:6], plans, return_lse=True, kv_cache_scale=kv_cache_scale, topk_indices=topk)
 
     out, lse = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(heads, lse_spec))(*args)
     return (out, lse) if return_lse else out

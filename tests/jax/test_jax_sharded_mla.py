@@ -1,6 +1,6 @@
-"""sharded_mla_prefill: heads split over 2 and 4 forced CPU devices equal the single-device mla_prefill (on the
-CPU; the same on several GPUs has not been run). XLA_FLAGS must be set before JAX starts: each check runs in a
-subprocess."""
+"""sharded_mla_prefill: heads split over 2 and 4 forced CPU devices equal the single-device mla_prefill, dense and
+sparse (topk_indices) (on the CPU; the same on several GPUs has not been run). XLA_FLAGS must be set before JAX
+starts: each check runs in a subprocess."""
 
 from __future__ import annotations
 
@@ -55,6 +55,26 @@ SCRIPT = textwrap.dedent("""
             assert {s.data.shape for s in out.addressable_shards} == {(t, 8 // n, 16)}
             np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6, err_msg=name)
             np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6, err_msg=name)
+    # sparse attention: the same indices (replicated) on every device, plans built with index_topk
+    own = [c + j for q_len, c in zip(ql, cl) for j in range(q_len)]
+    idx = np.full((t, 6), -1, np.int32)
+    for i, o in enumerate(own):
+        m = min(6, o + 1) - i % 2  # every other row padded with -1 (the first token of request 2: no key)
+        idx[i, :m] = rng.permutation(o + 1)[:m]
+    idx = jnp.asarray(idx)
+    full = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.float32, index_topk=6)
+    want_out, want_lse = mj.mla_prefill(q, kv_c, k_pe, w, cache, table, full, return_lse=True, topk_indices=idx)
+    plans = mj.build_sharded_plans(ql, cl, dims=dims, mesh=mesh, axis="heads", block_size=bs, dtype=jnp.float32,
+                                   index_topk=6)
+    assert [p.index_topk for p in plans.values()] == [6]
+    run = lambda *a: mj.sharded_mla_prefill(*a[:6], plans, mesh=mesh, axis="heads", return_lse=True,
+                                            topk_indices=a[6])
+    for name, (out, lse) in (("sparse eager", run(q, kv_c, k_pe, w, cache, table, idx)),
+                             ("sparse jit", jax.jit(run)(q, kv_c, k_pe, w, cache, table, idx))):
+        assert len(out.sharding.device_set) == n, (name, out.sharding)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6, err_msg=name)
+    assert np.isneginf(np.asarray(want_lse)[5]).all()  # the row without keys
     try:
         mj.sharded_mla_prefill(q, kv_c, k_pe, mj.prepare_kv_b_proj(w, dims), cache, table, plans, mesh=mesh,
                                axis="heads")
