@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cdiv, next_power_of_2
+from . import cdiv, next_power_of_2, triton_interpreting
 from .gather import dequant_tile
 from .launch import launch
 
@@ -76,8 +76,10 @@ def default_config(num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dt
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
+def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the interpreter (Triton 3.9) multiplies bf16 tiles wrongly: the same exact products in float32
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
         r = tl.dot(a, b, acc, input_precision="ieee")
     else:
         r = tl.dot(a, b, acc)
@@ -135,6 +137,8 @@ def _sparse_kernel(
     OUT_BF16: tl.constexpr,
     HAS_LSE: tl.constexpr,
     IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    ONE_LOAD: tl.constexpr,
 ):
     n_hb = tl.cdiv(n_heads, BLOCK_H)
     pid = tl.program_id(0)
@@ -192,34 +196,50 @@ def _sparse_kernel(
         blk = tl.load(table_row + (p // BLOCK_SIZE) * ts_col, mask=in_ctx, other=0).to(tl.int64)
         crow = cache_ptr + blk * cs_block + (p % BLOCK_SIZE) * cs_slot
         nrow = new_base + p
-        c_ctx = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=in_ctx[:, None] & rmask[None, :], other=0)
-        if DEQUANT:
-            c_ctx = dequant_tile(c_ctx, s, OUT_BF16)
-        c_new = tl.load(
-            kvc_ptr + nrow[:, None] * kvc_row + dr[None, :] * kvc_elem, mask=in_new[:, None] & rmask[None, :], other=0
-        )
-        c = tl.where(in_ctx[:, None], c_ctx.to(dt), c_new.to(dt))  # [BLOCK_K, BLOCK_R]
-        sc = _dot(ql, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE)
-        if ROPE > 0:
-            pe_ctx = tl.load(
-                crow[:, None] + (RANK + dp)[None, :] * cs_elem, mask=in_ctx[:, None] & pmask[None, :], other=0
-            )
+        if ONE_LOAD:  # one load per tile: each row's pointer into the cache or kv_c / k_pe (same dtype, unit stride)
+            c = tl.load(
+                tl.where(in_ctx, crow, kvc_ptr + nrow * kvc_row)[:, None] + dr[None, :],
+                mask=valid[:, None] & rmask[None, :],
+                other=0,
+            ).to(dt)
+        else:
+            c_ctx = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=in_ctx[:, None] & rmask[None, :], other=0)
             if DEQUANT:
-                pe_ctx = dequant_tile(pe_ctx, s, OUT_BF16)
-            pe_new = tl.load(
-                kpe_ptr + nrow[:, None] * kpe_row + dp[None, :] * kpe_elem,
-                mask=in_new[:, None] & pmask[None, :],
+                c_ctx = dequant_tile(c_ctx, s, OUT_BF16)
+            c_new = tl.load(
+                kvc_ptr + nrow[:, None] * kvc_row + dr[None, :] * kvc_elem,
+                mask=in_new[:, None] & rmask[None, :],
                 other=0,
             )
-            pe = tl.where(in_ctx[:, None], pe_ctx.to(dt), pe_new.to(dt))  # [BLOCK_K, BLOCK_P]
-            sc = _dot(qp, tl.trans(pe), sc, IEEE)
+            c = tl.where(in_ctx[:, None], c_ctx.to(dt), c_new.to(dt))  # [BLOCK_K, BLOCK_R]
+        sc = _dot(ql, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, UPCAST)
+        if ROPE > 0:
+            if ONE_LOAD:
+                pe = tl.load(
+                    tl.where(in_ctx, crow + RANK, kpe_ptr + nrow * kpe_row)[:, None] + dp[None, :],
+                    mask=valid[:, None] & pmask[None, :],
+                    other=0,
+                ).to(dt)
+            else:
+                pe_ctx = tl.load(
+                    crow[:, None] + (RANK + dp)[None, :] * cs_elem, mask=in_ctx[:, None] & pmask[None, :], other=0
+                )
+                if DEQUANT:
+                    pe_ctx = dequant_tile(pe_ctx, s, OUT_BF16)
+                pe_new = tl.load(
+                    kpe_ptr + nrow[:, None] * kpe_row + dp[None, :] * kpe_elem,
+                    mask=in_new[:, None] & pmask[None, :],
+                    other=0,
+                )
+                pe = tl.where(in_ctx[:, None], pe_ctx.to(dt), pe_new.to(dt))  # [BLOCK_K, BLOCK_P]
+            sc = _dot(qp, tl.trans(pe), sc, IEEE, UPCAST)
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2(-inf) = 0, never NaN
         alpha = tl.exp2(m_i - m_use)
         pr = tl.exp2(sc - m_use[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = _dot(pr.to(dt), c, acc * alpha[:, None], IEEE)
+        acc = _dot(pr.to(dt), c, acc * alpha[:, None], IEEE, UPCAST)
         m_i = m_new
 
     has = l_i > 0
@@ -279,6 +299,14 @@ def sparse_attention_triton(
     cache_arg = kv_cache.view(torch.uint8) if dequant else kv_cache
     scale_is_ptr = isinstance(kv_cache_scale, torch.Tensor)
     lse_arg = lse if lse is not None else o_lat  # unused stand-in
+    # context and new rows through one pointer per row: same dtype (no FP8 bytes), unit last strides
+    one_load = (
+        not dequant
+        and kv_cache.dtype == kv_c.dtype
+        and kv_cache.stride(2) == 1
+        and kv_c.stride(-1) == 1
+        and (not rope or (k_pe.dtype == kv_c.dtype and k_pe.stride(-1) == 1))
+    )
     grid = (n * cdiv(h, cfg.block_h),)
     launch(
         _sparse_kernel,
@@ -334,6 +362,8 @@ def sparse_attention_triton(
             OUT_BF16=q_lat.dtype == torch.bfloat16,
             HAS_LSE=lse is not None,
             IEEE=q_lat.dtype == torch.float32,
+            UPCAST=q_lat.dtype == torch.bfloat16 and triton_interpreting(),
+            ONE_LOAD=one_load,
         ),
         dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )
