@@ -358,7 +358,7 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
 def _torch_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indices, out, lse, kv_cache_scale, gather):
     """The torch path (module docstring), in chunks of queries."""
     d, t, kk = plan.dims, plan.num_tokens, plan.index_topk
-    h, nope, rank = d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
+    nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
     dev, dtype = plan.device, plan.dtype
     w_uk, w_uv = (w.float() for w in weight.absorbed_weights())  # [H, nope, rank], [H, v, rank]
     req_ids, _ = token_positions(plan)

@@ -44,7 +44,8 @@ def sparse_reference(batch, indices, cache=None):
     """float64 sparse attention, unabsorbed: each request's sequence latents (context read back from the paged
     ``cache`` through block_table token by token, new tokens from kv_c / k_pe), up-projected with kv_b_proj into
     per-head k = [k_nope, k_pe] and v; row t attends the keys its indices name (-1 skipped; a repeated position
-    counts each time). Returns out [T, H, v_head_dim], lse [T, H] (natural log; -inf and out 0 without keys)."""
+    counts each time). Returns out [T, H, v_head_dim], lse [T, H] (natural log; -inf and out 0 without keys), on
+    the CPU; the batch may be on another device (the GPU tests compute it there), the indices on the CPU."""
     d = batch.dims
     h, nope, vdim, rank = d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
     w = batch.w.double()
@@ -56,7 +57,7 @@ def sparse_reference(batch, indices, cache=None):
     for r, (n, c) in enumerate(zip(batch.query_lens, batch.context_lens)):
         bs = batch.block_size
         ctx = [cache[int(batch.block_table[r, p // bs]), p % bs] for p in range(c)]
-        ctx_t = torch.stack(ctx) if ctx else torch.zeros(0, d.latent_dim, dtype=torch.float64)
+        ctx_t = torch.stack(ctx) if ctx else torch.zeros(0, d.latent_dim, dtype=torch.float64, device=cache.device)
         new = torch.cat([batch.kv_c[row : row + n].double(), batch.k_pe[row : row + n].double()], 1)
         latent = torch.cat([ctx_t, new])
         kv = (latent[:, :rank] @ w.t()).view(-1, h, nope + vdim)
