@@ -41,8 +41,9 @@ differently (below).
 
 *The Triton path.* Per chunk of at most :data:`SPARSE_KERNEL_CHUNK_ROWS` (token, head) rows: ``q_lat = W_UK^T q_nope``
 (a bmm in the plan's dtype, float32 accumulation, rounded to the plan's dtype), one launch that gathers each token's
-selected rows itself (context rows through ``block_table``, FP8 bytes dequantized in the kernel as the gather of
-:mod:`mla_bridge.cache` does; new tokens' rows from ``kv_c`` / ``k_pe``), never writing them to memory, and computes
+selected rows itself (context rows through ``block_table``, FP8 values converted in the kernel with the scale applied
+to their scores and probabilities, so without rounding ``stored * scale``; new tokens' rows from ``kv_c`` / ``k_pe``),
+never writing them to memory, and computes
 the scores, a float32 online softmax, ``o_lat`` (rounded to the plan's dtype) and the LSE (float32), then ``out =
 W_UV o_lat`` (a bmm). With bf16/fp16, the probabilities enter ``P @ c`` in that dtype (as in FlashAttention). It
 holds per chunk ``q_lat`` and ``o_lat`` (``2 x rows x kv_lora_rank`` elements of the plan's dtype: 256 MiB at

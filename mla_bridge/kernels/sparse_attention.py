@@ -6,10 +6,15 @@ For each new token ``t`` and head ``h`` (:mod:`mla_bridge.sparse` states the con
     o_lat[t, h] = softmax(score) @ c[sel]          lse[t, h] = log(sum_i exp(score[i]))   (natural log)
 
 over the picks ``sel`` of row ``t`` of ``topk_indices`` (positions in the token's request sequence; -1: no key). A
-pick below the request's ``context_lens[r]`` is read from the paged cache through ``block_table`` (FP8 bytes
-dequantized in the kernel: ``float32(stored) * kv_cache_scale`` rounded once to the compute dtype, bitwise as the
-gather of :mod:`mla_bridge.cache`), a later one from the new tokens' ``kv_c`` / ``k_pe``. No selected row is ever
-written to memory: each program loads its tiles of selected rows straight from the cache or ``kv_c`` / ``k_pe``.
+pick below the request's ``context_lens[r]`` is read from the paged cache through ``block_table``, a later one from
+the new tokens' ``kv_c`` / ``k_pe``. No selected row is ever written to memory: each program loads its tiles of
+selected rows straight from the cache or ``kv_c`` / ``k_pe`` (one load per tile where both have the rows' dtype).
+
+FP8 caches (e4m3, one scalar ``kv_cache_scale``): the stored values are converted to the compute dtype in the kernel
+(exact: every e4m3 value is a bf16/fp16 value) and the scale, being one number, is applied to what they produce: a
+context row's score is multiplied by it, and so is its probability before ``P @ c``. This is the attention over
+``stored * scale`` without rounding that product (the torch path rounds it to the plan's dtype, as the dense gather
+does), at the cost of one conversion per loaded value.
 
 The design follows FlashMLA's sparse prefill: one program per (token, block of ``BLOCK_H`` heads). Every head of a
 token reads the same selected rows, so the program loads a tile of ``BLOCK_K`` selected rows (``kv_lora_rank +
@@ -42,7 +47,6 @@ import triton
 import triton.language as tl
 
 from . import cdiv, next_power_of_2, triton_interpreting
-from .gather import dequant_tile
 from .launch import launch
 
 __all__ = ["SparseConfig", "default_config", "sparse_attention_triton"]
@@ -134,7 +138,6 @@ def _sparse_kernel(
     SCAN: tl.constexpr,
     DEQUANT: tl.constexpr,
     SCALE_IS_PTR: tl.constexpr,
-    OUT_BF16: tl.constexpr,
     HAS_LSE: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -205,7 +208,7 @@ def _sparse_kernel(
         else:
             c_ctx = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=in_ctx[:, None] & rmask[None, :], other=0)
             if DEQUANT:
-                c_ctx = dequant_tile(c_ctx, s, OUT_BF16)
+                c_ctx = c_ctx.to(tl.float8e4nv, bitcast=True)  # exact in bf16/fp16/float32: scaled below
             c_new = tl.load(
                 kvc_ptr + nrow[:, None] * kvc_row + dr[None, :] * kvc_elem,
                 mask=in_new[:, None] & rmask[None, :],
@@ -225,7 +228,7 @@ def _sparse_kernel(
                     crow[:, None] + (RANK + dp)[None, :] * cs_elem, mask=in_ctx[:, None] & pmask[None, :], other=0
                 )
                 if DEQUANT:
-                    pe_ctx = dequant_tile(pe_ctx, s, OUT_BF16)
+                    pe_ctx = pe_ctx.to(tl.float8e4nv, bitcast=True)
                 pe_new = tl.load(
                     kpe_ptr + nrow[:, None] * kpe_row + dp[None, :] * kpe_elem,
                     mask=in_new[:, None] & pmask[None, :],
@@ -233,13 +236,20 @@ def _sparse_kernel(
                 )
                 pe = tl.where(in_ctx[:, None], pe_ctx.to(dt), pe_new.to(dt))  # [BLOCK_K, BLOCK_P]
             sc = _dot(qp, tl.trans(pe), sc, IEEE, UPCAST)
-        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        if DEQUANT:  # a context row's values are scale * stored: the scale multiplies its score and probability
+            col = tl.where(in_ctx, s, 1.0)
+            sc = tl.where(valid[None, :], sc * (col * qk_scale)[None, :], float("-inf"))
+        else:
+            sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2(-inf) = 0, never NaN
         alpha = tl.exp2(m_i - m_use)
         pr = tl.exp2(sc - m_use[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = _dot(pr.to(dt), c, acc * alpha[:, None], IEEE, UPCAST)
+        if DEQUANT:
+            acc = _dot((pr * col[None, :]).to(dt), c, acc * alpha[:, None], IEEE, UPCAST)
+        else:
+            acc = _dot(pr.to(dt), c, acc * alpha[:, None], IEEE, UPCAST)
         m_i = m_new
 
     has = l_i > 0
@@ -359,7 +369,6 @@ def sparse_attention_triton(
             SCAN=_SCAN,
             DEQUANT=dequant,
             SCALE_IS_PTR=scale_is_ptr,
-            OUT_BF16=q_lat.dtype == torch.bfloat16,
             HAS_LSE=lse is not None,
             IEEE=q_lat.dtype == torch.float32,
             UPCAST=q_lat.dtype == torch.bfloat16 and triton_interpreting(),

@@ -221,8 +221,8 @@ def kernel_case(
     monkeypatch.setenv("MLA_BRIDGE_SPARSE", "torch")
     torch_path = mla_prefill(*args, topk_indices=gpu_idx, return_lse=True, kv_cache_scale=scale)
     monkeypatch.delenv("MLA_BRIDGE_SPARSE")
-    if fp8:  # what both paths read: float32(stored) * scale rounded to bf16
-        batch.cache = dequantize_latent(cache, scale, torch.bfloat16)
+    if fp8:  # stored * scale exactly (the kernel scales scores and probabilities; the torch path rounds it to bf16)
+        batch.cache = dequantize_latent(cache, scale, torch.float64)
     exp_out, exp_lse = sparse_reference(batch, idx)
     return (*kernel, *torch_path, exp_out, exp_lse)
 
