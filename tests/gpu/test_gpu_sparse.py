@@ -11,7 +11,8 @@ The Triton kernel (mla_bridge.kernels.sparse_attention, the default on CUDA), ag
 of tests/test_sparse.py (computed on the GPU in float64 from the same bf16 inputs) and against the torch path:
 * DeepSeek-V3.2 dims (128 heads) and DeepSeek-V2-Lite dims (16 heads), K = 2048 and K = 64, -1 padding, rows with
   fewer picks than K and rows without any, block sizes 1/16/64, context in the chunked schedule;
-* FP8 caches (a tensor and a float scale), GLM-5 dims (64 heads, kv_lora_rank 512, rope 64, v_head_dim 256);
+* FP8 caches (a tensor and a float scale), GLM-5 dims (64 heads, kv_lora_rank 512, rope 64, v_head_dim 256), and
+  kv_lora_rank 256 / 128 with rope 32 / 0 and a head count not a power of two;
 * a pick past its request's sequence is skipped; every causal key selected equals dense mla_prefill (both paths).
 Tolerances (bf16): out within 2e-2 absolute + 2e-2 relative, lse within 2e-2 absolute (the kernel rounds the latent
 query and its latent output to bf16 and feeds bf16 probabilities to the second product; the torch path keeps them
@@ -286,6 +287,14 @@ def test_kernel_fp8_cache(ref, monkeypatch, block_size, scale_as_float):
 def test_kernel_glm5_dims(ref, monkeypatch):
     assert (GLM5.num_heads, GLM5.kv_lora_rank, GLM5.qk_rope_head_dim) == (64, 512, 64)
     check_kernel_case(kernel_case(ref, monkeypatch, GLM5, 2048, 64, seed=8, fill=0.95))
+
+
+@pytest.mark.parametrize("rank,rope,heads", [(256, 32, 32), (128, 0, 16), (512, 64, 20)])
+def test_kernel_other_dims(ref, monkeypatch, rank, rope, heads):
+    """Other dims the project serves: kv_lora_rank 256 / 128, rope 32 / 0 (no k_pe), a head count that is not a
+    power of two."""
+    dims = MLADims(num_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=64, qk_rope_head_dim=rope, v_head_dim=64)
+    check_kernel_case(kernel_case(ref, monkeypatch, dims, 512, 16, seed=rank + rope, fill=0.7))
 
 
 def test_kernel_skips_a_pick_past_the_sequence(ref):
