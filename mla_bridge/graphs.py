@@ -317,8 +317,8 @@ def capture_prefill(
     Raises:
         TypeError / ValueError: ``plan`` not a PrefillPlan, a plan built with ``index_topk`` (sparse attention is not
             captured: its torch path synchronizes the host, its kernel's path copies a per-token table), no layers, a
-            layer that is not a PrefillLayer; every check of :func:`mla_bridge.mla_prefill` (run in the first warm-up call, before any capture; on the CPU
-            in the first replay).
+            layer that is not a PrefillLayer; every check of :func:`mla_bridge.mla_prefill` (run in the first warm-up
+            call, before any capture; on the CPU in the first replay).
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
