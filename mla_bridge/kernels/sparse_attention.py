@@ -68,11 +68,12 @@ class SparseConfig(NamedTuple):
 def default_config(num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dtype) -> SparseConfig:
     """Tiles for ``num_heads`` heads, ``kv_lora_rank``, ``topk`` picks per row, compute dtype ``dtype``: up to 64 heads
     per program (FlashMLA's sparse prefill takes 64 too), tiles of 32 selected rows at kv_lora_rank 512 (64 below),
-    8 warps for the ``[64, 512]`` float32 accumulator; float32 (ieee dots, the interpreter and tests) smaller."""
+    8 warps for the ``[64, 512]`` float32 accumulator; float32 (ieee dots, the interpreter and tests): 16 heads and 16
+    rows."""
     rank = max(16, next_power_of_2(kv_lora_rank))
     block_k_cap = max(16, next_power_of_2(topk))
     if dtype == torch.float32:
-        return SparseConfig(min(32, max(16, next_power_of_2(num_heads))), min(16, block_k_cap), 4, 1)
+        return SparseConfig(16, min(16, block_k_cap), 4, 1)
     block_h = min(64, max(16, next_power_of_2(num_heads)))
     block_k = min(32 if rank >= 512 else 64, block_k_cap)
     warps = 8 if block_h * rank >= 64 * 512 else 4
