@@ -40,15 +40,16 @@ missing, a shape the kernel does not take, with the reason), and wherever ``MLA_
 differently (below).
 
 *The Triton path.* Per chunk of at most :data:`SPARSE_KERNEL_CHUNK_ROWS` (token, head) rows: ``q_lat = W_UK^T q_nope``
-(a bmm in the plan's dtype, float32 accumulation, rounded to the plan's dtype), one launch that gathers each token's
-selected rows itself (context rows through ``block_table``, FP8 values converted in the kernel with the scale applied
-to their scores and probabilities, so without rounding ``stored * scale``; new tokens' rows from ``kv_c`` / ``k_pe``),
-never writing them to memory, and computes
-the scores, a float32 online softmax, ``o_lat`` (rounded to the plan's dtype) and the LSE (float32), then ``out =
-W_UV o_lat`` (a bmm). With bf16/fp16, the probabilities enter ``P @ c`` in that dtype (as in FlashAttention). It
-holds per chunk ``q_lat`` and ``o_lat`` (``2 x rows x kv_lora_rank`` elements of the plan's dtype: 256 MiB at
-2**17 rows, kv_lora_rank 512, bf16) and for the call 16 bytes per new token (its request, context and sequence
-lengths, copied to the device). The kernel takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to
+(a bmm in the plan's dtype, float32 accumulation, rounded to the plan's dtype); one launch that gathers each token's
+selected rows itself, never writing them to memory (context rows through ``block_table``; FP8 values converted in
+the kernel, the scale applied to their scores and probabilities, so ``stored * scale`` is never rounded; new
+tokens' rows from ``kv_c`` / ``k_pe``), and computes the scores, a float32 online softmax, ``o_lat`` (rounded to the
+plan's dtype) and the LSE (float32); then ``out = W_UV o_lat`` (a bmm). With bf16/fp16 the probabilities enter ``P @
+c`` in that dtype (as in FlashAttention). So the kernel rounds ``q_lat``, ``P`` and ``o_lat`` where the torch path
+keeps float32: in bf16 both are within 2e-2 of a float64 attention (``out`` absolute and relative, the LSE
+absolute). It holds per chunk ``q_lat`` and ``o_lat`` (``2 x rows x kv_lora_rank`` elements of the plan's dtype:
+256 MiB at 2**17 rows, kv_lora_rank 512, bf16) and for the call 16 bytes per new token (its request, context and
+sequence lengths, copied to the device). The kernel takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to
 :data:`SPARSE_KERNEL_MAX_RANK` and ``qk_rope_head_dim`` up to :data:`SPARSE_KERNEL_MAX_ROPE` (0 included), any block
 size, bf16/fp16/float32 and FP8 e4m3 caches. On CUDA a pick past its request's sequence is skipped by the kernel,
 never read (the indices are not checked there).
