@@ -116,6 +116,14 @@ def interpreted_cases() -> str:
     _check(out_bad, lse_bad, exp_out, exp_lse, ATOL)
     n += 1
 
+    # kv_c one element off the cache's 16-element grid: context and new rows in two loads per tile (as for FP8)
+    shifted = torch.empty(batch.kv_c.numel() + 1)[1:].view_as(batch.kv_c)
+    shifted.copy_(batch.kv_c)
+    moved = R.MLABatch(**{**vars(batch), "kv_c": shifted})
+    out_shifted, lse_shifted = _run(moved, plan, indices)
+    _check(out_shifted, lse_shifted, exp_out, exp_lse, ATOL)
+    n += 1
+
     # launches in chunks of tokens, no LSE asked for
     small = sparse.SPARSE_KERNEL_CHUNK_ROWS
     sparse.SPARSE_KERNEL_CHUNK_ROWS = 2 * tiny.num_heads  # two tokens per launch
@@ -173,4 +181,4 @@ def interpreted_cases() -> str:
 def test_sparse_kernel_interpreted(triton_interpreted):
     """Where Triton is installed: :func:`interpreted_cases` under the interpreter (``MLA_BRIDGE_SPARSE=triton``)."""
     out = triton_interpreted("tests.test_sparse_kernel:interpreted_cases", GPU_TESTS, MLA_BRIDGE_SPARSE="triton")
-    assert out.strip() == "ok 15", out
+    assert out.strip() == "ok 16", out

@@ -92,7 +92,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 # topk, the heads and the scale are not specialized on (1 / divisible by 16): a new batch compiles nothing.
-@triton.jit(do_not_specialize=["n_heads", "topk", "qk_scale", "scale_val"])
+@triton.jit(do_not_specialize=["n_heads", "topk", "qk_scale", "scale_val", "kvc_delta16", "kpe_delta16"])
 def _sparse_kernel(
     o_ptr,
     o_st,
@@ -124,6 +124,8 @@ def _sparse_kernel(
     kpe_ptr,
     kpe_row,
     kpe_elem,
+    kvc_delta16,
+    kpe_delta16,
     scale_ptr,
     scale_val,
     n_heads,
@@ -204,12 +206,16 @@ def _sparse_kernel(
         p = ix.to(tl.int64)
         crow = cache_ptr + blk * cs_block + (p % BLOCK_SIZE) * cs_slot
         nrow = new_base + p
-        if ONE_LOAD:  # one load per tile: each row's pointer into the cache or kv_c / k_pe (same dtype, unit stride)
-            c = tl.load(
-                tl.where(in_ctx, crow, kvc_ptr + nrow * kvc_row)[:, None] + dr[None, :],
-                mask=valid[:, None] & rmask[None, :],
-                other=0,
-            ).to(dt)
+        if ONE_LOAD:
+            # one load per tile, every row addressed from the cache's pointer: a new token's row lies kvc_delta
+            # elements away (same dtype). Blended by arithmetic, not tl.where: Triton keeps the offsets' divisibility
+            # through a product, not through a select, and without it the tile is not pipelined (no cp.async)
+            w = in_ctx.to(tl.int64)
+            ctx_off = blk * cs_block + (p % BLOCK_SIZE) * cs_slot
+            row_off = ctx_off * w + (kvc_delta16 * 16 + nrow * kvc_row) * (1 - w)
+            c = tl.load(cache_ptr + row_off[:, None] + dr[None, :], mask=valid[:, None] & rmask[None, :], other=0).to(
+                dt
+            )
         else:
             c_ctx = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=in_ctx[:, None] & rmask[None, :], other=0)
             if DEQUANT:
@@ -223,10 +229,9 @@ def _sparse_kernel(
         sc = _dot(ql, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, UPCAST)
         if ROPE > 0:
             if ONE_LOAD:
+                pe_off = (ctx_off + RANK) * w + (kpe_delta16 * 16 + nrow * kpe_row) * (1 - w)
                 pe = tl.load(
-                    tl.where(in_ctx, crow + RANK, kpe_ptr + nrow * kpe_row)[:, None] + dp[None, :],
-                    mask=valid[:, None] & pmask[None, :],
-                    other=0,
+                    cache_ptr + pe_off[:, None] + dp[None, :], mask=valid[:, None] & pmask[None, :], other=0
                 ).to(dt)
             else:
                 pe_ctx = tl.load(
@@ -319,13 +324,19 @@ def sparse_attention_triton(
     cache_arg = kv_cache.view(torch.uint8) if dequant else kv_cache
     scale_is_ptr = isinstance(kv_cache_scale, torch.Tensor)
     lse_arg = lse if lse is not None else o_lat  # unused stand-in
-    # context and new rows through one pointer per row: same dtype (no FP8 bytes), unit last strides
+    # context and new rows in one load per tile, addressed from the cache's pointer (the kernel's ONE_LOAD): same
+    # dtype (no FP8 bytes), unit last strides, kv_c / k_pe a multiple of 16 elements away from the cache
+    elem = kv_cache.element_size()
+    kvc_delta = (kv_c.data_ptr() - kv_cache.data_ptr()) // elem
+    kpe_delta = (k_pe.data_ptr() - kv_cache.data_ptr()) // elem if rope else 0
     one_load = (
         not dequant
         and kv_cache.dtype == kv_c.dtype
         and kv_cache.stride(2) == 1
         and kv_c.stride(-1) == 1
+        and (kv_c.data_ptr() - kv_cache.data_ptr()) % (16 * elem) == 0
         and (not rope or (k_pe.dtype == kv_c.dtype and k_pe.stride(-1) == 1))
+        and (not rope or (k_pe.data_ptr() - kv_cache.data_ptr()) % (16 * elem) == 0)
     )
     grid = (n * cdiv(h, cfg.block_h),)
     launch(
@@ -362,6 +373,8 @@ def sparse_attention_triton(
             k_pe if rope else kv_c,
             k_pe.stride(0) if rope else 0,
             k_pe.stride(-1) if rope else 0,
+            kvc_delta // 16 if one_load else 0,
+            kpe_delta // 16 if one_load else 0,
             kv_cache_scale if scale_is_ptr else o_lat,
             float(kv_cache_scale) if (dequant and not scale_is_ptr) else 1.0,  # type: ignore[arg-type]
             h,
