@@ -192,14 +192,14 @@ def _sparse_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    # the first tile's picks and block ids; each iteration loads the next tile's, so that the rows' addresses are
-    # known when an iteration starts (the dependent loads index -> block id -> row are not in one iteration's path)
-    ks = tl.arange(0, BLOCK_K)
-    ix = tl.load(idx_row + ks * idx_elem, mask=ks < topk, other=-1)
-    blk = tl.load(table_row + (ix.to(tl.int64) // BLOCK_SIZE) * ts_col, mask=(ix >= 0) & (ix < ctx_len), other=0).to(
-        tl.int64
-    )
     for k0 in range(0, kmax, BLOCK_K):
+        # the tile's picks and block ids: Triton's pipeliner prefetches this chain (index -> block id -> row) itself
+        # (a hand-written prefetch carried across iterations cost registers: more spills, compiled for sm_90a)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ix = tl.load(idx_row + ks * idx_elem, mask=ks < topk, other=-1)
+        blk = tl.load(
+            table_row + (ix.to(tl.int64) // BLOCK_SIZE) * ts_col, mask=(ix >= 0) & (ix < ctx_len), other=0
+        ).to(tl.int64)
         valid = (ix >= 0) & (ix < seq_len)
         in_ctx = valid & (ix < ctx_len)
         in_new = valid & (ix >= ctx_len)
@@ -261,11 +261,6 @@ def _sparse_kernel(
         else:
             acc = _dot(pr.to(dt), c, acc * alpha[:, None], IEEE, UPCAST)
         m_i = m_new
-        ks = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-        ix = tl.load(idx_row + ks * idx_elem, mask=ks < topk, other=-1)
-        blk = tl.load(
-            table_row + (ix.to(tl.int64) // BLOCK_SIZE) * ts_col, mask=(ix >= 0) & (ix < ctx_len), other=0
-        ).to(tl.int64)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
