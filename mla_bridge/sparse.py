@@ -294,20 +294,22 @@ def sparse_prefill(
     :func:`mla_bridge.cache.check_kv_cache` returns them, ``weight`` any layout. ``gather``: the gather
     implementation for context rows of the torch path (:func:`mla_bridge.cache.gather_impl`; None: chosen there).
     ``hook``: called with "sparse attention" before the first chunk and "end" after the last. ``impl``: "triton" or
-    "torch" instead of :func:`select_sparse`'s choice (tests and benchmarks; not checked).
+    "torch" instead of :func:`select_sparse`'s choice (tests and benchmarks: whether it can serve is not checked).
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype (written into ``out`` where given), or ``(out, lse)`` with
         ``return_lse`` (``lse [T, H]`` float32, natural log; -inf for a row without keys).
 
     Raises:
-        ValueError: ``MLA_BRIDGE_SPARSE`` (or, for the kernel, ``MLA_BRIDGE_TRITON_LAUNCH``) that cannot serve here,
-            before anything is allocated.
+        ValueError: ``MLA_BRIDGE_SPARSE`` (or, for the kernel, ``MLA_BRIDGE_TRITON_LAUNCH``) that cannot serve here, or
+            an unknown ``impl``, before anything is allocated.
     """
     d, t, kk = plan.dims, plan.num_tokens, plan.index_topk
     assert kk is not None  # check_topk_indices refused a dense plan
     if impl is None:
         impl = select_sparse(d, plan.dtype, plan.device.type).name
+    elif impl not in switches.SPARSE_IMPLS:
+        raise ValueError(f"impl must be one of {switches.SPARSE_IMPLS} or None (chosen by select_sparse), got {impl!r}")
     if impl == "triton":
         switches.triton_launch()  # read by each launch: a value that cannot serve is refused before any work
     h = d.num_heads

@@ -519,3 +519,20 @@ def test_token_meta_places_each_pick(tiny_dims):
         [2, 0, 3, 2],
         [2, 0, 3, 2],
     ]
+
+
+def test_sparse_prefill_takes_a_path_by_name(ref, tiny_dims):
+    """``impl=`` (tests and benchmarks) names a path; another name is refused before anything is written."""
+    from mla_bridge.prefill import as_prepared
+
+    batch = ref.make_mla_batch(tiny_dims, [3], [5], 4, seed=15)
+    plan = plan_for(tiny_dims, [3], [5], 4, 4)
+    indices = random_indices([3], [5], 4, seed=15)
+    w = as_prepared(batch.w, tiny_dims, torch.float32, plan.device)
+    args = (batch.q, batch.kv_c, batch.k_pe, w, batch.cache, batch.block_table, plan, indices)
+    out = torch.full((3, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        sparse.sparse_prefill(*args, out=out, impl="flashmla")
+    assert (out == 7.0).all()
+    got = sparse.sparse_prefill(*args, impl="torch")
+    ref.assert_out_close(got, sparse_reference(batch, indices)[0], atol=ATOL)
