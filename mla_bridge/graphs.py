@@ -316,16 +316,16 @@ def capture_prefill(
 
     Raises:
         TypeError / ValueError: ``plan`` not a PrefillPlan, a plan built with ``index_topk`` (sparse attention is not
-            captured: its torch path synchronizes the host), no layers, a layer that is not a PrefillLayer; every
-            check of :func:`mla_bridge.mla_prefill` (run in the first warm-up call, before any capture; on the CPU
-            in the first replay).
+            captured: its torch path synchronizes the host, its kernel's path copies a per-token table), no layers, a
+            layer that is not a PrefillLayer; every check of :func:`mla_bridge.mla_prefill` (run in the first warm-up
+            call, before any capture; on the CPU in the first replay).
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
     if plan.index_topk is not None:
         raise ValueError(
             f"capture_prefill captures dense prefill; the plan was built with index_topk={plan.index_topk}: the sparse "
-            f"pass (mla_bridge.sparse, its torch path) is not captured, call mla_prefill(..., topk_indices=) eagerly"
+            f"pass (mla_bridge.sparse) is not captured, call mla_prefill(..., topk_indices=) eagerly"
         )
     layers = list(layers)
     if not layers:

@@ -317,8 +317,9 @@ def mla_prefill(
         topk_indices: DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): int32 ``[T, plan.index_topk]``, the keys of
             each new token as positions in its request's sequence (context first, then the new tokens), -1 for none;
             required with a plan built with ``index_topk``, refused otherwise. Each token then attends only its picks
-            (:mod:`mla_bridge.sparse`: the contract, the absorbed form; the torch path, a fused CUDA kernel is not
-            part of this release). ``phase_hook`` then sees "sparse attention" and "end".
+            (:mod:`mla_bridge.sparse`: the contract, the absorbed form; a Triton kernel on CUDA, the torch path
+            elsewhere, chosen by :func:`mla_bridge.sparse.select_sparse`). ``phase_hook`` then sees "sparse
+            attention" and "end".
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype, or ``(out, lse)`` with ``return_lse=True``. Which rows a NaN or
@@ -332,7 +333,7 @@ def mla_prefill(
     Raises:
         TypeError / ValueError: see :func:`validate_prefill_inputs`; an unknown ``kv_impl``, or an environment
             switch (``MLA_BRIDGE_KV`` / ``MLA_BRIDGE_GATHER`` / ``MLA_BRIDGE_MERGE`` / ``MLA_BRIDGE_TRITON_LAUNCH`` /
-            ``MLA_BRIDGE_FLASHINFER_DIRECT``) that cannot serve here; a ``return_lse`` that is not a bool, a
+            ``MLA_BRIDGE_FLASHINFER_DIRECT``; ``MLA_BRIDGE_SPARSE`` with ``topk_indices``) that cannot serve here; a ``return_lse`` that is not a bool, a
             ``phase_hook`` that is not callable; raised before any kernel runs.
     """
     if not isinstance(return_lse, bool):

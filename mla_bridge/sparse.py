@@ -32,31 +32,66 @@ every head), ``score = (q_lat . c + q_pe . k_pe) * sm_scale`` with the dense pat
 float32, as dense prefill's. A query with no selected key (a row of -1) gets out 0 and lse -inf, the dense passes'
 convention for a row without keys.
 
-**This release: the torch path.** Every device runs the torch implementation below (float32 arithmetic: the selected
-rows are gathered in the plan's dtype, an FP8 cache's dequantized into it as the dense gather does, and then read
-as float32); a fused CUDA kernel is not part of this release, so on CUDA this is a correct fallback, not a fast
-path. Queries go in chunks of at most :data:`SPARSE_CHUNK_QUERIES` and at most :data:`SPARSE_CHUNK_PAIRS` (query,
-selected key) pairs (one query at least), so a call never holds the ``[T, K, 576]`` selected rows of all queries:
-per chunk of ``n`` queries it holds ``n x K`` selected rows (in the plan's dtype and as float32: ``n x K x 576 x (e
-+ 4)`` bytes), the scores and probabilities (``3 x n x H x K x 4`` bytes) and the latent query and output (``2 x n
-x H x kv_lora_rank x 4``); for the whole call a float32 copy of ``W_UK`` and ``W_UV`` (none for a float32 weight),
-``out`` and the LSE, and the per-token request and position (16 bytes per new token).
+**Two paths, chosen in one place** (:func:`select_sparse`): on CUDA where Triton imports, the Triton kernel of
+:mod:`mla_bridge.kernels.sparse_attention` (the attention over the selected latent rows; the absorption matmuls
+before and after it are torch ``bmm`` in the plan's dtype); the torch path below everywhere else (the CPU, Triton
+missing, a shape the kernel does not take, with the reason), and wherever ``MLA_BRIDGE_SPARSE=torch`` asks for it
+(``=triton`` forces the kernel, refused where it cannot serve). Both compute the same function; they round
+differently (below).
+
+*The Triton path.* Per chunk of at most :data:`SPARSE_KERNEL_CHUNK_ROWS` (token, head) rows: ``q_lat = W_UK^T q_nope``
+(a bmm in the plan's dtype, float32 accumulation, rounded to the plan's dtype); one launch that gathers each token's
+selected rows itself, never writing them to memory (context rows through ``block_table``; FP8 values converted in
+the kernel, the scale applied to their scores and probabilities, so ``stored * scale`` is never rounded; new
+tokens' rows from ``kv_c`` / ``k_pe``), and computes the scores, a float32 online softmax, ``o_lat`` (rounded to the
+plan's dtype) and the LSE (float32); then ``out = W_UV o_lat`` (a bmm). With bf16/fp16 the probabilities enter ``P @
+c`` in that dtype (as in FlashAttention). So the kernel rounds ``q_lat``, ``P`` and ``o_lat`` where the torch path
+keeps float32: in bf16 both are within 2e-2 of a float64 attention (``out`` absolute and relative, the LSE
+absolute). It holds per chunk ``q_lat`` and ``o_lat`` (``2 x rows x kv_lora_rank`` elements of the plan's dtype:
+256 MiB at 2**17 rows, kv_lora_rank 512, bf16) and for the call 16 bytes per new token (its request, context and
+sequence lengths, copied to the device). The kernel takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to
+:data:`SPARSE_KERNEL_MAX_RANK` and ``qk_rope_head_dim`` up to :data:`SPARSE_KERNEL_MAX_ROPE` (0 included), any block
+size, bf16/fp16/float32 and FP8 e4m3 caches. On CUDA a pick past its request's sequence is skipped by the kernel,
+never read (the indices are not checked there).
+
+*The torch path.* Float32 arithmetic: the selected rows are gathered in the plan's dtype, an FP8 cache's
+dequantized into it as the dense gather does, and then read as float32; ``out`` is rounded once to the plan's dtype.
+Queries go in chunks of at most :data:`SPARSE_CHUNK_QUERIES` and at most :data:`SPARSE_CHUNK_PAIRS` (query, selected
+key) pairs (one query at least), so a call never holds the ``[T, K, 576]`` selected rows of all queries: per chunk
+of ``n`` queries it holds ``n x K`` selected rows (in the plan's dtype and as float32: ``n x K x 576 x (e + 4)``
+bytes), the scores and probabilities (``3 x n x H x K x 4`` bytes) and the latent query and output (``2 x n x H x
+kv_lora_rank x 4``); for the whole call a float32 copy of ``W_UK`` and ``W_UV`` (none for a float32 weight), ``out``
+and the LSE, and the per-token request and position (16 bytes per new token). On CUDA it is a correct fallback,
+not a fast path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from . import switches
 from .cache import gather_latent
+from .dims import MLADims
+from .kernels import triton_available, triton_interpreting
 from .plan import PrefillPlan
 from .weights import PreparedKVBProj
 
 __all__ = [
     "SPARSE_CHUNK_PAIRS",
     "SPARSE_CHUNK_QUERIES",
+    "SPARSE_KERNEL_CHUNK_ROWS",
+    "SPARSE_KERNEL_DTYPES",
+    "SPARSE_KERNEL_MAX_RANK",
+    "SPARSE_KERNEL_MAX_ROPE",
+    "SPARSE_ENV",
+    "SparseChoice",
     "check_topk_indices",
+    "kernel_why_not",
+    "select_sparse",
+    "token_meta",
     "token_positions",
     "sparse_prefill",
 ]
@@ -67,6 +102,89 @@ SPARSE_CHUNK_PAIRS = 1 << 15
 #: Queries per chunk at most (bounds the latent queries and outputs, ``n x H x kv_lora_rank`` float32 each, where K
 #: is small).
 SPARSE_CHUNK_QUERIES = 256
+#: (token, head) rows per launch of the Triton path: bounds its latent queries and outputs (module docstring).
+SPARSE_KERNEL_CHUNK_ROWS = 1 << 17
+#: Plan dtypes the Triton kernel computes (fp16/bf16 on tensor cores; float32 with ieee dots, slow, for checks).
+SPARSE_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: The largest kv_lora_rank the Triton kernel takes: a program holds a float32 ``[heads, kv_lora_rank]`` accumulator
+#: (64 heads x 512 in registers; more would spill). DeepSeek and GLM-5 use 512.
+SPARSE_KERNEL_MAX_RANK = 512
+#: The largest qk_rope_head_dim the Triton kernel takes (DeepSeek and GLM-5 use 64).
+SPARSE_KERNEL_MAX_ROPE = 128
+#: The environment variable forcing a sparse attention implementation ("triton", "torch"; "auto" or unset: chosen).
+SPARSE_ENV = switches.SPARSE
+
+
+@dataclass(frozen=True)
+class SparseChoice:
+    """The sparse attention :func:`select_sparse` picked.
+
+    Attributes:
+        name: ``"triton"`` (:mod:`mla_bridge.kernels.sparse_attention`) or ``"torch"`` (the torch path).
+        reason: why, in words (for the torch path on CUDA: why not the kernel).
+        forced: True when ``MLA_BRIDGE_SPARSE`` asked for it by name.
+    """
+
+    name: str
+    reason: str
+    forced: bool = False
+
+
+def kernel_why_not(dims: MLADims, dtype: torch.dtype) -> Optional[str]:
+    """Why the Triton kernel cannot serve dims ``dims`` at plan dtype ``dtype``, or None where it can (any device:
+    the device is :func:`select_sparse`'s question)."""
+    if dtype not in SPARSE_KERNEL_DTYPES:
+        return f"the kernel computes float16, bfloat16 or float32 plans, got {dtype}"
+    if dims.kv_lora_rank > SPARSE_KERNEL_MAX_RANK:
+        return (
+            f"kv_lora_rank {dims.kv_lora_rank} > {SPARSE_KERNEL_MAX_RANK}: the kernel's float32 [heads, kv_lora_rank] "
+            f"accumulator would not fit a program's registers"
+        )
+    if dims.qk_rope_head_dim > SPARSE_KERNEL_MAX_ROPE:
+        return f"qk_rope_head_dim {dims.qk_rope_head_dim} > {SPARSE_KERNEL_MAX_ROPE}, the kernel's largest"
+    return None
+
+
+def select_sparse(
+    dims: MLADims, dtype: torch.dtype, device_type: str, *, triton: Optional[bool] = None
+) -> SparseChoice:
+    """The ONE place choosing the sparse attention's implementation (module docstring): the Triton kernel on CUDA
+    where Triton imports and :func:`kernel_why_not` finds nothing, else the torch path, with the reason.
+
+    ``MLA_BRIDGE_SPARSE=torch`` forces the torch path (for comparison and as an escape hatch); ``=triton`` forces the
+    kernel (on the CPU only with ``TRITON_INTERPRET=1``, for development); ``auto`` or unset: the default.
+
+    Args:
+        dims, dtype: the plan's dims and dtype; device_type: ``"cuda"`` or ``"cpu"``.
+        triton: whether Triton imports (default: :func:`mla_bridge.kernels.triton_available`, asked only when the
+            kernel could run).
+
+    Raises:
+        ValueError: another ``MLA_BRIDGE_SPARSE`` value; ``=triton`` off CUDA without ``TRITON_INTERPRET=1``, where
+            Triton does not import, or for dims / a dtype the kernel does not take (the message gives the reason).
+    """
+    forced = switches.sparse()  # "auto", "torch" or "triton" (another value is refused there)
+    if forced == "torch":
+        return SparseChoice("torch", f"forced by {SPARSE_ENV}=torch", forced=True)
+    why_not = kernel_why_not(dims, dtype)
+    if forced == "triton":
+        if device_type != "cuda" and not triton_interpreting():
+            raise ValueError(
+                f"{SPARSE_ENV}=triton runs a Triton kernel: it needs a CUDA device, got {device_type} "
+                f"(TRITON_INTERPRET=1 runs it on the CPU, for development)"
+            )
+        if not (triton_available() if triton is None else triton):
+            raise ValueError(f"{SPARSE_ENV}=triton, but Triton does not import here")
+        if why_not is not None:
+            raise ValueError(f"{SPARSE_ENV}=triton, but the kernel cannot serve this layer: {why_not}")
+        return SparseChoice("triton", f"forced by {SPARSE_ENV}=triton", forced=True)
+    if device_type != "cuda":
+        return SparseChoice("torch", f"the torch path serves {device_type} tensors (the Triton kernel runs on CUDA)")
+    if not (triton_available() if triton is None else triton):
+        return SparseChoice("torch", "fallback: Triton does not import here")
+    if why_not is not None:
+        return SparseChoice("torch", f"fallback: {why_not}")
+    return SparseChoice("triton", "CUDA with Triton: the sparse attention kernel")
 
 
 def token_positions(plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +257,18 @@ def check_topk_indices(topk_indices, plan: PrefillPlan) -> Optional[torch.Tensor
     return topk_indices
 
 
+def token_meta(plan: PrefillPlan) -> torch.Tensor:
+    """int32 ``[T, 4]`` on the plan's device, per new token: its request, the request's context length, its sequence
+    length (context + new) and the row of ``kv_c`` / ``k_pe`` holding its sequence position 0 (its first new token's
+    row minus the context length): what the Triton kernel reads to place each pick (built on the host, one copy)."""
+    lens = torch.tensor(plan.query_lens, dtype=torch.int64)
+    ctx = torch.tensor(plan.context_lens, dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(plan.batch_size, dtype=torch.int64), lens, output_size=plan.num_tokens)
+    first = plan.qo_indptr.to(torch.int64)[:-1]
+    meta = torch.stack([req, ctx[req], ctx[req] + lens[req], first[req] - ctx[req]], dim=1).to(torch.int32)
+    return meta.to(plan.device)
+
+
 def sparse_prefill(
     q: torch.Tensor,
     kv_c: torch.Tensor,
@@ -154,28 +284,86 @@ def sparse_prefill(
     kv_cache_scale=None,
     gather: Optional[str] = None,
     hook: Optional[Callable[[str], None]] = None,
+    impl: Optional[str] = None,
 ):
-    """The sparse attention of one layer in the absorbed form (module docstring), the torch path.
+    """The sparse attention of one layer in the absorbed form (module docstring): the Triton kernel or the torch
+    path, as :func:`select_sparse` chooses.
 
     Inputs as :func:`mla_bridge.mla_prefill` takes them, checked there (:func:`check_topk_indices` included):
     ``k_pe`` as ``[T, qk_rope_head_dim]``, ``kv_cache`` / ``kv_cache_scale`` as
     :func:`mla_bridge.cache.check_kv_cache` returns them, ``weight`` any layout. ``gather``: the gather
-    implementation for context rows (:func:`mla_bridge.cache.gather_impl`; None: chosen there). ``hook``: called
-    with "sparse attention" before the first chunk and "end" after the last.
+    implementation for context rows of the torch path (:func:`mla_bridge.cache.gather_impl`; None: chosen there).
+    ``hook``: called with "sparse attention" before the first chunk and "end" after the last. ``impl``: "triton" or
+    "torch" instead of :func:`select_sparse`'s choice (tests and benchmarks: whether it can serve is not checked).
 
     Returns:
         ``out [T, H, v_head_dim]`` in the plan's dtype (written into ``out`` where given), or ``(out, lse)`` with
         ``return_lse`` (``lse [T, H]`` float32, natural log; -inf for a row without keys).
+
+    Raises:
+        ValueError: ``MLA_BRIDGE_SPARSE`` (or, for the kernel, ``MLA_BRIDGE_TRITON_LAUNCH``) that cannot serve here, or
+            an unknown ``impl``, before anything is allocated.
     """
     d, t, kk = plan.dims, plan.num_tokens, plan.index_topk
     assert kk is not None  # check_topk_indices refused a dense plan
-    h, nope, rank = d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
+    if impl is None:
+        impl = select_sparse(d, plan.dtype, plan.device.type).name
+    elif impl not in switches.SPARSE_IMPLS:
+        raise ValueError(f"impl must be one of {switches.SPARSE_IMPLS} or None (chosen by select_sparse), got {impl!r}")
+    if impl == "triton":
+        switches.triton_launch()  # read by each launch: a value that cannot serve is refused before any work
+    h = d.num_heads
     dev, dtype = plan.device, plan.dtype
     hook = hook if hook is not None else (lambda name: None)
     if out is None:
         out = torch.empty(t, h, d.v_head_dim, dtype=dtype, device=dev)
     lse = torch.empty(t, h, dtype=torch.float32, device=dev) if return_lse else None
     hook("sparse attention")
+    run = _triton_path if impl == "triton" else _torch_path
+    run(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indices, out, lse, kv_cache_scale, gather)
+    hook("end")
+    return (out, lse) if return_lse else out
+
+
+def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indices, out, lse, kv_cache_scale, gather):
+    """The Triton path (module docstring): per chunk of tokens, ``q_lat`` by a bmm, one kernel launch for ``o_lat``
+    and the LSE, ``out`` by a bmm."""
+    from .kernels.sparse_attention import sparse_attention_triton
+
+    d, t = plan.dims, plan.num_tokens
+    if t == 0:
+        return
+    h, nope = d.num_heads, d.qk_nope_head_dim
+    w_uk, w_uv = weight.absorbed_weights()  # [H, nope, rank], [H, v, rank] in the plan's dtype
+    meta = token_meta(plan)
+    step = max(1, SPARSE_KERNEL_CHUNK_ROWS // max(1, h))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        qa = q[a:b]
+        q_lat = torch.bmm(qa[..., :nope].transpose(0, 1), w_uk)  # [H, n, rank]
+        o_lat = torch.empty_like(q_lat)
+        sparse_attention_triton(
+            o_lat.transpose(0, 1),
+            None if lse is None else lse[a:b],
+            q_lat.transpose(0, 1),
+            qa[..., nope:],
+            topk_indices[a:b],
+            meta[a:b],
+            kv_cache,
+            block_table,
+            kv_c,
+            k_pe,
+            kv_cache_scale,
+            d.softmax_scale,
+        )
+        out[a:b] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [n, H, v]
+
+
+def _torch_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indices, out, lse, kv_cache_scale, gather):
+    """The torch path (module docstring), in chunks of queries."""
+    d, t, kk = plan.dims, plan.num_tokens, plan.index_topk
+    nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
+    dev, dtype = plan.device, plan.dtype
     w_uk, w_uv = (w.float() for w in weight.absorbed_weights())  # [H, nope, rank], [H, v, rank]
     req_ids, _ = token_positions(plan)
     ctx_lens = torch.tensor(plan.context_lens, dtype=torch.int64).to(dev)
@@ -213,5 +401,3 @@ def sparse_prefill(
         out[a:b] = torch.einsum("nhr,hvr->nhv", o_lat, w_uv).to(dtype)
         if lse is not None:
             lse[a:b] = torch.where(has_keys, m.squeeze(-1) + torch.log(total), float("-inf"))
-    hook("end")
-    return (out, lse) if return_lse else out

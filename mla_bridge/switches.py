@@ -23,6 +23,7 @@ __all__ = [
     "KV",
     "GATHER",
     "MERGE",
+    "SPARSE",
     "FLASHINFER_DIRECT",
     "TRITON_LAUNCH",
     "JAX_JIT_ROUTE",
@@ -31,6 +32,7 @@ __all__ = [
     "BACKEND_NAMES",
     "KV_IMPLS",
     "MERGE_IMPLS",
+    "SPARSE_IMPLS",
     "LAUNCH_MODES",
     "JIT_ROUTES",
     "raw",
@@ -38,6 +40,7 @@ __all__ = [
     "kv",
     "gather",
     "merge",
+    "sparse",
     "flashinfer_direct",
     "triton_launch",
     "jax_jit_route",
@@ -50,6 +53,7 @@ BACKEND = "MLA_BRIDGE_BACKEND"
 KV = "MLA_BRIDGE_KV"
 GATHER = "MLA_BRIDGE_GATHER"
 MERGE = "MLA_BRIDGE_MERGE"
+SPARSE = "MLA_BRIDGE_SPARSE"
 FLASHINFER_DIRECT = "MLA_BRIDGE_FLASHINFER_DIRECT"
 TRITON_LAUNCH = "MLA_BRIDGE_TRITON_LAUNCH"
 JAX_JIT_ROUTE = "MLA_BRIDGE_JAX_JIT_ROUTE"
@@ -63,6 +67,8 @@ BACKEND_NAMES = ("flashinfer-cutlass", "flashinfer-fa3", "flashinfer-fa2", "torc
 KV_IMPLS = ("fused", "separate")
 #: The merge implementations (:func:`mla_bridge.merge.select_merge`), besides "auto".
 MERGE_IMPLS = ("triton", "flashinfer", "torch")
+#: The sparse attention implementations (:func:`mla_bridge.sparse.select_sparse`), besides "auto".
+SPARSE_IMPLS = ("triton", "torch")
 #: How Triton kernels are launched (:mod:`mla_bridge.kernels.launch`).
 LAUNCH_MODES = ("direct", "jit")
 #: The JAX adapter's routes under ``jax.jit`` (``mla_bridge_jax.JIT_ROUTES``).
@@ -119,6 +125,13 @@ SWITCHES: tuple[Switch, ...] = (
         "mla_bridge.merge, per call (select_merge)",
     ),
     Switch(
+        SPARSE,
+        " | ".join(SPARSE_IMPLS) + " | auto; case-insensitive",
+        "auto",
+        "the sparse attention (topk_indices): the Triton kernel or torch",
+        "mla_bridge.sparse, per call (select_sparse)",
+    ),
+    Switch(
         FLASHINFER_DIRECT,
         "1 | 0 | auto; case-insensitive",
         "1",
@@ -156,7 +169,7 @@ SWITCHES: tuple[Switch, ...] = (
 )
 
 #: The switches of mla_prefill's kernel choices (each read by its own chooser, per call).
-KERNEL_SWITCHES = (BACKEND, KV, GATHER, MERGE, FLASHINFER_DIRECT, TRITON_LAUNCH)
+KERNEL_SWITCHES = (BACKEND, KV, GATHER, MERGE, SPARSE, FLASHINFER_DIRECT, TRITON_LAUNCH)
 
 
 def raw(name: str) -> Optional[str]:
@@ -219,6 +232,21 @@ def merge() -> Optional[str]:
         return None
     if forced not in MERGE_IMPLS:
         raise ValueError(f"{MERGE}={value!r}: expected one of {', '.join(MERGE_IMPLS)} or auto")
+    return forced
+
+
+def sparse() -> str:
+    """``MLA_BRIDGE_SPARSE`` (spaces stripped, lower case): "torch", "triton", or "auto" (also when unset or empty).
+
+    Raises:
+        ValueError: any other value (the message names the variable).
+    """
+    value = os.environ.get(SPARSE, "")
+    forced = value.strip().lower()
+    if forced in ("", "auto"):
+        return "auto"
+    if forced not in SPARSE_IMPLS:
+        raise ValueError(f"{SPARSE}={value!r}: expected one of {', '.join(SPARSE_IMPLS)} or auto")
     return forced
 
 
@@ -300,6 +328,7 @@ def problem(name: str) -> Optional[str]:
         KV: kv,
         GATHER: gather,
         MERGE: merge,
+        SPARSE: sparse,
         FLASHINFER_DIRECT: flashinfer_direct,
         TRITON_LAUNCH: triton_launch,
         JAX_JIT_ROUTE: jax_jit_route,

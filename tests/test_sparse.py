@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_bridge import PlanCache, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj, quantize_latent_cache
+from mla_bridge import MLADims, PlanCache, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj, quantize_latent_cache
 from mla_bridge import sparse
 from mla_bridge.cache import dequantize_latent
 
@@ -44,7 +44,8 @@ def sparse_reference(batch, indices, cache=None):
     """float64 sparse attention, unabsorbed: each request's sequence latents (context read back from the paged
     ``cache`` through block_table token by token, new tokens from kv_c / k_pe), up-projected with kv_b_proj into
     per-head k = [k_nope, k_pe] and v; row t attends the keys its indices name (-1 skipped; a repeated position
-    counts each time). Returns out [T, H, v_head_dim], lse [T, H] (natural log; -inf and out 0 without keys)."""
+    counts each time). Returns out [T, H, v_head_dim], lse [T, H] (natural log; -inf and out 0 without keys), on
+    the CPU; the batch may be on another device (the GPU tests compute it there), the indices on the CPU."""
     d = batch.dims
     h, nope, vdim, rank = d.num_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
     w = batch.w.double()
@@ -56,7 +57,7 @@ def sparse_reference(batch, indices, cache=None):
     for r, (n, c) in enumerate(zip(batch.query_lens, batch.context_lens)):
         bs = batch.block_size
         ctx = [cache[int(batch.block_table[r, p // bs]), p % bs] for p in range(c)]
-        ctx_t = torch.stack(ctx) if ctx else torch.zeros(0, d.latent_dim, dtype=torch.float64)
+        ctx_t = torch.stack(ctx) if ctx else torch.zeros(0, d.latent_dim, dtype=torch.float64, device=cache.device)
         new = torch.cat([batch.kv_c[row : row + n].double(), batch.k_pe[row : row + n].double()], 1)
         latent = torch.cat([ctx_t, new])
         kv = (latent[:, :rank] @ w.t()).view(-1, h, nope + vdim)
@@ -428,3 +429,110 @@ def test_capture_refuses_a_sparse_plan(ref, tiny_dims):
     layer = PrefillLayer(batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache)
     with pytest.raises(ValueError, match="index_topk=4"):
         capture_prefill(plan, [layer], block_table=batch.block_table)
+
+
+# ---------------------------------------------------------------------------------- which path serves (one place)
+def test_select_sparse_takes_the_kernel_on_cuda_and_torch_elsewhere_with_the_reason(monkeypatch, tiny_dims):
+    """select_sparse is the one place choosing: the Triton kernel on CUDA where Triton imports and the dims / dtype
+    are the kernel's, the torch path otherwise, each with its reason (no Triton or GPU needed to ask)."""
+    monkeypatch.delenv("MLA_BRIDGE_SPARSE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    v32 = MLADims.preset("deepseek-v3.2")
+    cpu = sparse.select_sparse(v32, torch.bfloat16, "cpu", triton=True)
+    assert (cpu.name, cpu.forced) == ("torch", False) and "cpu tensors" in cpu.reason
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter is for a forced kernel only, never the default
+    assert sparse.select_sparse(v32, torch.bfloat16, "cpu", triton=True).name == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for dims in (v32, MLADims.preset("glm-5"), MLADims.preset("deepseek-v2-lite"), tiny_dims):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            got = sparse.select_sparse(dims, dtype, "cuda", triton=True)
+            assert (got.name, got.forced) == ("triton", False), (dims, dtype, got)
+    no_triton = sparse.select_sparse(v32, torch.bfloat16, "cuda", triton=False)
+    assert no_triton.name == "torch" and "Triton does not import" in no_triton.reason
+    f64 = sparse.select_sparse(v32, torch.float64, "cuda", triton=True)
+    assert f64.name == "torch" and "torch.float64" in f64.reason
+    wide = MLADims(num_heads=8, kv_lora_rank=1024, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
+    got = sparse.select_sparse(wide, torch.bfloat16, "cuda", triton=True)
+    assert got.name == "torch" and "kv_lora_rank 1024 > 512" in got.reason
+    rope = MLADims(num_heads=8, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=256, v_head_dim=64)
+    got = sparse.select_sparse(rope, torch.bfloat16, "cuda", triton=True)
+    assert got.name == "torch" and "qk_rope_head_dim 256 > 128" in got.reason
+    no_rope = MLADims(num_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=0, v_head_dim=64)
+    assert sparse.select_sparse(no_rope, torch.bfloat16, "cuda", triton=True).name == "triton"
+    assert sparse.kernel_why_not(v32, torch.bfloat16) is None
+
+
+def test_mla_bridge_sparse_forces_a_path_or_says_why_it_cannot(monkeypatch, tiny_dims):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    v32 = MLADims.preset("deepseek-v3.2")
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", " Torch ")
+    got = sparse.select_sparse(v32, torch.bfloat16, "cuda", triton=True)
+    assert (got.name, got.forced, got.reason) == ("torch", True, "forced by MLA_BRIDGE_SPARSE=torch")
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "triton")
+    got = sparse.select_sparse(v32, torch.bfloat16, "cuda", triton=True)
+    assert (got.name, got.forced) == ("triton", True)
+    with pytest.raises(ValueError, match="MLA_BRIDGE_SPARSE=triton runs a Triton kernel: it needs a CUDA device"):
+        sparse.select_sparse(v32, torch.bfloat16, "cpu", triton=True)
+    with pytest.raises(ValueError, match="MLA_BRIDGE_SPARSE=triton, but Triton does not import here"):
+        sparse.select_sparse(v32, torch.bfloat16, "cuda", triton=False)
+    with pytest.raises(ValueError, match="cannot serve this layer: the kernel computes float16, bfloat16 or float32"):
+        sparse.select_sparse(v32, torch.float64, "cuda", triton=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a developer's run: the kernel on CPU tensors
+    assert sparse.select_sparse(v32, torch.float32, "cpu", triton=True).name == "triton"
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "auto")
+    assert sparse.select_sparse(v32, torch.float32, "cpu", triton=True).name == "torch"
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "flashmla")
+    with pytest.raises(ValueError, match="MLA_BRIDGE_SPARSE='flashmla': expected one of triton, torch or auto"):
+        sparse.select_sparse(v32, torch.float32, "cpu")
+
+
+def test_mla_prefill_refuses_a_sparse_switch_that_cannot_serve_before_any_work(ref, tiny_dims, monkeypatch):
+    """On this CPU machine ``MLA_BRIDGE_SPARSE=triton`` cannot serve (no CUDA, and no interpreter asked for): refused
+    with the reason and nothing written; ``=torch`` and unset run the torch path, bitwise alike."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    k = 8
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=14)
+    plan = plan_for(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, k)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, k, seed=14)
+    out = torch.full((plan.num_tokens, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
+    for value, match in (("triton", "needs a CUDA device"), ("bogus", "MLA_BRIDGE_SPARSE='bogus'")):
+        monkeypatch.setenv("MLA_BRIDGE_SPARSE", value)
+        with pytest.raises(ValueError, match=match):
+            mla_prefill(*args, out=out, topk_indices=indices)
+        assert (out == 7.0).all()
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "torch")
+    forced, forced_lse = mla_prefill(*args, topk_indices=indices, return_lse=True)
+    monkeypatch.delenv("MLA_BRIDGE_SPARSE")
+    auto, auto_lse = mla_prefill(*args, topk_indices=indices, return_lse=True)
+    assert torch.equal(forced, auto) and torch.equal(forced_lse, auto_lse)
+    ref.assert_out_close(auto, sparse_reference(batch, indices)[0], atol=ATOL)
+
+
+def test_token_meta_places_each_pick(tiny_dims):
+    """The kernel's per-token table: request, context length, sequence length, kv_c row of sequence position 0."""
+    plan = plan_for(tiny_dims, [2, 0, 3], [5, 4, 0], 4, 4)
+    assert sparse.token_meta(plan).tolist() == [
+        [0, 5, 7, -5],
+        [0, 5, 7, -5],
+        [2, 0, 3, 2],
+        [2, 0, 3, 2],
+        [2, 0, 3, 2],
+    ]
+
+
+def test_sparse_prefill_takes_a_path_by_name(ref, tiny_dims):
+    """``impl=`` (tests and benchmarks) names a path; another name is refused before anything is written."""
+    from mla_bridge.prefill import as_prepared
+
+    batch = ref.make_mla_batch(tiny_dims, [3], [5], 4, seed=15)
+    plan = plan_for(tiny_dims, [3], [5], 4, 4)
+    indices = random_indices([3], [5], 4, seed=15)
+    w = as_prepared(batch.w, tiny_dims, torch.float32, plan.device)
+    args = (batch.q, batch.kv_c, batch.k_pe, w, batch.cache, batch.block_table, plan, indices)
+    out = torch.full((3, tiny_dims.num_heads, tiny_dims.v_head_dim), 7.0)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        sparse.sparse_prefill(*args, out=out, impl="flashmla")
+    assert (out == 7.0).all()
+    got = sparse.sparse_prefill(*args, impl="torch")
+    ref.assert_out_close(got, sparse_reference(batch, indices)[0], atol=ATOL)

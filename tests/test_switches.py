@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from mla_bridge import switches
+from mla_bridge import MLADims, switches
 from mla_bridge.cli import main
 from mla_bridge.dispatch import BACKEND_NAMES, select_backend
 
@@ -44,6 +44,13 @@ CASES = [
         {None: None, "": None, "auto": None, "TORCH": "torch", "flashinfer": "flashinfer", "triton": "triton"},
         "cutlass",
         "MLA_BRIDGE_MERGE='cutlass': expected one of triton, flashinfer, torch or auto",
+    ),
+    (
+        switches.SPARSE,
+        switches.sparse,
+        {None: "auto", "": "auto", " AUTO ": "auto", "Torch": "torch", "triton": "triton"},
+        "flashmla",
+        "MLA_BRIDGE_SPARSE='flashmla': expected one of triton, torch or auto",
     ),
     (
         switches.FLASHINFER_DIRECT,
@@ -122,7 +129,7 @@ def test_every_switch_is_read_per_call_not_remembered(monkeypatch):
 
 def test_the_table_lists_each_switch_once_and_the_dispatch_table_backends():
     names = [sw.name for sw in switches.SWITCHES]
-    assert len(names) == len(set(names)) == 9
+    assert len(names) == len(set(names)) == 10
     assert {c[0] for c in CASES} | {switches.DEBUG} == set(names)
     assert set(switches.KERNEL_SWITCHES) <= set(names)
     assert switches.BACKEND_NAMES == BACKEND_NAMES
@@ -137,18 +144,20 @@ def _readers():
     from mla_bridge.kernels.launch import mode
     from mla_bridge.kv import kv_impl
     from mla_bridge.merge import select_merge
+    from mla_bridge.sparse import select_sparse
 
     return [
         (switches.BACKEND, lambda: select_backend("cpu", dtype=torch.float32, head_dim_qk=192, head_dim_vo=128)),
         (switches.KV, lambda: kv_impl(torch.device("cpu"))),
         (switches.GATHER, lambda: gather_impl(torch.device("cpu"))),
         (switches.MERGE, lambda: select_merge((4, 2, 16), torch.float32, "cpu")),
+        (switches.SPARSE, lambda: select_sparse(MLADims.preset("deepseek-v3.2"), torch.bfloat16, "cpu")),
         (switches.FLASHINFER_DIRECT, direct_enabled),
         (switches.TRITON_LAUNCH, mode),
     ]
 
 
-@pytest.mark.parametrize("index", range(6), ids=list(switches.KERNEL_SWITCHES))
+@pytest.mark.parametrize("index", range(7), ids=list(switches.KERNEL_SWITCHES))
 def test_the_choosers_raise_the_switch_error(monkeypatch, index):
     name, call = _readers()[index]
     refused, message = next((c[3], c[4]) for c in CASES if c[0] == name)

@@ -1,13 +1,22 @@
-"""GPU tests of the sparse prefill's torch path (mla_bridge.sparse) on CUDA.
+"""GPU tests of the sparse prefill (mla_bridge.sparse) on CUDA: the Triton kernel and the torch path.
 
 Marked ``gpu``: skipped unless CUDA is available and FlashInfer imports (tests/conftest.py). Run on the H200:
     .venv/bin/python -m pytest tests/gpu/test_gpu_sparse.py -q -m gpu
+The torch path (``MLA_BRIDGE_SPARSE=torch``):
 * bf16 on CUDA (the context rows gathered by the gather of mla_bridge.cache, Triton where it imports) against the
   same call on the CPU in float32 (itself checked against float64 in tests/test_sparse.py), at DeepSeek-V2-Lite dims,
   bf16 and FP8 caches, block sizes 1/16/64;
-* the Triton gather and the torch gather (MLA_BRIDGE_GATHER=torch) give bitwise the same sparse output;
-* every causal key selected equals dense mla_prefill on the GPU within bf16 tolerances.
-No speed is measured: the torch path is a correct fallback; a fused CUDA kernel is not part of this release.
+* the Triton gather and the torch gather (MLA_BRIDGE_GATHER=torch) give bitwise the same sparse output.
+The Triton kernel (mla_bridge.kernels.sparse_attention, the default on CUDA), against the float64 sparse reference
+of tests/test_sparse.py (computed on the GPU in float64 from the same bf16 inputs) and against the torch path:
+* DeepSeek-V3.2 dims (128 heads) and DeepSeek-V2-Lite dims (16 heads), K = 2048 and K = 64, -1 padding, rows with
+  fewer picks than K and rows without any, block sizes 1/16/64, context in the chunked schedule;
+* FP8 caches (a tensor and a float scale), GLM-5 dims (64 heads, kv_lora_rank 512, rope 64, v_head_dim 256), and
+  kv_lora_rank 256 / 128 with rope 32 / 0 and a head count not a power of two;
+* a pick past its request's sequence is skipped; every causal key selected equals dense mla_prefill (both paths).
+Tolerances (bf16): out within 2e-2 absolute + 2e-2 relative, lse within 2e-2 absolute (the kernel rounds the latent
+query and its latent output to bf16 and feeds bf16 probabilities to the second product; the torch path keeps them
+in float32). No speed is measured here (the bench does).
 """
 
 from __future__ import annotations
@@ -70,7 +79,8 @@ def call(batch, plan, idx, cache, scale, device):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_cuda_bf16_equals_cpu_float32(ref, block_size, fp8):
+def test_cuda_bf16_equals_cpu_float32(ref, block_size, fp8, monkeypatch):
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "torch")
     dims = MLADims(**V2_LITE)
     k = 256
     batch = bf16_batch(ref, dims, block_size, seed=block_size)
@@ -108,6 +118,7 @@ def test_cuda_bf16_equals_cpu_float32(ref, block_size, fp8):
 
 
 def test_triton_and_torch_gather_agree(ref, monkeypatch):
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "torch")  # the gather serves the torch path
     dims = MLADims(**V2_LITE)
     k = 128
     batch = bf16_batch(ref, dims, 16, seed=3)
@@ -128,7 +139,9 @@ def test_triton_and_torch_gather_agree(ref, monkeypatch):
     assert torch.equal(auto.view(torch.int16), forced.view(torch.int16)) and torch.equal(auto_lse, forced_lse)
 
 
-def test_all_keys_equals_dense_on_the_gpu(ref):
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_all_keys_equals_dense_on_the_gpu(ref, impl, monkeypatch):
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", impl)
     dims = MLADims(**V2_LITE)
     k = max(q + c for q, c in zip(QUERY_LENS, CONTEXT_LENS))
     batch = bf16_batch(ref, dims, 16, seed=4)
@@ -142,3 +155,180 @@ def test_all_keys_equals_dense_on_the_gpu(ref):
     dense_out, dense_lse = call(batch, dense_plan, None, cache, None, dev())
     torch.testing.assert_close(out.float(), dense_out.float(), atol=OUT_TOL, rtol=OUT_TOL)
     torch.testing.assert_close(lse, dense_lse, atol=LSE_TOL, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ the Triton kernel
+V32 = MLADims.preset("deepseek-v3.2")
+GLM5 = MLADims.preset("glm-5")
+# sequences longer than 2048 (every row of a late token holds K picks) and shorter (fewer picks than K, padding)
+LONG_QUERY_LENS = [6, 0, 12, 3, 5]
+LONG_CONTEXT_LENS = [2300, 40, 0, 3000, 17]
+KERNEL_OUT_TOL, KERNEL_LSE_TOL = 2e-2, 2e-2
+
+
+def long_indices(k: int, seed: int, fill: float = 1.0) -> torch.Tensor:
+    """int32 [T, k] for the long batch: per token min(k, own + 1) * fill distinct causal picks at shuffled places,
+    the rest -1; the second token of request 2 gets none."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for q, c in zip(LONG_QUERY_LENS, LONG_CONTEXT_LENS):
+        for j in range(q):
+            own = c + j
+            m = max(1, int(min(k, own + 1) * fill))
+            row = torch.full((k,), -1, dtype=torch.int32)
+            row[torch.randperm(k, generator=g)[:m]] = torch.randperm(own + 1, generator=g)[:m].to(torch.int32)
+            rows.append(row)
+    out = torch.stack(rows)
+    out[LONG_QUERY_LENS[0] + 1] = -1
+    return out
+
+
+def kernel_case(
+    ref, monkeypatch, dims, k, block_size, *, seed, fp8=False, fill=1.0, chunk_tokens=None, scale_as_float=False
+):
+    """(kernel out, kernel lse, torch-path out, torch-path lse, float64 out, float64 lse) for the long batch in bf16
+    (values bf16 numbers: the float64 reference reads the same inputs), computed on the GPU."""
+    from tests.test_sparse import sparse_reference
+
+    from mla_bridge.cache import dequantize_latent
+
+    batch = ref.make_mla_batch(dims, LONG_QUERY_LENS, LONG_CONTEXT_LENS, block_size, seed=seed)
+    for name in ("q", "kv_c", "k_pe", "w", "cache"):
+        setattr(batch, name, getattr(batch, name).to(torch.bfloat16).to(dev()))
+    batch.block_table = batch.block_table.to(dev())
+    idx = long_indices(k, seed, fill)
+    cache, scale, kind = batch.cache, None, None
+    if fp8:
+        cache, scale = quantize_latent_cache(batch.cache.float())
+        kind = "fp8"
+        if scale_as_float:
+            scale = float(scale)
+    ws = Workspace(dev()) if chunk_tokens is None else Workspace(dev(), chunk_tokens=chunk_tokens)
+    plan = PrefillPlan.build(
+        LONG_QUERY_LENS,
+        LONG_CONTEXT_LENS,
+        dims=dims,
+        workspace=ws,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        index_topk=k,
+        kv_cache_dtype=kind,
+        **({} if chunk_tokens is None else dict(fuse_context=False)),
+    )
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan)
+    gpu_idx = idx.to(dev())
+    monkeypatch.delenv("MLA_BRIDGE_SPARSE", raising=False)  # the default on CUDA: the kernel
+    kernel = mla_prefill(*args, topk_indices=gpu_idx, return_lse=True, kv_cache_scale=scale)
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "torch")
+    torch_path = mla_prefill(*args, topk_indices=gpu_idx, return_lse=True, kv_cache_scale=scale)
+    monkeypatch.delenv("MLA_BRIDGE_SPARSE")
+    if fp8:  # stored * scale exactly (the kernel scales scores and probabilities; the torch path rounds it to bf16)
+        batch.cache = dequantize_latent(cache, scale, torch.float64)
+    exp_out, exp_lse = sparse_reference(batch, idx)
+    return (*kernel, *torch_path, exp_out, exp_lse)
+
+
+def assert_kernel_close(out, lse, exp_out, exp_lse):
+    out, lse = out.float().cpu().double(), lse.cpu().double()
+    torch.testing.assert_close(out, exp_out, atol=KERNEL_OUT_TOL, rtol=KERNEL_OUT_TOL)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(exp_lse))
+    finite = torch.isfinite(exp_lse)
+    torch.testing.assert_close(lse[finite], exp_lse[finite], atol=KERNEL_LSE_TOL, rtol=0)
+
+
+def check_kernel_case(case):
+    out, lse, t_out, t_lse, exp_out, exp_lse = case
+    empty = LONG_QUERY_LENS[0] + 1
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
+    assert_kernel_close(out, lse, exp_out, exp_lse)
+    assert_kernel_close(out, lse, t_out.float().cpu().double(), t_lse.cpu().double())
+
+
+def test_the_kernel_is_the_default_on_cuda(monkeypatch):
+    from mla_bridge.sparse import select_sparse
+
+    monkeypatch.delenv("MLA_BRIDGE_SPARSE", raising=False)
+    choice = select_sparse(V32, torch.bfloat16, "cuda")
+    assert choice.name == "triton", choice
+
+
+@pytest.mark.parametrize("k", [2048, 64])
+@pytest.mark.parametrize("heads", [128, 16])
+def test_kernel_deepseek_dims(ref, monkeypatch, heads, k):
+    dims = MLADims(
+        num_heads=heads,
+        kv_lora_rank=V32.kv_lora_rank,
+        qk_nope_head_dim=V32.qk_nope_head_dim,
+        qk_rope_head_dim=V32.qk_rope_head_dim,
+        v_head_dim=V32.v_head_dim,
+        softmax_scale=V32.softmax_scale,
+    )
+    check_kernel_case(kernel_case(ref, monkeypatch, dims, k, 64, seed=heads + k, fill=0.9))
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_kernel_block_sizes_and_padding(ref, monkeypatch, block_size):
+    dims = MLADims(**V2_LITE)
+    check_kernel_case(kernel_case(ref, monkeypatch, dims, 256, block_size, seed=block_size, fill=0.6))
+
+
+def test_kernel_chunked_context(ref, monkeypatch):
+    check_kernel_case(kernel_case(ref, monkeypatch, MLADims(**V2_LITE), 2048, 16, seed=5, chunk_tokens=700))
+
+
+@pytest.mark.parametrize("scale_as_float", [False, True])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_kernel_fp8_cache(ref, monkeypatch, block_size, scale_as_float):
+    check_kernel_case(
+        kernel_case(ref, monkeypatch, V32, 2048, block_size, seed=7, fp8=True, scale_as_float=scale_as_float)
+    )
+
+
+def test_kernel_glm5_dims(ref, monkeypatch):
+    assert (GLM5.num_heads, GLM5.kv_lora_rank, GLM5.qk_rope_head_dim) == (64, 512, 64)
+    check_kernel_case(kernel_case(ref, monkeypatch, GLM5, 2048, 64, seed=8, fill=0.95))
+
+
+@pytest.mark.parametrize("rank,rope,heads", [(256, 32, 32), (128, 0, 16), (512, 64, 20)])
+def test_kernel_other_dims(ref, monkeypatch, rank, rope, heads):
+    """Other dims the project serves: kv_lora_rank 256 / 128, rope 32 / 0 (no k_pe), a head count that is not a
+    power of two."""
+    dims = MLADims(num_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=64, qk_rope_head_dim=rope, v_head_dim=64)
+    check_kernel_case(kernel_case(ref, monkeypatch, dims, 512, 16, seed=rank + rope, fill=0.7))
+
+
+def test_kernel_skips_a_pick_past_the_sequence(ref):
+    """On CUDA the indices are not checked on the host: a pick past its request's sequence is skipped by the kernel
+    (never read), so the row equals the row without it."""
+    from mla_bridge.prefill import as_prepared
+    from mla_bridge.sparse import sparse_prefill
+
+    dims = MLADims(**V2_LITE)
+    k = 128
+    batch = bf16_batch(ref, dims, 16, seed=9)
+    idx = indices(k, seed=9, fill=0.5)
+    bad = idx.clone()
+    bad[0, (bad[0] < 0).nonzero()[0]] = CONTEXT_LENS[0] + QUERY_LENS[0]  # one past request 0's sequence
+    bad[1, (bad[1] < 0).nonzero()[0]] = 10**6
+    plan = PrefillPlan.build(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        dims=dims,
+        workspace=Workspace(dev()),
+        block_size=16,
+        dtype=torch.bfloat16,
+        index_topk=k,
+    )
+    to = lambda x: x.to(dev()).to(torch.bfloat16)  # noqa: E731
+    args = (
+        to(batch.q),
+        to(batch.kv_c),
+        to(batch.k_pe),
+        as_prepared(to(batch.w), dims, torch.bfloat16, dev()),
+        to(batch.cache),
+        batch.block_table.to(dev()),
+        plan,
+    )
+    good_out, good_lse = sparse_prefill(*args, idx.to(dev()), return_lse=True, impl="triton")
+    bad_out, bad_lse = sparse_prefill(*args, bad.to(dev()), return_lse=True, impl="triton")
+    assert torch.equal(good_out.view(torch.int16), bad_out.view(torch.int16)) and torch.equal(good_lse, bad_lse)
