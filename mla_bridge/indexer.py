@@ -31,7 +31,7 @@ import torch
 
 from .checks import as_lengths, positive_int
 
-__all__ = ["IndexerWeights", "indexer_topk", "INDEXER_CHUNK_QUERIES"]
+__all__ = ["IndexerWeights", "indexer_topk", "random_topk_indices", "INDEXER_CHUNK_QUERIES"]
 
 #: Queries of one request scored at a time (bounds the ``[n, n_heads, S]`` float32 scores).
 INDEXER_CHUNK_QUERIES = 1024
@@ -213,3 +213,45 @@ def indexer_topk(
     if not outs:
         return torch.empty(0, k_top, dtype=torch.int32, device=device)
     return torch.cat(outs)
+
+
+def random_topk_indices(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    index_topk: int,
+    *,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Random valid picks in the format of :func:`indexer_topk` (a stand-in for an indexer where only the picks'
+    count and validity matter, as in the CLI's and the bench's timings): new token ``j`` of request ``r``, at position
+    ``p = context_lens[r] + j``, picks ``min(index_topk, p + 1)`` distinct positions of ``0 .. p`` uniformly at
+    random (in random order), then -1. Drawn on ``generator``'s device, one chunk of at most
+    :data:`INDEXER_CHUNK_QUERIES` queries at a time (``[n, S]`` float32 random scores).
+
+    Returns:
+        int32 ``[sum(query_lens), index_topk]`` on the generator's device.
+
+    Raises:
+        ValueError: lengths that are not non-negative ints or differ in count, a bad ``index_topk``.
+    """
+    k_top = positive_int("index_topk", index_topk)
+    q_lens, c_lens = as_lengths("query_lens", query_lens), as_lengths("context_lens", context_lens)
+    if len(q_lens) != len(c_lens):
+        raise ValueError(f"query_lens ({len(q_lens)}) and context_lens ({len(c_lens)}) must list the same requests")
+    device = generator.device
+    rows = []
+    for q_len, c in zip(q_lens, c_lens):
+        s = c + q_len
+        width = min(k_top, s)
+        for a in range(c, s, INDEXER_CHUNK_QUERIES):
+            b = min(s, a + INDEXER_CHUNK_QUERIES)
+            own = torch.arange(a, b, device=device)[:, None]
+            later = torch.arange(s, device=device)[None, :] > own
+            scores = torch.rand(b - a, s, generator=generator, device=device).masked_fill_(later, -1.0)
+            picks = scores.topk(width, dim=-1).indices  # the top of uniform scores: a uniform random subset
+            row = torch.full((b - a, k_top), -1, dtype=torch.int32, device=device)
+            row[:, :width] = picks.masked_fill(picks > own, -1).to(torch.int32)
+            rows.append(row)
+    if not rows:
+        return torch.empty(0, k_top, dtype=torch.int32, device=device)
+    return torch.cat(rows)

@@ -284,6 +284,36 @@ def test_context_section_prepared_split_and_graphed_paths(cpu_run):
         assert len(got) == 6 and all(r["status"] == "skipped" for r in got), path
 
 
+def test_context_section_has_a_sparse_row_beside_dense_on_the_same_batch(cpu_run):
+    """The quick run's sparse case (context 96 > index_topk 32): the sparse pass, its FP8-cache twin and dense
+    mla_prefill on the same batch, timed (finite ms), the sparse FLOPs counted over the selected pairs, and the sparse
+    output within the float64 tolerance of a sparse attention over the same picks."""
+    from mla_bridge.bench.cases import sparse_cases
+    from mla_bridge.bench.sparse_rows import VARIANTS
+
+    (case,) = sparse_cases(True)
+    assert case.context > case.index_topk
+    rows = {r["path"]: r for r in cpu_run.data["rows"] if r["section"] == "context" and r["case"] == case.name}
+    assert set(rows) == {v.label for v in VARIANTS.values()}
+    for r in rows.values():
+        assert r["status"] == "ok" and math.isfinite(r["ms"]) and r["ms"] > 0 and r["tflops"] > 0, r
+        assert r["seq_len"] == case.batch * (case.context + case.new) and r["heads"] == case.heads
+    sparse = rows[VARIANTS["sparse"].label]
+    extra = sparse["extra"]
+    # each of the 2 x 16 new tokens (positions 96..111) sees more than 32 keys: it picks exactly 32
+    assert extra["index_topk"] == 32 and extra["selected_pairs"] == case.batch * case.new * 32
+    assert sparse["flops"] == 2 * extra["selected_pairs"] * case.heads * (512 + 64 + 512)
+    dense = rows[VARIANTS["dense"].label]
+    assert dense["flops"] > sparse["flops"] and extra["vs_dense"] == pytest.approx(dense["ms"] / sparse["ms"])
+    check = extra["check"]
+    assert check["passed"] is True and check["max_abs_err_out"] < 1e-4 and check["max_abs_err_lse"] < 1e-4
+    fp8 = rows[VARIANTS["sparse fp8"].label]
+    assert 0 < fp8["extra"]["rel_err_vs_unquantized"] < 0.1  # e4m3 rounding, not a wrong cache
+    names = {c["name"]: c for c in cpu_run.data["checks"]}
+    mine = names[f"context sparse {case.name}: sparse mla_prefill within the float64 tolerance"]
+    assert mine["passed"] is True and mine["applies"] is False  # a GPU target; recorded in quick mode
+
+
 def test_plan_section_counts_plans_per_loop(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "plan"]
     builds = [r for r in rows if r["path"] == "PrefillPlan.build host time"]

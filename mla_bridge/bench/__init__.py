@@ -4,7 +4,9 @@ Sections (``--sections``, default all):
   1 ``main``    causal main pass: ``RaggedPlan.run`` vs the raw FlashInfer wrapper vs torch SDPA vs flex_attention
                 vs the torch backend; 16 heads 1/4/16 x 10000 tokens, 128 heads 1/4 x 10000, 24 mixed requests.
   2 ``context`` full ``mla_prefill`` with prefix-cached context, split into gather / up-projection / attention /
-                merge, beside the hand-written pipeline; ratio to (attention + GEMM alone).
+                merge, beside the hand-written pipeline; ratio to (attention + GEMM alone). Then DeepSeek Sparse
+                Attention beside dense ``mla_prefill`` on the same batch (context longer than ``index_topk``;
+                :mod:`mla_bridge.bench.sparse_rows`), checked against a float64 sparse attention.
   3 ``merge``   ``merge_attn_states`` GB/s at 16 and 128 heads.
   4 ``plan``    host time of ``PrefillPlan.build`` at batch 1/16/128; FlashInfer plans in a 61-layer loop.
   5 ``memory``  peak extra device memory of ``mla_prefill`` against the workspace budget plus the output.
@@ -176,11 +178,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
-    from . import context, jax_rows, main_pass, sections as other, ttft
+    from . import context, jax_rows, main_pass, sections as other, sparse_rows, ttft
 
     makers = {
         "main": main_pass.jobs,
-        "context": context.jobs,
+        "context": lambda c: context.jobs(c) + sparse_rows.jobs(c),
         "merge": other.merge_jobs,
         "plan": other.plan_jobs,
         "memory": other.memory_jobs,

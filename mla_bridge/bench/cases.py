@@ -11,6 +11,8 @@ from ..dims import MLADims
 __all__ = [
     "MainShape",
     "ContextCase",
+    "SparseCase",
+    "sparse_cases",
     "main_shapes",
     "context_cases",
     "loop_case",
@@ -54,6 +56,34 @@ class ContextCase:
     block_size: int
     heads: int = 16
     eager_ms_before: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class SparseCase:
+    """DeepSeek Sparse Attention beside dense prefill: ``batch`` requests of ``context`` cached + ``new`` new tokens
+    at ``heads`` heads, each new token picking ``index_topk`` keys (random valid causal picks)."""
+
+    name: str
+    batch: int
+    context: int
+    new: int
+    index_topk: int
+    heads: int
+    block_size: int = 64
+
+    def as_context_case(self) -> ContextCase:
+        """The same batch as a :class:`ContextCase` (its inputs are made alike), with the default chunk budget."""
+        return ContextCase(self.name, self.batch, self.context, self.new, (("sparse", 65536),), self.block_size,
+                           heads=self.heads)  # fmt: skip
+
+
+def sparse_cases(quick: bool) -> list[SparseCase]:
+    """Contexts longer than ``index_topk``: DeepSeek-V3.2's 128 heads and K = 2048 from 4096 to 131072 cached tokens
+    (2048 new), where the sparse pass reads a fixed K keys per token and dense prefill all of them (the crossover is
+    read off the rows); in quick mode one tiny case."""
+    if quick:
+        return [SparseCase("4h 2x(96+16), K 32", 2, 96, 16, 32, heads=4, block_size=16)]
+    return [SparseCase(f"128h 1x({c}+2048), K 2048", 1, c, 2048, 2048, heads=128) for c in (4096, 16384, 65536, 131072)]
 
 
 def dims_for(heads: int) -> MLADims:

@@ -7,8 +7,9 @@ size 7168), or the one a ``--checkpoint``'s config.json names (``index_n_heads``
 ``q_lora_rank``, ``hidden_size``); RoPE on the model's ``qk_rope_head_dim`` leading values, base 10000 at each
 token's position in its sequence. Its weights and inputs (the hidden states and low-rank query of every token of each
 sequence, context included) are random, N(0, 1/fan_in) and N(0, 1), from a generator seeded from ``--seed`` apart from
-the prefill inputs' (which stay those of the dense run with the same seed). Random picks: per new token at position
-``p`` of its sequence, ``min(K, p + 1)`` distinct positions of ``0 .. p``, drawn uniformly, the rest -1.
+the prefill inputs' (which stay those of the dense run with the same seed). Random picks
+(:func:`mla_bridge.indexer.random_topk_indices`): per new token at position ``p`` of its sequence, ``min(K, p + 1)``
+distinct positions of ``0 .. p``, drawn uniformly, the rest -1.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ __all__ = [
 INDEXER_SHAPE = {"index_n_heads": 64, "index_head_dim": 128, "q_lora_rank": 1536, "hidden_size": 7168}
 #: ``--indices``: where the picks come from.
 INDICES_CHOICES = ("indexer", "random")
-#: Queries of one request given random scores at a time (bounds the ``[n, S]`` float32 scores of ``--indices random``).
-RANDOM_CHUNK_QUERIES = 1024
 ROPE_BASE = 10000.0
 
 
@@ -86,7 +85,7 @@ def indices_bytes(
     longest = max((q + c for q, c in zip(query_lens, context_lens)), default=0)
     most_new = max(query_lens, default=0)
     if source == "random":
-        n = min(most_new, RANDOM_CHUNK_QUERIES)
+        n = min(most_new, INDEXER_CHUNK_QUERIES)
         return n * longest * 4 * 2 + n * min(index_topk, longest) * 12
     h, dh, ql, hid = (shape[k] for k in ("index_n_heads", "index_head_dim", "q_lora_rank", "hidden_size"))
     weights = (h * dh * ql + dh * hid + 2 * dh + h * hid) * e
@@ -134,20 +133,10 @@ def make_topk_indices(
     salted = (seed + 0x5EED) % 2**63  # apart from the prefill inputs' generator
     rows = []
     if source == "random":  # drawn where they are used (a GPU draws the scores of a long batch in milliseconds)
+        from ..indexer import random_topk_indices
+
         g = torch.Generator(device=device).manual_seed(salted)
-        for q_len, c in zip(query_lens, context_lens):
-            s = c + q_len
-            width = min(index_topk, s)
-            for a in range(c, s, RANDOM_CHUNK_QUERIES):
-                b = min(s, a + RANDOM_CHUNK_QUERIES)
-                own = torch.arange(a, b, device=device)[:, None]
-                later = torch.arange(s, device=device)[None, :] > own
-                scores = torch.rand(b - a, s, generator=g, device=device).masked_fill_(later, -1.0)
-                picks = scores.topk(width, dim=-1).indices
-                row = torch.full((b - a, index_topk), -1, dtype=torch.int32, device=device)
-                row[:, :width] = picks.masked_fill(picks > own, -1).to(torch.int32)
-                rows.append(row)
-        return torch.cat(rows) if rows else torch.empty(0, index_topk, dtype=torch.int32, device=device)
+        return random_topk_indices(query_lens, context_lens, index_topk, generator=g)
 
     from ..indexer import IndexerWeights, indexer_topk
 
