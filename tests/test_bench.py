@@ -346,6 +346,23 @@ def test_glm5_rows_beside_the_deepseek_rows(cpu_run):
             assert f"context {case.name}, {label}: {path} / (attention + GEMM alone)" in names
 
 
+@pytest.mark.gpu
+def test_sparse_rows_on_the_gpu_time_both_paths_and_pass_the_bf16_check():
+    """A mid-sized sparse case on the GPU (128 heads, K 2048, 1 x (4096 + 512)): the sparse pass, its FP8-cache twin
+    and dense mla_prefill timed; the sparse output within the bf16 tolerance of the float64 sparse attention."""
+    from mla_bridge.bench.cases import SparseCase
+    from mla_bridge.bench.sparse_rows import VARIANTS, _case_job
+
+    ctx = dataclasses.replace(_ctx(), device=torch.device("cuda"), quick=False, repeats=2, warmup=1)
+    case = SparseCase("128h 1x(4096+512), K 2048", 1, 4096, 512, 2048, heads=128)
+    rows = {r.path: r for r in _case_job(ctx, case, 0)}
+    assert {v.label for v in VARIANTS.values()} == set(rows)
+    assert all(r.status == "ok" and r.ms > 0 for r in rows.values()), [r.note for r in rows.values()]
+    sparse = rows[VARIANTS["sparse"].label]
+    assert sparse.extra["check"]["passed"] is True and sparse.extra["vs_dense"] > 0
+    assert sparse.extra["selected_pairs"] == 512 * 2048 and sparse.heads == 128
+
+
 def test_plan_section_counts_plans_per_loop(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "plan"]
     builds = [r for r in rows if r["path"] == "PrefillPlan.build host time"]

@@ -1253,3 +1253,21 @@ def test_sparse_reference_refuses_a_non_causal_pick(ref, tiny_dims):
         reference_sparse_request(*args, torch.tensor([[0, 4], [4, -1]]))
     with pytest.raises(ValueError, match="topk_indices must be"):
         reference_sparse_request(*args, torch.tensor([0, 1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("indices", ["indexer", "random"])
+@pytest.mark.parametrize("cache", ["auto", "fp8"])
+def test_prefill_sparse_on_cuda_in_bf16_passes_its_check(tmp_path, indices, cache):
+    """DeepSeek-V3.2's dims at its index_topk (2048), context longer than K, bf16 on the GPU (the default dtype
+    there), bf16 and FP8 caches: the sparse pass within the bf16 tolerance of the float64 sparse attention over the
+    same picks, every request checked."""
+    path = tmp_path / "out.json"
+    argv = ["prefill", "--device", "cuda", "--model", "deepseek-v3.2", "--batch", "2", "--prompt-len", "512"]
+    argv += ["--context-lens", "4096,1000", "--index-topk", "2048", "--indices", indices, "--kv-cache-dtype", cache]
+    assert main(argv + ["--check-requests", "2", "--layers", "2", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["dtype"] == "bfloat16" and res["schedule"] == "sparse" and res["check"]["passed"] is True
+    picks = sum(min(2048, c + j + 1) for c in (4096, 1000) for j in range(512))
+    assert res["sparse"]["selected_pairs"] == picks and res["tflops"] > 0
+    assert [c["request"] for c in res["check"]["requests"]] == [0, 1]
