@@ -7,7 +7,8 @@ outputs the command holds, and the largest of the transient peaks: :func:`mla_br
 (plus the torch backend's float32 temporaries), the float64 check of the largest sampled request, and staging the
 cache in float32. A sparse run (``--index-topk``) holds its ``[T, K]`` int32 indices too, and its transient peaks
 are the sparse pass's (:func:`mla_bridge.cli.indices.sparse_pass_bytes`) and making the indices (the reference
-indexer's scores, or the random picks': :func:`mla_bridge.cli.indices.indices_bytes`). Called once without a plan (before the plan is built, whose index tensors are themselves
+indexer's scores, or the random picks': :func:`mla_bridge.cli.indices.indices_bytes`); the indexer's weights and
+inputs are drawn in float32 on the host, one tensor at a time, like the prefill inputs. Called once without a plan (before the plan is built, whose index tensors are themselves
 allocations) and once with it. :func:`check_fits` compares the totals with :func:`available_bytes` and refuses a run
 that cannot fit with :class:`CLIError` (exit 2), unless ``--no-memory-check``.
 """
@@ -146,6 +147,11 @@ def estimate_run_memory(
         ) + min(_REF_SCORE_BYTES, 3 * _F64 * h * lq * s)
     # The inputs are drawn in float32 on the host, then converted / moved: the cache is the big one.
     staging = cache_elems * _F32 + max(t * h * dims.head_dim_qk, weight_elems) * _F32
+    if sparse is not None and sparse["source"] == "indexer":  # later, one tensor at a time: a weight or an input
+        shape, longest = sparse["shape"], max((q + c for q, c in zip(query_lens, context_lens)), default=0)
+        widest = max(shape["hidden_size"], shape["q_lora_rank"])
+        heads_by_rank = shape["index_n_heads"] * shape["index_head_dim"] * shape["q_lora_rank"]
+        staging = max(staging, max(longest * widest, heads_by_rank) * _F32)
     if on_gpu:
         est.held["host"] = {"inputs staged in float32": staging}
     elif dtype != torch.float32:
