@@ -31,10 +31,21 @@ import torch
 
 from .checks import as_lengths, positive_int
 
-__all__ = ["IndexerWeights", "indexer_topk", "random_topk_indices", "INDEXER_CHUNK_QUERIES"]
+__all__ = [
+    "IndexerWeights",
+    "indexer_topk",
+    "random_indexer_weights",
+    "rope_cos_sin",
+    "random_topk_indices",
+    "INDEXER_CHUNK_QUERIES",
+    "DEEPSEEK_V32_INDEXER",
+]
 
 #: Queries of one request scored at a time (bounds the ``[n, n_heads, S]`` float32 scores).
 INDEXER_CHUNK_QUERIES = 1024
+#: DeepSeek-V3.2's indexer shape (transformers' ``DeepseekV32Config`` defaults): ``index_n_heads``,
+#: ``index_head_dim``, and the widths its weights read, ``q_lora_rank`` and ``hidden_size``.
+DEEPSEEK_V32_INDEXER = {"index_n_heads": 64, "index_head_dim": 128, "q_lora_rank": 1536, "hidden_size": 7168}
 
 
 @dataclass(frozen=True)
@@ -255,3 +266,56 @@ def random_topk_indices(
     if not rows:
         return torch.empty(0, k_top, dtype=torch.int32, device=device)
     return torch.cat(rows)
+
+
+def random_indexer_weights(
+    rope_dim: int,
+    *,
+    generator: torch.Generator,
+    n_heads: int = 64,
+    head_dim: int = 128,
+    q_lora_rank: int = 1536,
+    hidden_size: int = 7168,
+    dtype: torch.dtype = torch.float32,
+    device: "torch.device | str | None" = None,
+) -> IndexerWeights:
+    """Random :class:`IndexerWeights`, DeepSeek-V3.2's shape by default (:data:`DEEPSEEK_V32_INDEXER`): a stand-in
+    where no checkpoint is at hand (the CLI, the bench). ``wq_b``, ``wk``, ``weights_proj`` ~ N(0, 1/fan_in), drawn
+    in float32 in that order on ``generator`` (on its device), then moved to ``device`` (default: the generator's)
+    and ``dtype``; the LayerNorm's weight 1 and bias 0.
+
+    Raises:
+        ValueError / TypeError: as :class:`IndexerWeights` (``rope_dim`` even and in ``(0, head_dim]``).
+    """
+    device = generator.device if device is None else device
+
+    def randn(*size: int, fan_in: int) -> torch.Tensor:
+        x = torch.randn(*size, generator=generator, device=generator.device) * fan_in**-0.5
+        return x.to(device=device, dtype=dtype)
+
+    return IndexerWeights(
+        wq_b=randn(n_heads * head_dim, q_lora_rank, fan_in=q_lora_rank),
+        wk=randn(head_dim, hidden_size, fan_in=hidden_size),
+        k_norm_weight=torch.ones(head_dim, device=device, dtype=dtype),
+        k_norm_bias=torch.zeros(head_dim, device=device, dtype=dtype),
+        weights_proj=randn(n_heads, hidden_size, fan_in=hidden_size),
+        n_heads=n_heads,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+    )
+
+
+def rope_cos_sin(
+    length: int,
+    rope_dim: int,
+    *,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+    device: "torch.device | str | None" = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[length, rope_dim]``: plain RoPE (no scaling) at positions ``0 .. length - 1`` in the
+    half-split layout :func:`indexer_topk` applies (the frequencies repeated, ``cat(f, f)``), computed in float32."""
+    inv = 1.0 / base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)

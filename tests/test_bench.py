@@ -285,11 +285,13 @@ def test_context_section_prepared_split_and_graphed_paths(cpu_run):
 
 
 def test_context_section_has_a_sparse_row_beside_dense_on_the_same_batch(cpu_run):
-    """The quick run's sparse case (context 96 > index_topk 32): the sparse pass, its FP8-cache twin and dense
-    mla_prefill on the same batch, timed (finite ms), the sparse FLOPs counted over the selected pairs, and the sparse
-    output within the float64 tolerance of a sparse attention over the same picks."""
+    """The quick run's sparse case (context 96 > index_topk 32): the sparse pass, its FP8-cache twin, the reference
+    indexer followed by the sparse pass, and dense mla_prefill on the same batch, timed (finite ms), the sparse FLOPs
+    counted over the selected pairs, and the sparse output within the float64 tolerance of a sparse attention over the
+    same picks."""
     from mla_bridge.bench.cases import sparse_cases
-    from mla_bridge.bench.sparse_rows import VARIANTS
+    from mla_bridge.bench.sparse_rows import VARIANTS, indexer_flops
+    from mla_bridge.indexer import DEEPSEEK_V32_INDEXER
 
     (case,) = sparse_cases(True)
     assert case.context > case.index_topk
@@ -309,6 +311,10 @@ def test_context_section_has_a_sparse_row_beside_dense_on_the_same_batch(cpu_run
     assert check["passed"] is True and check["max_abs_err_out"] < 1e-4 and check["max_abs_err_lse"] < 1e-4
     fp8 = rows[VARIANTS["sparse fp8"].label]
     assert 0 < fp8["extra"]["rel_err_vs_unquantized"] < 0.1  # e4m3 rounding, not a wrong cache
+    indexed = rows[VARIANTS["indexer"].label]
+    q_lens, c_lens = [case.new] * case.batch, [case.context] * case.batch
+    assert indexed["flops"] == sparse["flops"] + indexer_flops(q_lens, c_lens, DEEPSEEK_V32_INDEXER)
+    assert indexed["extra"]["vs_dense"] == pytest.approx(dense["ms"] / indexed["ms"])
     names = {c["name"]: c for c in cpu_run.data["checks"]}
     mine = names[f"context sparse {case.name}: sparse mla_prefill within the float64 tolerance"]
     assert mine["passed"] is True and mine["applies"] is False  # a GPU target; recorded in quick mode
@@ -358,6 +364,7 @@ def test_sparse_rows_on_the_gpu_time_both_paths_and_pass_the_bf16_check():
     rows = {r.path: r for r in _case_job(ctx, case, 0)}
     assert {v.label for v in VARIANTS.values()} == set(rows)
     assert all(r.status == "ok" and r.ms > 0 for r in rows.values()), [r.note for r in rows.values()]
+    assert rows[VARIANTS["indexer"].label].extra["vs_dense"] > 0
     sparse = rows[VARIANTS["sparse"].label]
     assert sparse.extra["check"]["passed"] is True and sparse.extra["vs_dense"] > 0
     assert sparse.extra["selected_pairs"] == 512 * 2048 and sparse.heads == 128

@@ -1271,3 +1271,24 @@ def test_prefill_sparse_on_cuda_in_bf16_passes_its_check(tmp_path, indices, cach
     picks = sum(min(2048, c + j + 1) for c in (4096, 1000) for j in range(512))
     assert res["sparse"]["selected_pairs"] == picks and res["tflops"] > 0
     assert [c["request"] for c in res["check"]["requests"]] == [0, 1]
+
+
+def test_random_indexer_weights_and_rope_feed_the_reference_indexer():
+    """The random indexer's shape and scale (N(0, 1/fan_in), LayerNorm 1 / 0), and the half-split RoPE table (cos of
+    position x frequency, the frequencies repeated): what the CLI and the bench hand indexer_topk."""
+    from mla_bridge.indexer import DEEPSEEK_V32_INDEXER, random_indexer_weights, rope_cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    w = random_indexer_weights(64, generator=g)
+    s = DEEPSEEK_V32_INDEXER
+    assert w.wq_b.shape == (s["index_n_heads"] * s["index_head_dim"], s["q_lora_rank"])
+    assert w.wk.shape == (s["index_head_dim"], s["hidden_size"]) and w.weights_proj.shape == (64, s["hidden_size"])
+    assert w.wk.std().item() == pytest.approx(s["hidden_size"] ** -0.5, rel=0.02)
+    assert torch.equal(w.k_norm_weight, torch.ones(128)) and torch.equal(w.k_norm_bias, torch.zeros(128))
+    cos, sin = rope_cos_sin(5, 8)
+    freqs = 10000.0 ** (-torch.arange(0, 8, 2) / 8)
+    want = torch.arange(5.0)[:, None] * freqs[None, :]
+    torch.testing.assert_close(cos, torch.cat([want.cos(), want.cos()], -1))
+    torch.testing.assert_close(sin, torch.cat([want.sin(), want.sin()], -1))
+    with pytest.raises(ValueError, match="rope_dim"):
+        random_indexer_weights(7, generator=g, n_heads=2, head_dim=16, q_lora_rank=8, hidden_size=8)

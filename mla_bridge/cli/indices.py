@@ -14,7 +14,9 @@ distinct positions of ``0 .. p``, drawn uniformly, the rest -1.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
+
+from ..indexer import DEEPSEEK_V32_INDEXER
 
 __all__ = [
     "INDEXER_SHAPE",
@@ -27,11 +29,10 @@ __all__ = [
 ]
 
 #: DeepSeek-V3.2's indexer (transformers' DeepseekV32Config defaults): its heads, head width, the low-rank query's
-#: width and the hidden size its key and head weights read.
-INDEXER_SHAPE = {"index_n_heads": 64, "index_head_dim": 128, "q_lora_rank": 1536, "hidden_size": 7168}
+#: width and the hidden size its key and head weights read (:data:`mla_bridge.indexer.DEEPSEEK_V32_INDEXER`).
+INDEXER_SHAPE = dict(DEEPSEEK_V32_INDEXER)
 #: ``--indices``: where the picks come from.
 INDICES_CHOICES = ("indexer", "random")
-ROPE_BASE = 10000.0
 
 
 def indexer_shape(config: Optional[dict]) -> dict:
@@ -95,17 +96,6 @@ def indices_bytes(
     return weights + inputs + scores
 
 
-def _rope_cos_sin(length: int, rope_dim: int, device, dtype) -> tuple[Any, Any]:
-    """``(cos, sin)`` ``[length, rope_dim]`` of RoPE (base :data:`ROPE_BASE`) at positions ``0 .. length - 1``, in the
-    half-split layout the indexer applies."""
-    import torch
-
-    inv = 1.0 / ROPE_BASE ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
-    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-
-
 def make_topk_indices(
     source: str,
     dims,
@@ -138,7 +128,7 @@ def make_topk_indices(
         g = torch.Generator(device=device).manual_seed(salted)
         return random_topk_indices(query_lens, context_lens, index_topk, generator=g)
 
-    from ..indexer import IndexerWeights, indexer_topk
+    from ..indexer import indexer_topk, random_indexer_weights, rope_cos_sin
 
     g = torch.Generator().manual_seed(salted)  # on the CPU, as the prefill inputs' (the same draws on every device)
     shape = dict(INDEXER_SHAPE) if shape is None else shape
@@ -149,27 +139,22 @@ def make_topk_indices(
             f"the reference indexer applies RoPE to the model's qk_rope_head_dim leading values, which must be even "
             f"and in (0, index_head_dim={dh}]: got {rope}"
         )
-
-    def randn(*size, std=1.0):
-        return (torch.randn(*size, generator=g) * std).to(device=device, dtype=dtype)
-
-    weights = IndexerWeights(
-        wq_b=randn(h * dh, ql, std=ql**-0.5),
-        wk=randn(dh, hid, std=hid**-0.5),
-        k_norm_weight=torch.ones(dh, device=device, dtype=dtype),
-        k_norm_bias=torch.zeros(dh, device=device, dtype=dtype),
-        weights_proj=randn(h, hid, std=hid**-0.5),
-        n_heads=h,
-        head_dim=dh,
-        rope_dim=rope,
+    weights = random_indexer_weights(
+        rope, generator=g, n_heads=h, head_dim=dh, q_lora_rank=ql, hidden_size=hid, dtype=dtype, device=device
     )
+
+    def randn(*size):
+        return torch.randn(*size, generator=g).to(device=device, dtype=dtype)
+
     for q_len, c in zip(query_lens, context_lens):
         s = c + q_len
         if q_len == 0:
             continue
         hidden, q_resid = randn(s, hid), randn(s, ql)
         rows.append(
-            indexer_topk(weights, [hidden], [q_resid], [_rope_cos_sin(s, rope, device, dtype)], [c], index_topk)
+            indexer_topk(
+                weights, [hidden], [q_resid], [rope_cos_sin(s, rope, dtype=dtype, device=device)], [c], index_topk
+            )
         )
         del hidden, q_resid
     return torch.cat(rows) if rows else torch.empty(0, index_topk, dtype=torch.int32, device=device)
