@@ -31,10 +31,21 @@ import torch
 
 from .checks import as_lengths, positive_int
 
-__all__ = ["IndexerWeights", "indexer_topk", "INDEXER_CHUNK_QUERIES"]
+__all__ = [
+    "IndexerWeights",
+    "indexer_topk",
+    "random_indexer_weights",
+    "rope_cos_sin",
+    "random_topk_indices",
+    "INDEXER_CHUNK_QUERIES",
+    "DEEPSEEK_V32_INDEXER",
+]
 
 #: Queries of one request scored at a time (bounds the ``[n, n_heads, S]`` float32 scores).
 INDEXER_CHUNK_QUERIES = 1024
+#: DeepSeek-V3.2's indexer shape (transformers' ``DeepseekV32Config`` defaults): ``index_n_heads``,
+#: ``index_head_dim``, and the widths its weights read, ``q_lora_rank`` and ``hidden_size``.
+DEEPSEEK_V32_INDEXER = {"index_n_heads": 64, "index_head_dim": 128, "q_lora_rank": 1536, "hidden_size": 7168}
 
 
 @dataclass(frozen=True)
@@ -213,3 +224,98 @@ def indexer_topk(
     if not outs:
         return torch.empty(0, k_top, dtype=torch.int32, device=device)
     return torch.cat(outs)
+
+
+def random_topk_indices(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    index_topk: int,
+    *,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Random valid picks in the format of :func:`indexer_topk` (a stand-in for an indexer where only the picks'
+    count and validity matter, as in the CLI's and the bench's timings): new token ``j`` of request ``r``, at position
+    ``p = context_lens[r] + j``, picks ``min(index_topk, p + 1)`` distinct positions of ``0 .. p`` uniformly at
+    random (in random order), then -1. Drawn on ``generator``'s device, one chunk of at most
+    :data:`INDEXER_CHUNK_QUERIES` queries at a time (``[n, S]`` float32 random scores).
+
+    Returns:
+        int32 ``[sum(query_lens), index_topk]`` on the generator's device.
+
+    Raises:
+        ValueError: lengths that are not non-negative ints or differ in count, a bad ``index_topk``.
+    """
+    k_top = positive_int("index_topk", index_topk)
+    q_lens, c_lens = as_lengths("query_lens", query_lens), as_lengths("context_lens", context_lens)
+    if len(q_lens) != len(c_lens):
+        raise ValueError(f"query_lens ({len(q_lens)}) and context_lens ({len(c_lens)}) must list the same requests")
+    device = generator.device
+    rows = []
+    for q_len, c in zip(q_lens, c_lens):
+        s = c + q_len
+        width = min(k_top, s)
+        for a in range(c, s, INDEXER_CHUNK_QUERIES):
+            b = min(s, a + INDEXER_CHUNK_QUERIES)
+            own = torch.arange(a, b, device=device)[:, None]
+            later = torch.arange(s, device=device)[None, :] > own
+            scores = torch.rand(b - a, s, generator=generator, device=device).masked_fill_(later, -1.0)
+            picks = scores.topk(width, dim=-1).indices  # the top of uniform scores: a uniform random subset
+            row = torch.full((b - a, k_top), -1, dtype=torch.int32, device=device)
+            row[:, :width] = picks.masked_fill(picks > own, -1).to(torch.int32)
+            rows.append(row)
+    if not rows:
+        return torch.empty(0, k_top, dtype=torch.int32, device=device)
+    return torch.cat(rows)
+
+
+def random_indexer_weights(
+    rope_dim: int,
+    *,
+    generator: torch.Generator,
+    n_heads: int = 64,
+    head_dim: int = 128,
+    q_lora_rank: int = 1536,
+    hidden_size: int = 7168,
+    dtype: torch.dtype = torch.float32,
+    device: "torch.device | str | None" = None,
+) -> IndexerWeights:
+    """Random :class:`IndexerWeights`, DeepSeek-V3.2's shape by default (:data:`DEEPSEEK_V32_INDEXER`): a stand-in
+    where no checkpoint is at hand (the CLI, the bench). ``wq_b``, ``wk``, ``weights_proj`` ~ N(0, 1/fan_in), drawn
+    in float32 in that order on ``generator`` (on its device), then moved to ``device`` (default: the generator's)
+    and ``dtype``; the LayerNorm's weight 1 and bias 0.
+
+    Raises:
+        ValueError / TypeError: as :class:`IndexerWeights` (``rope_dim`` even and in ``(0, head_dim]``).
+    """
+    device = generator.device if device is None else device
+
+    def randn(*size: int, fan_in: int) -> torch.Tensor:
+        x = torch.randn(*size, generator=generator, device=generator.device) * fan_in**-0.5
+        return x.to(device=device, dtype=dtype)
+
+    return IndexerWeights(
+        wq_b=randn(n_heads * head_dim, q_lora_rank, fan_in=q_lora_rank),
+        wk=randn(head_dim, hidden_size, fan_in=hidden_size),
+        k_norm_weight=torch.ones(head_dim, device=device, dtype=dtype),
+        k_norm_bias=torch.zeros(head_dim, device=device, dtype=dtype),
+        weights_proj=randn(n_heads, hidden_size, fan_in=hidden_size),
+        n_heads=n_heads,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+    )
+
+
+def rope_cos_sin(
+    length: int,
+    rope_dim: int,
+    *,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+    device: "torch.device | str | None" = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[length, rope_dim]``: plain RoPE (no scaling) at positions ``0 .. length - 1`` in the
+    half-split layout :func:`indexer_topk` applies (the frequencies repeated, ``cat(f, f)``), computed in float32."""
+    inv = 1.0 / base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)

@@ -253,7 +253,7 @@ def test_context_section_splits_phases(cpu_run):
     ):
         assert p in paths
     full = [r for r in rows if r["path"] == "mla_prefill"]
-    assert len(full) == 6  # 2 long cases x 2 chunk budgets + 2 host-bound cases
+    assert len(full) == 8  # 2 long cases x 2 chunk budgets + 2 host-bound cases + the GLM-5 case x 2 budgets
     assert {r["extra"]["chunks"] for r in full} >= {0, 4, 8}
     assert all("vs_attention_plus_gemm" in r["extra"] for r in full if r["extra"]["chunks"] != 0 or r["extra"]["fused"])
 
@@ -267,7 +267,7 @@ def test_context_section_prepared_split_and_graphed_paths(cpu_run):
         "mla_prefill, identity layout, CUDA graph replay",
     ):
         got = [r for r in rows if r["path"] == path]
-        assert len(got) == 6 and all(r["status"] == "ok" and r["ms"] > 0 and r["tflops"] for r in got), path
+        assert len(got) == 8 and all(r["status"] == "ok" and r["ms"] > 0 and r["tflops"] for r in got), path
     graphed = [r for r in rows if r["path"] == "mla_prefill, CUDA graph replay"]
     for r in graphed:  # the CPU runs the same API eagerly; the capture fields are there, zero
         assert r["extra"]["graphed"] is False and r["extra"]["capture_ms"] == r["extra"]["graph_memory_bytes"] == 0
@@ -281,7 +281,93 @@ def test_context_section_prepared_split_and_graphed_paths(cpu_run):
         "mla_prefill, gather + cuBLAS GEMM on every pass, CUDA graph replay",
     ):
         got = [r for r in rows if r["path"] == path]
-        assert len(got) == 6 and all(r["status"] == "skipped" for r in got), path
+        assert len(got) == 8 and all(r["status"] == "skipped" for r in got), path
+
+
+def test_context_section_has_a_sparse_row_beside_dense_on_the_same_batch(cpu_run):
+    """The quick run's sparse case (context 96 > index_topk 32): the sparse pass, its FP8-cache twin, the reference
+    indexer followed by the sparse pass, and dense mla_prefill on the same batch, timed (finite ms), the sparse FLOPs
+    counted over the selected pairs, and the sparse output within the float64 tolerance of a sparse attention over the
+    same picks."""
+    from mla_bridge.bench.cases import sparse_cases
+    from mla_bridge.bench.sparse_rows import VARIANTS, indexer_flops
+    from mla_bridge.indexer import DEEPSEEK_V32_INDEXER
+
+    (case,) = sparse_cases(True)
+    assert case.context > case.index_topk
+    rows = {r["path"]: r for r in cpu_run.data["rows"] if r["section"] == "context" and r["case"] == case.name}
+    assert set(rows) == {v.label for v in VARIANTS.values()}
+    for r in rows.values():
+        assert r["status"] == "ok" and math.isfinite(r["ms"]) and r["ms"] > 0 and r["tflops"] > 0, r
+        assert r["seq_len"] == case.batch * (case.context + case.new) and r["heads"] == case.heads
+    sparse = rows[VARIANTS["sparse"].label]
+    extra = sparse["extra"]
+    # each of the 2 x 16 new tokens (positions 96..111) sees more than 32 keys: it picks exactly 32
+    assert extra["index_topk"] == 32 and extra["selected_pairs"] == case.batch * case.new * 32
+    assert sparse["flops"] == 2 * extra["selected_pairs"] * case.heads * (512 + 64 + 512)
+    dense = rows[VARIANTS["dense"].label]
+    assert dense["flops"] > sparse["flops"] and extra["vs_dense"] == pytest.approx(dense["ms"] / sparse["ms"])
+    check = extra["check"]
+    assert check["passed"] is True and check["max_abs_err_out"] < 1e-4 and check["max_abs_err_lse"] < 1e-4
+    fp8 = rows[VARIANTS["sparse fp8"].label]
+    assert 0 < fp8["extra"]["rel_err_vs_unquantized"] < 0.1  # e4m3 rounding, not a wrong cache
+    indexed = rows[VARIANTS["indexer"].label]
+    q_lens, c_lens = [case.new] * case.batch, [case.context] * case.batch
+    assert indexed["flops"] == sparse["flops"] + indexer_flops(q_lens, c_lens, DEEPSEEK_V32_INDEXER)
+    assert indexed["extra"]["vs_dense"] == pytest.approx(dense["ms"] / indexed["ms"])
+    names = {c["name"]: c for c in cpu_run.data["checks"]}
+    mine = names[f"context sparse {case.name}: sparse mla_prefill within the float64 tolerance"]
+    assert mine["passed"] is True and mine["applies"] is False  # a GPU target; recorded in quick mode
+
+
+def test_glm5_rows_beside_the_deepseek_rows(cpu_run):
+    """GLM-5's dims (64 heads, q/k 192 + 64, v 256) in the main pass and in the context section, in quick mode too:
+    measured, their FLOPs counted with 256 + 256 per pair, and the same targets as the DeepSeek rows recorded."""
+    from mla_bridge import MLADims
+    from mla_bridge.bench.cases import GLM5, context_cases, main_shapes
+
+    glm = MLADims.preset(GLM5)
+    assert (glm.num_heads, glm.head_dim_qk, glm.head_dim_vo, glm.kv_lora_rank) == (64, 256, 256, 512)
+    (shape,) = [s for s in main_shapes(True) if s.preset == GLM5]
+    (case,) = [c for c in context_cases(True) if c.preset == GLM5]
+    rows = cpu_run.data["rows"]
+    core = [r for r in rows if r["case"] == shape.name and r["path"] == "mla_bridge RaggedPlan.run"]
+    assert len(core) == 1 and core[0]["status"] == "ok" and core[0]["heads"] == 64
+    pairs = sum(n * (n + 1) // 2 for n in shape.lens)
+    assert core[0]["flops"] == 2 * pairs * 64 * (256 + 256)
+    sdpa = [r for r in rows if r["case"] == shape.name and r["path"] == "torch SDPA (dense)"]
+    assert len(sdpa) == 1 and sdpa[0]["status"] == "ok"  # equal lengths: dense SDPA runs at 256/256 too
+    full = [
+        r for r in rows if r["section"] == "context" and r["path"] == "mla_prefill" and r["case"].startswith(case.name)
+    ]
+    assert len(full) == len(case.budgets) and all(r["status"] == "ok" and r["heads"] == 64 for r in full)
+    pairs = case.batch * (case.new * case.context + case.new * (case.new + 1) // 2)
+    tokens = case.batch * (case.context + case.new)
+    assert full[0]["flops"] == 2 * pairs * 64 * 512 + 2 * tokens * 512 * 64 * (192 + 256)
+    assert all("vs_attention_plus_gemm" in r["extra"] for r in full)
+    names = {c["name"] for c in cpu_run.data["checks"]}
+    assert f"main {shape.name}: mla_bridge / raw FlashInfer throughput" not in names  # no raw wrapper on the CPU
+    for label, _ in case.budgets:  # the DeepSeek long cases' targets, at GLM-5's dims
+        for path in ("mla_prefill", "mla_prefill, CUDA graph replay"):
+            assert f"context {case.name}, {label}: {path} / (attention + GEMM alone)" in names
+
+
+@pytest.mark.gpu
+def test_sparse_rows_on_the_gpu_time_both_paths_and_pass_the_bf16_check():
+    """A mid-sized sparse case on the GPU (128 heads, K 2048, 1 x (4096 + 512)): the sparse pass, its FP8-cache twin
+    and dense mla_prefill timed; the sparse output within the bf16 tolerance of the float64 sparse attention."""
+    from mla_bridge.bench.cases import SparseCase
+    from mla_bridge.bench.sparse_rows import VARIANTS, _case_job
+
+    ctx = dataclasses.replace(_ctx(), device=torch.device("cuda"), quick=False, repeats=2, warmup=1)
+    case = SparseCase("128h 1x(4096+512), K 2048", 1, 4096, 512, 2048, heads=128)
+    rows = {r.path: r for r in _case_job(ctx, case, 0)}
+    assert {v.label for v in VARIANTS.values()} == set(rows)
+    assert all(r.status == "ok" and r.ms > 0 for r in rows.values()), [r.note for r in rows.values()]
+    assert rows[VARIANTS["indexer"].label].extra["vs_dense"] > 0
+    sparse = rows[VARIANTS["sparse"].label]
+    assert sparse.extra["check"]["passed"] is True and sparse.extra["vs_dense"] > 0
+    assert sparse.extra["selected_pairs"] == 512 * 2048 and sparse.heads == 128
 
 
 def test_plan_section_counts_plans_per_loop(cpu_run):
@@ -560,8 +646,11 @@ class _FakeWrapper:
         assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
         self.qo, self.kv = qo_indptr.tolist(), kv_indptr.tolist()
         self.causal, self.sm_scale = causal, sm_scale
+        self.head_dims = (head_dim_qk, head_dim_qk if head_dim_vo is None else head_dim_vo)
 
     def run(self, q, k, v, return_lse=False):
+        # FlashInfer's kernels are compiled for the planned head dims: another q / v width is an error there
+        assert (q.shape[-1], v.shape[-1]) == self.head_dims, ((q.shape[-1], v.shape[-1]), self.head_dims)
         out, lse = ragged_attention_reference(q, k, v, self.qo, self.kv, causal=self.causal, sm_scale=self.sm_scale)
         return (out, lse * LOG2E) if return_lse else out  # FlashInfer's default: base-2 lse
 
@@ -586,13 +675,14 @@ def fake_flashinfer(monkeypatch):
     return fi
 
 
+@pytest.mark.parametrize("model", ["deepseek", "glm-5"])
 @pytest.mark.parametrize("budget_index", [0, 1])
-def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index):
+def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index, model):
     from mla_bridge.bench.cases import context_cases
     from mla_bridge.bench.context import handwritten_backend, handwritten_pipeline, make_inputs
 
     ctx = _ctx()
-    case = context_cases(True)[0]
+    case = next(c for c in context_cases(True) if (c.preset or "deepseek") == model)
     label, budget = case.budgets[budget_index]
     x = make_inputs(ctx, case, 0)
     assert handwritten_backend(ctx) == "fa2"  # not SM90
@@ -607,6 +697,27 @@ def test_handwritten_pipeline_matches_mla_prefill(fake_flashinfer, budget_index)
     )
     want = mla_prefill(x.q, x.kv_c, x.k_pe, x.w, x.kv_cache, x.block_table, plan)
     torch.testing.assert_close(layer(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_raw_wrapper_is_planned_with_the_shapes_head_dims(fake_flashinfer):
+    """beside_raw plans the raw FlashInfer wrapper with the plan's head dims (GLM-5's 256/256, not DeepSeek's
+    192/128): the stand-in wrapper refuses q / v of another width, as FlashInfer's compiled kernels do."""
+    from mla_bridge.bench import main_pass
+    from mla_bridge.bench.cases import GLM5, main_shapes
+    from mla_bridge.bench.common import Case, beside_raw
+
+    ctx = _ctx()
+    (shape,) = [s for s in main_shapes(True) if s.preset == GLM5]
+    plan = main_pass._plan(ctx, shape, "torch")
+    fake = types.SimpleNamespace(
+        backend=types.SimpleNamespace(name="flashinfer-fa2", flashinfer_backend="fa2"), spec=plan.spec, run=plan.run
+    )
+    q, k, v = main_pass._tensors(ctx, shape, 0)
+    c = Case(ctx, "main", shape.name, main_pass.VARIANTS, 0, dict(seq_len=shape.tokens, heads=shape.heads))
+    core, raw = beside_raw(c, "core", "raw", fake, q, k, v, flops=1.0)
+    assert raw.status == "ok", raw.note
+    assert core.status == "ok" and core.extra["vs_raw"] > 0
+    assert ctx.raw_wrapper("fa2", 0).head_dims == (256, 256)
 
 
 @pytest.mark.parametrize("budget_index", [0, 1])

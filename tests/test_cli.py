@@ -1075,3 +1075,220 @@ def test_info_flags_an_invalid_switch_value(tmp_path, capsys, monkeypatch):
     assert env["MLA_BRIDGE_KV"]["invalid"] is None
     text = capsys.readouterr().out  # a table: long cells wrap
     assert "'bogus' INVALID: MLA_BRIDGE_JAX_MAX_PLANS='bogus'" in text and "expected a positive" in text
+
+
+# ----------------------------------------------------------------------------------------------------- sparse
+
+
+SPARSE_ARGS = ("--prompt-lens", "5,9,1", "--context-lens", "0,70,3", "--block-size", "16", "--check-requests", "3")
+
+
+def picks_per_token(query_lens, context_lens, k):
+    """The keys an indexer's top-k (or the random picks) select for each new token: all it may see, up to k."""
+    return [min(k, c + j + 1) for q, c in zip(query_lens, context_lens) for j in range(q)]
+
+
+@pytest.mark.parametrize("indices", ["indexer", "random"])
+def test_prefill_sparse_passes_its_float64_check_and_reports_the_sparse_figures(tmp_path, capsys, indices):
+    """--index-topk 8 over requests of 1 to 79 positions: early tokens pick fewer than 8 keys (-1 padding), later ones
+    8 of up to 79; the float64 sparse attention over the same picks agrees, and the JSON and the table carry the
+    sparse figures (selected pairs, FLOPs over them, where the picks came from)."""
+    argv = SPARSE_ARGS + ("--index-topk", "8", "--layers", "2")
+    rc, res = run_json(tmp_path, *argv, *(() if indices == "indexer" else ("--indices", "random")))
+    assert rc == 0 and PREFILL_FIELDS <= set(res)
+    assert res["schedule"] == "sparse" and res["kernels"] == {"sparse": "mla_bridge.sparse"}
+    sparse = res["sparse"]
+    assert sparse["index_topk"] == 8 and sparse["indices"] == indices and sparse["indices_ms"] > 0
+    assert (sparse["indexer_shape"] is None) == (indices == "random")
+    pairs = sum(picks_per_token([5, 9, 1], [0, 70, 3], 8))
+    assert sparse["selected_pairs"] == pairs and pairs < sparse["causal_pairs"]
+    assert sparse["causal_pairs"] == 5 * 6 // 2 + (9 * 70 + 9 * 10 // 2) + (1 * 3 + 1)
+    assert res["flops"]["attention"] == 2 * pairs * 16 * (512 + 64 + 512)
+    assert res["flops"]["absorption"] == 2 * 15 * 16 * 512 * (128 + 128)
+    assert set(res["timings_ms"]["phases"]) == {"sparse attention"}
+    check = res["check"]
+    assert [c["request"] for c in check["requests"]] == [0, 1, 2] and check["passed"] is True
+    assert check["max_abs_err_out"] < 1e-4 and check["max_abs_err_lse"] < 1e-4
+    assert "reference_sparse_request" in check["reference"]
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("index_topk 8", f"{pairs} (query, key) pairs of", "float64 sparse attention over the same picks"):
+        assert words in text, words
+    assert ("reference indexer" in text) == (indices == "indexer")
+
+
+def test_prefill_sparse_fp8_cache_and_k_beyond_every_sequence(tmp_path):
+    """An FP8 cache (the check dequantizes the same bytes) and K larger than any sequence: every token picks its
+    whole causal sequence, which is dense prefill, so the sparse check's reference is the dense one."""
+    rc, res = run_json(tmp_path, *SPARSE_ARGS, "--index-topk", "200", "--indices", "random", "--kv-cache-dtype", "fp8")
+    assert rc == 0 and res["check"]["passed"] is True
+    assert res["sparse"]["selected_pairs"] == res["sparse"]["causal_pairs"]
+    assert res["kv_cache"]["dtype"] == "fp8_e4m3" and res["kv_cache"]["scale"] > 0
+    assert all("max_abs_err_out_vs_unquantized" in c for c in res["check"]["requests"])
+
+
+def test_prefill_sparse_check_catches_a_wrong_result(tmp_path, monkeypatch, capsys):
+    import mla_bridge
+
+    real = mla_bridge.mla_prefill
+
+    def off_by_a_bit(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        return out, lse + 1e-2
+
+    monkeypatch.setattr(mla_bridge, "mla_prefill", off_by_a_bit)
+    rc, res = run_json(tmp_path, *SPARSE_ARGS, "--index-topk", "4", "--indices", "random", "--no-breakdown")
+    assert rc == 1 and res["check"]["passed"] is False and res["schedule"] == "sparse"
+    assert "check FAILED" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (("--index-topk", "4", "--no-fuse"), "--no-fuse"),
+        (("--index-topk", "4", "--chunk-tokens", "64"), "--chunk-tokens"),
+        (("--index-topk", "4", "--backend", "torch"), "--backend"),
+        (("--indices", "random"), "--index-topk"),
+        (("--index-topk", "0"), "--index-topk"),
+        (("--index-topk", "4", "--indices", "nearest"), "--indices"),
+    ],
+)
+def test_prefill_sparse_refuses_options_it_cannot_honour_by_name(tmp_path, capsys, extra, flag):
+    rc, res = run_json(tmp_path, "--prompt-lens", "4", *extra)
+    assert rc == 2 and res is None
+    assert flag in capsys.readouterr().err
+
+
+def test_prefill_sparse_indexer_refuses_a_model_without_rope_by_name(tmp_path, capsys, monkeypatch):
+    """The indexer's RoPE part is the model's qk_rope_head_dim: a model without one is refused naming --indices,
+    random picks still serve it."""
+    from mla_bridge import MLADims
+
+    no_rope = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16)
+    monkeypatch.setattr(MLADims, "preset", classmethod(lambda cls, name: no_rope))
+    rc, _ = run_json(tmp_path, "--prompt-lens", "4", "--index-topk", "2")
+    assert rc == 2 and "--indices indexer" in capsys.readouterr().err
+    rc, res = run_json(tmp_path, "--prompt-lens", "4", "--index-topk", "2", "--indices", "random")
+    assert rc == 0 and res["check"]["passed"] is True
+
+
+def test_make_topk_indices_are_valid_causal_picks_and_seeded():
+    """Both sources: int32 [T, K]; each row holds min(K, position + 1) distinct positions at most the token's own
+    (the indexer's and random picks alike select that many), -1 after them; the same seed gives the same picks."""
+    from mla_bridge.cli.indices import make_topk_indices
+
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    q_lens, c_lens, k = [3, 0, 6], [0, 5, 20], 7
+    shape = {"index_n_heads": 4, "index_head_dim": 16, "q_lora_rank": 24, "hidden_size": 40}
+    own = [c + j for q, c in zip(q_lens, c_lens) for j in range(q)]
+    for source in ("indexer", "random"):
+        kw = dict(device="cpu", dtype=torch.float32, seed=3, shape=shape)
+        idx = make_topk_indices(source, dims, q_lens, c_lens, k, **kw)
+        assert idx.dtype == torch.int32 and idx.shape == (9, k)
+        for row, p in zip(idx.tolist(), own):
+            n = min(k, p + 1)
+            assert all(0 <= x <= p for x in row[:n]) and len(set(row[:n])) == n and row[n:] == [-1] * (k - n)
+        assert torch.equal(idx, make_topk_indices(source, dims, q_lens, c_lens, k, **kw))
+        other = make_topk_indices(source, dims, q_lens, c_lens, k, **dict(kw, seed=4))
+        assert not torch.equal(idx, other)
+
+
+def test_sparse_memory_estimate_counts_the_indices_and_the_sparse_pass(tiny_dims):
+    from mla_bridge import PrefillPlan, Workspace
+    from mla_bridge.cli.indices import INDEXER_SHAPE, indices_bytes, sparse_pass_bytes
+    from mla_bridge.cli.memory import estimate_run_memory
+
+    q_lens, c_lens, bs, k = [5, 9, 1], [0, 70, 300], 16, 32
+    plan = PrefillPlan.build(
+        q_lens, c_lens, dims=tiny_dims, workspace=Workspace("cpu"), block_size=bs, dtype=torch.float32, index_topk=k
+    )
+    sparse = dict(index_topk=k, source="indexer", shape=dict(INDEXER_SHAPE))
+    est = estimate_run_memory(tiny_dims, q_lens, c_lens, bs, torch.float32, "cpu", [1], plan=plan, sparse=sparse)
+    assert est.held["device"]["topk_indices"] == 15 * k * 4
+    assert est.peaks["device"]["mla_prefill"] == sparse_pass_bytes(tiny_dims, 15, k, 4)
+    made = est.peaks["device"]["making topk_indices"]
+    assert made == indices_bytes(q_lens, c_lens, k, "indexer", dict(INDEXER_SHAPE), 4)
+    # the indexer's scores of one chunk of the longest sequence's queries: 3 copies of [n, 64 heads, S] float32
+    assert made >= 3 * 9 * 64 * 301 * 4
+    assert indices_bytes(q_lens, c_lens, k, "random", None, 4) < made
+
+
+@pytest.mark.parametrize("score_elems", [1 << 25, 37])
+def test_sparse_reference_matches_the_suites_sparse_reference(ref, tiny_dims, score_elems):
+    """mla_bridge.reference.reference_sparse_request (scores of every key, the picks gathered and scattered back)
+    against tests/test_sparse.py's (per token, per pick): -1 padding, rows without keys, a repeated pick."""
+    from mla_bridge.reference import reference_sparse_request
+    from tests.test_sparse import CONTEXT_LENS, QUERY_LENS, random_indices, sparse_reference
+
+    batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=4)
+    indices = random_indices(QUERY_LENS, CONTEXT_LENS, 12, seed=6, fill=0.5, allow_empty=True)
+    indices[2] = -1
+    indices[0, :3] = 0  # token 0 of request 0 picks position 0 three times
+    want_out, want_lse = sparse_reference(batch, indices)
+    qo = ref.cumsum0(QUERY_LENS)
+    for r, c in enumerate(CONTEXT_LENS):
+        a, b = qo[r], qo[r + 1]
+        out, lse = reference_sparse_request(
+            batch.q[a:b],
+            batch.kv_c[a:b],
+            batch.k_pe[a:b],
+            batch.w,
+            batch.cache,
+            batch.block_table[r],
+            c,
+            tiny_dims,
+            indices[a:b],
+            score_elems=score_elems,
+        )
+        assert out.dtype == torch.float64 and out.shape == (b - a, tiny_dims.num_heads, tiny_dims.v_head_dim)
+        torch.testing.assert_close(out, want_out[a:b], atol=1e-12, rtol=0)
+        torch.testing.assert_close(lse, want_lse[a:b], atol=1e-12, rtol=0)  # -inf where a row has no key
+
+
+def test_sparse_reference_refuses_a_non_causal_pick(ref, tiny_dims):
+    from mla_bridge.reference import reference_sparse_request
+
+    batch = ref.make_mla_batch(tiny_dims, [2], [3], 4)
+    args = (batch.q, batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table[0], 3, tiny_dims)
+    with pytest.raises(ValueError, match=r"topk_indices\[0, 1\] = 4"):
+        reference_sparse_request(*args, torch.tensor([[0, 4], [4, -1]]))
+    with pytest.raises(ValueError, match="topk_indices must be"):
+        reference_sparse_request(*args, torch.tensor([0, 1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("indices", ["indexer", "random"])
+@pytest.mark.parametrize("cache", ["auto", "fp8"])
+def test_prefill_sparse_on_cuda_in_bf16_passes_its_check(tmp_path, indices, cache):
+    """DeepSeek-V3.2's dims at its index_topk (2048), context longer than K, bf16 on the GPU (the default dtype
+    there), bf16 and FP8 caches: the sparse pass within the bf16 tolerance of the float64 sparse attention over the
+    same picks, every request checked."""
+    path = tmp_path / "out.json"
+    argv = ["prefill", "--device", "cuda", "--model", "deepseek-v3.2", "--batch", "2", "--prompt-len", "512"]
+    argv += ["--context-lens", "4096,1000", "--index-topk", "2048", "--indices", indices, "--kv-cache-dtype", cache]
+    assert main(argv + ["--check-requests", "2", "--layers", "2", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["dtype"] == "bfloat16" and res["schedule"] == "sparse" and res["check"]["passed"] is True
+    picks = sum(min(2048, c + j + 1) for c in (4096, 1000) for j in range(512))
+    assert res["sparse"]["selected_pairs"] == picks and res["tflops"] > 0
+    assert [c["request"] for c in res["check"]["requests"]] == [0, 1]
+
+
+def test_random_indexer_weights_and_rope_feed_the_reference_indexer():
+    """The random indexer's shape and scale (N(0, 1/fan_in), LayerNorm 1 / 0), and the half-split RoPE table (cos of
+    position x frequency, the frequencies repeated): what the CLI and the bench hand indexer_topk."""
+    from mla_bridge.indexer import DEEPSEEK_V32_INDEXER, random_indexer_weights, rope_cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    w = random_indexer_weights(64, generator=g)
+    s = DEEPSEEK_V32_INDEXER
+    assert w.wq_b.shape == (s["index_n_heads"] * s["index_head_dim"], s["q_lora_rank"])
+    assert w.wk.shape == (s["index_head_dim"], s["hidden_size"]) and w.weights_proj.shape == (64, s["hidden_size"])
+    assert w.wk.std().item() == pytest.approx(s["hidden_size"] ** -0.5, rel=0.02)
+    assert torch.equal(w.k_norm_weight, torch.ones(128)) and torch.equal(w.k_norm_bias, torch.zeros(128))
+    cos, sin = rope_cos_sin(5, 8)
+    freqs = 10000.0 ** (-torch.arange(0, 8, 2) / 8)
+    want = torch.arange(5.0)[:, None] * freqs[None, :]
+    torch.testing.assert_close(cos, torch.cat([want.cos(), want.cos()], -1))
+    torch.testing.assert_close(sin, torch.cat([want.sin(), want.sin()], -1))
+    with pytest.raises(ValueError, match="rope_dim"):
+        random_indexer_weights(7, generator=g, n_heads=2, head_dim=16, q_lora_rank=8, hidden_size=8)

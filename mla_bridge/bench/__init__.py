@@ -2,9 +2,13 @@
 
 Sections (``--sections``, default all):
   1 ``main``    causal main pass: ``RaggedPlan.run`` vs the raw FlashInfer wrapper vs torch SDPA vs flex_attention
-                vs the torch backend; 16 heads 1/4/16 x 10000 tokens, 128 heads 1/4 x 10000, 24 mixed requests.
+                vs the torch backend; 16 heads 1/4/16 x 10000 tokens, 128 heads 1/4 x 10000, 24 mixed requests;
+                GLM-5's dims (64 heads, 256/256) at 1/4 x 10000.
   2 ``context`` full ``mla_prefill`` with prefix-cached context, split into gather / up-projection / attention /
-                merge, beside the hand-written pipeline; ratio to (attention + GEMM alone).
+                merge, beside the hand-written pipeline; ratio to (attention + GEMM alone); the first long case
+                also at GLM-5's dims. Then DeepSeek Sparse
+                Attention beside dense ``mla_prefill`` on the same batch (context longer than ``index_topk``;
+                :mod:`mla_bridge.bench.sparse_rows`), checked against a float64 sparse attention.
   3 ``merge``   ``merge_attn_states`` GB/s at 16 and 128 heads.
   4 ``plan``    host time of ``PrefillPlan.build`` at batch 1/16/128; FlashInfer plans in a 61-layer loop.
   5 ``memory``  peak extra device memory of ``mla_prefill`` against the workspace budget plus the output.
@@ -18,7 +22,8 @@ Sections (``--sections``, default all):
 Each row: ms (median over ``--repeats`` after ``--warmup``; on a GPU each sample the larger of a call's CUDA-event
 time and its host time, :mod:`mla_bridge.bench.common`), TFLOP/s or GB/s, and the
 fraction of the bf16 matmul peak or copy bandwidth measured in the same run. FLOPs: 2 x q·k pairs x heads x
-(192 + 128), causal pairs counted exactly per request, plus the up-projection GEMM where it runs.
+(head_dim_qk + head_dim_vo: 192 + 128 for DeepSeek, 256 + 256 for GLM-5), causal pairs counted exactly per request,
+plus the up-projection GEMM where it runs.
 
 Without CUDA (or with ``--quick``) it runs tiny shapes in a few seconds (the torch backend on the CPU), so the
 command itself is tested in CI; rows of paths the machine cannot run and targets that do not apply there (they are
@@ -176,11 +181,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _jobs_for(ctx: Any, sections: Sequence[str]) -> list:
-    from . import context, jax_rows, main_pass, sections as other, ttft
+    from . import context, jax_rows, main_pass, sections as other, sparse_rows, ttft
 
     makers = {
         "main": main_pass.jobs,
-        "context": context.jobs,
+        "context": lambda c: context.jobs(c) + sparse_rows.jobs(c),
         "merge": other.merge_jobs,
         "plan": other.plan_jobs,
         "memory": other.memory_jobs,

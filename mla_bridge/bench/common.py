@@ -657,7 +657,7 @@ def beside_raw(
             wrapper = c.ctx.raw_wrapper(fb, 0)
             plan_raw(
                 wrapper, sp.qo_indptr, sp.kv_indptr, heads=sp.num_heads, causal=sp.causal, sm_scale=sp.sm_scale,
-                dtype=c.ctx.dtype,
+                dtype=c.ctx.dtype, head_dim_qk=sp.head_dim_qk, head_dim_vo=sp.head_dim_vo,
             )  # fmt: skip
             run = lambda: wrapper.run(q, k, v, return_lse=True)  # noqa: E731
             items.append(c.item(raw, run, flops=flops, note=f"backend {fb}{raw_note}"))

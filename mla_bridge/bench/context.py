@@ -35,7 +35,7 @@ from ..profiling import time_phases
 from ..ragged import plan_ragged
 from ..weights import PreparedKVBProj, prepare_kv_b_proj
 from ..workspace import Workspace
-from .cases import ContextCase, context_cases, dims_for
+from .cases import ContextCase, context_cases
 from .common import (
     Case,
     Ctx,
@@ -179,10 +179,14 @@ class Inputs:
 
     def flops(self) -> tuple[float, float]:
         """(attention FLOPs, up-projection GEMM FLOPs) of one mla_prefill over this batch."""
-        attn = attention_flops(
-            self.q_lens, [c + q for c, q in zip(self.c_lens, self.q_lens)], causal=True, heads=self.dims.num_heads
-        )
         d = self.dims
+        attn = attention_flops(
+            self.q_lens,
+            [c + q for c, q in zip(self.c_lens, self.q_lens)],
+            causal=True,
+            heads=d.num_heads,
+            head_dim_sum=d.head_dim_qk + d.head_dim_vo,
+        )
         gemm = gemm_flops(
             self.num_context + self.num_tokens, d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
         )
@@ -190,8 +194,8 @@ class Inputs:
 
 
 def make_inputs(ctx: Ctx, case: ContextCase, salt: int) -> Inputs:
-    dims = dims_for(case.heads)
-    heads = case.heads
+    dims = case.dims
+    heads = dims.num_heads
     g = ctx.generator(1000 + salt)
     t = case.batch * case.new
     bs = case.block_size
@@ -237,7 +241,8 @@ def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[],
     nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
     qo = indptr(x.q_lens)
     main = ctx.raw_wrapper(fb, 0)
-    plan_raw(main, qo, qo, heads=h, causal=True, sm_scale=d.softmax_scale, dtype=ctx.dtype)
+    dims_kw = dict(head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo)
+    plan_raw(main, qo, qo, heads=h, causal=True, sm_scale=d.softmax_scale, dtype=ctx.dtype, **dims_kw)
     chunks = []
     for i, spans in enumerate(schedule_context_chunks(x.c_lens, chunk_tokens)):
         r0, r1 = spans[0][0], spans[-1][0] + 1
@@ -254,6 +259,7 @@ def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[],
             causal=False,
             sm_scale=d.softmax_scale,
             dtype=ctx.dtype,
+            **dims_kw,
         )
         req_ids = torch.cat([torch.full((e - s,), r, dtype=torch.int64) for r, s, e in spans]).to(ctx.device)
         pos = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans]).to(ctx.device)
@@ -487,7 +493,12 @@ def _in_layer_rows(c: Case, x: Inputs, plan: PrefillPlan, full: Row) -> list[Row
         return [c.failed(total_v, err)]
     d, e = x.dims, x.q.element_size()
     attn, up = x.flops()
-    main_attn = attn if plan.fused else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads)
+    head_dim_sum = d.head_dim_qk + d.head_dim_vo
+    main_attn = (
+        attn
+        if plan.fused
+        else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads, head_dim_sum=head_dim_sum)
+    )
     # what each phase moves or computes: latent rows read + written; the GEMM; the attention; partials read + written
     gather = (
         (4 * x.num_context + 2 * x.num_tokens) if plan.fused else 2 * (x.num_context + x.num_tokens)
@@ -680,7 +691,9 @@ def _context_pass_rows(c: Case, x: Inputs, budget: int, ws: Workspace) -> list[R
     q_lens = x.q_lens[r0:r1]
     q0 = sum(x.q_lens[:r0])
     q = x.q[q0 : q0 + sum(q_lens)]
-    flops = attention_flops(q_lens, kv_lens, causal=False, heads=d.num_heads)
+    flops = attention_flops(
+        q_lens, kv_lens, causal=False, heads=d.num_heads, head_dim_sum=d.head_dim_qk + d.head_dim_vo
+    )
     name = f"{c.name}: chunk 0 (q {'+'.join(map(str, q_lens))} over kv {'+'.join(map(str, kv_lens))})"
     c = replace(c, name=name, fields=dict(c.fields, seq_len=sum(kv_lens)))
     heads = dict(num_heads=d.num_heads, head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo)

@@ -1,6 +1,7 @@
 """Section 1: the causal main pass. ``RaggedPlan.run`` vs the raw FlashInfer wrapper's ``run()`` on the same tensors
 (both planned once, same backend and arguments) vs torch SDPA (dense, equal lengths only) vs ``flex_attention`` with
-a document-causal block mask vs the torch backend (small shapes only on the GPU)."""
+a document-causal block mask vs the torch backend (small shapes only on the GPU). Each shape has its model's head dims
+(:attr:`mla_bridge.bench.cases.MainShape.dims`: DeepSeek's 192/128, GLM-5's 256/256)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from ..ragged import plan_ragged
-from .cases import TORCH_BACKEND_MAX_WORK, MainShape, dims_for, main_shapes
+from .cases import TORCH_BACKEND_MAX_WORK, MainShape, main_shapes
 from .common import Case, Ctx, Job, Row, Variant, attention_flops, beside_raw, causal_pairs, indptr, variants
 
 __all__ = ["jobs", "VARIANTS"]
@@ -32,23 +33,29 @@ def _case(ctx: Ctx, shape: MainShape, ci: int) -> Case:
 
 def _tensors(ctx: Ctx, shape: MainShape, salt: int):
     g = ctx.generator(salt)
-    t, h = shape.tokens, shape.heads
-    return (ctx.randn(t, h, 192, gen=g), ctx.randn(t, h, 192, gen=g), ctx.randn(t, h, 128, gen=g))
+    t, h, d = shape.tokens, shape.heads, shape.dims
+    return tuple(ctx.randn(t, h, n, gen=g) for n in (d.head_dim_qk, d.head_dim_qk, d.head_dim_vo))
+
+
+def _flops(shape: MainShape) -> float:
+    d = shape.dims
+    return attention_flops(
+        shape.lens, shape.lens, causal=True, heads=shape.heads, head_dim_sum=d.head_dim_qk + d.head_dim_vo
+    )
 
 
 def _plan(ctx: Ctx, shape: MainShape, backend: Any):
-    qo = indptr(shape.lens)
-    scale = dims_for(shape.heads).softmax_scale
+    qo, d = indptr(shape.lens), shape.dims
     return plan_ragged(
-        qo, qo, num_heads=shape.heads, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=scale,
-        dtype=ctx.dtype, workspace=ctx.workspace(), backend=backend,
+        qo, qo, num_heads=shape.heads, head_dim_qk=d.head_dim_qk, head_dim_vo=d.head_dim_vo, causal=True,
+        sm_scale=d.softmax_scale, dtype=ctx.dtype, workspace=ctx.workspace(), backend=backend,
     )  # fmt: skip
 
 
 def _core_and_raw(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     c = _case(ctx, shape, ci)
     q, k, v = _tensors(ctx, shape, ci)
-    flops = attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
+    flops = _flops(shape)
     try:
         plan = _plan(ctx, shape, ctx.backend)
     except Exception as err:  # noqa: BLE001 - e.g. the fa3 JIT compile failed
@@ -75,7 +82,7 @@ def _sdpa(ctx: Ctx, c: Case, shape: MainShape, q, k, v, flops: float) -> Row:
     if not shape.equal:
         return c.skip("sdpa", "ragged batch: dense SDPA needs equal lengths")
     b, length, h = len(shape.lens), shape.lens[0], shape.heads
-    scale = dims_for(h).softmax_scale
+    scale = shape.dims.softmax_scale
     try:
         # [B, H, L, D] contiguous copies, made once outside the timing (SDPA's preferred layout).
         qs, ks, vs = (x.view(b, length, h, -1).transpose(1, 2).contiguous() for x in (q, k, v))
@@ -109,7 +116,7 @@ def _fused_sdpa_only(ctx: Ctx) -> Any:
 
 def _flex(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     c = _case(ctx, shape, ci)
-    flops = attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
+    flops = _flops(shape)
     if "flex" in ctx.skip:
         return [c.skip("flex", "--skip flex")]
     if ctx.over_budget():
@@ -123,11 +130,14 @@ def _flex(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except Exception as err:  # noqa: BLE001
         return [c.skip("flex", "flex_attention unavailable", err)]
-    h, t = shape.heads, shape.tokens
+    h, t, dims = shape.heads, shape.tokens, shape.dims
     g = ctx.generator(ci)
     try:
         # [1, H, T, D]: the packed batch as one sequence; the mask keeps each document causal and to itself.
-        q, k, v = (ctx.randn(t, h, d, gen=g).transpose(0, 1).unsqueeze(0).contiguous() for d in (192, 192, 128))
+        q, k, v = (
+            ctx.randn(t, h, d, gen=g).transpose(0, 1).unsqueeze(0).contiguous()
+            for d in (dims.head_dim_qk, dims.head_dim_qk, dims.head_dim_vo)
+        )
         doc = torch.repeat_interleave(
             torch.arange(len(shape.lens), device=ctx.device), torch.tensor(shape.lens, device=ctx.device)
         )
@@ -139,7 +149,7 @@ def _flex(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
             warnings.simplefilter("ignore")
             mask = create_block_mask(doc_causal, None, None, t, t, device=str(ctx.device), _compile=ctx.cuda)
         fn = _compiled_flex(ctx, flex_attention)
-        scale = dims_for(h).softmax_scale
+        scale = dims.softmax_scale
     except Exception as err:  # noqa: BLE001
         return [c.failed("flex", err, flops=flops)]
     note = (
@@ -170,7 +180,7 @@ def _compiled_flex(ctx: Ctx, flex_attention: Any) -> Any:
 
 def _torch_backend(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     c = _case(ctx, shape, ci)
-    flops = attention_flops(shape.lens, shape.lens, causal=True, heads=shape.heads)
+    flops = _flops(shape)
     if "torch" in ctx.skip:
         return [c.skip("torch", "--skip torch")]
     work = sum(causal_pairs(n, n) for n in shape.lens) * shape.heads

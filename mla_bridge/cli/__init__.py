@@ -3,8 +3,8 @@
 ``mla-bridge prefill`` builds one MLA prefill batch at a model's dims (random weights, or the real
 ``kv_b_proj.weight`` of one layer of a local safetensors checkpoint), fills a paged latent cache, plans it once
 (:class:`mla_bridge.PrefillPlan`), runs :func:`mla_bridge.mla_prefill` for ``--layers`` layers on the backend the
-dispatch table picks, and checks a sample of requests against an independent float64 computation
-(:mod:`mla_bridge.reference`). ``mla-bridge info`` says what this machine has and which backend it gets.
+dispatch table picks (with ``--index-topk K``: the sparse pass over each token's K picks), and checks a sample of
+requests against an independent float64 computation (:mod:`mla_bridge.reference`). ``mla-bridge info`` says what this machine has and which backend it gets.
 ``mla-bridge bench`` is :mod:`mla_bridge.bench` (imported only when asked for).
 
 Exit codes (:data:`EXIT_CODES`, printed by ``--help``): 0 success; 1 the check against the float64 reference failed
@@ -16,7 +16,8 @@ TYPE: MESSAGE``; the traceback too with ``--debug`` or ``MLA_BRIDGE_DEBUG=1``); 
 This module holds the argument parser, :func:`main` and the dispatch to the commands. The rest: ``prefill``
 (the prefill command: plan, run, check, table, JSON), ``batch`` (workload, device/dtype, random inputs, FLOPs),
 ``timing`` (phase timer, instrumented layer), ``memory`` (the run's memory estimate against what is free),
-``checkpoint`` (safetensors ``kv_b_proj.weight``, FP8 dequantization), ``info`` (the info command), ``table``
+``indices`` (``--index-topk``: the sparse pass's picks, its FLOPs and memory), ``checkpoint`` (safetensors
+``kv_b_proj.weight``, FP8 dequantization), ``info`` (the info command), ``table``
 (table rows and cell text), ``errors`` (:class:`CLIError`), ``extras`` (what the command needs from the ``cli``
 extra: rich, matplotlib, safetensors; a missing one exits 2 naming the extra).
 """
@@ -36,6 +37,7 @@ from .checkpoint import load_kv_b_proj_weight
 from ..argtypes import int_list, nonnegative_int, output_file, positive_int
 from ..argtypes import seed as seed_type
 from .errors import CLIError
+from .indices import INDICES_CHOICES
 from .info import cmd_info
 from .prefill import cmd_prefill
 
@@ -94,6 +96,13 @@ check: --check-requests requests (spread over the batch) are recomputed by mla_b
 unchunked, straight from the paged cache; cache slots that hold no context are NaN, so reading one shows.
 Exit code 1 when an error exceeds atol + rtol x |ref| (float32: 1e-4; bf16: out 2e-2 + 2**-7 x |ref|,
 lse 1e-2 + 1e-3 x |ref|; fp16: out 1e-2 + 2**-10 x |ref|, lse as bf16).
+
+sparse attention: --index-topk K (e.g. mla-bridge prefill --model deepseek-v3.2 --context-lens 8000
+--prompt-len 2000 --index-topk 2048) plans with index_topk=K and passes each new token's K picks to
+mla_prefill as topk_indices, from the reference indexer or (--indices random) random causal positions;
+the check is a float64 sparse attention over the same picks (mla_bridge.reference, MHA form), the
+FLOPs 2 x selected pairs x heads x (2 x kv_lora_rank + qk_rope_head_dim). --no-fuse, --chunk-tokens
+and --backend set the dense passes, which a sparse plan does not run: they are refused with it.
 
 checkpoint: --checkpoint DIR --layer N reads DIR/config.json for the dims and only
 model.layers.N.self_attn.kv_b_proj.weight (via model.safetensors.index.json when present); an FP8 weight
@@ -174,6 +183,22 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
         "--no-fuse",
         action="store_true",
         help="never fuse context into the main pass (always a main pass + context chunks + merge)",
+    )
+    g = p.add_argument_group("sparse attention (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5)")
+    g.add_argument(
+        "--index-topk",
+        type=_positive_int,
+        metavar="K",
+        help="plan with index_topk=K and run mla_prefill(..., topk_indices=): each new token attends only its K "
+        "picked keys (default: dense prefill)",
+    )
+    g.add_argument(
+        "--indices",
+        choices=INDICES_CHOICES,
+        default=None,
+        help="where the picks come from (with --index-topk): indexer = the reference lightning indexer "
+        "(mla_bridge.indexer, DeepSeek-V3.2's shape, random weights from --seed; the default); random = random "
+        "valid causal positions, -1 where fewer than K exist",
     )
     g = p.add_argument_group("run")
     g.add_argument(

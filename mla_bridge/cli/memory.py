@@ -5,7 +5,10 @@ made in float32 first): the inputs (q, kv_c, k_pe, kv_b_proj weight, block_table
 per-token index tensors (device memory; on the CPU that is host memory made while the plan is built), the layer
 outputs the command holds, and the largest of the transient peaks: :func:`mla_bridge.prefill.prefill_memory_bytes` of the plan
 (plus the torch backend's float32 temporaries), the float64 check of the largest sampled request, and staging the
-cache in float32. Called once without a plan (before the plan is built, whose index tensors are themselves
+cache in float32. A sparse run (``--index-topk``) holds its ``[T, K]`` int32 indices too, and its transient peaks
+are the sparse pass's (:func:`mla_bridge.cli.indices.sparse_pass_bytes`) and making the indices (the reference
+indexer's scores, or the random picks': :func:`mla_bridge.cli.indices.indices_bytes`); the indexer's weights and
+inputs are drawn in float32 on the host, one tensor at a time, like the prefill inputs. Called once without a plan (before the plan is built, whose index tensors are themselves
 allocations) and once with it. :func:`check_fits` compares the totals with :func:`available_bytes` and refuses a run
 that cannot fit with :class:`CLIError` (exit 2), unless ``--no-memory-check``.
 """
@@ -75,6 +78,7 @@ def estimate_run_memory(
     check_requests: Sequence[int],
     plan=None,
     plans_held: int = 2,
+    sparse: Optional[dict] = None,
 ) -> MemoryEstimate:
     """Estimate the memory a ``mla-bridge prefill`` run needs (see the module docstring), in bytes.
 
@@ -88,6 +92,8 @@ def estimate_run_memory(
             counted exactly); without it the index tensors are bounded by the fused schedule's 24 bytes per context
             token and 8 per new token, and the prefill peak is left out.
         plans_held: plans alive at once (the command builds a second one to time planning again).
+        sparse: for ``--index-topk``: ``index_topk``, ``source`` ("indexer" or "random") and the indexer's ``shape``
+            (:func:`mla_bridge.cli.indices.indexer_shape`; None for random picks); None for a dense run.
     """
     import torch
 
@@ -113,15 +119,24 @@ def estimate_run_memory(
     dev["plan index tensors"] = plans_held * index
     dev["layer outputs"] = 2 * out_bytes  # the timed layer's and the instrumented layer's
     peaks = est.peaks.setdefault("device", {})
-    if plan is not None:
+    if sparse is not None:
+        from .indices import indices_bytes, sparse_pass_bytes
+
+        dev["topk_indices"] = t * sparse["index_topk"] * 4
+        peaks["making topk_indices"] = indices_bytes(
+            query_lens, context_lens, sparse["index_topk"], sparse["source"], sparse["shape"], e
+        )
+        if plan is not None:
+            peaks["mla_prefill"] = sparse_pass_bytes(dims, t, sparse["index_topk"], e)
+    if plan is not None and sparse is None:
         from ..prefill import prefill_memory_bytes
 
         peak = prefill_memory_bytes(plan)
         if plan.backend.name == "torch":  # per-request float32 output and score blocks
             peak += max(query_lens, default=0) * h * dims.v_head_dim * _F32 + _TORCH_BLOCK_BYTES
         peaks["mla_prefill"] = peak
-        if plan.kv_cache_dtype != plan.dtype:  # quantize_latent_cache: float32 copy, its quotient, the bytes
-            peaks["quantizing the cache"] = cache_elems * (2 * _F32 + 1)
+    if plan is not None and plan.kv_cache_dtype != plan.dtype:  # quantize_latent_cache: float32, quotient, bytes
+        peaks["quantizing the cache"] = cache_elems * (2 * _F32 + 1)
     if check_requests:
         worst = max(check_requests, key=lambda i: (context_lens[i] + query_lens[i], query_lens[i]))
         lq, s = query_lens[worst], context_lens[worst] + query_lens[worst]
@@ -132,6 +147,11 @@ def estimate_run_memory(
         ) + min(_REF_SCORE_BYTES, 3 * _F64 * h * lq * s)
     # The inputs are drawn in float32 on the host, then converted / moved: the cache is the big one.
     staging = cache_elems * _F32 + max(t * h * dims.head_dim_qk, weight_elems) * _F32
+    if sparse is not None and sparse["source"] == "indexer":  # later, one tensor at a time: a weight or an input
+        shape, longest = sparse["shape"], max((q + c for q, c in zip(query_lens, context_lens)), default=0)
+        widest = max(shape["hidden_size"], shape["q_lora_rank"])
+        heads_by_rank = shape["index_n_heads"] * shape["index_head_dim"] * shape["q_lora_rank"]
+        staging = max(staging, max(longest * widest, heads_by_rank) * _F32)
     if on_gpu:
         est.held["host"] = {"inputs staged in float32": staging}
     elif dtype != torch.float32:

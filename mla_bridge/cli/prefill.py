@@ -1,5 +1,8 @@
 """``mla-bridge prefill``: plan one batch once, run it per layer, time it, check a sample against float64, and
-report a table (and JSON)."""
+report a table (and JSON). With ``--index-topk K`` the plan is a sparse one (``index_topk=K``), every layer passes
+each new token's K picks as ``topk_indices`` (:mod:`mla_bridge.cli.indices`: the reference indexer or random causal
+picks), and the check is a float64 sparse attention over the same picks
+(:func:`mla_bridge.reference.reference_sparse_request`)."""
 
 from __future__ import annotations
 
@@ -16,22 +19,14 @@ from typing import Any
 from .batch import batch_flops, make_inputs, resolve_device_dtype, resolve_workload, sample_requests
 from .checkpoint import load_kv_b_proj_weight
 from .args import write_output
+from .indices import indexer_shape, make_topk_indices, sparse_flops
 from .errors import CLIError
 from .memory import check_fits, estimate_run_memory
 from .table import lens_text, ms_text, add_row, tol_text
 from .timing import Timer, phase_breakdown
+from ..reference import TOLERANCE  # the allowed error against the float64 reference, per run dtype
 
 CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
-#: Allowed error against the float64 reference, per run dtype: ``|x - ref| <= atol + rtol * |ref|`` elementwise, as
-#: ((out atol, out rtol), (lse atol, lse rtol)). Half precision: out is rounded to bf16/fp16 (a relative error of up
-#: to 2**-8 / 2**-11, so rtol is two such roundings), and k/v are rounded after the up-projection. float32: the
-#: blockwise float32 attention differs from float64 by about 1e-6 relative, so rtol 1e-5 keeps the check
-#: scale-free (a checkpoint whose outputs are about 50 failed the absolute 1e-4 alone while 2.6e-6 relative off).
-TOLERANCE = {
-    "float32": ((1e-4, 1e-5), (1e-4, 1e-5)),
-    "bfloat16": ((2e-2, 2.0**-7), (1e-2, 1e-3)),
-    "float16": ((1e-2, 2.0**-10), (1e-2, 1e-3)),
-}
 
 
 @contextlib.contextmanager
@@ -78,7 +73,7 @@ def cmd_prefill(args, console) -> int:
     from ..dims import PRESETS
     from ..dispatch import select_backend
     from ..prefill import kernel_choices
-    from ..reference import max_abs_error, max_excess_error, reference_request
+    from ..reference import max_abs_error, max_excess_error, reference_request, reference_sparse_request
     from ..workspace import DEFAULT_CHUNK_TOKENS
 
     # ---- arguments -> dims, weight, workload
@@ -88,6 +83,23 @@ def cmd_prefill(args, console) -> int:
         raise CLIError("--model and --checkpoint are exclusive: the checkpoint's config.json gives the dims")
     if args.checkpoint is not None and args.layer is None:
         raise CLIError("--checkpoint needs --layer N (which layer's kv_b_proj.weight to load)")
+    index_topk = args.index_topk
+    if args.indices is not None and index_topk is None:
+        raise CLIError("--indices needs --index-topk K (it says where the sparse pass's picks come from)")
+    if index_topk is not None:  # options of the dense passes, which a sparse plan does not run
+        dense_only = (
+            ("--no-fuse", args.no_fuse),
+            ("--chunk-tokens", args.chunk_tokens is not None),
+            ("--backend", args.backend not in (None, "auto")),
+        )
+        for flag, given in dense_only:
+            if given:
+                raise CLIError(
+                    f"{flag} sets the dense passes (their schedule or FlashInfer backend); with --index-topk every "
+                    f"layer runs the sparse pass (mla_bridge.sparse), which has neither: drop {flag}"
+                )
+    indices_source = args.indices or "indexer"
+    config = None
     workload = resolve_workload(args)
     device, dtype, dtype_name = resolve_device_dtype(args)
     loaded_weight, weight_text = None, None
@@ -124,10 +136,21 @@ def cmd_prefill(args, console) -> int:
     except ValueError as err:
         raise CLIError(f"--backend {args.backend}: {err}" if args.backend else str(err)) from None
 
+    shape = indexer_shape(config) if index_topk is not None and indices_source == "indexer" else None
+    sparse_mem = None if index_topk is None else dict(index_topk=index_topk, source=indices_source, shape=shape)
+
     # ---- memory: refuse what cannot fit before the plan (whose index tensors are allocations) and the inputs
     def fits(plan=None):
         est = estimate_run_memory(
-            dims, workload.query_lens, workload.context_lens, args.block_size, dtype, device, sample, plan=plan
+            dims,
+            workload.query_lens,
+            workload.context_lens,
+            args.block_size,
+            dtype,
+            device,
+            sample,
+            plan=plan,
+            sparse=sparse_mem,
         )
         check_fits(est, device, skip=args.no_memory_check)
 
@@ -158,6 +181,7 @@ def cmd_prefill(args, console) -> int:
             backend=args.backend,
             fuse_context=not args.no_fuse,
             kv_cache_dtype=args.kv_cache_dtype,
+            index_topk=index_topk,
         )
         gc.collect()  # a full collection (tens of ms) inside a timed build would be reported as planning time
         with _gc_paused():
@@ -185,10 +209,36 @@ def cmd_prefill(args, console) -> int:
         cache, kv_scale = quantize_latent_cache(cache)
         kv_scale = float(kv_scale)
     cache_bytes = cache.numel() * cache.element_size()
+    timer = Timer(device)
+    indices = None
+    if index_topk is not None:
+        what = "the reference indexer" if indices_source == "indexer" else "random causal picks"
+        log(f"topk_indices from {what} (index_topk {index_topk})")
+        s = timer.start()
+        try:
+            indices = make_topk_indices(
+                indices_source,
+                dims,
+                workload.query_lens,
+                workload.context_lens,
+                index_topk,
+                device=device,
+                dtype=dtype,
+                seed=args.seed,
+                shape=shape,
+            )
+        except ValueError as err:  # a model the indexer cannot take (its RoPE part)
+            raise CLIError(f"--indices {indices_source}: {err}") from None
+        timer.stop("indices", s)
     backend = plan.backend
     skipped = sum(c.plan is None for c in plan.chunks)  # chunks without new tokens: no pass runs them
     run_chunks = len(plan.chunks) - skipped
-    if plan.fused:
+    if indices is not None:
+        schedule = (
+            f"sparse: each new token attends its index_topk={index_topk} picks (mla_bridge.sparse, absorbed form); "
+            f"the plan's dense passes are not run"
+        )
+    elif plan.fused:
         schedule = "fused: context + new tokens in one causal pass"
     elif run_chunks:
         skip_text = f", {skipped} more skipped (no new tokens among their requests)" if skipped else ""
@@ -204,6 +254,11 @@ def cmd_prefill(args, console) -> int:
         )
 
     attn_flops, up_flops = batch_flops(dims, workload, plan.num_gathered_context_tokens)
+    causal_pairs = sum(q * c + q * (q + 1) // 2 for q, c in zip(workload.query_lens, workload.context_lens))
+    selected_pairs = None
+    if indices is not None:  # the FLOPs of the work the sparse pass does: its picks, and the absorption GEMMs
+        selected_pairs = int((indices >= 0).sum())
+        attn_flops, up_flops = sparse_flops(dims, selected_pairs, sum(workload.query_lens))
     # One untimed warm-up layer (lazy CUDA / FlashInfer / allocator set-up) on a GPU always, and on the CPU while a
     # layer is cheap (below CPU_WARMUP_FLOPS), so that the seed workload is not run twice on a CPU for it.
     warmup = device.type == "cuda" or attn_flops + up_flops < CPU_WARMUP_FLOPS
@@ -217,7 +272,6 @@ def cmd_prefill(args, console) -> int:
         console=console,
         transient=True,
     )
-    timer = Timer(device)
     peak_extra = None
     with progress:
         task = progress.add_task("prefill", total=steps)
@@ -226,7 +280,7 @@ def cmd_prefill(args, console) -> int:
         if warmup:
             progress.update(task, description="warm-up layer")
             log("warm-up layer")
-            mla_prefill(*inputs, plan, return_lse=True, kv_cache_scale=kv_scale)
+            mla_prefill(*inputs, plan, return_lse=True, kv_cache_scale=kv_scale, topk_indices=indices)
             progress.advance(task)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -238,7 +292,7 @@ def cmd_prefill(args, console) -> int:
             log.layer(layer, args.layers)
             result = None  # let the previous layer's output go before the next one allocates
             s = timer.start()
-            result = mla_prefill(*inputs, plan, return_lse=True, kv_cache_scale=kv_scale)
+            result = mla_prefill(*inputs, plan, return_lse=True, kv_cache_scale=kv_scale, topk_indices=indices)
             timer.stop("layer", s)
             if device.type == "cpu":
                 progress.advance(task)
@@ -253,7 +307,7 @@ def cmd_prefill(args, console) -> int:
         if not args.no_breakdown:
             progress.update(task, description="instrumented layer (phase times)")
             log("instrumented layer (phase times)")
-            phase_times, (out_i, lse_i) = phase_breakdown(plan, *inputs, kv_cache_scale=kv_scale)
+            phase_times, (out_i, lse_i) = phase_breakdown(plan, *inputs, kv_cache_scale=kv_scale, topk_indices=indices)
             phases = phase_times.phases_ms
             breakdown_diff = max(max_abs_error(out_i, out.float()), max_abs_error(lse_i, lse))
             progress.advance(task)
@@ -265,7 +319,10 @@ def cmd_prefill(args, console) -> int:
             progress.update(task, description=f"float64 check, request {r}")
             log(f"float64 check, request {r}")
             a, b = qo[r], qo[r + 1]
-            ref_out, ref_lse = reference_request(
+            # dense: the request's whole causal sequence; sparse: the same picks as the layer's (its rows of indices)
+            reference = reference_request if indices is None else reference_sparse_request
+            picks = {} if indices is None else {"topk_indices": indices[a:b]}
+            ref_out, ref_lse = reference(
                 q[a:b],
                 kv_c[a:b],
                 k_pe[a:b],
@@ -275,10 +332,11 @@ def cmd_prefill(args, console) -> int:
                 workload.context_lens[r],
                 dims,
                 kv_cache_scale=kv_scale,
+                **picks,
             )
             quant = {}
             if unquantized_cache is not None:  # the quantization error: against the cache before quantization
-                unq_out, _ = reference_request(
+                unq_out, _ = reference(
                     q[a:b],
                     kv_c[a:b],
                     k_pe[a:b],
@@ -287,6 +345,7 @@ def cmd_prefill(args, console) -> int:
                     block_table[r],
                     workload.context_lens[r],
                     dims,
+                    **picks,
                 )
                 scale_ref = float(unq_out.abs().max()) if unq_out.numel() else 0.0
                 quant = {
@@ -340,7 +399,10 @@ def cmd_prefill(args, console) -> int:
     add_row(table, "kv_b_proj weight", weight_text)
     add_row(table, "device", device_text)
     add_row(table, "dtype", dtype_name)
-    add_row(table, "backend", Text.assemble((backend.name, "green"), f": {backend.reason}"))
+    dense_note = (
+        " (the dense passes' backend; not run: every layer runs the sparse pass)" if indices is not None else ""
+    )
+    add_row(table, "backend", Text.assemble((backend.name, "green"), f": {backend.reason}{dense_note}"))
     for name, why in backend.passed_over:
         add_row(table, "  passed over", f"{name}: {why}")
     table.add_section()
@@ -365,7 +427,12 @@ def cmd_prefill(args, console) -> int:
         f"new-token rows, {kernels['gather']} gather + GEMM for larger ones)",
     }[kernels["kv"]]
     merge_text = kernels["merge"] if any(c.plan is not None for c in plan.chunks) else "none (no chunk to merge)"
-    add_row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
+    if indices is None:
+        add_row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
+    else:
+        add_row(
+            table, "kernels", "sparse attention: mla_bridge.sparse (q_nope through W_UK, the picked latent rows, W_UV)"
+        )
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
     add_row(
         table,
@@ -373,6 +440,26 @@ def cmd_prefill(args, console) -> int:
         f"{plan.num_plans} ragged plan(s), built once, {args.layers} layer(s) reuse it; host time "
         f"{ms_text(plan_ms)} (first build{loads}), {ms_text(plan_again_ms)} (built again)",
     )
+    indices_ms = None
+    if indices is not None:
+        indices_ms = timer.each_ms("indices")[0]
+        assert selected_pairs is not None  # counted with the indices
+        source_text = (
+            f"reference indexer (mla_bridge.indexer: {shape['index_n_heads']} heads x {shape['index_head_dim']}, "
+            f"q_lora_rank {shape['q_lora_rank']}, hidden {shape['hidden_size']}; random weights and inputs, seed "
+            f"{args.seed})"
+            if shape is not None
+            else f"random causal picks (seed {args.seed})"
+        )
+        add_row(table, "sparse attention", f"index_topk {index_topk}; topk_indices from {source_text}")
+        share = selected_pairs / causal_pairs if causal_pairs else float("nan")
+        add_row(
+            table,
+            "  selected pairs",
+            f"{selected_pairs} (query, key) pairs of {causal_pairs} causal ones ({share:.1%}; dense prefill reads "
+            f"them all)",
+        )
+        add_row(table, "  indices made in", f"{ms_text(indices_ms)} (once, untimed in the layers)")
     table.add_section()
     timing = "CUDA events" if device.type == "cuda" else "time.perf_counter"
     timing += ", after 1 untimed warm-up layer" if warmup else ", no warm-up layer"
@@ -387,7 +474,7 @@ def cmd_prefill(args, console) -> int:
         add_row(table, "time per layer", f"{ms_text(mean_ms)} ({timing})")
     if phases is not None:
         gpu = device.type == "cuda"
-        for name in ("gather + up-projection", "main pass", "context chunks", "merge"):
+        for name in ("gather + up-projection", "main pass", "context chunks", "merge", "sparse attention"):
             if name in phases:
                 count = phase_times.passes[name]
                 extra = f" ({count} passes)" if name in ("context chunks", "merge") else ""
@@ -413,11 +500,13 @@ def cmd_prefill(args, console) -> int:
             f"mla_prefill's)",
         )
     add_row(table, "total", f"{ms_text(sum(layer_ms))} for {len(layer_ms)} layer(s)")
+    up_name = "up-projection" if indices is None else "absorption through W_UK / W_UV"
+    attn_how = "" if indices is None else " over the selected pairs"
     add_row(
         table,
         "FLOPs per layer",
-        f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention {attn_flops / 1e9:.2f}, "
-        f"up-projection {up_flops / 1e9:.2f})",
+        f"{(attn_flops + up_flops) / 1e9:.2f} GFLOP (attention{attn_how} {attn_flops / 1e9:.2f}, "
+        f"{up_name} {up_flops / 1e9:.2f})",
     )
     add_row(table, "throughput", "n/a" if tflops is None else f"{tflops:.3f} TFLOP/s")
     add_row(
@@ -430,11 +519,16 @@ def cmd_prefill(args, console) -> int:
     table.add_section()
     if checked:
         verdict = ("PASS", "green") if passed else ("FAIL", "bold red")
+        what = (
+            "unchunked float64 attention from the paged cache (mla_bridge.reference"
+            if indices is None
+            else "float64 sparse attention over the same picks, MHA form, from the paged cache "
+            "(mla_bridge.reference.reference_sparse_request"
+        )
         add_row(
             table,
             "check",
-            f"requests {[c['request'] for c in checked]} against unchunked float64 attention "
-            f"from the paged cache (mla_bridge.reference"
+            f"requests {[c['request'] for c in checked]} against {what}"
             f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})",
         )
         add_row(table, "  max abs error out", f"{err_out:.3e} (tolerance {tol_text(tol_out)})")
@@ -481,8 +575,21 @@ def cmd_prefill(args, console) -> int:
             else None,
         },
         "chunk_tokens": chunk_tokens,
-        "schedule": "fused" if plan.fused else ("chunked" if run_chunks else "main-only"),
-        "kernels": kernels,
+        "schedule": "sparse"
+        if indices is not None
+        else ("fused" if plan.fused else ("chunked" if run_chunks else "main-only")),
+        "kernels": kernels if indices is None else {"sparse": "mla_bridge.sparse"},
+        "sparse": None
+        if indices is None
+        else {
+            "index_topk": index_topk,
+            "indices": indices_source,
+            "indexer_shape": shape,
+            "indices_ms": indices_ms,
+            "selected_pairs": selected_pairs,
+            "causal_pairs": causal_pairs,
+            "flops_formula": "2 x selected pairs x heads x (kv_lora_rank + qk_rope_head_dim + kv_lora_rank)",
+        },
         "num_chunks": run_chunks,
         "num_skipped_chunks": skipped,
         "num_merges": plan.num_merges,
@@ -498,11 +605,20 @@ def cmd_prefill(args, console) -> int:
             "phases": phases,
             "phase_timing": None if phases is None else phase_times.to_dict(),
         },
-        "flops": {"attention": attn_flops, "up_projection": up_flops, "total": attn_flops + up_flops},
+        "flops": {
+            "attention": attn_flops,
+            ("up_projection" if indices is None else "absorption"): up_flops,
+            "total": attn_flops + up_flops,
+        },
         "tflops": tflops,
         "peak_extra_memory_bytes": peak_extra,
         "check": {
-            "reference": "mla_bridge.reference: unchunked float64 from the paged cache"
+            "reference": (
+                "mla_bridge.reference: unchunked float64 from the paged cache"
+                if indices is None
+                else "mla_bridge.reference.reference_sparse_request: float64 sparse attention over the same picks, "
+                "from the paged cache"
+            )
             + (" (dequantized: float64(stored) * scale)" if kv_scale is not None else ""),
             "requests": checked,
             "max_abs_err_out": err_out,

@@ -60,12 +60,23 @@ PHASE_LABELS = {
 
 
 def phase_breakdown(
-    plan, q, kv_c, k_pe, weight, cache, block_table, *, layers: Optional[int] = None, kv_cache_scale=None
+    plan,
+    q,
+    kv_c,
+    k_pe,
+    weight,
+    cache,
+    block_table,
+    *,
+    layers: Optional[int] = None,
+    kv_cache_scale=None,
+    topk_indices=None,
 ):
     """Phase times of mla_prefill on these inputs, measured by :func:`mla_bridge.profiling.time_phases` (the one way
     the CLI and the benchmark time phases: CUDA events at the phase boundaries with the GPU kept ahead of the host,
     host gaps apart). Gather and up-projection are reported together, as are the context chunks. ``layers``: timed
-    layers (default 3 on a GPU, 1 on the CPU, where a layer may take seconds); ``kv_cache_scale``: an FP8 cache's scale.
+    layers (default 3 on a GPU, 1 on the CPU, where a layer may take seconds); ``kv_cache_scale``: an FP8 cache's scale;
+    ``topk_indices``: a sparse plan's picks (its one phase is "sparse attention").
 
     Returns:
         ``(PhaseTimes, (out, lse) of the last timed layer)``.
@@ -85,6 +96,7 @@ def phase_breakdown(
             return_lse=True,
             phase_hook=hook,
             kv_cache_scale=kv_cache_scale,
+            topk_indices=topk_indices,
         )
 
     if layers is None:
