@@ -1215,9 +1215,9 @@ def test_sparse_memory_estimate_counts_the_indices_and_the_sparse_pass(tiny_dims
 @pytest.mark.parametrize("score_elems", [1 << 25, 37])
 def test_sparse_reference_matches_the_suites_sparse_reference(ref, tiny_dims, score_elems):
     """mla_bridge.reference.reference_sparse_request (scores of every key, the picks gathered and scattered back)
-    against tests/test_sparse.py's (per token, per pick): -1 padding, rows without keys, a repeated pick."""
+    against tests/helpers/sparse_cases.py's (per token, per pick): -1 padding, rows without keys, a repeated pick."""
     from mla_bridge.reference import reference_sparse_request
-    from tests.test_sparse import CONTEXT_LENS, QUERY_LENS, random_indices, sparse_reference
+    from tests.helpers.sparse_cases import CONTEXT_LENS, QUERY_LENS, random_indices, sparse_reference
 
     batch = ref.make_mla_batch(tiny_dims, QUERY_LENS, CONTEXT_LENS, 16, seed=4)
     indices = random_indices(QUERY_LENS, CONTEXT_LENS, 12, seed=6, fill=0.5, allow_empty=True)

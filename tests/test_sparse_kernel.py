@@ -1,7 +1,7 @@
 """The Triton kernel of the sparse attention (mla_bridge.kernels.sparse_attention) under Triton's interpreter, on CPU
 tensors at tiny sizes: where Triton is installed (a development venv; CI has none, and there the test skips), each
 case runs mla_prefill with ``MLA_BRIDGE_SPARSE=triton`` in a subprocess with ``TRITON_INTERPRET=1`` (the
-``triton_interpreted`` fixture) and compares it with the float64 sparse reference of tests/test_sparse.py and with the
+``triton_interpreted`` fixture) and compares it with the float64 sparse reference of tests/helpers/sparse_cases.py and with the
 torch path. On a CUDA machine the compiled kernel is tested by tests/gpu/test_gpu_sparse.py instead.
 
 Tolerances: float32 plans 3e-5 (out and lse) against float64 (the kernel's dots are ieee float32); bf16 / fp16 plans
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from tests.helpers import reference as R
-from tests.test_sparse import ATOL, CONTEXT_LENS, QUERY_LENS, plan_for, random_indices, sparse_reference
+from tests.helpers.sparse_cases import ATOL, CONTEXT_LENS, QUERY_LENS, plan_for, random_indices, sparse_reference
 
 GPU_TESTS = "tests/gpu/test_gpu_sparse.py"
 

@@ -188,7 +188,7 @@ def kernel_case(
 ):
     """(kernel out, kernel lse, torch-path out, torch-path lse, float64 out, float64 lse) for the long batch in bf16
     (values bf16 numbers: the float64 reference reads the same inputs), computed on the GPU."""
-    from tests.test_sparse import sparse_reference
+    from tests.helpers.sparse_cases import sparse_reference
 
     from mla_bridge.cache import dequantize_latent
 
