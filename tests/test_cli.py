@@ -1096,7 +1096,7 @@ def test_prefill_sparse_passes_its_float64_check_and_reports_the_sparse_figures(
     argv = SPARSE_ARGS + ("--index-topk", "8", "--layers", "2")
     rc, res = run_json(tmp_path, *argv, *(() if indices == "indexer" else ("--indices", "random")))
     assert rc == 0 and PREFILL_FIELDS <= set(res)
-    assert res["schedule"] == "sparse" and res["kernels"] == {"sparse": "mla_bridge.sparse"}
+    assert res["schedule"] == "sparse" and res["kernels"] == {"sparse": "torch"}
     sparse = res["sparse"]
     assert sparse["index_topk"] == 8 and sparse["indices"] == indices and sparse["indices_ms"] > 0
     assert (sparse["indexer_shape"] is None) == (indices == "random")

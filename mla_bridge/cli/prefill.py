@@ -25,6 +25,7 @@ from .memory import check_fits, estimate_run_memory
 from .table import lens_text, ms_text, add_row, tol_text
 from .timing import Timer, phase_breakdown
 from ..reference import TOLERANCE  # the allowed error against the float64 reference, per run dtype
+from ..sparse import select_sparse
 
 CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
 
@@ -430,8 +431,11 @@ def cmd_prefill(args, console) -> int:
     if indices is None:
         add_row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
     else:
+        choice = select_sparse(plan.dims, plan.dtype, plan.device.type)
         add_row(
-            table, "kernels", "sparse attention: mla_bridge.sparse (q_nope through W_UK, the picked latent rows, W_UV)"
+            table,
+            "kernels",
+            f"sparse attention: {choice.name} ({choice.reason}); q_nope through W_UK, the picked latent rows, W_UV",
         )
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
     add_row(
@@ -578,7 +582,9 @@ def cmd_prefill(args, console) -> int:
         "schedule": "sparse"
         if indices is not None
         else ("fused" if plan.fused else ("chunked" if run_chunks else "main-only")),
-        "kernels": kernels if indices is None else {"sparse": "mla_bridge.sparse"},
+        "kernels": kernels
+        if indices is None
+        else {"sparse": select_sparse(plan.dims, plan.dtype, plan.device.type).name},
         "sparse": None
         if indices is None
         else {
