@@ -602,9 +602,10 @@ def _left_padded(lens, vocab, seed):
 @pytest.mark.parametrize("model_type", DSA_MODELS)
 def test_sparse_indices_logits_equal_eager(model_type, two_torch_threads):
     """DSA with index_topk 4 and prompts of up to 16 tokens: for implementations other than eager / sdpa, transformers
-    passes the indexer's top-k as ``indices=`` and leaves it out of the mask. Folded into the mask (as transformers
-    does for eager / sdpa) and handed to sdpa, the logits equal eager's at every real position of a left-padded batch
-    and at every greedy step; computed densely (the indices dropped) they were 0.84-0.88 off."""
+    passes the indexer's top-k as ``indices=`` and leaves it out of the mask. Served by mla_bridge's sparse attention
+    (the masked picks dropped), the logits equal eager's at every real position of a left-padded batch and at every
+    greedy step, each model running its own indexer (tests/models/test_transformers_sparse.py replays eager's
+    indices instead); computed densely (the indices dropped) they were 0.84-0.88 off."""
     eager, ours = _dsa_pair(model_type, 4)
     ids, mask = _left_padded([16, 11], eager.config.vocab_size, seed=9)
     valid = mask.bool()
@@ -635,9 +636,10 @@ def test_sparse_indices_selecting_every_key_are_served(model_type, no_hand_back,
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_indices_are_folded_into_the_mask(mask_kind, kv_heads, two_torch_threads):
     """``indices`` (top-2 of 6 keys per query, a batch of 2 under one broadcast ``[1, 1, Q, K]`` mask) on a call served
-    if it could be (2 key/value heads: the folded mask is not causal, so it goes to sdpa) and on one handed back for
-    another reason (GQA): both equal eager on the mask with the top-k folded in, for no mask (sdpa's causal), a
-    boolean and an additive mask. Before, the indices were dropped (dense attention)."""
+    (2 key/value heads: sparse attention over the picks the mask keeps; an additive mask is handed back with the top-k
+    folded in) and on one handed back for another reason (GQA): each equals eager on the mask with the top-k folded
+    in, for no mask (sdpa's causal), a boolean and an additive mask. Before, the indices were dropped (dense
+    attention)."""
     module, m = _fake_module("deepseek_v32", kv_heads=kv_heads)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
     mask = {"none": None, "bool": causal, "float": _additive(causal)}[mask_kind]
@@ -671,12 +673,12 @@ def test_malformed_indices_are_refused_by_name(indices, match):
         _call(module, indices=indices)
 
 
-@pytest.mark.parametrize("index_topk,served", [(16, True), (4, False)])
-def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, index_topk, served):
+@pytest.mark.parametrize("index_topk", [16, 4])
+def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, index_topk):
     """hy_v4 (DSA whose attention has per-head sink logits, passed as ``s_aux``; drawn around 3.0 here): within
-    index_topk the call is served, the sinks merged in as a partial of LSE s_aux and output 0; beyond it (the folded
-    top-k mask is not causal) handed to the model's own eager function, as transformers offers no sdpa for hy_v4. The
-    logits equal eager's at every position and greedy step; handed to sdpa, which ignores sinks, they were 1.25 off."""
+    index_topk (16) the call is served by the dense path, beyond it (4) by the sparse attention over the top-k; the
+    sinks are merged in as a partial of LSE s_aux and output 0 on both. The logits equal eager's at every position and
+    greedy step; handed to sdpa, which ignores sinks, they were 1.25 off."""
     handed = []
     real = mbt_attention._hand_back
     monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))
@@ -692,7 +694,7 @@ def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, inde
     assert torch.equal(g_got.sequences, g_want.sequences)
     for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
-    assert (not handed) == served, handed
+    assert not handed, handed
 
 
 def test_s_aux_is_served_as_a_sink_partial(no_hand_back, two_torch_threads):
