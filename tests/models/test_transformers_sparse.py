@@ -122,3 +122,91 @@ def test_sparse_prompt_and_greedy_steps_served_equal_eager(model_type, no_hand_b
     assert torch.equal(g_got.sequences, g_want.sequences)
     for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
+
+
+def _reference(q, k, v, mask, indices, scale, sinks=None):
+    """float64 ``[B, Q, H, D_v]``: each query attends the keys both in its top-k and seen by its mask (what eager
+    attends with the top-k folded into the mask), plus a sink of logit ``sinks[h]`` and value 0 where given; rows
+    without a key 0."""
+    b, h, q_len, _ = q.shape
+    out = torch.zeros(b, q_len, h, v.shape[-1], dtype=torch.float64)
+    for r in range(b):
+        for i in range(q_len):
+            keys = sorted({int(j) for j in indices[r, i] if bool(mask[r, 0, i, int(j)])})
+            if not keys:
+                continue
+            for hh in range(h):
+                s = torch.stack([q[r, hh, i].double() @ k[r, hh, j].double() * scale for j in keys])
+                if sinks is not None:
+                    s = torch.cat([s, sinks[hh].double().view(1)])
+                p = torch.softmax(s, 0)
+                out[r, i, hh] = sum(p[n] * v[r, hh, j].double() for n, j in enumerate(keys))
+    return out
+
+
+def _mask(q_len, kv_len, pads, right=False):
+    """transformers' boolean ``[B, 1, Q, K]`` mask: causal bottom-right over each row's keys, ``pads[r]`` padding
+    positions on the left (or the right) of row r's keys and queries."""
+    b = len(pads)
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    keys = torch.ones(b, kv_len, dtype=torch.bool)
+    for r, p in enumerate(pads):
+        if p:
+            keys[r, -p:] = False if right else keys[r, -p:]
+            keys[r, :p] = keys[r, :p] if right else False
+    return (causal[None] & keys[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize(
+    "q_len,kv_len,pads,right,sinks",
+    [
+        (9, 9, [0, 3], False, False),  # a left-padded prompt
+        (4, 12, [0, 7], False, False),  # a continuation over the cache, left padded
+        (1, 12, [2, 0], False, True),  # a decode step, with sinks
+        (9, 9, [0, 2], True, False),  # right padding (the dense path hands it back)
+    ],
+)
+def test_served_indices_equal_float64(no_hand_back, q_len, kv_len, pads, right, sinks):
+    """The attention function itself, fed transformers-made top-3 indices (torch.topk of scores with the masked keys
+    -inf: early and padding queries list masked keys): equals a float64 attention over the listed keys the mask keeps
+    at every real query, and the model file's eager function on the mask with the top-k folded in; padding queries
+    get 0."""
+    m = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
+    import types
+
+    b, h = len(pads), 3
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+    )
+    g = torch.Generator().manual_seed(q_len + kv_len)
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for n, d in ((q_len, 24), (kv_len, 24), (kv_len, 16)))
+    mask = _mask(q_len, kv_len, pads, right)
+    scores = torch.randn(b, q_len, kv_len, generator=g).masked_fill(~mask[:, 0], float("-inf"))
+    indices = scores.topk(3, dim=-1).indices.to(torch.int32)
+    s_aux = (1.0 + torch.randn(h, generator=g)) if sinks else None
+    out, _ = mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3, indices=indices, s_aux=s_aux)
+    want = _reference(q, k, v, mask, indices, 0.3, s_aux)
+    real = mask[:, 0].any(-1)  # queries that see a key
+    if q_len > 1:  # the indices list keys the mask drops (early and padding queries): they must not be attended
+        assert not bool(mask[:, 0].gather(-1, indices.long()).all())
+    torch.testing.assert_close(out[real].double(), want[real], atol=1e-5, rtol=0)
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))
+    keep = torch.zeros(b, q_len, kv_len, dtype=torch.bool).scatter(-1, indices.long(), True)[:, None]
+    additive = torch.zeros(mask.shape).masked_fill(~(mask & keep), torch.finfo(torch.float32).min)
+    module.sinks = s_aux  # hy_v4's eager function reads the module's sinks
+    eager = m if s_aux is None else pytest.importorskip("transformers.models.hy_v4.modeling_hy_v4")
+    want_eager, _ = eager.eager_attention_forward(module, q, k, v, additive, scaling=0.3)
+    torch.testing.assert_close(out[real], want_eager[real], atol=1e-5, rtol=0)
+    dense = _reference(q, k, v, mask, torch.arange(kv_len).expand(b, q_len, kv_len), 0.3, s_aux)
+    assert (dense[real] - want[real]).abs().max() > 1e-2  # the top-k matters
+
+
+def test_picks_out_of_range_are_refused_on_the_cpu():
+    import types
+
+    module = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace())
+    q, k, v = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8)
+    indices = torch.zeros(1, 4, 2, dtype=torch.int32)
+    indices[0, 2, 1] = 6
+    with pytest.raises(ValueError, match=r"indices\[0, 2, 1\] = 6 is not a key position"):
+        mbt.mla_bridge_attention(module, q, k, v, None, indices=indices)
