@@ -42,9 +42,9 @@ from .checks import as_sm_scale
 
 __all__ = ["SPARSE_MHA_CHUNK_ELEMS", "sparse_attention_mha"]
 
-#: Selected key and value elements per chunk (queries x top-k x heads x (qk_head_dim + v_head_dim)): 1 << 22 float32
-#: values are 16 MiB (module docstring).
-SPARSE_MHA_CHUNK_ELEMS = 1 << 22
+#: Selected key and value elements per chunk (queries x top-k x heads x (qk_head_dim + v_head_dim)): 1 << 24 float32
+#: values are 64 MiB (module docstring).
+SPARSE_MHA_CHUNK_ELEMS = 1 << 24
 
 
 def _check(query, key, value, topk_indices, out, lse) -> None:
@@ -140,24 +140,29 @@ def sparse_attention_mha(
     per_query_head = kk * (d_qk + d_v)
     heads = max(1, min(h, SPARSE_MHA_CHUNK_ELEMS // per_query_head))
     step = max(1, SPARSE_MHA_CHUNK_ELEMS // (per_query_head * heads))
+    key_hm, value_hm = key.transpose(0, 1), value.transpose(0, 1)  # [H, S, D]: transformers' own layout
     for a in range(0, t, step):
         b = min(t, a + step)
+        n = b - a
         idx = topk_indices[a:b].long()  # [n, K]
         valid = idx >= 0
         rows = idx.clamp(min=0).flatten()
-        has_keys = valid.any(dim=-1)[:, None]  # [n, 1]
+        has_keys = valid.any(dim=-1)  # [n]
         for h0 in range(0, h, heads):
             h1 = min(h, h0 + heads)
-            k_sel = key[:, h0:h1].index_select(0, rows).view(b - a, kk, h1 - h0, d_qk).float()
-            v_sel = value[:, h0:h1].index_select(0, rows).view(b - a, kk, h1 - h0, d_v).float()
-            s = torch.einsum("nhd,nkhd->nhk", query[a:b, h0:h1].float(), k_sel)
-            s = s.mul_(scale).masked_fill_(~valid[:, None, :], float("-inf"))
+            # the selected rows of each head, gathered head-major: [h, n, K, D] (contiguous, no permute after)
+            k_sel = key_hm[h0:h1].index_select(1, rows).view(h1 - h0, n, kk, d_qk).float()
+            v_sel = value_hm[h0:h1].index_select(1, rows).view(h1 - h0, n, kk, d_v).float()
+            q_c = query[a:b, h0:h1].transpose(0, 1).float().unsqueeze(2)  # [h, n, 1, D_qk]
+            s = torch.matmul(q_c, k_sel.transpose(-1, -2)).squeeze(2)  # [h, n, K]
+            s = s.mul_(scale).masked_fill_(~valid, float("-inf"))
             m = s.amax(dim=-1, keepdim=True)
             m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # a row without keys: exp(-inf) = 0
             e = torch.exp(s.sub_(m))
-            total = e.sum(dim=-1)  # [n, h]
-            o = torch.einsum("nhk,nkhd->nhd", e, v_sel) / torch.where(has_keys, total, 1.0)[..., None]
-            out[a:b, h0:h1] = o.to(out.dtype)
+            total = e.sum(dim=-1)  # [h, n]
+            o = torch.matmul(e.unsqueeze(2), v_sel).squeeze(2)  # [h, n, D_v]
+            o = o / torch.where(has_keys, total, 1.0)[..., None]
+            out[a:b, h0:h1] = o.transpose(0, 1).to(out.dtype)
             if lse is not None:
-                lse[a:b, h0:h1] = torch.where(has_keys, m.squeeze(-1) + torch.log(total), float("-inf"))
+                lse[a:b, h0:h1] = torch.where(has_keys, m.squeeze(-1) + torch.log(total), float("-inf")).transpose(0, 1)
     return (out, lse) if return_lse else out

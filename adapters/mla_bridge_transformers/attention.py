@@ -87,6 +87,8 @@ __all__ = [
     "mla_bridge_attention",
     "ragged_from_mask",
     "fallback_reason",
+    "sparse_picks",
+    "SPARSE_SERVE_MIN_RATIO",
     "NEUTRAL_KEYWORDS",
     "HONOURED_KEYWORDS",
 ]
@@ -138,6 +140,11 @@ _warned: set[str] = set()
 _last_key: list = [(None, None)]
 # [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them]
 _mask_cache: list = [None, None, None]
+#: DSA's ``indices`` are served (:func:`mla_bridge.sparse_mha.sparse_attention_mha`) when the keys number at least
+#: this many times the top-k, else handed back with the top-k folded into the mask (exact too): the MHA form gathers
+#: ``H x (D_qk + D_v)`` values per pick, which costs more than dense attention over ``K`` keys until ``K`` is many
+#: times the top-k (measured on the CPU: docs/design/sparse.md).
+SPARSE_SERVE_MIN_RATIO = 16
 #: Queries per batch row from which an unpadded batch runs one kernel call per row, in place; below it (decode
 #: steps) the rows are packed into one call (a copy of the keys, one launch instead of one per row).
 _ROW_CALL_MIN_QUERIES = 16
@@ -285,15 +292,25 @@ def _spelled_out(attention_mask, query, key, causal: bool):
     return (mask.tril() if causal and q_len > 1 else mask)[None, None]
 
 
-def _check_indices(indices, query) -> None:
-    """TypeError / ValueError: ``indices`` not an integer tensor of shape ``[B, Q, k]`` (query's B and Q)."""
+def _check_indices(indices, query, key) -> None:
+    """TypeError / ValueError: ``indices`` not an integer tensor of shape ``[B, Q, k]`` (query's B and Q); on the CPU
+    a pick below -1 or past key's K positions (on CUDA the caller's contract: checking would synchronize the host)."""
     b, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a tensor (the top-k key positions per query), got {type(indices).__name__}")
     if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
         raise TypeError(f"indices must be an integer tensor (key positions), got {indices.dtype}")
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, q_len):
         raise ValueError(f"indices must be [{b}, {q_len}, k] (batch, queries, top-k), got {list(indices.shape)}")
+    if indices.device.type == "cpu" and indices.numel():
+        bad = (indices < -1) | (indices >= kv_len)
+        if bool(bad.any()):
+            r, q, j = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"indices[{r}, {q}, {j}] = {int(indices[r, q, j])} is not a key position (0 .. {kv_len - 1}, or -1 "
+                f"for none)"
+            )
 
 
 def _fold_indices(attention_mask, indices, query, key, causal: bool):
@@ -305,9 +322,11 @@ def _fold_indices(attention_mask, indices, query, key, causal: bool):
     kv_len = key.shape[2]
     if indices.shape[2] >= kv_len:
         return attention_mask
-    index_mask = torch.ones(b, q_len, kv_len, dtype=torch.bool, device=indices.device).scatter(
-        -1, indices.long(), False
-    )[:, None]  # True = not selected
+    idx = indices.long()
+    idx = torch.where((idx >= 0) & (idx < kv_len), idx, kv_len)  # -1 (no key) into a column dropped below
+    index_mask = torch.ones(b, q_len, kv_len + 1, dtype=torch.bool, device=indices.device).scatter(-1, idx, False)[
+        :, None, :, :kv_len
+    ]  # True = not selected
     mask = _spelled_out(attention_mask, query, key, causal)
     if mask.dtype == torch.bool:
         return mask & ~index_mask
@@ -320,18 +339,11 @@ def sparse_picks(attention_mask, indices: torch.Tensor, query, key, causal: bool
     early query (fewer than k keys it may see) or a padding query lists masked keys (later or padding positions),
     which eager / sdpa drop by folding the top-k into that mask. What is left is the set eager attends: the keys
     both listed and seen. ``attention_mask`` boolean ``[B or 1, 1, Q, K]`` or None (sdpa's causal, spelled out).
-    A pick already -1 stays -1; on the CPU a pick below -1 or past K is refused (ValueError naming ``indices``), on
-    CUDA it is the caller's contract (such a pick is dropped: checking would synchronize the host)."""
+    A pick already -1 stays -1; one below -1 or past K (refused on the CPU by :func:`_check_indices`; on CUDA the
+    caller's contract) is dropped."""
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     idx = indices.to(device=query.device, dtype=torch.int64)
-    if idx.device.type == "cpu" and idx.numel():
-        bad = (idx < -1) | (idx >= kv_len)
-        if bool(bad.any()):
-            r, q, j = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"indices[{r}, {q}, {j}] = {int(idx[r, q, j])} is not a key position (0 .. {kv_len - 1}, or -1 for none)"
-            )
     mask = _spelled_out(attention_mask, query, key, causal).expand(b, 1, q_len, kv_len)[:, 0]
     seen = mask.gather(-1, idx.clamp(0, kv_len - 1))
     return torch.where((idx >= 0) & (idx < kv_len) & seen, idx, -1)
@@ -521,10 +533,15 @@ def mla_bridge_attention(
     _refuse_unknown(module, kwargs)
     indices = kwargs.get("indices")
     if indices is not None:  # DSA's top-k
-        _check_indices(indices, query)
+        _check_indices(indices, query, key)
         kwargs = {n: x for n, x in kwargs.items() if n != "indices"}
         if indices.shape[2] < key.shape[2]:  # a top-k that may leave keys out: served sparse, or folded and handed back
             reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
+            if reason is None and key.shape[2] < SPARSE_SERVE_MIN_RATIO * indices.shape[2]:
+                reason = (
+                    f"indices over fewer than {SPARSE_SERVE_MIN_RATIO} keys per pick (sparse attention in the MHA "
+                    f"form is slower there than the top-k folded into the mask)"
+                )
             if reason is None:
                 return _serve_indices(module, query, key, value, attention_mask, indices, scaling, kwargs), None
             folded = _fold_indices(attention_mask, indices, query, key, _causal(module, kwargs))

@@ -679,6 +679,7 @@ def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, inde
     index_topk (16) the call is served by the dense path, beyond it (4) by the sparse attention over the top-k; the
     sinks are merged in as a partial of LSE s_aux and output 0 on both. The logits equal eager's at every position and
     greedy step; handed to sdpa, which ignores sinks, they were 1.25 off."""
+    monkeypatch.setattr(mbt_attention, "SPARSE_SERVE_MIN_RATIO", 0)  # every top-k served, however few keys
     handed = []
     real = mbt_attention._hand_back
     monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))

@@ -6,7 +6,8 @@ mask. mla_bridge serves them with its sparse attention in the MHA form (:mod:`ml
 attends the keys its top-k lists that its mask lets it see. Small random models with ``index_topk`` 4 and prompts of
 up to 16 tokens (so the selection matters), a left-padded batch, in float32 on the CPU: the logits equal eager's
 (which folds the top-k into its mask) within 1e-5 at every real prompt position and every greedy step, nothing handed
-back. The indices each model's indexer produced in the eager run are captured and replayed into the mla_bridge run,
+back (the sequences being short, every top-k is served: :data:`SPARSE_SERVE_MIN_RATIO` set to 0; the default hands
+back a top-k over fewer than 16 keys per pick, tested below). The indices each model's indexer produced in the eager run are captured and replayed into the mla_bridge run,
 so that top-k ties (scores equal to rounding, as the attention's rounding differs) cannot make the test flaky.
 """
 
@@ -28,11 +29,13 @@ TOPK = 4
 
 @pytest.fixture
 def no_hand_back(monkeypatch):
-    """Fail if any call would be handed back to transformers (so the test measures mla_bridge, not eager / sdpa)."""
+    """Serve every top-k (:data:`~mla_bridge_transformers.attention.SPARSE_SERVE_MIN_RATIO` 0: the sequences here are
+    short) and fail if any call would be handed back to transformers (so the test measures mla_bridge)."""
 
     def refuse(reason, *args, **kwargs):
         raise AssertionError(f"handed back to transformers: {reason}")
 
+    monkeypatch.setattr(mbt_attention, "SPARSE_SERVE_MIN_RATIO", 0)
     monkeypatch.setattr(mbt_attention, "_hand_back", refuse)
 
 
@@ -210,3 +213,70 @@ def test_picks_out_of_range_are_refused_on_the_cpu():
     indices[0, 2, 1] = 6
     with pytest.raises(ValueError, match=r"indices\[0, 2, 1\] = 6 is not a key position"):
         mbt.mla_bridge_attention(module, q, k, v, None, indices=indices)
+
+
+@pytest.mark.parametrize("kv_len,served", [(63, False), (64, True)])
+def test_served_from_sixteen_keys_per_pick(monkeypatch, kv_len, served):
+    """The default rule: a top-4 is served from 64 keys on (16 per pick), and handed back below, with the top-k folded
+    into the mask and the reason naming the indices; both equal eager on the folded mask, a -1 pick being no key."""
+    import types
+
+    m = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
+    assert mbt_attention.SPARSE_SERVE_MIN_RATIO == 16
+    handed = []
+    real = mbt_attention._hand_back
+    monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+    )
+    g = torch.Generator().manual_seed(kv_len)
+    q, k, v = (torch.randn(1, 2, n, d, generator=g) for n, d in ((3, 24), (kv_len, 24), (kv_len, 16)))
+    mask = torch.ones(3, kv_len, dtype=torch.bool).tril(kv_len - 3)[None, None]
+    indices = torch.randn(1, 3, kv_len, generator=g).masked_fill(~mask[:, 0], float("-inf")).topk(4, dim=-1).indices
+    indices[0, 2, 3] = -1  # no key (FlashMLA's padding), on either route
+    out, _ = mbt.mla_bridge_attention(module, q, k, v, mask, scaling=0.3, indices=indices.to(torch.int32))
+    keep = torch.zeros(1, 3, kv_len + 1, dtype=torch.bool).scatter(-1, indices % (kv_len + 1), True)[:, None, :, :-1]
+    additive = torch.zeros(mask.shape).masked_fill(~(mask & keep), torch.finfo(torch.float32).min)
+    want, _ = m.eager_attention_forward(module, q, k, v, additive, scaling=0.3)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    assert (not handed) == served and all("indices" in r for r in handed), handed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_served_indices_on_cuda(monkeypatch, dtype):
+    """The served sparse attention on CUDA (the torch path): a left-padded batch at V3.2's head dims (16 heads, qk 192,
+    v 128), 4096 keys, top-256 made as transformers' indexer makes them; equals the float64 attention of the same
+    (rounded) inputs within the output dtype's rounding at every real query."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    import types
+
+    handed = []
+    monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason))
+    module = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+    )
+    b, h, q_len, kv_len, kk = 2, 16, 64, 4096, 256
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(dtype) for n, d in ((q_len, 192), (kv_len, 192), (kv_len, 128)))
+    mask = _mask(q_len, kv_len, [0, 3000])
+    indices = (
+        torch.randn(b, q_len, kv_len, generator=g).masked_fill(~mask[:, 0], float("-inf")).topk(kk, dim=-1).indices
+    )
+    out, _ = mbt.mla_bridge_attention(
+        module, q.cuda(), k.cuda(), v.cuda(), mask.cuda(), scaling=0.07, indices=indices.to(torch.int32).cuda()
+    )
+    assert not handed, handed
+    seen = mask[:, 0].gather(-1, indices)
+    picks = torch.where(seen, indices, -1)
+    want = torch.zeros(b, q_len, h, 128, dtype=torch.float64)
+    for r in range(b):  # float64 over the listed keys the mask keeps, per batch row
+        qq, kk_, vv = q[r].double(), k[r].double(), v[r].double()
+        s = torch.einsum("hqd,hqkd->hqk", qq, kk_[:, picks[r].clamp(min=0)]) * 0.07
+        s = s.masked_fill(~(picks[r] >= 0)[None], float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        want[r] = torch.einsum("hqk,hqkd->qhd", p, vv[:, picks[r].clamp(min=0)])
+    real = mask[:, 0].any(-1)
+    tol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.cpu()[real].double(), want[real], atol=tol, rtol=tol)
