@@ -34,12 +34,16 @@ The keywords models pass (every ``modeling_*.py`` of transformers 5.25), each se
 that honours it, never dropped:
 
 * ``indices`` (DSA models: ``deepseek_v32``, ``glm_moe_dsa``, ``hy_v4``, ...: the indexer's top-k key positions per
-  query, int ``[B, Q, k]``, which transformers folds into the mask only for eager / sdpa) are folded into the mask
-  exactly as transformers does (a key outside a query's top-k is masked; ``None`` is first spelled out as sdpa's
-  causal mask), then the call goes on as any other: served when the folded mask is still "causal over valid keys"
-  (every query's top-k holds every key it sees: sequences up to ``index_topk``), else handed back with the folded
-  mask. Indices with ``k >= K`` (the top-k of K keys, distinct as ``torch.topk`` makes them, is every key) change
-  nothing and are not folded, so the layers of one forward still share one mask check.
+  query, int ``[B, Q, k]``, -1 for none, which transformers folds into the mask only for eager / sdpa). Indices with
+  ``k >= K`` (the top-k of K keys, distinct as ``torch.topk`` makes them, is every key) change nothing: the call goes
+  on as any other, the layers of one forward sharing one mask check. Otherwise, from :data:`SPARSE_SERVE_MIN_RATIO`
+  keys per pick on, they are served: every pick the mask drops made -1 (:func:`sparse_picks`: transformers' indexer
+  lists masked keys for early and padding queries), then :func:`mla_bridge.sparse_mha.sparse_attention_mha` per
+  batch row over views of ``query`` / ``key`` / ``value`` (the MHA form, float32 arithmetic; sinks merged from its
+  LSE), whatever the boolean mask's structure; a query left without keys (padding) gets 0. Below that ratio, or where
+  the call is handed back anyway, they are folded into the mask exactly as transformers does (a key outside a
+  query's top-k is masked; ``None`` first spelled out as sdpa's causal mask) and the call handed back. The ratio is
+  measured: docs/design/sparse.md. On the CPU a pick below -1 or past K is refused (ValueError naming ``indices``).
 * ``s_aux`` (per-head attention sink logits ``[H]``, in the units of the scaled logits: ``hy_v4``; ``gpt_oss``,
   ``deepseek_v4`` and the others passing it are GQA/MQA and handed back): served. A sink is one more key per head,
   of logit ``s_aux`` and value vector 0, i.e. a partial with LSE ``s_aux`` and output 0, merged into the result by
@@ -59,8 +63,9 @@ Handed back to transformers (the reason is logged once per kind), never silently
 inputs that require grad while autograd records (training with ``attention_dropout`` 0, DeepSeek's default: the
 kernels have no backward, and their gradient would be lost) or that carry forward-mode tangents (``torch.func.jvp``),
 the keywords above, fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or
-any boolean mask of another structure (right or inner padding, packed sequences, custom patterns, DSA's top-k): to
-``sdpa``, or to the model's ``eager`` when a keyword only eager honours is present.
+any boolean mask of another structure (right or inner padding, packed sequences, custom patterns), DSA's top-k
+over fewer than :data:`SPARSE_SERVE_MIN_RATIO` keys per pick (folded into the mask): to ``sdpa``, or to the model's
+``eager`` when a keyword only eager honours is present.
 """
 
 from __future__ import annotations
@@ -514,7 +519,8 @@ def mla_bridge_attention(
     Args:
         query ``[B, H, Q, D_qk]``, key ``[B, H, K, D_qk]``, value ``[B, H, K, D_v]``, attention_mask boolean
         ``[B, 1, Q, K]`` or ``None``, scaling (softmax scale; ``None`` means ``D_qk ** -0.5``).
-        kwargs: the model's keywords (module docstring): ``indices`` int ``[B, Q, k]`` (folded into the mask),
+        kwargs: the model's keywords (module docstring): ``indices`` int ``[B, Q, k]`` (served sparse, or folded
+            into the mask and handed back),
             ``s_aux`` ``[H]`` sink logits (natural-log units of the scaled logits), the others served or handed back.
 
     Returns:
@@ -524,7 +530,8 @@ def mla_bridge_attention(
         ValueError: query, key or value not 4-D; key of another batch or ``D_qk`` than query; value of another batch,
             heads or tokens than key (named), before any work.
         TypeError: a keyword that is neither known (:data:`NEUTRAL_KEYWORDS`, :data:`HONOURED_KEYWORDS`) nor None,
-            named; ``indices`` not an integer tensor. ValueError: ``indices`` not ``[B, Q, k]``.
+            named; ``indices`` not an integer tensor. ValueError: ``indices`` not ``[B, Q, k]``; on the CPU a pick
+            below -1 or past K.
         NotImplementedError: a keyword only eager honours, on a call handed back, where the model's file has no
             ``eager_attention_forward``.
         the core's TypeError / ValueError (e.g. a dtype no backend serves), before any kernel runs.
