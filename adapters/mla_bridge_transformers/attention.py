@@ -149,7 +149,7 @@ _mask_cache: list = [None, None, None]
 #: this many times the top-k, else handed back with the top-k folded into the mask (exact too): the MHA form gathers
 #: ``H x (D_qk + D_v)`` values per pick, which costs more than dense attention over ``K`` keys until ``K`` is many
 #: times the top-k (measured on the CPU: docs/design/sparse.md).
-SPARSE_SERVE_MIN_RATIO = 16
+SPARSE_SERVE_MIN_RATIO = 64
 #: Queries per batch row from which an unpadded batch runs one kernel call per row, in place; below it (decode
 #: steps) the rows are packed into one call (a copy of the keys, one launch instead of one per row).
 _ROW_CALL_MIN_QUERIES = 16
