@@ -20,16 +20,25 @@ sm_scale``, softmax over the selected keys, ``out`` rounded once to the query's 
 the sum of the exponentials of the scaled scores, float32. A query with no key (a row of -1) gets out 0 and lse -inf,
 the dense passes' convention for a row without keys.
 
-**Memory** is bounded per chunk: queries and heads go in chunks of at most :data:`SPARSE_MHA_CHUNK_ELEMS` selected
-values (``n`` queries x ``K`` x ``h`` heads x ``(qk_head_dim + v_head_dim)``; one query and one head at least), so a
-call never holds the ``[T, K, H, D]`` selected keys of all queries: per chunk the selected keys and values in the
-inputs' dtype and as float32 (``n x K x h x (D_qk + D_v) x (e + 4)`` bytes) and the scores and probabilities (``3 x n
-x h x K x 4`` bytes).
+**The pass.** Queries go in chunks of ``n`` (at most :data:`SPARSE_MHA_CHUNK_QUERIES`): the union of the chunk's
+picks (``u`` distinct key rows, at most ``min(n x K, S)``; an indexer's picks of neighbouring queries overlap) is
+gathered once per head, head-major from the ``[H, S, D]`` layout transformers' tensors have, the scores of every
+query of the chunk against every row of the union are one matrix product per head (``[n, D_qk] x [D_qk, u]``), and
+each query's own picks are selected by adding ``log(count)`` (0 for a row listed once, ``log 2`` twice, -inf for a
+row it does not list) before the softmax; ``P @ V`` is a matrix product too. That is exact (a row a query does not
+list gets probability 0) and runs at matrix-product speed, where gathering ``K`` rows per query and head would run
+batched matrix-vector products over ``n x K`` gathered rows.
 
-**Speed.** The torch path on every device (no fused kernel: a correct fallback on CUDA, not a fast one). Its work is
-``O(T x K)`` where dense attention's is ``O(T x S)``; but its gathers and batched matrix-vector products run far below
-the dense path's matrix products, so it is faster than dense attention with the top-k folded into a mask only where
-``S`` is many times ``K`` (docs/design/sparse.md gives the measured figures).
+**Memory** is bounded per chunk: ``n`` is the largest power of two up to :data:`SPARSE_MHA_CHUNK_QUERIES` whose
+worst-case union fits one head's budget (``min(n x K, S) x (n + D_qk + D_v) <= SPARSE_MHA_CHUNK_ELEMS``, one query at
+least), and heads go ``h`` at a time with ``h x u x (n + D_qk + D_v) <= SPARSE_MHA_CHUNK_ELEMS`` (one head at least):
+per chunk the union's keys and values in the inputs' dtype and as float32 and the scores and probabilities,
+``[h, n, u]`` float32 (twice), plus the ``[n, u]`` counts. A call never holds the ``[T, K, H, D]`` selected keys of all
+queries.
+
+**Speed.** The torch path on every device (no fused kernel: a correct fallback on CUDA, not a fast one). On the CPU
+it is faster than dense attention with the top-k folded into a mask at every ratio of keys to picks measured
+(docs/design/sparse.md gives the figures).
 """
 
 from __future__ import annotations
@@ -40,11 +49,13 @@ import torch
 
 from .checks import as_sm_scale
 
-__all__ = ["SPARSE_MHA_CHUNK_ELEMS", "sparse_attention_mha"]
+__all__ = ["SPARSE_MHA_CHUNK_ELEMS", "SPARSE_MHA_CHUNK_QUERIES", "sparse_attention_mha"]
 
-#: Selected key and value elements per chunk (queries x top-k x heads x (qk_head_dim + v_head_dim)): 1 << 24 float32
-#: values are 64 MiB (module docstring).
+#: float32 elements per chunk of queries and heads: ``h x u x (n + qk_head_dim + v_head_dim)`` (the union's keys and
+#: values and the scores, module docstring); 1 << 24 are 64 MiB.
 SPARSE_MHA_CHUNK_ELEMS = 1 << 24
+#: Queries per chunk at most (fewer where the worst-case union of their picks would not fit one head's budget).
+SPARSE_MHA_CHUNK_QUERIES = 64
 
 
 def _check(query, key, value, topk_indices, out, lse) -> None:
@@ -137,32 +148,45 @@ def sparse_attention_mha(
         if lse is not None:
             lse.fill_(float("-inf"))
         return (out, lse) if return_lse else out
-    per_query_head = kk * (d_qk + d_v)
-    heads = max(1, min(h, SPARSE_MHA_CHUNK_ELEMS // per_query_head))
-    step = max(1, SPARSE_MHA_CHUNK_ELEMS // (per_query_head * heads))
+    s_rows = key.shape[0]
+    step = SPARSE_MHA_CHUNK_QUERIES  # queries per chunk: the most whose worst-case union fits one head's budget
+    while step > 1 and min(step * kk, s_rows) * (step + d_qk + d_v) > SPARSE_MHA_CHUNK_ELEMS:
+        step //= 2
     key_hm, value_hm = key.transpose(0, 1), value.transpose(0, 1)  # [H, S, D]: transformers' own layout
     for a in range(0, t, step):
         b = min(t, a + step)
         n = b - a
         idx = topk_indices[a:b].long()  # [n, K]
         valid = idx >= 0
-        rows = idx.clamp(min=0).flatten()
-        has_keys = valid.any(dim=-1)  # [n]
+        # the chunk's picks, each key row once (sorted), and how many times each query lists each of them
+        rows, which = torch.unique(idx[valid], return_inverse=True)
+        u = rows.numel()
+        if u == 0:  # no query of the chunk has a key
+            out[a:b] = 0
+            if lse is not None:
+                lse[a:b] = float("-inf")
+            continue
+        count = torch.zeros(n, u, dtype=torch.float32, device=query.device)
+        query_of = torch.arange(n, device=query.device)[:, None].expand(n, kk)[valid]
+        count.index_put_((query_of, which), torch.ones_like(which, dtype=torch.float32), accumulate=True)
+        bias = count.log_()  # 0 where listed once, log 2 twice (attended twice), -inf where not listed
+        has_keys = valid.any(dim=-1)[:, None]  # [n, 1]
+        heads = max(1, min(h, SPARSE_MHA_CHUNK_ELEMS // max(1, u * (n + d_qk + d_v))))
         for h0 in range(0, h, heads):
             h1 = min(h, h0 + heads)
-            # the selected rows of each head, gathered head-major: [h, n, K, D] (contiguous, no permute after)
-            k_sel = key_hm[h0:h1].index_select(1, rows).view(h1 - h0, n, kk, d_qk).float()
-            v_sel = value_hm[h0:h1].index_select(1, rows).view(h1 - h0, n, kk, d_v).float()
-            q_c = query[a:b, h0:h1].transpose(0, 1).float().unsqueeze(2)  # [h, n, 1, D_qk]
-            s = torch.matmul(q_c, k_sel.transpose(-1, -2)).squeeze(2)  # [h, n, K]
-            s = s.mul_(scale).masked_fill_(~valid, float("-inf"))
+            k_sel = key_hm[h0:h1].index_select(1, rows).float()  # [h, u, D_qk]
+            v_sel = value_hm[h0:h1].index_select(1, rows).float()  # [h, u, D_v]
+            q_c = query[a:b, h0:h1].transpose(0, 1).float()  # [h, n, D_qk]
+            s = torch.matmul(q_c, k_sel.transpose(-1, -2)).mul_(scale).add_(bias)  # [h, n, u]
             m = s.amax(dim=-1, keepdim=True)
             m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # a row without keys: exp(-inf) = 0
             e = torch.exp(s.sub_(m))
             total = e.sum(dim=-1)  # [h, n]
-            o = torch.matmul(e.unsqueeze(2), v_sel).squeeze(2)  # [h, n, D_v]
-            o = o / torch.where(has_keys, total, 1.0)[..., None]
+            o = torch.matmul(e, v_sel)  # [h, n, D_v]
+            o = o / torch.where(has_keys[:, 0], total, 1.0)[..., None]
             out[a:b, h0:h1] = o.transpose(0, 1).to(out.dtype)
             if lse is not None:
-                lse[a:b, h0:h1] = torch.where(has_keys, m.squeeze(-1) + torch.log(total), float("-inf")).transpose(0, 1)
+                lse[a:b, h0:h1] = torch.where(
+                    has_keys[:, 0], m.squeeze(-1) + torch.log(total), float("-inf")
+                ).transpose(0, 1)
     return (out, lse) if return_lse else out

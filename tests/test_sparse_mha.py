@@ -1,6 +1,7 @@
 """mla_bridge.sparse_mha.sparse_attention_mha (sparse attention over per-head keys and values, the torch path) against
 a float64 attention written from the indices key by key: -1 padding, rows without keys, a row listed twice, chunks
-over queries and heads, strided inputs (views of transformers' [B, H, S, D] tensors), bf16, out= / lse=, refusals."""
+over queries (the union of their picks gathered once) and heads, strided inputs (views of transformers' [B, H, S, D]
+tensors), bf16, out= / lse=, refusals."""
 
 from __future__ import annotations
 
@@ -40,9 +41,13 @@ def inputs(t=7, s=11, h=3, d_qk=12, d_v=8, kk=5, seed=0, dtype=torch.float32):
     return q, k, v, idx
 
 
-@pytest.mark.parametrize("chunk_elems", [1 << 22, 1, 5 * 20 * 2])  # one chunk; one query and head; 2 heads a chunk
-def test_equals_float64_reference(monkeypatch, chunk_elems):
+@pytest.mark.parametrize(
+    "chunk_elems,chunk_queries",
+    [(1 << 22, 64), (1, 64), (600, 3)],  # one chunk; one query and one head a chunk; 3 queries, 1 or 2 heads a chunk
+)
+def test_equals_float64_reference(monkeypatch, chunk_elems, chunk_queries):
     monkeypatch.setattr(sparse_mha, "SPARSE_MHA_CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(sparse_mha, "SPARSE_MHA_CHUNK_QUERIES", chunk_queries)
     q, k, v, idx = inputs()
     out, lse = sparse_attention_mha(q, k, v, idx, 0.3, return_lse=True)
     want, want_lse = reference(q, k, v, idx, 0.3)

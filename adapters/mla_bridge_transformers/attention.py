@@ -36,14 +36,15 @@ that honours it, never dropped:
 * ``indices`` (DSA models: ``deepseek_v32``, ``glm_moe_dsa``, ``hy_v4``, ...: the indexer's top-k key positions per
   query, int ``[B, Q, k]``, -1 for none, which transformers folds into the mask only for eager / sdpa). Indices with
   ``k >= K`` (the top-k of K keys, distinct as ``torch.topk`` makes them, is every key) change nothing: the call goes
-  on as any other, the layers of one forward sharing one mask check. Otherwise, from :data:`SPARSE_SERVE_MIN_RATIO`
-  keys per pick on, they are served: every pick the mask drops made -1 (:func:`sparse_picks`: transformers' indexer
-  lists masked keys for early and padding queries), then :func:`mla_bridge.sparse_mha.sparse_attention_mha` per
-  batch row over views of ``query`` / ``key`` / ``value`` (the MHA form, float32 arithmetic; sinks merged from its
-  LSE), whatever the boolean mask's structure; a query left without keys (padding) gets 0. Below that ratio, or where
-  the call is handed back anyway, they are folded into the mask exactly as transformers does (a key outside a
-  query's top-k is masked; ``None`` first spelled out as sdpa's causal mask) and the call handed back. The ratio is
-  measured: docs/design/sparse.md. On the CPU a pick below -1 or past K is refused (ValueError naming ``indices``).
+  on as any other, the layers of one forward sharing one mask check. Otherwise they are served: every pick the mask
+  drops made -1 (:func:`sparse_picks`: transformers' indexer lists masked keys for early and padding queries), then
+  :func:`mla_bridge.sparse_mha.sparse_attention_mha` per batch row over views of ``query`` / ``key`` / ``value`` (the
+  MHA form, float32 arithmetic; sinks merged from its LSE), whatever the boolean mask's structure; a query left
+  without keys (padding) gets 0. Where the call is handed back for another reason (GQA, an additive mask, autograd,
+  ...) they are folded into the mask exactly as transformers does (a key outside a query's top-k is masked; ``None``
+  first spelled out as sdpa's causal mask). Served, it is faster on the CPU than the top-k folded into the mask and
+  handed to sdpa (docs/design/sparse.md). On the CPU a pick below -1 or past K is refused (ValueError naming
+  ``indices``).
 * ``s_aux`` (per-head attention sink logits ``[H]``, in the units of the scaled logits: ``hy_v4``; ``gpt_oss``,
   ``deepseek_v4`` and the others passing it are GQA/MQA and handed back): served. A sink is one more key per head,
   of logit ``s_aux`` and value vector 0, i.e. a partial with LSE ``s_aux`` and output 0, merged into the result by
@@ -63,9 +64,8 @@ Handed back to transformers (the reason is logged once per kind), never silently
 inputs that require grad while autograd records (training with ``attention_dropout`` 0, DeepSeek's default: the
 kernels have no backward, and their gradient would be lost) or that carry forward-mode tangents (``torch.func.jvp``),
 the keywords above, fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or
-any boolean mask of another structure (right or inner padding, packed sequences, custom patterns), DSA's top-k
-over fewer than :data:`SPARSE_SERVE_MIN_RATIO` keys per pick (folded into the mask): to ``sdpa``, or to the model's
-``eager`` when a keyword only eager honours is present.
+any boolean mask of another structure (right or inner padding, packed sequences, custom patterns): to ``sdpa``, or
+to the model's ``eager`` when a keyword only eager honours is present.
 """
 
 from __future__ import annotations
@@ -93,7 +93,6 @@ __all__ = [
     "ragged_from_mask",
     "fallback_reason",
     "sparse_picks",
-    "SPARSE_SERVE_MIN_RATIO",
     "NEUTRAL_KEYWORDS",
     "HONOURED_KEYWORDS",
 ]
@@ -145,11 +144,6 @@ _warned: set[str] = set()
 _last_key: list = [(None, None)]
 # [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them]
 _mask_cache: list = [None, None, None]
-#: DSA's ``indices`` are served (:func:`mla_bridge.sparse_mha.sparse_attention_mha`) when the keys number at least
-#: this many times the top-k, else handed back with the top-k folded into the mask (exact too): the MHA form gathers
-#: ``H x (D_qk + D_v)`` values per pick, which costs more than dense attention over ``K`` keys until ``K`` is many
-#: times the top-k (measured on the CPU: docs/design/sparse.md).
-SPARSE_SERVE_MIN_RATIO = 64
 #: Queries per batch row from which an unpadded batch runs one kernel call per row, in place; below it (decode
 #: steps) the rows are packed into one call (a copy of the keys, one launch instead of one per row).
 _ROW_CALL_MIN_QUERIES = 16
@@ -544,11 +538,6 @@ def mla_bridge_attention(
         kwargs = {n: x for n, x in kwargs.items() if n != "indices"}
         if indices.shape[2] < key.shape[2]:  # a top-k that may leave keys out: served sparse, or folded and handed back
             reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
-            if reason is None and key.shape[2] < SPARSE_SERVE_MIN_RATIO * indices.shape[2]:
-                reason = (
-                    f"indices over fewer than {SPARSE_SERVE_MIN_RATIO} keys per pick (sparse attention in the MHA "
-                    f"form is slower there than the top-k folded into the mask)"
-                )
             if reason is None:
                 return _serve_indices(module, query, key, value, attention_mask, indices, scaling, kwargs), None
             folded = _fold_indices(attention_mask, indices, query, key, _causal(module, kwargs))

@@ -6,8 +6,7 @@ mask. mla_bridge serves them with its sparse attention in the MHA form (:mod:`ml
 attends the keys its top-k lists that its mask lets it see. Small random models with ``index_topk`` 4 and prompts of
 up to 16 tokens (so the selection matters), a left-padded batch, in float32 on the CPU: the logits equal eager's
 (which folds the top-k into its mask) within 1e-5 at every real prompt position and every greedy step, nothing handed
-back (the sequences being short, every top-k is served: :data:`SPARSE_SERVE_MIN_RATIO` set to 0; the default hands
-back a top-k over fewer keys per pick than that ratio, tested below). The indices each model's indexer produced in the eager run are captured and replayed into the mla_bridge run,
+back. The indices each model's indexer produced in the eager run are captured and replayed into the mla_bridge run,
 so that top-k ties (scores equal to rounding, as the attention's rounding differs) cannot make the test flaky.
 """
 
@@ -29,13 +28,11 @@ TOPK = 4
 
 @pytest.fixture
 def no_hand_back(monkeypatch):
-    """Serve every top-k (:data:`~mla_bridge_transformers.attention.SPARSE_SERVE_MIN_RATIO` 0: the sequences here are
-    short) and fail if any call would be handed back to transformers (so the test measures mla_bridge)."""
+    """Fail if any call would be handed back to transformers (so the test measures mla_bridge)."""
 
     def refuse(reason, *args, **kwargs):
         raise AssertionError(f"handed back to transformers: {reason}")
 
-    monkeypatch.setattr(mbt_attention, "SPARSE_SERVE_MIN_RATIO", 0)
     monkeypatch.setattr(mbt_attention, "_hand_back", refuse)
 
 
@@ -215,24 +212,23 @@ def test_picks_out_of_range_are_refused_on_the_cpu():
         mbt.mla_bridge_attention(module, q, k, v, None, indices=indices)
 
 
-@pytest.mark.parametrize("extra,served", [(-1, False), (0, True)])
-def test_served_from_the_ratio_of_keys_per_pick(monkeypatch, extra, served):
-    """The default rule: a top-4 is served from ``4 x SPARSE_SERVE_MIN_RATIO`` keys on, and handed back below, with
-    the top-k folded into the mask and the reason naming the indices; both equal eager on the folded mask, a -1 pick
-    being no key."""
+@pytest.mark.parametrize("kv_len,kv_heads", [(5, 2), (6, 2), (64, 2), (6, 1)])
+def test_served_at_any_keys_per_pick(monkeypatch, kv_len, kv_heads):
+    """A top-4 of 5, 6 or 64 keys (under 2 to 16 keys per pick) is served, not handed back; with fewer key/value heads
+    than query heads (GQA) it is handed back with the top-k folded into the mask. A -1 pick is no key on both routes,
+    and both equal eager on the mask with the top-k folded in."""
     import types
 
     m = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
-    assert mbt_attention.SPARSE_SERVE_MIN_RATIO >= 2
-    kv_len = 4 * mbt_attention.SPARSE_SERVE_MIN_RATIO + extra
     handed = []
     real = mbt_attention._hand_back
     monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))
     module = types.SimpleNamespace(
-        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
+        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=2 // kv_heads, training=False
     )
     g = torch.Generator().manual_seed(kv_len)
-    q, k, v = (torch.randn(1, 2, n, d, generator=g) for n, d in ((3, 24), (kv_len, 24), (kv_len, 16)))
+    q = torch.randn(1, 2, 3, 24, generator=g)
+    k, v = (torch.randn(1, kv_heads, kv_len, d, generator=g) for d in (24, 16))
     mask = torch.ones(3, kv_len, dtype=torch.bool).tril(kv_len - 3)[None, None]
     indices = torch.randn(1, 3, kv_len, generator=g).masked_fill(~mask[:, 0], float("-inf")).topk(4, dim=-1).indices
     indices[0, 2, 3] = -1  # no key (FlashMLA's padding), on either route
@@ -241,7 +237,7 @@ def test_served_from_the_ratio_of_keys_per_pick(monkeypatch, extra, served):
     additive = torch.zeros(mask.shape).masked_fill(~(mask & keep), torch.finfo(torch.float32).min)
     want, _ = m.eager_attention_forward(module, q, k, v, additive, scaling=0.3)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
-    assert (not handed) == served and all("indices" in r for r in handed), handed
+    assert (not handed) == (kv_heads == 2), handed
 
 
 @pytest.mark.gpu
@@ -256,7 +252,6 @@ def test_served_indices_on_cuda(monkeypatch, dtype):
 
     handed = []
     monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason))
-    monkeypatch.setattr(mbt_attention, "SPARSE_SERVE_MIN_RATIO", 0)  # the served path, whatever the default ratio
     module = types.SimpleNamespace(
         is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
     )
