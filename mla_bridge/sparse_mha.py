@@ -36,7 +36,9 @@ per chunk the union's keys and values in the inputs' dtype and as float32 and th
 ``[h, n, u]`` float32 (twice), plus the ``[n, u]`` counts. A call never holds the ``[T, K, H, D]`` selected keys of all
 queries.
 
-**Speed.** The torch path on every device (no fused kernel: a correct fallback on CUDA, not a fast one). On the CPU
+**Speed.** The torch path on every device (no fused kernel: a correct fallback on CUDA, not a fast one; there each
+chunk's ``torch.unique`` waits for the device, so a call synchronizes the host once per chunk and is not captured in a
+CUDA graph). On the CPU
 it is faster than dense attention with the top-k folded into a mask at every ratio of keys to picks measured
 (docs/design/sparse.md gives the figures).
 """

@@ -214,7 +214,7 @@ def test_picks_out_of_range_are_refused_on_the_cpu():
 
 @pytest.mark.parametrize("kv_len,kv_heads", [(5, 2), (6, 2), (64, 2), (6, 1)])
 def test_served_at_any_keys_per_pick(monkeypatch, kv_len, kv_heads):
-    """A top-4 of 5, 6 or 64 keys (under 2 to 16 keys per pick) is served, not handed back; with fewer key/value heads
+    """A top-4 of 5, 6 or 64 keys (1.25 to 16 keys per pick) is served, not handed back; with fewer key/value heads
     than query heads (GQA) it is handed back with the top-k folded into the mask. A -1 pick is no key on both routes,
     and both equal eager on the mask with the top-k folded in."""
     import types
