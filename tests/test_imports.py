@@ -113,7 +113,7 @@ LAYERS = (
     ("mla_bridge.dispatch", "mla_bridge.workspace", "mla_bridge.kernels", "mla_bridge.backends.flashinfer_internals"),
     ("mla_bridge.backends", "mla_bridge.merge", "mla_bridge.weights", "mla_bridge.reference", "mla_bridge.indexer"),
     ("mla_bridge.ragged", "mla_bridge.cache"),
-    ("mla_bridge.plan", "mla_bridge.kv", "mla_bridge.plan_cache", "mla_bridge.sparse"),
+    ("mla_bridge.plan", "mla_bridge.kv", "mla_bridge.plan_cache", "mla_bridge.sparse", "mla_bridge.sparse_mha"),
     ("mla_bridge.prefill",),
     ("mla_bridge.graphs", "mla_bridge"),
     ("mla_bridge.cli", "mla_bridge_jax", "mla_bridge_vllm", "mla_bridge_transformers"),

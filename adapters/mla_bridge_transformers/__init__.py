@@ -9,10 +9,11 @@
 A DeepSeek-V2/V3 model (or any multi-head causal decoder) then runs its attention through :func:`mla_bridge.ragged_prefill`
 (FlashInfer on the GPU, the torch backend on the CPU): the padded batch becomes packed ragged requests, and a
 continuation over transformers' own KV cache (queries shorter than keys) runs bottom-right causal. DSA models'
-top-k ``indices`` are folded into the mask as transformers does for eager / sdpa, and per-head attention sinks
-(``s_aux``) are merged in as a partial. What it cannot serve is handed back to transformers' ``sdpa``, or to the
-model's own ``eager`` for what only eager honours (attention weights, sinks, softcap); an unknown keyword is refused
-by name: see :mod:`mla_bridge_transformers.attention`. Converts and delegates: no attention math of its own.
+top-k ``indices`` are served by a sparse attention over each query's picks (:mod:`mla_bridge.sparse_mha`), and
+per-head attention sinks (``s_aux``) are merged in as a partial. What it cannot serve is handed back to transformers'
+``sdpa``, or to the model's own ``eager`` for what only eager honours (attention weights, sinks, softcap); an unknown
+keyword is refused by name: see :mod:`mla_bridge_transformers.attention`. Converts and delegates: no attention math
+of its own.
 """
 
 from __future__ import annotations

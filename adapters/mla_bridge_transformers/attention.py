@@ -34,12 +34,17 @@ The keywords models pass (every ``modeling_*.py`` of transformers 5.25), each se
 that honours it, never dropped:
 
 * ``indices`` (DSA models: ``deepseek_v32``, ``glm_moe_dsa``, ``hy_v4``, ...: the indexer's top-k key positions per
-  query, int ``[B, Q, k]``, which transformers folds into the mask only for eager / sdpa) are folded into the mask
-  exactly as transformers does (a key outside a query's top-k is masked; ``None`` is first spelled out as sdpa's
-  causal mask), then the call goes on as any other: served when the folded mask is still "causal over valid keys"
-  (every query's top-k holds every key it sees: sequences up to ``index_topk``), else handed back with the folded
-  mask. Indices with ``k >= K`` (the top-k of K keys, distinct as ``torch.topk`` makes them, is every key) change
-  nothing and are not folded, so the layers of one forward still share one mask check.
+  query, int ``[B, Q, k]``, -1 for none, which transformers folds into the mask only for eager / sdpa). Indices with
+  ``k >= K`` (the top-k of K keys, distinct as ``torch.topk`` makes them, is every key) change nothing: the call goes
+  on as any other, the layers of one forward sharing one mask check. Otherwise they are served: every pick the mask
+  drops made -1 (:func:`sparse_picks`: transformers' indexer lists masked keys for early and padding queries), then
+  :func:`mla_bridge.sparse_mha.sparse_attention_mha` per batch row over views of ``query`` / ``key`` / ``value`` (the
+  MHA form, float32 arithmetic; sinks merged from its LSE), whatever the boolean mask's structure; a query left
+  without keys (padding) gets 0. Where the call is handed back for another reason (GQA, an additive mask, autograd,
+  ...) they are folded into the mask exactly as transformers does (a key outside a query's top-k is masked; ``None``
+  first spelled out as sdpa's causal mask). Served, it is faster on the CPU than the top-k folded into the mask and
+  handed to sdpa (docs/design/sparse.md). On the CPU a pick below -1 or past K is refused (ValueError naming
+  ``indices``).
 * ``s_aux`` (per-head attention sink logits ``[H]``, in the units of the scaled logits: ``hy_v4``; ``gpt_oss``,
   ``deepseek_v4`` and the others passing it are GQA/MQA and handed back): served. A sink is one more key per head,
   of logit ``s_aux`` and value vector 0, i.e. a partial with LSE ``s_aux`` and output 0, merged into the result by
@@ -59,8 +64,8 @@ Handed back to transformers (the reason is logged once per kind), never silently
 inputs that require grad while autograd records (training with ``attention_dropout`` 0, DeepSeek's default: the
 kernels have no backward, and their gradient would be lost) or that carry forward-mode tangents (``torch.func.jvp``),
 the keywords above, fewer key/value heads than query heads (GQA), a non-causal module, a float (additive) mask, or
-any boolean mask of another structure (right or inner padding, packed sequences, custom patterns, DSA's top-k): to
-``sdpa``, or to the model's ``eager`` when a keyword only eager honours is present.
+any boolean mask of another structure (right or inner padding, packed sequences, custom patterns): to ``sdpa``, or
+to the model's ``eager`` when a keyword only eager honours is present.
 """
 
 from __future__ import annotations
@@ -80,12 +85,14 @@ from mla_bridge.merge import merge_attn_states_
 from mla_bridge.checks import kernel_ready
 from mla_bridge.plan_cache import shared_plan_cache
 from mla_bridge.ragged import indptr_from_lens
+from mla_bridge.sparse_mha import sparse_attention_mha
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "mla_bridge_attention",
     "ragged_from_mask",
     "fallback_reason",
+    "sparse_picks",
     "NEUTRAL_KEYWORDS",
     "HONOURED_KEYWORDS",
 ]
@@ -284,14 +291,9 @@ def _spelled_out(attention_mask, query, key, causal: bool):
     return (mask.tril() if causal and q_len > 1 else mask)[None, None]
 
 
-def _fold_indices(attention_mask, indices, query, key, causal: bool):
-    """The mask with ``indices`` (int ``[B, Q, k]``: the key positions each query may see) folded in, as transformers
-    folds them for eager / sdpa (``modeling_deepseek_v32.py``: a boolean mask ``& ~index_mask``, an additive one filled
-    with the dtype's min); unchanged when ``k >= K`` (the top-k of K keys is every key).
-
-    Raises:
-        TypeError / ValueError: ``indices`` not an integer tensor of shape ``[B, Q, k]`` (query's B and Q).
-    """
+def _check_indices(indices, query, key) -> None:
+    """TypeError / ValueError: ``indices`` not an integer tensor of shape ``[B, Q, k]`` (query's B and Q); on the CPU
+    a pick below -1 or past key's K positions (on CUDA the caller's contract: checking would synchronize the host)."""
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     if not isinstance(indices, torch.Tensor):
@@ -300,15 +302,84 @@ def _fold_indices(attention_mask, indices, query, key, causal: bool):
         raise TypeError(f"indices must be an integer tensor (key positions), got {indices.dtype}")
     if indices.dim() != 3 or tuple(indices.shape[:2]) != (b, q_len):
         raise ValueError(f"indices must be [{b}, {q_len}, k] (batch, queries, top-k), got {list(indices.shape)}")
+    if indices.device.type == "cpu" and indices.numel():
+        bad = (indices < -1) | (indices >= kv_len)
+        if bool(bad.any()):
+            r, q, j = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"indices[{r}, {q}, {j}] = {int(indices[r, q, j])} is not a key position (0 .. {kv_len - 1}, or -1 "
+                f"for none)"
+            )
+
+
+def _fold_indices(attention_mask, indices, query, key, causal: bool):
+    """The mask with ``indices`` (int ``[B, Q, k]``: the key positions each query may see, checked by
+    :func:`_check_indices`) folded in, as transformers folds them for eager / sdpa (``modeling_deepseek_v32.py``: a
+    boolean mask ``& ~index_mask``, an additive one filled with the dtype's min); unchanged when ``k >= K`` (the
+    top-k of K keys is every key)."""
+    b, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
     if indices.shape[2] >= kv_len:
         return attention_mask
-    index_mask = torch.ones(b, q_len, kv_len, dtype=torch.bool, device=indices.device).scatter(
-        -1, indices.long(), False
-    )[:, None]  # True = not selected
+    idx = indices.long()
+    idx = torch.where((idx >= 0) & (idx < kv_len), idx, kv_len)  # -1 (no key) into a column dropped below
+    index_mask = torch.ones(b, q_len, kv_len + 1, dtype=torch.bool, device=indices.device).scatter(-1, idx, False)[
+        :, None, :, :kv_len
+    ]  # True = not selected
     mask = _spelled_out(attention_mask, query, key, causal)
     if mask.dtype == torch.bool:
         return mask & ~index_mask
     return mask.masked_fill(index_mask, torch.finfo(query.dtype).min)
+
+
+def sparse_picks(attention_mask, indices: torch.Tensor, query, key, causal: bool) -> torch.Tensor:
+    """``indices`` (int ``[B, Q, k]``, checked by :func:`_check_indices`) as int64 ``[B, Q, k]`` key positions with
+    every pick the mask drops made -1: transformers' indexer takes the top-k of scores its mask set to -inf, so an
+    early query (fewer than k keys it may see) or a padding query lists masked keys (later or padding positions),
+    which eager / sdpa drop by folding the top-k into that mask. What is left is the set eager attends: the keys
+    both listed and seen. ``attention_mask`` boolean ``[B or 1, 1, Q, K]`` or None (sdpa's causal, spelled out).
+    A pick already -1 stays -1; one below -1 or past K (refused on the CPU by :func:`_check_indices`; on CUDA the
+    caller's contract) is dropped."""
+    b, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    idx = indices.to(device=query.device, dtype=torch.int64)
+    mask = _spelled_out(attention_mask, query, key, causal).expand(b, 1, q_len, kv_len)[:, 0]
+    seen = mask.gather(-1, idx.clamp(0, kv_len - 1))
+    return torch.where((idx >= 0) & (idx < kv_len) & seen, idx, -1)
+
+
+def _serve_indices(module, query, key, value, attention_mask, indices, scaling, kwargs) -> torch.Tensor:
+    """DSA's top-k served: :func:`mla_bridge.sparse_mha.sparse_attention_mha` over each batch row (``query[b]``,
+    ``key[b]``, ``value[b]`` read in place as ``[L, H, D]`` views), the masked picks made -1 (:func:`sparse_picks`),
+    sinks (``s_aux``) merged in from the LSE as on the dense path. Returns ``attn_output [B, Q, H, D_v]``; a query
+    left with no key (padding) gets 0, as on the dense path."""
+    b, h, q_len, d_qk = query.shape
+    d_vo = value.shape[-1]
+    picks = sparse_picks(attention_mask, indices, query, key, _causal(module, kwargs))
+    sm_scale = float(scaling) if scaling is not None else d_qk**-0.5
+    sinks = kwargs.get("s_aux")
+    out = query.new_empty(b, q_len, h, d_vo)
+    lse = None if sinks is None else torch.empty(b, q_len, h, dtype=torch.float32, device=query.device)
+    for r in range(b):
+        sparse_attention_mha(
+            query[r].transpose(0, 1),
+            key[r].transpose(0, 1),
+            value[r].transpose(0, 1),
+            picks[r],
+            sm_scale,
+            out=out[r],
+            lse=None if lse is None else lse[r],
+        )
+    if sinks is not None:  # one more key per head, of logit s_aux and value 0 (as on the dense path)
+        assert lse is not None
+        flat = out.view(b * q_len, h, d_vo)
+        merge_attn_states_(
+            flat,
+            lse.view(b * q_len, h),
+            flat.new_zeros(()).expand(flat.shape),
+            sinks.to(device=lse.device, dtype=torch.float32).expand(b * q_len, h),
+        )
+    return out
 
 
 def _eager_keyword(module, kwargs: dict) -> Optional[str]:
@@ -442,7 +513,8 @@ def mla_bridge_attention(
     Args:
         query ``[B, H, Q, D_qk]``, key ``[B, H, K, D_qk]``, value ``[B, H, K, D_v]``, attention_mask boolean
         ``[B, 1, Q, K]`` or ``None``, scaling (softmax scale; ``None`` means ``D_qk ** -0.5``).
-        kwargs: the model's keywords (module docstring): ``indices`` int ``[B, Q, k]`` (folded into the mask),
+        kwargs: the model's keywords (module docstring): ``indices`` int ``[B, Q, k]`` (served sparse, or folded
+            into the mask and handed back),
             ``s_aux`` ``[H]`` sink logits (natural-log units of the scaled logits), the others served or handed back.
 
     Returns:
@@ -452,18 +524,24 @@ def mla_bridge_attention(
         ValueError: query, key or value not 4-D; key of another batch or ``D_qk`` than query; value of another batch,
             heads or tokens than key (named), before any work.
         TypeError: a keyword that is neither known (:data:`NEUTRAL_KEYWORDS`, :data:`HONOURED_KEYWORDS`) nor None,
-            named; ``indices`` not an integer tensor. ValueError: ``indices`` not ``[B, Q, k]``.
+            named; ``indices`` not an integer tensor. ValueError: ``indices`` not ``[B, Q, k]``; on the CPU a pick
+            below -1 or past K.
         NotImplementedError: a keyword only eager honours, on a call handed back, where the model's file has no
             ``eager_attention_forward``.
         the core's TypeError / ValueError (e.g. a dtype no backend serves), before any kernel runs.
     """
     _check_shapes(query, key, value)
     _refuse_unknown(module, kwargs)
-    sparse = False
-    if kwargs.get("indices") is not None:  # DSA's top-k: into the mask, as transformers does for eager / sdpa
-        folded = _fold_indices(attention_mask, kwargs["indices"], query, key, _causal(module, kwargs))
+    indices = kwargs.get("indices")
+    if indices is not None:  # DSA's top-k
+        _check_indices(indices, query, key)
         kwargs = {n: x for n, x in kwargs.items() if n != "indices"}
-        sparse, attention_mask = folded is not attention_mask, folded
+        if indices.shape[2] < key.shape[2]:  # a top-k that may leave keys out: served sparse, or folded and handed back
+            reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
+            if reason is None:
+                return _serve_indices(module, query, key, value, attention_mask, indices, scaling, kwargs), None
+            folded = _fold_indices(attention_mask, indices, query, key, _causal(module, kwargs))
+            return _hand_back(reason, module, query, key, value, folded, scaling, dropout, kwargs)
     reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
     b, h, q_len, d_qk = query.shape
     kv_len, d_vo = key.shape[2], value.shape[-1]
@@ -471,10 +549,8 @@ def mla_bridge_attention(
     layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device, first_layer)
     if reason is None and layout is None:
         reason = (
-            "sparse attention (indices: a top-k that leaves out keys a query could see)"
-            if sparse
-            else "an attention mask other than causal over each row's valid keys (right or inner padding, a custom "
-            "or packed mask)"
+            "an attention mask other than causal over each row's valid keys (right or inner padding, a custom or "
+            "packed mask)"
         )
     if reason is not None:
         return _hand_back(reason, module, query, key, value, attention_mask, scaling, dropout, kwargs)

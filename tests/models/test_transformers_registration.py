@@ -602,9 +602,10 @@ def _left_padded(lens, vocab, seed):
 @pytest.mark.parametrize("model_type", DSA_MODELS)
 def test_sparse_indices_logits_equal_eager(model_type, two_torch_threads):
     """DSA with index_topk 4 and prompts of up to 16 tokens: for implementations other than eager / sdpa, transformers
-    passes the indexer's top-k as ``indices=`` and leaves it out of the mask. Folded into the mask (as transformers
-    does for eager / sdpa) and handed to sdpa, the logits equal eager's at every real position of a left-padded batch
-    and at every greedy step; computed densely (the indices dropped) they were 0.84-0.88 off."""
+    passes the indexer's top-k as ``indices=`` and leaves it out of the mask. Served by mla_bridge's sparse attention
+    (the masked picks dropped), the logits equal eager's at every real position of a left-padded batch and at every
+    greedy step, each model running its own indexer (tests/models/test_transformers_sparse.py replays eager's
+    indices instead); computed densely (the indices dropped) they were 0.84-0.88 off."""
     eager, ours = _dsa_pair(model_type, 4)
     ids, mask = _left_padded([16, 11], eager.config.vocab_size, seed=9)
     valid = mask.bool()
@@ -635,9 +636,10 @@ def test_sparse_indices_selecting_every_key_are_served(model_type, no_hand_back,
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_indices_are_folded_into_the_mask(mask_kind, kv_heads, two_torch_threads):
     """``indices`` (top-2 of 6 keys per query, a batch of 2 under one broadcast ``[1, 1, Q, K]`` mask) on a call served
-    if it could be (2 key/value heads: the folded mask is not causal, so it goes to sdpa) and on one handed back for
-    another reason (GQA): both equal eager on the mask with the top-k folded in, for no mask (sdpa's causal), a
-    boolean and an additive mask. Before, the indices were dropped (dense attention)."""
+    (2 key/value heads: sparse attention over the picks the mask keeps; an additive mask is handed back with the top-k
+    folded in) and on one handed back for another reason (GQA): each equals eager on the mask with the top-k folded
+    in, for no mask (sdpa's causal), a boolean and an additive mask. Before, the indices were dropped (dense
+    attention)."""
     module, m = _fake_module("deepseek_v32", kv_heads=kv_heads)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
     mask = {"none": None, "bool": causal, "float": _additive(causal)}[mask_kind]
@@ -671,12 +673,12 @@ def test_malformed_indices_are_refused_by_name(indices, match):
         _call(module, indices=indices)
 
 
-@pytest.mark.parametrize("index_topk,served", [(16, True), (4, False)])
-def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, index_topk, served):
+@pytest.mark.parametrize("index_topk", [16, 4])
+def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, index_topk):
     """hy_v4 (DSA whose attention has per-head sink logits, passed as ``s_aux``; drawn around 3.0 here): within
-    index_topk the call is served, the sinks merged in as a partial of LSE s_aux and output 0; beyond it (the folded
-    top-k mask is not causal) handed to the model's own eager function, as transformers offers no sdpa for hy_v4. The
-    logits equal eager's at every position and greedy step; handed to sdpa, which ignores sinks, they were 1.25 off."""
+    index_topk (16) the call is served by the dense path, beyond it (4) by the sparse attention over the top-k; the
+    sinks are merged in as a partial of LSE s_aux and output 0 on both. The logits equal eager's at every position and
+    greedy step; handed to sdpa, which ignores sinks, they were 1.25 off."""
     handed = []
     real = mbt_attention._hand_back
     monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason) or real(reason, *a))
@@ -692,7 +694,7 @@ def test_attention_sinks_logits_equal_eager(monkeypatch, two_torch_threads, inde
     assert torch.equal(g_got.sequences, g_want.sequences)
     for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
-    assert (not handed) == served, handed
+    assert not handed, handed
 
 
 def test_s_aux_is_served_as_a_sink_partial(no_hand_back, two_torch_threads):
@@ -784,12 +786,16 @@ def test_bf16_gpu_logits_within_transformers_own_spread(v2_folder, no_hand_back)
 def test_dsa_bf16_gpu_logits(monkeypatch, index_topk):
     """A DeepSeek-V3.2 model (MLA at V3.2's head dims: q/k 128 + 64, v 128; 16 heads) in bf16 on the H200, prompts of
     300 and 177 tokens left-padded. index_topk 2048: the indices select every key, mla_bridge serves every call
-    (FlashInfer), and the logits are no further from the float32 eager model than 1.5x the furthest of transformers'
-    own bf16 implementations (eager, sdpa), as in the V2 test above. index_topk 64: the indices are folded into the
-    mask on the device and the calls go to sdpa, so the logits equal those of transformers' sdpa model (which folds
-    them the same way) exactly; computing densely was 0.1-0.9 off in float32 on the CPU. (bf16 and float32 runs pick
-    different top-k keys near ties, so a sparse model's bf16 error against float32 is not a measure of mla_bridge.)"""
+    (FlashInfer). index_topk 64: mla_bridge serves the indices with its sparse attention (the torch path on CUDA),
+    eager and sdpa fold them into the mask. Each bf16 model is fed the indices the float32 eager model's indexers
+    produced (replayed: bf16 and float32 runs pick different top-k keys near ties, which would measure the selection,
+    not the attention), and mla_bridge's logits are no further from the float32 model's than 1.5x the furthest of
+    transformers' own bf16 implementations (eager, sdpa), as in the V2 test above."""
+    import copy
+
     import transformers
+
+    from .test_transformers_sparse import indexer_calls
 
     if not hasattr(transformers, "DeepseekV32Config"):
         pytest.skip(f"transformers {transformers.__version__} has no deepseek_v32")
@@ -814,11 +820,9 @@ def test_dsa_bf16_gpu_logits(monkeypatch, index_topk):
     valid = mask.bool()
     logits = {}
     with torch.no_grad():
-        truth = (
-            H.dsa_model("deepseek_v32", index_topk=index_topk, device="cuda", **dims)(ids, attention_mask=mask)
-            .logits[valid]
-            .float()
-        )
+        truth_model = H.dsa_model("deepseek_v32", index_topk=index_topk, device="cuda", **dims)
+        with indexer_calls(truth_model) as record:
+            truth = truth_model(ids, attention_mask=mask).logits[valid].float()
         for impl in ("eager", "sdpa", name):
             model = H.dsa_model(
                 "deepseek_v32",
@@ -829,15 +833,12 @@ def test_dsa_bf16_gpu_logits(monkeypatch, index_topk):
                 **dims,
             )
             torch.cuda._sleep(int(1e8))  # keep the GPU busy so the host runs ahead
-            logits[impl] = model(ids, attention_mask=mask).logits[valid].float()
+            with indexer_calls(model, replay=copy.deepcopy(record)):
+                logits[impl] = model(ids, attention_mask=mask).logits[valid].float()
     err = {impl: (x - truth).abs().max().item() for impl, x in logits.items()}
     print(f"index_topk {index_topk}: max |logit error| {err}, handed back {sorted(set(handed))}")
-    if index_topk >= 300:
-        assert not handed, handed
-        assert err[name] <= 1.5 * max(err["eager"], err["sdpa"]), err
-    else:
-        assert handed and all("indices" in r for r in handed), handed
-        assert torch.equal(logits[name], logits["sdpa"]), (logits[name] - logits["sdpa"]).abs().max().item()
+    assert not handed, handed
+    assert err[name] <= 1.5 * max(err["eager"], err["sdpa"]), err
 
 
 def test_training_step_gradients_equal_eager(pair, two_torch_threads):
