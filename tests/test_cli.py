@@ -315,6 +315,21 @@ def test_env_kernel_switch_that_cannot_serve_exits_2_before_work(monkeypatch, ca
     assert env in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("value", ["bogus", "triton"])  # triton: no CUDA here, and TRITON_INTERPRET unset
+def test_sparse_switch_that_cannot_serve_exits_2_before_work(monkeypatch, capsys, value):
+    """A bad or unusable MLA_BRIDGE_SPARSE with --index-topk: exit 2 naming it, before planning (it surfaced at the
+    first layer as an unexpected error, exit 3)."""
+    import mla_bridge.plan as plan_mod
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", value)
+    monkeypatch.setattr(plan_mod.PrefillPlan, "build", classmethod(lambda cls, *a, **k: pytest.fail("planned")))
+    args = ["prefill", "--device", "cpu", "--prompt-lens", "4", "--index-topk", "2", "--indices", "random"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "MLA_BRIDGE_SPARSE" in err and "unexpected" not in err and "Traceback" not in err
+
+
 def test_prefill_reports_its_kernels_and_times_plans_without_gc(tmp_path, monkeypatch):
     import gc
 

@@ -123,6 +123,8 @@ def cmd_prefill(args, console) -> int:
     sample = sample_requests(workload.query_lens, args.check_requests)
     try:
         kernels = kernel_choices(device, dtype, dims)  # a bad MLA_BRIDGE_KV / _GATHER / _MERGE: exit 2, before work
+        if args.index_topk is not None:  # likewise a bad or unusable MLA_BRIDGE_SPARSE
+            select_sparse(dims, dtype, torch.device(device).type)
     except (ValueError, TypeError, RuntimeError) as err:
         raise CLIError(str(err)) from None
     try:  # a --backend or MLA_BRIDGE_BACKEND that cannot serve at all: exit 2 before planning (the plan asks again)
