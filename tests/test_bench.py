@@ -258,6 +258,12 @@ def test_context_section_splits_phases(cpu_run):
     assert all("vs_attention_plus_gemm" in r["extra"] for r in full if r["extra"]["chunks"] != 0 or r["extra"]["fused"])
 
 
+def test_cpu_denominator_rows_do_not_claim_cuda_events(cpu_run):
+    """On the CPU the attention + GEMM rows are wall-clock times: their note must not say CUDA events."""
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "context" and r["path"] == "attention + GEMM alone"]
+    assert rows and all("CUDA" not in r["note"] and "wall clock" in r["note"] for r in rows)
+
+
 def test_context_section_prepared_split_and_graphed_paths(cpu_run):
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "context"]
     for path in (

@@ -577,7 +577,8 @@ def _summary_rows(c: Case, case: ContextCase, bi: int, by_path: dict, flops: flo
     if ok("gemm") and ok("attention"):
         # the kernels' GPU time (their CUDA events): a sample's host time, when the host lags, is no kernel work
         base = sum(r.extra.get("gpu_ms", r.ms) for r in map(ok, ("gemm", "attention")))
-        note = "the targets' denominator: the two kernels' GPU time (CUDA events)"
+        timed = "GPU time (CUDA events)" if ctx.cuda else "times (wall clock: no GPU)"
+        note = f"the targets' denominator: the two kernels' {timed}"
         rows.append(
             ctx.row(
                 SECTION, name, path("attention + gemm"), ms=base, flops=flops, **meta("attention + gemm"), note=note
