@@ -486,6 +486,36 @@ def test_plot_panels_are_small_multiples_with_few_series():
     assert not _panels(_h200_like_rows(), {}, dict(gpu=None, mode="quick"))[1]["targets"]
 
 
+def test_plot_draws_the_time_to_first_token_section():
+    """A bench of the ttft section alone drew "no measured rows": its model rows carry ms, not TFLOP/s. They get a
+    panel of ms per forward by case, one series per framework and attention, the no-op and the layer-alone rows
+    left out."""
+    from mla_bridge.bench.report import _panels
+
+    paths = (
+        "transformers sdpa",
+        "transformers mla_bridge",
+        "transformers, attention a no-op",
+        "attention alone x layers: mla_bridge_attention",
+        "JAX model, jax.nn.dot_product_attention cuDNN",
+        "JAX model, mla_bridge_jax",
+    )
+    rows = [
+        Row("ttft", case, path, ms=10.0 * (i + 1) + j, order=(6, i, j))
+        for i, case in enumerate(("1 x 10000", "4 x (8000 cached + 2000 new)"))
+        for j, path in enumerate(paths)
+    ]
+    (panel,) = _panels(rows, {}, dict(gpu="NVIDIA H100", mode="full"))
+    assert panel["title"].startswith("Time to first token") and panel["xlabel"] == "ms per forward"
+    assert panel["cases"] == ["1 x 10000", "4 x (8000 cached + 2000 new)"]
+    assert panel["series"] == [
+        ("transformers, sdpa", [10.0, 20.0]),
+        ("transformers, mla_bridge", [11.0, 21.0]),
+        ("JAX, cuDNN", [14.0, 24.0]),
+        ("JAX, mla_bridge_jax", [15.0, 25.0]),
+    ]
+
+
 def test_plot_legends_sit_outside_the_axes_and_the_title_names_machine_date_versions():
     import matplotlib.pyplot as plt
 

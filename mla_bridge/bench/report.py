@@ -371,6 +371,14 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
         (cp("handwritten"), "hand-written pipeline"),
     )
 
+    ttft_series = (
+        ("transformers sdpa", "transformers, sdpa"),
+        ("transformers mla_bridge", "transformers, mla_bridge"),
+        ("JAX model, jax.nn.dot_product_attention cuDNN", "JAX, cuDNN"),
+        ("JAX model, jax.nn.dot_product_attention XLA", "JAX, XLA"),
+        ("JAX model, mla_bridge_jax", "JAX, mla_bridge_jax"),
+    )
+
     applies = env.get("mode") == "full" and bool(env.get("gpu"))
     jax_paths: list[str] = []
     for r in sort_rows(rows):
@@ -388,6 +396,8 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
          dict(xlabel="ms per layer")),
         ("jax", tuple((p, p) for p in jax_paths[:6]), lambda r: r.tflops,
          "JAX adapter: throughput by case (higher is better)", tflops),
+        ("ttft", ttft_series, lambda r: r.ms, "Time to first token: one prefill forward of a 4-layer model at "
+         "DeepSeek-V2-Lite's dims (lower is better)", dict(xlabel="ms per forward")),
     )  # fmt: skip
     panels = []
     for section, wanted, value, title, axis in specs:
@@ -395,7 +405,7 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
         if not series:
             continue
         panel: dict[str, Any] = dict(title=title, cases=cases, series=series, **axis)
-        if axis["xlabel"] == "ms per layer":
+        if axis["xlabel"] in ("ms per layer", "ms per forward"):
             values = [v for _, vals in series for v in vals if v]
             panel["log"] = max(values) / min(values) > 20
             panel["xlabel"] += " (log scale)" if panel["log"] else ""
@@ -426,7 +436,7 @@ def write_plot(path: str, rows: list[Row], peaks: dict, env: dict) -> None:
     """Small multiples, one panel per question, each a few series of horizontal bars by case: the main pass's
     TFLOP/s (mla_bridge, the raw FlashInfer kernel, the peers); the layer's time against attention + GEMM alone,
     eager and graphed (with the GPU targets in full mode); the same for each k/v path forced; the layer's ms against
-    the hand-written pipeline; the JAX adapter. Only rows that apply on this machine; legends outside the axes; the
+    the hand-written pipeline; the JAX adapter; a whole model's time to first token. Only rows that apply on this machine; legends outside the axes; the
     machine, date and versions in the title."""
     import matplotlib.pyplot as plt
 
