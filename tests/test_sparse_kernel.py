@@ -15,6 +15,7 @@ are interpreted as compiled. Not checked here: speed, register or shared-memory 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers import reference as R
@@ -182,3 +183,17 @@ def test_sparse_kernel_interpreted(triton_interpreted):
     """Where Triton is installed: :func:`interpreted_cases` under the interpreter (``MLA_BRIDGE_SPARSE=triton``)."""
     out = triton_interpreted("tests.test_sparse_kernel:interpreted_cases", GPU_TESTS, MLA_BRIDGE_SPARSE="triton")
     assert out.strip() == "ok 16", out
+
+
+def test_default_tiles_fit_the_load_path():
+    """At kv_lora_rank 512 a tile of 64 selected rows is faster than 32 where the context and new rows come in one
+    load (bf16/fp16 cache), but an FP8 cache's separate loads of 64 rows overflow an SM90 block's shared memory
+    (Triton's OutOfResources: 258816 bytes needed, 232448 there): the default follows the load path."""
+    pytest.importorskip("triton")
+    from mla_bridge.kernels.sparse_attention import default_config
+
+    assert default_config(128, 512, 2048, torch.bfloat16, one_load=True).block_k == 64
+    assert default_config(128, 512, 2048, torch.bfloat16, one_load=False).block_k == 32
+    assert default_config(20, 256, 2048, torch.bfloat16, one_load=False).block_k == 64
+    assert default_config(128, 512, 16, torch.bfloat16).block_k == 16  # never wider than the picks
+    assert default_config(128, 512, 2048, torch.bfloat16).block_h == 64

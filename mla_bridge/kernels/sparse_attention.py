@@ -65,17 +65,21 @@ class SparseConfig(NamedTuple):
     num_stages: int
 
 
-def default_config(num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dtype) -> SparseConfig:
+def default_config(
+    num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dtype, one_load: bool = True
+) -> SparseConfig:
     """Tiles for ``num_heads`` heads, ``kv_lora_rank``, ``topk`` picks per row, compute dtype ``dtype``: up to 64 heads
-    per program (FlashMLA's sparse prefill takes 64 too), tiles of 32 selected rows at kv_lora_rank 512 (64 below),
-    8 warps for the ``[64, 512]`` float32 accumulator; float32 (ieee dots, the interpreter and tests): 16 heads and 16
-    rows."""
+    per program (FlashMLA's sparse prefill takes 64 too), 8 warps for the ``[64, 512]`` float32 accumulator, tiles of
+    64 selected rows; at kv_lora_rank 512 only where the context and new rows come in one load (``one_load``, the
+    kernel's ``ONE_LOAD``: a bf16/fp16 cache), else 32 (an FP8 cache's separate loads of 64 rows need more shared
+    memory than an SM90 block has). float32 (ieee dots, the interpreter and tests): 16 heads and 16 rows.
+    scripts/gpu/sparse_tune.py times the candidates."""
     rank = max(16, next_power_of_2(kv_lora_rank))
     block_k_cap = max(16, next_power_of_2(topk))
     if dtype == torch.float32:
         return SparseConfig(16, min(16, block_k_cap), 4, 1)
     block_h = min(64, max(16, next_power_of_2(num_heads)))
-    block_k = min(32 if rank >= 512 else 64, block_k_cap)
+    block_k = min(64 if rank < 512 or one_load else 32, block_k_cap)
     warps = 8 if block_h * rank >= 64 * 512 else 4
     return SparseConfig(block_h, block_k, warps, 2)
 
@@ -314,7 +318,6 @@ def sparse_attention_triton(
         return
     rope = q_pe.shape[-1]
     topk = topk_indices.shape[1]
-    cfg = config or default_config(h, rank, topk, q_lat.dtype)
     dequant = kv_cache_scale is not None
     cache_arg = kv_cache.view(torch.uint8) if dequant else kv_cache
     scale_is_ptr = isinstance(kv_cache_scale, torch.Tensor)
@@ -333,6 +336,7 @@ def sparse_attention_triton(
         and (not rope or (k_pe.dtype == kv_c.dtype and k_pe.stride(-1) == 1))
         and (not rope or (k_pe.data_ptr() - kv_cache.data_ptr()) % (16 * elem) == 0)
     )
+    cfg = config or default_config(h, rank, topk, q_lat.dtype, one_load)
     grid = (n * cdiv(h, cfg.block_h),)
     launch(
         _sparse_kernel,

@@ -23,11 +23,16 @@ import sys
 
 import torch
 
-CONFIGS = [  # (block_h, block_k, num_warps, num_stages); the first is the default at kv_lora_rank 512
+CONFIGS = [  # (block_h, block_k, num_warps, num_stages), after the default (default_config)
     (64, 32, 8, 2),
     (64, 16, 8, 2),
     (64, 16, 8, 3),
+    (64, 32, 8, 3),
     (64, 64, 8, 2),
+    (64, 64, 8, 1),
+    (64, 64, 8, 3),
+    (64, 64, 4, 2),
+    (64, 128, 8, 1),
     (32, 32, 8, 2),
     (32, 64, 8, 2),
     (32, 32, 4, 2),
@@ -139,7 +144,7 @@ def on_gpu(args) -> None:
     pairs = t * k
     flops = 2 * pairs * h * (rank + rope + rank)
     ref = None
-    configs = [default_config(h, rank, k, torch.bfloat16)] + [SparseConfig(*cfg) for cfg in CONFIGS]
+    configs = [default_config(h, rank, k, torch.bfloat16, one_load=not args.fp8)] + [SparseConfig(*cfg) for cfg in CONFIGS]
     for cfg in configs:
         o = torch.empty(t, h, rank, dtype=torch.bfloat16, device=dev)
 
