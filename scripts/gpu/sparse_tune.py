@@ -144,7 +144,9 @@ def on_gpu(args) -> None:
     pairs = t * k
     flops = 2 * pairs * h * (rank + rope + rank)
     ref = None
-    configs = [default_config(h, rank, k, torch.bfloat16, one_load=not args.fp8)] + [SparseConfig(*cfg) for cfg in CONFIGS]
+    configs = [default_config(h, rank, k, torch.bfloat16, one_load=not args.fp8)] + [
+        SparseConfig(*cfg) for cfg in CONFIGS
+    ]
     for cfg in configs:
         o = torch.empty(t, h, rank, dtype=torch.bfloat16, device=dev)
 
