@@ -436,8 +436,8 @@ def write_plot(path: str, rows: list[Row], peaks: dict, env: dict) -> None:
     """Small multiples, one panel per question, each a few series of horizontal bars by case: the main pass's
     TFLOP/s (mla_bridge, the raw FlashInfer kernel, the peers); the layer's time against attention + GEMM alone,
     eager and graphed (with the GPU targets in full mode); the same for each k/v path forced; the layer's ms against
-    the hand-written pipeline; the JAX adapter; a whole model's time to first token. Only rows that apply on this machine; legends outside the axes; the
-    machine, date and versions in the title."""
+    the hand-written pipeline; the JAX adapter; a whole model's time to first token. Only rows that apply on this
+    machine; legends outside the axes; the machine, date and versions in the title."""
     import matplotlib.pyplot as plt
 
     fig = plot_figure(rows, peaks, env)
