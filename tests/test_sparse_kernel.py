@@ -195,5 +195,5 @@ def test_default_tiles_fit_the_load_path():
     assert default_config(128, 512, 2048, torch.bfloat16, one_load=True).block_k == 64
     assert default_config(128, 512, 2048, torch.bfloat16, one_load=False).block_k == 32
     assert default_config(20, 256, 2048, torch.bfloat16, one_load=False).block_k == 64
-    assert default_config(128, 512, 16, torch.bfloat16).block_k == 16  # never wider than the picks
-    assert default_config(128, 512, 2048, torch.bfloat16).block_h == 64
+    assert default_config(128, 512, 16, torch.bfloat16, one_load=True).block_k == 16  # never wider than the picks
+    assert default_config(128, 512, 2048, torch.bfloat16, one_load=False).block_h == 64

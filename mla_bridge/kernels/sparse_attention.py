@@ -65,9 +65,7 @@ class SparseConfig(NamedTuple):
     num_stages: int
 
 
-def default_config(
-    num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dtype, one_load: bool = True
-) -> SparseConfig:
+def default_config(num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dtype, *, one_load: bool) -> SparseConfig:
     """Tiles for ``num_heads`` heads, ``kv_lora_rank``, ``topk`` picks per row, compute dtype ``dtype``: up to 64 heads
     per program (FlashMLA's sparse prefill takes 64 too), 8 warps for the ``[64, 512]`` float32 accumulator, tiles of
     64 selected rows; at kv_lora_rank 512 only where the context and new rows come in one load (``one_load``, the
@@ -336,7 +334,7 @@ def sparse_attention_triton(
         and (not rope or (k_pe.dtype == kv_c.dtype and k_pe.stride(-1) == 1))
         and (not rope or (k_pe.data_ptr() - kv_cache.data_ptr()) % (16 * elem) == 0)
     )
-    cfg = config or default_config(h, rank, topk, q_lat.dtype, one_load)
+    cfg = config or default_config(h, rank, topk, q_lat.dtype, one_load=one_load)
     grid = (n * cdiv(h, cfg.block_h),)
     launch(
         _sparse_kernel,
