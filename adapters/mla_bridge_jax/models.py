@@ -383,8 +383,8 @@ def bench_rows(
 ) -> list:
     """The ttft bench's JAX rows of one case (:mod:`mla_bridge.bench.ttft`): the model at ``fields`` (random
     weights, seeded; kept in ``store`` across cases) timed with cuDNN, XLA, mla_bridge_jax and no-op attention,
-    one jitted forward each (compiled in the warm-up), ``logits_to_keep=1``; each path's failure (out of memory) a
-    skipped row. Rows carry attention ms (minus the no-op) and the ratios to mla_bridge_jax."""
+    one jitted forward each (compiled in the warm-up), ``logits_to_keep=1``, timed from an idle GPU to the logits
+    being ready (``latency=True``); each path's failure (out of memory) a skipped row. Rows carry attention ms (minus the no-op) and the ratios to mla_bridge_jax."""
     import torch
 
     dtype = jnp.bfloat16 if ctx.cuda else jnp.float32
@@ -442,7 +442,7 @@ def bench_rows(
             )
             continue
         items.append((names[impl], (lambda f=fwd: jax.block_until_ready(f(params, ids, cache)[0])), meta_fn(pi)))
-    rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup))
+    rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup), latency=True)
     ms = {r.path: r.ms for r in rows if r.status == "ok"}
     noop, ours = ms.get(names["noop"]), ms.get(names["mla_bridge"])
     for r in rows:

@@ -9,6 +9,12 @@ least each. Timing calls back to back instead mixes them up: on the H200 a host-
 ones showed events shorter than its host time (its start event fired late), and host times grew with waits on a full
 launch queue (docs/results.md). The events' median
 is kept as ``gpu_ms``. On the CPU both are wall-clock times.
+
+That timing assumes a call that never waits for the device: a call that does (a host read of a device value, a
+``block_until_ready``) waits out the spin too, and its host time grows by it (up to the 50 ms cap). Calls whose
+latency from an idle GPU is the quantity (a whole model's time to first token, whose attention functions may read
+a mask on the host once per forward) are timed with ``latency=True``: synchronize, ``perf_counter``, the call,
+synchronize, ``perf_counter`` (the wall time a user measures; no spin, no events).
 """
 
 from __future__ import annotations
@@ -356,6 +362,14 @@ class Ctx:
         host.append((time.perf_counter() - t) * 1e3)
         return start, end
 
+    def _latency(self, fn: Callable[[], Any], host: list) -> None:
+        """One call timed from an idle device to its work's end (module docstring, ``latency=True``); appends ms."""
+        self.sync()
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        host.append((time.perf_counter() - t) * 1e3)
+
     def time(self, fn: Callable[[], Any], *, repeats: Optional[int] = None, warmup: Optional[int] = None) -> Timing:
         """Median time of ``fn()`` (see the module docstring); exceptions propagate. On CUDA at least one warm-up
         call is always made, so that a JIT compile is never timed."""
@@ -365,15 +379,20 @@ class Ctx:
             w = max(1, w)
         return self._rounds([fn], [self._warm_up(fn, w)], r)[0]
 
-    def _rounds(self, fns: Sequence[Callable[[], Any]], busy: Sequence[float], r: int) -> list[Timing]:
+    def _rounds(
+        self, fns: Sequence[Callable[[], Any]], busy: Sequence[float], r: int, latency: bool = False
+    ) -> list[Timing]:
         """``r`` interleaved rounds of ``fns`` (each taking every place in a round in turn, :func:`_rotated`; ``busy``
-        their first GPU spins), a :class:`Timing` each; exceptions propagate."""
+        their first GPU spins; ``latency``: each call timed from an idle device to its end instead, module
+        docstring), a :class:`Timing` each; exceptions propagate."""
         busy = list(busy)
         host: list[list[float]] = [[] for _ in fns]
         events: list[list] = [[] for _ in fns]
         for rep in range(r):
             for i in _rotated(range(len(fns)), rep):
-                if self.cuda:
+                if latency:
+                    self._latency(fns[i], host[i])
+                elif self.cuda:
                     events[i].append(self._issue(fns[i], busy[i], host[i]))
                     busy[i] = _spin_ms(host[i][-1])
                 else:
@@ -383,7 +402,7 @@ class Ctx:
         self.sync()
         out = []
         for ev, h in zip(events, host):
-            samples, gpu = _event_samples(ev, h) if self.cuda else (h, None)
+            samples, gpu = _event_samples(ev, h) if self.cuda and not latency else (h, None)
             med_gpu = None if gpu is None else statistics.median(gpu)
             out.append(
                 Timing(statistics.median(samples), statistics.median(h), [round(x, 6) for x in samples], r, med_gpu)
@@ -514,11 +533,15 @@ class Ctx:
         *,
         repeats: Optional[int] = None,
         warmup: Optional[int] = None,
+        latency: bool = False,
     ) -> list[Row]:
         """Time several paths of one case interleaved (A B C, B C A, C A B, ...: clock and thermal drift hit each
-        alike and each takes every place in a round, so their ratios hold on a noisy machine). ``items`` are ``(path, fn, row keywords)``; the keywords may hold
-        ``flops`` / ``nbytes`` and any :class:`Row` field. Rows come back in ``items`` order; a path that fails
-        becomes a skipped row with the error text, the others are still timed."""
+        alike and each takes every place in a round, so their ratios hold on a noisy machine). ``items`` are
+        ``(path, fn, row keywords)``; the keywords may hold ``flops`` / ``nbytes`` and any :class:`Row` field.
+        ``latency``: each call timed from an idle device to the end of its work (module docstring); each row's
+        ``extra["timing"]`` says which (``"latency"`` or ``"overlapped"``). Rows come back
+        in ``items`` order; a path that fails becomes a skipped row with the error text, the others are still
+        timed."""
         r = max(1, self.repeats if repeats is None else repeats)
         w = self.warmup if warmup is None else warmup
         if self.cuda:
@@ -534,7 +557,7 @@ class Ctx:
                 self.recover()
                 rows[i] = self._failed(section, case, path, err, kw)
         try:
-            timings = self._rounds([items[i][1] for i in live], [busy[i] for i in live], r)
+            timings = self._rounds([items[i][1] for i in live], [busy[i] for i in live], r, latency)
         except Exception as err:  # noqa: BLE001 - time each alone, so that the row that fails is the one named
             self.recover()
             for i in live:
@@ -542,7 +565,7 @@ class Ctx:
                 rows[i] = (
                     self._failed(section, case, path, err, kw)
                     if len(live) == 1
-                    else self.measure_many(section, case, [items[i]], repeats=r, warmup=0)[0]
+                    else self.measure_many(section, case, [items[i]], repeats=r, warmup=0, latency=latency)[0]
                 )
             return [row for row in rows if row is not None]
         for i, timing in zip(live, timings):
@@ -551,6 +574,7 @@ class Ctx:
             rows[i] = self.row(
                 section, case, path, timing, flops=kw.pop("flops", None), nbytes=kw.pop("nbytes", None), **kw
             )
+            rows[i].extra["timing"] = "latency" if latency else "overlapped"  # type: ignore[union-attr]
         return [row for row in rows if row is not None]
 
     def _failed(self, section: str, case: str, path: str, err: BaseException, kw: dict) -> Row:

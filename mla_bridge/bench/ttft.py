@@ -7,7 +7,9 @@ quick mode). Cases: 10000-token prompts at batch 1, 4 and 16; 8000 cached + 2000
 transformers ``DynamicCache`` holding the prefix, rebuilt from the same tensors before each call); 32000 tokens at
 batch 1.
 
-Per case, interleaved (:meth:`Ctx.measure_many`), one prefill forward with ``logits_to_keep=1``:
+Per case, interleaved (:meth:`Ctx.measure_many`), one prefill forward with ``logits_to_keep=1``, each call timed
+from an idle GPU to the end of its work (``latency=True``: the time to first token a user measures; a forward whose
+attention function reads its mask on the host once is not charged the timer's spin):
 
 * transformers (one model, its attention switched by ``config._attn_implementation``): ``sdpa``; ``mla_bridge``
   (:func:`mla_bridge_transformers.register`); and the same model with attention replaced by a no-op returning zeros
@@ -253,7 +255,7 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         (p, _forward_fn(model, impl, ids, prefix), dict(**_meta(case, ci, i)))
         for i, (p, impl) in enumerate(zip(paths, impls))
     ]
-    model_rows = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup)
+    model_rows = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup, latency=True)
     rows.extend(model_rows)
     prefix = None
 
@@ -277,8 +279,9 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         q, k, v = _attention_inputs(ctx, case, 7000 + ci)
-        module = model.model.layers[0].self_attn
-        scaling = module.scaling
+        # each layer's own module, as in a forward: the mask is read on the first layer's call only
+        modules = [layer.self_attn for layer in model.model.layers]
+        scaling = modules[0].scaling
         mask = None
         if case.cached:  # transformers' boolean mask of a continuation without padding (bottom-right causal)
             mask = (
@@ -303,12 +306,12 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
 
         def sdpa_alone() -> None:
             with torch.no_grad():
-                for _ in range(layers):
+                for module in modules:
                     sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=scaling)
 
         def ours_alone() -> None:
             with torch.no_grad():
-                for _ in range(layers):
+                for module in modules:
                     mbt.mla_bridge_attention(module, q, k, v, mask, dropout=0.0, scaling=scaling)
 
         def kernel_alone() -> None:
@@ -320,7 +323,7 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
             (p, fn, dict(flops=flops, **_meta(case, ci, 3 + i)))
             for i, (p, fn) in enumerate(zip(alone_paths, (sdpa_alone, ours_alone, kernel_alone)))
         ]
-        alone = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup)
+        alone = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup, latency=True)
     except Exception as err:  # noqa: BLE001
         ctx.recover()
         alone = [
