@@ -212,9 +212,11 @@ def _sparse_kernel(
             # one load per tile, every row addressed from the cache's pointer: a new token's row lies kvc_delta
             # elements away (same dtype). Blended by arithmetic, not tl.where: Triton keeps the offsets' divisibility
             # through a product, not through a select, and without it the tile is not pipelined (no cp.async)
+            # (the deltas are 32-bit arguments where they fit: 64-bit before the product, which a buffer more than
+            # 2**31 elements from the cache overflows)
             w = in_ctx.to(tl.int64)
             ctx_off = blk * cs_block + (p % BLOCK_SIZE) * cs_slot
-            row_off = ctx_off * w + (kvc_delta16 * 16 + nrow * kvc_row) * (1 - w)
+            row_off = ctx_off * w + (kvc_delta16.to(tl.int64) * 16 + nrow * kvc_row) * (1 - w)
             c = tl.load(cache_ptr + row_off[:, None] + dr[None, :], mask=valid[:, None] & rmask[None, :], other=0).to(
                 dt
             )
@@ -231,7 +233,7 @@ def _sparse_kernel(
         sc = _dot(ql, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, UPCAST)
         if ROPE > 0:
             if ONE_LOAD:
-                pe_off = (ctx_off + RANK) * w + (kpe_delta16 * 16 + nrow * kpe_row) * (1 - w)
+                pe_off = (ctx_off + RANK) * w + (kpe_delta16.to(tl.int64) * 16 + nrow * kpe_row) * (1 - w)
                 pe = tl.load(
                     cache_ptr + pe_off[:, None] + dp[None, :], mask=valid[:, None] & pmask[None, :], other=0
                 ).to(dt)

@@ -332,3 +332,49 @@ def test_kernel_skips_a_pick_past_the_sequence(ref):
     good_out, good_lse = sparse_prefill(*args, idx.to(dev()), return_lse=True, impl="triton")
     bad_out, bad_lse = sparse_prefill(*args, bad.to(dev()), return_lse=True, impl="triton")
     assert torch.equal(good_out.view(torch.int16), bad_out.view(torch.int16)) and torch.equal(good_lse, bad_lse)
+
+
+def _placed(parts: list, gap: int) -> list:
+    """Copies of ``parts`` (bf16 tensors) laid out in one buffer, ``gap`` elements between the first and the rest,
+    each starting on a 16-element boundary (the kernel's one-load path needs that alignment)."""
+    sizes = [-(-p.numel() // 16) * 16 for p in parts]
+    big = torch.empty(sum(sizes) + gap, dtype=torch.bfloat16, device=dev())
+    out, at = [], 0
+    for i, (p, n) in enumerate(zip(parts, sizes)):
+        view = big[at : at + p.numel()].view(p.shape)
+        view.copy_(p)
+        out.append(view)
+        at += n + (gap if i == 0 else 0)
+    return out
+
+
+@pytest.mark.parametrize("latents_first", [False, True])
+def test_kernel_reads_new_latents_far_from_the_cache(ref, latents_first):
+    """The kernel addresses a new token's latent row from the cache's pointer (one load per tile of context and new
+    rows): kv_c and k_pe more than 2**31 elements (4 GiB of bf16) after or before the cache give bitwise the output
+    of the same values allocated apart. As a 32-bit product the offset wrapped and the kernel read outside memory."""
+    dims = MLADims(**V2_LITE)
+    k = 128
+    batch = bf16_batch(ref, dims, 16, seed=12)
+    idx = indices(k, seed=12, fill=0.9).to(dev())
+    q, kv_c, k_pe, w, cache = (getattr(batch, n).to(dev(), torch.bfloat16) for n in ("q", "kv_c", "k_pe", "w", "cache"))
+    table = batch.block_table.to(dev())
+    plan = PrefillPlan.build(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        dims=dims,
+        workspace=Workspace(dev()),
+        block_size=16,
+        dtype=torch.bfloat16,
+        index_topk=k,
+    )
+    want = mla_prefill(q, kv_c, k_pe, w, cache, table, plan, topk_indices=idx, return_lse=True)
+    gap = 2**31 + 2**20
+    if latents_first:
+        far_kv_c, far_k_pe, far_cache = _placed([kv_c, k_pe, cache], gap)
+    else:
+        far_cache, far_kv_c, far_k_pe = _placed([cache, kv_c, k_pe], gap)
+    assert abs(far_kv_c.data_ptr() - far_cache.data_ptr()) // 2 > 2**31
+    got = mla_prefill(q, far_kv_c, far_k_pe, w, far_cache, table, plan, topk_indices=idx, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
