@@ -177,7 +177,9 @@ def _check_mask(m: torch.Tensor, batch: int, q_len: int, kv_len: int):
     """``(q_valid [B, Q], key_valid [B, K], ok)`` on the mask's device, ``ok`` a bool scalar tensor (read it to know
     whether the mask is of the served structure; nothing here waits for the device), or ``None`` for a mask whose
     dtype or shape is not a boolean ``[B or 1, 1, Q, K]``. The prefix structure is compared in blocks of queries
-    (:data:`_CHECK_ELEMS` mask elements at once): no ``[B, Q, K]`` temporary."""
+    (:data:`_CHECK_ELEMS` mask elements at once): no ``[B, Q, K]`` temporary. A mask broadcast over the batch (batch
+    size 1 or stride 0: transformers' mask of an unpadded batch is one ``[1, 1, Q, K]`` mask expanded) is checked
+    once, its results broadcast to the ``B`` rows."""
     if (
         m.dtype != torch.bool
         or m.dim() != 4
@@ -187,6 +189,15 @@ def _check_mask(m: torch.Tensor, batch: int, q_len: int, kv_len: int):
     ):
         return None
     m = m.expand(batch, 1, q_len, kv_len)[:, 0]
+    if batch > 1 and m.stride(0) == 0:  # every batch row is the same memory: check one
+        q_valid, key_valid, ok = _check_rows(m[:1])
+        return q_valid.expand(batch, q_len), key_valid.expand(batch, kv_len), ok
+    return _check_rows(m)
+
+
+def _check_rows(m: torch.Tensor):
+    """:func:`_check_mask` of the boolean ``[B, Q, K]`` ``m``."""
+    batch, q_len, kv_len = m.shape
     key_valid = m.any(dim=1)  # the keys some query sees
     seen = m.sum(dim=2)  # keys each query sees
     rank = key_valid.cumsum(dim=1)  # 1-based rank of a valid key among its row's valid keys

@@ -385,6 +385,29 @@ def test_masks_of_a_static_cache_are_served_with_their_written_slots():
     assert key_valid.sum().item() == 8 and bool(key_valid[0, :8].all())
 
 
+@pytest.mark.parametrize("q_len,kv_len", [(6, 6), (3, 9), (1, 5)])
+def test_a_mask_broadcast_over_the_batch_reads_as_its_copy(q_len, kv_len):
+    """transformers' mask of an unpadded batch is one [1, 1, Q, K] mask expanded over the batch (stride 0): checked
+    once for all rows, it gives what the same mask materialised per row gives, servable or not."""
+    cpu = torch.device("cpu")
+    one = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    hole = one.clone()
+    hole[..., -1, 0] = False  # the last query does not see the first key: not of the served structure
+    for m in (one, hole):
+        broadcast = m.expand(3, 1, q_len, kv_len)
+        assert broadcast.stride(0) == 0
+        got, want = (
+            mbt.ragged_from_mask(broadcast, 3, q_len, kv_len, cpu),
+            mbt.ragged_from_mask(broadcast.clone(), 3, q_len, kv_len, cpu),
+        )
+        # with one query, a hole is only a padded key; with more, the last query missing a key its elders see is not
+        # of the served structure
+        assert (want is None) == (m is hole and q_len > 1)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert all(torch.equal(g, w) and g.shape == (3, n) for g, w, n in zip(got, want, (q_len, kv_len)))
+
+
 def test_custom_masks_are_not_taken_for_padding():
     m = _sdpa_mask(torch.ones(2, 6, dtype=torch.bool), 6, 6)
     cpu = torch.device("cpu")
