@@ -875,6 +875,10 @@ def test_ttft_section_quick_on_the_cpu(tmp_path):
         )
         jax_rows = [r for p, r in mine.items() if "JAX" in p]
         assert jax_rows and all(r["status"] == "ok" or r["note"] for r in jax_rows)
+        alone = mine.get("JAX attention alone x layers: mla_bridge_jax")
+        if mine.get("JAX model, mla_bridge_jax", {}).get("status") == "ok":  # JAX runs here: its attention is timed
+            assert alone["status"] == "ok" and alone["ms"] > 0 and alone["extra"]["timing"] == "latency", alone
+            assert "attention_ms" not in alone["extra"]  # a share of the model's time only on model rows
 
 
 def test_bench_sits_on_top_of_the_import_graph():

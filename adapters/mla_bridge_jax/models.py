@@ -443,12 +443,13 @@ def bench_rows(
             continue
         items.append((names[impl], (lambda f=fwd: jax.block_until_ready(f(params, ids, cache)[0])), meta_fn(pi)))
     rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup), latency=True)
+    rows += _alone_rows(ctx, cfg, case, dtype, meta_fn, section, repeats, warmup)
     ms = {r.path: r.ms for r in rows if r.status == "ok"}
     noop, ours = ms.get(names["noop"]), ms.get(names["mla_bridge"])
     for r in rows:
         if r.status != "ok":
             continue
-        if noop is not None and r.path != names["noop"]:
+        if noop is not None and r.path in names.values() and r.path != names["noop"]:
             r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)
             r.note = f"attention {r.ms - noop:.2f} ms, {100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"
         if ours and r.path in (names["cudnn"], names["xla"]):
@@ -457,4 +458,69 @@ def bench_rows(
     for impl in ("cudnn", "xla"):
         other = ms.get(names[impl])
         ctx.check(f"ttft {case.name}: JAX {impl} / mla_bridge_jax", other / ours if other and ours else None, ">=", 1.0)
+    cudnn, cudnn_alone, ours_alone = ms.get(names["cudnn"]), ms.get(ALONE["cudnn"]), ms.get(ALONE["mla_bridge"])
+    kept = None
+    if cudnn and ours and cudnn_alone and ours_alone and cudnn_alone > ours_alone:
+        kept = (cudnn - ours) / (cudnn_alone - ours_alone)
+        for r in rows:
+            if r.path == names["mla_bridge"] and r.status == "ok":
+                r.extra["kept_of_kernel_win"] = kept
+                r.note += f"; kept {kept:.2f} of the attention's win over cuDNN"
+    ctx.check(
+        f"ttft {case.name}: share of the attention's win over cuDNN kept by the JAX model",
+        kept,
+        ">=",
+        0.8,
+        "" if kept is not None else "needs both model and attention-alone times, mla_bridge_jax's attention faster",
+    )
     return sorted(rows, key=lambda r: r.order)
+
+
+ALONE = {
+    "cudnn": "JAX attention alone x layers: jax.nn.dot_product_attention cuDNN",
+    "mla_bridge": "JAX attention alone x layers: mla_bridge_jax",
+}
+
+
+def _alone_rows(
+    ctx: Any, cfg: DeepseekConfig, case: Any, dtype: Any, meta_fn: Callable, section: str, repeats: int, warmup: int
+) -> list:
+    """The model's attention alone, once per layer: the jitted ``attend`` of :func:`make_forward` (v padded for
+    cuDNN, as in the model) called ``num_layers`` times on random q, k, v of the shapes the model hands it, timed
+    as a latency like the model rows. ``kept`` = (cuDNN model - mla_bridge_jax model) / (cuDNN alone - mla_bridge_jax
+    alone): the share of the attention's win that reaches the time to first token."""
+    h, total = cfg.num_heads, case.cached + case.new
+    keys = jax.random.split(jax.random.PRNGKey(ctx.seed), 3)
+    try:
+        q = jax.random.normal(keys[0], (case.batch, case.new, h, q_dim(cfg)), dtype)
+        k = jax.random.normal(keys[1], (case.batch, total, h, q_dim(cfg)), dtype)
+        v = jax.random.normal(keys[2], (case.batch, total, h, cfg.v_head_dim), dtype)
+    except Exception as err:  # noqa: BLE001
+        return [
+            ctx.skipped(
+                section, case.name, ALONE["mla_bridge"], f"failed: {type(err).__name__}: {err}"[:200], err, **meta_fn(4)
+            )
+        ]
+    items, rows = [], []
+    for pi, impl in enumerate(ALONE, start=4):
+        if impl == "cudnn" and not ctx.cuda:
+            rows.append(ctx.skipped(section, case.name, ALONE[impl], "cuDNN attention needs a GPU", **meta_fn(pi)))
+            continue
+        try:
+            attend = _attention_fn(cfg, impl, case.batch, case.new, case.cached, dtype, ctx.backend)
+        except Exception as err:  # noqa: BLE001
+            rows.append(
+                ctx.skipped(
+                    section, case.name, ALONE[impl], f"failed: {type(err).__name__}: {err}"[:200], err, **meta_fn(pi)
+                )
+            )
+            continue
+        step = jax.jit(attend)
+
+        def layers(step=step, attend=attend):  # attend keeps the mla_bridge plan alive
+            outs = [step(q, k, v) for _ in range(cfg.num_layers)]
+            jax.block_until_ready(outs)
+
+        items.append((ALONE[impl], layers, meta_fn(pi)))
+    rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup), latency=True)
+    return rows
