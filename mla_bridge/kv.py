@@ -45,10 +45,12 @@ import torch
 
 from . import switches
 from .cache import fused_latent, gather_rows
+from .dims import MLADims
 from .weights import CHECKPOINT_LAYOUT, DEFAULT_LAYOUT, LAYOUTS, PreparedKVBProj
 
 __all__ = [
     "kv_impl",
+    "auto_bounds",
     "pass_impl",
     "KV_IMPLS",
     "KV_MODES",
@@ -78,6 +80,10 @@ SEPARATE_FROM_ROWS_NEW = 16384
 #: "auto" builds a pass gathering from an FP8 cache by the separate path from this many rows on, with either weight
 #: layout (:func:`pass_impl`).
 SEPARATE_FROM_ROWS_FP8 = 6144
+#: The dims the row bounds above were measured at (DeepSeek-V2-Lite: 16 heads x (128 + 128) columns of rank 512 per
+#: row); for other dims a pass's rows count in proportion to its up-projection GEMM's work per row
+#: (:func:`pass_impl`).
+AUTO_MEASURED_DIMS = MLADims(num_heads=16)
 #: What :func:`kv_impl` may answer: one of :data:`KV_IMPLS` for every pass, or "auto" (chosen per pass by
 #: :func:`pass_impl`).
 KV_MODES = ("auto",) + KV_IMPLS
@@ -160,8 +166,29 @@ def kv_impl(device: torch.device, requested: Optional[str] = None, dtype: Option
     return choice
 
 
+def _gemm_work(dims: MLADims) -> int:
+    """Multiply-adds per row of the up-projection: ``num_heads x (qk_nope_head_dim + v_head_dim) x kv_lora_rank``."""
+    return dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim) * dims.kv_lora_rank
+
+
+def auto_bounds(dims: Optional[MLADims] = None) -> tuple[int, int, int]:
+    """The row bounds of "auto" at ``dims`` (None: :data:`AUTO_MEASURED_DIMS`), as :func:`pass_impl` applies them:
+    ``(gathered from a bf16/fp16 cache, gathered from an FP8 cache, new tokens alone)``, each the fewest rows that
+    take the separate path."""
+    work, measured = _gemm_work(dims or AUTO_MEASURED_DIMS), _gemm_work(AUTO_MEASURED_DIMS)
+    return tuple(
+        -(-bound * measured // work) for bound in (SEPARATE_FROM_ROWS, SEPARATE_FROM_ROWS_FP8, SEPARATE_FROM_ROWS_NEW)
+    )  # type: ignore[return-value]
+
+
 def pass_impl(
-    mode: str, gathered: bool, kv_cache_fp8: bool, rows: int = 0, layout: str = DEFAULT_LAYOUT, capturing: bool = False
+    mode: str,
+    gathered: bool,
+    kv_cache_fp8: bool,
+    rows: int = 0,
+    layout: str = DEFAULT_LAYOUT,
+    capturing: bool = False,
+    dims: Optional[MLADims] = None,
 ) -> str:
     """The implementation of one pass of ``rows`` key rows for the call's ``mode`` (:func:`kv_impl`) and the prepared
     weight's ``layout``: "fused" or "separate" as ``mode`` says; "auto" for a pass a CUDA graph will replay
@@ -187,6 +214,12 @@ def pass_impl(
     and cuBLAS is ahead from there, while the fused kernel's one launch saves more host time than its GPU cost below
     :data:`SEPARATE_FROM_ROWS_NEW` rows.
 
+    The bounds are rows at :data:`AUTO_MEASURED_DIMS`; a pass at other ``dims`` (None: those) counts its rows times
+    its GEMM work per row over theirs (``num_heads x (qk_nope_head_dim + v_head_dim) x kv_lora_rank``): what the
+    fused kernel saves is host time per launch, the same at any dims, and what it costs is GPU time in proportion to
+    the GEMM. At GLM-5's dims (64 heads, 192 + 256: 7x the work per row) a 4-chunk context pass of 8000 rows ran the
+    fused kernel at 1.21x the attention + GEMM time and gather + cuBLAS at 1.02x (H100, docs/results.md).
+
     From an FP8 cache the fused kernel dequantizes each row once per head part (2H times), the gather once: slower on
     the GPU, but below :data:`SEPARATE_FROM_ROWS_FP8` rows the host time it saves is at least 3x the GPU time it adds.
     (Its FP8 path runs a pipeline of at most 2 stages: with 3 it gave wrong results,
@@ -201,7 +234,7 @@ def pass_impl(
         ValueError: ``mode`` not in :data:`KV_MODES`, ``layout`` neither in :data:`mla_bridge.weights.LAYOUTS` nor
             :data:`mla_bridge.weights.CHECKPOINT_LAYOUT` (a raw weight, chosen for as the split layout), ``rows``
             not an int >= 0.
-        TypeError: ``gathered``, ``kv_cache_fp8`` or ``capturing`` not a bool.
+        TypeError: ``gathered``, ``kv_cache_fp8`` or ``capturing`` not a bool; ``dims`` not an :class:`MLADims`.
     """
     if mode not in KV_MODES:
         raise ValueError(f"mode must be one of {KV_MODES} (what kv_impl answers), got {mode!r}")
@@ -216,15 +249,19 @@ def pass_impl(
             raise TypeError(f"{name} must be a bool, got {flag!r} ({type(flag).__module__}.{type(flag).__qualname__})")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be an int >= 0 (key rows of the pass), got {rows!r}")
+    if dims is not None and not isinstance(dims, MLADims):
+        raise TypeError(f"dims must be an MLADims or None, got {type(dims).__name__}")
     if mode != "auto":
         return mode
     if capturing:  # one implementation for every pass of the graph (a new-token pass is never told of FP8)
         return "fused" if layout == "identity" else "separate"
+    # rows x work >= bound x measured work, in integers (exact at the bounds)
+    work, measured = rows * _gemm_work(dims or AUTO_MEASURED_DIMS), _gemm_work(AUTO_MEASURED_DIMS)
     if not gathered:
-        return "separate" if rows >= SEPARATE_FROM_ROWS_NEW else "fused"
+        return "separate" if work >= SEPARATE_FROM_ROWS_NEW * measured else "fused"
     if kv_cache_fp8:
-        return "separate" if rows >= SEPARATE_FROM_ROWS_FP8 else "fused"
-    return "separate" if layout == "split" and rows >= SEPARATE_FROM_ROWS else "fused"
+        return "separate" if work >= SEPARATE_FROM_ROWS_FP8 * measured else "fused"
+    return "separate" if layout == "split" and work >= SEPARATE_FROM_ROWS * measured else "fused"
 
 
 def _pass_impl(
@@ -235,12 +272,13 @@ def _pass_impl(
     kv_cache_fp8: bool,
     rows: int,
     layout: str,
+    dims: Optional[MLADims] = None,
 ) -> str:
     """:func:`pass_impl` of the caller's choice ``impl`` (:func:`kv_impl`'s answer; None: asked here), told whether the
     call runs inside :func:`capture_rule` (read only when the answer depends on it: "auto", on CUDA)."""
     mode = impl or kv_impl(device, None, dtype)
     capturing = mode == "auto" and device.type == "cuda" and _CAPTURE_RULE.get()
-    return pass_impl(mode, gathered, kv_cache_fp8, rows, layout, capturing)
+    return pass_impl(mode, gathered, kv_cache_fp8, rows, layout, capturing, dims)
 
 
 def _no_phase(name: str) -> None:
@@ -299,7 +337,10 @@ def fused_schedule_kv(plan, inputs: KVInputs):
     ``inputs.impl``: this pass gathers, from an FP8 cache when ``inputs.kv_cache_scale`` is given."""
     x, weight, scale = inputs, inputs.weight, inputs.kv_cache_scale
     keys = int(plan.main_kv_indptr[-1])
-    if _pass_impl(x.impl, plan.device, plan.dtype, True, scale is not None, keys, weight.gemm_layout) == "fused":
+    if (
+        _pass_impl(x.impl, plan.device, plan.dtype, True, scale is not None, keys, weight.gemm_layout, weight.dims)
+        == "fused"
+    ):
         x.hook("up-projection")
         from .kernels.up_project import up_project_triton
 
@@ -330,7 +371,10 @@ def new_tokens_kv(inputs: KVInputs):
     :func:`fused_schedule_kv` (the separate path gathers nothing: the GEMM reads kv_c and k_pe where they are, the
     identity layout after concatenating them)."""
     x, weight, kv_c = inputs, inputs.weight, inputs.kv_c
-    if _pass_impl(x.impl, kv_c.device, kv_c.dtype, False, False, kv_c.shape[0], weight.gemm_layout) == "fused":
+    if (
+        _pass_impl(x.impl, kv_c.device, kv_c.dtype, False, False, kv_c.shape[0], weight.gemm_layout, weight.dims)
+        == "fused"
+    ):
         x.hook("up-projection")
         from .kernels.up_project import up_project_triton
 
@@ -347,7 +391,7 @@ def chunk_kv(chunk, inputs: KVInputs):
     :func:`fused_schedule_kv`."""
     x, weight, scale, dtype = inputs, inputs.weight, inputs.kv_cache_scale, inputs.dtype
     device, rows = x.kv_cache.device, chunk.num_tokens
-    if _pass_impl(x.impl, device, dtype, True, scale is not None, rows, weight.gemm_layout) == "fused":
+    if _pass_impl(x.impl, device, dtype, True, scale is not None, rows, weight.gemm_layout, weight.dims) == "fused":
         x.hook("up-projection")
         from .kernels.up_project import up_project_triton
 

@@ -398,3 +398,38 @@ def test_fused_kernel_reads_the_raw_weight_in_place_interpreted(triton_interpret
     """Where Triton is installed (a dev venv; CI has none): :func:`interpreted_raw_weight_cases`."""
     out = triton_interpreted("tests.test_kv:interpreted_raw_weight_cases", "tests/gpu/test_gpu_up_project.py")
     assert out.strip().startswith("ok ") and int(out.split()[-1]) == 8, out
+
+
+def test_auto_bounds_scale_with_the_up_projection_work_per_row():
+    """The row bounds were measured at DeepSeek-V2-Lite's dims (16 heads x (128 + 128) columns of rank 512 per row).
+    A row of GLM-5 (64 heads x (192 + 256)) is 7x that GEMM work: its 4-chunk context pass of 8000 rows ran the fused
+    kernel at 1.21x the attention + GEMM time, gather + cuBLAS at 1.02x; "auto" must take cuBLAS there."""
+    from mla_bridge.dims import MLADims
+
+    v2_lite = MLADims(num_heads=16)
+    glm5 = MLADims(num_heads=64, qk_nope_head_dim=192, v_head_dim=256)
+    assert KV.pass_impl("auto", True, False, 8000, "split", dims=v2_lite) == "fused"
+    assert KV.pass_impl("auto", True, False, 8000, "split", dims=glm5) == "separate"
+    # the bounds move by the work ratio exactly, for every kind of pass
+    quad = MLADims(num_heads=64)  # 4x DeepSeek-V2-Lite's work per row
+    for gathered, fp8, bound in (
+        (True, False, KV.SEPARATE_FROM_ROWS),
+        (True, True, KV.SEPARATE_FROM_ROWS_FP8),
+        (False, False, KV.SEPARATE_FROM_ROWS_NEW),
+    ):
+        assert KV.pass_impl("auto", gathered, fp8, bound, "split", dims=v2_lite) == "separate"
+        assert KV.pass_impl("auto", gathered, fp8, bound - 1, "split", dims=v2_lite) == "fused"
+        assert KV.pass_impl("auto", gathered, fp8, -(-bound // 4), "split", dims=quad) == "separate"
+        assert KV.pass_impl("auto", gathered, fp8, -(-bound // 4) - 1, "split", dims=quad) == "fused"
+        assert KV.pass_impl("auto", gathered, fp8, bound - 1, "split") == "fused"  # no dims: DeepSeek-V2-Lite's
+    # auto_bounds says where pass_impl switches, at any dims
+    for dims in (
+        None,
+        v2_lite,
+        glm5,
+        quad,
+        MLADims(num_heads=40, qk_nope_head_dim=64, v_head_dim=64, kv_lora_rank=256),
+    ):
+        for (gathered, fp8), bound in zip(((True, False), (True, True), (False, False)), KV.auto_bounds(dims)):
+            assert KV.pass_impl("auto", gathered, fp8, bound, "split", dims=dims) == "separate"
+            assert KV.pass_impl("auto", gathered, fp8, bound - 1, "split", dims=dims) == "fused"

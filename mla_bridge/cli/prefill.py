@@ -70,7 +70,7 @@ def cmd_prefill(args, console) -> int:
 
     from .. import MLADims, PrefillPlan, Workspace, mla_prefill, prepare_kv_b_proj
     from ..cache import cache_dtype_name, quantize_latent_cache
-    from ..kv import SEPARATE_FROM_ROWS, SEPARATE_FROM_ROWS_FP8, SEPARATE_FROM_ROWS_NEW
+    from ..kv import auto_bounds
     from ..dims import PRESETS
     from ..dispatch import select_backend
     from ..prefill import kernel_choices
@@ -422,11 +422,12 @@ def cmd_prefill(args, console) -> int:
         f"shuffled block_table; {cache_text}; {cache_bytes / 2**20:.2f} MiB",
     )
     add_row(table, "schedule", schedule)
-    gathered = SEPARATE_FROM_ROWS_FP8 if kv_scale is not None else SEPARATE_FROM_ROWS
+    bound, bound_fp8, bound_new = auto_bounds(dims)
+    gathered = bound_fp8 if kv_scale is not None else bound
     kv_text = {
         "separate": f" ({kernels['gather']} gather + GEMM)",
         "fused": " (one Triton launch per pass)",
-        "auto": f" (one Triton launch per pass under {gathered} gathered or {SEPARATE_FROM_ROWS_NEW} "
+        "auto": f" (one Triton launch per pass under {gathered} gathered or {bound_new} "
         f"new-token rows, {kernels['gather']} gather + GEMM for larger ones)",
     }[kernels["kv"]]
     merge_text = kernels["merge"] if any(c.plan is not None for c in plan.chunks) else "none (no chunk to merge)"
