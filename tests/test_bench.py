@@ -896,3 +896,24 @@ def test_bench_sits_on_top_of_the_import_graph():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_handwritten_pipeline_merges_in_torch_where_merge_state_cannot_launch():
+    """FlashInfer's merge_state puts every head of a row in one block of head_dim / vec threads each: at GLM-5's
+    dims (64 heads of 256, bf16) that is 2048 threads and its launch fails, which left the bench's GLM-5 context rows
+    without their hand-written baseline. There the pipeline merges with torch ops, equal to the LSE formula."""
+    from mla_bridge.bench.context import _torch_merge, merge_state_threads
+
+    assert merge_state_threads(16, 128, 2) == 256
+    assert merge_state_threads(64, 128, 2) == 1024  # the largest that launches at DeepSeek's v_head_dim
+    assert merge_state_threads(128, 128, 2) == 2048 and merge_state_threads(64, 256, 2) == 2048
+    g = torch.Generator().manual_seed(0)
+    o_a, o_b = (torch.randn(5, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    s_a, s_b = (torch.randn(5, 3, generator=g, dtype=torch.float64) * 4 for _ in range(2))
+    s_b[0, 0] = float("-inf")  # an empty partial weighs nothing
+    out, lse = _torch_merge(o_a, s_a, o_b, s_b)
+    want_lse = torch.log2(torch.exp2(s_a) + torch.exp2(s_b))
+    w_a = torch.exp2(s_a - want_lse)[..., None]
+    torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(out, o_a * w_a + o_b * (1 - w_a))
+    torch.testing.assert_close(out[0, 0], o_a[0, 0])

@@ -230,13 +230,35 @@ def handwritten_backend(ctx: Ctx) -> str:
     return "fa3" if is_sm90a_supported(ctx.device) else "fa2"
 
 
+def merge_state_threads(heads: int, head_dim: int, element_size: int) -> int:
+    """Threads per block of FlashInfer 0.7.4's ``merge_state``: ``head_dim / vec`` per head, all heads in one block.
+    Above 1024 its launch fails ("invalid argument": bf16 at 128 heads of 128, or 64 heads of 256)."""
+    return heads * (head_dim // max(16 // element_size, head_dim // 32))
+
+
+def _torch_merge(o_a: torch.Tensor, s_a: torch.Tensor, o_b: torch.Tensor, s_b: torch.Tensor):
+    """The merge of two partials with base-2 LSEs (``out [T, H, D]``, ``lse [T, H]`` float32) in torch ops, as a user
+    writes it where ``flashinfer.merge_state`` cannot launch: weights ``2^(s - max)``, float32, one rounding."""
+    m = torch.maximum(s_a, s_b)
+    w_a, w_b = torch.exp2(s_a - m), torch.exp2(s_b - m)
+    total = w_a + w_b
+    out = (o_a.float() * (w_a / total)[..., None] + o_b.float() * (w_b / total)[..., None]).to(o_a.dtype)
+    return out, m + torch.log2(total)
+
+
 def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[], torch.Tensor]:
     """The pipeline without mla_bridge, planned once per batch (host metadata and one wrapper per pass) and
     returned as a per-layer function: torch gather by block table, ``kv_b_proj`` matmul, ``torch.cat`` with k_pe,
-    a FlashInfer run per chunk, ``flashinfer.merge_state`` (base-2 LSE throughout)."""
+    a FlashInfer run per chunk, ``flashinfer.merge_state`` (base-2 LSE throughout; torch ops where it cannot launch,
+    :func:`merge_state_threads`)."""
     import flashinfer
 
     d, bs, h = x.dims, x.case.block_size, x.dims.num_heads
+    merge = (
+        flashinfer.merge_state
+        if merge_state_threads(h, d.head_dim_vo, torch.empty((), dtype=ctx.dtype).element_size()) <= 1024
+        else _torch_merge
+    )
     fb = handwritten_backend(ctx)
     nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
     qo = indptr(x.q_lens)
@@ -282,9 +304,9 @@ def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[],
             k, v = up(latent[:, :rank], latent[:, rank:])
             c_out, c_lse = wrapper.run(x.q[q0:q1], k, v, return_lse=True)
             if q0 == 0 and q1 == t:
-                out, lse = flashinfer.merge_state(out, lse, c_out, c_lse)
+                out, lse = merge(out, lse, c_out, c_lse)
             else:
-                m_out, m_lse = flashinfer.merge_state(out[q0:q1], lse[q0:q1], c_out, c_lse)
+                m_out, m_lse = merge(out[q0:q1], lse[q0:q1], c_out, c_lse)
                 out[q0:q1] = m_out
                 lse[q0:q1] = m_lse
         return out
@@ -553,7 +575,10 @@ def _handwritten_item(c: Case, x: Inputs, budget: int, flops: float):
         fb = handwritten_backend(c.ctx)
     except Exception as err:  # noqa: BLE001
         return c.failed("handwritten", err, "plan failed")
-    return c.item("handwritten", layer, flops=flops, note=f"torch gather, matmul, cat, {fb} per chunk, merge_state")
+    d = x.dims
+    fits = merge_state_threads(d.num_heads, d.head_dim_vo, x.q.element_size()) <= 1024
+    merge = "merge_state" if fits else "a torch merge (FlashInfer's merge_state cannot launch at these dims)"
+    return c.item("handwritten", layer, flops=flops, note=f"torch gather, matmul, cat, {fb} per chunk, {merge}")
 
 
 def _summary_rows(c: Case, case: ContextCase, bi: int, by_path: dict, flops: float) -> list[Row]:

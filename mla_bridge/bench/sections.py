@@ -15,7 +15,7 @@ from ..prefill import mla_prefill
 from ..workspace import Workspace
 from .cases import ContextCase, context_cases, dims_for, loop_case
 from .common import Case, Ctx, Job, Row, Variant, fmt_err, variants
-from .context import budget_bytes, handwritten_pipeline, make_inputs, peak_extra
+from .context import budget_bytes, handwritten_pipeline, make_inputs, merge_state_threads, peak_extra
 
 __all__ = ["merge_jobs", "plan_jobs", "memory_jobs"]
 
@@ -44,13 +44,12 @@ def _merge_job(ctx: Ctx, heads: int, ci: int) -> list[Row]:
         c.item("ours in place", lambda: merge_attn_states_(acc_out, acc_lse, out_b, lse_b), nbytes=nbytes),
     ]
     skipped = [row] if (row := c.unavailable("raw")) else []
-    threads = d // max(16 // out_a.element_size(), d // 32)
-    if not skipped and heads * threads > 1024:
+    if not skipped and merge_state_threads(heads, d, out_a.element_size()) > 1024:
         # FlashInfer 0.7.4 launches head_dim/vec x heads threads per block: above 64 heads at bf16, d 128, the
         # launch fails (seen on the H200), and a failed launch can poison the next kernel's error check.
         why = (
             f"not run: FlashInfer's merge_state fails to launch above 64 heads at bf16, d {d} (block of {heads} x "
-            f"{threads} threads > 1024); merge_attn_states folds heads into rows"
+            f"{merge_state_threads(1, d, out_a.element_size())} threads > 1024); merge_attn_states folds heads into rows"
         )
         skipped.append(c.skip("raw", why))
     elif not skipped:
