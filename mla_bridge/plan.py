@@ -212,6 +212,7 @@ class PrefillPlan:
     ctx_positions: Optional[torch.Tensor]
     ctx_dst: Optional[torch.Tensor]
     new_dst: Optional[torch.Tensor]
+    sparse_token_meta: Optional[torch.Tensor]
     _sizes: dict
     _backend: Optional[str]
     _requested: Optional[str]
@@ -227,6 +228,7 @@ class PrefillPlan:
     _streams_seen: set[int]
     _ready: Optional[torch.cuda.Event]
     _pinned_runs: torch.Tensor
+    _pinned_meta: torch.Tensor
     _partial_rows: int
     _offset_limit: tuple
     _merge_steps: tuple[tuple, int]
@@ -361,6 +363,7 @@ class PrefillPlan:
             _check_chunk_count(total_context, workspace.chunk_tokens)  # before any chunk or pass is made
             kv_host, self.main_kv_indptr = qo_host, self.qo_indptr  # keys = queries; neither is ever written
             self.chunks = self._plan_chunks(qo, qo_host)
+        self.sparse_token_meta = None if self.index_topk is None else self._sparse_token_meta(qo_host)
         self.main = self._plan_pass(
             qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new, self.qo_indptr, self.main_kv_indptr
         )
@@ -466,6 +469,27 @@ class PrefillPlan:
         )
         limit = OFFSET_LIMITS.get(choice.name)
         return step if limit is None else max(1, min(step, (limit - 1) // self._kv_row))
+
+    def _sparse_token_meta(self, qo_host: np.ndarray) -> torch.Tensor:
+        """:attr:`sparse_token_meta`: int32 ``[T, 4]`` on the plan's device, per new token its request, the request's
+        context length, its sequence length (context + new) and the row of ``kv_c`` / ``k_pe`` holding its sequence
+        position 0 (its first new token's row minus the context length): where the sparse pass
+        (:mod:`mla_bridge.sparse`) places each pick. Made once per plan, not per layer: O(T) numpy work into
+        page-locked memory and one host-to-device copy that never blocks the host, queued before the main pass's plan
+        (whose event covers it, or the plan's own event) and kept in ``_device_indices``."""
+        q = np.asarray(self.query_lens, dtype=np.int64)
+        c = np.asarray(self.context_lens, dtype=np.int64)
+        req = np.repeat(np.arange(q.size, dtype=np.int64), q)
+        cols = (req, c[req], (c + q)[req], qo_host[:-1].astype(np.int64)[req] - c[req])
+        if self.device.type == "cpu":
+            return torch.from_numpy(np.stack(cols, axis=1).astype(np.int32))
+        host = torch.empty(req.size, 4, dtype=torch.int32, pin_memory=True)
+        for j, col in enumerate(cols):
+            host.numpy()[:, j] = col
+        self._pinned_meta = host
+        meta = host.to(self.device, non_blocking=True)
+        self._device_indices.append(meta)
+        return meta
 
     def _expand(self, counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> torch.Tensor:
         """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``

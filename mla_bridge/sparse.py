@@ -260,13 +260,16 @@ def check_topk_indices(topk_indices, plan: PrefillPlan) -> Optional[torch.Tensor
 def token_meta(plan: PrefillPlan) -> torch.Tensor:
     """int32 ``[T, 4]`` on the plan's device, per new token: its request, the request's context length, its sequence
     length (context + new) and the row of ``kv_c`` / ``k_pe`` holding its sequence position 0 (its first new token's
-    row minus the context length): what the Triton kernel reads to place each pick (built on the host, one copy)."""
-    lens = torch.tensor(plan.query_lens, dtype=torch.int64)
-    ctx = torch.tensor(plan.context_lens, dtype=torch.int64)
-    req = torch.repeat_interleave(torch.arange(plan.batch_size, dtype=torch.int64), lens, output_size=plan.num_tokens)
-    first = plan.qo_indptr.to(torch.int64)[:-1]
-    meta = torch.stack([req, ctx[req], ctx[req] + lens[req], first[req] - ctx[req]], dim=1).to(torch.int32)
-    return meta.to(plan.device)
+    row minus the context length): what the Triton kernel and the torch path read to place each pick. The plan's
+    :attr:`mla_bridge.plan.PrefillPlan.sparse_token_meta`, made once at its build (a layer copies nothing to the
+    device, so the host never waits for the GPU).
+
+    Raises:
+        ValueError: a dense plan (no ``index_topk``).
+    """
+    if plan.sparse_token_meta is None:
+        raise ValueError("the plan is dense (index_topk=None): build it with PrefillPlan.build(..., index_topk=K)")
+    return plan.sparse_token_meta
 
 
 def sparse_prefill(
@@ -365,16 +368,14 @@ def _torch_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indices
     nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
     dev, dtype = plan.device, plan.dtype
     w_uk, w_uv = (w.float() for w in weight.absorbed_weights())  # [H, nope, rank], [H, v, rank]
-    req_ids, _ = token_positions(plan)
-    ctx_lens = torch.tensor(plan.context_lens, dtype=torch.int64).to(dev)
-    first_row = plan.qo_indptr.to(torch.int64).to(dev)[:-1]  # each request's first row of kv_c / k_pe
+    meta = token_meta(plan).long()  # per token: request, context length, sequence length, kv_c row of position 0
     step = max(1, min(SPARSE_CHUNK_QUERIES, SPARSE_CHUNK_PAIRS // kk))
     for a in range(0, t, step):
         b = min(t, a + step)
         idx = topk_indices[a:b].long()  # [n, K]
         valid = idx >= 0
-        req = req_ids[a:b, None].expand_as(idx)
-        ctx = ctx_lens[req]
+        req = meta[a:b, 0, None].expand_as(idx)
+        ctx = meta[a:b, 1, None]
         from_cache = valid & (idx < ctx)
         from_new = valid & (idx >= ctx)
         sel = torch.zeros(b - a, kk, d.latent_dim, dtype=dtype, device=dev)  # -1 picks stay 0 (masked below)
@@ -383,7 +384,7 @@ def _torch_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indices
             sel[from_cache] = gather_latent(
                 kv_cache, block_table, cache_req, cache_pos, dtype=dtype, kv_cache_scale=kv_cache_scale, impl=gather
             )
-        rows = (first_row[req] + idx - ctx)[from_new]
+        rows = (meta[a:b, 3, None] + idx)[from_new]
         if rows.numel():
             sel[from_new] = torch.cat([kv_c[rows], k_pe[rows]], dim=-1)
         lat = sel.float()

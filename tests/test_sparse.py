@@ -463,6 +463,19 @@ def test_token_meta_places_each_pick(tiny_dims):
     ]
 
 
+def test_token_meta_is_made_once_per_plan(tiny_dims):
+    """The table is the plan's, made at its build: every layer reads the same tensor (it was made, and copied to the
+    device from pageable memory, in each call: on CUDA a copy that waits for the GPU, so the host could not run
+    ahead). A dense plan has none."""
+    plan = plan_for(tiny_dims, [2, 0, 3], [5, 4, 0], 4, 4)
+    assert sparse.token_meta(plan) is sparse.token_meta(plan) is plan.sparse_token_meta
+    assert plan.sparse_token_meta.dtype == torch.int32 and plan.sparse_token_meta.shape == (5, 4)
+    dense = PrefillPlan.build([2], [5], dims=tiny_dims, workspace=Workspace("cpu"), block_size=4, dtype=torch.float32)
+    assert dense.sparse_token_meta is None
+    with pytest.raises(ValueError, match="the plan is dense"):
+        sparse.token_meta(dense)
+
+
 def test_sparse_prefill_takes_a_path_by_name(ref, tiny_dims):
     """``impl=`` (tests and benchmarks) names a path; another name is refused before anything is written."""
     from mla_bridge.prefill import as_prepared

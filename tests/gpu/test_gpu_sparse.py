@@ -378,3 +378,42 @@ def test_kernel_reads_new_latents_far_from_the_cache(ref, latents_first):
     got = mla_prefill(q, far_kv_c, far_k_pe, w, far_cache, table, plan, topk_indices=idx, return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_sparse_layer_does_not_wait_for_the_gpu(ref, monkeypatch):
+    """In an engine the host issues layer after layer while the GPU works: a sparse call on a busy GPU must return
+    before the GPU reaches it (each call copied its per-token table to the device from pageable memory, which waits
+    for the stream). Its results equal the call made on an idle GPU. The Triton kernel (the default on CUDA); the
+    torch fallback indexes by boolean masks, which read them on the host."""
+    monkeypatch.setenv("MLA_BRIDGE_SPARSE", "triton")
+    dims, k = MLADims(**V2_LITE), 256
+    batch = bf16_batch(ref, dims, 16, seed=3)
+    idx = indices(k, seed=3)
+    plan = PrefillPlan.build(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        dims=dims,
+        workspace=Workspace(dev()),
+        block_size=16,
+        dtype=torch.bfloat16,
+        index_topk=k,
+    )
+    cache = batch.cache.to(torch.bfloat16)
+    want_out, want_lse = call(batch, plan, idx, cache, None, dev())  # compiles, warms the allocator
+    args = [x.to(dev()) for x in (batch.q, batch.kv_c, batch.k_pe, batch.w)]
+    q, kv_c, k_pe, w = (x.to(torch.bfloat16) for x in args)
+    cache, table, idx = cache.to(dev()), batch.block_table.to(dev()), idx.to(dev())
+    torch.cuda.synchronize()
+    import time
+
+    done = torch.cuda.Event()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU work queued ahead of the layers
+    t0 = time.perf_counter()
+    outs = [mla_prefill(q, kv_c, k_pe, w, cache, table, plan, topk_indices=idx, return_lse=True) for _ in range(3)]
+    issued = time.perf_counter() - t0
+    done.record()
+    assert not done.query(), "the GPU finished the sleep before the host issued the layers: no test"
+    torch.cuda.synchronize()
+    assert issued < 0.25, f"issuing 3 sparse layers took {issued:.3f} s: the host waited for the GPU"
+    for out, lse in outs:
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
