@@ -917,3 +917,30 @@ def test_the_handwritten_pipeline_merges_in_torch_where_merge_state_cannot_launc
     torch.testing.assert_close(lse, want_lse)
     torch.testing.assert_close(out, o_a * w_a + o_b * (1 - w_a))
     torch.testing.assert_close(out[0, 0], o_a[0, 0])
+
+
+def test_ttft_alone_rows_run_on_the_tensors_the_model_hands_its_attention():
+    """The alone rows time the attention on what transformers hands its first layer, as it hands it: q/k/v of
+    [B, H, L, D] shapes and the mask of the case (none without a cache; bottom-right causal over the prefix with
+    one), whatever layout the installed transformers builds them in."""
+    pytest.importorskip("transformers")
+    from mla_bridge.bench import ttft
+
+    model = ttft.build_transformers_model(_ctx(), quick=True)
+    heads = model.config.num_attention_heads
+    ids = torch.randint(3, model.config.vocab_size, (2, 8))
+    q, k, v, mask = ttft._model_attention_inputs(model, ids, None)
+    assert q.shape == (2, heads, 8, 192) and k.shape == (2, heads, 8, 192) and v.shape == (2, heads, 8, 128)
+    assert mask is None or bool(mask.all().logical_not())  # transformers' causal mask, if it builds one
+    with torch.no_grad():
+        model.config._attn_implementation = "sdpa"
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.randint(3, model.config.vocab_size, (2, 24)), past_key_values=cache)
+    prefix = [(layer.keys, layer.values) for layer in cache.layers]
+    q, k, v, mask = ttft._model_attention_inputs(model, ids, prefix)
+    assert q.shape == (2, heads, 8, 192) and k.shape == (2, heads, 32, 192) and v.shape == (2, heads, 32, 128)
+    want = torch.ones(8, 32, dtype=torch.bool).tril(24)
+    assert mask is not None and torch.equal(mask[0, 0], want) and torch.equal(mask[1, 0], want)
+    assert not ttft._PROBED  # nothing kept past the probe

@@ -15,7 +15,8 @@ attention function reads its mask on the host once is not charged the timer's sp
   (:func:`mla_bridge_transformers.register`); and the same model with attention replaced by a no-op returning zeros
   of the output's shape ("attention a no-op"): the model's time outside attention. ``attention ms`` of a path = its
   time minus the no-op's; ``attention share`` = that over the path's time (how much of the TTFT attention can move).
-* the layer's attention alone, on tensors of the shapes and strides transformers hands it, once per layer:
+* the layer's attention alone, on the tensors transformers hands the first layer (kept from one untimed forward
+  with a probing no-op attention: transformers' own strides and mask, whatever its version), once per layer:
   transformers' ``sdpa_attention_forward``, :func:`mla_bridge_transformers.mla_bridge_attention`, and the kernel
   calls it makes (``RaggedPlan.run`` per batch row on the same views, planned outside the timing). ``kept`` (on the
   mla_bridge row) = (sdpa model - mla_bridge model) / (sdpa alone - kernel alone): the share of the kernel's win
@@ -68,6 +69,8 @@ V2_LITE: dict[str, Any] = dict(
 LAYERS = 4
 #: The attention implementation name of the no-op (zeros of the output's shape), registered with sdpa's mask.
 NOOP_IMPLEMENTATION = "mla_bridge_bench_noop"
+#: The attention function that records what transformers hands the first layer (the inputs of the alone rows).
+PROBE_IMPLEMENTATION = "mla_bridge_bench_probe"
 #: Timed forwards per path at most (a 16 x 10000 forward is about a third of a second on an H200).
 MAX_REPEATS = 7
 #: The case whose adapter overhead is checked against the target (batch 4 x 10000 tokens).
@@ -181,15 +184,34 @@ def _forward_fn(model: Any, impl: str, ids: torch.Tensor, prefix: Optional[list]
     return fn
 
 
-def _attention_inputs(ctx: Ctx, case: TtftCase, salt: int):
-    """q, k, v as DeepSeek-V2's attention hands them: q and k contiguous ``[B, H, L, 192]`` (concatenations), v a
-    ``[..., 128:]`` view of the up-projection's ``[B, K, H, 256]`` output transposed to ``[B, H, K, 128]``."""
-    g = ctx.generator(salt)
-    h, kv_len = V2_LITE["num_attention_heads"], case.cached + case.new
-    q = ctx.randn(case.batch, h, case.new, 192, gen=g)
-    k = ctx.randn(case.batch, h, kv_len, 192, gen=g)
-    kv = ctx.randn(case.batch, kv_len, h, 256, gen=g).transpose(1, 2)
-    return q, k, kv[..., 128:]
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The no-op attention that keeps the first layer's ``(query, key, value, attention_mask)`` in
+    ``_PROBED`` (the tensors themselves: their strides are transformers' own, whatever its version)."""
+    if not _PROBED:
+        _PROBED.extend((query, key, value, attention_mask))
+    return _noop_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+_PROBED: list = []
+
+
+def _model_attention_inputs(model: Any, ids: torch.Tensor, prefix: Optional[list]) -> tuple:
+    """``(q, k, v, mask)`` as the model's first layer receives them in a forward of ``ids`` (over ``prefix``): the
+    tensors of one probe forward (:func:`_probe_attention`), so the alone rows run on transformers' own layouts and
+    masks (a copy of them in another layout times another kernel: cuDNN's speed depends on the strides)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
+    AttentionMaskInterface.register(PROBE_IMPLEMENTATION, sdpa_mask)
+    _PROBED.clear()
+    try:
+        _forward_fn(model, PROBE_IMPLEMENTATION, ids, prefix)()
+        if len(_PROBED) != 4:
+            raise RuntimeError("the model called no attention function")
+        return tuple(_PROBED)
+    finally:
+        _PROBED.clear()
 
 
 def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
@@ -257,6 +279,12 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
     ]
     model_rows = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup, latency=True)
     rows.extend(model_rows)
+    probed: Optional[tuple] = None
+    probe_error: Optional[BaseException] = None
+    try:
+        probed = _model_attention_inputs(model, ids, prefix)
+    except Exception as err:  # noqa: BLE001
+        probe_error = err
     prefix = None
 
     # the layer's attention alone, on the shapes and strides transformers hands it, once per layer
@@ -278,17 +306,13 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
     try:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        q, k, v = _attention_inputs(ctx, case, 7000 + ci)
+        if probed is None:
+            assert probe_error is not None  # the probe failed
+            raise probe_error
+        q, k, v, mask = probed  # what transformers hands the first layer, its strides and its mask
         # each layer's own module, as in a forward: the mask is read on the first layer's call only
         modules = [layer.self_attn for layer in model.model.layers]
         scaling = modules[0].scaling
-        mask = None
-        if case.cached:  # transformers' boolean mask of a continuation without padding (bottom-right causal)
-            mask = (
-                torch.ones(case.new, case.cached + case.new, dtype=torch.bool, device=ctx.device)
-                .tril(case.cached)[None, None]
-                .expand(case.batch, 1, -1, -1)
-            )
         rows_views = [(q[r].transpose(0, 1), k[r].transpose(0, 1), v[r].transpose(0, 1)) for r in range(case.batch)]
         strides = tuple(mbt_attention._strides(x) for x in rows_views[0])
         plan = mbt_attention._plan(
