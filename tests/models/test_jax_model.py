@@ -30,6 +30,27 @@ def torch_model(folder):
     return H.load(folder, "eager")
 
 
+def test_the_noop_model_computes_all_but_the_attention(folder):
+    """The ttft bench subtracts the no-op model from each model to get attention's time: XLA must not drop the
+    projections whose results only the attention reads (it dropped q_proj and kv_b_proj, 2 matmuls per layer, and
+    counted them as attention). Compiled here: the no-op model has exactly XLA attention's two matmuls per layer
+    fewer, and its output is zeros."""
+    cfg = models.DeepseekConfig.from_hf_config(folder)
+    params = models.load_params(folder)
+    ids = jnp.asarray(np.arange(26, dtype=np.int32).reshape(2, 13) + 3)
+    dots = {}
+    for attention in ("xla", "noop"):
+        forward = models.make_forward(cfg, batch=2, seq_len=13, attention=attention, logits_to_keep=1)
+        dots[attention] = forward.lower(params, ids).compile().as_text().count(" dot(")
+    if dots["xla"] < 2 * cfg.num_layers:
+        pytest.skip(f"this XLA backend does not show its matmuls as dot ops ({dots})")
+    assert dots["noop"] == dots["xla"] - 2 * cfg.num_layers, dots
+    attend = models._attention_fn(cfg, "noop", 2, 13, 0, jnp.float32)
+    q = jnp.ones((2, 13, cfg.num_heads, models.q_dim(cfg)))
+    out = attend(q, q, jnp.ones((2, 13, cfg.num_heads, cfg.v_head_dim)))
+    assert out.shape == (2, 13, cfg.num_heads, cfg.v_head_dim) and not bool(out.any())
+
+
 @pytest.mark.parametrize("attention", ["mla_bridge", "xla"])
 def test_logits_equal_transformers(folder, torch_model, attention, two_torch_threads):
     cfg = models.DeepseekConfig.from_hf_config(folder)
