@@ -190,14 +190,15 @@ def select_sparse(
 def token_positions(plan: PrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(req_ids, positions)``, int64 ``[T]`` each on the plan's device: the request of each new token and its
     position in that request's sequence (``context_lens[r] + j`` for the request's ``j``-th new token), the last
-    position its ``topk_indices`` row may name."""
-    dev = plan.device
-    lens = torch.tensor(plan.query_lens, dtype=torch.int64)
-    req = torch.repeat_interleave(torch.arange(plan.batch_size, dtype=torch.int64), lens, output_size=plan.num_tokens)
-    first = plan.qo_indptr.to(torch.int64)[:-1]
-    ctx = torch.tensor(plan.context_lens, dtype=torch.int64)
-    pos = torch.arange(plan.num_tokens, dtype=torch.int64) - first[req] + ctx[req]
-    return req.to(dev), pos.to(dev)
+    position its ``topk_indices`` row may name. Read from :func:`token_meta` (a token's row minus the row of its
+    sequence position 0).
+
+    Raises:
+        ValueError: a dense plan (no ``index_topk``).
+    """
+    meta = token_meta(plan).long()
+    rows = torch.arange(plan.num_tokens, dtype=torch.int64, device=meta.device)
+    return meta[:, 0], rows - meta[:, 3]
 
 
 def check_topk_indices(topk_indices, plan: PrefillPlan) -> Optional[torch.Tensor]:

@@ -461,6 +461,8 @@ def test_token_meta_places_each_pick(tiny_dims):
         [2, 0, 3, 2],
         [2, 0, 3, 2],
     ]
+    req, own = sparse.token_positions(plan)  # each token's request and its position in that request's sequence
+    assert req.tolist() == [0, 0, 2, 2, 2] and own.tolist() == [5, 6, 0, 1, 2]
 
 
 def test_token_meta_is_made_once_per_plan(tiny_dims):

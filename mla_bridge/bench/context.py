@@ -246,6 +246,12 @@ def _torch_merge(o_a: torch.Tensor, s_a: torch.Tensor, o_b: torch.Tensor, s_b: t
     return out, m + torch.log2(total)
 
 
+def handwritten_merges_in_flashinfer(x: Inputs) -> bool:
+    """Whether the hand-written pipeline of ``x`` merges with ``flashinfer.merge_state`` (else torch ops: it
+    cannot launch at these dims, :func:`merge_state_threads`)."""
+    return merge_state_threads(x.dims.num_heads, x.dims.head_dim_vo, x.q.element_size()) <= 1024
+
+
 def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[], torch.Tensor]:
     """The pipeline without mla_bridge, planned once per batch (host metadata and one wrapper per pass) and
     returned as a per-layer function: torch gather by block table, ``kv_b_proj`` matmul, ``torch.cat`` with k_pe,
@@ -254,11 +260,7 @@ def handwritten_pipeline(ctx: Ctx, x: Inputs, chunk_tokens: int) -> Callable[[],
     import flashinfer
 
     d, bs, h = x.dims, x.case.block_size, x.dims.num_heads
-    merge = (
-        flashinfer.merge_state
-        if merge_state_threads(h, d.head_dim_vo, torch.empty((), dtype=ctx.dtype).element_size()) <= 1024
-        else _torch_merge
-    )
+    merge = flashinfer.merge_state if handwritten_merges_in_flashinfer(x) else _torch_merge
     fb = handwritten_backend(ctx)
     nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
     qo = indptr(x.q_lens)
@@ -575,8 +577,7 @@ def _handwritten_item(c: Case, x: Inputs, budget: int, flops: float):
         fb = handwritten_backend(c.ctx)
     except Exception as err:  # noqa: BLE001
         return c.failed("handwritten", err, "plan failed")
-    d = x.dims
-    fits = merge_state_threads(d.num_heads, d.head_dim_vo, x.q.element_size()) <= 1024
+    fits = handwritten_merges_in_flashinfer(x)
     merge = "merge_state" if fits else "a torch merge (FlashInfer's merge_state cannot launch at these dims)"
     return c.item("handwritten", layer, flops=flops, note=f"torch gather, matmul, cat, {fb} per chunk, {merge}")
 

@@ -61,6 +61,19 @@ def bf16_batch(ref, dims, block_size, seed):
     return batch
 
 
+def bf16_plan(dims, k: int, block_size: int) -> PrefillPlan:
+    """A bf16 sparse plan of the test batch (QUERY_LENS after CONTEXT_LENS) on the GPU."""
+    return PrefillPlan.build(
+        QUERY_LENS,
+        CONTEXT_LENS,
+        dims=dims,
+        workspace=Workspace(dev()),
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        index_topk=k,
+    )
+
+
 def call(batch, plan, idx, cache, scale, device):
     to = lambda x: x.to(device)  # noqa: E731
     return mla_prefill(
@@ -123,15 +136,7 @@ def test_triton_and_torch_gather_agree(ref, monkeypatch):
     k = 128
     batch = bf16_batch(ref, dims, 16, seed=3)
     idx = indices(k, seed=3)
-    plan = PrefillPlan.build(
-        QUERY_LENS,
-        CONTEXT_LENS,
-        dims=dims,
-        workspace=Workspace(dev()),
-        block_size=16,
-        dtype=torch.bfloat16,
-        index_topk=k,
-    )
+    plan = bf16_plan(dims, k, 16)
     cache = batch.cache.to(torch.bfloat16)
     auto, auto_lse = call(batch, plan, idx, cache, None, dev())
     monkeypatch.setenv("MLA_BRIDGE_GATHER", "torch")
@@ -310,15 +315,7 @@ def test_kernel_skips_a_pick_past_the_sequence(ref):
     bad = idx.clone()
     bad[0, (bad[0] < 0).nonzero()[0]] = CONTEXT_LENS[0] + QUERY_LENS[0]  # one past request 0's sequence
     bad[1, (bad[1] < 0).nonzero()[0]] = 10**6
-    plan = PrefillPlan.build(
-        QUERY_LENS,
-        CONTEXT_LENS,
-        dims=dims,
-        workspace=Workspace(dev()),
-        block_size=16,
-        dtype=torch.bfloat16,
-        index_topk=k,
-    )
+    plan = bf16_plan(dims, k, 16)
     to = lambda x: x.to(dev()).to(torch.bfloat16)  # noqa: E731
     args = (
         to(batch.q),
@@ -359,15 +356,7 @@ def test_kernel_reads_new_latents_far_from_the_cache(ref, latents_first):
     idx = indices(k, seed=12, fill=0.9).to(dev())
     q, kv_c, k_pe, w, cache = (getattr(batch, n).to(dev(), torch.bfloat16) for n in ("q", "kv_c", "k_pe", "w", "cache"))
     table = batch.block_table.to(dev())
-    plan = PrefillPlan.build(
-        QUERY_LENS,
-        CONTEXT_LENS,
-        dims=dims,
-        workspace=Workspace(dev()),
-        block_size=16,
-        dtype=torch.bfloat16,
-        index_topk=k,
-    )
+    plan = bf16_plan(dims, k, 16)
     want = mla_prefill(q, kv_c, k_pe, w, cache, table, plan, topk_indices=idx, return_lse=True)
     gap = 2**31 + 2**20
     if latents_first:
@@ -389,15 +378,7 @@ def test_a_sparse_layer_does_not_wait_for_the_gpu(ref, monkeypatch):
     dims, k = MLADims(**V2_LITE), 256
     batch = bf16_batch(ref, dims, 16, seed=3)
     idx = indices(k, seed=3)
-    plan = PrefillPlan.build(
-        QUERY_LENS,
-        CONTEXT_LENS,
-        dims=dims,
-        workspace=Workspace(dev()),
-        block_size=16,
-        dtype=torch.bfloat16,
-        index_topk=k,
-    )
+    plan = bf16_plan(dims, k, 16)
     cache = batch.cache.to(torch.bfloat16)
     want_out, want_lse = call(batch, plan, idx, cache, None, dev())  # compiles, warms the allocator
     args = [x.to(dev()) for x in (batch.q, batch.kv_c, batch.k_pe, batch.w)]
