@@ -51,7 +51,15 @@ import numpy as np
 
 from mla_bridge import MLADims
 
-__all__ = ["DeepseekConfig", "load_params", "params_from_state_dict", "make_forward", "ATTENTIONS", "bench_rows"]
+__all__ = [
+    "DeepseekConfig",
+    "load_params",
+    "params_from_state_dict",
+    "make_forward",
+    "attention_inputs",
+    "ATTENTIONS",
+    "bench_rows",
+]
 
 ATTENTIONS = ("mla_bridge", "cudnn", "xla", "noop")
 
@@ -286,6 +294,69 @@ def q_dim(cfg: DeepseekConfig) -> int:
     return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
 
 
+def _attention_inputs_fn(cfg: DeepseekConfig) -> Callable:
+    """``qkv(attn_params, hs [B, L, hidden], positions [L], cached) -> (q [B, L, H, Dqk], k [B, P + L, H, Dqk],
+    kv [B, P + L, H, nope + Dv], latent [B, P + L, kv_lora_rank + rope])``: what one layer hands its attention (v is
+    ``kv[..., nope:]``), from the normed hidden states."""
+    inv_freq_np, attention_factor = rope_inv_freq(cfg)
+    h, nope, rope, rank, d_v = (
+        cfg.num_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.kv_lora_rank,
+        cfg.v_head_dim,
+    )
+    eps = cfg.rms_norm_eps
+
+    def qkv(a, hs, positions, cached):
+        b, length = hs.shape[:2]
+        if "q_proj" in a:
+            q = _linear(a["q_proj"], hs)
+        else:
+            q = _linear(a["q_b_proj"], _rms_norm(a["q_a_layernorm"], _linear(a["q_a_proj"], hs), eps))
+        q = q.reshape(b, length, h, nope + rope)
+        inv_freq = jnp.asarray(inv_freq_np)
+        q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], positions, inv_freq, attention_factor)], axis=-1)
+        ckv = _linear(a["kv_a_proj_with_mqa"], hs)
+        latent = jnp.concatenate(
+            [
+                _rms_norm(a["kv_a_layernorm"], ckv[..., :rank], eps),
+                _rope(ckv[..., rank:], positions, inv_freq, attention_factor),
+            ],
+            axis=-1,
+        )
+        if cached is not None:
+            latent = jnp.concatenate([cached.astype(latent.dtype), latent], axis=1)
+        total = latent.shape[1]
+        kv = _linear(a["kv_b_proj"], latent[..., :rank]).reshape(b, total, h, nope + d_v)
+        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(latent[:, :, None, rank:], (b, total, h, rope))], axis=-1)
+        return q, k, kv, latent
+
+    return qkv
+
+
+def attention_inputs(
+    cfg: DeepseekConfig, params: dict, input_ids: jax.Array, cache: Optional[list] = None, *, prefix_len: int = 0
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The q, k and v the model hands its first layer's attention, as :func:`make_forward`'s model computes them:
+    ``q [B, L, H, Dqk]``, ``k [B, P + L, H, Dqk]``, ``v [B, P + L, H, Dv]`` (``P = prefix_len``; ``cache`` as for
+    :func:`make_forward`), contiguous, in the params' dtype. The bench times each attention alone on these."""
+    qkv = _attention_inputs_fn(cfg)
+    nope = cfg.qk_nope_head_dim
+
+    @jax.jit
+    def first(params, input_ids, cached):
+        layer = params["model"]["layers"]["0"]
+        x = params["model"]["embed_tokens"]["weight"][input_ids]
+        positions = jnp.arange(prefix_len, prefix_len + input_ids.shape[1], dtype=jnp.int32)
+        q, k, kv, _ = qkv(
+            layer["self_attn"], _rms_norm(layer["input_layernorm"], x, cfg.rms_norm_eps), positions, cached
+        )
+        return q, k, kv[..., nope:]
+
+    return first(params, input_ids, None if cache is None else cache[0])
+
+
 def make_forward(
     cfg: DeepseekConfig,
     *,
@@ -317,40 +388,13 @@ def make_forward(
             core's errors when planning (named).
     """
     attend = _attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
-    inv_freq_np, attention_factor = rope_inv_freq(cfg)
-    h, nope, rope, rank, d_v = (
-        cfg.num_heads,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.kv_lora_rank,
-        cfg.v_head_dim,
-    )
-    eps = cfg.rms_norm_eps
+    h, nope, d_v, eps = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
+    qkv = _attention_inputs_fn(cfg)
 
     def layer(p, x, positions, cached):
         b, length = x.shape[:2]
         a = p["self_attn"]
-        hs = _rms_norm(p["input_layernorm"], x, eps)
-        if "q_proj" in a:
-            q = _linear(a["q_proj"], hs)
-        else:
-            q = _linear(a["q_b_proj"], _rms_norm(a["q_a_layernorm"], _linear(a["q_a_proj"], hs), eps))
-        q = q.reshape(b, length, h, nope + rope)
-        inv_freq = jnp.asarray(inv_freq_np)
-        q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], positions, inv_freq, attention_factor)], axis=-1)
-        ckv = _linear(a["kv_a_proj_with_mqa"], hs)
-        latent = jnp.concatenate(
-            [
-                _rms_norm(a["kv_a_layernorm"], ckv[..., :rank], eps),
-                _rope(ckv[..., rank:], positions, inv_freq, attention_factor),
-            ],
-            axis=-1,
-        )
-        if cached is not None:
-            latent = jnp.concatenate([cached.astype(latent.dtype), latent], axis=1)
-        total = latent.shape[1]
-        kv = _linear(a["kv_b_proj"], latent[..., :rank]).reshape(b, total, h, nope + d_v)
-        k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(latent[:, :, None, rank:], (b, total, h, rope))], axis=-1)
+        q, k, kv, latent = qkv(a, _rms_norm(p["input_layernorm"], x, eps), positions, cached)
         out = attend(q, k, kv[..., nope:])
         x = x + _linear(a["o_proj"], out.reshape(b, length, h * d_v))
         m = p["mlp"]
@@ -449,8 +493,13 @@ def bench_rows(
             )
             continue
         items.append((names[impl], (lambda f=fwd: jax.block_until_ready(f(params, ids, cache)[0])), meta_fn(pi)))
-    rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup), latency=True)
-    rows += _alone_rows(ctx, cfg, case, dtype, meta_fn, section, repeats, warmup)
+    alone_items, alone_skipped = _alone_items(ctx, cfg, params, ids, cache, case, dtype, meta_fn, section)
+    # the models and the attention alone in the same rounds: "kept" is a difference of their differences, so clock
+    # and thermal drift must hit both alike
+    rows += alone_skipped
+    rows += ctx.measure_many(
+        section, case.name, items + alone_items, repeats=repeats, warmup=max(1, warmup), latency=True
+    )
     ms = {r.path: r.ms for r in rows if r.status == "ok"}
     noop, ours = ms.get(names["noop"]), ms.get(names["mla_bridge"])
     for r in rows:
@@ -489,21 +538,26 @@ ALONE = {
 }
 
 
-def _alone_rows(
-    ctx: Any, cfg: DeepseekConfig, case: Any, dtype: Any, meta_fn: Callable, section: str, repeats: int, warmup: int
-) -> list:
-    """The model's attention alone, once per layer: the jitted ``attend`` of :func:`make_forward` (v padded for
-    cuDNN, as in the model) called ``num_layers`` times on random q, k, v of the shapes the model hands it, timed
-    as a latency like the model rows. ``kept`` = (cuDNN model - mla_bridge_jax model) / (cuDNN alone - mla_bridge_jax
-    alone): the share of the attention's win that reaches the time to first token."""
-    h, total = cfg.num_heads, case.cached + case.new
-    keys = jax.random.split(jax.random.PRNGKey(ctx.seed), 3)
+def _alone_items(
+    ctx: Any,
+    cfg: DeepseekConfig,
+    params: dict,
+    ids: jax.Array,
+    cache: Optional[list],
+    case: Any,
+    dtype: Any,
+    meta_fn: Callable,
+    section: str,
+) -> tuple[list, list]:
+    """The model's attention alone, once per layer, as items to time with the model rows (and the skipped rows of
+    those that cannot run): the jitted ``attend`` of :func:`make_forward` (v padded for cuDNN, as in the model)
+    called ``num_layers`` times on the q, k and v the model hands its first layer (:func:`attention_inputs`: the
+    same shapes and values), timed as a latency like the model rows. ``kept`` = (cuDNN model - mla_bridge_jax model)
+    / (cuDNN alone - mla_bridge_jax alone): the share of the attention's win that reaches the time to first token."""
     try:
-        q = jax.random.normal(keys[0], (case.batch, case.new, h, q_dim(cfg)), dtype)
-        k = jax.random.normal(keys[1], (case.batch, total, h, q_dim(cfg)), dtype)
-        v = jax.random.normal(keys[2], (case.batch, total, h, cfg.v_head_dim), dtype)
+        q, k, v = jax.block_until_ready(attention_inputs(cfg, params, ids, cache, prefix_len=case.cached))
     except Exception as err:  # noqa: BLE001
-        return [
+        return [], [
             ctx.skipped(
                 section, case.name, ALONE["mla_bridge"], f"failed: {type(err).__name__}: {err}"[:200], err, **meta_fn(4)
             )
@@ -529,5 +583,4 @@ def _alone_rows(
             jax.block_until_ready(outs)
 
         items.append((ALONE[impl], layers, meta_fn(pi)))
-    rows += ctx.measure_many(section, case.name, items, repeats=repeats, warmup=max(1, warmup), latency=True)
-    return rows
+    return items, rows

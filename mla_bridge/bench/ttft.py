@@ -277,8 +277,6 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         (p, _forward_fn(model, impl, ids, prefix), dict(**_meta(case, ci, i)))
         for i, (p, impl) in enumerate(zip(paths, impls))
     ]
-    model_rows = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup, latency=True)
-    rows.extend(model_rows)
     probed: Optional[tuple] = None
     probe_error: Optional[BaseException] = None
     try:
@@ -302,7 +300,8 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         )
         * layers
     )
-    alone: list[Row] = []
+    alone_items: list = []
+    alone_error: Optional[BaseException] = None
     try:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -343,17 +342,29 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
                 for r, (qr, kr, vr) in enumerate(rows_views):
                     plan.run(qr, kr, vr, out=out[r], return_lse=False)
 
-        items = [
+        alone_items = [
             (p, fn, dict(flops=flops, **_meta(case, ci, 3 + i)))
             for i, (p, fn) in enumerate(zip(alone_paths, (sdpa_alone, ours_alone, kernel_alone)))
         ]
-        alone = ctx.measure_many(SECTION, case.name, items, repeats=repeats, warmup=warmup, latency=True)
     except Exception as err:  # noqa: BLE001
         ctx.recover()
+        alone_error = err
+    # the models and the attention alone in the same rounds: their differences are the figures, so clock and
+    # thermal drift must hit both alike
+    measured = ctx.measure_many(SECTION, case.name, items + alone_items, repeats=repeats, warmup=warmup, latency=True)
+    model_rows, alone = measured[: len(items)], measured[len(items) :]
+    if alone_error is not None:
         alone = [
-            ctx.skipped(SECTION, case.name, alone_paths[0], "failed: " + fmt_err(err, 160), err, **_meta(case, ci, 3))
+            ctx.skipped(
+                SECTION,
+                case.name,
+                alone_paths[0],
+                "failed: " + fmt_err(alone_error, 160),
+                alone_error,
+                **_meta(case, ci, 3),
+            )
         ]
-    rows.extend(alone)
+    rows.extend(model_rows + alone)
     _annotate_transformers(ctx, case, model_rows, alone, layers)
     return rows
 

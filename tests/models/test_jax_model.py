@@ -51,6 +51,35 @@ def test_the_noop_model_computes_all_but_the_attention(folder):
     assert out.shape == (2, 13, cfg.num_heads, cfg.v_head_dim) and not bool(out.any())
 
 
+def test_attention_inputs_are_what_transformers_hands_its_first_layer(folder, torch_model, two_torch_threads):
+    """The ttft bench times each attention alone on ``attention_inputs``: the q, k and v of the model's first layer,
+    equal to those transformers hands its attention function (``[B, H, L, D]`` there, ``[B, L, H, D]`` here), with
+    and without a cached prefix."""
+    from transformers import DynamicCache
+
+    from mla_bridge.bench import ttft
+
+    cfg = models.DeepseekConfig.from_hf_config(folder)
+    params = models.load_params(folder)
+    ids = torch.randint(3, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = DynamicCache(config=torch_model.config)
+        torch_model(ids[:, :9], past_key_values=cache)
+    prefix = [(layer.keys, layer.values) for layer in cache.layers]
+    _, latents = models.make_forward(cfg, batch=2, seq_len=9, attention="xla")(
+        params, jnp.asarray(ids[:, :9].numpy(), dtype=jnp.int32)
+    )
+    for new, cached, prefix_len in ((ids, None, 0), (ids[:, 9:], latents, 9)):
+        want = ttft._model_attention_inputs(torch_model, new, prefix if prefix_len else None)[:3]
+        got = models.attention_inputs(
+            cfg, params, jnp.asarray(new.numpy(), dtype=jnp.int32), cached, prefix_len=prefix_len
+        )
+        for name, g, w in zip("qkv", got, want):
+            w = w.transpose(1, 2).numpy()
+            assert g.shape == w.shape, (name, g.shape, w.shape)
+            assert float(abs(np.asarray(g) - w).max()) < 1e-5, (name, prefix_len)
+
+
 @pytest.mark.parametrize("attention", ["mla_bridge", "xla"])
 def test_logits_equal_transformers(folder, torch_model, attention, two_torch_threads):
     cfg = models.DeepseekConfig.from_hf_config(folder)
