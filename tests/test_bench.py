@@ -929,7 +929,9 @@ def test_ttft_alone_rows_run_on_the_tensors_the_model_hands_its_attention():
     model = ttft.build_transformers_model(_ctx(), quick=True)
     heads = model.config.num_attention_heads
     ids = torch.randint(3, model.config.vocab_size, (2, 8))
+    model.config._attn_implementation = "eager"
     q, k, v, mask = ttft._model_attention_inputs(model, ids, None)
+    assert model.config._attn_implementation == "eager"  # the probe leaves the model as it found it
     assert q.shape == (2, heads, 8, 192) and k.shape == (2, heads, 8, 192) and v.shape == (2, heads, 8, 128)
     assert mask is None or bool(mask.all().logical_not())  # transformers' causal mask, if it builds one
     with torch.no_grad():

@@ -57,8 +57,8 @@ __all__ = [
     "params_from_state_dict",
     "make_forward",
     "attention_inputs",
+    "attention_fn",
     "ATTENTIONS",
-    "bench_rows",
 ]
 
 ATTENTIONS = ("mla_bridge", "cudnn", "xla", "noop")
@@ -228,7 +228,7 @@ def _rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
     return p["weight"] * xf.astype(x.dtype)
 
 
-def _attention_fn(
+def attention_fn(
     cfg: DeepseekConfig, attention: str, batch: int, new: int, prefix: int, dtype: Any, backend: Optional[str] = None
 ) -> Callable:
     """``attend(q [B, L, H, Dqk], k [B, P + L, H, Dqk], v [B, P + L, H, Dv]) -> [B, L, H, Dv]`` (DeepSeek: Dqk 192,
@@ -387,7 +387,7 @@ def make_forward(
         ValueError: an unknown ``attention``; ``"cudnn"`` / ``"xla"`` with ``v_head_dim`` above the q/k head dim; the
             core's errors when planning (named).
     """
-    attend = _attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
+    attend = attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
     h, nope, d_v, eps = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
     qkv = _attention_inputs_fn(cfg)
 
@@ -418,169 +418,3 @@ def make_forward(
     jitted = jax.jit(forward)
     jitted.attend = attend  # type: ignore[attr-defined]  # the plan lives as long as the function
     return jitted
-
-
-def bench_rows(
-    ctx: Any,
-    store: dict,
-    case: Any,
-    ci: int,
-    *,
-    meta_fn: Callable,
-    fields: dict,
-    section: str,
-    repeats: int,
-    warmup: int,
-) -> list:
-    """The ttft bench's JAX rows of one case (:mod:`mla_bridge.bench.ttft`): the model at ``fields`` (random
-    weights, seeded; kept in ``store`` across cases) timed with cuDNN, XLA, mla_bridge_jax and no-op attention,
-    one jitted forward each (compiled in the warm-up), ``logits_to_keep=1``, timed from an idle GPU to the logits
-    being ready (``latency=True``); each path's failure (out of memory) a skipped row. Rows carry attention ms (minus the no-op) and the ratios to mla_bridge_jax."""
-    import torch
-
-    dtype = jnp.bfloat16 if ctx.cuda else jnp.float32
-    if "params" not in store:
-        import transformers
-
-        config = transformers.DeepseekV2Config(**fields)
-        torch.manual_seed(ctx.seed)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        store["cfg"] = DeepseekConfig.from_dict(config.to_dict())
-        store["params"] = params_from_state_dict(model.state_dict(), dtype)
-        del model
-    cfg, params = store["cfg"], store["params"]
-    ids_np = np.random.default_rng(ctx.seed + ci).integers(3, cfg.vocab_size, (case.batch, case.cached + case.new))
-    ids = jnp.asarray(ids_np[:, case.cached :], dtype=jnp.int32)
-    cache = None
-    if case.cached:
-        prefill = make_forward(
-            cfg,
-            batch=case.batch,
-            seq_len=case.cached,
-            attention="xla" if not ctx.cuda else "cudnn",
-            dtype=dtype,
-            logits_to_keep=1,
-        )
-        cache = jax.block_until_ready(prefill(params, jnp.asarray(ids_np[:, : case.cached], dtype=jnp.int32))[1])
-    names = {
-        "cudnn": "JAX model, jax.nn.dot_product_attention cuDNN",
-        "xla": "JAX model, jax.nn.dot_product_attention XLA",
-        "mla_bridge": "JAX model, mla_bridge_jax",
-        "noop": "JAX model, attention a no-op",
-    }
-    items = []
-    rows = []
-    for pi, impl in enumerate(("cudnn", "xla", "mla_bridge", "noop")):
-        if impl == "cudnn" and not ctx.cuda:
-            rows.append(ctx.skipped(section, case.name, names[impl], "cuDNN attention needs a GPU", **meta_fn(pi)))
-            continue
-        try:
-            fwd = make_forward(
-                cfg,
-                batch=case.batch,
-                seq_len=case.new,
-                attention=impl,
-                prefix_len=case.cached,
-                dtype=dtype,
-                backend=ctx.backend,
-                logits_to_keep=1,
-            )
-        except Exception as err:  # noqa: BLE001
-            rows.append(
-                ctx.skipped(
-                    section, case.name, names[impl], f"failed: {type(err).__name__}: {err}"[:200], err, **meta_fn(pi)
-                )
-            )
-            continue
-        items.append((names[impl], (lambda f=fwd: jax.block_until_ready(f(params, ids, cache)[0])), meta_fn(pi)))
-    alone_items, alone_skipped = _alone_items(ctx, cfg, params, ids, cache, case, dtype, meta_fn, section)
-    # the models and the attention alone in the same rounds: "kept" is a difference of their differences, so clock
-    # and thermal drift must hit both alike
-    rows += alone_skipped
-    rows += ctx.measure_many(
-        section, case.name, items + alone_items, repeats=repeats, warmup=max(1, warmup), latency=True
-    )
-    ms = {r.path: r.ms for r in rows if r.status == "ok"}
-    noop, ours = ms.get(names["noop"]), ms.get(names["mla_bridge"])
-    for r in rows:
-        if r.status != "ok":
-            continue
-        if noop is not None and r.path in names.values() and r.path != names["noop"]:
-            r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)
-            r.note = f"attention {r.ms - noop:.2f} ms, {100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"
-        if ours and r.path in (names["cudnn"], names["xla"]):
-            r.extra["ratio_over_mla_bridge_jax"] = r.ms / ours
-            r.note = f"{r.ms / ours:.3f}x mla_bridge_jax's time; " + r.note
-    for impl in ("cudnn", "xla"):
-        other = ms.get(names[impl])
-        ctx.check(f"ttft {case.name}: JAX {impl} / mla_bridge_jax", other / ours if other and ours else None, ">=", 1.0)
-    cudnn, cudnn_alone, ours_alone = ms.get(names["cudnn"]), ms.get(ALONE["cudnn"]), ms.get(ALONE["mla_bridge"])
-    kept = None
-    if cudnn and ours and cudnn_alone and ours_alone and cudnn_alone > ours_alone:
-        kept = (cudnn - ours) / (cudnn_alone - ours_alone)
-        for r in rows:
-            if r.path == names["mla_bridge"] and r.status == "ok":
-                r.extra["kept_of_kernel_win"] = kept
-                r.note += f"; kept {kept:.2f} of the attention's win over cuDNN"
-    ctx.check(
-        f"ttft {case.name}: share of the attention's win over cuDNN kept by the JAX model",
-        kept,
-        ">=",
-        0.8,
-        "" if kept is not None else "needs both model and attention-alone times, mla_bridge_jax's attention faster",
-    )
-    return sorted(rows, key=lambda r: r.order)
-
-
-ALONE = {
-    "cudnn": "JAX attention alone x layers: jax.nn.dot_product_attention cuDNN",
-    "mla_bridge": "JAX attention alone x layers: mla_bridge_jax",
-}
-
-
-def _alone_items(
-    ctx: Any,
-    cfg: DeepseekConfig,
-    params: dict,
-    ids: jax.Array,
-    cache: Optional[list],
-    case: Any,
-    dtype: Any,
-    meta_fn: Callable,
-    section: str,
-) -> tuple[list, list]:
-    """The model's attention alone, once per layer, as items to time with the model rows (and the skipped rows of
-    those that cannot run): the jitted ``attend`` of :func:`make_forward` (v padded for cuDNN, as in the model)
-    called ``num_layers`` times on the q, k and v the model hands its first layer (:func:`attention_inputs`: the
-    same shapes and values), timed as a latency like the model rows. ``kept`` = (cuDNN model - mla_bridge_jax model)
-    / (cuDNN alone - mla_bridge_jax alone): the share of the attention's win that reaches the time to first token."""
-    try:
-        q, k, v = jax.block_until_ready(attention_inputs(cfg, params, ids, cache, prefix_len=case.cached))
-    except Exception as err:  # noqa: BLE001
-        return [], [
-            ctx.skipped(
-                section, case.name, ALONE["mla_bridge"], f"failed: {type(err).__name__}: {err}"[:200], err, **meta_fn(4)
-            )
-        ]
-    items, rows = [], []
-    for pi, impl in enumerate(ALONE, start=4):
-        if impl == "cudnn" and not ctx.cuda:
-            rows.append(ctx.skipped(section, case.name, ALONE[impl], "cuDNN attention needs a GPU", **meta_fn(pi)))
-            continue
-        try:
-            attend = _attention_fn(cfg, impl, case.batch, case.new, case.cached, dtype, ctx.backend)
-        except Exception as err:  # noqa: BLE001
-            rows.append(
-                ctx.skipped(
-                    section, case.name, ALONE[impl], f"failed: {type(err).__name__}: {err}"[:200], err, **meta_fn(pi)
-                )
-            )
-            continue
-        step = jax.jit(attend)
-
-        def layers(step=step, attend=attend):  # attend keeps the mla_bridge plan alive
-            outs = [step(q, k, v) for _ in range(cfg.num_layers)]
-            jax.block_until_ready(outs)
-
-        items.append((ALONE[impl], layers, meta_fn(pi)))
-    return items, rows

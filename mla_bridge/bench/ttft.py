@@ -198,13 +198,15 @@ _PROBED: list = []
 def _model_attention_inputs(model: Any, ids: torch.Tensor, prefix: Optional[list]) -> tuple:
     """``(q, k, v, mask)`` as the model's first layer receives them in a forward of ``ids`` (over ``prefix``): the
     tensors of one probe forward (:func:`_probe_attention`), so the alone rows run on transformers' own layouts and
-    masks (a copy of them in another layout times another kernel: cuDNN's speed depends on the strides)."""
+    masks (a copy of them in another layout times another kernel: cuDNN's speed depends on the strides). The model's
+    attention implementation is left as it was."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_attention)
     AttentionMaskInterface.register(PROBE_IMPLEMENTATION, sdpa_mask)
     _PROBED.clear()
+    implementation = model.config._attn_implementation
     try:
         _forward_fn(model, PROBE_IMPLEMENTATION, ids, prefix)()
         if len(_PROBED) != 4:
@@ -212,6 +214,7 @@ def _model_attention_inputs(model: Any, ids: torch.Tensor, prefix: Optional[list
         return tuple(_PROBED)
     finally:
         _PROBED.clear()
+        model.config._attn_implementation = implementation
 
 
 def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
@@ -438,7 +441,7 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
 
 
 def _jax_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
-    """The JAX model's rows of ``case`` (:func:`mla_bridge_jax.models.bench_rows`), or a skipped row saying why."""
+    """The JAX model's rows of ``case`` (:func:`mla_bridge.bench.ttft_jax.bench_rows`), or a skipped row saying why."""
     path = "JAX model"
     meta = _meta(case, ci, 10)
     if ctx.over_budget():
@@ -452,15 +455,15 @@ def _jax_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
     try:
         import jax
 
-        from mla_bridge_jax import models as jax_models
+        from . import ttft_jax
     except Exception as err:  # noqa: BLE001
-        return [ctx.skipped(SECTION, case.name, path, "JAX or mla_bridge_jax.models not importable", err, **meta)]
+        return [ctx.skipped(SECTION, case.name, path, "JAX or mla_bridge_jax not importable", err, **meta)]
     if ctx.cuda and not any(d.platform == "gpu" for d in jax.devices()):
         return [ctx.skipped(SECTION, case.name, path, f"JAX has no GPU (devices: {jax.devices()})", **meta)]
     if not ctx.cuda and any(d.platform == "gpu" for d in jax.devices()):
         return [ctx.skipped(SECTION, case.name, path, "the bench runs on the CPU, JAX on a GPU", **meta)]
     try:
-        return jax_models.bench_rows(
+        return ttft_jax.bench_rows(
             ctx,
             state.jax,
             case,

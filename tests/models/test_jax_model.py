@@ -45,7 +45,7 @@ def test_the_noop_model_computes_all_but_the_attention(folder):
     if dots["xla"] < 2 * cfg.num_layers:
         pytest.skip(f"this XLA backend does not show its matmuls as dot ops ({dots})")
     assert dots["noop"] == dots["xla"] - 2 * cfg.num_layers, dots
-    attend = models._attention_fn(cfg, "noop", 2, 13, 0, jnp.float32)
+    attend = models.attention_fn(cfg, "noop", 2, 13, 0, jnp.float32)
     q = jnp.ones((2, 13, cfg.num_heads, models.q_dim(cfg)))
     out = attend(q, q, jnp.ones((2, 13, cfg.num_heads, cfg.v_head_dim)))
     assert out.shape == (2, 13, cfg.num_heads, cfg.v_head_dim) and not bool(out.any())
