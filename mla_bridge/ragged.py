@@ -65,7 +65,7 @@ def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:
     """``indptr`` as a contiguous int32 CPU tensor, after checking it (on the host, with numpy: cheap at plan time).
 
     Raises:
-        TypeError: not a tensor/sequence of integers.
+        TypeError: not a tensor/sequence of integers (a bool among the integers of a list named by its index).
         ValueError: not 1-D, empty, not starting at 0, decreasing, or beyond int32.
     """
     if isinstance(indptr, torch.Tensor):
@@ -73,6 +73,11 @@ def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:
             raise TypeError(f"{name} must hold integers (int32), got dtype {indptr.dtype}")
         arr = indptr.detach().to("cpu").numpy()
     else:
+        if isinstance(indptr, (list, tuple)):
+            # numpy reads [0, True, 10] as integers: a bool among them is refused as an all-bool list is
+            for i, x in enumerate(indptr):
+                if isinstance(x, (bool, np.bool_)):
+                    raise TypeError(f"{name}[{i}] must be an integer, got {x!r}")
         arr = np.asarray(indptr)
         if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
             raise TypeError(f"{name} must hold integers (int32), got {arr.dtype}")
@@ -701,6 +706,8 @@ def ragged_prefill(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:  # the plan is made for q's: name all three rather than blame k or v
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # before planning (on CUDA:
     # FlashInfer's plan, its host-to-device copies, a pooled wrapper), not after it in plan.run; so are
     # destinations that share memory with the inputs

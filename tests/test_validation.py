@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,6 +164,16 @@ def test_lse_layout_and_contiguity():
         plan.run(q, k, v, lse=torch.empty(H, 5).t())
 
 
+def test_q_k_v_of_different_dtypes_are_named_together():
+    """The one-shot call plans for q's dtype: a k or v of another dtype is reported with all three dtypes, not as
+    "k must have the plan's dtype" when q is the odd one out."""
+    q, k, v, qo, kv = ragged_inputs()
+    out = sentinel_out()
+    with pytest.raises(TypeError, match=r"^q, k and v must share one dtype, got q torch.float64, k torch.float32"):
+        ragged_prefill(q.double(), k, v, qo, kv, causal=False, sm_scale=0.2, out=out)
+    assert_untouched(out)
+
+
 @pytest.mark.parametrize(
     "qo,kv,exc,match",
     [
@@ -171,6 +182,8 @@ def test_lse_layout_and_contiguity():
         ([0, 2, 5], torch.tensor([0.0, 4.0, 7.0]), TypeError, r"kv_indptr must hold integers"),
         ([0, 2.5, 5], [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
         (torch.tensor([False, True, True]), [0, 4, 7], TypeError, r"qo_indptr must hold integers"),
+        ([0, True, 5], [0, 4, 7], TypeError, r"qo_indptr\[1\] must be an integer, got True"),
+        ([0, 2, 5], (0, np.bool_(True), 7), TypeError, r"kv_indptr\[1\] must be an integer, got np.True_|True"),
         ([1, 2, 5], [0, 4, 7], ValueError, r"qo_indptr must start at 0"),
         ([0, 2, 5], [2, 4, 7], ValueError, r"kv_indptr must start at 0"),
         ([0, 3, 2, 5], [0, 1, 4, 7], ValueError, r"qo_indptr must be non-decreasing"),

@@ -312,10 +312,13 @@ def ragged_prefill(
         return to_jax(out), to_jax(lse)
 
     heads, d_qk, d_vo = _heads_dims(q, v)
+    if not q.dtype == k.dtype == v.dtype:  # as the core's eager call says it
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     spec = dict(qo_indptr=qo, kv_indptr=kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal)
     spec.update(sm_scale=sm_scale, dtype=torch_dtype(q.dtype), backend=backend)
     plans = _Plans(spec)
-    plan = plans.get(default_torch_device())
+    with jax_dtype_names():  # planning refuses a dtype: named as the caller's JAX arrays name it
+        plan = plans.get(default_torch_device())
     return _ragged_traced(plans, plan, q, k, v, jit_route)
 
 

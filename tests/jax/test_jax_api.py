@@ -543,8 +543,8 @@ def test_a_device_torch_cannot_parse_is_refused_by_name(device):
 
 @pytest.mark.parametrize("how", ["eager", "jit", "run_ragged"])
 def test_dtype_errors_name_jax_dtypes(how):
-    """A k of another dtype than q: the core's TypeError, its dtypes named as JAX names them ("bfloat16"). Before,
-    the JAX user read torch's ("k must have dtype torch.bfloat16 (the plan's), got torch.float32")."""
+    """A k of another dtype than q: a TypeError with the dtypes named as JAX names them ("bfloat16"). Before, the JAX
+    user read torch's ("k must have dtype torch.bfloat16 (the plan's), got torch.float32")."""
     import jax
 
     q, k, v = _qkv()
@@ -569,5 +569,21 @@ def test_dtype_errors_name_jax_dtypes(how):
             v,
         ),
     }[how]
-    with pytest.raises(TypeError, match=r"^k must have dtype bfloat16 \(the plan's\), got float32\b"):
+    if how == "run_ragged":
+        want = r"^k must have dtype bfloat16 \(the plan's\), got float32\b"
+    else:  # the one-shot call plans for q's dtype: all three named rather than blaming k
+        want = r"^q, k and v must share one dtype, got q bfloat16, k float32, v bfloat16\b"
+    with pytest.raises(TypeError, match=want):
         call()
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_a_dtype_the_kernels_lack_is_named_as_jax_names_it(how):
+    """int32 q, k and v: refused when planning, the dtype named "int32" under jit as eagerly (under jit it read
+    "torch.int32": the traced call planned outside the renaming)."""
+    import jax
+
+    q, k, v = (x.astype(jnp.int32) for x in _qkv())
+    fn = lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=0.1)  # noqa: E731
+    with pytest.raises(TypeError, match=r"must be one of bfloat16, .*, got int32\b"):
+        (jax.jit(fn) if how == "jit" else fn)(q, k, v)
