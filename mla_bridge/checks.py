@@ -8,12 +8,15 @@ another module of mla_bridge: this module sits at the bottom of the import graph
   * flags and numbers: :func:`not_a_bool`, :func:`positive_int`, :func:`as_sm_scale`;
   * devices: :func:`checked_device`;
   * per-request lengths: :func:`as_lengths`, :func:`check_length_sums` (:data:`INT32_MAX`);
+  * sizes that cannot fit: :func:`device_memory_bytes`, :func:`refuse_beyond_memory`;
   * tensors a kernel reads in place: :func:`kernel_ready`, :func:`strided_extent`, :func:`offsets_why_not`.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
+import os
 from typing import Any, Optional, Sequence
 
 import torch
@@ -26,6 +29,8 @@ __all__ = [
     "checked_device",
     "as_lengths",
     "check_length_sums",
+    "device_memory_bytes",
+    "refuse_beyond_memory",
     "kernel_ready",
     "strided_extent",
     "offsets_why_not",
@@ -158,6 +163,36 @@ def check_length_sums(q_lens: list[int], c_lens: list[int]) -> tuple[int, int]:
             )
         totals.append(total)
     return totals[0], totals[1]
+
+
+@functools.lru_cache(maxsize=None)
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """All the memory of ``device``, in bytes: a CUDA device's ``total_memory``, the host's physical memory for the
+    CPU (``sysconf``); None where it cannot be told (then nothing is refused for it). Read once per device."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError, RuntimeError, AssertionError):
+        pass
+    return None
+
+
+def refuse_beyond_memory(name: str, what: str, nbytes: int, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a call whose own allocations (``nbytes``: ``what``, a lower bound)
+    exceed all the memory of ``device``: no such call can run, and the allocator's error would name no argument.
+    Only what cannot fit at all is refused; what fits the device but not its free memory is the allocator's to say.
+
+    Raises:
+        ValueError: naming ``name`` (the argument that sets the size), the bytes and the device's.
+    """
+    total = device_memory_bytes(device)
+    if total is not None and nbytes > total:
+        raise ValueError(
+            f"{name}: {what} need {nbytes / 2**30:.1f} GiB, more than all the memory of {device} "
+            f"({total / 2**30:.1f} GiB)"
+        )
 
 
 def kernel_ready(x: torch.Tensor) -> bool:

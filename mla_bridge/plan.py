@@ -36,7 +36,7 @@ from .cache import ChunkRows, resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, OFFSET_LIMITS, device_capability, select_backend
 from .kernels import triton_available
-from .checks import as_lengths, check_length_sums, checked_device, not_a_bool, positive_int
+from .checks import as_lengths, check_length_sums, checked_device, not_a_bool, positive_int, refuse_beyond_memory
 from .ragged import RaggedPlan, checked_plan_sizes, plan_checked
 from .workspace import Workspace, current_stream
 
@@ -281,7 +281,8 @@ class PrefillPlan:
                 schedule of more than :data:`MAX_CONTEXT_CHUNKS` chunks (``sum(context_lens) / chunk_tokens``: the
                 message names both and the host bytes; in O(1), before any chunk), a bad block size, a device other than the workspace's, a forced backend that cannot serve, a kv_cache_dtype that
                 is not supported (fp8_e5m2, fp8_ds_mla, an unquantized dtype other than ``dtype``), an ``index_topk`` that
-                is neither None nor a positive int.
+                is neither None nor a positive int; ``query_lens`` whose out, lse and (dense) k / v buffers alone
+                exceed all the memory of the device (:func:`mla_bridge.checks.refuse_beyond_memory`).
 
         Host work is O(requests + chunks) on CUDA, never a synchronizing call, and one FlashInfer ``plan()`` per
         distinct pass shape. The chunked schedule makes no per-token index tensor there: each chunk's gather reads its
@@ -320,6 +321,15 @@ class PrefillPlan:
             sm_scale=dims.softmax_scale,
             dtype=dtype,
             workspace=workspace,
+        )
+        # what every call of the plan allocates at least: out and lse, and (dense) the new tokens' k / v buffer
+        d, e = dims, dtype.itemsize
+        kv_dims = 0 if self.index_topk is not None else d.head_dim_qk + d.head_dim_vo
+        refuse_beyond_memory(
+            "query_lens",
+            f"{'out and lse' if kv_dims == 0 else 'out, lse and k / v'} of {num_new} new tokens x {d.num_heads} heads",
+            num_new * d.num_heads * ((d.v_head_dim + kv_dims) * e + 4),
+            dev,
         )
         self._backend = backend
         self.dims, self.workspace, self.block_size, self.device, self.dtype = dims, workspace, block_size, dev, dtype

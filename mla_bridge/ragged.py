@@ -22,7 +22,16 @@ import numpy as np
 import torch
 
 from .backends import make_kernel
-from .checks import INT32_MAX, as_sm_scale, kernel_ready, not_a_bool, offsets_why_not, positive_int, strided_extent
+from .checks import (
+    INT32_MAX,
+    as_sm_scale,
+    kernel_ready,
+    not_a_bool,
+    offsets_why_not,
+    positive_int,
+    refuse_beyond_memory,
+    strided_extent,
+)
 from .dispatch import OFFSET_LIMITS, TORCH_DTYPES, BackendChoice, select_backend
 from .inference import forward_ad_active, refuse_autograd
 from .workspace import Workspace, default_workspace
@@ -565,7 +574,8 @@ def plan_ragged(
     Raises:
         TypeError / ValueError: bad indptrs (named), sizes, ``sm_scale``, a ``causal`` that is not a bool (None or
             0/1 would be read as a mask choice silently); lengths that disagree between the two indptrs; a forced
-            backend that cannot serve; bad ``strides``.
+            backend that cannot serve; bad ``strides``; a batch whose out and lse alone exceed all the memory of the
+            workspace's device (named ``qo_indptr``, :func:`mla_bridge.checks.refuse_beyond_memory`).
         WorkspaceTooSmallError: FlashInfer's plan needs more float workspace than the workspace may grow to.
     """
     if not isinstance(causal, (bool, np.bool_)):
@@ -583,6 +593,13 @@ def plan_ragged(
         sm_scale=sm_scale,
         dtype=dtype,
         workspace=workspace,
+    )
+    tokens, heads = int(qo[-1]), sizes["num_heads"]
+    refuse_beyond_memory(
+        "qo_indptr",
+        f"out and lse of {tokens} tokens x {heads} heads",
+        tokens * heads * (sizes["head_dim_vo"] * sizes["dtype"].itemsize + 4),
+        workspace.device,
     )
     return plan_checked(qo, kv, causal=bool(causal), backend=backend, strides=strides, **sizes)
 

@@ -94,8 +94,16 @@ def _bad(name):
         ("k_head_dim", ValueError, r"^k must have shape \[7, 3, 24\]"),
         ("k_heads", ValueError, r"^k must have shape \[7, 3, 24\]"),
         ("v_heads", ValueError, r"^v must have shape"),
-        ("k_dtype", TypeError, r"^k must have dtype torch.float32"),
-        ("v_dtype", TypeError, r"^v must have dtype torch.float32"),
+        (
+            "k_dtype",
+            TypeError,
+            r"^q, k and v must share one dtype, got q torch.float32, k torch.float64, v torch.float32",
+        ),
+        (
+            "v_dtype",
+            TypeError,
+            r"^q, k and v must share one dtype, got q torch.float32, k torch.float32, v torch.bfloat16",
+        ),
         ("k_device", ValueError, r"^k is on meta"),
         ("v_device", ValueError, r"^v is on meta"),
         ("out_shape", ValueError, r"^out must have shape"),
@@ -869,3 +877,34 @@ def test_ragged_accepts_destinations_next_to_its_inputs_in_one_buffer():
     out.fill_(SENTINEL)
     ragged_prefill(q, k, v, qo, kv, causal=True, sm_scale=0.2, out=out, lse=lse)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_sizes_that_cannot_fit_are_refused_naming_the_argument():
+    """A batch whose outputs alone exceed all the memory of the device (here 2**30 tokens x 16 heads: terabytes) is
+    refused with a ValueError naming the argument that sets the size, before anything is allocated; before, the
+    allocator's error came from deep in the call and named nothing."""
+    n = 2**30
+    one = torch.zeros(1)
+    q, k, v = one.expand(n, 16, 192), one.expand(n, 16, 192), one.expand(n, 16, 128)
+    with pytest.raises(ValueError, match=r"^qo_indptr: out and lse of 1073741824 tokens x 16 heads need .* GiB, more"):
+        ragged_prefill(q, k, v, [0, n], [0, n], causal=True, sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"^qo_indptr: out and lse of 1073741824 tokens"):
+        plan_ragged(
+            [0, n],
+            [0, n],
+            num_heads=16,
+            head_dim_qk=192,
+            head_dim_vo=128,
+            causal=True,
+            sm_scale=0.1,
+            dtype=torch.float32,
+            workspace=Workspace("cpu"),
+        )
+    ws = Workspace("cpu")
+    dims = MLADims(num_heads=16)
+    with pytest.raises(ValueError, match=r"^query_lens: out, lse and k / v of 1073741824 new tokens x 16 heads"):
+        PrefillPlan.build([n], [0], dims=dims, workspace=ws, block_size=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^query_lens: out and lse of 1073741824 new tokens"):
+        PrefillPlan.build([n], [0], dims=dims, workspace=ws, block_size=16, dtype=torch.float32, index_topk=2048)
+    # what fits is planned as before
+    assert PrefillPlan.build([8], [0], dims=dims, workspace=ws, block_size=16, dtype=torch.float32).num_tokens == 8

@@ -298,7 +298,7 @@ def test_off_by_one_rows_raise_before_running(monkeypatch, delta, jit):
 def test_core_validation_errors_come_through(jit):
     q, k, v = _qkv()
     wrap = (lambda f: jax.jit(f)) if jit else (lambda f: f)
-    with pytest.raises(TypeError, match=r"k must have dtype bfloat16 \(the plan's\), got float32"):
+    with pytest.raises(TypeError, match=r"q, k and v must share one dtype, got q bfloat16, k float32, v bfloat16"):
         wrap(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))(q, k.astype(jnp.float32), v)
     with pytest.raises(ValueError, match=r"qo_indptr must be non-decreasing"):
         wrap(lambda a, b, c: mj.ragged_prefill(a, b, c, [0, 5, 3, 4, 9], KV, causal=True, sm_scale=SM))(q, k, v)
