@@ -493,3 +493,17 @@ def test_sparse_prefill_takes_a_path_by_name(ref, tiny_dims):
     assert (out == 7.0).all()
     got = sparse.sparse_prefill(*args, impl="torch")
     ref.assert_out_close(got, sparse_reference(batch, indices)[0], atol=ATOL)
+
+
+def test_partition_picks_puts_context_rows_first_then_new_rows_then_none():
+    """The sparse kernel reads each tile from one source: a row's picks of cached context first, then those of its
+    new tokens, each in the caller's order, then -1 (no pick, or one past the request's sequence, never read), with
+    the count of context picks."""
+    from mla_bridge.kernels.sparse_picks import partition_picks
+
+    meta = torch.tensor([[0, 4, 7, 0], [1, 0, 3, 5], [2, 5, 5, 0]], dtype=torch.int32)  # context 4, 0, 5 tokens
+    picks = torch.tensor([[5, -1, 2, 6, 0, 9], [2, 0, -1, 1, 7, -1], [4, 3, -1, 0, 1, 2]], dtype=torch.int32)
+    got, n_ctx = partition_picks(picks, meta)
+    want = [[2, 0, 5, 6, -1, -1], [2, 0, 1, -1, -1, -1], [4, 3, 0, 1, 2, -1]]
+    assert got.tolist() == want and got.dtype == torch.int32
+    assert n_ctx.tolist() == [2, 0, 5] and n_ctx.dtype == torch.int32

@@ -8,7 +8,10 @@ For each new token ``t`` and head ``h`` (:mod:`mla_bridge.sparse` states the con
 over the picks ``sel`` of row ``t`` of ``topk_indices`` (positions in the token's request sequence; -1: no key). A
 pick below the request's ``context_lens[r]`` is read from the paged cache through ``block_table``, a later one from
 the new tokens' ``kv_c`` / ``k_pe``. No selected row is ever written to memory: each program loads its tiles of
-selected rows straight from the cache or ``kv_c`` / ``k_pe`` (one load per tile where both have the rows' dtype).
+selected rows straight from the cache or ``kv_c`` / ``k_pe``, one load per tile: where both have the rows' dtype the
+rows are addressed from the cache's pointer; otherwise (an FP8 cache) each row's picks are partitioned first
+(:func:`mla_bridge.kernels.sparse_picks.partition_picks`: context picks, then new ones) and the kernel's ``SPLIT``
+loops read context tiles from the cache and new tiles from ``kv_c`` / ``k_pe``.
 
 FP8 caches (e4m3, one scalar ``kv_cache_scale``): the stored values are converted to the compute dtype in the kernel
 (exact: every e4m3 value is a bf16/fp16 value) and the scale, being one number, is applied to what they produce: a
@@ -47,6 +50,7 @@ import triton
 import triton.language as tl
 
 from . import cdiv, next_power_of_2, triton_interpreting
+from .sparse_picks import partition_picks
 from .launch import launch
 
 __all__ = ["SparseConfig", "default_config", "sparse_attention_triton"]
@@ -65,21 +69,19 @@ class SparseConfig(NamedTuple):
     num_stages: int
 
 
-def default_config(num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dtype, *, one_load: bool) -> SparseConfig:
+def default_config(num_heads: int, kv_lora_rank: int, topk: int, dtype: torch.dtype) -> SparseConfig:
     """Tiles for ``num_heads`` heads, ``kv_lora_rank``, ``topk`` picks per row, compute dtype ``dtype``: up to 64 heads
     per program (FlashMLA's sparse prefill takes 64 too), 8 warps for the ``[64, 512]`` float32 accumulator, tiles of
-    64 selected rows; at kv_lora_rank 512 only where the context and new rows come in one load (``one_load``, the
-    kernel's ``ONE_LOAD``: a bf16/fp16 cache), else 32 (an FP8 cache's separate loads of 64 rows need more shared
-    memory than an SM90 block has). float32 (ieee dots, the interpreter and tests): 16 heads and 16 rows.
+    64 selected rows (each tile is read in one load, so 64 rows of 576 values fit an SM90 block's shared memory in two
+    stages, FP8 caches included). float32 (ieee dots, the interpreter and tests): 16 heads and 16 rows.
     scripts/gpu/sparse_tune.py times the candidates."""
     rank = max(16, next_power_of_2(kv_lora_rank))
     block_k_cap = max(16, next_power_of_2(topk))
     if dtype == torch.float32:
         return SparseConfig(16, min(16, block_k_cap), 4, 1)
     block_h = min(64, max(16, next_power_of_2(num_heads)))
-    block_k = min(64 if rank < 512 or one_load else 32, block_k_cap)
     warps = 8 if block_h * rank >= 64 * 512 else 4
-    return SparseConfig(block_h, block_k, warps, 2)
+    return SparseConfig(block_h, min(64, block_k_cap), warps, 2)
 
 
 @triton.jit
@@ -91,6 +93,47 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     else:
         r = tl.dot(a, b, acc)
     return r
+
+
+@triton.jit
+def _attend_tile(
+    ql,
+    qp,
+    c,
+    pe,
+    valid,
+    col,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROPE: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One tile of selected rows (``c [BLOCK_K, BLOCK_R]``, ``pe [BLOCK_K, BLOCK_P]`` in the compute dtype) into the
+    online softmax of the program's heads: scores in base 2, ``col`` the per-row factor of an FP8 cache's scale
+    (context rows) or 1, ``valid`` the rows that count."""
+    sc = _dot(ql, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, UPCAST)
+    if ROPE > 0:
+        sc = _dot(qp, tl.trans(pe), sc, IEEE, UPCAST)
+    if DEQUANT:  # a context row's values are scale * stored: the scale multiplies its score and probability
+        sc = tl.where(valid[None, :], sc * (col * qk_scale)[None, :], float("-inf"))
+    else:
+        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2(-inf) = 0, never NaN
+    alpha = tl.exp2(m_i - m_use)
+    pr = tl.exp2(sc - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    if DEQUANT:
+        acc = _dot((pr * col[None, :]).to(c.dtype), c, acc * alpha[:, None], IEEE, UPCAST)
+    else:
+        acc = _dot(pr.to(c.dtype), c, acc * alpha[:, None], IEEE, UPCAST)
+    return m_new, l_i, acc
 
 
 # topk, the heads and the scale are not specialized on (1 / divisible by 16): a new batch compiles nothing.
@@ -112,6 +155,7 @@ def _sparse_kernel(
     idx_ptr,
     idx_st,
     idx_elem,
+    nctx_ptr,
     meta_ptr,
     cache_ptr,
     cs_block,
@@ -147,6 +191,7 @@ def _sparse_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     ONE_LOAD: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     n_hb = tl.cdiv(n_heads, BLOCK_H)
     pid = tl.program_id(0)
@@ -178,6 +223,7 @@ def _sparse_kernel(
     ql = tl.load(
         ql_ptr + t * ql_st + heads[:, None] * ql_sh + dr[None, :], mask=hmask[:, None] & rmask[None, :], other=0
     )
+    qp = ql  # no RoPE part: unused
     if ROPE > 0:
         qp = tl.load(
             qp_ptr + t * qp_st + heads[:, None] * qp_sh + dp[None, :] * qp_elem,
@@ -194,77 +240,115 @@ def _sparse_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for k0 in range(0, kmax, BLOCK_K):
-        # the tile's picks and block ids: Triton's pipeliner prefetches this chain (index -> block id -> row) itself
-        # (a hand-written prefetch carried across iterations cost registers: more spills, compiled for sm_90a)
-        ks = k0 + tl.arange(0, BLOCK_K)
-        ix = tl.load(idx_row + ks * idx_elem, mask=ks < topk, other=-1)
-        blk = tl.load(
-            table_row + (ix.to(tl.int64) // BLOCK_SIZE) * ts_col, mask=(ix >= 0) & (ix < ctx_len), other=0
-        ).to(tl.int64)
-        valid = (ix >= 0) & (ix < seq_len)
-        in_ctx = valid & (ix < ctx_len)
-        in_new = valid & (ix >= ctx_len)
-        p = ix.to(tl.int64)
-        crow = cache_ptr + blk * cs_block + (p % BLOCK_SIZE) * cs_slot
-        nrow = new_base + p
-        if ONE_LOAD:
-            # one load per tile, every row addressed from the cache's pointer: a new token's row lies kvc_delta
-            # elements away (same dtype). Blended by arithmetic, not tl.where: Triton keeps the offsets' divisibility
-            # through a product, not through a select, and without it the tile is not pipelined (no cp.async)
-            # (the deltas are 32-bit arguments where they fit: 64-bit before the product, which a buffer more than
-            # 2**31 elements from the cache overflows)
-            w = in_ctx.to(tl.int64)
-            ctx_off = blk * cs_block + (p % BLOCK_SIZE) * cs_slot
-            row_off = ctx_off * w + (kvc_delta16.to(tl.int64) * 16 + nrow * kvc_row) * (1 - w)
-            c = tl.load(cache_ptr + row_off[:, None] + dr[None, :], mask=valid[:, None] & rmask[None, :], other=0).to(
-                dt
-            )
-        else:
-            c_ctx = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=in_ctx[:, None] & rmask[None, :], other=0)
+    if SPLIT:
+        # the picks come partitioned (sparse_attention_triton): the row's n_ctx context picks first, then its new
+        # tokens' picks, then -1. Each loop's tiles come from one source in one load (FP8 bytes from the cache, the
+        # new rows from kv_c / k_pe), with no select between two loads of every tile
+        n_ctx = tl.load(nctx_ptr + t)
+        for k0 in range(0, n_ctx, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ix = tl.load(idx_row + ks * idx_elem, mask=ks < n_ctx, other=-1)
+            valid = (ix >= 0) & (ix < ctx_len)
+            p = ix.to(tl.int64)
+            blk = tl.load(table_row + (p // BLOCK_SIZE) * ts_col, mask=valid, other=0).to(tl.int64)
+            crow = cache_ptr + blk * cs_block + (p % BLOCK_SIZE) * cs_slot
+            c = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=valid[:, None] & rmask[None, :], other=0)
             if DEQUANT:
-                c_ctx = c_ctx.to(tl.float8e4nv, bitcast=True)  # exact in bf16/fp16/float32: scaled below
-            c_new = tl.load(
-                kvc_ptr + nrow[:, None] * kvc_row + dr[None, :] * kvc_elem,
-                mask=in_new[:, None] & rmask[None, :],
-                other=0,
-            )
-            c = tl.where(in_ctx[:, None], c_ctx.to(dt), c_new.to(dt))  # [BLOCK_K, BLOCK_R]
-        sc = _dot(ql, tl.trans(c), tl.zeros([BLOCK_H, BLOCK_K], tl.float32), IEEE, UPCAST)
-        if ROPE > 0:
-            if ONE_LOAD:
-                pe_off = (ctx_off + RANK) * w + (kpe_delta16.to(tl.int64) * 16 + nrow * kpe_row) * (1 - w)
+                c = c.to(tl.float8e4nv, bitcast=True)  # exact in bf16/fp16/float32: scaled in _attend_tile
+            c = c.to(dt)
+            pe = c
+            if ROPE > 0:
                 pe = tl.load(
-                    cache_ptr + pe_off[:, None] + dp[None, :], mask=valid[:, None] & pmask[None, :], other=0
-                ).to(dt)
-            else:
-                pe_ctx = tl.load(
-                    crow[:, None] + (RANK + dp)[None, :] * cs_elem, mask=in_ctx[:, None] & pmask[None, :], other=0
+                    crow[:, None] + (RANK + dp)[None, :] * cs_elem, mask=valid[:, None] & pmask[None, :], other=0
                 )
                 if DEQUANT:
-                    pe_ctx = pe_ctx.to(tl.float8e4nv, bitcast=True)
-                pe_new = tl.load(
+                    pe = pe.to(tl.float8e4nv, bitcast=True)
+                pe = pe.to(dt)
+            col = tl.full([BLOCK_K], 1.0, tl.float32) * s
+            m_i, l_i, acc = _attend_tile(
+                ql, qp, c, pe, valid, col, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_K, ROPE, DEQUANT, IEEE, UPCAST
+            )
+        for k0 in range(n_ctx, kmax, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ix = tl.load(idx_row + ks * idx_elem, mask=ks < kmax, other=-1)
+            valid = (ix >= ctx_len) & (ix < seq_len)
+            nrow = new_base + ix.to(tl.int64)
+            c = tl.load(
+                kvc_ptr + nrow[:, None] * kvc_row + dr[None, :] * kvc_elem,
+                mask=valid[:, None] & rmask[None, :],
+                other=0,
+            ).to(dt)
+            pe = c
+            if ROPE > 0:
+                pe = tl.load(
                     kpe_ptr + nrow[:, None] * kpe_row + dp[None, :] * kpe_elem,
-                    mask=in_new[:, None] & pmask[None, :],
+                    mask=valid[:, None] & pmask[None, :],
+                    other=0,
+                ).to(dt)
+            col = tl.full([BLOCK_K], 1.0, tl.float32)
+            m_i, l_i, acc = _attend_tile(
+                ql, qp, c, pe, valid, col, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_K, ROPE, DEQUANT, IEEE, UPCAST
+            )
+    else:
+        for k0 in range(0, kmax, BLOCK_K):
+            # the tile's picks and block ids: Triton's pipeliner prefetches this chain (index -> block id -> row) itself
+            # (a hand-written prefetch carried across iterations cost registers: more spills, compiled for sm_90a)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            ix = tl.load(idx_row + ks * idx_elem, mask=ks < topk, other=-1)
+            blk = tl.load(
+                table_row + (ix.to(tl.int64) // BLOCK_SIZE) * ts_col, mask=(ix >= 0) & (ix < ctx_len), other=0
+            ).to(tl.int64)
+            valid = (ix >= 0) & (ix < seq_len)
+            in_ctx = valid & (ix < ctx_len)
+            in_new = valid & (ix >= ctx_len)
+            p = ix.to(tl.int64)
+            crow = cache_ptr + blk * cs_block + (p % BLOCK_SIZE) * cs_slot
+            nrow = new_base + p
+            if ONE_LOAD:
+                # one load per tile, every row addressed from the cache's pointer: a new token's row lies kvc_delta
+                # elements away (same dtype). Blended by arithmetic, not tl.where: Triton keeps the offsets' divisibility
+                # through a product, not through a select, and without it the tile is not pipelined (no cp.async)
+                # (the deltas are 32-bit arguments where they fit: 64-bit before the product, which a buffer more than
+                # 2**31 elements from the cache overflows)
+                w = in_ctx.to(tl.int64)
+                ctx_off = blk * cs_block + (p % BLOCK_SIZE) * cs_slot
+                row_off = ctx_off * w + (kvc_delta16.to(tl.int64) * 16 + nrow * kvc_row) * (1 - w)
+                c = tl.load(
+                    cache_ptr + row_off[:, None] + dr[None, :], mask=valid[:, None] & rmask[None, :], other=0
+                ).to(dt)
+            else:
+                c_ctx = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=in_ctx[:, None] & rmask[None, :], other=0)
+                if DEQUANT:
+                    c_ctx = c_ctx.to(tl.float8e4nv, bitcast=True)  # exact in bf16/fp16/float32: scaled below
+                c_new = tl.load(
+                    kvc_ptr + nrow[:, None] * kvc_row + dr[None, :] * kvc_elem,
+                    mask=in_new[:, None] & rmask[None, :],
                     other=0,
                 )
-                pe = tl.where(in_ctx[:, None], pe_ctx.to(dt), pe_new.to(dt))  # [BLOCK_K, BLOCK_P]
-            sc = _dot(qp, tl.trans(pe), sc, IEEE, UPCAST)
-        if DEQUANT:  # a context row's values are scale * stored: the scale multiplies its score and probability
+                c = tl.where(in_ctx[:, None], c_ctx.to(dt), c_new.to(dt))  # [BLOCK_K, BLOCK_R]
+            pe = c
+            if ROPE > 0:
+                if ONE_LOAD:
+                    pe_off = (ctx_off + RANK) * w + (kpe_delta16.to(tl.int64) * 16 + nrow * kpe_row) * (1 - w)
+                    pe = tl.load(
+                        cache_ptr + pe_off[:, None] + dp[None, :], mask=valid[:, None] & pmask[None, :], other=0
+                    ).to(dt)
+                else:
+                    pe_ctx = tl.load(
+                        crow[:, None] + (RANK + dp)[None, :] * cs_elem, mask=in_ctx[:, None] & pmask[None, :], other=0
+                    )
+                    if DEQUANT:
+                        pe_ctx = pe_ctx.to(tl.float8e4nv, bitcast=True)
+                    pe_new = tl.load(
+                        kpe_ptr + nrow[:, None] * kpe_row + dp[None, :] * kpe_elem,
+                        mask=in_new[:, None] & pmask[None, :],
+                        other=0,
+                    )
+                    pe = tl.where(in_ctx[:, None], pe_ctx.to(dt), pe_new.to(dt))  # [BLOCK_K, BLOCK_P]
             col = tl.where(in_ctx, s, 1.0)
-            sc = tl.where(valid[None, :], sc * (col * qk_scale)[None, :], float("-inf"))
-        else:
-            sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2(-inf) = 0, never NaN
-        alpha = tl.exp2(m_i - m_use)
-        pr = tl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        if DEQUANT:
-            acc = _dot((pr * col[None, :]).to(dt), c, acc * alpha[:, None], IEEE, UPCAST)
-        else:
-            acc = _dot(pr.to(dt), c, acc * alpha[:, None], IEEE, UPCAST)
-        m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                ql, qp, c, pe, valid, col, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_K, ROPE, DEQUANT, IEEE, UPCAST
+            )
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -336,7 +420,13 @@ def sparse_attention_triton(
         and (not rope or (k_pe.dtype == kv_c.dtype and k_pe.stride(-1) == 1))
         and (not rope or (k_pe.data_ptr() - kv_cache.data_ptr()) % (16 * elem) == 0)
     )
-    cfg = config or default_config(h, rank, topk, q_lat.dtype, one_load=one_load)
+    # otherwise each row's picks are partitioned first (context, then new tokens, then none; the kernel's SPLIT), so
+    # that every tile is read from one source in one load: FP8 bytes from the cache, or the new rows from kv_c / k_pe
+    split = not one_load
+    n_ctx = token_meta
+    if split:
+        topk_indices, n_ctx = partition_picks(topk_indices, token_meta)
+    cfg = config or default_config(h, rank, topk, q_lat.dtype)
     grid = (n * cdiv(h, cfg.block_h),)
     launch(
         _sparse_kernel,
@@ -358,6 +448,7 @@ def sparse_attention_triton(
             topk_indices,
             topk_indices.stride(0),
             topk_indices.stride(1),
+            n_ctx,
             token_meta,
             cache_arg,
             kv_cache.stride(0),
@@ -395,6 +486,7 @@ def sparse_attention_triton(
             IEEE=q_lat.dtype == torch.float32,
             UPCAST=q_lat.dtype == torch.bfloat16 and triton_interpreting(),
             ONE_LOAD=one_load,
+            SPLIT=split,
         ),
         dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )

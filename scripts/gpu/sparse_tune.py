@@ -53,6 +53,7 @@ def offline(args) -> None:
         types = {
             "lse_ptr": "*fp32",
             "idx_ptr": "*i32",
+            "nctx_ptr": "*i32",
             "meta_ptr": "*i32",
             "table_ptr": "*i32",
             "cache_ptr": "*u8" if args.fp8 else f"*{dt}",
@@ -74,7 +75,8 @@ def offline(args) -> None:
             HAS_LSE=True,
             IEEE=False,
             UPCAST=False,
-            ONE_LOAD=not args.fp8,
+            ONE_LOAD=not args.fp8 and not args.two_loads,
+            SPLIT=args.fp8 and not args.two_loads,
             cs_elem=1,
             kvc_elem=1,
             kpe_elem=1,
@@ -144,9 +146,7 @@ def on_gpu(args) -> None:
     pairs = t * k
     flops = 2 * pairs * h * (rank + rope + rank)
     ref = None
-    configs = [default_config(h, rank, k, torch.bfloat16, one_load=not args.fp8)] + [
-        SparseConfig(*cfg) for cfg in CONFIGS
-    ]
+    configs = [default_config(h, rank, k, torch.bfloat16)] + [SparseConfig(*cfg) for cfg in CONFIGS[: args.configs]]
     for cfg in configs:
         o = torch.empty(t, h, rank, dtype=torch.bfloat16, device=dev)
 
@@ -183,6 +183,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--fp8", action="store_true")
+    p.add_argument("--configs", type=int, default=len(CONFIGS), help="time the default and the first N of CONFIGS")
+    p.add_argument("--two-loads", action="store_true", help="--offline with --fp8: the unsplit tiles (two loads each)")
     p.add_argument("--offline", action="store_true")
     args = p.parse_args()
     if args.offline:
