@@ -190,7 +190,6 @@ def _sparse_kernel(
     HAS_LSE: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
-    ONE_LOAD: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     n_hb = tl.cdiv(n_heads, BLOCK_H)
@@ -300,52 +299,26 @@ def _sparse_kernel(
             ).to(tl.int64)
             valid = (ix >= 0) & (ix < seq_len)
             in_ctx = valid & (ix < ctx_len)
-            in_new = valid & (ix >= ctx_len)
             p = ix.to(tl.int64)
-            crow = cache_ptr + blk * cs_block + (p % BLOCK_SIZE) * cs_slot
             nrow = new_base + p
-            if ONE_LOAD:
-                # one load per tile, every row addressed from the cache's pointer: a new token's row lies kvc_delta
-                # elements away (same dtype). Blended by arithmetic, not tl.where: Triton keeps the offsets' divisibility
-                # through a product, not through a select, and without it the tile is not pipelined (no cp.async)
-                # (the deltas are 32-bit arguments where they fit: 64-bit before the product, which a buffer more than
-                # 2**31 elements from the cache overflows)
-                w = in_ctx.to(tl.int64)
-                ctx_off = blk * cs_block + (p % BLOCK_SIZE) * cs_slot
-                row_off = ctx_off * w + (kvc_delta16.to(tl.int64) * 16 + nrow * kvc_row) * (1 - w)
-                c = tl.load(
-                    cache_ptr + row_off[:, None] + dr[None, :], mask=valid[:, None] & rmask[None, :], other=0
-                ).to(dt)
-            else:
-                c_ctx = tl.load(crow[:, None] + dr[None, :] * cs_elem, mask=in_ctx[:, None] & rmask[None, :], other=0)
-                if DEQUANT:
-                    c_ctx = c_ctx.to(tl.float8e4nv, bitcast=True)  # exact in bf16/fp16/float32: scaled below
-                c_new = tl.load(
-                    kvc_ptr + nrow[:, None] * kvc_row + dr[None, :] * kvc_elem,
-                    mask=in_new[:, None] & rmask[None, :],
-                    other=0,
-                )
-                c = tl.where(in_ctx[:, None], c_ctx.to(dt), c_new.to(dt))  # [BLOCK_K, BLOCK_R]
+            # one load per tile, every row addressed from the cache's pointer: a new token's row lies kvc_delta
+            # elements away (same dtype). Blended by arithmetic, not tl.where: Triton keeps the offsets' divisibility
+            # through a product, not through a select, and without it the tile is not pipelined (no cp.async)
+            # (the deltas are 32-bit arguments where they fit: 64-bit before the product, which a buffer more than
+            # 2**31 elements from the cache overflows)
+            w = in_ctx.to(tl.int64)
+            ctx_off = blk * cs_block + (p % BLOCK_SIZE) * cs_slot
+            row_off = ctx_off * w + (kvc_delta16.to(tl.int64) * 16 + nrow * kvc_row) * (1 - w)
+            c = tl.load(cache_ptr + row_off[:, None] + dr[None, :], mask=valid[:, None] & rmask[None, :], other=0).to(
+                dt
+            )
             pe = c
             if ROPE > 0:
-                if ONE_LOAD:
-                    pe_off = (ctx_off + RANK) * w + (kpe_delta16.to(tl.int64) * 16 + nrow * kpe_row) * (1 - w)
-                    pe = tl.load(
-                        cache_ptr + pe_off[:, None] + dp[None, :], mask=valid[:, None] & pmask[None, :], other=0
-                    ).to(dt)
-                else:
-                    pe_ctx = tl.load(
-                        crow[:, None] + (RANK + dp)[None, :] * cs_elem, mask=in_ctx[:, None] & pmask[None, :], other=0
-                    )
-                    if DEQUANT:
-                        pe_ctx = pe_ctx.to(tl.float8e4nv, bitcast=True)
-                    pe_new = tl.load(
-                        kpe_ptr + nrow[:, None] * kpe_row + dp[None, :] * kpe_elem,
-                        mask=in_new[:, None] & pmask[None, :],
-                        other=0,
-                    )
-                    pe = tl.where(in_ctx[:, None], pe_ctx.to(dt), pe_new.to(dt))  # [BLOCK_K, BLOCK_P]
-            col = tl.where(in_ctx, s, 1.0)
+                pe_off = (ctx_off + RANK) * w + (kpe_delta16.to(tl.int64) * 16 + nrow * kpe_row) * (1 - w)
+                pe = tl.load(
+                    cache_ptr + pe_off[:, None] + dp[None, :], mask=valid[:, None] & pmask[None, :], other=0
+                ).to(dt)
+            col = tl.full([BLOCK_K], 1.0, tl.float32)  # no FP8 cache here: no scale
             m_i, l_i, acc = _attend_tile(
                 ql, qp, c, pe, valid, col, m_i, l_i, acc, qk_scale, BLOCK_H, BLOCK_K, ROPE, DEQUANT, IEEE, UPCAST
             )
@@ -406,7 +379,7 @@ def sparse_attention_triton(
     cache_arg = kv_cache.view(torch.uint8) if dequant else kv_cache
     scale_is_ptr = isinstance(kv_cache_scale, torch.Tensor)
     lse_arg = lse if lse is not None else o_lat  # unused stand-in
-    # context and new rows in one load per tile, addressed from the cache's pointer (the kernel's ONE_LOAD): same
+    # context and new rows in one load per tile, addressed from the cache's pointer (the kernel without SPLIT): same
     # dtype (no FP8 bytes), unit last strides, kv_c / k_pe a multiple of 16 elements away from the cache
     elem = kv_cache.element_size()
     kvc_delta = (kv_c.data_ptr() - kv_cache.data_ptr()) // elem
@@ -485,7 +458,6 @@ def sparse_attention_triton(
             HAS_LSE=lse is not None,
             IEEE=q_lat.dtype == torch.float32,
             UPCAST=q_lat.dtype == torch.bfloat16 and triton_interpreting(),
-            ONE_LOAD=one_load,
             SPLIT=split,
         ),
         dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),

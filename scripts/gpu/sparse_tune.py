@@ -75,8 +75,7 @@ def offline(args) -> None:
             HAS_LSE=True,
             IEEE=False,
             UPCAST=False,
-            ONE_LOAD=not args.fp8 and not args.two_loads,
-            SPLIT=args.fp8 and not args.two_loads,
+            SPLIT=args.fp8,
             cs_elem=1,
             kvc_elem=1,
             kpe_elem=1,
@@ -104,7 +103,7 @@ def offline(args) -> None:
             target=GPUTarget("cuda", 90, 32),
             options=dict(num_warps=warps, num_stages=stages),
         )
-        path = f"/tmp/sparse_tune_{bh}_{bk}_{warps}_{stages}.ptx"
+        path = f"/tmp/sparse_tune_{bh}_{bk}_{warps}_{stages}{'_fp8' if args.fp8 else ''}.ptx"
         with open(path, "w") as f:
             f.write(k.asm["ptx"])
         res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", path + ".cubin"], capture_output=True)
@@ -184,7 +183,6 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--configs", type=int, default=len(CONFIGS), help="time the default and the first N of CONFIGS")
-    p.add_argument("--two-loads", action="store_true", help="--offline with --fp8: the unsplit tiles (two loads each)")
     p.add_argument("--offline", action="store_true")
     args = p.parse_args()
     if args.offline:
