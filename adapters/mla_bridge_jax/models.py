@@ -231,8 +231,25 @@ def _rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
 def attention_fn(
     cfg: DeepseekConfig, attention: str, batch: int, new: int, prefix: int, dtype: Any, backend: Optional[str] = None
 ) -> Callable:
-    """``attend(q [B, L, H, Dqk], k [B, P + L, H, Dqk], v [B, P + L, H, Dv]) -> [B, L, H, Dv]`` (DeepSeek: Dqk 192,
-    Dv 128)."""
+    """The model's attention alone, as :func:`make_forward` uses it: ``attend(q [B, L, H, Dqk], k [B, P + L, H,
+    Dqk], v [B, P + L, H, Dv]) -> [B, L, H, Dv]`` (DeepSeek: Dqk 192, Dv 128), bottom-right causal, with the softmax
+    scale of ``cfg.dims``; traceable (call it inside ``jax.jit``).
+
+    Args:
+        cfg: the model's config.
+        attention: one of :data:`ATTENTIONS` (module docstring).
+        batch, new, prefix: rows ``B``, new tokens per row ``L`` and cached tokens per row ``P``.
+        dtype: q / k / v's dtype (the mla_bridge plan's).
+        backend: the mla_bridge core backend (default: its dispatch).
+
+    Returns:
+        ``attend``; for ``"mla_bridge"`` its plan (made here, from the host lengths) is ``attend.plan`` and lives as
+        long as the function.
+
+    Raises:
+        ValueError: an unknown ``attention``; ``"cudnn"`` / ``"xla"`` with ``v_head_dim`` above the q/k head dim;
+            the core's errors when planning (named).
+    """
     h, d_v, scale = cfg.num_heads, cfg.v_head_dim, cfg.dims.softmax_scale
     total = prefix + new
     if attention == "mla_bridge":
