@@ -286,7 +286,6 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         probed = _model_attention_inputs(model, ids, prefix)
     except Exception as err:  # noqa: BLE001
         probe_error = err
-    prefix = None
 
     # the layer's attention alone, on the shapes and strides transformers hands it, once per layer
     alone_paths = (

@@ -61,7 +61,7 @@ def bf16_batch(ref, dims, block_size, seed):
     return batch
 
 
-def bf16_plan(dims, k: int, block_size: int) -> PrefillPlan:
+def bf16_plan(dims, k: int, block_size: int, kv_cache_dtype=None) -> PrefillPlan:
     """A bf16 sparse plan of the test batch (QUERY_LENS after CONTEXT_LENS) on the GPU."""
     return PrefillPlan.build(
         QUERY_LENS,
@@ -71,6 +71,7 @@ def bf16_plan(dims, k: int, block_size: int) -> PrefillPlan:
         block_size=block_size,
         dtype=torch.bfloat16,
         index_topk=k,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -104,16 +105,7 @@ def test_cuda_bf16_equals_cpu_float32(ref, block_size, fp8, monkeypatch):
         cache, scale = quantize_latent_cache(batch.cache)
         scale = float(scale)
         cpu_cache, kind = cache, "fp8"
-    gpu_plan = PrefillPlan.build(
-        QUERY_LENS,
-        CONTEXT_LENS,
-        dims=dims,
-        workspace=Workspace(dev()),
-        block_size=block_size,
-        dtype=torch.bfloat16,
-        index_topk=k,
-        kv_cache_dtype=kind,
-    )
+    gpu_plan = bf16_plan(dims, k, block_size, kv_cache_dtype=kind)
     cpu_plan = PrefillPlan.build(
         QUERY_LENS,
         CONTEXT_LENS,
