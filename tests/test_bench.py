@@ -835,6 +835,28 @@ def test_interleaved_rounds_rotate_so_every_path_takes_every_place():
     assert _rotated([], 3) == []
 
 
+def _median_gap(a: dict, b: dict) -> float:
+    """The median over rounds of two JSON rows' per-round difference (ms), written out here apart from the bench's
+    helper."""
+    diffs = sorted(x - y for x, y in zip(a["extra"]["ms_samples"], b["extra"]["ms_samples"]))
+    n = len(diffs)
+    return diffs[n // 2] if n % 2 else (diffs[n // 2 - 1] + diffs[n // 2]) / 2
+
+
+def test_paired_gap_pairs_samples_by_round():
+    """Two paths timed in the same rounds: their difference is the median of the per-round differences, which drift
+    shared by a round cancels from, not the difference of the two medians (here 1.0 against 0.5)."""
+    from mla_bridge.bench.common import Row, paired_gap
+
+    a = Row("s", "c", "a", ms=20.0, extra={"ms_samples": [10.0, 20.0, 30.0]})
+    b = Row("s", "c", "b", ms=19.5, extra={"ms_samples": [9.0, 19.5, 28.0]})
+    assert paired_gap(a, b) == pytest.approx(1.0)
+    assert paired_gap(b, a) == pytest.approx(-1.0)
+    assert paired_gap(a, None) is None
+    assert paired_gap(a, Row("s", "c", "b", status="skipped", note="out of memory")) is None
+    assert paired_gap(a, Row("s", "c", "b", ms=1.0, extra={"ms_samples": [1.0, 2.0]})) is None  # other rounds
+
+
 def test_ttft_section_quick_on_the_cpu(tmp_path):
     """``--sections ttft`` on the CPU: every case has the transformers model timed with sdpa, mla_bridge and a no-op
     attention, attention alone per path, the ratio and attention's share on the rows, and a JAX row per case
@@ -844,7 +866,7 @@ def test_ttft_section_quick_on_the_cpu(tmp_path):
     path = tmp_path / "ttft.json"
     assert (
         run(
-            _parse(["--device", "cpu", "--sections", "ttft", "--repeats", "1", "--warmup", "0", "--json", str(path)]),
+            _parse(["--device", "cpu", "--sections", "ttft", "--repeats", "3", "--warmup", "0", "--json", str(path)]),
             console=_quiet_console(),
         )
         == 0
@@ -867,6 +889,14 @@ def test_ttft_section_quick_on_the_cpu(tmp_path):
             # must not be charged the overlapped timer's spin
             assert mine[p]["extra"]["timing"] == "latency", (case, p)
         ours = mine["transformers mla_bridge"]
+        # kept = (sdpa - mla_bridge) / (sdpa alone - kernel calls alone), each difference paired by round
+        saved = _median_gap(mine["transformers sdpa"], ours)
+        win = _median_gap(
+            mine["attention alone x layers: transformers sdpa_attention_forward"],
+            mine["attention alone x layers: kernel calls only"],
+        )
+        want = saved / win if win > 0 else None
+        assert ours["extra"]["kept_of_kernel_win"] == (pytest.approx(want) if want is not None else None)
         assert ours["extra"]["ratio_sdpa_over_mla_bridge"] == pytest.approx(
             mine["transformers sdpa"]["ms"] / ours["ms"]
         )

@@ -140,6 +140,20 @@ class Row:
         return d
 
 
+def paired_gap(a: Optional[Row], b: Optional[Row]) -> Optional[float]:
+    """The median over rounds of ``a``'s time minus ``b``'s, in ms, for two rows timed in the same interleaved
+    rounds (:meth:`Ctx.measure_many`: ``extra["ms_samples"]`` in round order). A difference of two forwards' times
+    moves with the clock between rounds (a GPU at its power cap runs a few percent slower after heavy work); paired
+    by round, the drift that hits both calls of a round cancels, which the difference of the two medians does not
+    do. None unless both rows are measured with one sample per round."""
+    if a is None or b is None or a.status != "ok" or b.status != "ok":
+        return None
+    xs, ys = a.extra.get("ms_samples"), b.extra.get("ms_samples")
+    if not xs or not ys or len(xs) != len(ys):
+        return None
+    return statistics.median(x - y for x, y in zip(xs, ys))
+
+
 @dataclass
 class Check:
     """A performance target: ``value`` against ``target`` (``op`` "<=" or ">=" or "=="); ``passed`` is None when

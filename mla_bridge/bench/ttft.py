@@ -20,7 +20,8 @@ attention function reads its mask on the host once is not charged the timer's sp
   transformers' ``sdpa_attention_forward``, :func:`mla_bridge_transformers.mla_bridge_attention`, and the kernel
   calls it makes (``RaggedPlan.run`` per batch row on the same views, planned outside the timing). ``kept`` (on the
   mla_bridge row) = (sdpa model - mla_bridge model) / (sdpa alone - kernel alone): the share of the kernel's win
-  that reaches the user; ``adapter own ms / layer`` = (mla_bridge_attention - kernel calls) / layers.
+  that reaches the user; ``adapter own ms / layer`` = (mla_bridge_attention - kernel calls) / layers. Each
+  difference is the median over rounds of the two calls' difference in that round (:func:`.common.paired_gap`).
 * the JAX model (:mod:`mla_bridge_jax.models`) when JAX has a GPU: ``jax.nn.dot_product_attention`` cuDNN and XLA
   (v padded to 192) vs ``mla_bridge_jax``, one ``jax.jit`` each, and the no-op.
 
@@ -36,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .common import Ctx, Job, Row, attention_flops, fmt_err
+from .common import Ctx, Job, Row, attention_flops, fmt_err, paired_gap
 
 __all__ = ["jobs", "V2_LITE", "TtftCase", "ttft_cases", "build_transformers_model", "NOOP_IMPLEMENTATION"]
 
@@ -71,8 +72,9 @@ LAYERS = 4
 NOOP_IMPLEMENTATION = "mla_bridge_bench_noop"
 #: The attention function that records what transformers hands the first layer (the inputs of the alone rows).
 PROBE_IMPLEMENTATION = "mla_bridge_bench_probe"
-#: Timed forwards per path at most (a 16 x 10000 forward is about a third of a second on an H200).
-MAX_REPEATS = 7
+#: Timed forwards per path at most (a 16 x 10000 forward is about a third of a second on an H200). "kept" is a
+#: ratio of two differences of a few percent of a forward, medians over rounds: fewer rounds let it swing by a third.
+MAX_REPEATS = 11
 #: The case whose adapter overhead is checked against the target (batch 4 x 10000 tokens).
 ADAPTER_CASE = "4 x 10000"
 
@@ -371,11 +373,16 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
     return rows
 
 
-def _ok_ms(rows: list[Row], path: str) -> Optional[float]:
+def _ok_row(rows: list[Row], path: str) -> Optional[Row]:
     for r in rows:
         if r.path == path and r.status == "ok":
-            return r.ms
+            return r
     return None
+
+
+def _ok_ms(rows: list[Row], path: str) -> Optional[float]:
+    row = _ok_row(rows, path)
+    return None if row is None else row.ms
 
 
 def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alone: list[Row], layers: int) -> None:
@@ -383,14 +390,7 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
         _ok_ms(model_rows, p)
         for p in ("transformers sdpa", "transformers mla_bridge", "transformers, attention a no-op")
     )
-    sdpa_alone, ours_alone, kernel_alone = (
-        _ok_ms(alone, p)
-        for p in (
-            "attention alone x layers: transformers sdpa_attention_forward",
-            "attention alone x layers: mla_bridge_attention",
-            "attention alone x layers: kernel calls only",
-        )
-    )
+    kernel_alone = _ok_ms(alone, "attention alone x layers: kernel calls only")
     for r in model_rows:
         if r.status != "ok" or noop is None or r.path.endswith("no-op"):
             continue
@@ -401,10 +401,18 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
             f"{100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"  # type: ignore[operator]
         )
     ratio = sdpa / ours if sdpa and ours else None
-    kept = None
-    if sdpa and ours and sdpa_alone and kernel_alone and sdpa_alone > kernel_alone:
-        kept = (sdpa - ours) / (sdpa_alone - kernel_alone)
-    own = (ours_alone - kernel_alone) / layers if ours_alone and kernel_alone else None
+    # differences paired by round (paired_gap): the model rows and the alone rows share their rounds
+    saved = paired_gap(_ok_row(model_rows, "transformers sdpa"), _ok_row(model_rows, "transformers mla_bridge"))
+    win = paired_gap(
+        _ok_row(alone, "attention alone x layers: transformers sdpa_attention_forward"),
+        _ok_row(alone, "attention alone x layers: kernel calls only"),
+    )
+    kept = saved / win if saved is not None and win is not None and win > 0 else None
+    own_all = paired_gap(
+        _ok_row(alone, "attention alone x layers: mla_bridge_attention"),
+        _ok_row(alone, "attention alone x layers: kernel calls only"),
+    )
+    own = own_all / layers if own_all is not None else None
     for r in model_rows:
         if r.path == "transformers mla_bridge" and r.status == "ok":
             r.extra.update(ratio_sdpa_over_mla_bridge=ratio, kept_of_kernel_win=kept)

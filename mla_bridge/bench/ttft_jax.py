@@ -11,6 +11,8 @@ import numpy as np
 
 from mla_bridge_jax import models
 
+from .common import paired_gap
+
 
 def bench_rows(
     ctx: Any,
@@ -106,14 +108,15 @@ def bench_rows(
     for impl in ("cudnn", "xla"):
         other = ms.get(names[impl])
         ctx.check(f"ttft {case.name}: JAX {impl} / mla_bridge_jax", other / ours if other and ours else None, ">=", 1.0)
-    cudnn, cudnn_alone, ours_alone = ms.get(names["cudnn"]), ms.get(ALONE["cudnn"]), ms.get(ALONE["mla_bridge"])
-    kept = None
-    if cudnn and ours and cudnn_alone and ours_alone and cudnn_alone > ours_alone:
-        kept = (cudnn - ours) / (cudnn_alone - ours_alone)
-        for r in rows:
-            if r.path == names["mla_bridge"] and r.status == "ok":
-                r.extra["kept_of_kernel_win"] = kept
-                r.note += f"; kept {kept:.2f} of the attention's win over cuDNN"
+    by_path = {r.path: r for r in rows if r.status == "ok"}
+    # differences paired by round (paired_gap): the model rows and the alone rows share their rounds
+    saved = paired_gap(by_path.get(names["cudnn"]), by_path.get(names["mla_bridge"]))
+    win = paired_gap(by_path.get(ALONE["cudnn"]), by_path.get(ALONE["mla_bridge"]))
+    kept = saved / win if saved is not None and win is not None and win > 0 else None
+    if kept is not None:
+        ours_row = by_path[names["mla_bridge"]]
+        ours_row.extra["kept_of_kernel_win"] = kept
+        ours_row.note += f"; kept {kept:.2f} of the attention's win over cuDNN"
     ctx.check(
         f"ttft {case.name}: share of the attention's win over cuDNN kept by the JAX model",
         kept,
@@ -145,7 +148,9 @@ def _alone_items(
     those that cannot run): the jitted ``attend`` of :func:`make_forward` (v padded for cuDNN, as in the model)
     called ``num_layers`` times on the q, k and v the model hands its first layer (:func:`attention_inputs`: the
     same shapes and values), timed as a latency like the model rows. ``kept`` = (cuDNN model - mla_bridge_jax model)
-    / (cuDNN alone - mla_bridge_jax alone): the share of the attention's win that reaches the time to first token."""
+    / (cuDNN alone - mla_bridge_jax alone), each difference the median over rounds of its two calls' difference in
+    that round (:func:`mla_bridge.bench.common.paired_gap`): the share of the attention's win that reaches the time
+    to first token."""
     try:
         q, k, v = jax.block_until_ready(models.attention_inputs(cfg, params, ids, cache, prefix_len=case.cached))
     except Exception as err:  # noqa: BLE001
