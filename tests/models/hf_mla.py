@@ -54,9 +54,11 @@ def make_model(
     attn_implementation: str = "eager",
     dtype=torch.float32,
     device="cpu",
+    index_topk: int = INDEX_TOPK,
 ):
     """A random model of ``model_type`` with one MLA layer at the model's head dims; returns ``(model, base)`` where
-    ``base`` is the decoder stack (``base.layers[0].self_attn`` the MLA attention). Skips the test under a
+    ``base`` is the decoder stack (``base.layers[0].self_attn`` the MLA attention); a DSA model's indexer keeps
+    ``index_topk`` keys per query (default: every key of these tests' sequences). Skips the test under a
     transformers older than the one whose MLA classes these tests read (5.25: several model types, and the config
     fields of others, are newer)."""
     import pytest
@@ -87,7 +89,7 @@ def make_model(
         first_k_dense_replace=1,
         index_head_dim=rope + 16,
         index_n_heads=4,
-        index_topk=INDEX_TOPK,
+        index_topk=index_topk,
         initializer_range=0.05,
         pad_token_id=0,
         bos_token_id=1,

@@ -37,13 +37,14 @@ def no_hand_back(monkeypatch):
 
 
 @contextlib.contextmanager
-def indexer_calls(model, replay=None):
+def indexer_calls(model, replay=None, layers=None):
     """Record the top-k every indexer of ``model`` returns (``{layer: [int32 [B, S, k], ...]}``, in call order), or,
     with ``replay`` (such a record), run each indexer (its key cache updated as usual) and return the recorded top-k
-    of that layer's next call instead, after checking its shape."""
+    of that layer's next call instead, after checking its shape. ``layers``: the decoder layers (default
+    ``model.model.layers``)."""
     record: dict = {}
     patched = []
-    for layer in model.model.layers:
+    for layer in model.model.layers if layers is None else layers:
         indexer = getattr(layer.self_attn, "indexer", None)
         if indexer is None:  # GLM-5's "shared" layers reuse the previous layer's top-k
             continue
@@ -122,6 +123,40 @@ def test_sparse_prompt_and_greedy_steps_served_equal_eager(model_type, no_hand_b
     assert torch.equal(g_got.sequences, g_want.sequences)
     for step, (a, b) in enumerate(zip(g_got.logits, g_want.logits)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=lambda m: f"greedy step {step}: {m}")
+
+
+#: Every DSA model type of transformers 5.25 whose attention hands its indexer's top-k to the attention function as
+#: ``indices=`` (glm5_next folds its pooled top-k into the mask itself: not among them).
+DSA_MODEL_TYPES = ["deepseek_v32", "glm_moe_dsa", "hy_v4", "mistral_large4", "axk2", "dots3_note"]
+
+
+@pytest.mark.parametrize("model_type", DSA_MODEL_TYPES)
+def test_every_dsa_model_type_served_equal_eager(model_type, no_hand_back, two_torch_threads):
+    """One MLA layer of each DSA model type at its own head dims (hy_v4 with its per-head sinks; dots3_note's indexed
+    layer), index_topk 4, a left-padded batch of 12 and 7 tokens: every call is served by mla_bridge's sparse
+    attention, and the output at every real position equals eager's (the top-k folded into its mask) within 1e-5,
+    eager's top-k replayed into the mla_bridge run."""
+    from . import hf_mla
+
+    eager, eager_base = hf_mla.make_model(model_type, index_topk=TOPK)
+    ours, ours_base = hf_mla.make_model(model_type, index_topk=TOPK, attn_implementation=mbt.register())
+    vocab = eager.config.get_text_config().vocab_size
+    ids, mask = left_padded([12, 7], vocab, seed=3)
+    valid = mask.bool()
+
+    def out(model, **kw):
+        got = model(ids, attention_mask=mask, **kw)
+        return got.logits if hasattr(got, "logits") else got.last_hidden_state
+
+    with torch.no_grad(), indexer_calls(eager, layers=eager_base.layers) as record:
+        want = out(eager)
+    with torch.no_grad(), indexer_calls(ours, replay=record, layers=ours_base.layers):
+        got = out(ours)
+    assert record and all(not calls for calls in record.values())  # every recorded call was replayed
+    with torch.no_grad():
+        dense = out(hf_mla.make_model(model_type)[0])  # same weights, every key
+    assert (want - dense)[valid].abs().max() > 0.1  # the top-k matters on these prompts
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=0)
 
 
 def _reference(q, k, v, mask, indices, scale, sinks=None):
