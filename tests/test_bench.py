@@ -505,6 +505,12 @@ def test_plot_draws_the_time_to_first_token_section():
         for i, case in enumerate(("1 x 10000", "4 x (8000 cached + 2000 new)"))
         for j, path in enumerate(paths)
     ]
+    xla = "JAX model, jax.nn.dot_product_attention XLA"
+    rows += [
+        Row("ttft", "1 x 10000", xla, ms=40.0, order=(6, 0, 9)),
+        Row("ttft", "4 x (8000 cached + 2000 new)", xla, status="skipped", order=(6, 1, 9),
+            note="failed: JaxRuntimeError: RESOURCE_EXHAUSTED: Failed to get configs", error="JaxRuntimeError"),
+    ]  # fmt: skip
     (panel,) = _panels(rows, {}, dict(gpu="NVIDIA H100", mode="full"))
     assert panel["title"].startswith("Time to first token") and panel["xlabel"] == "ms per forward"
     assert panel["cases"] == ["1 x 10000", "4 x (8000 cached + 2000 new)"]
@@ -512,8 +518,21 @@ def test_plot_draws_the_time_to_first_token_section():
         ("transformers, sdpa", [10.0, 20.0]),
         ("transformers, mla_bridge", [11.0, 21.0]),
         ("JAX, cuDNN", [14.0, 24.0]),
+        ("JAX, XLA", [40.0, None]),
         ("JAX, mla_bridge_jax", [15.0, 25.0]),
     ]
+    # the path that ran out of memory is said so where its bar would be, not left as a bar never drawn
+    assert panel["gaps"] == {("4 x (8000 cached + 2000 new)", "JAX, XLA"): "out of memory"}
+    import matplotlib.pyplot as plt
+
+    from mla_bridge.bench.report import plot_figure
+
+    fig = plot_figure(rows, {}, dict(gpu="NVIDIA H100", mode="full"))
+    try:
+        texts = [t.get_text() for t in fig.axes[0].texts]  # the bars' value labels and the gap's reason
+        assert [t for t in texts if not t.replace(".", "").isdigit()] == ["JAX, XLA: out of memory"], texts
+    finally:
+        plt.close(fig)
 
 
 def test_plot_legends_sit_outside_the_axes_and_the_title_names_machine_date_versions():

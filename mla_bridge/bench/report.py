@@ -277,7 +277,8 @@ def rows_from_payload(payload: dict) -> list[Row]:
 
 def _grouped(rows: list[Row], section: str, series: tuple, value) -> tuple[list[str], list[tuple[str, list]]]:
     """``(cases, [(label, values per case)])`` of ``section``'s measured rows that apply here, cases in report
-    order; a series with no value at all is left out; ``value(row)`` gives the plotted number (or None)."""
+    order; a series with no value at all is left out (its skipped rows: :func:`_gaps`); ``value(row)`` gives the
+    plotted number (or None)."""
     cases: list[str] = []
     got: dict[tuple[str, str], float] = {}
     for r in sort_rows(rows):
@@ -294,25 +295,61 @@ def _grouped(rows: list[Row], section: str, series: tuple, value) -> tuple[list[
     ]
 
 
+def _gaps(rows: list[Row], section: str, series: tuple, cases: list[str]) -> dict[tuple[str, str], str]:
+    """``{(case, series label): why}`` for the skipped rows of ``section``'s series that apply here (a path that ran
+    out of memory, or failed): the plot writes the reason where the bar would be, so a missing bar is not read as a
+    path that was never tried."""
+    labels = dict(series)
+    gaps: dict[tuple[str, str], str] = {}
+    for r in rows:
+        if r.section != section or not r.applies or r.status == "ok" or r.case not in cases or r.path not in labels:
+            continue
+        text = f"{r.note} {r.error or ''}".lower()
+        why = "out of memory" if ("out of memory" in text or "resource_exhausted" in text) else "failed"
+        gaps[(r.case, labels[r.path])] = why
+    return gaps
+
+
 def _short(v: float) -> str:
     return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
 
 
 def _bars(
-    ax: Any, cases: list[str], series: list[tuple[str, list]], colors: list, *, xlabel: str, log: bool = False
+    ax: Any,
+    cases: list[str],
+    series: list[tuple[str, list]],
+    colors: list,
+    *,
+    xlabel: str,
+    log: bool = False,
+    gaps: Optional[dict[tuple[str, str], str]] = None,
 ) -> None:
     """Horizontal grouped bars: one group per case (top to bottom in report order), one bar per series, each bar
-    labelled with its value; the legend outside the axes, on the right."""
+    labelled with its value; where ``gaps`` has a reason for a (case, series label), that text in the bar's place;
+    the legend outside the axes, on the right."""
     import textwrap
 
-    # each case's bars side by side, only the series it has (colours stay per series)
-    per_case = [[j for j, (_, vals) in enumerate(series) if vals[i] is not None] for i in range(len(cases))]
+    from matplotlib.transforms import blended_transform_factory
+
+    gaps = gaps or {}
+    # each case's bars side by side, only the series it has or says why it lacks (colours stay per series)
+    per_case = [
+        [j for j, (label, vals) in enumerate(series) if vals[i] is not None or (cases[i], label) in gaps]
+        for i in range(len(cases))
+    ]
     width = max(1, max((len(js) for js in per_case), default=1))
     h = 0.8 / width
     placed: dict[int, list[tuple[float, float]]] = {}
+    left_edge = blended_transform_factory(ax.transAxes, ax.transData)
     for i, js in enumerate(per_case):
         for k, j in enumerate(js):
-            placed.setdefault(j, []).append((i + (k - (len(js) - 1) / 2) * h, series[j][1][i]))
+            y, v = i + (k - (len(js) - 1) / 2) * h, series[j][1][i]
+            if v is not None:
+                placed.setdefault(j, []).append((y, v))
+            else:
+                why = gaps[(cases[i], series[j][0])]
+                ax.text(0.005, y, f"{series[j][0]}: {why}", transform=left_edge, va="center", fontsize=7,
+                        color=colors[j % len(colors)], style="italic")  # fmt: skip
     for j, (label, _) in enumerate(series):
         if j not in placed:
             continue
@@ -405,6 +442,8 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
         if not series:
             continue
         panel: dict[str, Any] = dict(title=title, cases=cases, series=series, **axis)
+        drawn = {label for label, _ in series}
+        panel["gaps"] = {key: why for key, why in _gaps(rows, section, wanted, cases).items() if key[1] in drawn}
         if axis["xlabel"] in ("ms per layer", "ms per forward"):
             values = [v for _, vals in series for v in vals if v]
             panel["log"] = max(values) / min(values) > 20
@@ -457,7 +496,12 @@ def plot_figure(rows: list[Row], peaks: dict, env: dict) -> Any:
     panels = _panels(rows, peaks, env)
     colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#7f7f7f"]
     heights = [
-        max(1.8, 0.19 * sum(v is not None for _, vals in p["series"] for v in vals) + 0.12 * len(p["cases"]) + 0.9)
+        max(
+            1.8,
+            0.19 * (sum(v is not None for _, vals in p["series"] for v in vals) + len(p["gaps"]))
+            + 0.12 * len(p["cases"])
+            + 0.9,
+        )
         for p in panels
     ] or [2.0]
     fig, axes = plt.subplots(
@@ -469,7 +513,7 @@ def plot_figure(rows: list[Row], peaks: dict, env: dict) -> Any:
         layout="constrained",
     )
     for ax, p in zip(axes[:, 0], panels):
-        _bars(ax, p["cases"], p["series"], colors, xlabel=p["xlabel"], log=p.get("log", False))
+        _bars(ax, p["cases"], p["series"], colors, xlabel=p["xlabel"], log=p.get("log", False), gaps=p["gaps"])
         if p.get("peak"):
             ax.axvline(
                 p["peak"], color="gray", linestyle="--", linewidth=1, label=f"matmul peak, same run ({_num(p['peak'])})"
