@@ -30,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from mla_bridge import switches
-
 __all__ = [
     "to_torch",
     "to_jax",
@@ -51,20 +49,6 @@ __all__ = [
 ]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
-
-
-#: Plans the adapter holds at once (traced plans; registered tvm-ffi plans), each a pooled FlashInfer wrapper.
-ENV_MAX_PLANS = switches.JAX_MAX_PLANS
-
-
-def max_plans_from_env(default: int = 16) -> int:
-    """``$MLA_BRIDGE_JAX_MAX_PLANS`` as a positive int (``default`` when unset or empty), read at import
-    (:func:`mla_bridge.switches.jax_max_plans`).
-
-    Raises:
-        ValueError: any other value (not an integer, or below 1), naming the variable.
-    """
-    return switches.jax_max_plans(default)
 
 
 def is_tracer(x: Any) -> bool:

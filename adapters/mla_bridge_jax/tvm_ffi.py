@@ -47,15 +47,16 @@ import numpy as np
 
 import jax
 import torch
+from mla_bridge import switches
 from mla_bridge.backends import flashinfer_internals as internals
-
-from ._interop import ENV_MAX_PLANS, max_plans_from_env
 
 __all__ = ["why_not", "ragged_call", "register", "release", "registered_plans", "TARGET", "MAX_PLANS", "ENV_MAX_PLANS"]
 
 TARGET = "mla_bridge_jax_ragged_run"
+#: The variable bounding the registry (:func:`mla_bridge.switches.jax_max_plans`, read at import).
+ENV_MAX_PLANS = switches.JAX_MAX_PLANS
 #: Registered plans held at once (each holds a pooled FlashInfer wrapper); more are evicted, oldest first.
-MAX_PLANS = max_plans_from_env()
+MAX_PLANS = switches.jax_max_plans()
 _LN2 = np.float32(math.log(2.0))
 
 _SHIM_SOURCE = r"""
