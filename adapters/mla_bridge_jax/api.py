@@ -180,18 +180,9 @@ def _spread_over_devices() -> Optional[str]:
     return None
 
 
-def _check_route(requested: Optional[str]) -> str:
-    """``requested`` (or ``$MLA_BRIDGE_JAX_JIT_ROUTE``, or "auto") checked against :data:`JIT_ROUTES`."""
-    if not requested:
-        return switches.jax_jit_route()  # the variable, checked there
-    if requested not in JIT_ROUTES:
-        raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {requested!r}")
-    return requested
-
-
 def _route(requested: Optional[str], plan: Any) -> str:
     """The traced route for ``plan``: "auto" takes tvm_ffi when it can serve and the call is single-device."""
-    route = _check_route(requested)
+    route = switches.jax_jit_route(requested)
     if route == "buffer_callback":
         return route
     from . import tvm_ffi
@@ -301,7 +292,7 @@ def ragged_prefill(
         InferenceOnlyError: on differentiation.
     """
     _check_qkv(q, k, v)
-    _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike
+    switches.jax_jit_route(jit_route)  # eager calls do not use it, but a bad value is refused alike
     qo = host_values("qo_indptr", qo_indptr, where="ragged_prefill")
     kv = host_values("kv_indptr", kv_indptr, where="ragged_prefill")
     if not any(is_tracer(x) for x in (q, k, v)):
@@ -386,7 +377,7 @@ def run_ragged(
             f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), got {type(plan).__name__}"
         )
     _check_qkv(q, k, v)
-    _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
+    switches.jax_jit_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
     if not any(is_tracer(x) for x in (q, k, v)):
         with jax_dtype_names():
             out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
