@@ -40,6 +40,7 @@ from mla_bridge import switches
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
 from mla_bridge.checks import not_a_bool
+from mla_bridge.plan import plans_by_device
 from mla_bridge.plan_cache import shared_plan_cache
 from mla_bridge.workspace import default_workspace
 
@@ -377,7 +378,9 @@ def run_ragged(
             f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), got {type(plan).__name__}"
         )
     _check_qkv(q, k, v)
-    switches.jax_jit_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
+    switches.jax_jit_route(
+        jit_route
+    )  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
     if not any(is_tracer(x) for x in (q, k, v)):
         with jax_dtype_names():
             out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
@@ -560,31 +563,12 @@ def _mla_callback(
 
 
 def _plans_by_device(plan: Any) -> dict:
-    """``{torch device: PrefillPlan}`` from one plan or a mapping of per-device plans (which must agree on every host
-    value but the device: lengths, dims, dtypes, block size, schedule)."""
+    """``{torch device: PrefillPlan}`` from one plan or a mapping of per-device plans (checked to agree:
+    :func:`mla_bridge.plan.plans_by_device`)."""
     if isinstance(plan, PrefillPlan):
         return {plan.device: plan}
     if isinstance(plan, Mapping) and plan and all(isinstance(p, PrefillPlan) for p in plan.values()):
-        plans = {p.device: p for p in plan.values()}
-        first = next(iter(plans.values()))
-        key = lambda p: (  # noqa: E731
-            p.query_lens,
-            p.context_lens,
-            p.dims,
-            p.dtype,
-            p.kv_cache_dtype,
-            p.block_size,
-            p.fused,
-            len(p.chunks),
-            p.index_topk,
-        )
-        for p in plans.values():
-            if key(p) != key(first):
-                raise ValueError(
-                    "mla_bridge_jax.mla_prefill: per-device plans must agree on everything but the "
-                    f"device, got {first!r} and {p!r}"
-                )
-        return plans
+        return plans_by_device(plan.values())
     raise TypeError(
         f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan) or a mapping of "
         f"per-device plans (mla_bridge_jax.build_sharded_plans), got {type(plan).__name__}"
