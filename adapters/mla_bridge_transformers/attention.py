@@ -48,7 +48,7 @@ that honours it, never dropped:
 * ``s_aux`` (per-head attention sink logits ``[H]``, in the units of the scaled logits: ``hy_v4``; ``gpt_oss``,
   ``deepseek_v4`` and the others passing it are GQA/MQA and handed back): served. A sink is one more key per head,
   of logit ``s_aux`` and value vector 0, i.e. a partial with LSE ``s_aux`` and output 0, merged into the result by
-  :func:`mla_bridge.merge.merge_attn_states_` (``out * exp(lse) / (exp(lse) + exp(s_aux))``, as the models' eager
+  :func:`mla_bridge.merge.merge_sinks_` (``out * exp(lse) / (exp(lse) + exp(s_aux))``, as the models' eager
   functions compute it). Handed back (GQA, a mask not served, ...) or of another shape: to the model's eager function
   (sdpa ignores sinks).
 * ``sinks`` (per-query sink logits, ``inkling2``), ``softcap`` and ``output_attentions``: the model's own
@@ -81,7 +81,7 @@ import mla_bridge
 from mla_bridge import switches
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
-from mla_bridge.merge import merge_attn_states_
+from mla_bridge.merge import merge_sinks_
 from mla_bridge.checks import kernel_ready
 from mla_bridge.plan_cache import shared_plan_cache
 from mla_bridge.ragged import indptr_from_lens
@@ -383,13 +383,7 @@ def _serve_indices(module, query, key, value, attention_mask, indices, scaling, 
         )
     if sinks is not None:  # one more key per head, of logit s_aux and value 0 (as on the dense path)
         assert lse is not None
-        flat = out.view(b * q_len, h, d_vo)
-        merge_attn_states_(
-            flat,
-            lse.view(b * q_len, h),
-            flat.new_zeros(()).expand(flat.shape),
-            sinks.to(device=lse.device, dtype=torch.float32).expand(b * q_len, h),
-        )
+        merge_sinks_(out.view(b * q_len, h, d_vo), lse.view(b * q_len, h), sinks)
     return out
 
 
@@ -622,13 +616,7 @@ def mla_bridge_attention(
             out, lse = plan.run(q, k, v)
     if sinks is not None:  # one more key per head, of logit s_aux and value 0: a partial (out 0, LSE s_aux)
         assert lse is not None  # both routes fill an LSE where there are sinks
-        lse = lse.view(out.shape[:2])
-        merge_attn_states_(
-            out,
-            lse,
-            out.new_zeros(()).expand(out.shape),
-            sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape),
-        )
+        merge_sinks_(out, lse.view(out.shape[:2]), sinks)
     if by_row:
         return full, None
     if q_rows is None:
