@@ -26,6 +26,7 @@ from .checks import (
     INT32_MAX,
     as_sm_scale,
     kernel_ready,
+    kernel_strides,
     not_a_bool,
     offsets_why_not,
     positive_int,
@@ -734,7 +735,7 @@ def ragged_prefill(
     if workspace is None:
         workspace = default_workspace(q.device)
     # what the kernel will read: a tensor it reads in place through its strides, another one copied contiguous
-    strides = tuple(None if x.is_contiguous() or not kernel_ready(x) else tuple(x.stride()[:2]) for x in (q, k, v))
+    strides = tuple(map(kernel_strides, (q, k, v)))
     plan = plan_ragged(
         qo_indptr,
         kv_indptr,
