@@ -25,6 +25,7 @@ the batch elements one after another (``vmap_method="sequential"``), each with t
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -243,17 +244,21 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
     return out, lse
 
 
-def _check_qkv(q, k, v) -> None:
+def _eager_qkv(q, k, v, jit_route: Optional[str]) -> bool:
+    """Check q / k / v (JAX arrays, named) and ``jit_route`` (eager calls do not use it, but a bad value is refused
+    alike); whether the call is eager (no tracer among q / k / v)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
+    switches.jax_jit_route(jit_route)
+    return not any(is_tracer(x) for x in (q, k, v))
 
 
-def _heads_dims(q, v) -> tuple[int, int, int]:
-    # Only what planning needs to read; every other shape check is the core's (RaggedPlan.validate).
-    for name, x in (("q", q), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
-    return q.shape[1], q.shape[2], v.shape[2]
+def _run_eager(run: Callable, q, k, v) -> tuple[jax.Array, jax.Array]:
+    """``run`` (the core's) on DLPack views of q / k / v; XLA is ordered after the work it queued."""
+    with jax_dtype_names():
+        out, lse = run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
+    order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
+    return to_jax(out), to_jax(lse)
 
 
 def ragged_prefill(
@@ -292,20 +297,20 @@ def ragged_prefill(
             before anything runs (at trace time under jit).
         InferenceOnlyError: on differentiation.
     """
-    _check_qkv(q, k, v)
-    switches.jax_jit_route(jit_route)  # eager calls do not use it, but a bad value is refused alike
+    eager = _eager_qkv(q, k, v, jit_route)
     qo = host_values("qo_indptr", qo_indptr, where="ragged_prefill")
     kv = host_values("kv_indptr", kv_indptr, where="ragged_prefill")
-    if not any(is_tracer(x) for x in (q, k, v)):
-        tq, tk, tv = to_torch("q", q), to_torch("k", k), to_torch("v", v)
-        with jax_dtype_names():
-            out, lse = _core.ragged_prefill(tq, tk, tv, qo, kv, causal=causal, sm_scale=sm_scale, backend=backend)
-        order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
-        return to_jax(out), to_jax(lse)
-
-    heads, d_qk, d_vo = _heads_dims(q, v)
-    if not q.dtype == k.dtype == v.dtype:  # as the core's eager call says it
+    if eager:
+        core_args = dict(qo_indptr=qo, kv_indptr=kv, causal=causal, sm_scale=sm_scale, backend=backend)
+        return _run_eager(functools.partial(_core.ragged_prefill, **core_args), q, k, v)
+    # Traced: what planning reads is checked here first, as the core's eager call words it; every other check is the
+    # core's (RaggedPlan.validate, on stand-ins, in _ragged_traced).
+    for name, x in (("q", q), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    heads, d_qk, d_vo = q.shape[1], q.shape[2], v.shape[2]
     spec = dict(qo_indptr=qo, kv_indptr=kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal)
     spec.update(sm_scale=sm_scale, dtype=torch_dtype(q.dtype), backend=backend)
     plans = _Plans(spec)
@@ -377,15 +382,8 @@ def run_ragged(
         raise TypeError(
             f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), got {type(plan).__name__}"
         )
-    _check_qkv(q, k, v)
-    switches.jax_jit_route(
-        jit_route
-    )  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
-    if not any(is_tracer(x) for x in (q, k, v)):
-        with jax_dtype_names():
-            out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
-        order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
-        return to_jax(out), to_jax(lse)
+    if _eager_qkv(q, k, v, jit_route):
+        return _run_eager(plan.run, q, k, v)
     return _ragged_traced(_Plans(plan=plan), plan, q, k, v, jit_route)
 
 
