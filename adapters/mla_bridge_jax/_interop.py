@@ -259,10 +259,6 @@ def to_jax(t: torch.Tensor) -> jax.Array:
     return jax.dlpack.from_dlpack(t)
 
 
-def _dlpack_ready(t: torch.Tensor) -> bool:
-    return t.numel() == 0 or (t.is_contiguous() and t.data_ptr() % _ALIGN == 0)
-
-
 def from_torch(t: torch.Tensor) -> jax.Array:
     """A torch tensor as a ``jax.Array`` on the same device: zero-copy when DLPack can pass it as it is, else one
     device copy first (non-contiguous views such as ``t[..., :128]`` or a transpose, or a data pointer that is not
@@ -281,8 +277,10 @@ def from_torch(t: torch.Tensor) -> jax.Array:
             f"convert it first or enable jax_enable_x64"
         )
     t = t.detach()
-    if not _dlpack_ready(t):
-        t = t.contiguous() if not t.is_contiguous() else t.clone()  # one copy on t's device
+    if t.numel() and not t.is_contiguous():
+        t = t.contiguous()  # one copy on t's device
+    elif t.numel() and t.data_ptr() % _ALIGN:
+        t = t.clone()  # one copy, aligned
     return jax.dlpack.from_dlpack(t)
 
 
