@@ -223,11 +223,8 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
     """Validate against ``plan`` now (host, trace time), then emit one custom call."""
     with jax_dtype_names():
         plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))  # type: ignore[arg-type]
-    s = plan.spec
-    out_types = (
-        jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
-        jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads), jnp.float32),
-    )
+    *_, out_shape, lse_shape = plan.spec.shapes
+    out_types = (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     call = None
     route = _route(jit_route, plan)
     if route == "tvm_ffi":
