@@ -96,18 +96,10 @@ def host_values(name: str, x: Any, *, where: str) -> Any:
     return x
 
 
-_TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+#: JAX / numpy dtype names that torch names alike, besides the FP8 formats (torch's dtype of the same name)
+_SHARED_DTYPE_NAMES = frozenset(
+    ("bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
+)
 
 
 def torch_dtype(dtype: Any, arg: str = "dtype") -> torch.dtype:
@@ -124,9 +116,8 @@ def torch_dtype(dtype: Any, arg: str = "dtype") -> torch.dtype:
         name = jnp.dtype(dtype).name
     except (TypeError, ValueError) as err:
         raise TypeError(f"{arg} must be a JAX, numpy or torch dtype, got {dtype!r} ({err})") from None
-    found = _TORCH_DTYPES.get(name)
-    if found is None and name.startswith("float8"):  # the FP8 formats torch has (the core says which it takes)
-        found = getattr(torch, name, None)
+    # and the FP8 formats torch has (the core says which it takes)
+    found = getattr(torch, name, None) if name in _SHARED_DTYPE_NAMES or name.startswith("float8") else None
     if not isinstance(found, torch.dtype):
         raise TypeError(f"{arg} {name} has no torch counterpart supported by mla_bridge")
     return found
