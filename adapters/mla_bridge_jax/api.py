@@ -124,8 +124,8 @@ def _discard(keys: dict) -> None:
 
 
 class _Plans:
-    """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill: the caller's, held as long
-    as the compiled function holds this object) or, given the plan's arguments (``spec``: :func:`mla_bridge.plan_ragged`'s
+    """Plans of one traced call, per torch device: a fixed plan (run_ragged: the caller's, held as long as the
+    compiled function holds this object) or, given the plan's arguments (``spec``: :func:`mla_bridge.plan_ragged`'s
     but the workspace), plans found in the plan cache the adapters share
     (:func:`mla_bridge.plan_cache.shared_plan_cache`) for each device a callback runs on (ragged_prefill, shard_map
     over several devices): this object keeps only their keys.
@@ -135,27 +135,19 @@ class _Plans:
     planning, the run ordered after its copies by the core). The core keeps a dropped plan's wrapper out of the pool
     until the GPU has finished the work queued with it."""
 
-    def __init__(self, spec: Optional[dict] = None, plan: Any = None):
-        self._spec = spec
-        self._plans: dict[torch.device, Any] = {}
+    def __init__(self, spec: Optional[dict] = None, plan: Optional[RaggedPlan] = None):
+        self._spec, self._plan = spec, plan  # one or the other
         self._keys: dict[torch.device, Optional[tuple]] = {}
-        if plan is not None:
-            self._plans[self._device_of(plan)] = plan
         if spec is not None:
             weakref.finalize(self, _discard, self._keys)
 
-    @staticmethod
-    def _device_of(plan: Any) -> torch.device:
-        return plan.spec.device if isinstance(plan, RaggedPlan) else plan.device
-
     def get(self, device: torch.device) -> Any:
         if self._spec is None:
-            plan = self._plans.get(device)
-            if plan is not None:
-                return plan
-            (have,) = self._plans
+            assert self._plan is not None
+            if self._plan.spec.device == device:
+                return self._plan
             raise ValueError(
-                f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
+                f"mla_bridge_jax: the plan was made for {self._plan.spec.device}, but XLA ran the call on {device}; "
                 f"build the plan for that device (device=...)"
             )
         cache = shared_plan_cache()
