@@ -584,10 +584,7 @@ def mla_bridge_attention(
         full = query.new_empty(b, q_len, h, d_vo)
         lse = None if sinks is None else torch.empty(b, q_len, h, dtype=torch.float32, device=query.device)
         for r, (q, k, v) in enumerate(rows):
-            if lse is None:
-                plan.run(q, k, v, out=full[r], return_lse=False)
-            else:
-                plan.run(q, k, v, out=full[r], lse=lse[r])
+            plan.run(q, k, v, out=full[r], lse=None if lse is None else lse[r], return_lse=lse is not None)
         out = full.view(b * q_len, h, d_vo)
     elif sinks is None:
         out, lse = plan.run(*rows[0], return_lse=False), None
