@@ -9,7 +9,8 @@ another module of mla_bridge: this module sits at the bottom of the import graph
   * devices: :func:`checked_device`;
   * per-request lengths: :func:`as_lengths`, :func:`check_length_sums` (:data:`INT32_MAX`);
   * sizes that cannot fit: :func:`device_memory_bytes`, :func:`refuse_beyond_memory`;
-  * tensors a kernel reads in place: :func:`kernel_ready`, :func:`strided_extent`, :func:`offsets_why_not`.
+  * tensors a kernel reads in place: :func:`kernel_ready`, :func:`kernel_strides`, :func:`strided_extent`,
+    :func:`offsets_why_not`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "device_memory_bytes",
     "refuse_beyond_memory",
     "kernel_ready",
+    "kernel_strides",
     "strided_extent",
     "offsets_why_not",
 ]
@@ -203,6 +205,13 @@ def kernel_ready(x: torch.Tensor) -> bool:
     if st[-1] == 1 and st[0] % align == 0 and st[1] % align == 0 and x.data_ptr() % 16 == 0:
         return True
     return x.numel() == 0
+
+
+def kernel_strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
+    """The ``(stride_n, stride_h)`` a kernel reads ``[N, H, D]`` ``x`` through in place (an entry of
+    :func:`mla_bridge.plan_ragged`'s ``strides``), or None: contiguous, or not :func:`kernel_ready` (then
+    :meth:`mla_bridge.RaggedPlan.run` hands the kernel a contiguous copy)."""
+    return None if x.is_contiguous() or not kernel_ready(x) else (x.stride(0), x.stride(1))
 
 
 def strided_extent(x: torch.Tensor) -> int:

@@ -54,6 +54,7 @@ from .kernels import triton_available, triton_interpreting
 __all__ = [
     "merge_attn_states",
     "merge_attn_states_",
+    "merge_sinks_",
     "select_merge",
     "MergeChoice",
     "FLASHINFER_MERGE_HEAD_DIMS",
@@ -316,6 +317,18 @@ def merge_attn_states_(
             new_out, new_lse = _merge_torch(out[r], lse[r], out_b[r], lse_b[r])
             out[r].copy_(new_out)
             lse[r].copy_(new_lse)
+
+
+def merge_sinks_(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Merge attention sinks into ``(out [N, H, D], lse [N, H])`` in place (:func:`merge_attn_states_`): per head one
+    more key of logit ``sinks [H]`` (any float dtype or device; in the units of the scaled logits, natural log) and
+    value vector 0, i.e. a partial of out 0 and LSE ``sinks``: ``out * exp(lse) / (exp(lse) + exp(sinks))``.
+
+    Raises:
+        TypeError / ValueError: as :func:`merge_attn_states_` (``lse`` not float32 or not contiguous, ...).
+    """
+    sink_lse = sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape)
+    merge_attn_states_(out, lse, out.new_zeros(()).expand(out.shape), sink_lse)
 
 
 def merge_planned_(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from .checks import as_lengths, check_length_sums, checked_device, not_a_bool, p
 from .ragged import RaggedPlan, checked_plan_sizes, plan_checked
 from .workspace import Workspace, current_stream
 
-__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "lookup_key", "keep_key"]
+__all__ = ["PrefillPlan", "ContextChunk", "schedule_context_chunks", "lookup_key", "keep_key", "plans_by_device"]
 
 
 @dataclass(frozen=True)
@@ -956,6 +956,27 @@ def _plan_key(
         device,
         index_topk,
     )
+
+
+def plans_by_device(plans: Iterable[PrefillPlan]) -> dict[torch.device, PrefillPlan]:
+    """``{device: plan}`` of per-device plans of one batch (at least one; e.g. one per device of a head-sharded mesh,
+    each for its share of the heads), checked to agree on every host value but the device: lengths, dims, dtypes,
+    block size, schedule (fused, number of chunks), ``index_topk``.
+
+    Raises:
+        ValueError: two plans that differ in anything but their device (both shown).
+    """
+    found = {p.device: p for p in plans}
+    first, *others = found.values()
+    for p in others:
+        if _shared_values(p) != _shared_values(first):
+            raise ValueError(f"per-device plans must agree on everything but the device, got {first!r} and {p!r}")
+    return found
+
+
+def _shared_values(p: PrefillPlan) -> tuple:
+    sizes = (p.query_lens, p.context_lens, p.dims, p.dtype, p.kv_cache_dtype, p.block_size)
+    return sizes + (p.fused, len(p.chunks), p.index_topk)
 
 
 def lookup_key(

@@ -26,6 +26,7 @@ from .checks import (
     INT32_MAX,
     as_sm_scale,
     kernel_ready,
+    kernel_strides,
     not_a_bool,
     offsets_why_not,
     positive_int,
@@ -135,6 +136,14 @@ class RaggedSpec:
     def num_kv_tokens(self) -> int:
         return int(self.kv_indptr[-1])
 
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes of a run's ``(q, k, v, out, lse)``: ``[T, H, head_dim_qk]``, ``[S, H, head_dim_qk]``,
+        ``[S, H, head_dim_vo]``, ``[T, H, head_dim_vo]`` and ``[T, H]`` (the lse laid out "NH")."""
+        t, n, h = self.num_qo_tokens, self.num_kv_tokens, self.num_heads
+        qk, vo = self.head_dim_qk, self.head_dim_vo
+        return (t, h, qk), (n, h, qk), (n, h, vo), (t, h, vo), (t, h)
+
 
 def _check_tensor(name: str, x: Any, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(x, torch.Tensor):
@@ -231,9 +240,7 @@ class _RunShapes:
     __slots__ = ("q", "k", "v", "out", "lse", "dtype", "device", "flashinfer", "limit", "backend")
 
     def __init__(self, spec: "RaggedSpec", flashinfer: bool, backend: str = "torch"):
-        t, n, h = spec.num_qo_tokens, spec.num_kv_tokens, spec.num_heads
-        self.q, self.k, self.v = (t, h, spec.head_dim_qk), (n, h, spec.head_dim_qk), (n, h, spec.head_dim_vo)
-        self.out = (t, h, spec.head_dim_vo)
+        self.q, self.k, self.v, self.out, (t, h) = spec.shapes
         self.lse = {"NH": (t, h), "HN": (h, t)}
         self.dtype, self.device, self.flashinfer = spec.dtype, spec.device, flashinfer
         self.limit, self.backend = OFFSET_LIMITS.get(backend), backend  # 32-bit element offsets, or None
@@ -734,7 +741,7 @@ def ragged_prefill(
     if workspace is None:
         workspace = default_workspace(q.device)
     # what the kernel will read: a tensor it reads in place through its strides, another one copied contiguous
-    strides = tuple(None if x.is_contiguous() or not kernel_ready(x) else tuple(x.stride()[:2]) for x in (q, k, v))
+    strides = tuple(map(kernel_strides, (q, k, v)))
     plan = plan_ragged(
         qo_indptr,
         kv_indptr,

@@ -280,13 +280,18 @@ def triton_launch() -> str:
     raise ValueError(f"{TRITON_LAUNCH}={value!r}: expected one of {LAUNCH_MODES} or auto")
 
 
-def jax_jit_route() -> str:
-    """``MLA_BRIDGE_JAX_JIT_ROUTE``: one of :data:`JIT_ROUTES` (exactly, case-sensitive), "auto" when unset or empty.
+def jax_jit_route(requested: Optional[str] = None) -> str:
+    """The JAX adapter's route under ``jax.jit``, one of :data:`JIT_ROUTES`: ``requested`` (its ``jit_route``
+    argument) when given, else ``MLA_BRIDGE_JAX_JIT_ROUTE`` (exactly, case-sensitive), "auto" when unset or empty.
 
     Raises:
-        ValueError: any other value (the message names the variable and says the ``jit_route`` argument was not
+        ValueError: any other value, naming ``jit_route``, or the variable (saying the ``jit_route`` argument was not
             given: the variable is read only then).
     """
+    if requested:
+        if requested not in JIT_ROUTES:
+            raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {requested!r}")
+        return requested
     route = os.environ.get(JAX_JIT_ROUTE) or "auto"
     if route not in JIT_ROUTES:
         raise ValueError(f"${JAX_JIT_ROUTE} (jit_route not given) must be one of {list(JIT_ROUTES)}, got {route!r}")

@@ -30,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from mla_bridge import switches
-
 __all__ = [
     "to_torch",
     "to_jax",
@@ -51,20 +49,6 @@ __all__ = [
 ]
 
 _ALIGN = 16  # bytes: XLA's minimum alignment for entry parameters
-
-
-#: Plans the adapter holds at once (traced plans; registered tvm-ffi plans), each a pooled FlashInfer wrapper.
-ENV_MAX_PLANS = switches.JAX_MAX_PLANS
-
-
-def max_plans_from_env(default: int = 16) -> int:
-    """``$MLA_BRIDGE_JAX_MAX_PLANS`` as a positive int (``default`` when unset or empty), read at import
-    (:func:`mla_bridge.switches.jax_max_plans`).
-
-    Raises:
-        ValueError: any other value (not an integer, or below 1), naming the variable.
-    """
-    return switches.jax_max_plans(default)
 
 
 def is_tracer(x: Any) -> bool:
@@ -112,18 +96,10 @@ def host_values(name: str, x: Any, *, where: str) -> Any:
     return x
 
 
-_TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+#: JAX / numpy dtype names that torch names alike, besides the FP8 formats (torch's dtype of the same name)
+_SHARED_DTYPE_NAMES = frozenset(
+    ("bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")
+)
 
 
 def torch_dtype(dtype: Any, arg: str = "dtype") -> torch.dtype:
@@ -140,9 +116,8 @@ def torch_dtype(dtype: Any, arg: str = "dtype") -> torch.dtype:
         name = jnp.dtype(dtype).name
     except (TypeError, ValueError) as err:
         raise TypeError(f"{arg} must be a JAX, numpy or torch dtype, got {dtype!r} ({err})") from None
-    found = _TORCH_DTYPES.get(name)
-    if found is None and name.startswith("float8"):  # the FP8 formats torch has (the core says which it takes)
-        found = getattr(torch, name, None)
+    # and the FP8 formats torch has (the core says which it takes)
+    found = getattr(torch, name, None) if name in _SHARED_DTYPE_NAMES or name.startswith("float8") else None
     if not isinstance(found, torch.dtype):
         raise TypeError(f"{arg} {name} has no torch counterpart supported by mla_bridge")
     return found
@@ -275,10 +250,6 @@ def to_jax(t: torch.Tensor) -> jax.Array:
     return jax.dlpack.from_dlpack(t)
 
 
-def _dlpack_ready(t: torch.Tensor) -> bool:
-    return t.numel() == 0 or (t.is_contiguous() and t.data_ptr() % _ALIGN == 0)
-
-
 def from_torch(t: torch.Tensor) -> jax.Array:
     """A torch tensor as a ``jax.Array`` on the same device: zero-copy when DLPack can pass it as it is, else one
     device copy first (non-contiguous views such as ``t[..., :128]`` or a transpose, or a data pointer that is not
@@ -297,8 +268,10 @@ def from_torch(t: torch.Tensor) -> jax.Array:
             f"convert it first or enable jax_enable_x64"
         )
     t = t.detach()
-    if not _dlpack_ready(t):
-        t = t.contiguous() if not t.is_contiguous() else t.clone()  # one copy on t's device
+    if t.numel() and not t.is_contiguous():
+        t = t.contiguous()  # one copy on t's device
+    elif t.numel() and t.data_ptr() % _ALIGN:
+        t = t.clone()  # one copy, aligned
     return jax.dlpack.from_dlpack(t)
 
 

@@ -25,6 +25,7 @@ the batch elements one after another (``vmap_method="sequential"``), each with t
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -40,6 +41,7 @@ from mla_bridge import switches
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
 from mla_bridge.checks import not_a_bool
+from mla_bridge.plan import plans_by_device
 from mla_bridge.plan_cache import shared_plan_cache
 from mla_bridge.workspace import default_workspace
 
@@ -122,8 +124,8 @@ def _discard(keys: dict) -> None:
 
 
 class _Plans:
-    """Plans of one traced call, per torch device: a fixed plan (run_ragged / mla_prefill: the caller's, held as long
-    as the compiled function holds this object) or, given the plan's arguments (``spec``: :func:`mla_bridge.plan_ragged`'s
+    """Plans of one traced call, per torch device: a fixed plan (run_ragged: the caller's, held as long as the
+    compiled function holds this object) or, given the plan's arguments (``spec``: :func:`mla_bridge.plan_ragged`'s
     but the workspace), plans found in the plan cache the adapters share
     (:func:`mla_bridge.plan_cache.shared_plan_cache`) for each device a callback runs on (ragged_prefill, shard_map
     over several devices): this object keeps only their keys.
@@ -133,27 +135,19 @@ class _Plans:
     planning, the run ordered after its copies by the core). The core keeps a dropped plan's wrapper out of the pool
     until the GPU has finished the work queued with it."""
 
-    def __init__(self, spec: Optional[dict] = None, plan: Any = None):
-        self._spec = spec
-        self._plans: dict[torch.device, Any] = {}
+    def __init__(self, spec: Optional[dict] = None, plan: Optional[RaggedPlan] = None):
+        self._spec, self._plan = spec, plan  # one or the other
         self._keys: dict[torch.device, Optional[tuple]] = {}
-        if plan is not None:
-            self._plans[self._device_of(plan)] = plan
         if spec is not None:
             weakref.finalize(self, _discard, self._keys)
 
-    @staticmethod
-    def _device_of(plan: Any) -> torch.device:
-        return plan.spec.device if isinstance(plan, RaggedPlan) else plan.device
-
     def get(self, device: torch.device) -> Any:
         if self._spec is None:
-            plan = self._plans.get(device)
-            if plan is not None:
-                return plan
-            (have,) = self._plans
+            assert self._plan is not None
+            if self._plan.spec.device == device:
+                return self._plan
             raise ValueError(
-                f"mla_bridge_jax: the plan was made for {have}, but XLA ran the call on {device}; "
+                f"mla_bridge_jax: the plan was made for {self._plan.spec.device}, but XLA ran the call on {device}; "
                 f"build the plan for that device (device=...)"
             )
         cache = shared_plan_cache()
@@ -180,18 +174,9 @@ def _spread_over_devices() -> Optional[str]:
     return None
 
 
-def _check_route(requested: Optional[str]) -> str:
-    """``requested`` (or ``$MLA_BRIDGE_JAX_JIT_ROUTE``, or "auto") checked against :data:`JIT_ROUTES`."""
-    if not requested:
-        return switches.jax_jit_route()  # the variable, checked there
-    if requested not in JIT_ROUTES:
-        raise ValueError(f"jit_route must be one of {list(JIT_ROUTES)}, got {requested!r}")
-    return requested
-
-
 def _route(requested: Optional[str], plan: Any) -> str:
     """The traced route for ``plan``: "auto" takes tvm_ffi when it can serve and the call is single-device."""
-    route = _check_route(requested)
+    route = switches.jax_jit_route(requested)
     if route == "buffer_callback":
         return route
     from . import tvm_ffi
@@ -230,11 +215,8 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
     """Validate against ``plan`` now (host, trace time), then emit one custom call."""
     with jax_dtype_names():
         plan.validate(*(_proxy(x.shape, x.dtype, plan.spec.device) for x in (q, k, v)))  # type: ignore[arg-type]
-    s = plan.spec
-    out_types = (
-        jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads, s.head_dim_vo), q.dtype),
-        jax.ShapeDtypeStruct((s.num_qo_tokens, s.num_heads), jnp.float32),
-    )
+    *_, out_shape, lse_shape = plan.spec.shapes
+    out_types = (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     call = None
     route = _route(jit_route, plan)
     if route == "tvm_ffi":
@@ -251,17 +233,21 @@ def _ragged_traced(plans: _Plans, plan: RaggedPlan, q, k, v, jit_route: Optional
     return out, lse
 
 
-def _check_qkv(q, k, v) -> None:
+def _eager_qkv(q, k, v, jit_route: Optional[str]) -> bool:
+    """Check q / k / v (JAX arrays, named) and ``jit_route`` (eager calls do not use it, but a bad value is refused
+    alike); whether the call is eager (no tracer among q / k / v)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
+    switches.jax_jit_route(jit_route)
+    return not any(is_tracer(x) for x in (q, k, v))
 
 
-def _heads_dims(q, v) -> tuple[int, int, int]:
-    # Only what planning needs to read; every other shape check is the core's (RaggedPlan.validate).
-    for name, x in (("q", q), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
-    return q.shape[1], q.shape[2], v.shape[2]
+def _run_eager(run: Callable, q, k, v) -> tuple[jax.Array, jax.Array]:
+    """``run`` (the core's) on DLPack views of q / k / v; XLA is ordered after the work it queued."""
+    with jax_dtype_names():
+        out, lse = run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
+    order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
+    return to_jax(out), to_jax(lse)
 
 
 def ragged_prefill(
@@ -300,20 +286,20 @@ def ragged_prefill(
             before anything runs (at trace time under jit).
         InferenceOnlyError: on differentiation.
     """
-    _check_qkv(q, k, v)
-    _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike
+    eager = _eager_qkv(q, k, v, jit_route)
     qo = host_values("qo_indptr", qo_indptr, where="ragged_prefill")
     kv = host_values("kv_indptr", kv_indptr, where="ragged_prefill")
-    if not any(is_tracer(x) for x in (q, k, v)):
-        tq, tk, tv = to_torch("q", q), to_torch("k", k), to_torch("v", v)
-        with jax_dtype_names():
-            out, lse = _core.ragged_prefill(tq, tk, tv, qo, kv, causal=causal, sm_scale=sm_scale, backend=backend)
-        order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
-        return to_jax(out), to_jax(lse)
-
-    heads, d_qk, d_vo = _heads_dims(q, v)
-    if not q.dtype == k.dtype == v.dtype:  # as the core's eager call says it
+    if eager:
+        core_args = dict(qo_indptr=qo, kv_indptr=kv, causal=causal, sm_scale=sm_scale, backend=backend)
+        return _run_eager(functools.partial(_core.ragged_prefill, **core_args), q, k, v)
+    # Traced: what planning reads is checked here first, as the core's eager call words it; every other check is the
+    # core's (RaggedPlan.validate, on stand-ins, in _ragged_traced).
+    for name, x in (("q", q), ("v", v)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    heads, d_qk, d_vo = q.shape[1], q.shape[2], v.shape[2]
     spec = dict(qo_indptr=qo, kv_indptr=kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal)
     spec.update(sm_scale=sm_scale, dtype=torch_dtype(q.dtype), backend=backend)
     plans = _Plans(spec)
@@ -385,13 +371,8 @@ def run_ragged(
         raise TypeError(
             f"plan must be a mla_bridge.RaggedPlan (from mla_bridge_jax.plan_ragged), got {type(plan).__name__}"
         )
-    _check_qkv(q, k, v)
-    _check_route(jit_route)  # eager calls do not use it, but a bad value is refused alike (as ragged_prefill does)
-    if not any(is_tracer(x) for x in (q, k, v)):
-        with jax_dtype_names():
-            out, lse = plan.run(to_torch("q", q), to_torch("k", k), to_torch("v", v))
-        order_xla_after_torch(out.device)  # XLA must not reuse q / k / v before the queued kernel read them
-        return to_jax(out), to_jax(lse)
+    if _eager_qkv(q, k, v, jit_route):
+        return _run_eager(plan.run, q, k, v)
     return _ragged_traced(_Plans(plan=plan), plan, q, k, v, jit_route)
 
 
@@ -569,31 +550,12 @@ def _mla_callback(
 
 
 def _plans_by_device(plan: Any) -> dict:
-    """``{torch device: PrefillPlan}`` from one plan or a mapping of per-device plans (which must agree on every host
-    value but the device: lengths, dims, dtypes, block size, schedule)."""
+    """``{torch device: PrefillPlan}`` from one plan or a mapping of per-device plans (checked to agree:
+    :func:`mla_bridge.plan.plans_by_device`)."""
     if isinstance(plan, PrefillPlan):
         return {plan.device: plan}
     if isinstance(plan, Mapping) and plan and all(isinstance(p, PrefillPlan) for p in plan.values()):
-        plans = {p.device: p for p in plan.values()}
-        first = next(iter(plans.values()))
-        key = lambda p: (  # noqa: E731
-            p.query_lens,
-            p.context_lens,
-            p.dims,
-            p.dtype,
-            p.kv_cache_dtype,
-            p.block_size,
-            p.fused,
-            len(p.chunks),
-            p.index_topk,
-        )
-        for p in plans.values():
-            if key(p) != key(first):
-                raise ValueError(
-                    "mla_bridge_jax.mla_prefill: per-device plans must agree on everything but the "
-                    f"device, got {first!r} and {p!r}"
-                )
-        return plans
+        return plans_by_device(plan.values())
     raise TypeError(
         f"plan must be a mla_bridge.PrefillPlan (from mla_bridge_jax.build_plan) or a mapping of "
         f"per-device plans (mla_bridge_jax.build_sharded_plans), got {type(plan).__name__}"

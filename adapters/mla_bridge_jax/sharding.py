@@ -35,18 +35,13 @@ from .api import build_plan, mla_prefill, ragged_prefill
 __all__ = ["shard_map", "sharded_ragged_prefill", "head_shardings", "build_sharded_plans", "sharded_mla_prefill"]
 
 
-def _shard_map():
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map, "check_vma"
-    from jax.experimental.shard_map import shard_map as legacy  # JAX < 0.7
-
-    return legacy, "check_rep"
-
-
 def shard_map(f, *, mesh: Mesh, in_specs, out_specs):
     """``shard_map`` across JAX versions, with the replication/VMA check off (an XLA custom call has no VMA rule)."""
-    impl, check = _shard_map()
-    return impl(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy  # JAX < 0.7
+
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
 def head_shardings(mesh: Mesh, axis: str) -> tuple[NamedSharding, NamedSharding]:

@@ -47,15 +47,16 @@ import numpy as np
 
 import jax
 import torch
+from mla_bridge import switches
 from mla_bridge.backends import flashinfer_internals as internals
-
-from ._interop import ENV_MAX_PLANS, max_plans_from_env
 
 __all__ = ["why_not", "ragged_call", "register", "release", "registered_plans", "TARGET", "MAX_PLANS", "ENV_MAX_PLANS"]
 
 TARGET = "mla_bridge_jax_ragged_run"
+#: The variable bounding the registry (:func:`mla_bridge.switches.jax_max_plans`, read at import).
+ENV_MAX_PLANS = switches.JAX_MAX_PLANS
 #: Registered plans held at once (each holds a pooled FlashInfer wrapper); more are evicted, oldest first.
-MAX_PLANS = max_plans_from_env()
+MAX_PLANS = switches.jax_max_plans()
 _LN2 = np.float32(math.log(2.0))
 
 _SHIM_SOURCE = r"""
@@ -289,10 +290,7 @@ def record(plan: Any) -> tuple[Any, list, list[int]]:
 def _record(plan: Any, make: Callable) -> tuple[Any, list, list[int]]:
     wrapper = _kernel_wrapper(plan)
     s = plan.spec
-    t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
-    q, k = make((t, h, s.head_dim_qk), s.dtype, s.device), make((n, h, s.head_dim_qk), s.dtype, s.device)
-    v, out = make((n, h, s.head_dim_vo), s.dtype, s.device), make((t, h, s.head_dim_vo), s.dtype, s.device)
-    lse = make((t, h), torch.float32, s.device)
+    q, k, v, out, lse = (make(shape, dt, s.device) for shape, dt in zip(s.shapes, [s.dtype] * 4 + [torch.float32]))
     # The core's FlashInfer kernel calls run(..., lse_base="ln"); the recording's "log2" differs only in the finishing
     # multiply (done by XLA here) and avoids writing into the stand-in lse.
     compiled, args = internals.compiled_call(*internals.record_ragged_run(wrapper, q, k, v, out, lse))

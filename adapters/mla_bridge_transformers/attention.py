@@ -48,7 +48,7 @@ that honours it, never dropped:
 * ``s_aux`` (per-head attention sink logits ``[H]``, in the units of the scaled logits: ``hy_v4``; ``gpt_oss``,
   ``deepseek_v4`` and the others passing it are GQA/MQA and handed back): served. A sink is one more key per head,
   of logit ``s_aux`` and value vector 0, i.e. a partial with LSE ``s_aux`` and output 0, merged into the result by
-  :func:`mla_bridge.merge.merge_attn_states_` (``out * exp(lse) / (exp(lse) + exp(s_aux))``, as the models' eager
+  :func:`mla_bridge.merge.merge_sinks_` (``out * exp(lse) / (exp(lse) + exp(s_aux))``, as the models' eager
   functions compute it). Handed back (GQA, a mask not served, ...) or of another shape: to the model's eager function
   (sdpa ignores sinks).
 * ``sinks`` (per-query sink logits, ``inkling2``), ``softcap`` and ``output_attentions``: the model's own
@@ -81,8 +81,8 @@ import mla_bridge
 from mla_bridge import switches
 from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
-from mla_bridge.merge import merge_attn_states_
-from mla_bridge.checks import kernel_ready
+from mla_bridge.merge import merge_sinks_
+from mla_bridge.checks import kernel_strides
 from mla_bridge.plan_cache import shared_plan_cache
 from mla_bridge.ragged import indptr_from_lens
 from mla_bridge.sparse_mha import sparse_attention_mha
@@ -383,13 +383,7 @@ def _serve_indices(module, query, key, value, attention_mask, indices, scaling, 
         )
     if sinks is not None:  # one more key per head, of logit s_aux and value 0 (as on the dense path)
         assert lse is not None
-        flat = out.view(b * q_len, h, d_vo)
-        merge_attn_states_(
-            flat,
-            lse.view(b * q_len, h),
-            flat.new_zeros(()).expand(flat.shape),
-            sinks.to(device=lse.device, dtype=torch.float32).expand(b * q_len, h),
-        )
+        merge_sinks_(out.view(b * q_len, h, d_vo), lse.view(b * q_len, h), sinks)
     return out
 
 
@@ -466,10 +460,9 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, firs
     return result
 
 
-def _strides(x: torch.Tensor) -> Optional[tuple[int, int]]:
-    """The ``(token, head)`` strides a kernel reads ``[N, H, D]`` ``x`` through in place, or None (contiguous, or
-    copied contiguous by :meth:`mla_bridge.RaggedPlan.run` because FlashInfer cannot read its strides)."""
-    return None if x.is_contiguous() or not kernel_ready(x) else (x.stride(0), x.stride(1))
+#: :func:`mla_bridge.checks.kernel_strides`, by the name the bench's time-to-first-token rows use
+#: (:mod:`mla_bridge.bench.ttft`).
+_strides = kernel_strides
 
 
 def _plan(
@@ -486,7 +479,9 @@ def _plan(
     """The batch's causal plan from the plan cache the adapters share (:func:`mla_bridge.plan_cache.shared_plan_cache`,
     keyed on everything it depends on: the lengths, sizes, scale, dtype, the ``(q, k, v)`` strides it reads
     (``plan_ragged(strides=...)``), the backend asked for (``MLA_BRIDGE_BACKEND``, read now) and the workspace). The
-    layers of one forward find it through the key of the last call's arguments, without re-making the indptrs."""
+    layers of one forward find it through the key of the last call's arguments, without re-making the indptrs.
+    ``strides``: ``(q, k, v)``, each :func:`mla_bridge.checks.kernel_strides`; all None is as None (contiguous)."""
+    strides = None if strides == (None, None, None) else strides
     workspace = mla_bridge.workspace.default_workspace(device)
     local = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, strides, switches.raw(ENV_VAR) or None)
     cache = shared_plan_cache()
@@ -576,59 +571,28 @@ def mla_bridge_attention(
             (query[r].transpose(0, 1), key[r, :, :keys].transpose(0, 1), value[r, :, :keys].transpose(0, 1))
             for r in range(b)
         ]
-        strides = tuple(_strides(x) for x in rows[0]) if rows else (None, None, None)
-        plan = _plan(
-            (q_len,),
-            (keys,),
-            h,
-            d_qk,
-            d_vo,
-            sm_scale,
-            query.dtype,
-            query.device,
-            None if strides == (None, None, None) else strides,
-        )
+        q_lens, kv_lens = (q_len,), (keys,)
+    elif q_rows is None:  # a few queries per row (decode): one call over the rows packed ([B * len, H, D])
+        q = query.transpose(1, 2).reshape(b * q_len, h, d_qk)
+        k = key[:, :, :keys].transpose(1, 2).reshape(b * keys, h, d_qk)
+        rows = [(q, k, value[:, :, :keys].transpose(1, 2).reshape(b * keys, h, d_vo))]
+    else:  # padded: the valid rows only, gathered by index (made once per mask: no host sync here)
+        rows = [(query.transpose(1, 2)[q_rows], key.transpose(1, 2)[key_rows], value.transpose(1, 2)[key_rows])]
+    strides = tuple(map(kernel_strides, rows[0])) if rows else None
+    plan = _plan(q_lens, kv_lens, h, d_qk, d_vo, sm_scale, query.dtype, query.device, strides)
+    if by_row:
         full = query.new_empty(b, q_len, h, d_vo)
         lse = None if sinks is None else torch.empty(b, q_len, h, dtype=torch.float32, device=query.device)
         for r, (q, k, v) in enumerate(rows):
-            if lse is None:
-                plan.run(q, k, v, out=full[r], return_lse=False)
-            else:
-                plan.run(q, k, v, out=full[r], lse=lse[r])
+            plan.run(q, k, v, out=full[r], lse=None if lse is None else lse[r], return_lse=lse is not None)
         out = full.view(b * q_len, h, d_vo)
+    elif sinks is None:
+        out, lse = plan.run(*rows[0], return_lse=False), None
     else:
-        if q_rows is None:  # a few queries per row (decode): one call over the rows packed ([B * len, H, D])
-            q = query.transpose(1, 2).reshape(b * q_len, h, d_qk)
-            k = key[:, :, :keys].transpose(1, 2).reshape(b * keys, h, d_qk)
-            v = value[:, :, :keys].transpose(1, 2).reshape(b * keys, h, d_vo)
-        else:  # padded: the valid rows only, gathered by index (made once per mask: no host sync here)
-            q = query.transpose(1, 2)[q_rows]
-            k, v = key.transpose(1, 2)[key_rows], value.transpose(1, 2)[key_rows]
-        strides = tuple(_strides(x) for x in (q, k, v))
-        plan = _plan(
-            q_lens,
-            kv_lens,
-            h,
-            d_qk,
-            d_vo,
-            sm_scale,
-            query.dtype,
-            query.device,
-            None if strides == (None, None, None) else strides,
-        )
-        if sinks is None:
-            out, lse = plan.run(q, k, v, return_lse=False), None
-        else:
-            out, lse = plan.run(q, k, v)
+        out, lse = plan.run(*rows[0])
     if sinks is not None:  # one more key per head, of logit s_aux and value 0: a partial (out 0, LSE s_aux)
         assert lse is not None  # both routes fill an LSE where there are sinks
-        lse = lse.view(out.shape[:2])
-        merge_attn_states_(
-            out,
-            lse,
-            out.new_zeros(()).expand(out.shape),
-            sinks.to(device=lse.device, dtype=torch.float32).expand(lse.shape),
-        )
+        merge_sinks_(out, lse.view(out.shape[:2]), sinks)
     if by_row:
         return full, None
     if q_rows is None:

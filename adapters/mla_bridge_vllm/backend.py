@@ -33,24 +33,15 @@ BACKEND_NAME = "MLA_BRIDGE"
 _NOT_SERVED = "mla_bridge serves NVIDIA GPUs (through FlashInfer) and vLLM's CPU platform only"
 
 
-def _platform() -> str:
+def _servable(device_capability: Any = "current", **kwargs: Any) -> tuple[bool, str]:
+    """:func:`servable` for vLLM's platform: ``device_capability`` as vLLM passes it, or the current device's."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        return "cpu"
-    return "cuda" if current_platform.is_cuda() else "other"
-
-
-def _servable(device_capability: Any = "current", **kwargs: Any) -> tuple[bool, str]:
-    """:func:`servable` for vLLM's platform: ``device_capability`` as vLLM passes it, or the current device's."""
-    platform = _platform()
-    if platform == "other":
-        return False, _NOT_SERVED
-    if platform == "cpu":
         return servable(None, **kwargs)
+    if not current_platform.is_cuda():
+        return False, _NOT_SERVED
     if isinstance(device_capability, str):
-        from vllm.platforms import current_platform
-
         device_capability = current_platform.get_device_capability()
     if device_capability is None:
         return False, "the CUDA device's compute capability is unknown"

@@ -300,16 +300,8 @@ class FlashInferRaggedKernel:
             direct = False
             if direct_enabled() and self.backend in ("fa2", "fa3"):
                 s = self.spec
-                t, n, h = s.num_qo_tokens, s.num_kv_tokens, s.num_heads
-                shapes = (
-                    (t, h, s.head_dim_qk),
-                    (n, h, s.head_dim_qk),
-                    (n, h, s.head_dim_vo),
-                    (t, h, s.head_dim_vo),
-                    (t, h),
-                )
                 with self._lock:  # the float workspace is found in the call by identity with the attribute
-                    direct = DirectRun.record(self.wrapper, shapes, s.dtype, s.device) or False
+                    direct = DirectRun.record(self.wrapper, s.shapes, s.dtype, s.device) or False
                 if direct and self._regions and direct.fw is None:
                     direct = False  # no float workspace argument to hand fa2's region to: wrapper.run
             self._direct = direct

@@ -469,7 +469,7 @@ def test_a_bad_max_plans_variable_is_refused_by_name(raw, monkeypatch):
     import subprocess
     import sys
 
-    from mla_bridge_jax._interop import max_plans_from_env
+    from mla_bridge.switches import jax_max_plans as max_plans_from_env  # what mla_bridge_jax.tvm_ffi reads
 
     monkeypatch.setenv("MLA_BRIDGE_JAX_MAX_PLANS", raw)
     with pytest.raises(ValueError, match=r"MLA_BRIDGE_JAX_MAX_PLANS=.*expected a positive int"):
@@ -483,7 +483,7 @@ def test_a_bad_max_plans_variable_is_refused_by_name(raw, monkeypatch):
 
 
 def test_max_plans_variable_takes_positive_ints_and_defaults(monkeypatch):
-    from mla_bridge_jax._interop import max_plans_from_env
+    from mla_bridge.switches import jax_max_plans as max_plans_from_env  # what mla_bridge_jax.tvm_ffi reads
 
     monkeypatch.delenv("MLA_BRIDGE_JAX_MAX_PLANS", raising=False)
     assert max_plans_from_env() == 16 and max_plans_from_env(default=3) == 3
