@@ -374,6 +374,48 @@ def attention_inputs(
     return first(params, input_ids, None if cache is None else cache[0])
 
 
+def _check_forward_inputs(
+    cfg: DeepseekConfig,
+    model: dict,
+    input_ids: Any,
+    cache: Optional[list],
+    batch: int,
+    seq_len: int,
+    prefix_len: int,
+    dtype: Any,
+) -> None:
+    """:func:`make_forward`'s argument checks, on the static shapes and dtypes at trace time."""
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if tuple(input_ids.shape) != (batch, seq_len):
+        raise ValueError(
+            f"input_ids must be [batch={batch}, seq_len={seq_len}] (the shape this forward was made for), "
+            f"got {list(input_ids.shape)}"
+        )
+    embed = model["embed_tokens"]["weight"]
+    if embed.dtype != jnp.dtype(dtype):
+        raise ValueError(
+            f"params are {embed.dtype} but this forward was made with dtype={jnp.dtype(dtype)}: load them with "
+            f"load_params(..., dtype) / params_from_state_dict(..., dtype) of the same dtype"
+        )
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    if prefix_len == 0:
+        if cache is not None:
+            raise ValueError("cache must be None: this forward was made with prefix_len=0 (no cached tokens)")
+        return
+    if cache is None or len(cache) != cfg.num_layers:
+        got = "None" if cache is None else f"{len(cache)} entries"
+        raise ValueError(
+            f"cache must be a list of {cfg.num_layers} per-layer latents (prefix_len={prefix_len}), got {got}"
+        )
+    want = (batch, prefix_len, width)
+    for i, c in enumerate(cache):
+        if tuple(c.shape) != want:
+            raise ValueError(
+                f"cache[{i}] must be {list(want)} [batch, prefix_len, kv_lora_rank + rope], got {list(c.shape)}"
+            )
+
+
 def make_forward(
     cfg: DeepseekConfig,
     *,
@@ -402,7 +444,9 @@ def make_forward(
 
     Raises:
         ValueError: an unknown ``attention``; ``"cudnn"`` / ``"xla"`` with ``v_head_dim`` above the q/k head dim; the
-            core's errors when planning (named).
+            core's errors when planning (named). When ``forward`` is traced (before any work): ``input_ids`` not
+            ``[batch, seq_len]``, ``cache`` missing, given or of the wrong shape for ``prefix_len``, params of
+            another dtype than ``dtype`` (ValueError); ``input_ids`` not integers (TypeError).
     """
     attend = attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
     h, nope, d_v, eps = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
@@ -421,6 +465,7 @@ def make_forward(
 
     def forward(params, input_ids, cache=None):
         model = params["model"]
+        _check_forward_inputs(cfg, model, input_ids, cache, batch, seq_len, prefix_len, dtype)
         x = model["embed_tokens"]["weight"][input_ids]
         positions = jnp.arange(prefix_len, prefix_len + input_ids.shape[1], dtype=jnp.int32)
         latents = []

@@ -118,6 +118,34 @@ def test_new_tokens_over_a_cached_prefix_equal_transformers(folder, torch_model,
     assert float(abs(wrong - want).max()) > 1e-2  # the prefix matters
 
 
+def test_bad_forward_inputs_are_refused_by_name(folder):
+    """A forward made for [2, 8] over 4 cached tokens, called wrongly: each mistake is named (it failed deep in JAX's
+    reshape or indexing, naming none of the arguments)."""
+    cfg = models.DeepseekConfig.from_hf_config(folder)
+    params = models.load_params(folder)
+    ids = jnp.asarray(np.arange(16, dtype=np.int32).reshape(2, 8) + 3)
+    plain = models.make_forward(cfg, batch=2, seq_len=8, attention="xla")
+    _, latents = plain(params, ids)
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch=2, seq_len=8\].*got \[1, 8\]"):
+        plain(params, ids[:1])
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch=2, seq_len=8\].*got \[2, 7\]"):
+        plain(params, ids[:, :7])
+    with pytest.raises(TypeError, match="input_ids must hold integer token ids, got dtype float32"):
+        plain(params, ids.astype(jnp.float32))
+    with pytest.raises(ValueError, match="cache must be None: this forward was made with prefix_len=0"):
+        plain(params, ids, latents)
+    with pytest.raises(ValueError, match=r"params are float32 but this forward was made with dtype=bfloat16"):
+        models.make_forward(cfg, batch=2, seq_len=8, attention="xla", dtype=jnp.bfloat16)(params, ids)
+    more = models.make_forward(cfg, batch=2, seq_len=8, prefix_len=4, attention="xla")
+    prefix = [x[:, :4] for x in latents]
+    with pytest.raises(ValueError, match=r"cache must be a list of 2 per-layer latents \(prefix_len=4\), got None"):
+        more(params, ids)
+    with pytest.raises(ValueError, match=r"cache\[0\] must be \[2, 4, 576\].*got \[2, 8, 576\]"):
+        more(params, ids, latents)
+    logits, _ = more(params, ids, prefix)  # the right call still runs
+    assert logits.shape == (2, 8, cfg.vocab_size)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefix", [0, 200])
 def test_gpu_bf16_logits_within_transformers_own_spread(folder, prefix):
