@@ -183,8 +183,9 @@ def sharded_mla_prefill(
     Raises:
         TypeError: a prepared weight (it is per device: pass the raw weight, split here), or ``kv_cache_scale`` that
             is not a Python float.
-        TypeError: ``mesh`` not a ``jax.sharding.Mesh``.
-        ValueError: ``axis`` not in ``mesh``; H not divisible by its size; errors of :func:`mla_bridge_jax.mla_prefill`.
+        TypeError: ``mesh`` not a ``jax.sharding.Mesh``; ``plans`` not a dict of per-device plans.
+        ValueError: ``axis`` not in ``mesh``; H not divisible by its size; ``plans`` planned for another number of
+            heads per device than ``H / n``; errors of :func:`mla_bridge_jax.mla_prefill`.
     """
     if not isinstance(return_lse, bool):  # mla_prefill inside the shard_map is always asked for the lse
         raise not_a_bool("return_lse", return_lse)
@@ -200,6 +201,17 @@ def sharded_mla_prefill(
         raise ValueError(
             f"q must be [T, H, 192] with H divisible by mesh axis {axis!r} of size {n}, got shape {list(q.shape)}"
         )
+    if not isinstance(plans, dict) or not plans:
+        raise TypeError(
+            f"plans must be the {{device: plan}} of build_sharded_plans (one plan per device for its share of the "
+            f"heads), got {type(plans).__name__}"
+        )
+    for plan in plans.values():
+        if getattr(getattr(plan, "dims", None), "num_heads", None) != q.shape[1] // n:
+            raise ValueError(
+                f"plans must be planned for H / {n} = {q.shape[1] // n} heads per device (build_sharded_plans over "
+                f"mesh axis {axis!r}), got a plan of {getattr(getattr(plan, 'dims', None), 'num_heads', None)} heads"
+            )
     heads, rep, lse_spec = P(None, axis, None), P(), P(None, axis)
     sparse = topk_indices is not None
     in_specs = (heads, rep, rep, P(axis, None), rep, rep) + ((rep,) if sparse else ())

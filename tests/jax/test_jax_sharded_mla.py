@@ -81,6 +81,14 @@ SCRIPT = textwrap.dedent("""
         raise SystemExit("a prepared weight was accepted")
     except TypeError as err:
         assert "raw kv_b_proj_weight" in str(err)
+    # one plan of all H heads where per-device plans belong: named as plans (it was a q shape error from inside)
+    for wrong, kind in ((full, TypeError), ({torch.device("cpu"): full}, ValueError)):
+        try:
+            mj.sharded_mla_prefill(q, kv_c, k_pe, w, cache, table, wrong, mesh=mesh, axis="heads")
+            raise SystemExit("a plan of all heads was accepted")
+        except kind as err:
+            assert str(err).startswith("plans must be"), err
+            assert kind is TypeError or f"H / {n} = {8 // n} heads per device" in str(err), err
     print("OK", n)
 """)
 
