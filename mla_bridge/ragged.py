@@ -732,6 +732,10 @@ def ragged_prefill(
             raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
     if not q.dtype == k.dtype == v.dtype:  # the plan is made for q's: name all three rather than blame k or v
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not q.shape[1] == k.shape[1] == v.shape[1]:  # likewise the heads: q's make the plan
+        raise ValueError(
+            f"q, k and v must have the same number of heads (dim 1), got q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}"
+        )
     refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # before planning (on CUDA:
     # FlashInfer's plan, its host-to-device copies, a pooled wrapper), not after it in plan.run; so are
     # destinations that share memory with the inputs

@@ -92,8 +92,9 @@ def _bad(name):
         ("v_one_more_row", ValueError, r"v has 8 tokens but kv_indptr\[-1\] = 7"),
         ("v_one_less_row", ValueError, r"v has 6 tokens but kv_indptr\[-1\] = 7"),
         ("k_head_dim", ValueError, r"^k must have shape \[7, 3, 24\]"),
-        ("k_heads", ValueError, r"^k must have shape \[7, 3, 24\]"),
-        ("v_heads", ValueError, r"^v must have shape"),
+        # the heads named together (q's made the plan: k or v was blamed for a head count q set)
+        ("k_heads", ValueError, r"^q, k and v must have the same number of heads \(dim 1\), got q 3, k 4, v 3$"),
+        ("v_heads", ValueError, r"^q, k and v must have the same number of heads \(dim 1\), got q 3, k 3, v 1$"),
         (
             "k_dtype",
             TypeError,
