@@ -80,7 +80,7 @@ def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:
     """
     if isinstance(indptr, torch.Tensor):
         if indptr.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name} must hold integers (int32), got dtype {indptr.dtype}")
+            raise TypeError(f"{name} must hold integers, got dtype {indptr.dtype}")
         arr = indptr.detach().to("cpu").numpy()
     else:
         if isinstance(indptr, (list, tuple)):
@@ -90,7 +90,7 @@ def as_host_indptr(name: str, indptr: IndptrLike) -> torch.Tensor:
                     raise TypeError(f"{name}[{i}] must be an integer, got {x!r}")
         arr = np.asarray(indptr)
         if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
-            raise TypeError(f"{name} must hold integers (int32), got {arr.dtype}")
+            raise TypeError(f"{name} must hold integers, got {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D [batch + 1], got shape {tuple(arr.shape)}")
     if arr.size == 0:
@@ -627,6 +627,7 @@ def checked_plan_sizes(
     if not isinstance(dtype, torch.dtype) or dtype not in TORCH_DTYPES:
         raise TypeError(
             f"dtype (of q, k, v and out) must be one of bfloat16, float16, float32, float64, got {dtype!r}"
+            + (f" (a str: pass the torch.dtype torch.{dtype})" if isinstance(dtype, str) else "")
             + (
                 " (an FP8 paged latent cache is PrefillPlan's kv_cache_dtype)"
                 if isinstance(dtype, torch.dtype) and dtype.is_floating_point

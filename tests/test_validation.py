@@ -909,3 +909,13 @@ def test_sizes_that_cannot_fit_are_refused_naming_the_argument():
         PrefillPlan.build([n], [0], dims=dims, workspace=ws, block_size=16, dtype=torch.float32, index_topk=2048)
     # what fits is planned as before
     assert PrefillPlan.build([8], [0], dims=dims, workspace=ws, block_size=16, dtype=torch.float32).num_tokens == 8
+
+
+def test_a_dtype_given_by_its_name_is_refused_with_the_torch_dtype_to_pass():
+    """``dtype="float32"`` read "must be one of bfloat16, float16, float32, float64, got 'float32'": the message
+    listed the name it refused. It now says to pass the torch.dtype."""
+    from mla_bridge import Workspace, plan_ragged
+
+    with pytest.raises(TypeError, match=r"got 'float32' \(a str: pass the torch\.dtype torch\.float32\)$"):
+        plan_ragged([0, 2], [0, 2], num_heads=2, head_dim_qk=8, head_dim_vo=8, causal=True, sm_scale=0.5,
+                    dtype="float32", workspace=Workspace("cpu"))  # fmt: skip
