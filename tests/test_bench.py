@@ -876,6 +876,15 @@ def test_paired_gap_pairs_samples_by_round():
     assert paired_gap(a, Row("s", "c", "b", ms=1.0, extra={"ms_samples": [1.0, 2.0]})) is None  # other rounds
 
 
+def test_attention_note_says_a_negative_difference_is_noise():
+    """On a busy CPU a forward with attention timed faster than the no-op forward: the note read "attention -2.11 ms,
+    -7% of the TTFT"; it says the difference is within the timing noise."""
+    from mla_bridge.bench.common import attention_note
+
+    assert attention_note(30.0, 22.5) == "attention 7.50 ms, 25% of the TTFT"
+    assert attention_note(31.11, 33.22) == "attention within the timing noise (forward - no-op = -2.11 ms)"
+
+
 def test_ttft_section_quick_on_the_cpu(tmp_path):
     """``--sections ttft`` on the CPU: every case has the transformers model timed with sdpa, mla_bridge and a no-op
     attention, attention alone per path, the ratio and attention's share on the rows, and a JAX row per case

@@ -140,6 +140,16 @@ class Row:
         return d
 
 
+def attention_note(model_ms: float, noop_ms: float) -> str:
+    """The ttft rows' note on attention's part of a forward: its ms (the forward minus the no-op's) and its share;
+    a negative difference (a forward whose attention is lost in the timing noise, as on a busy CPU) is said to be
+    so, not shown as a negative share."""
+    att = model_ms - noop_ms
+    if att < 0:
+        return f"attention within the timing noise (forward - no-op = {att:.2f} ms)"
+    return f"attention {att:.2f} ms, {100 * att / model_ms:.0f}% of the TTFT"
+
+
 def paired_gap(a: Optional[Row], b: Optional[Row]) -> Optional[float]:
     """The median over rounds of ``a``'s time minus ``b``'s, in ms, for two rows timed in the same interleaved
     rounds (:meth:`Ctx.measure_many`: ``extra["ms_samples"]`` in round order). A difference of two forwards' times

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .common import Ctx, Job, Row, attention_flops, fmt_err, paired_gap
+from .common import Ctx, Job, Row, attention_flops, attention_note, fmt_err, paired_gap
 
 __all__ = ["jobs", "V2_LITE", "TtftCase", "ttft_cases", "build_transformers_model", "NOOP_IMPLEMENTATION"]
 
@@ -396,10 +396,7 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
             continue
         # an ok row has its ms
         r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)  # type: ignore[operator]
-        r.note = (
-            f"attention {r.ms - noop:.2f} ms, "  # type: ignore[operator]
-            f"{100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"  # type: ignore[operator]
-        )
+        r.note = attention_note(r.ms, noop)  # type: ignore[arg-type]
     ratio = sdpa / ours if sdpa and ours else None
     # differences paired by round (paired_gap): the model rows and the alone rows share their rounds
     saved = paired_gap(_ok_row(model_rows, "transformers sdpa"), _ok_row(model_rows, "transformers mla_bridge"))

@@ -11,7 +11,7 @@ import numpy as np
 
 from mla_bridge_jax import models
 
-from .common import paired_gap
+from .common import attention_note, paired_gap
 
 
 def bench_rows(
@@ -101,7 +101,7 @@ def bench_rows(
             continue
         if noop is not None and r.path in names.values() and r.path != names["noop"]:
             r.extra.update(attention_ms=r.ms - noop, attention_share=(r.ms - noop) / r.ms)
-            r.note = f"attention {r.ms - noop:.2f} ms, {100 * (r.ms - noop) / r.ms:.0f}% of the TTFT"
+            r.note = attention_note(r.ms, noop)
         if ours and r.path in (names["cudnn"], names["xla"]):
             r.extra["ratio_over_mla_bridge_jax"] = r.ms / ours
             r.note = f"{r.ms / ours:.3f}x mla_bridge_jax's time; " + r.note
