@@ -36,7 +36,15 @@ from .cache import ChunkRows, resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, OFFSET_LIMITS, device_capability, select_backend
 from .kernels import triton_available
-from .checks import as_lengths, check_length_sums, checked_device, not_a_bool, positive_int, refuse_beyond_memory
+from .checks import (
+    INT32_MAX,
+    as_lengths,
+    check_length_sums,
+    checked_device,
+    not_a_bool,
+    positive_int,
+    refuse_beyond_memory,
+)
 from .ragged import RaggedPlan, checked_plan_sizes, plan_checked
 from .workspace import Workspace, current_stream
 
@@ -310,6 +318,8 @@ class PrefillPlan:
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a mla_bridge.Workspace, got {type(workspace).__name__}")
         block_size = positive_int("block_size", block_size)
+        if block_size > INT32_MAX:  # the kernels address a slot of a block with 32-bit positions
+            raise ValueError(f"block_size must be at most {INT32_MAX} tokens, got {block_size}")
         dev = workspace.device if device is None else checked_device(device)
         if dev != workspace.device:
             raise ValueError(f"device {dev} differs from the workspace's device {workspace.device}")

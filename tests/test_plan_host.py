@@ -427,6 +427,15 @@ def test_build_indptr_at_the_int32_edge(fake_cuda, tiny_dims):
     assert plan.qo_indptr.tolist() == [0, top - 3, top - 3, top] and plan.num_tokens == top
 
 
+def test_build_refuses_a_block_size_beyond_int32(tiny_dims):
+    """A block of 2**40 tokens was accepted by the plan (no cache can hold one, and the kernels address a slot of a
+    block with 32-bit positions); refused by name, a block of 2**31 - 1 still planned."""
+    ws = Workspace("cpu")
+    with pytest.raises(ValueError, match=r"^block_size must be at most 2147483647 tokens, got 1099511627776$"):
+        PrefillPlan.build([3], [5], dims=tiny_dims, workspace=ws, block_size=2**40, dtype=torch.float32)
+    assert PrefillPlan.build([3], [5], dims=tiny_dims, workspace=ws, block_size=2**31 - 1, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("bad", [True, 0, -4, 2.0, "4"])
 def test_build_still_refuses_bad_block_sizes_and_head_counts(fake_cuda, tiny_dims, bad):
     """The int fast paths of the argument checks refuse what the full checks refused (bools, non-positive, floats,
