@@ -353,9 +353,9 @@ def _bars(
     for j, (label, _) in enumerate(series):
         if j not in placed:
             continue
-        y, v = zip(*placed[j])
-        bars = ax.barh(y, v, height=h * 0.92, color=colors[j % len(colors)], label=label)
-        ax.bar_label(bars, labels=[_short(x) for x in v], padding=2, fontsize=7)
+        ys, vs = zip(*placed[j])
+        bars = ax.barh(ys, vs, height=h * 0.92, color=colors[j % len(colors)], label=label)
+        ax.bar_label(bars, labels=[_short(x) for x in vs], padding=2, fontsize=7)
     ax.set_yticks(range(len(cases)))
     ax.set_yticklabels([textwrap.fill(c, 34) for c in cases], fontsize=8)
     ax.invert_yaxis()
