@@ -59,7 +59,7 @@ import torch
 
 from .kv import capture_rule
 from .plan import PrefillPlan
-from .prefill import mla_prefill
+from .prefill import kernel_choices, mla_prefill, validate_prefill_inputs
 from .ragged import RaggedPlan
 from .weights import PreparedKVBProj
 from .workspace import capture_owner, current_stream
@@ -317,8 +317,10 @@ def capture_prefill(
     Raises:
         TypeError / ValueError: ``plan`` not a PrefillPlan, a plan built with ``index_topk`` (sparse attention is not
             captured: its torch path synchronizes the host, its kernel's path copies a per-token table), no layers, a
-            layer that is not a PrefillLayer; every check of :func:`mla_bridge.mla_prefill` (run in the first warm-up
-            call, before any capture; on the CPU in the first replay).
+            layer that is not a PrefillLayer; every check of :func:`mla_bridge.mla_prefill` on each layer's tensors
+            (:func:`mla_bridge.prefill.validate_prefill_inputs`, the message starting ``layers[i]:``), an unknown
+            ``kv_impl`` or environment switch (:func:`mla_bridge.prefill.kernel_choices`): on the host, before any
+            warm-up or capture, on every device.
     """
     if not isinstance(plan, PrefillPlan):
         raise TypeError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
@@ -333,6 +335,15 @@ def capture_prefill(
     for i, layer in enumerate(layers):
         if not isinstance(layer, PrefillLayer):
             raise TypeError(f"layers[{i}] must be a PrefillLayer, got {type(layer).__name__}")
+    # every layer's inputs against the plan now, on the host (on the CPU nothing runs until the first replay)
+    for i, x in enumerate(layers):
+        try:
+            validate_prefill_inputs(
+                x.q, x.kv_c, x.k_pe, x.kv_b_proj, x.kv_cache, block_table, plan, kv_cache_scale=x.kv_cache_scale
+            )
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"layers[{i}]: {err}") from err
+    kernel_choices(plan.device, plan.dtype, plan.dims, kv_impl)  # an unknown kv_impl or a bad switch, named
 
     def forward() -> list:
         return [

@@ -4,6 +4,8 @@ wrappers and float workspace) for as long as it can be replayed -- checked with 
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import weakref
 
@@ -130,6 +132,27 @@ def test_bad_arguments(ref, tiny_dims):
     assert not graph.alive
     with pytest.raises(RuntimeError, match="released"):
         graph.replay()
+
+
+def test_capture_prefill_refuses_a_bad_layer_at_capture_naming_it(ref, tiny_dims):
+    """Every layer's inputs are checked against the plan when the graph is made, on every device, and the error names
+    the layer: on the CPU nothing runs at capture, and a bad layer used to surface only at the first replay."""
+    layers, table = _layers(ref, tiny_dims, seed=4)
+    plan = PrefillPlan.build(
+        QUERY_LENS, CONTEXT_LENS, dims=tiny_dims, workspace=Workspace("cpu"), block_size=8, dtype=torch.float32
+    )
+    bad_q = dataclasses.replace(layers[1], q=layers[1].q[:-1])
+    with pytest.raises(ValueError, match=r"^layers\[1\]: q must be"):
+        capture_prefill(plan, [layers[0], bad_q], table)
+    half = dataclasses.replace(layers[0], kv_cache=layers[0].kv_cache.half())
+    with pytest.raises(TypeError, match=r"^layers\[0\]: kv_cache"):
+        capture_prefill(plan, [half, layers[1]], table)
+    with pytest.raises(ValueError, match="block_table"):
+        capture_prefill(plan, layers, table[:, :1])
+    with pytest.raises(ValueError, match="kv_impl"):
+        capture_prefill(plan, layers, table, kv_impl="no-such-impl")
+    graph = capture_prefill(plan, layers, table)  # the good layers still capture and replay
+    assert torch.equal(graph.replay()[0], _eager(layers, table, plan)[0][0])
 
 
 # ----------------------------------------------------------------------------------------------- plan lifetime
