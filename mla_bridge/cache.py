@@ -382,17 +382,19 @@ def fused_latent(
     impl: Optional[str] = None,
     k_pe_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The fused schedule's key latents ``[main_kv_indptr[-1], L]`` in the plan's dtype: each request's context
-    rows (gathered, dequantized) followed by its new tokens' ``kv_c ++ k_pe`` (``k_pe`` as ``[T, rope]``).
+    """The key latents of the plan's fused placements (``ctx_dst``, ``new_dst``: the fused schedule's keys,
+    ``main_kv_indptr[-1]`` rows; a sparse plan over an FP8 cache has them too), ``[rows, L]`` in the plan's dtype:
+    each request's context rows (gathered, dequantized) followed by its new tokens' ``kv_c ++ k_pe`` (``k_pe`` as
+    ``[T, rope]``).
     The new tokens come from the caller's full-precision ``kv_c`` / ``k_pe``, never re-read from the cache.
-    ``k_pe_out``: as :func:`gather_latent` (then ``[main_kv_indptr[-1], kv_lora_rank]`` is returned)."""
+    ``k_pe_out``: as :func:`gather_latent` (then ``[rows, kv_lora_rank]`` is returned)."""
     dims = plan.dims
     impl = impl or gather_impl(plan.device)
     if impl == "triton":
         from .kernels.gather import fused_latent_triton
 
         width = dims.latent_dim if k_pe_out is None else dims.kv_lora_rank
-        latent = torch.empty(int(plan.main_kv_indptr[-1]), width, dtype=plan.dtype, device=plan.device)
+        latent = torch.empty(plan.ctx_dst.numel() + plan.new_dst.numel(), width, dtype=plan.dtype, device=plan.device)
         fused_latent_triton(
             latent,
             kv_cache,
@@ -407,7 +409,9 @@ def fused_latent(
             k_pe_out,
         )
         return latent
-    latent = torch.empty(int(plan.main_kv_indptr[-1]), dims.latent_dim, dtype=plan.dtype, device=plan.device)
+    latent = torch.empty(
+        plan.ctx_dst.numel() + plan.new_dst.numel(), dims.latent_dim, dtype=plan.dtype, device=plan.device
+    )
     latent.index_copy_(
         0,
         plan.ctx_dst,

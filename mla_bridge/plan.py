@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import switches
-from .cache import ChunkRows, resolve_kv_cache_dtype
+from .cache import ChunkRows, is_fp8, resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, OFFSET_LIMITS, device_capability, select_backend
 from .kernels import triton_available
@@ -221,6 +221,7 @@ class PrefillPlan:
     ctx_dst: Optional[torch.Tensor]
     new_dst: Optional[torch.Tensor]
     sparse_token_meta: Optional[torch.Tensor]
+    sparse_latent_meta: Optional[torch.Tensor]
     _sizes: dict
     _backend: Optional[str]
     _requested: Optional[str]
@@ -298,8 +299,9 @@ class PrefillPlan:
         schedule's placements are ONE expansion of a small run table on the device (:meth:`_expand`): one
         page-locked host-to-device copy and one Triton kernel where Triton imports (four torch kernels otherwise);
         the first such build in a process compiles that kernel (or loads it from Triton's cache). :attr:`key` is
-        not made here (on first use). The fused schedule's placements are 24 bytes per gathered context token (at
-        most ``chunk_tokens`` of them) and 8 per new token, device memory (on the CPU device, host memory); the
+        not made here (on first use). The fused schedule's placements (a sparse plan over an FP8 cache has them too,
+        where its fused key latents fit one chunk's k / v memory) are 24 bytes per gathered context token and 8 per
+        new token, device memory (on the CPU device, host memory); the
         chunked schedule makes no per-token tensor on any device (its gathers make a chunk's indices in each call),
         so a plan's host memory is O(requests + chunks): about :data:`CHUNK_HOST_BYTES` per chunk, at most
         :data:`MAX_CONTEXT_CHUNKS` chunks. A request without new tokens has its context neither gathered nor indexed.
@@ -373,17 +375,29 @@ class PrefillPlan:
         self.chunks = []
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         self._device_indices = []
+        # The sparse pass over an FP8 cache dequantizes the attended context once into the fused key latents (each
+        # request's context, then its new tokens: the fused schedule's placements) where they take no more memory than
+        # one context chunk's up-projected k / v; the kernel then converts no tile (mla_bridge.sparse)
+        sparse_latent = (
+            self.index_topk is not None
+            and is_fp8(self.kv_cache_dtype)
+            and self._num_gathered > 0
+            and (self._num_gathered + num_new) * dims.latent_dim <= workspace.chunk_tokens * self._kv_row
+        )
+        q = np.asarray(q_lens, dtype=np.int64)
+        c = np.asarray(gathered_lens, dtype=np.int64)
         if self.fused:
-            q = np.asarray(q_lens, dtype=np.int64)
-            c = np.asarray(gathered_lens, dtype=np.int64)
             kv_host = _indptr(c + q)
             self.main_kv_indptr = torch.from_numpy(kv_host)
-            self._plan_fused_indices(q, c)
         else:
             _check_chunk_count(total_context, workspace.chunk_tokens)  # before any chunk or pass is made
             kv_host, self.main_kv_indptr = qo_host, self.qo_indptr  # keys = queries; neither is ever written
             self.chunks = self._plan_chunks(qo, qo_host)
-        self.sparse_token_meta = None if self.index_topk is None else self._sparse_token_meta(qo_host)
+        if self.fused or sparse_latent:
+            self._plan_fused_indices(q, c)
+        self.sparse_token_meta = self.sparse_latent_meta = None
+        if self.index_topk is not None:
+            self._sparse_token_meta(qo_host, c if sparse_latent else None)
         self.main = self._plan_pass(
             qo_host, kv_host, True, num_new, fused_keys if self.fused else num_new, self.qo_indptr, self.main_kv_indptr
         )
@@ -490,26 +504,39 @@ class PrefillPlan:
         limit = OFFSET_LIMITS.get(choice.name)
         return step if limit is None else max(1, min(step, (limit - 1) // self._kv_row))
 
-    def _sparse_token_meta(self, qo_host: np.ndarray) -> torch.Tensor:
+    def _sparse_token_meta(self, qo_host: np.ndarray, gathered: Optional[np.ndarray]) -> None:
         """:attr:`sparse_token_meta`: int32 ``[T, 4]`` on the plan's device, per new token its request, the request's
         context length, its sequence length (context + new) and the row of ``kv_c`` / ``k_pe`` holding its sequence
         position 0 (its first new token's row minus the context length): where the sparse pass
-        (:mod:`mla_bridge.sparse`) places each pick. Made once per plan, not per layer: O(T) numpy work into
-        page-locked memory and one host-to-device copy that never blocks the host, queued before the main pass's plan
-        (whose event covers it, or the plan's own event) and kept in ``_device_indices``."""
+        (:mod:`mla_bridge.sparse`) places each pick. And :attr:`sparse_latent_meta` where ``gathered`` (int64 ``[batch]``,
+        each request's gathered context) is given: the same table for the fused key latents
+        (:func:`mla_bridge.cache.fused_latent`, each request's context then its new tokens), context length 0 and the
+        request's first key row in the last column. Made once
+        per plan, not per layer: O(T) numpy work into page-locked memory and one host-to-device copy that never blocks
+        the host, queued before the main pass's plan (whose event covers it, or the plan's own event) and kept in
+        ``_device_indices``."""
         q = np.asarray(self.query_lens, dtype=np.int64)
         c = np.asarray(self.context_lens, dtype=np.int64)
         req = np.repeat(np.arange(q.size, dtype=np.int64), q)
-        cols = (req, c[req], (c + q)[req], qo_host[:-1].astype(np.int64)[req] - c[req])
+        tables: list[tuple[np.ndarray, ...]] = [
+            (req, c[req], (c + q)[req], qo_host[:-1].astype(np.int64)[req] - c[req])
+        ]
+        if gathered is not None:
+            seq_start = np.cumsum(gathered + q) - (gathered + q)  # each request's first row of the fused key latents
+            tables.append((req, np.zeros_like(req), (c + q)[req], seq_start[req]))
+        host = torch.empty(len(tables), req.size, 4, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        for i, cols in enumerate(tables):
+            for j, col in enumerate(cols):
+                host.numpy()[i, :, j] = col
         if self.device.type == "cpu":
-            return torch.from_numpy(np.stack(cols, axis=1).astype(np.int32))
-        host = torch.empty(req.size, 4, dtype=torch.int32, pin_memory=True)
-        for j, col in enumerate(cols):
-            host.numpy()[:, j] = col
-        self._pinned_meta = host
-        meta = host.to(self.device, non_blocking=True)
-        self._device_indices.append(meta)
-        return meta
+            meta = host
+        else:
+            self._pinned_meta = host
+            meta = host.to(self.device, non_blocking=True)
+            self._device_indices.append(meta)
+        self.sparse_token_meta = meta[0]
+        if len(tables) > 1:
+            self.sparse_latent_meta = meta[1]
 
     def _expand(self, counts: np.ndarray, firsts: np.ndarray, counting_runs: int) -> torch.Tensor:
         """Per-token indices from per-request host data: runs of int64 values, concatenated in order, run ``i``

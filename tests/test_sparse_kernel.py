@@ -9,8 +9,8 @@ within their rounding (out 2e-2 absolute and relative, lse 1e-2: the kernel roun
 output to the plan's dtype, the torch path neither).
 
 Under the interpreter bf16 dots are computed from float32 copies of the tiles (Triton 3.9's interpreter multiplies
-bf16 tiles wrongly), which are the same exact products; FP8 caches (e4m3 bytes, dequantized in the kernel) and fp16
-are interpreted as compiled. Not checked here: speed, register or shared-memory limits, the direct launch path.
+bf16 tiles wrongly), which are the same exact products; FP8 caches (dequantized once into the latents, or per tile
+in the kernel) and fp16 are interpreted as compiled. Not checked here: speed, register or shared-memory limits, the direct launch path.
 """
 
 from __future__ import annotations
@@ -147,13 +147,17 @@ def interpreted_cases() -> str:
         _check(out, lse, *sparse_reference(batch, indices), ATOL)
         n += 1
 
-    # FP8 caches (a tensor and a float scale), float32 and bf16 plans: dequantized in the kernel
-    for dtype in (torch.float32, torch.bfloat16):
+    # FP8 caches (a tensor and a float scale), float32 and bf16 plans: the context dequantized once into the fused
+    # key latents, or (latents larger than one chunk's k / v memory: chunk_tokens=1) converted by the kernel per tile
+    for dtype, chunk_tokens in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, 1), (torch.bfloat16, 1)):
         batch = R.make_mla_batch(tiny, QUERY_LENS, CONTEXT_LENS, 16, seed=4)
         fp8, scale = quantize_latent_cache(batch.cache)
         for name in ("q", "kv_c", "k_pe", "w"):
             setattr(batch, name, getattr(batch, name).to(dtype))
-        plan = plan_for(tiny, QUERY_LENS, CONTEXT_LENS, 16, 20, kv_cache_dtype="fp8", dtype=dtype)
+        plan = plan_for(
+            tiny, QUERY_LENS, CONTEXT_LENS, 16, 20, kv_cache_dtype="fp8", dtype=dtype, chunk_tokens=chunk_tokens
+        )
+        assert (plan.sparse_latent_meta is not None) == (chunk_tokens is None)
         indices = random_indices(QUERY_LENS, CONTEXT_LENS, 20, seed=1, fill=0.7)
         exp = sparse_reference(batch, indices, cache=dequantize_latent(fp8, scale, torch.float64))
         for s in (scale, float(scale)):
@@ -182,7 +186,7 @@ def interpreted_cases() -> str:
 def test_sparse_kernel_interpreted(triton_interpreted):
     """Where Triton is installed: :func:`interpreted_cases` under the interpreter (``MLA_BRIDGE_SPARSE=triton``)."""
     out = triton_interpreted("tests.test_sparse_kernel:interpreted_cases", GPU_TESTS, MLA_BRIDGE_SPARSE="triton")
-    assert out.strip() == "ok 16", out
+    assert out.strip() == "ok 20", out
 
 
 def test_default_tiles_are_64_rows_for_every_cache():

@@ -181,10 +181,22 @@ def long_indices(k: int, seed: int, fill: float = 1.0) -> torch.Tensor:
 
 
 def kernel_case(
-    ref, monkeypatch, dims, k, block_size, *, seed, fp8=False, fill=1.0, chunk_tokens=None, scale_as_float=False
+    ref,
+    monkeypatch,
+    dims,
+    k,
+    block_size,
+    *,
+    seed,
+    fp8=False,
+    fill=1.0,
+    chunk_tokens=None,
+    scale_as_float=False,
+    latents=None,
 ):
     """(kernel out, kernel lse, torch-path out, torch-path lse, float64 out, float64 lse) for the long batch in bf16
-    (values bf16 numbers: the float64 reference reads the same inputs), computed on the GPU."""
+    (values bf16 numbers: the float64 reference reads the same inputs), computed on the GPU. ``latents``: whether
+    the plan must dequantize an FP8 context into the fused key latents (None: not checked)."""
     from tests.helpers.sparse_cases import sparse_reference
 
     from mla_bridge.cache import dequantize_latent
@@ -212,6 +224,8 @@ def kernel_case(
         kv_cache_dtype=kind,
         **({} if chunk_tokens is None else dict(fuse_context=False)),
     )
+    if latents is not None:
+        assert (plan.sparse_latent_meta is not None) == latents
     args = (batch.q, batch.kv_c, batch.k_pe, batch.w, cache, batch.block_table, plan)
     gpu_idx = idx.to(dev())
     monkeypatch.delenv("MLA_BRIDGE_SPARSE", raising=False)  # the default on CUDA: the kernel
@@ -219,7 +233,7 @@ def kernel_case(
     monkeypatch.setenv("MLA_BRIDGE_SPARSE", "torch")
     torch_path = mla_prefill(*args, topk_indices=gpu_idx, return_lse=True, kv_cache_scale=scale)
     monkeypatch.delenv("MLA_BRIDGE_SPARSE")
-    if fp8:  # stored * scale exactly (the kernel scales scores and probabilities; the torch path rounds it to bf16)
+    if fp8:  # stored * scale exactly (rounded to bf16 by the torch path and the latents, not by the per-tile kernel)
         batch.cache = dequantize_latent(cache, scale, torch.float64)
     exp_out, exp_lse = sparse_reference(batch, idx)
     return (*kernel, *torch_path, exp_out, exp_lse)
@@ -275,9 +289,23 @@ def test_kernel_chunked_context(ref, monkeypatch):
 
 @pytest.mark.parametrize("scale_as_float", [False, True])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_kernel_fp8_cache(ref, monkeypatch, block_size, scale_as_float):
+@pytest.mark.parametrize("chunk_tokens", [None, 64])
+def test_kernel_fp8_cache(ref, monkeypatch, block_size, scale_as_float, chunk_tokens):
+    """The context dequantized once into the fused key latents (the default budget), and converted per tile in the
+    kernel where the latents exceed one chunk's k / v memory (64 tokens of 128 heads: 4551 latent rows)."""
     check_kernel_case(
-        kernel_case(ref, monkeypatch, V32, 2048, block_size, seed=7, fp8=True, scale_as_float=scale_as_float)
+        kernel_case(
+            ref,
+            monkeypatch,
+            V32,
+            2048,
+            block_size,
+            seed=7,
+            fp8=True,
+            scale_as_float=scale_as_float,
+            chunk_tokens=chunk_tokens,
+            latents=chunk_tokens is None,
+        )
     )
 
 
