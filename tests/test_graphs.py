@@ -300,7 +300,7 @@ def test_replay_on_another_stream_keeps_what_it_reads_until_it_ran(monkeypatch, 
     graph replayed on stream s and dropped had its index block handed to the next allocation on the build stream
     while s still read it (bf16 fused: the expansion's buffer; float32, the torch backend: the chunks' kv_indptr
     copies, or the fused expansion)."""
-    from tests.fake_device import Stream, install_planning
+    from tests.helpers.fake_device import Stream, install_planning
 
     install_planning(monkeypatch.setattr, StandInWrapper)  # a fake SM90 device with FlashInfer 0.7.4
 

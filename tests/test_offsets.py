@@ -25,7 +25,7 @@ from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, ragged_pref
 from mla_bridge.dispatch import OFFSET_LIMITS, BackendChoice, pass_extents, tensor_extent
 from mla_bridge.prefill import prefill_memory_bytes, validate_prefill_inputs
 from mla_bridge.ragged import RaggedPlan, RaggedSpec
-from tests.fake_device import install_planning
+from tests.helpers.fake_device import install_planning
 
 BF16 = torch.bfloat16
 V3 = MLADims.deepseek_v3()  # 128 heads, 192 / 128

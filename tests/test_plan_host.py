@@ -21,7 +21,7 @@ import mla_bridge.dispatch as dispatch
 import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
 from mla_bridge.plan import schedule_context_chunks
-from tests.fake_device import install_planning, page_locked_on_cpu
+from tests.helpers.fake_device import install_planning, page_locked_on_cpu
 from tests.helpers.run_tables import expanded, index_tensors, run_table, run_tables
 
 BF16 = torch.bfloat16
@@ -42,8 +42,8 @@ class _Wrapper:
 @pytest.fixture(params=["triton", "torch"])
 def fake_cuda(monkeypatch, request):
     """A fake SM90 device: planning takes every CUDA branch; the device half of the expansion, each of the two
-    (the Triton kernel's stand-in and the torch ops), runs on the CPU (:func:`tests.fake_device.install_planning`).
-    Returns the list of tables expanded."""
+    (the Triton kernel's stand-in and the torch ops), runs on the CPU
+    (:func:`tests.helpers.fake_device.install_planning`). Returns the list of tables expanded."""
     tables = []
     install_planning(monkeypatch.setattr, _Wrapper, tables, expand=request.param)
     return tables
@@ -665,7 +665,7 @@ def test_torch_backend_plan_orders_another_stream_after_its_copies(fake_cuda, mo
     copies the build queued (the chunks' kv_indptrs, or the fused schedule's expansion). A stream other than the
     build stream waits for the plan's own event, once, and marks the device tensors used there; a FlashInfer plan
     (bf16) records no event of its own (its plan events cover them)."""
-    from tests.fake_device import Stream
+    from tests.helpers.fake_device import Stream
 
     waits, marks = [], []
 
@@ -694,7 +694,7 @@ def test_plan_without_new_tokens_orders_another_stream_after_its_chunk_copies(fa
     """No request has new tokens: the main pass is empty (no FlashInfer plan, so no plan event, even in bf16) and no
     chunk has a pass, yet each chunk's kv_indptr was copied to the device (mla_bridge.kv.chunk_kv takes any chunk).
     The build records its own event, and a stream other than the build stream waits for it before reading them."""
-    from tests.fake_device import Stream
+    from tests.helpers.fake_device import Stream
 
     waits = []
 
