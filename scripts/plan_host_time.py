@@ -1,11 +1,11 @@
 """Our own host time in PrefillPlan.build, on a machine without a GPU or on one.
 
 What the H200 bench section ``plan`` measures: build time minus the time inside FlashInfer's ``plan()``, here on the
-fake SM90 device of the CPU tests (:func:`tests.fake_device.install_planning`: every CUDA branch of planning runs and
-the wrapper's ``plan()`` does nothing). The device half of the fused schedule's index expansion is queued work on a
-GPU (host time: its copy and launches); here it returns a view of one buffer, so that no per-token CPU work is timed.
-The chunked case (batch 128 with context) expands nothing on CUDA: its chunks' rows are their passes' device
-kv_indptrs (on the fake device the plan's own copy stands in for FlashInfer's, a CPU tensor).
+fake SM90 device of the CPU tests (:func:`tests.helpers.fake_device.install_planning`: every CUDA branch of planning
+runs and the wrapper's ``plan()`` does nothing). The device half of the fused schedule's index expansion is queued
+work on a GPU (host time: its copy and launches); here it returns a view of one buffer, so that no per-token CPU work
+is timed. The chunked case (batch 128 with context) expands nothing on CUDA: its chunks' rows are their passes'
+device kv_indptrs (on the fake device the plan's own copy stands in for FlashInfer's, a CPU tensor).
 
     PYTHONPATH=$PWD python3 scripts/plan_host_time.py [--repeats 200] [--profile B,C] [--count] [--expand triton]
     PYTHONPATH=$PWD python3 scripts/plan_host_time.py --device cuda    # on a GPU: the real figures
@@ -16,8 +16,8 @@ FlashInfer ``plan()`` time.
 
 ``--count`` adds, per case, the CUDA-side calls one build makes (after a warm-up build; the device half of the
 index expansion then runs as on a GPU on CPU tensors: ``--expand triton``, the default and what a GPU with Triton
-runs, its one kernel counted as one "Triton launch" (:func:`tests.fake_device.expand_kernel_on_cpu` computes its
-values outside torch); ``--expand torch``, the fallback's torch ops): kernels and copies (aten ops that are not
+runs, its one kernel counted as one "Triton launch" (:func:`tests.helpers.fake_device.expand_kernel_on_cpu` computes
+its values outside torch); ``--expand torch``, the fallback's torch ops): kernels and copies (aten ops that are not
 views, the page-locked table, ``Tensor.to``, the Triton launch) and CUDA runtime calls (events made, recorded,
 queried, waited on; the capability, capture-state and current-stream reads). Each costs 10-20 us of host time on the
 H200's host (2026-12-01; a Triton launch through :func:`mla_bridge.kernels.launch.launch` about 10 us), a Python
@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace
-from tests.fake_device import Stream, install_planning
+from tests.helpers.fake_device import Stream, install_planning
 
 CASES = [(b, c) for c in (0, 2048) for b in (1, 16, 128)]
 

@@ -142,9 +142,9 @@ def fake_cuda_runtime(monkeypatch):
     """``install(capability, current_stream, event_class, capturing)``: torch reports one CUDA device of
     ``capability()`` (CUDA 12.8), ``torch.cuda.current_stream`` returns ``current_stream()``, ``torch.cuda.Event`` is
     ``event_class``, ``is_current_stream_capturing`` returns ``capturing()``, and mla_bridge.workspace allocates on the
-    CPU (:func:`tests.fake_device.install_runtime`, undone after the test). The callers add their own FlashInfer
+    CPU (:func:`tests.helpers.fake_device.install_runtime`, undone after the test). The callers add their own FlashInfer
     wrapper stand-in."""
-    from tests.fake_device import install_runtime
+    from tests.helpers.fake_device import install_runtime
 
     def install(capability, current_stream, event_class, capturing=lambda: False):
         install_runtime(monkeypatch.setattr, capability, current_stream, event_class, capturing)

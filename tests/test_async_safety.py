@@ -218,7 +218,8 @@ def test_fa3_runs_use_no_extra_float_memory(gpu):
     a = plan(ws, [0, 4])
     gpu.current = gpu.stream(2)
     run(a, 4)
-    assert ws._regions == {}
+    ((_, _, stream, buf, _, _),) = [e for e in gpu.log if e[0] == "run"]
+    assert stream == 2 and buf is ws.float_workspace  # not a region of its own for stream 2
 
 
 # ---------------------------------------------------------------------------------------------------------------

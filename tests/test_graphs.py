@@ -300,7 +300,7 @@ def test_replay_on_another_stream_keeps_what_it_reads_until_it_ran(monkeypatch, 
     graph replayed on stream s and dropped had its index block handed to the next allocation on the build stream
     while s still read it (bf16 fused: the expansion's buffer; float32, the torch backend: the chunks' kv_indptr
     copies, or the fused expansion)."""
-    from tests.fake_device import Stream, install_planning
+    from tests.helpers.fake_device import Stream, install_planning
 
     install_planning(monkeypatch.setattr, StandInWrapper)  # a fake SM90 device with FlashInfer 0.7.4
 
@@ -328,6 +328,8 @@ def test_replay_on_another_stream_keeps_what_it_reads_until_it_ran(monkeypatch, 
     ws = Workspace("cuda:0", chunk_tokens=64 if fuse else 8)
     dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
     plan = PrefillPlan.build([3, 4, 2], [10, 7, 0], dims=dims, workspace=ws, block_size=4, dtype=dtype)
+    # private: the plan's device index tensors and the graph's held tensors are the only view of what queued work
+    # reads, each of which a replay on another stream must mark (the race tested here)
     assert plan.fused == fuse and plan._device_indices
     assert plan.backend.is_flashinfer == (dtype == torch.bfloat16)
     leases = [

@@ -113,6 +113,7 @@ def test_capture_rule_makes_auto_choose_as_under_capture():
     CPU do not change, and the rule ends with the context (also on an error)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     small = 1024
+    # private: _pass_impl is where a pass reads the rule; on a CPU-only machine no public call runs an "auto" CUDA pass
     with KV.capture_rule():
         assert KV._pass_impl("auto", cuda, torch.bfloat16, True, False, small, "split") == "separate"
         assert KV._pass_impl("auto", cuda, torch.bfloat16, False, False, small, "split") == "separate"

@@ -25,7 +25,7 @@ from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, ragged_pref
 from mla_bridge.dispatch import OFFSET_LIMITS, BackendChoice, pass_extents, tensor_extent
 from mla_bridge.prefill import prefill_memory_bytes, validate_prefill_inputs
 from mla_bridge.ragged import RaggedPlan, RaggedSpec
-from tests.fake_device import install_planning
+from tests.helpers.fake_device import install_planning
 
 BF16 = torch.bfloat16
 V3 = MLADims.deepseek_v3()  # 128 heads, 192 / 128
@@ -332,7 +332,7 @@ def test_ragged_prefill_plans_with_its_tensors_strides(monkeypatch, ref):
     ref.assert_lse_close(lse, want_lse, atol=1e-5)
 
 
-def test_mla_prefill_refuses_a_strided_q_past_a_pass_offsets(tiny_dims, ref):
+def test_mla_prefill_refuses_a_strided_q_past_a_pass_offsets(tiny_dims, ref, monkeypatch):
     """mla_prefill's passes are planned for a contiguous q; a strided q that reaches past the smallest offset limit
     among them is refused by name with the other input checks, before any kernel (the limit stands in for fa2's on
     this CPU plan)."""
@@ -346,7 +346,7 @@ def test_mla_prefill_refuses_a_strided_q_past_a_pass_offsets(tiny_dims, ref):
     q = wide[..., : tiny_dims.head_dim_qk]  # reaches 4 x 256 + 3 x 64 + 24 = 1240 elements
     args = (batch.kv_c, batch.k_pe, batch.w, batch.cache, batch.block_table, plan)
     validate_prefill_inputs(q, *args)
-    plan._offset_limit = (1200, "flashinfer-fa2")
+    monkeypatch.setattr(PrefillPlan, "offset_limit", property(lambda self: (1200, "flashinfer-fa2")))
     with pytest.raises(ValueError, match=r"q reaches 1240 elements through its strides.*flashinfer-fa2"):
         validate_prefill_inputs(q, *args)
     validate_prefill_inputs(q.contiguous(), *args)  # 480 elements

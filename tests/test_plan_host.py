@@ -21,7 +21,7 @@ import mla_bridge.dispatch as dispatch
 import mla_bridge.plan as plan_mod
 from mla_bridge import MLADims, PrefillPlan, Workspace, plan_ragged, select_backend
 from mla_bridge.plan import schedule_context_chunks
-from tests.fake_device import install_planning, page_locked_on_cpu
+from tests.helpers.fake_device import install_planning, page_locked_on_cpu
 from tests.helpers.run_tables import expanded, index_tensors, run_table, run_tables
 
 BF16 = torch.bfloat16
@@ -42,8 +42,8 @@ class _Wrapper:
 @pytest.fixture(params=["triton", "torch"])
 def fake_cuda(monkeypatch, request):
     """A fake SM90 device: planning takes every CUDA branch; the device half of the expansion, each of the two
-    (the Triton kernel's stand-in and the torch ops), runs on the CPU (:func:`tests.fake_device.install_planning`).
-    Returns the list of tables expanded."""
+    (the Triton kernel's stand-in and the torch ops), runs on the CPU
+    (:func:`tests.helpers.fake_device.install_planning`). Returns the list of tables expanded."""
     tables = []
     install_planning(monkeypatch.setattr, _Wrapper, tables, expand=request.param)
     return tables
@@ -82,6 +82,8 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
             assert got[name].dtype == torch.int64 and got[name].is_contiguous(), name
             assert torch.equal(got[name], want[name]), name
     assert len(fake_cuda) == (1 if cuda.fused else 0)  # one table (one copy) for a fused plan, none otherwise
+    # private: _device_indices (and _pinned_runs) are the only view of the device buffers a plan keeps (the memory
+    # guarantee tested here)
     if cuda.fused:  # ONE device buffer, which every index tensor views, and its page-locked table
         assert len(cuda._device_indices) == 1 and cuda._pinned_runs is not None
         buffer = cuda._device_indices[0].untyped_storage().data_ptr()
@@ -665,7 +667,7 @@ def test_torch_backend_plan_orders_another_stream_after_its_copies(fake_cuda, mo
     copies the build queued (the chunks' kv_indptrs, or the fused schedule's expansion). A stream other than the
     build stream waits for the plan's own event, once, and marks the device tensors used there; a FlashInfer plan
     (bf16) records no event of its own (its plan events cover them)."""
-    from tests.fake_device import Stream
+    from tests.helpers.fake_device import Stream
 
     waits, marks = [], []
 
@@ -678,6 +680,7 @@ def test_torch_backend_plan_orders_another_stream_after_its_copies(fake_cuda, mo
     dims = MLADims(num_heads=2, kv_lora_rank=8, qk_nope_head_dim=56, qk_rope_head_dim=8, v_head_dim=64)
     ws = Workspace("cuda:0", chunk_tokens=chunk)
     plan = PrefillPlan.build(q_lens, c_lens, dims=dims, workspace=ws, block_size=4, dtype=torch.float32)
+    # private: the build's event and device tensors are the only view of what another stream must wait for (a race)
     assert plan.backend.name == "torch" and plan._ready is not None and plan._device_indices
     assert plan.fused == (chunk == 64)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: marks.append(s), raising=False)
@@ -694,7 +697,7 @@ def test_plan_without_new_tokens_orders_another_stream_after_its_chunk_copies(fa
     """No request has new tokens: the main pass is empty (no FlashInfer plan, so no plan event, even in bf16) and no
     chunk has a pass, yet each chunk's kv_indptr was copied to the device (mla_bridge.kv.chunk_kv takes any chunk).
     The build records its own event, and a stream other than the build stream waits for it before reading them."""
-    from tests.fake_device import Stream
+    from tests.helpers.fake_device import Stream
 
     waits = []
 
@@ -709,7 +712,7 @@ def test_plan_without_new_tokens_orders_another_stream_after_its_chunk_copies(fa
         [0, 0], [5, 9], dims=dims, workspace=Workspace("cuda:0", chunk_tokens=4), block_size=4, dtype=BF16
     )
     assert plan.main.flashinfer_wrapper is None and plan.chunks and all(c.plan is None for c in plan.chunks)
-    assert plan._device_indices and plan._ready is not None
+    assert plan._device_indices and plan._ready is not None  # private: as above, what another stream waits for
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None, raising=False)
     monkeypatch.setattr(plan_mod, "current_stream", lambda device: (2, Other()))
     plan.order_on_current_stream()

@@ -83,7 +83,7 @@ def test_key_is_made_on_first_use_from_the_build_time_budget_and_backend(tiny_di
 
     ws = Workspace("cpu", chunk_tokens=16)
     plan = PrefillPlan.build(Q, C, **_args(tiny_dims, ws))
-    assert plan._key is None
+    assert plan._key is None  # private: the key not made by build (host time) shows nowhere else
     want = _plan_key(Q, C, tiny_dims, ws, 8, torch.device("cpu"), torch.float32, None, True, torch.float32, 16)
     ws.chunk_tokens = 32
     monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")
@@ -109,7 +109,8 @@ def test_cache_hands_its_key_to_the_plan(tiny_dims, monkeypatch):
     ws = Workspace("cpu", chunk_tokens=16)
     cache = PlanCache()
     plan = cache.get(Q, C, **_args(tiny_dims, ws))
-    assert len(made) == 1 and plan._key is not None and list(cache._plans) == [plan.key]
+    assert len(made) == 1 and len(cache) == 1 and cache.lookup(plan.key) is plan
+    assert len(made) == 1  # plan.key is the key the cache looked up with, not made again
     assert plan.key == real(*made[0]) == PrefillPlan.build(Q, C, **_args(tiny_dims, ws)).key
     assert len(made) == 2  # the fresh build's key, made when asked for
     with pytest.raises(TypeError, match="dims must be an MLADims"):
@@ -287,7 +288,7 @@ def test_a_hit_survives_another_threads_eviction_between_look_up_and_reorder(tin
                 done.wait(timeout=0.5)
             return found
 
-    cache._plans = LookUpThenEvict(cache._plans)
+    cache._plans = LookUpThenEvict(cache._plans)  # private: the only place to put the eviction inside the look-up
     got["a"] = cache.get([1], **_args(tiny_dims, ws))  # was: KeyError from move_to_end
     b_thread.join(timeout=30)
     assert not errors and not b_thread.is_alive()

@@ -156,7 +156,7 @@ def test_a_plan_of_more_context_chunks_than_it_may_hold_is_refused_up_front(dims
     monkeypatch.undo()
     for device in ("cpu", "fake cuda"):
         if device == "fake cuda":
-            from tests.fake_device import install_planning
+            from tests.helpers.fake_device import install_planning
 
             install_planning(monkeypatch.setattr, object, [], expand="torch")
         ws = Workspace("cuda:0" if device == "fake cuda" else "cpu", chunk_tokens=1)

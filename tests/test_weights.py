@@ -261,18 +261,21 @@ def test_prepared_weight_checks_its_layout_and_shape(tiny_dims):
         weights_mod.prepared_weight_elements(d, "bogus")
 
 
-def test_raw_weight_is_taken_as_it_is(tiny_dims):
+def test_raw_weight_is_taken_as_it_is(tiny_dims, monkeypatch):
     """mla_prefill's raw weight is not copied: the checkpoint layout views it; its split form (the separate path's
     GEMM) is made on first use, once per object, and equals prepare_kv_b_proj's."""
     d = tiny_dims
     w = torch.randn(d.kv_b_proj_shape)
+    rearranged = []
+    real = weights_mod.prepare_kv_b_proj
+    monkeypatch.setattr(weights_mod, "prepare_kv_b_proj", lambda *a, **kw: rearranged.append(a) or real(*a, **kw))
     p = weights_mod.as_prepared(w, d, torch.float32, torch.device("cpu"))
     assert p.layout == weights_mod.CHECKPOINT_LAYOUT and p.weight.data_ptr() == w.data_ptr()
     assert p.gemm_layout == "split"
-    assert p._gemm is None  # nothing rearranged yet
+    assert rearranged == []  # nothing rearranged yet
     gemm = p.gemm_form()
     assert gemm.layout == "split" and torch.equal(gemm.weight, prepare_kv_b_proj(w, d).weight)
-    assert p.gemm_form() is gemm  # made once
+    assert p.gemm_form() is gemm and len(rearranged) == 1  # made once
     # the fused kernel's addressing: head h's k_nope row j at h * rows + first_nope + j, v rows likewise
     weight, row, per_head, first_nope, first_v = p.kernel_rows()
     flat = weight.reshape(-1)

@@ -14,7 +14,7 @@ import mla_bridge  # noqa: E402
 from mla_bridge import MLADims, Workspace  # noqa: E402
 
 import mla_bridge_jax as mj  # noqa: E402
-from tests.jax import jax_reference  # noqa: E402
+from tests.helpers import jax_reference  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SM = 192**-0.5

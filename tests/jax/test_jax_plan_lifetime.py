@@ -11,7 +11,6 @@ them, within a documented bound; an evicted plan is made again transparently, ne
 from __future__ import annotations
 
 import gc
-import types
 import weakref
 
 import numpy as np
@@ -25,6 +24,7 @@ import mla_bridge  # noqa: E402
 from mla_bridge import plan_cache  # noqa: E402
 
 import mla_bridge_jax as mj  # noqa: E402
+from tests.helpers.tvm_ffi_stand_in import KERNEL, FakePlan, call  # noqa: E402
 
 SM = 192**-0.5
 
@@ -98,24 +98,6 @@ def test_traced_plans_die_with_their_compiled_function(monkeypatch):
 # tvm_ffi registry (C++ shim + stand-in kernel on the CPU)
 # ---------------------------------------------------------------------------------------------------------------
 
-KERNEL = r"""
-#include <tvm/ffi/container/array.h>
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/function.h>
-// out = q[..., :D] + ws[0]; lse = 0.
-void stand_in(tvm::ffi::TensorView ws, tvm::ffi::TensorView q, tvm::ffi::TensorView k, tvm::ffi::TensorView v,
-              tvm::ffi::TensorView out, tvm::ffi::TensorView lse) {
-  const float* w = static_cast<const float*>(ws.data_ptr());
-  const float* qp = static_cast<const float*>(q.data_ptr());
-  float* op = static_cast<float*>(out.data_ptr());
-  int64_t rows = out.size(0) * out.size(1), d = out.size(2), dq = q.size(2);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < d; ++j) op[r * d + j] = qp[r * dq + j] + w[0];
-  float* lp = static_cast<float*>(lse.data_ptr());
-  for (int64_t r = 0; r < rows; ++r) lp[r] = 0.f;
-}
-"""
-
 
 @pytest.fixture(scope="module")
 def stand_in():
@@ -125,17 +107,6 @@ def stand_in():
         return tvm_ffi.cpp.load_inline(name="mla_bridge_jax_test_lifetime", cpp_sources=KERNEL, functions=["stand_in"])
     except Exception as err:  # noqa: BLE001 - no compiler
         pytest.skip(f"cannot build a TVM-FFI module here: {err}")
-
-
-class FakePlan:
-    """What the registry needs of a RaggedPlan: its device; "planning" is the value the stand-in adds."""
-
-    made: list = []
-
-    def __init__(self, value: float):
-        self.value = value
-        self.spec = types.SimpleNamespace(device=torch.device("cpu"))
-        FakePlan.made.append(weakref.ref(self))
 
 
 @pytest.fixture
@@ -154,12 +125,6 @@ def registry(monkeypatch, stand_in):
         route.release(route._registered[pid])
 
 
-def _call(route, pid):
-    out_types = (jax.ShapeDtypeStruct((2, 1, 4), jnp.float32), jax.ShapeDtypeStruct((2, 1), jnp.float32))
-    q = jnp.arange(16, dtype=jnp.float32).reshape(2, 1, 8)
-    return jax.jit(route.ffi_call(pid, out_types, platform="cpu", name="mla_bridge_jax_test_lifetime_cpu"))(q, q, q)
-
-
 def test_tvm_ffi_registry_is_bounded_and_replans_evicted_plans(registry):
     route = registry
     pids = [route.register(FakePlan(v)) for v in (10.0, 20.0, 30.0)]
@@ -167,13 +132,13 @@ def test_tvm_ffi_registry_is_bounded_and_replans_evicted_plans(registry):
     gc.collect()
     assert FakePlan.made[0]() is None  # the evicted plan (and its wrapper) is gone
     q = np.arange(16, dtype=np.float32).reshape(2, 1, 8)
-    out, _ = _call(route, pids[0])  # evicted: re-planned on its next call (which evicts the oldest, pids[1])
+    out, _ = call(route, pids[0])  # evicted: re-planned on its next call (which evicts the oldest, pids[1])
     np.testing.assert_array_equal(np.asarray(out), q[..., :4] + 10.0)
     assert route.registered_plans() == 2 and len(FakePlan.made) == 4
-    out, _ = _call(route, pids[2])  # still registered: no re-plan
+    out, _ = call(route, pids[2])  # still registered: no re-plan
     np.testing.assert_array_equal(np.asarray(out), q[..., :4] + 30.0)
     assert len(FakePlan.made) == 4
-    out, _ = _call(route, pids[1])
+    out, _ = call(route, pids[1])
     np.testing.assert_array_equal(np.asarray(out), q[..., :4] + 20.0)
     assert route.registered_plans() == 2 and len(FakePlan.made) == 5
 
@@ -185,12 +150,12 @@ def test_tvm_ffi_released_plan_fails_clearly(registry):
     assert route.register(plan) == pid  # once per plan
     assert route.release(plan) and not route.release(plan)
     with pytest.raises(Exception, match=rf"plan {pid} was released"):
-        jax.block_until_ready(_call(route, pid))
+        jax.block_until_ready(call(route, pid))
 
 
 EXIT_SCRIPT = """
 import types, torch, numpy as np, jax, jax.numpy as jnp
-import test_jax_plan_lifetime as t
+from tests.helpers import tvm_ffi_stand_in as t
 from mla_bridge_jax import tvm_ffi as route
 import tvm_ffi
 stand_in = tvm_ffi.cpp.load_inline(name="mla_bridge_jax_test_lifetime", cpp_sources=t.KERNEL, functions=["stand_in"])
@@ -198,7 +163,7 @@ route.record = lambda plan: (stand_in.stand_in, [torch.full((1,), 7.0), None, No
 route._remaker = lambda plan, value=None: (lambda: t.FakePlan(7.0))
 plans = [t.FakePlan(7.0) for _ in range(3)]
 pids = [route.register(p) for p in plans]
-out, _ = t._call(route, pids[0])
+out, _ = t.call(route, pids[0])
 assert float(np.asarray(out)[0, 0, 0]) == 7.0
 print("registered", route.shim().num_plans(), flush=True)
 """
@@ -216,7 +181,7 @@ def test_process_with_registered_plans_exits_cleanly(stand_in, tmp_path):
     script = tmp_path / "exit_check.py"
     script.write_text(EXIT_SCRIPT)
     root = os.path.dirname(os.path.dirname(here))
-    path = os.pathsep.join([here, root, os.path.join(root, "adapters"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    path = os.pathsep.join([root, os.path.join(root, "adapters"), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert "registered" in res.stdout, res.stdout + res.stderr[-3000:]

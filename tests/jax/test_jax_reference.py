@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 import mla_bridge  # noqa: E402
 
-from tests.jax import jax_reference as reference  # noqa: E402
+from tests.helpers import jax_reference as reference  # noqa: E402
 
 SM = 0.3
 

@@ -818,7 +818,7 @@ def test_dsa_bf16_gpu_logits(monkeypatch, index_topk):
 
     import transformers
 
-    from .test_transformers_sparse import indexer_calls
+    from tests.helpers.indexer_calls import indexer_calls
 
     if not hasattr(transformers, "DeepseekV32Config"):
         pytest.skip(f"transformers {transformers.__version__} has no deepseek_v32")

@@ -12,13 +12,13 @@ so that top-k ties (scores equal to rounding, as the attention's rounding differ
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import mla_bridge_transformers as mbt
 from mla_bridge_transformers import attention as mbt_attention
+
+from tests.helpers.indexer_calls import indexer_calls
 
 from . import hf_deepseek as H
 
@@ -34,39 +34,6 @@ def no_hand_back(monkeypatch):
         raise AssertionError(f"handed back to transformers: {reason}")
 
     monkeypatch.setattr(mbt_attention, "_hand_back", refuse)
-
-
-@contextlib.contextmanager
-def indexer_calls(model, replay=None, layers=None):
-    """Record the top-k every indexer of ``model`` returns (``{layer: [int32 [B, S, k], ...]}``, in call order), or,
-    with ``replay`` (such a record), run each indexer (its key cache updated as usual) and return the recorded top-k
-    of that layer's next call instead, after checking its shape. ``layers``: the decoder layers (default
-    ``model.model.layers``)."""
-    record: dict = {}
-    patched = []
-    for layer in model.model.layers if layers is None else layers:
-        indexer = getattr(layer.self_attn, "indexer", None)
-        if indexer is None:  # GLM-5's "shared" layers reuse the previous layer's top-k
-            continue
-        idx, real = layer.self_attn.layer_idx, indexer.forward
-
-        def forward(*args, _idx=idx, _real=real, **kwargs):
-            got = _real(*args, **kwargs)
-            if replay is None:
-                record.setdefault(_idx, []).append(got.clone())
-                return got
-            want = replay[_idx].pop(0)
-            assert want.shape == got.shape, (want.shape, got.shape)
-            return want
-
-        indexer.forward = forward
-        patched.append(indexer)
-    assert patched
-    try:
-        yield record
-    finally:
-        for indexer in patched:
-            del indexer.forward
 
 
 def dsa_pair(model_type, index_topk=TOPK, **kw):

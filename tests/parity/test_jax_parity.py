@@ -22,7 +22,7 @@ import mla_bridge  # noqa: E402
 from mla_bridge import MLADims, PrefillPlan, Workspace  # noqa: E402
 
 import mla_bridge_jax as mj  # noqa: E402
-from tests.jax import jax_reference as reference  # noqa: E402
+from tests.helpers import jax_reference as reference  # noqa: E402
 
 from .inputs import (  # noqa: E402
     DTYPES,
