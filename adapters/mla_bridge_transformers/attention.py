@@ -95,6 +95,7 @@ __all__ = [
     "sparse_picks",
     "NEUTRAL_KEYWORDS",
     "HONOURED_KEYWORDS",
+    "INDICES_ON_CUDA",
 ]
 
 #: The name :func:`mla_bridge_transformers.register` registers by default.
@@ -424,6 +425,15 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+#: Why DSA's ``indices=`` are handed back on CUDA: the sparse MHA pass (:mod:`mla_bridge.sparse_mha`) is a torch path,
+#: 70-90x slower there than transformers' sdpa over the top-k folded into the mask (the same function;
+#: ``scripts/gpu/sparse_mha_vs_sdpa.py``). On the CPU it is the faster of the two and serves them.
+INDICES_ON_CUDA = (
+    "DSA indices= on CUDA: transformers' sdpa over the top-k folded into the mask is faster there than mla_bridge's "
+    "sparse MHA pass (a torch path)"
+)
+
+
 def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, first_layer: bool = True):
     """``(q_rows, key_rows, q_lens, kv_lens, keys)`` of a servable mask, else None: ``q_rows`` / ``key_rows`` the
     ``(batch index, position)`` int64 index tensors of the valid queries / keys (device tensors, row-major: the
@@ -544,6 +554,8 @@ def mla_bridge_attention(
         kwargs = {n: x for n, x in kwargs.items() if n != "indices"}
         if indices.shape[2] < key.shape[2]:  # a top-k that may leave keys out: served sparse, or folded and handed back
             reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
+            if reason is None and query.device.type == "cuda":
+                reason = INDICES_ON_CUDA
             if reason is None:
                 return _serve_indices(module, query, key, value, attention_mask, indices, scaling, kwargs), None
             folded = _fold_indices(attention_mask, indices, query, key, _causal(module, kwargs))

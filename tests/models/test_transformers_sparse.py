@@ -244,16 +244,23 @@ def test_served_at_any_keys_per_pick(monkeypatch, kv_len, kv_heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_served_indices_on_cuda(monkeypatch, dtype):
-    """The served sparse attention on CUDA (the torch path): a left-padded batch at V3.2's head dims (16 heads, qk 192,
-    v 128), 4096 keys, top-256 made as transformers' indexer makes them; equals the float64 attention of the same
-    (rounded) inputs within the output dtype's rounding at every real query."""
+def test_indices_on_cuda_are_handed_back_folded(monkeypatch, dtype):
+    """On CUDA DSA's indices go back to transformers' sdpa with the top-k folded into the mask (faster there than the
+    sparse MHA torch pass): a left-padded batch at V3.2's head dims (16 heads, qk 192, v 128), 4096 keys, top-256
+    made as transformers' indexer makes them; equals the float64 attention of the same (rounded) inputs within the
+    output dtype's rounding at every real query."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
     import types
 
     handed = []
-    monkeypatch.setattr(mbt_attention, "_hand_back", lambda reason, *a: handed.append(reason))
+    hand_back = mbt_attention._hand_back
+
+    def record(reason, *a):
+        handed.append(reason)
+        return hand_back(reason, *a)
+
+    monkeypatch.setattr(mbt_attention, "_hand_back", record)
     module = types.SimpleNamespace(
         is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False
     )
@@ -267,7 +274,7 @@ def test_served_indices_on_cuda(monkeypatch, dtype):
     out, _ = mbt.mla_bridge_attention(
         module, q.cuda(), k.cuda(), v.cuda(), mask.cuda(), scaling=0.07, indices=indices.to(torch.int32).cuda()
     )
-    assert not handed, handed
+    assert handed == [mbt_attention.INDICES_ON_CUDA], handed
     seen = mask[:, 0].gather(-1, indices)
     picks = torch.where(seen, indices, -1)
     want = torch.zeros(b, q_len, h, 128, dtype=torch.float64)
