@@ -493,8 +493,8 @@ class RaggedPlan:
                 aligned (fa2 and cutlass ignore out's strides: a non-contiguous ``out`` is written through a
                 contiguous temporary and copied into it, one extra device copy); its memory must not overlap
                 q, k or v (nor itself).
-            lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``; its memory
-                must not overlap q, k, v or ``out``.
+            lse: optional destination, float32 natural log, ``[T, H]`` or ``[H, T]`` per ``lse_layout``,
+                contiguous (a strided view is refused: ValueError); its memory must not overlap q, k, v or ``out``.
             lse_layout: "NH" (``[T, H]``, default) or "HN" (``[H, T]``, as vLLM's merge wants it).
             lse_base: "ln" (natural log, default: every public LSE of mla_bridge) or "log2" (FlashInfer's own base
                 2, for a consumer that reads it directly, e.g. ``merge_attn_states_(..., lse_b_base="log2")``:
