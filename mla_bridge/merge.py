@@ -22,8 +22,8 @@ Which merge a shape gets is decided in one place, :func:`select_merge` (cached p
    dims), in bounded row pieces on CUDA.
 
 ``MLA_BRIDGE_MERGE=torch|flashinfer|triton`` forces one (for comparison and as an escape hatch, like
-``MLA_BRIDGE_GATHER`` for the gather): ``flashinfer`` still falls back to torch where FlashInfer's merge cannot
-serve; ``triton`` is taken on any device (on the CPU only meaningful with ``TRITON_INTERPRET=1``, for development).
+``MLA_BRIDGE_GATHER`` for the gather): ``flashinfer`` is refused off CUDA and where flashinfer-python is not
+installed, and falls back to torch for the shapes and dtypes FlashInfer's merge cannot serve (below); ``triton`` is taken on any device (on the CPU only meaningful with ``TRITON_INTERPRET=1``, for development).
 
 FlashInfer 0.7.4's merge (``include/flashinfer/attention/cascade.cuh``, ``MergeState`` / ``MergeStateInPlace``):
 
@@ -135,8 +135,9 @@ def select_merge(
         :data:`FLASHINFER_MERGE_ELEMENT_LIMIT` elements; else torch. ``$MLA_BRIDGE_MERGE`` forces one.
 
     Raises:
-        ValueError: ``$MLA_BRIDGE_MERGE`` is not torch/flashinfer/triton/auto, or forces triton for a dtype it does
-            not take or off CUDA without ``TRITON_INTERPRET=1``. RuntimeError: it forces triton where Triton does not
+        ValueError: ``$MLA_BRIDGE_MERGE`` is not torch/flashinfer/triton/auto, forces triton for a dtype it does
+            not take or off CUDA without ``TRITON_INTERPRET=1``, or forces flashinfer off CUDA or where
+            flashinfer-python is not installed. RuntimeError: it forces triton where Triton does not
             import.
     """
     forced = switches.merge()  # one of MERGE_IMPLS, or None (another value is refused there)
@@ -147,6 +148,11 @@ def select_merge(
         )
     if flashinfer is None:
         flashinfer = flashinfer_version() is not None
+    if forced == "flashinfer" and (device_type != "cuda" or not flashinfer):
+        raise ValueError(
+            f"{MERGE_ENV}=flashinfer runs FlashInfer's merge: it needs a CUDA device"
+            + (f", got {device_type}" if device_type != "cuda" else " and flashinfer-python is not installed")
+        )
     if triton is None:
         triton = (
             (device_type == "cuda" or forced == "triton")

@@ -452,6 +452,18 @@ def test_merge_env_flashinfer_falls_back_where_flashinfer_cannot_serve(monkeypat
     assert c.name == "torch" and "head_dim 96" in c.reason
 
 
+def test_merge_env_flashinfer_is_refused_where_flashinfer_can_never_serve(monkeypatch):
+    """Off CUDA, or without flashinfer-python, the forced FlashInfer merge is refused by the variable's name (as a forced
+    Triton merge is), not silently run as torch; a shape FlashInfer does not take still falls back (above)."""
+    monkeypatch.setenv(merge_mod.MERGE_ENV, "flashinfer")
+    with pytest.raises(ValueError, match="MLA_BRIDGE_MERGE=flashinfer.*CUDA device.*cpu"):
+        select_merge((10, 16, 128), BF16, "cpu", flashinfer=True, triton=False)
+    with pytest.raises(ValueError, match="MLA_BRIDGE_MERGE=flashinfer.*flashinfer-python is not installed"):
+        select_merge((10, 16, 128), BF16, "cuda", flashinfer=False, triton=True)
+    with pytest.raises(ValueError, match="MLA_BRIDGE_MERGE=flashinfer"):  # through the public merge, on the CPU
+        merge_attn_states(torch.zeros(2, 1, 4), torch.zeros(2, 1), torch.zeros(2, 1, 4), torch.zeros(2, 1))
+
+
 def test_merge_env_errors(monkeypatch):
     monkeypatch.setenv(merge_mod.MERGE_ENV, "cutlass")
     with pytest.raises(ValueError, match="MLA_BRIDGE_MERGE='cutlass'.*triton, flashinfer, torch"):
