@@ -23,7 +23,8 @@ Which merge a shape gets is decided in one place, :func:`select_merge` (cached p
 
 ``MLA_BRIDGE_MERGE=torch|flashinfer|triton`` forces one (for comparison and as an escape hatch, like
 ``MLA_BRIDGE_GATHER`` for the gather): ``flashinfer`` is refused off CUDA and where flashinfer-python is not
-installed, and falls back to torch for the shapes and dtypes FlashInfer's merge cannot serve (below); ``triton`` is taken on any device (on the CPU only meaningful with ``TRITON_INTERPRET=1``, for development).
+installed, and falls back to torch for the shapes and dtypes FlashInfer's merge cannot serve (below); ``triton`` is
+taken on any device (on the CPU only meaningful with ``TRITON_INTERPRET=1``, for development).
 
 FlashInfer 0.7.4's merge (``include/flashinfer/attention/cascade.cuh``, ``MergeState`` / ``MergeStateInPlace``):
 

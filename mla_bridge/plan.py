@@ -511,9 +511,8 @@ class PrefillPlan:
         (:mod:`mla_bridge.sparse`) places each pick. And :attr:`sparse_latent_meta` where ``gathered`` (int64 ``[batch]``,
         each request's gathered context) is given: the same table for the fused key latents
         (:func:`mla_bridge.cache.fused_latent`, each request's context then its new tokens), context length 0 and the
-        request's first key row in the last column. Made once
-        per plan, not per layer: O(T) numpy work into page-locked memory and one host-to-device copy that never blocks
-        the host, queued before the main pass's plan (whose event covers it, or the plan's own event) and kept in
+        request's first key row in the last column. Made once per plan, not per layer: O(T) numpy work into
+        page-locked memory and one host-to-device copy that never blocks the host, queued before the main pass's plan (whose event covers it, or the plan's own event) and kept in
         ``_device_indices``."""
         q = np.asarray(self.query_lens, dtype=np.int64)
         c = np.asarray(self.context_lens, dtype=np.int64)
