@@ -426,8 +426,9 @@ def _hand_back(reason: str, module, query, key, value, attention_mask, scaling, 
 
 
 #: Why DSA's ``indices=`` are handed back on CUDA: the sparse MHA pass (:mod:`mla_bridge.sparse_mha`) is a torch path,
-#: 70-90x slower there than transformers' sdpa over the top-k folded into the mask (the same function;
-#: ``scripts/gpu/sparse_mha_vs_sdpa.py``). On the CPU it is the faster of the two and serves them.
+#: far slower there than transformers' sdpa over the top-k folded into the mask, which computes the same function
+#: (``scripts/gpu/sparse_mha_vs_sdpa.py`` measures both; the figures are on the results page). On the CPU it is the
+#: faster of the two and serves them.
 INDICES_ON_CUDA = (
     "DSA indices= on CUDA: transformers' sdpa over the top-k folded into the mask is faster there than mla_bridge's "
     "sparse MHA pass (a torch path)"
