@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import switches
-from .cache import ChunkRows, is_fp8, resolve_kv_cache_dtype
+from .cache import ChunkRows, resolve_kv_cache_dtype
 from .dims import MLADims
 from .dispatch import ENV_VAR, OFFSET_LIMITS, device_capability, select_backend
 from .kernels import triton_available
@@ -299,7 +299,7 @@ class PrefillPlan:
         schedule's placements are ONE expansion of a small run table on the device (:meth:`_expand`): one
         page-locked host-to-device copy and one Triton kernel where Triton imports (four torch kernels otherwise);
         the first such build in a process compiles that kernel (or loads it from Triton's cache). :attr:`key` is
-        not made here (on first use). The fused schedule's placements (a sparse plan over an FP8 cache has them too,
+        not made here (on first use). The fused schedule's placements (a sparse plan has them too,
         where its fused key latents fit one chunk's k / v memory) are 24 bytes per gathered context token and 8 per
         new token, device memory (on the CPU device, host memory); the
         chunked schedule makes no per-token tensor on any device (its gathers make a chunk's indices in each call),
@@ -375,12 +375,11 @@ class PrefillPlan:
         self.chunks = []
         self.ctx_req_ids = self.ctx_positions = self.ctx_dst = self.new_dst = None
         self._device_indices = []
-        # The sparse pass over an FP8 cache dequantizes the attended context once into the fused key latents (each
-        # request's context, then its new tokens: the fused schedule's placements) where they take no more memory than
-        # one context chunk's up-projected k / v; the kernel then converts no tile (mla_bridge.sparse)
+        # The sparse pass gathers the attended context once into the fused key latents (each request's context, then
+        # its new tokens: the fused schedule's placements; an FP8 cache dequantized) where they take no more memory
+        # than one context chunk's up-projected k / v; the kernel then reads contiguous rows (mla_bridge.sparse)
         sparse_latent = (
             self.index_topk is not None
-            and is_fp8(self.kv_cache_dtype)
             and self._num_gathered > 0
             and (self._num_gathered + num_new) * dims.latent_dim <= workspace.chunk_tokens * self._kv_row
         )

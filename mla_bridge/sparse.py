@@ -43,18 +43,19 @@ differently (below).
 (a bmm in the plan's dtype, float32 accumulation, rounded to the plan's dtype); one launch that gathers each token's
 selected rows itself, never writing them to memory (context rows through ``block_table``, new tokens' rows from
 ``kv_c`` / ``k_pe``), and computes the scores, a float32 online softmax, ``o_lat`` (rounded to the plan's dtype) and
-the LSE (float32); then ``out = W_UV o_lat`` (a bmm). An FP8 cache's attended context is first dequantized once per
-call into the fused key latents (:func:`mla_bridge.cache.fused_latent`: each request's context rows, ``stored *
-scale`` rounded to the plan's dtype as the torch path rounds it, then its new tokens' rows), which the kernel reads
-as new rows (:attr:`mla_bridge.PrefillPlan.sparse_latent_meta` places them), where they take no more memory than one
-context chunk's up-projected k / v (``(gathered context + T) x latent_dim <= chunk_tokens x H x (head_dim_qk +
-head_dim_vo)``: the plan decides); beyond that the kernel converts each tile's FP8 values and applies the scale to
-their scores and probabilities, so ``stored * scale`` is never rounded. With bf16/fp16 the probabilities enter ``P @
+the LSE (float32); then ``out = W_UV o_lat`` (a bmm). The attended context is first gathered once per call into
+the fused key latents (:func:`mla_bridge.cache.fused_latent`: each request's context rows, an FP8 cache's as
+``stored * scale`` rounded to the plan's dtype as the torch path rounds it, then its new tokens' rows), which the
+kernel reads as new rows, contiguous, with no page lookup (:attr:`mla_bridge.PrefillPlan.sparse_latent_meta` places
+them), where they take no more memory than one context chunk's up-projected k / v (``(gathered context + T) x
+latent_dim <= chunk_tokens x H x (head_dim_qk + head_dim_vo)``: the plan decides); beyond that the kernel reads
+each tile through ``block_table`` and converts an FP8 tile's values, applying the scale to their scores and
+probabilities, so ``stored * scale`` is never rounded. With bf16/fp16 the probabilities enter ``P @
 c`` in that dtype (as in FlashAttention). So the kernel rounds ``q_lat``, ``P`` and ``o_lat`` where the torch path
 keeps float32: in bf16 both are within 2e-2 of a float64 attention (``out`` absolute and relative, the LSE
 absolute). It holds per chunk ``q_lat`` and ``o_lat`` (``2 x rows x kv_lora_rank`` elements of the plan's dtype:
 256 MiB at 2**17 rows, kv_lora_rank 512, bf16) and for the call 16 bytes per new token (its request, context and
-sequence lengths, copied to the device at plan time), and with the FP8 route above the dequantized latents. The kernel takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to
+sequence lengths, copied to the device at plan time), and with the route above the gathered latents. The kernel takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to
 :data:`SPARSE_KERNEL_MAX_RANK` and ``qk_rope_head_dim`` up to :data:`SPARSE_KERNEL_MAX_ROPE` (0 included), any block
 size, bf16/fp16/float32 and FP8 e4m3 caches. On CUDA a pick past its request's sequence is skipped by the kernel,
 never read (the indices are not checked there).
@@ -345,9 +346,9 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
     h, nope = d.num_heads, d.qk_nope_head_dim
     w_uk, w_uv = weight.absorbed_weights()  # [H, nope, rank], [H, v, rank] in the plan's dtype
     meta = token_meta(plan)
-    if kv_cache_scale is not None and plan.sparse_latent_meta is not None:
-        # An FP8 cache in the fused schedule: its context rows dequantized once into the fused key latents (each
-        # request's context, then its new tokens), which the kernel reads as new rows: no conversion per tile
+    if plan.sparse_latent_meta is not None:
+        # The context rows gathered once (an FP8 cache's dequantized) into the fused key latents (each request's
+        # context, then its new tokens), which the kernel reads as new rows: no page lookup or conversion per tile
         latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather)
         meta, kv_cache, kv_cache_scale = plan.sparse_latent_meta, latent[:, None], None
         kv_c, k_pe = latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank :]

@@ -1219,7 +1219,12 @@ def test_sparse_memory_estimate_counts_the_indices_and_the_sparse_pass(tiny_dims
     sparse = dict(index_topk=k, source="indexer", shape=dict(INDEXER_SHAPE))
     est = estimate_run_memory(tiny_dims, q_lens, c_lens, bs, torch.float32, "cpu", [1], plan=plan, sparse=sparse)
     assert est.held["device"]["topk_indices"] == 15 * k * 4
-    assert est.peaks["device"]["mla_prefill"] == sparse_pass_bytes(tiny_dims, 15, k, 4)
+    # the larger of the torch path's and the kernel's, which first gathers the attended context and the new tokens
+    # into the fused key latents (70 + 300 context rows of the requests with new tokens, 15 new rows)
+    assert plan.sparse_latent_meta is not None
+    assert est.peaks["device"]["mla_prefill"] == sparse_pass_bytes(tiny_dims, 15, k, 4, latent_rows=385)
+    assert sparse_pass_bytes(tiny_dims, 15, k, 4, latent_rows=1 << 20) >= (1 << 20) * tiny_dims.latent_dim * 4
+    assert sparse_pass_bytes(tiny_dims, 15, k, 4, latent_rows=385) >= sparse_pass_bytes(tiny_dims, 15, k, 4)
     made = est.peaks["device"]["making topk_indices"]
     assert made == indices_bytes(q_lens, c_lens, k, "indexer", dict(INDEXER_SHAPE), 4)
     # the indexer's scores of one chunk of the longest sequence's queries: 3 copies of [n, 64 heads, S] float32

@@ -465,38 +465,41 @@ def test_token_meta_places_each_pick(tiny_dims):
     assert req.tolist() == [0, 0, 2, 2, 2] and own.tolist() == [5, 6, 0, 1, 2]
 
 
-def test_an_fp8_fused_plan_places_each_token_in_the_fused_key_latents(ref, tiny_dims):
-    """With an FP8 cache in the fused schedule the Triton path dequantizes the context once into the fused key
-    latents (each request's context, then its new tokens) and reads every pick there: the plan's second table gives
-    each token's request, context length 0, sequence length and its request's first key row, which is where
-    fused_latent puts the request's position 0 (main_kv_indptr)."""
-    from mla_bridge.cache import fused_latent, quantize_latent_cache
+def test_a_sparse_plan_places_each_token_in_the_fused_key_latents(ref, tiny_dims):
+    """The Triton path gathers the context once into the fused key latents (each request's context, then its new
+    tokens; an FP8 cache's dequantized) and reads every pick there: the plan's second table gives each token's
+    request, context length 0, sequence length and its request's first key row, which is where fused_latent puts
+    the request's position 0 (main_kv_indptr). Caches of the plan's dtype and FP8 caches alike."""
+    from mla_bridge.cache import dequantize_latent, fused_latent, quantize_latent_cache
 
     q_lens, c_lens = [2, 0, 3], [5, 4, 0]
-    plan = plan_for(tiny_dims, q_lens, c_lens, 4, 4, kv_cache_dtype="fp8")
-    assert plan.fused
-    starts = plan.main_kv_indptr.tolist()  # [0, 7, 7, 10]: request 1 has no new token, its context is not gathered
-    assert plan.sparse_latent_meta.tolist() == [
-        [0, 0, 7, starts[0]],
-        [0, 0, 7, starts[0]],
-        [2, 0, 3, starts[2]],
-        [2, 0, 3, starts[2]],
-        [2, 0, 3, starts[2]],
-    ]
-    # row start + p of the fused latents is position p of the request's sequence
     batch = ref.make_mla_batch(tiny_dims, q_lens, c_lens, 4, seed=3)
     fp8, scale = quantize_latent_cache(batch.cache)
-    latent = fused_latent(plan, batch.kv_c, batch.k_pe, fp8, batch.block_table, scale)
     new_rows = torch.cat([batch.kv_c, batch.k_pe.reshape(len(batch.kv_c), -1)], 1)
-    assert torch.equal(latent[starts[0] + 5 : starts[0] + 7], new_rows[:2])  # request 0's new tokens, after 5
-    assert torch.equal(latent[starts[2] : starts[2] + 3], new_rows[2:])
-    # the chunked schedule has the same table (the sparse pass runs no chunk); a bf16 cache, or fused latents larger
-    # than one chunk's up-projected k / v (chunk_tokens=1), are read from the paged cache in the kernel: none
-    chunked = plan_for(tiny_dims, q_lens, c_lens, 4, 4, kv_cache_dtype="fp8", fuse_context=False)
-    assert not chunked.fused and torch.equal(chunked.sparse_latent_meta, plan.sparse_latent_meta)
-    assert torch.equal(fused_latent(chunked, batch.kv_c, batch.k_pe, fp8, batch.block_table, scale), latent)
-    assert plan_for(tiny_dims, q_lens, c_lens, 4, 4).sparse_latent_meta is None
-    assert plan_for(tiny_dims, q_lens, c_lens, 4, 4, kv_cache_dtype="fp8", chunk_tokens=1).sparse_latent_meta is None
+    for kind, cache, cache_scale in ((None, batch.cache, None), ("fp8", fp8, scale)):
+        plan = plan_for(tiny_dims, q_lens, c_lens, 4, 4, kv_cache_dtype=kind)
+        assert plan.fused
+        starts = plan.main_kv_indptr.tolist()  # [0, 7, 7, 10]: request 1 has no new token, its context is not gathered
+        assert plan.sparse_latent_meta.tolist() == [
+            [0, 0, 7, starts[0]],
+            [0, 0, 7, starts[0]],
+            [2, 0, 3, starts[2]],
+            [2, 0, 3, starts[2]],
+            [2, 0, 3, starts[2]],
+        ]
+        # row start + p of the fused latents is position p of the request's sequence
+        latent = fused_latent(plan, batch.kv_c, batch.k_pe, cache, batch.block_table, cache_scale)
+        stored = batch.cache if kind is None else dequantize_latent(fp8, scale, latent.dtype)
+        context = torch.stack([stored[int(batch.block_table[0, p // 4]), p % 4] for p in range(5)])
+        assert torch.equal(latent[starts[0] : starts[0] + 5], context)  # request 0's context, read through block_table
+        assert torch.equal(latent[starts[0] + 5 : starts[0] + 7], new_rows[:2])  # request 0's new tokens, after 5
+        assert torch.equal(latent[starts[2] : starts[2] + 3], new_rows[2:])
+        # the chunked schedule has the same table (the sparse pass runs no chunk); fused latents larger than one
+        # chunk's up-projected k / v (chunk_tokens=1) are read from the paged cache in the kernel: none
+        chunked = plan_for(tiny_dims, q_lens, c_lens, 4, 4, kv_cache_dtype=kind, fuse_context=False)
+        assert not chunked.fused and torch.equal(chunked.sparse_latent_meta, plan.sparse_latent_meta)
+        assert torch.equal(fused_latent(chunked, batch.kv_c, batch.k_pe, cache, batch.block_table, cache_scale), latent)
+        assert plan_for(tiny_dims, q_lens, c_lens, 4, 4, kv_cache_dtype=kind, chunk_tokens=1).sparse_latent_meta is None
 
 
 def test_token_meta_is_made_once_per_plan(tiny_dims):

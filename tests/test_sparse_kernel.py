@@ -89,51 +89,55 @@ def interpreted_cases() -> str:
         _check(out, lse, t_out, t_lse, ATOL)
         n += 1
 
-    # the padding last (an indexer's early rows: the loop stops after the last pick), K beyond one scan step (256),
-    # a pick past the scan step's end, repeated picks, strided indices
-    ql, cl = [3, 2], [300, 1]
-    batch = R.make_mla_batch(tiny, ql, cl, 16, seed=21)
-    k = 300
-    plan = plan_for(tiny, ql, cl, 16, k)
-    wide = torch.full((5, 2 * k), -1, dtype=torch.int32)
-    indices = wide[:, ::2]
-    indices[0, :40] = torch.arange(40)
-    indices[1, 280] = 299  # the only pick, beyond the first 256 indices
-    indices[1, 10] = 299  # listed twice: attended twice
-    indices[2] = torch.randperm(303, generator=torch.Generator().manual_seed(2))[:k].to(torch.int32)  # own: 302
-    indices[3, :2] = torch.tensor([0, 1])
-    indices[4, k - 1] = 2
-    assert not indices.is_contiguous()
-    out, lse = _run(batch, plan, indices)
-    exp_out, exp_lse = sparse_reference(batch, indices)
-    _check(out, lse, exp_out, exp_lse, ATOL)
-    n += 1
+    # each on both routes: the context gathered once into the fused key latents (the default budget) and read
+    # through block_table per tile (latents above one chunk's k / v memory: chunk_tokens=23)
+    for chunk_tokens in (None, 23):
+        # the padding last (an indexer's early rows: the loop stops after the last pick), K beyond one scan step (256),
+        # a pick past the scan step's end, repeated picks, strided indices
+        ql, cl = [3, 2], [300, 1]
+        batch = R.make_mla_batch(tiny, ql, cl, 16, seed=21)
+        k = 300
+        plan = plan_for(tiny, ql, cl, 16, k, chunk_tokens=chunk_tokens)
+        assert (plan.sparse_latent_meta is not None) == (chunk_tokens is None)
+        wide = torch.full((5, 2 * k), -1, dtype=torch.int32)
+        indices = wide[:, ::2]
+        indices[0, :40] = torch.arange(40)
+        indices[1, 280] = 299  # the only pick, beyond the first 256 indices
+        indices[1, 10] = 299  # listed twice: attended twice
+        indices[2] = torch.randperm(303, generator=torch.Generator().manual_seed(2))[:k].to(torch.int32)  # own: 302
+        indices[3, :2] = torch.tensor([0, 1])
+        indices[4, k - 1] = 2
+        assert not indices.is_contiguous()
+        out, lse = _run(batch, plan, indices)
+        exp_out, exp_lse = sparse_reference(batch, indices)
+        _check(out, lse, exp_out, exp_lse, ATOL)
+        n += 1
 
-    # a pick past its request's sequence (not checked on CUDA) is skipped, never read
-    bad = indices.clone()
-    bad[3, 5] = 40  # request 1's sequence has 3 positions
-    bad[0, 100] = 10**6
-    out_bad, lse_bad = _run(batch, plan, bad)
-    _check(out_bad, lse_bad, exp_out, exp_lse, ATOL)
-    n += 1
+        # a pick past its request's sequence (not checked on CUDA) is skipped, never read
+        bad = indices.clone()
+        bad[3, 5] = 40  # request 1's sequence has 3 positions
+        bad[0, 100] = 10**6
+        out_bad, lse_bad = _run(batch, plan, bad)
+        _check(out_bad, lse_bad, exp_out, exp_lse, ATOL)
+        n += 1
 
-    # kv_c one element off the cache's 16-element grid: context and new rows in two loads per tile (as for FP8)
-    shifted = torch.empty(batch.kv_c.numel() + 1)[1:].view_as(batch.kv_c)
-    shifted.copy_(batch.kv_c)
-    moved = R.MLABatch(**{**vars(batch), "kv_c": shifted})
-    out_shifted, lse_shifted = _run(moved, plan, indices)
-    _check(out_shifted, lse_shifted, exp_out, exp_lse, ATOL)
-    n += 1
+        # kv_c one element off the cache's 16-element grid: context and new rows in two loads per tile (as for FP8)
+        shifted = torch.empty(batch.kv_c.numel() + 1)[1:].view_as(batch.kv_c)
+        shifted.copy_(batch.kv_c)
+        moved = R.MLABatch(**{**vars(batch), "kv_c": shifted})
+        out_shifted, lse_shifted = _run(moved, plan, indices)
+        _check(out_shifted, lse_shifted, exp_out, exp_lse, ATOL)
+        n += 1
 
-    # launches in chunks of tokens, no LSE asked for
-    small = sparse.SPARSE_KERNEL_CHUNK_ROWS
-    sparse.SPARSE_KERNEL_CHUNK_ROWS = 2 * tiny.num_heads  # two tokens per launch
-    try:
-        out_chunked = _run(batch, plan, indices, return_lse=False)
-    finally:
-        sparse.SPARSE_KERNEL_CHUNK_ROWS = small
-    _close(out_chunked, out, 1e-6)
-    n += 1
+        # launches in chunks of tokens, no LSE asked for
+        small = sparse.SPARSE_KERNEL_CHUNK_ROWS
+        sparse.SPARSE_KERNEL_CHUNK_ROWS = 2 * tiny.num_heads  # two tokens per launch
+        try:
+            out_chunked = _run(batch, plan, indices, return_lse=False)
+        finally:
+            sparse.SPARSE_KERNEL_CHUNK_ROWS = small
+        _close(out_chunked, out, 1e-6)
+        n += 1
 
     # other dims: kv_lora_rank not a power of two, no RoPE part, heads over several head blocks
     for dims in (
@@ -170,10 +174,11 @@ def interpreted_cases() -> str:
             _check(out, lse, t_out, t_lse, 2e-2 if dtype != torch.float32 else ATOL, 2e-2, lse_atol=1e-2)
             n += 1
 
-    # bf16 and fp16 plans
-    for dtype in (torch.bfloat16, torch.float16):
+    # bf16 and fp16 plans (bf16 on both routes)
+    for dtype, chunk_tokens in ((torch.bfloat16, None), (torch.float16, None), (torch.bfloat16, 3)):
         batch = R.make_mla_batch(tiny, QUERY_LENS, CONTEXT_LENS, 16, seed=6, dtype=dtype)
-        plan = plan_for(tiny, QUERY_LENS, CONTEXT_LENS, 16, 16, dtype=dtype)
+        plan = plan_for(tiny, QUERY_LENS, CONTEXT_LENS, 16, 16, dtype=dtype, chunk_tokens=chunk_tokens)
+        assert (plan.sparse_latent_meta is not None) == (chunk_tokens is None)
         indices = random_indices(QUERY_LENS, CONTEXT_LENS, 16, seed=6, fill=0.8)
         out, lse = _run(batch, plan, indices)
         assert out.dtype == dtype and lse.dtype == torch.float32
@@ -186,7 +191,7 @@ def interpreted_cases() -> str:
 def test_sparse_kernel_interpreted(triton_interpreted):
     """Where Triton is installed: :func:`interpreted_cases` under the interpreter (``MLA_BRIDGE_SPARSE=triton``)."""
     out = triton_interpreted("tests.test_sparse_kernel:interpreted_cases", GPU_TESTS, MLA_BRIDGE_SPARSE="triton")
-    assert out.strip() == "ok 20", out
+    assert out.strip() == "ok 25", out
 
 
 def test_default_tiles_are_64_rows_for_every_cache():

@@ -61,18 +61,24 @@ def sparse_flops(dims, selected_pairs: int, num_tokens: int) -> tuple[int, int]:
     return attn, absorb
 
 
-def sparse_pass_bytes(dims, num_tokens: int, index_topk: int, element_size: int) -> int:
-    """Bytes one sparse ``mla_prefill`` call allocates at most, as :mod:`mla_bridge.sparse` bounds its torch path: per
-    chunk of queries the selected latent rows (in the run's dtype and as float32), scores and probabilities, the
-    latent query and output; for the call a float32 copy of W_UK and W_UV, out, lse and 16 bytes per token."""
-    from ..sparse import SPARSE_CHUNK_PAIRS, SPARSE_CHUNK_QUERIES
+def sparse_pass_bytes(dims, num_tokens: int, index_topk: int, element_size: int, latent_rows: int = 0) -> int:
+    """Bytes one sparse ``mla_prefill`` call allocates at most: the larger of its two paths
+    (:mod:`mla_bridge.sparse`). The torch path, per chunk of queries: the selected latent rows (in the run's dtype
+    and as float32), scores and probabilities, the latent query and output; for the call a float32 copy of W_UK
+    and W_UV. The kernel's: per launch the latent query and output (``2 x rows x kv_lora_rank`` in the run's dtype),
+    and for the call the fused key latents it gathers first, ``latent_rows x latent_dim`` in the run's dtype
+    (``latent_rows``: the plan's fused placements where it has :attr:`mla_bridge.PrefillPlan.sparse_latent_meta`,
+    else 0). Both: out, lse and 16 bytes per token."""
+    from ..sparse import SPARSE_CHUNK_PAIRS, SPARSE_CHUNK_QUERIES, SPARSE_KERNEL_CHUNK_ROWS
 
     d, k, e = dims, index_topk, element_size
     n = min(num_tokens, max(1, min(SPARSE_CHUNK_QUERIES, SPARSE_CHUNK_PAIRS // k)))
     chunk = n * k * d.latent_dim * (e + 4) + 3 * n * d.num_heads * k * 4 + 2 * n * d.num_heads * d.kv_lora_rank * 4
-    call = d.num_heads * (d.qk_nope_head_dim + d.v_head_dim) * d.kv_lora_rank * 4
-    call += num_tokens * d.num_heads * (d.v_head_dim * e + 4) + 16 * num_tokens
-    return chunk + call
+    weights = d.num_heads * (d.qk_nope_head_dim + d.v_head_dim) * d.kv_lora_rank * 4
+    launch = min(num_tokens, max(1, SPARSE_KERNEL_CHUNK_ROWS // d.num_heads))
+    kernel = 2 * launch * d.num_heads * d.kv_lora_rank * e + latent_rows * d.latent_dim * e
+    call = num_tokens * d.num_heads * (d.v_head_dim * e + 4) + 16 * num_tokens
+    return max(chunk + weights, kernel) + call
 
 
 def indices_bytes(

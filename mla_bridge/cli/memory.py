@@ -127,7 +127,9 @@ def estimate_run_memory(
             query_lens, context_lens, sparse["index_topk"], sparse["source"], sparse["shape"], e
         )
         if plan is not None:
-            peaks["mla_prefill"] = sparse_pass_bytes(dims, t, sparse["index_topk"], e)
+            fused = plan.sparse_latent_meta is not None
+            rows = plan.ctx_dst.numel() + plan.new_dst.numel() if fused else 0
+            peaks["mla_prefill"] = sparse_pass_bytes(dims, t, sparse["index_topk"], e, latent_rows=rows)
     if plan is not None and sparse is None:
         from ..prefill import prefill_memory_bytes
 

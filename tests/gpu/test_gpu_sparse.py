@@ -61,13 +61,14 @@ def bf16_batch(ref, dims, block_size, seed):
     return batch
 
 
-def bf16_plan(dims, k: int, block_size: int, kv_cache_dtype=None) -> PrefillPlan:
-    """A bf16 sparse plan of the test batch (QUERY_LENS after CONTEXT_LENS) on the GPU."""
+def bf16_plan(dims, k: int, block_size: int, kv_cache_dtype=None, chunk_tokens=None) -> PrefillPlan:
+    """A bf16 sparse plan of the test batch (QUERY_LENS after CONTEXT_LENS) on the GPU. ``chunk_tokens``: the
+    workspace's (a small one makes the kernel read the context through block_table: the latents exceed it)."""
     return PrefillPlan.build(
         QUERY_LENS,
         CONTEXT_LENS,
         dims=dims,
-        workspace=Workspace(dev()),
+        workspace=Workspace(dev()) if chunk_tokens is None else Workspace(dev(), chunk_tokens=chunk_tokens),
         block_size=block_size,
         dtype=torch.bfloat16,
         index_topk=k,
@@ -196,7 +197,7 @@ def kernel_case(
 ):
     """(kernel out, kernel lse, torch-path out, torch-path lse, float64 out, float64 lse) for the long batch in bf16
     (values bf16 numbers: the float64 reference reads the same inputs), computed on the GPU. ``latents``: whether
-    the plan must dequantize an FP8 context into the fused key latents (None: not checked)."""
+    the plan must gather the context (an FP8 one dequantized) into the fused key latents (None: not checked)."""
     from tests.helpers.sparse_cases import sparse_reference
 
     from mla_bridge.cache import dequantize_latent
@@ -277,10 +278,24 @@ def test_kernel_deepseek_dims(ref, monkeypatch, heads, k):
     check_kernel_case(kernel_case(ref, monkeypatch, dims, k, 64, seed=heads + k, fill=0.9))
 
 
+@pytest.mark.parametrize("chunk_tokens", [None, 64])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_kernel_block_sizes_and_padding(ref, monkeypatch, block_size):
+def test_kernel_block_sizes_and_padding(ref, monkeypatch, block_size, chunk_tokens):
+    """Both routes: the context gathered once into the fused key latents (the default budget) and read through
+    block_table per tile (64 tokens of 16 heads: latents above one chunk's k / v memory)."""
     dims = MLADims(**V2_LITE)
-    check_kernel_case(kernel_case(ref, monkeypatch, dims, 256, block_size, seed=block_size, fill=0.6))
+    case = kernel_case(
+        ref,
+        monkeypatch,
+        dims,
+        256,
+        block_size,
+        seed=block_size,
+        fill=0.6,
+        chunk_tokens=chunk_tokens,
+        latents=chunk_tokens is None,
+    )
+    check_kernel_case(case)
 
 
 def test_kernel_chunked_context(ref, monkeypatch):
@@ -365,18 +380,22 @@ def _placed(parts: list, gap: int) -> list:
     return out
 
 
+@pytest.mark.parametrize("chunk_tokens", [None, 1])
 @pytest.mark.parametrize("latents_first", [False, True])
-def test_kernel_reads_new_latents_far_from_the_cache(ref, latents_first):
+def test_kernel_reads_new_latents_far_from_the_cache(ref, latents_first, chunk_tokens):
     """The kernel addresses a new token's latent row from the cache's pointer (one load per tile of context and new
     rows): kv_c and k_pe more than 2**31 elements (4 GiB of bf16) after or before the cache give bitwise the output
-    of the same values allocated apart. As a 32-bit product the offset wrapped and the kernel read outside memory."""
+    of the same values allocated apart. As a 32-bit product the offset wrapped and the kernel read outside memory.
+    Both routes: the context gathered into the fused key latents first (whose gather reads the far rows), and read
+    through block_table by the kernel (``chunk_tokens=1``)."""
     dims = MLADims(**V2_LITE)
     k = 128
     batch = bf16_batch(ref, dims, 16, seed=12)
     idx = indices(k, seed=12, fill=0.9).to(dev())
     q, kv_c, k_pe, w, cache = (getattr(batch, n).to(dev(), torch.bfloat16) for n in ("q", "kv_c", "k_pe", "w", "cache"))
     table = batch.block_table.to(dev())
-    plan = bf16_plan(dims, k, 16)
+    plan = bf16_plan(dims, k, 16, chunk_tokens=chunk_tokens)
+    assert (plan.sparse_latent_meta is not None) == (chunk_tokens is None)
     want = mla_prefill(q, kv_c, k_pe, w, cache, table, plan, topk_indices=idx, return_lse=True)
     gap = 2**31 + 2**20
     if latents_first:
