@@ -1004,3 +1004,30 @@ def test_ttft_alone_rows_run_on_the_tensors_the_model_hands_its_attention():
     want = torch.ones(8, 32, dtype=torch.bool).tril(24)
     assert mask is not None and torch.equal(mask[0, 0], want) and torch.equal(mask[1, 0], want)
     assert not ttft._PROBED  # nothing kept past the probe
+
+
+def test_a_path_skipped_on_purpose_is_not_drawn_as_failed():
+    """Where a bar is missing the plot says why: "failed" only for a path that raised (its row carries the error),
+    "out of memory" for one that ran out, "skipped" for one the bench did not run on purpose (dense SDPA on a
+    ragged batch, flex_attention on one shape only): a newcomer's CPU plot read "failed" on every case."""
+    from mla_bridge.bench import main_pass
+    from mla_bridge.bench.report import _panels
+
+    core, _, sdpa, flex, _ = (v.label for v in main_pass.VARIANTS.values())
+    rows = [
+        Row("main", "16h 1x128", core, tflops=1.0, order=(1, 0, 0)),
+        Row("main", "16h 1x128", sdpa, tflops=2.0, order=(1, 0, 2)),
+        Row("main", "16h 1x128", flex, status="skipped", note="run on the ragged shape only", order=(1, 0, 3)),
+        Row("main", "16h mixed", core, tflops=1.0, order=(1, 1, 0)),
+        Row("main", "16h mixed", sdpa, status="skipped", note="ragged batch: dense SDPA needs equal lengths",
+            order=(1, 1, 2)),
+        Row("main", "16h mixed", flex, status="skipped", note="failed: RuntimeError: boom", error="RuntimeError: boom",
+            order=(1, 1, 3)),
+        Row("main", "16h mixed 2", flex, tflops=0.5, order=(1, 2, 3)),
+    ]  # fmt: skip
+    (panel,) = _panels(rows, {}, dict(gpu=None, mode="quick"))
+    assert panel["gaps"] == {
+        ("16h 1x128", "flex_attention (document mask)"): "skipped",
+        ("16h mixed", "torch SDPA (dense)"): "skipped",
+        ("16h mixed", "flex_attention (document mask)"): "failed",
+    }

@@ -296,16 +296,19 @@ def _grouped(rows: list[Row], section: str, series: tuple, value) -> tuple[list[
 
 
 def _gaps(rows: list[Row], section: str, series: tuple, cases: list[str]) -> dict[tuple[str, str], str]:
-    """``{(case, series label): why}`` for the skipped rows of ``section``'s series that apply here (a path that ran
-    out of memory, or failed): the plot writes the reason where the bar would be, so a missing bar is not read as a
-    path that was never tried."""
+    """``{(case, series label): why}`` for the skipped rows of ``section``'s series that apply here: "out of
+    memory", "failed" (the row carries the error) or "skipped" (not run on purpose: the row's note says why). The
+    plot writes it where the bar would be, so a missing bar is not read as a path that was never tried."""
     labels = dict(series)
     gaps: dict[tuple[str, str], str] = {}
     for r in rows:
         if r.section != section or not r.applies or r.status == "ok" or r.case not in cases or r.path not in labels:
             continue
         text = f"{r.note} {r.error or ''}".lower()
-        why = "out of memory" if ("out of memory" in text or "resource_exhausted" in text) else "failed"
+        if "out of memory" in text or "resource_exhausted" in text:
+            why = "out of memory"
+        else:
+            why = "failed" if r.error else "skipped"
         gaps[(r.case, labels[r.path])] = why
     return gaps
 
