@@ -128,6 +128,9 @@ def test_prefill_json_fields_and_error(tmp_path, capsys):
         "n/a on CPU",
     ):
         assert words in text, words
+    # the verdict heads the check (it covers out and lse both), not the last error row alone
+    (check_line,) = [line for line in text.splitlines() if line.startswith("│ check")]
+    assert "PASS" in check_line and not any("PASS" in line for line in text.splitlines() if "max abs error" in line)
 
 
 def test_prefill_chunked_schedule_merges(tmp_path):

@@ -535,11 +535,14 @@ def cmd_prefill(args, console) -> int:
         add_row(
             table,
             "check",
-            f"requests {[c['request'] for c in checked]} against {what}"
-            f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})",
+            Text.assemble(
+                verdict,
+                f" (out and lse): requests {[c['request'] for c in checked]} against {what}"
+                f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})",
+            ),
         )
         add_row(table, "  max abs error out", f"{err_out:.3e} (tolerance {tol_text(tol_out)})")
-        add_row(table, "  max abs error lse", Text.assemble(f"{err_lse:.3e} (tolerance {tol_text(tol_lse)}) ", verdict))
+        add_row(table, "  max abs error lse", f"{err_lse:.3e} (tolerance {tol_text(tol_lse)})")
         if unquantized_cache is not None:
             q_err = max(c["max_abs_err_out_vs_unquantized"] for c in checked)
             q_ref = max(c["max_abs_ref_out_unquantized"] for c in checked)
