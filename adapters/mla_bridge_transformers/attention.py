@@ -471,11 +471,6 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, firs
     return result
 
 
-#: :func:`mla_bridge.checks.kernel_strides`, by the name the bench's time-to-first-token rows use
-#: (:mod:`mla_bridge.bench.ttft`).
-_strides = kernel_strides
-
-
 def _plan(
     q_lens: tuple,
     kv_lens: tuple,
