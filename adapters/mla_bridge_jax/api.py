@@ -664,11 +664,8 @@ def mla_prefill(
         _core_prefill.validate_prefill_inputs(  # type: ignore[call-arg, misc]
             *proxies, plan, kv_cache_scale=scale_proxy, topk_indices=topk_proxy
         )
-    d, t = plan.dims, plan.num_tokens
-    out_types = (
-        jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
-        jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32),
-    )
+    out_shape, lse_shape = plan.out_shapes
+    out_types = (jax.ShapeDtypeStruct(out_shape, jax_dtype(plan.dtype)), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     body = _mla_callback(
         plans, None if scale_array else kv_cache_scale, prepared, sparse=sparse, scale_buffer=scale_array
     )
