@@ -716,6 +716,13 @@ class PrefillPlan:
         return self._num_tokens
 
     @property
+    def out_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int]]:
+        """The shapes of a :func:`mla_bridge.mla_prefill` call's ``out`` ``[T, H, v_head_dim]`` and ``lse`` ``[T, H]``
+        (``T`` = :attr:`num_tokens`)."""
+        t, h = self._num_tokens, self.dims.num_heads
+        return (t, h, self.dims.v_head_dim), (t, h)
+
+    @property
     def num_context_tokens(self) -> int:
         """Cached context tokens in the batch: ``sum(context_lens)``."""
         return self._num_context_tokens

@@ -28,7 +28,7 @@ import torch
 from . import switches
 from .dims import MLADims
 from .plan import PrefillPlan, keep_key, lookup_key
-from .ragged import IndptrLike, RaggedPlan, as_host_indptr, as_sm_scale, plan_ragged
+from .ragged import IndptrLike, RaggedPlan, as_host_indptr, as_sm_scale, indptr_from_lens, plan_ragged
 from .workspace import Workspace
 
 __all__ = ["PlanCache", "shared_plan_cache", "SHARED_MAXSIZE"]
@@ -63,9 +63,7 @@ def _strides_part(strides: Optional[Sequence]) -> Any:
     return None if parts == (None, None, None) else parts  # all contiguous: as no strides
 
 
-def _ragged_key(
-    qo_indptr: IndptrLike,
-    kv_indptr: IndptrLike,
+def _spec_key(
     *,
     num_heads: Any,
     head_dim_qk: Any,
@@ -76,9 +74,13 @@ def _ragged_key(
     workspace: Any,
     backend: Optional[str],
     strides: Optional[Sequence],
-) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
-    """``(qo, kv, key)``: the checked host indptrs and :meth:`PlanCache.ragged_key`'s key."""
-    qo, kv = as_host_indptr("qo_indptr", qo_indptr), as_host_indptr("kv_indptr", kv_indptr)
+) -> Optional[tuple]:
+    """The key parts of a ragged plan but its indptrs, or None where an argument is not of a kind that can be keyed
+    safely (:meth:`PlanCache.ragged_key`).
+
+    Raises:
+        TypeError / ValueError: a bad ``sm_scale``, as :func:`mla_bridge.plan_ragged`.
+    """
     scale = as_sm_scale(sm_scale)
     sizes = (_size(num_heads), _size(head_dim_qk), _size(head_dim_vo))
     requested = backend if backend is not None else (switches.raw(switches.BACKEND) or None)
@@ -91,21 +93,20 @@ def _ragged_key(
         or not (requested is None or isinstance(requested, str))
         or stride_key is False
     ):
+        return None
+    return (*sizes, bool(causal), scale, dtype, stride_key, requested, id(workspace), workspace.device)
+
+
+def _ragged_key(
+    qo_indptr: IndptrLike, kv_indptr: IndptrLike, **args: Any
+) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+    """``(qo, kv, key)``: the checked host indptrs and :meth:`PlanCache.ragged_key`'s key (``args``: the keywords of
+    :func:`_spec_key`)."""
+    qo, kv = as_host_indptr("qo_indptr", qo_indptr), as_host_indptr("kv_indptr", kv_indptr)
+    parts = _spec_key(**args)
+    if parts is None:
         return qo, kv, None
-    key = (
-        "ragged",
-        qo.numpy().tobytes(),
-        kv.numpy().tobytes(),
-        *sizes,
-        bool(causal),
-        scale,
-        dtype,
-        stride_key,
-        requested,
-        id(workspace),
-        workspace.device,
-    )
-    return qo, kv, key
+    return qo, kv, ("ragged", qo.numpy().tobytes(), kv.numpy().tobytes(), *parts)
 
 
 class PlanCache:
@@ -138,6 +139,7 @@ class PlanCache:
         self._plans: "OrderedDict[tuple, Plan]" = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self._last_lens: tuple = (None, None)  # (get_ragged_lens's last arguments, their key), replaced whole
 
     # --- the two kinds ----------------------------------------------------------------------------------------
     def get(
@@ -271,6 +273,48 @@ class PlanCache:
                 self.misses += 1
             return plan
         return self._insert(key, plan)  # type: ignore[return-value]
+
+    def get_ragged_lens(
+        self,
+        query_lens: tuple[int, ...],
+        kv_lens: tuple[int, ...],
+        *,
+        num_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int,
+        causal: bool,
+        sm_scale: float,
+        dtype: torch.dtype,
+        workspace: Workspace,
+        backend: Optional[str] = None,
+        strides: Optional[Sequence] = None,
+    ) -> RaggedPlan:
+        """:meth:`get_ragged` of the indptrs of per-request ``query_lens`` / ``kv_lens`` (tuples of ints), for a
+        caller that asks for one batch many times in a row (a model's layers, one call each; the transformers
+        adapter): a call whose arguments equal the last call's (the backend asked for read now, the workspace by
+        identity) finds the plan by the last call's key, without making the indptrs or the key again. Same keywords
+        and errors as :meth:`get_ragged`."""
+        args: dict[str, Any] = dict(
+            num_heads=num_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_vo=head_dim_vo,
+            causal=causal,
+            sm_scale=sm_scale,
+            dtype=dtype,
+            workspace=workspace,
+            backend=backend,
+            strides=strides,
+        )
+        # the key's own parts (what cannot be keyed is never found here: get_ragged decides), the workspace's by id
+        local = (tuple(query_lens), tuple(kv_lens), _spec_key(**args))
+        last_local, last_key = self._last_lens
+        plan = self.lookup(last_key) if local[2] is not None and last_local == local else None
+        if plan is None:
+            qo, kv = indptr_from_lens(query_lens), indptr_from_lens(kv_lens)
+            qo, kv, key = _ragged_key(qo, kv, **args)
+            plan = self.get_ragged(qo, kv, **args)
+            self._last_lens = (local, key)
+        return plan  # type: ignore[return-value]  # ragged keys never name a PrefillPlan
 
     # --- by key -----------------------------------------------------------------------------------------------
     def lookup(self, key: Optional[tuple]) -> Optional[Plan]:

@@ -200,7 +200,7 @@ def _checked_inputs(q, kv_c, k_pe, kv_b_proj_weight, kv_cache, block_table, plan
             ids = block_table[r, : -(-c // plan.block_size)]
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
                 raise ValueError(f"block_table row {r} holds block ids outside [0, {kv_cache.shape[0]})")
-    if out is not None and out.shape != (t, d.num_heads, d.v_head_dim):
+    if out is not None and out.shape != plan.out_shapes[0]:
         raise ValueError(f"out must be [T={t}, H={d.num_heads}, v_head_dim={d.v_head_dim}], got {list(out.shape)}")
     if out is not None:
         if any(st == 0 and n > 1 for n, st in zip(out.shape, out.stride())):
@@ -374,15 +374,12 @@ def mla_prefill(
     switches.triton_launch()  # MLA_BRIDGE_TRITON_LAUNCH, read by each Triton launch: refused here if it cannot serve
     switches.flashinfer_direct()  # MLA_BRIDGE_FLASHINFER_DIRECT, read at a plan's first run
     hook = phase_hook if phase_hook is not None else (lambda name: None)
-    dims, t = plan.dims, plan.num_tokens
+    dims = plan.dims
+    out_shape, lse_shape = plan.out_shapes
     if out is None:
-        out = torch.empty(t, dims.num_heads, dims.v_head_dim, dtype=plan.dtype, device=plan.device)
+        out = torch.empty(out_shape, dtype=plan.dtype, device=plan.device)
     # the LSE only where it is returned or merged into (no buffer, no kernel writing it, no base conversion)
-    lse = (
-        torch.empty(t, dims.num_heads, dtype=torch.float32, device=plan.device)
-        if return_lse or plan.partial_rows
-        else None
-    )
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=plan.device) if return_lse or plan.partial_rows else None
 
     plan.order_on_current_stream()  # index tensors and schedules were queued at plan time, maybe on another stream
     weight = as_prepared(kv_b_proj_weight, dims, plan.dtype, plan.device)  # a raw weight: taken as it is (no copy)

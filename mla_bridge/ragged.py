@@ -42,6 +42,7 @@ __all__ = [
     "RaggedSpec",
     "plan_ragged",
     "ragged_prefill",
+    "qkv_sizes",
     "as_host_indptr",
     "as_sm_scale",
     "indptr_from_lens",
@@ -699,6 +700,29 @@ def plan_checked(
     return RaggedPlan(spec, choice, workspace)
 
 
+def qkv_sizes(q: Any, k: Any, v: Any) -> dict[str, int]:
+    """The sizes :func:`plan_ragged` takes for a run of q ``[T, H, head_dim_qk]``, k ``[S, H, head_dim_qk]`` and v
+    ``[S, H, head_dim_vo]``: ``{"num_heads": H, "head_dim_qk": ..., "head_dim_vo": ...}``, after the checks a plan made
+    from the tensors themselves needs (each 3-D, one dtype, one head count: q's make the plan, so all three are named
+    rather than k or v blamed); the rest is :meth:`RaggedPlan.validate`'s. Reads only ``shape`` and ``dtype``: the
+    one-shot :func:`ragged_prefill` checks torch tensors with it, the JAX adapter its traced arrays.
+
+    Raises:
+        ValueError: a tensor that is not 3-D (named); q, k and v of different head counts (all three given).
+        TypeError: q, k and v of different dtypes (all three given).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not q.shape[1] == k.shape[1] == v.shape[1]:
+        raise ValueError(
+            f"q, k and v must have the same number of heads (dim 1), got q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}"
+        )
+    return dict(num_heads=q.shape[1], head_dim_qk=q.shape[2], head_dim_vo=v.shape[2])
+
+
 def ragged_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -729,14 +753,7 @@ def ragged_prefill(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
-    if not q.dtype == k.dtype == v.dtype:  # the plan is made for q's: name all three rather than blame k or v
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not q.shape[1] == k.shape[1] == v.shape[1]:  # likewise the heads: q's make the plan
-        raise ValueError(
-            f"q, k and v must have the same number of heads (dim 1), got q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}"
-        )
+    sizes = qkv_sizes(q, k, v)
     refuse_autograd((("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))  # before planning (on CUDA:
     # FlashInfer's plan, its host-to-device copies, a pooled wrapper), not after it in plan.run; so are
     # destinations that share memory with the inputs
@@ -750,9 +767,7 @@ def ragged_prefill(
     plan = plan_ragged(
         qo_indptr,
         kv_indptr,
-        num_heads=q.shape[1],
-        head_dim_qk=q.shape[2],
-        head_dim_vo=v.shape[2],
+        **sizes,
         causal=causal,
         sm_scale=sm_scale,
         dtype=q.dtype,

@@ -137,3 +137,32 @@ def test_lookup_and_discard_by_key():
     assert cache.ragged_key(**_spec(num_heads=2.0)) is None  # not keyed: plan_ragged decides
     assert cache.discard(key) and not cache.discard(key) and len(cache) == 0
     assert cache.get_ragged(**_spec()) is not plan
+
+
+def test_get_ragged_lens_finds_the_last_calls_plan_by_its_key(monkeypatch):
+    """PlanCache.get_ragged_lens (a model's layers, one call each): the plan of the lengths' indptrs, the same plan
+    get_ragged keeps; a call equal to the last one is a hit without the indptrs made again; anything the key holds,
+    the backend switch included, changes it; what cannot be keyed never hits (plan_ragged decides)."""
+    import mla_bridge.plan_cache as plan_cache_module
+
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND", raising=False)
+    cache = PlanCache()
+    args = {n: x for n, x in _spec().items() if n not in ("qo_indptr", "kv_indptr")}
+    plan = cache.get_ragged_lens((3, 2), (4, 5), **args)
+    assert cache.get_ragged(**_spec()) is plan and (cache.hits, cache.misses) == (1, 1)
+    made = []
+    real = plan_cache_module.indptr_from_lens
+    monkeypatch.setattr(plan_cache_module, "indptr_from_lens", lambda lens: made.append(lens) or real(lens))
+    assert cache.get_ragged_lens((3, 2), (4, 5), **args) is plan and made == [] and cache.hits == 2
+    assert cache.get_ragged_lens((3, 2), (4, 5), **dict(args, sm_scale=0.5)) is not plan and len(made) == 2
+    assert cache.get_ragged_lens((3, 2), (4, 5), **args) is plan and len(made) == 4  # found again, by get_ragged
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")
+    forced = cache.get_ragged_lens((3, 2), (4, 5), **args)
+    assert forced is not plan and cache.get_ragged(**_spec(backend="torch")) is forced
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND")
+    cache.get_ragged_lens((3, 2), (4, 5), **args)
+    with pytest.raises(ValueError):  # 2.0 == 2: never let through by the last call's key
+        cache.get_ragged_lens((3, 2), (4, 5), **dict(args, num_heads=2.0))
+    cache.clear()  # an evicted plan is made again
+    again = cache.get_ragged_lens((3, 2), (4, 5), **args)
+    assert again is not plan and cache.get_ragged_lens((3, 2), (4, 5), **args) is again

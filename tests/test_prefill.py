@@ -109,6 +109,7 @@ def test_context_of_requests_without_new_tokens_is_never_read(ref, tiny_dims, fu
         exp_out, exp_lse = ref.mla_reference(batch)
         ref.assert_out_close(out, exp_out, atol=ATOL)
         ref.assert_lse_close(lse, exp_lse, atol=ATOL)
+        assert plan.out_shapes == (tuple(out.shape), tuple(lse.shape))  # what the JAX adapter's traced call declares
         if plan.fused:
             assert plan.ctx_req_ids.numel() == attended == plan.num_gathered_context_tokens
             assert int(plan.main_kv_indptr[-1]) == attended + sum(q_lens)

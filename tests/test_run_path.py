@@ -207,6 +207,62 @@ def test_direct_run_refuses_what_it_does_not_know():
     assert w._cached_module is module  # restored
 
 
+def _compiled_wrapper(refuse=None):
+    """A FakeWrapper whose module's ragged_run, as FlashInfer 0.7's, hands its arguments to a compiled
+    ``ragged_run_func`` it closes over (here a recorder of launches); ``refuse(q)``: run raises for such a q."""
+    w = FakeWrapper()
+    launched: list = []
+
+    def ragged_run_func(*args):
+        launched.append(args)
+
+    def ragged_run(*args):
+        ragged_run_func(*args)
+
+    w._cached_module = types.SimpleNamespace(ragged_run=ragged_run, plan=None)
+    if refuse is not None:
+        run = w.run
+
+        def checked_run(q, *a, **kw):
+            if refuse(q):
+                raise ValueError("refused")
+            return run(q, *a, **kw)
+
+        w.run = checked_run
+    return w, launched
+
+
+def test_record_compiled_run_finds_the_compiled_call_and_its_slots():
+    """flashinfer_internals.record_compiled_run (the JAX adapter's XLA call): the compiled function and its argument
+    list, q / k / v / out / lse located and cleared, nothing launched; expanded stand-ins first, real ones where
+    FlashInfer refuses those; what it does not know is a LookupError."""
+    from mla_bridge.backends import flashinfer_internals as internals
+
+    cpu = torch.device("cpu")
+    w, launched = _compiled_wrapper()
+    module = w._cached_module
+    compiled, args, slots = internals.record_compiled_run(w, SHAPES, torch.float32, cpu)
+    assert launched == [] and w._cached_module is module
+    compiled("x")
+    assert launched == [("x",)]  # the function ragged_run closes over
+    assert slots == [3, 4, 5, 8, 9] and all(args[i] is None for i in slots)
+    assert args[0] is w._float_workspace_buffer and args[2] is w._plan_info
+    w, _ = _compiled_wrapper(refuse=lambda q: q.stride(0) == 0)  # expanded stand-ins refused: real ones
+    assert internals.record_compiled_run(w, SHAPES, torch.float32, cpu)[2] == [3, 4, 5, 8, 9]
+    w, _ = _compiled_wrapper(refuse=lambda q: True)
+    with pytest.raises(LookupError, match="recording FlashInfer's run failed: ValueError: refused"):
+        internals.record_compiled_run(w, SHAPES, torch.float32, cpu)
+    with pytest.raises(LookupError, match="no longer calls a compiled ragged_run_func"):
+        internals.record_compiled_run(FakeWrapper(), SHAPES, torch.float32, cpu)
+    w = FakeWrapper()
+    w._cached_module = object()
+    with pytest.raises(LookupError, match="has no module with a ragged_run"):
+        internals.record_compiled_run(w, SHAPES, torch.float32, cpu)
+    stand_ins = internals.stand_ins(SHAPES, torch.bfloat16, cpu)
+    assert [tuple(t.shape) for t in stand_ins] == list(SHAPES) and stand_ins[0].stride() == (0, 0, 0)
+    assert [t.dtype for t in stand_ins] == [torch.bfloat16] * 4 + [torch.float32]
+
+
 @pytest.mark.parametrize(
     "version,known",
     [

@@ -183,6 +183,21 @@ def test_q_k_v_of_different_dtypes_are_named_together():
     assert_untouched(out)
 
 
+def test_qkv_sizes_reads_shapes_and_dtypes_only():
+    """mla_bridge.ragged.qkv_sizes, the one-shot call's checks of what planning reads: the sizes plan_ragged takes,
+    from any arrays with ``shape`` and ``dtype`` (the JAX adapter hands it traced arrays), with the same errors."""
+    from mla_bridge.ragged import qkv_sizes
+
+    q, k, v = np.zeros((5, 3, 24)), np.zeros((7, 3, 24)), np.zeros((7, 3, 16))
+    assert qkv_sizes(q, k, v) == dict(num_heads=3, head_dim_qk=24, head_dim_vo=16)
+    with pytest.raises(ValueError, match=r"^v must be 3-D \[tokens, heads, head_dim\], got shape \[7, 48\]$"):
+        qkv_sizes(q, k, v.reshape(7, 48))
+    with pytest.raises(TypeError, match=r"^q, k and v must share one dtype, got q float64, k float32, v float64$"):
+        qkv_sizes(q, k.astype(np.float32), v)
+    with pytest.raises(ValueError, match=r"^q, k and v must have the same number of heads \(dim 1\), got q 3, k 2"):
+        qkv_sizes(q, k[:, :2], v)
+
+
 @pytest.mark.parametrize(
     "qo,kv,exc,match",
     [

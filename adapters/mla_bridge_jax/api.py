@@ -43,6 +43,7 @@ from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Worksp
 from mla_bridge.checks import not_a_bool
 from mla_bridge.plan import plans_by_device
 from mla_bridge.plan_cache import shared_plan_cache
+from mla_bridge.ragged import qkv_sizes
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (
@@ -292,20 +293,10 @@ def ragged_prefill(
     if eager:
         core_args = dict(qo_indptr=qo, kv_indptr=kv, causal=causal, sm_scale=sm_scale, backend=backend)
         return _run_eager(functools.partial(_core.ragged_prefill, **core_args), q, k, v)
-    # Traced: what planning reads is checked here first, as the core's eager call words it; every other check is the
-    # core's (RaggedPlan.validate, on stand-ins, in _ragged_traced).
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {list(x.shape)}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not q.shape[1] == k.shape[1] == v.shape[1]:
-        raise ValueError(
-            f"q, k and v must have the same number of heads (dim 1), got q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}"
-        )
-    heads, d_qk, d_vo = q.shape[1], q.shape[2], v.shape[2]
-    spec = dict(qo_indptr=qo, kv_indptr=kv, num_heads=heads, head_dim_qk=d_qk, head_dim_vo=d_vo, causal=causal)
-    spec.update(sm_scale=sm_scale, dtype=torch_dtype(q.dtype), backend=backend)
+    # Traced: what planning reads of q / k / v is checked by the core's eager call's own checks (on the traced
+    # arrays); every other check is the core's too (RaggedPlan.validate, on stand-ins, in _ragged_traced).
+    spec = dict(qo_indptr=qo, kv_indptr=kv, causal=causal, sm_scale=sm_scale, backend=backend, **qkv_sizes(q, k, v))
+    spec.update(dtype=torch_dtype(q.dtype))
     plans = _Plans(spec)
     with jax_dtype_names():  # planning refuses a dtype: named as the caller's JAX arrays name it
         plan = plans.get(default_torch_device())
@@ -673,11 +664,8 @@ def mla_prefill(
         _core_prefill.validate_prefill_inputs(  # type: ignore[call-arg, misc]
             *proxies, plan, kv_cache_scale=scale_proxy, topk_indices=topk_proxy
         )
-    d, t = plan.dims, plan.num_tokens
-    out_types = (
-        jax.ShapeDtypeStruct((t, d.num_heads, d.v_head_dim), jax_dtype(plan.dtype)),
-        jax.ShapeDtypeStruct((t, d.num_heads), jnp.float32),
-    )
+    out_shape, lse_shape = plan.out_shapes
+    out_types = (jax.ShapeDtypeStruct(out_shape, jax_dtype(plan.dtype)), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     body = _mla_callback(
         plans, None if scale_array else kv_cache_scale, prepared, sparse=sparse, scale_buffer=scale_array
     )

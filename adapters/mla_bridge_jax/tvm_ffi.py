@@ -263,38 +263,18 @@ def _kernel_wrapper(plan: Any, for_xla: bool = True) -> Any:
 
 def record(plan: Any) -> tuple[Any, list, list[int]]:
     """``(compiled ragged_run, its argument list, slots of q/k/v/out/lse)`` for a planned FlashInfer fa2/fa3 batch,
-    exactly as the core's :meth:`RaggedPlan.run` would call it (``lse_layout="NH"``); nothing is launched
-    (:func:`mla_bridge.backends.flashinfer_internals.record_ragged_run`, then
-    :func:`~mla_bridge.backends.flashinfer_internals.compiled_call`).
-
-    Stand-ins for q/k/v/out/lse are one-element tensors expanded to the plan's shapes (no memory); should FlashInfer
-    refuse those, real (uninitialised) tensors are used once.
+    exactly as the core's :meth:`RaggedPlan.run` would call it (``lse_layout="NH"``), on the wrapper whose fa2 float
+    workspace is the region reserved for XLA's stream; nothing is launched
+    (:func:`mla_bridge.backends.flashinfer_internals.record_compiled_run`).
 
     Raises:
         LookupError: FlashInfer's wrapper does not look like 0.7's (or its version is not one the recording knows),
             or refused the stand-ins.
     """
-    try:
-        return _record(plan, lambda shape, dtype, dev: torch.empty((), dtype=dtype, device=dev).expand(*shape))
-    except LookupError:
-        raise
-    except Exception:  # noqa: BLE001 - FlashInfer checked something the expanded stand-ins do not have
-        try:
-            return _record(plan, lambda shape, dtype, dev: torch.empty(shape, dtype=dtype, device=dev))
-        except LookupError:
-            raise
-        except Exception as err:  # noqa: BLE001
-            raise LookupError(f"recording FlashInfer's run failed: {type(err).__name__}: {err}") from err
-
-
-def _record(plan: Any, make: Callable) -> tuple[Any, list, list[int]]:
-    wrapper = _kernel_wrapper(plan)
     s = plan.spec
-    q, k, v, out, lse = (make(shape, dt, s.device) for shape, dt in zip(s.shapes, [s.dtype] * 4 + [torch.float32]))
     # The core's FlashInfer kernel calls run(..., lse_base="ln"); the recording's "log2" differs only in the finishing
     # multiply (done by XLA here) and avoids writing into the stand-in lse.
-    compiled, args = internals.compiled_call(*internals.record_ragged_run(wrapper, q, k, v, out, lse))
-    return compiled, args, internals.argument_slots(args, (q, k, v, out, lse))
+    return internals.record_compiled_run(_kernel_wrapper(plan), s.shapes, s.dtype, s.device)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -78,13 +78,10 @@ from typing import Any, Optional
 import torch
 
 import mla_bridge
-from mla_bridge import switches
-from mla_bridge.dispatch import ENV_VAR
 from mla_bridge.inference import differentiated
 from mla_bridge.merge import merge_sinks_
 from mla_bridge.checks import kernel_strides
 from mla_bridge.plan_cache import shared_plan_cache
-from mla_bridge.ragged import indptr_from_lens
 from mla_bridge.sparse_mha import sparse_attention_mha
 
 __all__ = [
@@ -141,8 +138,6 @@ _EAGER_KEYWORDS = ("s_aux", "sinks", "softcap", "output_attentions")
 
 logger = logging.getLogger("mla_bridge_transformers")
 _warned: set[str] = set()
-# [(the last call's plan arguments with its workspace's id, the shared cache's key of its plan)], replaced whole
-_last_key: list = [(None, None)]
 # [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them]
 _mask_cache: list = [None, None, None]
 #: Queries per batch row from which an unpadded batch runs one kernel call per row, in place; below it (decode
@@ -471,11 +466,6 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, firs
     return result
 
 
-#: :func:`mla_bridge.checks.kernel_strides`, by the name the bench's time-to-first-token rows use
-#: (:mod:`mla_bridge.bench.ttft`).
-_strides = kernel_strides
-
-
 def _plan(
     q_lens: tuple,
     kv_lens: tuple,
@@ -487,32 +477,23 @@ def _plan(
     device,
     strides: Optional[tuple] = None,
 ):
-    """The batch's causal plan from the plan cache the adapters share (:func:`mla_bridge.plan_cache.shared_plan_cache`,
-    keyed on everything it depends on: the lengths, sizes, scale, dtype, the ``(q, k, v)`` strides it reads
-    (``plan_ragged(strides=...)``), the backend asked for (``MLA_BRIDGE_BACKEND``, read now) and the workspace). The
-    layers of one forward find it through the key of the last call's arguments, without re-making the indptrs.
-    ``strides``: ``(q, k, v)``, each :func:`mla_bridge.checks.kernel_strides`; all None is as None (contiguous)."""
-    strides = None if strides == (None, None, None) else strides
-    workspace = mla_bridge.workspace.default_workspace(device)
-    local = (q_lens, kv_lens, heads, d_qk, d_vo, sm_scale, dtype, device, strides, switches.raw(ENV_VAR) or None)
-    cache = shared_plan_cache()
-    last_local, last_key = _last_key[0]
-    plan = cache.lookup(last_key) if last_local == (local, id(workspace)) else None
-    if plan is None:
-        args: dict = dict(
-            num_heads=heads,
-            head_dim_qk=d_qk,
-            head_dim_vo=d_vo,
-            causal=True,
-            sm_scale=sm_scale,
-            dtype=dtype,
-            workspace=workspace,
-            strides=strides,
-        )
-        qo, kv = indptr_from_lens(q_lens), indptr_from_lens(kv_lens)
-        plan = cache.get_ragged(qo, kv, **args)
-        _last_key[0] = ((local, id(workspace)), cache.ragged_key(qo, kv, **args))
-    return plan
+    """The batch's causal plan from the plan cache the adapters share
+    (:meth:`mla_bridge.plan_cache.PlanCache.get_ragged_lens`: keyed on everything it depends on, the ``(q, k, v)``
+    strides it reads included; the layers of one forward find it by the last call's key, without re-making the
+    indptrs). ``strides``: ``(q, k, v)``, each :func:`mla_bridge.checks.kernel_strides`; all None is as None
+    (contiguous)."""
+    return shared_plan_cache().get_ragged_lens(
+        q_lens,
+        kv_lens,
+        num_heads=heads,
+        head_dim_qk=d_qk,
+        head_dim_vo=d_vo,
+        causal=True,
+        sm_scale=sm_scale,
+        dtype=dtype,
+        workspace=mla_bridge.workspace.default_workspace(device),
+        strides=None if strides == (None, None, None) else strides,
+    )
 
 
 def mla_bridge_attention(

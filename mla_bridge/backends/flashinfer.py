@@ -159,8 +159,7 @@ class DirectRun:
         :func:`mla_bridge.backends.flashinfer_internals.record_ragged_run`; None where it cannot be made."""
         if internals.recording_why_not(wrapper) is not None:
             return None
-        dtypes = (dtype, dtype, dtype, dtype, torch.float32)
-        stand_ins = [torch.empty((), dtype=dt, device=device).expand(*shape) for shape, dt in zip(shapes, dtypes)]
+        stand_ins = internals.stand_ins(shapes, dtype, device)
         try:
             fn, args = internals.record_ragged_run(wrapper, *stand_ins)
             slots = internals.argument_slots(args, stand_ins)

@@ -7,7 +7,8 @@ FlashInfer 0.7.x (``flashinfer/prefill.py``) for three things:
   (``mla_bridge_jax.tvm_ffi``) replay the call ``run()`` ends in, recorded once per plan (:func:`record_ragged_run`:
   ``run()`` makes exactly one call ``self._cached_module.ragged_run(*run_args)``, ``_cached_module`` a
   ``types.SimpleNamespace``; for XLA one level further down, :func:`compiled_call`: ``ragged_run`` reorders its
-  arguments for the compiled TVM-FFI ``ragged_run_func`` it closes over);
+  arguments for the compiled TVM-FFI ``ragged_run_func`` it closes over; both levels on stand-ins:
+  :func:`record_compiled_run`);
 * workspaces: fa2's per-stream float workspace is the ``_float_workspace_buffer`` that ``run()`` reads, and the int
   workspace sized to each plan is ``_int_workspace_buffer`` with its page-locked twin
   ``_pin_memory_int_workspace_buffer``, where ``plan()`` writes (:func:`float_workspace`, :func:`int_workspace`
@@ -40,8 +41,10 @@ __all__ = [
     "LIVE_BUFFERS",
     "version_why_not",
     "recording_why_not",
+    "stand_ins",
     "record_ragged_run",
     "compiled_call",
+    "record_compiled_run",
     "argument_slots",
     "live_slots",
     "live_values",
@@ -94,6 +97,18 @@ def recording_why_not(wrapper: Any) -> Optional[str]:
     if not isinstance(module, types.SimpleNamespace) or not callable(getattr(module, "ragged_run", None)):
         return "the FlashInfer wrapper has no module with a ragged_run (FlashInfer or mla_bridge changed)"
     return None
+
+
+def stand_ins(
+    shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: torch.device, *, expanded: bool = True
+) -> list[torch.Tensor]:
+    """Tensors to record a run on: ``q, k, v, out`` of ``dtype`` and ``lse`` float32, of ``shapes = (q, k, v, out,
+    lse)`` (:attr:`mla_bridge.ragged.RaggedSpec.shapes`) on ``device``; one element each, expanded (no memory), or
+    with ``expanded=False`` real uninitialised tensors."""
+    dtypes = (dtype, dtype, dtype, dtype, torch.float32)
+    if expanded:
+        return [torch.empty((), dtype=dt, device=device).expand(*shape) for shape, dt in zip(shapes, dtypes)]
+    return [torch.empty(shape, dtype=dt, device=device) for shape, dt in zip(shapes, dtypes)]
 
 
 def record_ragged_run(wrapper: Any, q, k, v, out, lse) -> tuple[Callable, list]:
@@ -159,6 +174,43 @@ def compiled_call(py_ragged_run: Callable, py_args: list) -> tuple[Any, list]:
     if len(recorded) != 1:
         raise LookupError(f"FlashInfer's ragged_run called its compiled function {len(recorded)} times")
     return compiled, recorded[0]
+
+
+def record_compiled_run(
+    wrapper: Any, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: torch.device
+) -> tuple[Any, list, list[int]]:
+    """``(compiled function, its argument list, the positions of q / k / v / out / lse in it)``: what ``wrapper.run``
+    launches for a run of ``shapes = (q, k, v, out, lse)`` (``lse_layout="NH"``, the LSE left in base 2), recorded
+    without launching anything (:func:`record_ragged_run`, then :func:`compiled_call`), for a caller that calls the
+    compiled function itself with each call's tensors in those positions (the JAX adapter's XLA call). The five
+    positions hold None. Recorded on expanded :func:`stand_ins`; should FlashInfer refuse those, on real
+    (uninitialised) ones, once.
+
+    Raises:
+        LookupError: as :func:`record_ragged_run` and :func:`compiled_call` (a FlashInfer outside
+            :data:`KNOWN_VERSIONS`, a wrapper or ``ragged_run`` that does not look like 0.7's), or FlashInfer refused
+            the real stand-ins too (its error named).
+    """
+
+    def record(expanded: bool) -> tuple[Any, list, list[int]]:
+        tensors = stand_ins(shapes, dtype, device, expanded=expanded)
+        compiled, args = compiled_call(*record_ragged_run(wrapper, *tensors))
+        slots = argument_slots(args, tensors)
+        for i in slots:
+            args[i] = None  # the recording keeps no stand-in alive
+        return compiled, args, slots
+
+    try:
+        return record(expanded=True)
+    except LookupError:
+        raise
+    except Exception:  # noqa: BLE001 - FlashInfer checked something the expanded stand-ins do not have
+        try:
+            return record(expanded=False)
+        except LookupError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            raise LookupError(f"recording FlashInfer's run failed: {type(err).__name__}: {err}") from err
 
 
 def argument_slots(args: Sequence, tensors: Sequence, names: Sequence[str] = ("q", "k", "v", "out", "lse")) -> list:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..checks import kernel_strides
 from .common import Ctx, Job, Row, attention_flops, attention_note, fmt_err, paired_gap
 
 __all__ = ["jobs", "V2_LITE", "TtftCase", "ttft_cases", "build_transformers_model", "NOOP_IMPLEMENTATION"]
@@ -317,7 +318,7 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         modules = [layer.self_attn for layer in model.model.layers]
         scaling = modules[0].scaling
         rows_views = [(q[r].transpose(0, 1), k[r].transpose(0, 1), v[r].transpose(0, 1)) for r in range(case.batch)]
-        strides = tuple(mbt_attention._strides(x) for x in rows_views[0])
+        strides = tuple(map(kernel_strides, rows_views[0]))
         plan = mbt_attention._plan(
             (case.new,),
             (case.cached + case.new,),
