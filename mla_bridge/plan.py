@@ -668,7 +668,11 @@ class PrefillPlan:
         pass); for a pass without one (the torch backend) and a chunk without a pass (never gathered by
         :func:`mla_bridge.mla_prefill`, but :func:`mla_bridge.kv.chunk_kv` takes any chunk) ONE page-locked
         host-to-device copy for all of them (:func:`_indptrs_on_device`, queued before the main pass's plan, whose
-        event covers it, or the plan's own event). Each tensor goes to ``_device_indices`` once."""
+        event covers it, or the plan's own event), which goes to ``_device_indices``. A pass's own copy does not: it
+        belongs to FlashInfer's wrapper, which the workspace's pool neither frees nor plans again until the events
+        recorded after the runs that read it have completed (:class:`mla_bridge.Workspace`), so it needs no
+        ``record_stream`` (which, on a stream that another library destroys first, such as XLA's at interpreter exit,
+        made freeing it abort the process)."""
         found, missing = {}, {}  # by id of the pass, or of the chunk's host kv_indptr for a chunk without one
         for kv_indptr, _, plan in made:
             owner = kv_indptr if plan is None else plan
@@ -681,7 +685,7 @@ class PrefillPlan:
         if missing:
             copies = _indptrs_on_device([kv.numpy() for kv in missing.values()], self.device)
             found.update(zip(missing, copies))
-        self._device_indices.extend(found.values())
+            self._device_indices.extend(copies)
         return [found[id(kv_indptr if plan is None else plan)] for kv_indptr, _, plan in made]
 
     @property

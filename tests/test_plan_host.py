@@ -88,8 +88,9 @@ def test_cuda_expansion_gives_the_cpu_index_tensors(fake_cuda, tiny_dims, q_lens
         assert len(cuda._device_indices) == 1 and cuda._pinned_runs is not None
         buffer = cuda._device_indices[0].untyped_storage().data_ptr()
         assert all(t.untyped_storage().data_ptr() == buffer for t in got.values() if t is not None)
-    else:  # chunked: rows by each chunk's kv_indptr on the device (here the plan's own copy: the stand-in wrapper
-        # holds none), one per pass and one per chunk without a pass; no per-token tensor kept
+    else:  # chunked: rows by each chunk's kv_indptr on the device (here the plan's own copy, one per pass and one
+        # per chunk without a pass: the stand-in wrapper holds none; a real wrapper's copy is the wrapper's, kept by
+        # the workspace's pool, not the plan's); no per-token tensor kept
         for c, host in zip(cuda.chunks, cpu.chunks):
             assert c.rows.indices is None and host.rows.indices is None  # the CPU's too: made per call
             assert (c.rows.req_start, c.rows.first_start, c.rows.num_tokens) == (

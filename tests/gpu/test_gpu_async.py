@@ -307,9 +307,10 @@ def test_prefill_plan_build_does_not_wait_for_the_gpu(ref, fuse):
 def test_index_tensors_outlive_a_dropped_plan_on_another_stream(ref, fuse):
     """A plan built on the default stream, run on a side stream kept busy, then dropped: torch's caching allocator
     must not hand its index tensors' memory to a new allocation on the build stream while the side stream's queued
-    gather may still read it (PrefillPlan.order_on_current_stream marks them with record_stream; a chunked plan's are
-    its chunks' device kv_indptrs). Without that, the next same-size allocation on the default stream gets the freed
-    block at once."""
+    gather may still read it (PrefillPlan.order_on_current_stream marks its own with record_stream; a chunked plan's
+    are its chunks' device kv_indptrs, FlashInfer's copies, which the workspace's pooled wrapper keeps until the
+    events recorded after the side stream's runs complete). Without that, the next same-size allocation on the
+    default stream gets the freed block at once."""
     dims = MLADims.deepseek_v2_lite()
     batch = ref.make_mla_batch(dims, [5, 17, 40], [40, 3, 250], 16, dtype=BF16, device=dev())
     ws = Workspace(dev(), chunk_tokens=4096 if fuse else 128)

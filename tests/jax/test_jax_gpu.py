@@ -279,3 +279,44 @@ def test_eager_inputs_may_be_donated_right_after_the_call(gpu, entry):
     got_out, got_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
     err = (got_out.float() - want[0].float()).abs().max().item()
     assert torch.equal(got_out, want[0]) and torch.equal(got_lse, want[1]), f"max error of out {err}"
+
+
+_EXIT_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, torch
+import mla_bridge_jax as mj
+from mla_bridge import MLADims, Workspace
+from tests.parity.inputs import PREFILL_CASES, prefill_inputs
+
+case = next(c for c in PREFILL_CASES if not c.fused and sum(c.context_lens))  # a chunked schedule
+x = prefill_inputs(case)
+dev = jax.devices("gpu")[0]
+args = [
+    jax.device_put(jnp.asarray(x[n], dtype=jnp.bfloat16 if x[n].dtype == np.float32 else None), dev)
+    for n in ("q", "kv_c", "k_pe", "kv_b_proj_weight", "kv_cache", "block_table")
+]
+plan = mj.build_plan(case.query_lens, case.context_lens, dims=MLADims(num_heads=case.heads),
+                     block_size=case.block_size, dtype="bfloat16",
+                     workspace=Workspace("cuda", chunk_tokens=case.chunk_tokens))
+jax.block_until_ready(jax.jit(lambda *a: mj.mla_prefill(*a, plan))(*args))
+print("ran", flush=True)
+"""
+
+
+def test_a_process_with_a_jitted_chunked_plan_exits_cleanly(gpu, tmp_path):
+    """A script that keeps its plan in a global (as the guide's examples do) and runs a chunked plan under jax.jit
+    exits with status 0. The chunk passes' kv_indptrs (FlashInfer's copies, owned by the pooled wrappers the workspace
+    keeps) were marked used on XLA's stream with ``record_stream``; freed after JAX's exit handlers had torn down
+    XLA's client, each aborted the process ("CUDA error: context is destroyed", exit status 134)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_after_jit.py"
+    script.write_text(_EXIT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "adapters"), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert "ran" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr[-3000:])
