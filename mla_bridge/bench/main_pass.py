@@ -183,6 +183,8 @@ def _torch_backend(ctx: Ctx, shape: MainShape, ci: int) -> list[Row]:
     flops = _flops(shape)
     if "torch" in ctx.skip:
         return [c.skip("torch", "--skip torch")]
+    if not ctx.cuda or ctx.backend == "torch":  # mla_bridge's own row runs this very call: not drawn twice
+        return [c.skip("torch", "the same call as mla_bridge's row (its plan runs the torch backend)", applies=False)]
     work = sum(causal_pairs(n, n) for n in shape.lens) * shape.heads
     if ctx.cuda and not ctx.quick and work > TORCH_BACKEND_MAX_WORK:
         return [c.skip("torch", "slow reference: run only on shapes up to 1x10000 at 16 heads", flops=flops)]

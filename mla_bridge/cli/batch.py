@@ -46,7 +46,7 @@ def resolve_workload(args) -> Workload:
     else:
         raise CLIError(
             f"--context-lens has {len(args.context_lens)} values but the batch has {len(query_lens)} "
-            f"requests (give one value per request, or one for all)"
+            f"request{'' if len(query_lens) == 1 else 's'} (give one value per request, or one for all)"
         )
     if sum(query_lens) == 0:
         raise CLIError("--prompt-lens / --prompt-len: every request has 0 new tokens, nothing to compute")
