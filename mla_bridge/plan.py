@@ -299,10 +299,10 @@ class PrefillPlan:
         schedule's placements are ONE expansion of a small run table on the device (:meth:`_expand`): one
         page-locked host-to-device copy and one Triton kernel where Triton imports (four torch kernels otherwise);
         the first such build in a process compiles that kernel (or loads it from Triton's cache). :attr:`key` is
-        not made here (on first use). The fused schedule's placements (a sparse plan has them too,
-        where its fused key latents fit one chunk's k / v memory) are 24 bytes per gathered context token and 8 per
-        new token, device memory (on the CPU device, host memory); the
-        chunked schedule makes no per-token tensor on any device (its gathers make a chunk's indices in each call),
+        not made here (on first use). The fused schedule's placements (a sparse plan has them too, where its fused
+        key latents fit one chunk's k / v memory) are 24 bytes per gathered context token and 8 per new token, device
+        memory (on the CPU device, host memory); the chunked schedule makes no per-token tensor on any device (its
+        gathers make a chunk's indices in each call),
         so a plan's host memory is O(requests + chunks): about :data:`CHUNK_HOST_BYTES` per chunk, at most
         :data:`MAX_CONTEXT_CHUNKS` chunks. A request without new tokens has its context neither gathered nor indexed.
         """

@@ -55,10 +55,10 @@ c`` in that dtype (as in FlashAttention). So the kernel rounds ``q_lat``, ``P`` 
 keeps float32: in bf16 both are within 2e-2 of a float64 attention (``out`` absolute and relative, the LSE
 absolute). It holds per chunk ``q_lat`` and ``o_lat`` (``2 x rows x kv_lora_rank`` elements of the plan's dtype:
 256 MiB at 2**17 rows, kv_lora_rank 512, bf16) and for the call 16 bytes per new token (its request, context and
-sequence lengths, copied to the device at plan time), and with the route above the gathered latents. The kernel takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to
-:data:`SPARSE_KERNEL_MAX_RANK` and ``qk_rope_head_dim`` up to :data:`SPARSE_KERNEL_MAX_ROPE` (0 included), any block
-size, bf16/fp16/float32 and FP8 e4m3 caches. On CUDA a pick past its request's sequence is skipped by the kernel,
-never read (the indices are not checked there).
+sequence lengths, copied to the device at plan time), and with the route above the gathered latents. The kernel
+takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to :data:`SPARSE_KERNEL_MAX_RANK` and ``qk_rope_head_dim`` up to
+:data:`SPARSE_KERNEL_MAX_ROPE` (0 included), any block size, bf16/fp16/float32 and FP8 e4m3 caches. On CUDA a pick
+past its request's sequence is skipped by the kernel, never read (the indices are not checked there).
 
 *The torch path.* Float32 arithmetic: the selected rows are gathered in the plan's dtype, an FP8 cache's
 dequantized into it as the dense gather does, and then read as float32; ``out`` is rounded once to the plan's dtype.
