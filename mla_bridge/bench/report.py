@@ -296,9 +296,10 @@ def _grouped(rows: list[Row], section: str, series: tuple, value) -> tuple[list[
 
 
 def _gaps(rows: list[Row], section: str, series: tuple, cases: list[str]) -> dict[tuple[str, str], str]:
-    """``{(case, series label): why}`` for the skipped rows of ``section``'s series that apply here: "out of
-    memory", "failed" (the row carries the error) or "skipped" (not run on purpose: the row's note says why). The
-    plot writes it where the bar would be, so a missing bar is not read as a path that was never tried."""
+    """``{(case, series label): why}`` for the rows of ``section``'s series that apply here and were tried without a
+    figure: "out of memory", or "failed" (the row carries the error). The plot writes it where the bar would be, so
+    a missing bar is not read as a path that was never tried. A path the bench does not run on purpose (the row's
+    note says why: dense SDPA on a ragged batch, flex_attention on one shape) is left blank, not labelled."""
     labels = dict(series)
     gaps: dict[tuple[str, str], str] = {}
     for r in rows:
@@ -306,10 +307,9 @@ def _gaps(rows: list[Row], section: str, series: tuple, cases: list[str]) -> dic
             continue
         text = f"{r.note} {r.error or ''}".lower()
         if "out of memory" in text or "resource_exhausted" in text:
-            why = "out of memory"
-        else:
-            why = "failed" if r.error else "skipped"
-        gaps[(r.case, labels[r.path])] = why
+            gaps[(r.case, labels[r.path])] = "out of memory"
+        elif r.error:
+            gaps[(r.case, labels[r.path])] = "failed"
     return gaps
 
 
