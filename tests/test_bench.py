@@ -1035,3 +1035,18 @@ def test_a_path_skipped_on_purpose_is_not_drawn_as_failed():
     ]  # fmt: skip
     (panel,) = _panels(rows, {}, dict(gpu=None, mode="quick"))
     assert panel["gaps"] == {("16h mixed", "flex_attention (document mask)"): "failed"}
+
+
+def test_a_throughput_panel_leaves_out_a_case_too_small_to_see():
+    """The JAX panel drew a 16-token case (the per-call overhead, 0.001-0.02 TFLOP/s) beside cases at 650: its bars
+    were invisible and only their labels showed. A case whose every bar is under 1% of the panel's largest is left
+    out of the throughput panels (its time stays in the table)."""
+    from mla_bridge.bench.report import _panels
+
+    rows = [
+        Row("jax", case, path, tflops=t, order=(5, i, j))
+        for i, (case, ts) in enumerate((("causal 1x10000", (689.0, 662.0)), ("tiny 1x16", (0.02, 0.004))))
+        for j, (path, t) in enumerate(zip(("torch core (RaggedPlan.run)", "jax jit (tvm_ffi)"), ts))
+    ]
+    (panel,) = _panels(rows, {}, dict(gpu="NVIDIA H200", mode="full"))
+    assert panel["cases"] == ["causal 1x10000"] and panel["series"][0] == ("torch core (RaggedPlan.run)", [689.0])

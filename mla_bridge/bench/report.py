@@ -295,6 +295,14 @@ def _grouped(rows: list[Row], section: str, series: tuple, value) -> tuple[list[
     ]
 
 
+def _visible(cases: list[str], series: list[tuple[str, list]]) -> tuple[list[str], list[tuple[str, list]]]:
+    """A throughput panel's cases without those whose every bar would be under 1% of the panel's largest (a
+    16-token case that measures the per-call overhead: its figure is its time, in the table, not a bar)."""
+    top = max((v for _, vals in series for v in vals if v), default=0.0)
+    keep = [i for i in range(len(cases)) if any((vals[i] or 0.0) >= 0.01 * top for _, vals in series)]
+    return [cases[i] for i in keep], [(label, [vals[i] for i in keep]) for label, vals in series]
+
+
 def _gaps(rows: list[Row], section: str, series: tuple, cases: list[str]) -> dict[tuple[str, str], str]:
     """``{(case, series label): why}`` for the rows of ``section``'s series that apply here and were tried without a
     figure: "out of memory", or "failed" (the row carries the error). The plot writes it where the bar would be, so
@@ -442,6 +450,8 @@ def _panels(rows: list[Row], peaks: dict, env: dict) -> list[dict]:
     panels = []
     for section, wanted, value, title, axis in specs:
         cases, series = _grouped(rows, section, wanted, value)
+        if axis["xlabel"] == "TFLOP/s":
+            cases, series = _visible(cases, series)
         if not series:
             continue
         drawn = {label for label, _ in series}
