@@ -265,9 +265,8 @@ class PlanCache:
             kept = self.lookup(key)
             if kept is not None:
                 return kept  # type: ignore[return-value]  # ragged keys never name a PrefillPlan
-        plan = plan_ragged(
-            qo, kv, **args
-        )  # the host copies, not the caller's tensors again  # outside the lock: FlashInfer plans take time
+        # the host copies, not the caller's tensors again; outside the lock: FlashInfer plans take time
+        plan = plan_ragged(qo, kv, **args)
         if key is None:
             with self._lock:
                 self.misses += 1
