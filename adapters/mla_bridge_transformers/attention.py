@@ -90,6 +90,7 @@ __all__ = [
     "ragged_from_mask",
     "fallback_reason",
     "sparse_picks",
+    "fold_indices",
     "NEUTRAL_KEYWORDS",
     "HONOURED_KEYWORDS",
     "INDICES_ON_CUDA",
@@ -319,11 +320,13 @@ def _check_indices(indices, query, key) -> None:
             )
 
 
-def _fold_indices(attention_mask, indices, query, key, causal: bool):
+def fold_indices(attention_mask, indices, query, key, causal: bool):
     """The mask with ``indices`` (int ``[B, Q, k]``: the key positions each query may see, checked by
     :func:`_check_indices`) folded in, as transformers folds them for eager / sdpa (``modeling_deepseek_v32.py``: a
     boolean mask ``& ~index_mask``, an additive one filled with the dtype's min); unchanged when ``k >= K`` (the
-    top-k of K keys is every key)."""
+    top-k of K keys is every key). ``attention_mask``: transformers' mask (None, boolean or additive ``[B, 1, Q, K]``);
+    ``query`` / ``key``: ``[B, H, Q, D]`` / ``[B, H, K, D]``. Returns the mask to hand to sdpa: boolean (True = may
+    attend), or additive (the mask's dtype; keys not selected at ``query``'s dtype's min). Raises nothing."""
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     if indices.shape[2] >= kv_len:
@@ -540,7 +543,7 @@ def mla_bridge_attention(
                 reason = INDICES_ON_CUDA
             if reason is None:
                 return _serve_indices(module, query, key, value, attention_mask, indices, scaling, kwargs), None
-            folded = _fold_indices(attention_mask, indices, query, key, _causal(module, kwargs))
+            folded = fold_indices(attention_mask, indices, query, key, _causal(module, kwargs))
             return _hand_back(reason, module, query, key, value, folded, scaling, dropout, kwargs)
     reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
     b, h, q_len, d_qk = query.shape

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mla_bridge.sparse_mha import sparse_attention_mha
-from mla_bridge_transformers.attention import _fold_indices, sparse_picks
+from mla_bridge_transformers.attention import fold_indices, sparse_picks
 
 
 def timed(fn, repeats: int) -> float:
@@ -65,7 +65,7 @@ def main() -> None:
             )
 
         def handed_back():
-            folded = _fold_indices(mask, indices, q, k, True)
+            folded = fold_indices(mask, indices, q, k, True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=folded, scale=scale)
 
         def dense():
