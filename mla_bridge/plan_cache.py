@@ -260,7 +260,10 @@ class PlanCache:
             backend=backend,
             strides=strides,
         )
-        qo, kv, key = _ragged_key(qo_indptr, kv_indptr, **args)
+        return self._get_keyed(*_ragged_key(qo_indptr, kv_indptr, **args), args)
+
+    def _get_keyed(self, qo: torch.Tensor, kv: torch.Tensor, key: Optional[tuple], args: dict) -> RaggedPlan:
+        """:meth:`get_ragged` once the host indptrs and the key are made (:func:`_ragged_key`)."""
         if key is not None:
             kept = self.lookup(key)
             if kept is not None:
@@ -309,9 +312,8 @@ class PlanCache:
         last_local, last_key = self._last_lens
         plan = self.lookup(last_key) if local[2] is not None and last_local == local else None
         if plan is None:
-            qo, kv = indptr_from_lens(query_lens), indptr_from_lens(kv_lens)
-            qo, kv, key = _ragged_key(qo, kv, **args)
-            plan = self.get_ragged(qo, kv, **args)
+            qo, kv, key = _ragged_key(indptr_from_lens(query_lens), indptr_from_lens(kv_lens), **args)
+            plan = self._get_keyed(qo, kv, key, args)  # the indptrs and the key made once
             self._last_lens = (local, key)
         return plan  # type: ignore[return-value]  # ragged keys never name a PrefillPlan
 
