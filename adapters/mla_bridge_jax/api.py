@@ -508,11 +508,13 @@ def _mla_callback(
     *,
     sparse: bool = False,
     scale_buffer: bool = False,
+    return_lse: bool = True,
 ) -> Callable:
     """The traced call's body; ``plans``: torch device -> its PrefillPlan (one entry, or one per device of a
     ``shard_map``); ``scale``: a Python float closed over, or None (no scale, or ``scale_buffer``: the scale is the
     last buffer, read on the device); ``prepared``: the prepared weight, a constant of the compiled function (not one
-    of XLA's buffers); ``sparse``: ``topk_indices`` is the buffer after ``block_table`` (before a scale buffer)."""
+    of XLA's buffers); ``sparse``: ``topk_indices`` is the buffer after ``block_table`` (before a scale buffer);
+    ``return_lse``: the call has the lse as its second output (else ``out`` alone: the lse is not written)."""
 
     def get_plan(device: torch.device) -> PrefillPlan:
         plan = plans.get(device)
@@ -525,21 +527,21 @@ def _mla_callback(
         return plan
 
     def callback(ctx, outs, *args):
-        out, lse = outs
         with xla_stream(ctx, buffer_device(args[0]), get_plan) as plan:
-            t_out, t_lse = torch.from_dlpack(out), torch.from_dlpack(lse)
+            t_out = torch.from_dlpack(outs[0])
             tensors = [torch.from_dlpack(a) for a in args]
             s = tensors.pop() if scale_buffer else scale
             topk = tensors.pop() if sparse else None
             if prepared is not None:
                 tensors.insert(3, prepared)
             try:  # block ids and picks are traced values: the core checks them (on a CPU plan) only now, at run time
-                _, lse_full = _core.mla_prefill(
-                    *tensors, plan, out=t_out, return_lse=True, kv_cache_scale=s, topk_indices=topk
+                result = _core.mla_prefill(
+                    *tensors, plan, out=t_out, return_lse=return_lse, kv_cache_scale=s, topk_indices=topk
                 )
             except (ValueError, TypeError, IndexError) as err:
                 raise _shallow(err, "mla_bridge_jax.mla_prefill") from None
-            t_lse.copy_(lse_full)
+            if return_lse:
+                torch.from_dlpack(outs[1]).copy_(result[1])
 
     return callback
 
@@ -665,10 +667,17 @@ def mla_prefill(
             *proxies, plan, kv_cache_scale=scale_proxy, topk_indices=topk_proxy
         )
     out_shape, lse_shape = plan.out_shapes
-    out_types = (jax.ShapeDtypeStruct(out_shape, jax_dtype(plan.dtype)), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
+    out_types = (jax.ShapeDtypeStruct(out_shape, jax_dtype(plan.dtype)),)
+    if return_lse:  # only then an lse buffer, and the core asked for it
+        out_types += (jax.ShapeDtypeStruct(lse_shape, jnp.float32),)
     body = _mla_callback(
-        plans, None if scale_array else kv_cache_scale, prepared, sparse=sparse, scale_buffer=scale_array
+        plans,
+        None if scale_array else kv_cache_scale,
+        prepared,
+        sparse=sparse,
+        scale_buffer=scale_array,
+        return_lse=return_lse,
     )
     call = buffer_callback(body, out_types, vmap_method="sequential")
-    out, lse = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *extra)
-    return (out, lse) if return_lse else out
+    outs = _inference_only(call, "mla_bridge_jax.mla_prefill")(*args, *extra)
+    return tuple(outs) if return_lse else outs[0]

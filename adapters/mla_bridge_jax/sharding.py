@@ -187,7 +187,7 @@ def sharded_mla_prefill(
         ValueError: ``axis`` not in ``mesh``; H not divisible by its size; ``plans`` planned for another number of
             heads per device than ``H / n``; errors of :func:`mla_bridge_jax.mla_prefill`.
     """
-    if not isinstance(return_lse, bool):  # mla_prefill inside the shard_map is always asked for the lse
+    if not isinstance(return_lse, bool):  # checked here: the shard_map's output specs depend on it
         raise not_a_bool("return_lse", return_lse)
     n = _axis_size(mesh, axis)
     if not hasattr(kv_b_proj_weight, "ndim"):
@@ -221,7 +221,7 @@ def sharded_mla_prefill(
 
     def body(*a):
         topk = a[6] if sparse else None
-        return mla_prefill(*a[:6], plans, return_lse=True, kv_cache_scale=kv_cache_scale, topk_indices=topk)
+        return mla_prefill(*a[:6], plans, return_lse=return_lse, kv_cache_scale=kv_cache_scale, topk_indices=topk)
 
-    out, lse = shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(heads, lse_spec))(*args)
-    return (out, lse) if return_lse else out
+    out_specs = (heads, lse_spec) if return_lse else heads
+    return shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
+import jax.extend.core  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
@@ -184,6 +185,46 @@ def test_mla_prefill_eager_and_jit():
     out = mj.mla_prefill(*args, table, plan)
     assert isinstance(out, jax.Array) and _equal(out, core_out)
     jout, jlse = jax.jit(lambda *a: mj.mla_prefill(*a, plan, return_lse=True))(*args, table)
+    assert _equal(jout, core_out) and _equal(jlse, core_lse)
+
+
+def _callback_outputs(fn, *args) -> list:
+    """The number of outputs of each buffer callback in ``fn``'s jaxpr (the XLA custom calls it compiles to)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if "callback" in eqn.primitive.name:
+                found.append(len(eqn.outvars))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_mla_prefill_under_jit_writes_an_lse_only_when_asked():
+    """Under jax.jit the custom call had an lse output (and the core computed and copied it) even where the caller
+    did not ask for it; now the call has ``out`` alone unless ``return_lse=True``, with the same values."""
+    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    rng = np.random.default_rng(5)
+    ql, cl, bs = [2, 3], [5, 0], 4
+    t = sum(ql)
+    args = [
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))
+    ]
+    table = jnp.asarray([[2, 0], [-1, -1]], jnp.int32)
+    plan = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.float32)
+    core_out, core_lse = mla_bridge.mla_prefill(
+        *(torch.from_dlpack(a) for a in args), torch.from_dlpack(table), plan, return_lse=True
+    )
+    without = lambda *a: mj.mla_prefill(*a, plan)  # noqa: E731
+    with_lse = lambda *a: mj.mla_prefill(*a, plan, return_lse=True)  # noqa: E731
+    assert _callback_outputs(without, *args, table) == [1]
+    assert _callback_outputs(with_lse, *args, table) == [2]
+    assert _equal(jax.jit(without)(*args, table), core_out)
+    jout, jlse = jax.jit(with_lse)(*args, table)
     assert _equal(jout, core_out) and _equal(jlse, core_lse)
 
 
