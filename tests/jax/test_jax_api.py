@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.extend.core  # noqa: E402
+from jax.extend.core import jaxprs_in_params  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 
@@ -196,7 +196,7 @@ def _callback_outputs(fn, *args) -> list:
         for eqn in jaxpr.eqns:
             if "callback" in eqn.primitive.name:
                 found.append(len(eqn.outvars))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            for sub in jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
