@@ -742,6 +742,11 @@ class PrefillPlan:
         return sum(c.num_tokens for c in self.chunks if c.plan is not None)
 
     @property
+    def capability(self) -> Optional[tuple[int, int]]:
+        """The CUDA device's compute capability ``(major, minor)``, read once at build; None off CUDA."""
+        return self._capability
+
+    @property
     def backend(self):
         """The :class:`BackendChoice` of the main pass (every pass uses the same dispatch table)."""
         return self.main.backend

@@ -136,6 +136,27 @@ class SparseChoice:
     forced: bool = False
 
 
+def sm90_kernel_serves(dims: MLADims, dtype: torch.dtype, capability: Optional[tuple[int, int]]) -> bool:
+    """Whether the Triton path's launches over the fused key latents run the Hopper kernel
+    (:mod:`mla_bridge.kernels.sparse_attention_sm90`, its warpgroups laid out by hand) rather than the portable one:
+    a device of compute capability 9.0 (``capability``, None off CUDA), a bf16/fp16 plan, ``kv_lora_rank`` a power
+    of two from 64 to 512, ``qk_rope_head_dim`` one from 16 to 128, and its query and two tiles of picked rows,
+    ``192 x (kv_lora_rank + qk_rope_head_dim)`` elements (216 KiB at 576), within :data:`_SM90_SMEM_BYTES`. Where
+    the latents are not gathered (the plan's choice) the portable kernel reads the cache itself."""
+    if capability != (9, 0) or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    rank, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
+    if rank not in (64, 128, 256, 512) or rope not in (16, 32, 64, 128):
+        return False
+    return 192 * (rank + rope) * 2 <= _SM90_SMEM_BYTES
+
+
+#: Shared memory the Hopper kernel may give its query and two tiles of picked rows: an SM90 block's 232448 bytes
+#: less 8 KiB for the exchange of the probabilities and row statistics between its warpgroups (4 KiB at 576,
+#: compiled for sm_90a with Triton 3.6).
+_SM90_SMEM_BYTES = 232448 - 8 * 1024
+
+
 def kernel_why_not(dims: MLADims, dtype: torch.dtype) -> Optional[str]:
     """Why the Triton kernel cannot serve dims ``dims`` at plan dtype ``dtype``, or None where it can (any device:
     the device is :func:`select_sparse`'s question)."""
@@ -346,18 +367,37 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
     h, nope = d.num_heads, d.qk_nope_head_dim
     w_uk, w_uv = weight.absorbed_weights()  # [H, nope, rank], [H, v, rank] in the plan's dtype
     meta = token_meta(plan)
+    latent, sm90 = None, False
     if plan.sparse_latent_meta is not None:
         # The context rows gathered once (an FP8 cache's dequantized) into the fused key latents (each request's
         # context, then its new tokens), which the kernel reads as new rows: no page lookup or conversion per tile
         latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather)
         meta, kv_cache, kv_cache_scale = plan.sparse_latent_meta, latent[:, None], None
         kv_c, k_pe = latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank :]
+        sm90 = sm90_kernel_serves(d, plan.dtype, plan.capability)
+    if sm90:
+        from .kernels.sparse_attention_sm90 import sparse_attention_sm90
+
+        topk_indices = topk_indices if topk_indices.stride(1) == 1 else topk_indices.contiguous()
     step = max(1, SPARSE_KERNEL_CHUNK_ROWS // max(1, h))
     for a in range(0, t, step):
         b = min(t, a + step)
         qa = q[a:b]
         q_lat = torch.bmm(qa[..., :nope].transpose(0, 1), w_uk)  # [H, n, rank]
         o_lat = torch.empty_like(q_lat)
+        if sm90:
+            sparse_attention_sm90(
+                o_lat.transpose(0, 1),
+                None if lse is None else lse[a:b],
+                q_lat.transpose(0, 1),
+                qa[..., nope:],
+                topk_indices[a:b],
+                meta[a:b],
+                latent,
+                d.softmax_scale,
+            )
+            out[a:b] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)
+            continue
         sparse_attention_triton(
             o_lat.transpose(0, 1),
             None if lse is None else lse[a:b],

@@ -404,6 +404,28 @@ def test_select_sparse_takes_the_kernel_on_cuda_and_torch_elsewhere_with_the_rea
     assert sparse.kernel_why_not(v32, torch.bfloat16) is None
 
 
+def test_the_hopper_kernel_serves_sm90_half_precision_shapes_whose_tiles_fit():
+    """The Triton path's launches over the gathered latents take the hand-laid-out Hopper kernel on compute
+    capability 9.0 only, for bf16/fp16 and the shapes whose query and two tiles fit shared memory."""
+    v32, glm5 = MLADims.preset("deepseek-v3.2"), MLADims.preset("glm-5")
+    for dims in (v32, glm5):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert sparse.sm90_kernel_serves(dims, dtype, (9, 0))
+        assert not sparse.sm90_kernel_serves(dims, torch.float32, (9, 0))
+        for cap in ((8, 0), (8, 9), (10, 0), (12, 0), None):
+            assert not sparse.sm90_kernel_serves(dims, torch.bfloat16, cap)
+
+    def dims_of(rank, rope):
+        return MLADims(num_heads=8, kv_lora_rank=rank, qk_nope_head_dim=64, qk_rope_head_dim=rope, v_head_dim=64)
+
+    assert sparse.sm90_kernel_serves(dims_of(256, 64), torch.bfloat16, (9, 0))
+    assert sparse.sm90_kernel_serves(dims_of(64, 16), torch.bfloat16, (9, 0))
+    assert not sparse.sm90_kernel_serves(dims_of(512, 128), torch.bfloat16, (9, 0))  # 192 x 640 x 2 bytes: too many
+    assert not sparse.sm90_kernel_serves(dims_of(512, 0), torch.bfloat16, (9, 0))  # no rope product
+    assert not sparse.sm90_kernel_serves(dims_of(384, 64), torch.bfloat16, (9, 0))  # half of 384: no wgmma N
+    assert not sparse.sm90_kernel_serves(dims_of(512, 48), torch.bfloat16, (9, 0))
+
+
 def test_mla_bridge_sparse_forces_a_path_or_says_why_it_cannot(monkeypatch, tiny_dims):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     v32 = MLADims.preset("deepseek-v3.2")

@@ -7,7 +7,9 @@ The torch path (``MLA_BRIDGE_SPARSE=torch``):
   same call on the CPU in float32 (itself checked against float64 in tests/test_sparse.py), at DeepSeek-V2-Lite dims,
   bf16 and FP8 caches, block sizes 1/16/64;
 * the Triton gather and the torch gather (MLA_BRIDGE_GATHER=torch) give bitwise the same sparse output.
-The Triton kernel (mla_bridge.kernels.sparse_attention, the default on CUDA), against the float64 sparse reference
+The Triton kernels (mla_bridge.kernels.sparse_attention, the default on CUDA, and on compute capability 9.0 the
+Hopper kernel of mla_bridge.kernels.sparse_attention_sm90 where the context is gathered into the fused key latents;
+its own test also compares it with the portable kernel directly), against the float64 sparse reference
 of tests/test_sparse.py (computed on the GPU in float64 from the same bf16 inputs) and against the torch path:
 * DeepSeek-V3.2 dims (128 heads) and DeepSeek-V2-Lite dims (16 heads), K = 2048 and K = 64, -1 padding, rows with
   fewer picks than K and rows without any, block sizes 1/16/64, context in the chunked schedule;
@@ -437,3 +439,82 @@ def test_a_sparse_layer_does_not_wait_for_the_gpu(ref, monkeypatch):
     assert issued < 0.25, f"issuing 3 sparse layers took {issued:.3f} s: the host waited for the GPU"
     for out, lse in outs:
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def _latent_case(t, c, h, k, dtype, pad, seed):
+    """Tokens ``c .. c + t - 1`` of one request whose fused key latents are ``lat`` (rows 0 .. c + t - 1), random
+    causal picks with a share ``pad`` of -1, and the rows the kernels read: sequence length ``own + 1``, first row 0."""
+    g = torch.Generator(device=dev()).manual_seed(seed)
+    lat = torch.randn(c + t, 576, device=dev(), generator=g).to(dtype)
+    q_lat = (torch.randn(t, h, 512, device=dev(), generator=g) * 0.1).to(dtype)
+    q_pe = torch.randn(t, h, 192, device=dev(), generator=g).to(dtype)[..., 128:]  # a view of q, as the pass passes
+    own = c + torch.arange(t, device=dev())
+    picks = (torch.rand(t, k, device=dev(), generator=g) * (own[:, None] + 1)).long().clamp(max=own[:, None])
+    picks[torch.rand(t, k, device=dev(), generator=g) < pad] = -1
+    zero = torch.zeros_like(own)
+    meta = torch.stack([zero, zero, own + 1, zero], 1).to(torch.int32)
+    return lat, q_lat, q_pe, picks.to(torch.int32), meta
+
+
+def _latent_reference(lat, q_lat, q_pe, idx, meta, scale):
+    """float64 attention of every token over its picks' rows of ``lat`` (-1 and picks past the sequence: none)."""
+    ix = idx.long()
+    ok = (ix >= 0) & (ix < meta[:, 2:3].long())
+    sel = lat[ix.clamp(min=0)].double()  # [t, k, 576]
+    s = (
+        torch.einsum("thr,tkr->thk", q_lat.double(), sel[..., :512])
+        + torch.einsum("thp,tkp->thk", q_pe.double(), sel[..., 512:])
+    ) * scale
+    s = s.masked_fill(~ok[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.einsum("thk,tkr->thr", p, sel[..., :512]), lse
+
+
+@pytest.mark.parametrize(
+    "t, c, h, k, dtype, pad",
+    [
+        (64, 300, 128, 256, torch.bfloat16, 0.0),
+        (64, 300, 16, 256, torch.bfloat16, 0.3),
+        (50, 1000, 80, 100, torch.bfloat16, 0.5),  # heads not a multiple of 64, K not of the tile
+        (40, 10, 64, 32, torch.float16, 0.0),  # fewer picks than one tile
+        (40, 10, 64, 2048, torch.bfloat16, 0.0),  # K beyond the sequence: repeated picks
+        (33, 5000, 128, 2048, torch.bfloat16, 1.0),  # no pick at all: out 0, lse -inf
+        (96, 4000, 128, 2048, torch.bfloat16, 0.1),
+    ],
+)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_hopper_kernel_against_float64_and_the_portable_kernel(t, c, h, k, dtype, pad, overlap):
+    """The Hopper kernel (mla_bridge.kernels.sparse_attention_sm90) over the fused key latents, against a float64
+    attention from the same inputs and no further from it than the portable Triton kernel is (the same rounding:
+    bf16 probabilities, a float32 online softmax)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel runs on compute capability 9.0")
+    from mla_bridge.kernels.sparse_attention import sparse_attention_triton
+    from mla_bridge.kernels.sparse_attention_sm90 import sparse_attention_sm90
+
+    lat, q_lat, q_pe, idx, meta = _latent_case(t, c, h, k, dtype, pad, seed=t + h + k)
+    scale = 192**-0.5
+    outs = []
+    for kernel in ("sm90", "portable"):
+        o = torch.full((t, h, 512), float("nan"), dtype=dtype, device=dev())
+        lse = torch.full((t, h), float("nan"), device=dev())
+        if kernel == "sm90":
+            sparse_attention_sm90(o, lse, q_lat, q_pe, idx, meta, lat, scale, overlap=overlap)
+        else:
+            table = torch.zeros(1, 1, dtype=torch.int32, device=dev())
+            sparse_attention_triton(
+                o, lse, q_lat, q_pe, idx, meta, lat[:, None], table, lat[:, :512], lat[:, 512:], None, scale
+            )
+        outs.append((o.double(), lse.double()))
+    exp_out, exp_lse = _latent_reference(lat, q_lat, q_pe, idx, meta, scale)
+    (o9, l9), (op, lp) = outs
+    assert not torch.isnan(o9).any() and not torch.isnan(l9).any()
+    assert torch.equal(torch.isinf(l9), torch.isinf(exp_lse)) and torch.equal(torch.isinf(exp_lse), torch.isinf(lp))
+    fin = torch.isfinite(exp_lse)
+    err9, errp = (o9 - exp_out).abs().max().item(), (op - exp_out).abs().max().item()
+    assert err9 <= max(2 * errp, 1e-2), (err9, errp)
+    if fin.any():
+        assert (l9 - exp_lse)[fin].abs().max().item() < 1e-3
+    if pad == 1.0:
+        assert torch.equal(o9, torch.zeros_like(o9))
