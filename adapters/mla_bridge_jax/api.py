@@ -667,7 +667,7 @@ def mla_prefill(
             *proxies, plan, kv_cache_scale=scale_proxy, topk_indices=topk_proxy
         )
     out_shape, lse_shape = plan.out_shapes
-    out_types = (jax.ShapeDtypeStruct(out_shape, jax_dtype(plan.dtype)),)
+    out_types: tuple = (jax.ShapeDtypeStruct(out_shape, jax_dtype(plan.dtype)),)
     if return_lse:  # only then an lse buffer, and the core asked for it
         out_types += (jax.ShapeDtypeStruct(lse_shape, jnp.float32),)
     body = _mla_callback(
