@@ -60,6 +60,11 @@ takes fp16/bf16/float32 plans, ``kv_lora_rank`` up to :data:`SPARSE_KERNEL_MAX_R
 :data:`SPARSE_KERNEL_MAX_ROPE` (0 included), any block size, bf16/fp16/float32 and FP8 e4m3 caches. On CUDA a pick
 past its request's sequence is skipped by the kernel, never read (the indices are not checked there).
 
+On compute capability 9.0 the launches over the gathered latents of a bf16/fp16 plan run the Hopper kernel of
+:mod:`mla_bridge.kernels.sparse_attention_sm90` (:func:`sm90_kernel_serves`): the same function, each score
+computed once where the portable kernel's layout computes it twice, rounded as the portable kernel rounds (equal
+within rounding: the products' order differs).
+
 *The torch path.* Float32 arithmetic: the selected rows are gathered in the plan's dtype, an FP8 cache's
 dequantized into it as the dense gather does, and then read as float32; ``out`` is rounded once to the plan's dtype.
 Queries go in chunks of at most :data:`SPARSE_CHUNK_QUERIES` and at most :data:`SPARSE_CHUNK_PAIRS` (query, selected
@@ -82,6 +87,7 @@ from . import switches
 from .cache import fused_latent, gather_latent
 from .dims import MLADims
 from .kernels import triton_available, triton_interpreting
+from .kernels import triton_version as kernel_triton_version
 from .plan import PrefillPlan
 from .weights import PreparedKVBProj
 
@@ -136,19 +142,30 @@ class SparseChoice:
     forced: bool = False
 
 
-def sm90_kernel_serves(dims: MLADims, dtype: torch.dtype, capability: Optional[tuple[int, int]]) -> bool:
+def sm90_kernel_serves(
+    dims: MLADims,
+    dtype: torch.dtype,
+    capability: Optional[tuple[int, int]],
+    triton_version: Optional[tuple[int, int]] = None,
+) -> bool:
     """Whether the Triton path's launches over the fused key latents run the Hopper kernel
     (:mod:`mla_bridge.kernels.sparse_attention_sm90`, its warpgroups laid out by hand) rather than the portable one:
-    a device of compute capability 9.0 (``capability``, None off CUDA), a bf16/fp16 plan, ``kv_lora_rank`` a power
-    of two from 64 to 512, ``qk_rope_head_dim`` one from 16 to 128, and its query and two tiles of picked rows,
-    ``192 x (kv_lora_rank + qk_rope_head_dim)`` elements (216 KiB at 576), within :data:`_SM90_SMEM_BYTES`. Where
-    the latents are not gathered (the plan's choice) the portable kernel reads the cache itself."""
-    if capability != (9, 0) or dtype not in (torch.float16, torch.bfloat16):
+    a device of compute capability 9.0 (``capability``, None off CUDA); Triton 3.6 (``triton_version``, default the
+    one that imports: the Gluon dialect the kernel is written in changes between releases, 3.9 renamed its
+    asynchronous copies, so other versions run the portable kernel); a bf16/fp16 plan of at least 64 heads (the
+    kernel's blocks are 64 heads: fewer would multiply padding); ``kv_lora_rank`` 64, 128, 256 or 512 and
+    ``qk_rope_head_dim`` 16, 32, 64 or 128 (powers of two, each warpgroup's half of the latent columns a wgmma
+    width); and its query and two tiles of picked rows, ``192 x (kv_lora_rank + qk_rope_head_dim)`` elements
+    (216 KiB at 576), within :data:`_SM90_SMEM_BYTES`. Where the latents are not gathered (the plan's choice) the
+    portable kernel reads the cache itself."""
+    if capability != (9, 0) or dtype not in (torch.float16, torch.bfloat16) or dims.num_heads < 64:
         return False
     rank, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
     if rank not in (64, 128, 256, 512) or rope not in (16, 32, 64, 128):
         return False
-    return 192 * (rank + rope) * 2 <= _SM90_SMEM_BYTES
+    if 192 * (rank + rope) * 2 > _SM90_SMEM_BYTES:
+        return False
+    return (kernel_triton_version() if triton_version is None else triton_version) == (3, 6)
 
 
 #: Shared memory the Hopper kernel may give its query and two tiles of picked rows: an SM90 block's 232448 bytes
@@ -374,7 +391,8 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
         latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather)
         meta, kv_cache, kv_cache_scale = plan.sparse_latent_meta, latent[:, None], None
         kv_c, k_pe = latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank :]
-        sm90 = sm90_kernel_serves(d, plan.dtype, plan.capability)
+        # (the 16-byte copies need rows a multiple of 16 elements apart, as the fused latents' 576 are)
+        sm90 = latent.stride(0) % 16 == 0 and sm90_kernel_serves(d, plan.dtype, plan.capability)
     if sm90:
         from .kernels.sparse_attention_sm90 import sparse_attention_sm90
 

@@ -406,24 +406,29 @@ def test_select_sparse_takes_the_kernel_on_cuda_and_torch_elsewhere_with_the_rea
 
 def test_the_hopper_kernel_serves_sm90_half_precision_shapes_whose_tiles_fit():
     """The Triton path's launches over the gathered latents take the hand-laid-out Hopper kernel on compute
-    capability 9.0 only, for bf16/fp16 and the shapes whose query and two tiles fit shared memory."""
+    capability 9.0 with Triton 3.6 only (its Gluon dialect changes between releases), for bf16/fp16, 64 heads or
+    more, and the shapes whose query and two tiles fit shared memory."""
     v32, glm5 = MLADims.preset("deepseek-v3.2"), MLADims.preset("glm-5")
+    t36 = (3, 6)
     for dims in (v32, glm5):
         for dtype in (torch.bfloat16, torch.float16):
-            assert sparse.sm90_kernel_serves(dims, dtype, (9, 0))
-        assert not sparse.sm90_kernel_serves(dims, torch.float32, (9, 0))
+            assert sparse.sm90_kernel_serves(dims, dtype, (9, 0), t36)
+        assert not sparse.sm90_kernel_serves(dims, torch.float32, (9, 0), t36)
         for cap in ((8, 0), (8, 9), (10, 0), (12, 0), None):
-            assert not sparse.sm90_kernel_serves(dims, torch.bfloat16, cap)
+            assert not sparse.sm90_kernel_serves(dims, torch.bfloat16, cap, t36)
+        for version in ((3, 5), (3, 9), (4, 0), None):  # None: no Triton
+            assert not sparse.sm90_kernel_serves(dims, torch.bfloat16, (9, 0), version)
 
-    def dims_of(rank, rope):
-        return MLADims(num_heads=8, kv_lora_rank=rank, qk_nope_head_dim=64, qk_rope_head_dim=rope, v_head_dim=64)
+    def dims_of(rank, rope, heads=64):
+        return MLADims(num_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=64, qk_rope_head_dim=rope, v_head_dim=64)
 
-    assert sparse.sm90_kernel_serves(dims_of(256, 64), torch.bfloat16, (9, 0))
-    assert sparse.sm90_kernel_serves(dims_of(64, 16), torch.bfloat16, (9, 0))
-    assert not sparse.sm90_kernel_serves(dims_of(512, 128), torch.bfloat16, (9, 0))  # 192 x 640 x 2 bytes: too many
-    assert not sparse.sm90_kernel_serves(dims_of(512, 0), torch.bfloat16, (9, 0))  # no rope product
-    assert not sparse.sm90_kernel_serves(dims_of(384, 64), torch.bfloat16, (9, 0))  # half of 384: no wgmma N
-    assert not sparse.sm90_kernel_serves(dims_of(512, 48), torch.bfloat16, (9, 0))
+    assert sparse.sm90_kernel_serves(dims_of(256, 64), torch.bfloat16, (9, 0), t36)
+    assert sparse.sm90_kernel_serves(dims_of(64, 16, heads=80), torch.bfloat16, (9, 0), t36)
+    assert not sparse.sm90_kernel_serves(dims_of(512, 64, heads=32), torch.bfloat16, (9, 0), t36)  # blocks of 64
+    assert not sparse.sm90_kernel_serves(dims_of(512, 128), torch.bfloat16, (9, 0), t36)  # 192 x 640 x 2 bytes
+    assert not sparse.sm90_kernel_serves(dims_of(512, 0), torch.bfloat16, (9, 0), t36)  # no rope product
+    assert not sparse.sm90_kernel_serves(dims_of(384, 64), torch.bfloat16, (9, 0), t36)  # half of 384: no wgmma N
+    assert not sparse.sm90_kernel_serves(dims_of(512, 48), torch.bfloat16, (9, 0), t36)
 
 
 def test_mla_bridge_sparse_forces_a_path_or_says_why_it_cannot(monkeypatch, tiny_dims):

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
-__all__ = ["triton_available", "triton_interpreting", "cdiv", "next_power_of_2"]
+__all__ = ["triton_available", "triton_version", "triton_interpreting", "cdiv", "next_power_of_2"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -17,6 +18,17 @@ def triton_available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def triton_version() -> Optional[tuple[int, int]]:
+    """``(major, minor)`` of the Triton that imports here, or None where none does."""
+    if not triton_available():
+        return None
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def triton_interpreting() -> bool:

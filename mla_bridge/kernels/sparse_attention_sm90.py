@@ -21,7 +21,7 @@ product, 576 of the 1088 multiply-adds per (head, pick), is done twice. Here the
 
 Shared memory: ``(64 + 2 x 64) x (kv_lora_rank + qk_rope_head_dim)`` elements (216 KiB at 576 bf16) plus the
 exchange of ``P`` and the row statistics; :func:`mla_bridge.sparse.sm90_kernel_serves` says which shapes it takes. Imported on first use only (needs
-Triton with Gluon, 3.5 or newer, and an SM90 device).
+Triton 3.6, whose Gluon API it is written against, and an SM90 device).
 """
 
 from __future__ import annotations
@@ -143,7 +143,6 @@ def _sparse_sm90_kernel(
     RANK: gl.constexpr,
     ROPE: gl.constexpr,
     HAS_LSE: gl.constexpr,
-    OVERLAP: gl.constexpr,
 ):
     BH: gl.constexpr = 64
     BK: gl.constexpr = 64
@@ -217,51 +216,17 @@ def _sparse_sm90_kernel(
     m_i = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
     l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_L))
     acc = gl.zeros([BH, RANK], gl.float32, layout=O_L)
-    if OVERLAP:
-        # the next tile's copies are queued one tile ahead; each tile's score product is issued right behind the
-        # last tile's P @ c, so the tensor cores run both back to back while the copies of the tile after land
-        _issue_tile(
-            c_bufs.index(1),
-            pe_bufs.index(1),
-            lat_ptr,
-            lat_row,
-            idx_row,
-            BK,
-            kmax,
-            seq_len,
-            new_base,
-            RANK,
-            ROPE,
-            BK,
-            C_LD,
-            PE_LD,
-        )
-        async_copy.commit_group()
-        async_copy.wait_group(1)
+    for i in range(n_tiles):
+        # every warp is done with the buffer the next copies fill (read by the last tile's products)
         gl.thread_barrier()
-        fence_async_shared()
-        s = _scores(q_smem, qp_smem, c_bufs.index(0), pe_bufs.index(0), BH, BK, S_L)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        for i in range(n_tiles):
-            m_i, l_i, alpha, p_op = _softmax_step(
-                s, m_i, l_i, idx_row, i * BK, kmax, seq_len, qk_scale, BK, S_L, O_L, P_L, dt
-            )
-            acc = acc * alpha[:, None]
-            acc = warpgroup_mma(p_op, c_bufs.index(i % 2), acc, is_async=True)
-            async_copy.wait_group(0)  # tile i + 1 (queued a tile ago) has landed
-            gl.thread_barrier()
-            fence_async_shared()
-            # past the last tile this reads zero-filled rows, and the scores are not used
-            s = _scores(q_smem, qp_smem, c_bufs.index((i + 1) % 2), pe_bufs.index((i + 1) % 2), BH, BK, S_L)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # this warpgroup's P @ c of tile i is done
-            gl.thread_barrier()  # ... and the other's: its buffer takes tile i + 2
+        if i + 1 < n_tiles:
             _issue_tile(
-                c_bufs.index(i % 2),
-                pe_bufs.index(i % 2),
+                c_bufs.index((i + 1) % 2),
+                pe_bufs.index((i + 1) % 2),
                 lat_ptr,
                 lat_row,
                 idx_row,
-                (i + 2) * BK,
+                (i + 1) * BK,
                 kmax,
                 seq_len,
                 new_base,
@@ -271,41 +236,18 @@ def _sparse_sm90_kernel(
                 C_LD,
                 PE_LD,
             )
-            async_copy.commit_group()
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    else:
-        for i in range(n_tiles):
-            # every warp is done with the buffer the next copies fill (read by the last tile's products)
-            gl.thread_barrier()
-            if i + 1 < n_tiles:
-                _issue_tile(
-                    c_bufs.index((i + 1) % 2),
-                    pe_bufs.index((i + 1) % 2),
-                    lat_ptr,
-                    lat_row,
-                    idx_row,
-                    (i + 1) * BK,
-                    kmax,
-                    seq_len,
-                    new_base,
-                    RANK,
-                    ROPE,
-                    BK,
-                    C_LD,
-                    PE_LD,
-                )
-            async_copy.commit_group()
-            async_copy.wait_group(1)  # this tile's copies (the group before the one just committed) have landed
-            gl.thread_barrier()
-            fence_async_shared()
-            s = _scores(q_smem, qp_smem, c_bufs.index(i % 2), pe_bufs.index(i % 2), BH, BK, S_L)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            m_i, l_i, alpha, p_op = _softmax_step(
-                s, m_i, l_i, idx_row, i * BK, kmax, seq_len, qk_scale, BK, S_L, O_L, P_L, dt
-            )
-            acc = acc * alpha[:, None]
-            acc = warpgroup_mma(p_op, c_bufs.index(i % 2), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # this tile's copies (the group before the one just committed) have landed
+        gl.thread_barrier()
+        fence_async_shared()
+        s = _scores(q_smem, qp_smem, c_bufs.index(i % 2), pe_bufs.index(i % 2), BH, BK, S_L)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        m_i, l_i, alpha, p_op = _softmax_step(
+            s, m_i, l_i, idx_row, i * BK, kmax, seq_len, qk_scale, BK, S_L, O_L, P_L, dt
+        )
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_op, c_bufs.index(i % 2), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
@@ -333,7 +275,6 @@ def sparse_attention_sm90(
     token_meta: torch.Tensor,
     latent: torch.Tensor,
     sm_scale: float,
-    overlap: bool = True,
 ) -> None:
     """One launch over ``n`` tokens whose picks are rows of ``latent`` (module docstring).
 
@@ -346,9 +287,8 @@ def sparse_attention_sm90(
         token_meta: int32 ``[n, 4]`` contiguous, :attr:`mla_bridge.PrefillPlan.sparse_latent_meta`'s rows: only the
             sequence length (column 2) and the request's first row of ``latent`` (column 3) are read.
         latent: ``[R, kv_lora_rank + qk_rope_head_dim]`` in q_lat's dtype, unit last stride, its row stride a multiple
-            of 8 elements and its data 16-byte aligned (the copies are 16 bytes).
+            of 16 elements and its data 16-byte aligned (the copies are 16 bytes).
         sm_scale: the softmax scale.
-        overlap: queue each tile's score product behind the last tile's ``P @ c`` (else one after the other).
     """
     n, h, rank = q_lat.shape
     if n == 0 or h == 0:
@@ -378,6 +318,5 @@ def sparse_attention_sm90(
         RANK=rank,
         ROPE=q_pe.shape[-1],
         HAS_LSE=lse is not None,
-        OVERLAP=overlap,
         num_warps=NUM_WARPS,
     )

@@ -55,6 +55,12 @@ SCRIPT = textwrap.dedent("""
             assert {s.data.shape for s in out.addressable_shards} == {(t, 8 // n, 16)}
             np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6, err_msg=name)
             np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6, err_msg=name)
+        # without return_lse: out alone (the shard_map has one output), the same values
+        run = lambda *a: mj.sharded_mla_prefill(*a, plans, mesh=mesh, axis="heads")
+        for name, out in (("eager", run(q, kv_c, k_pe, w, cache, table)),
+                          ("jit", jax.jit(run)(q, kv_c, k_pe, w, cache, table))):
+            assert isinstance(out, jax.Array) and len(out.sharding.device_set) == n, (name, type(out))
+            np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-6, atol=1e-6, err_msg=name)
     # sparse attention: the same indices (replicated) on every device, plans built with index_topk
     own = [c + j for q_len, c in zip(ql, cl) for j in range(q_len)]
     idx = np.full((t, 6), -1, np.int32)
