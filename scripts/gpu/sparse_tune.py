@@ -7,7 +7,10 @@ compile them for sm_90a without one and read what ptxas reports.
 On the GPU: one request of ``--tokens`` new tokens after ``--context`` cached ones (bf16, block size 64, DeepSeek-V3.2
 dims at ``--heads`` heads), random causal picks (every row full), and per config the median time of the kernel's
 launch alone (``q_lat`` / ``o_lat`` made once), its TFLOP/s (2 x picks x heads x (kv_lora_rank + rope + kv_lora_rank)
-FLOPs) and the largest difference of its ``o_lat`` from the default config's. ``--fp8`` times an FP8 cache.
+FLOPs) and the largest difference of its ``o_lat`` from the default config's. ``--fp8`` times an FP8 cache. Then
+(bf16) the route of gathered latents, as the sparse pass runs it where the context fits one chunk's memory: the
+portable kernel and, on compute capability 9.0 with Triton 3.6, the Hopper kernel
+(mla_bridge.kernels.sparse_attention_sm90) on the same picks.
 
 ``--offline`` compiles each config with Triton for ``cuda:90`` (no device needed) and runs the ptxas Triton ships
 (``ptxas-blackwell``, new enough for Triton's PTX) with ``-v``: registers per thread, spilled bytes, shared memory and
@@ -172,6 +175,56 @@ def on_gpu(args) -> None:
         diff = 0.0 if ref is None else float((o.float() - ref.float()).abs().max())
         ref = o if ref is None else ref
         print(f"{cfg}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, max |o_lat - default's| {diff:.3g}")
+    if not args.fp8:
+        latents(args, q_lat, q_pe, idx, flops, lse)
+
+
+def median_ms(run, repeats: int) -> float:
+    """The median time of ``run()`` in ms (CUDA events; one call first)."""
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def latents(args, q_lat, q_pe, idx, flops, lse) -> None:
+    """The route of gathered latents (every pick a row of one contiguous buffer, as the sparse pass lays the fused key
+    latents out): the portable kernel's default tiles and, on compute capability 9.0 with Triton 3.6, the Hopper
+    kernel (mla_bridge.kernels.sparse_attention_sm90), on the same picks."""
+    from mla_bridge.kernels import triton_version
+    from mla_bridge.kernels.sparse_attention import sparse_attention_triton
+
+    dev, (t, h, rank), c = q_lat.device, q_lat.shape, args.context
+    lat = torch.randn(c + t, rank + q_pe.shape[-1], device=dev).to(torch.bfloat16)
+    own = c + torch.arange(t, device=dev)
+    zero = torch.zeros_like(own)
+    meta = torch.stack([zero, zero, own + 1, zero], 1).to(torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    scale = 192**-0.5
+    o_port, o_h = (torch.empty(t, h, rank, dtype=torch.bfloat16, device=dev) for _ in range(2))
+
+    def portable():
+        sparse_attention_triton(
+            o_port, lse, q_lat, q_pe, idx, meta, lat[:, None], table, lat[:, :rank], lat[:, rank:], None, scale
+        )
+
+    ms = median_ms(portable, args.repeats)
+    print(f"latents, portable kernel: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
+    if torch.cuda.get_device_capability(dev) != (9, 0) or triton_version() != (3, 6):
+        print("latents, Hopper kernel: not run (compute capability 9.0 and Triton 3.6 only)")
+        return
+    from mla_bridge.kernels.sparse_attention_sm90 import sparse_attention_sm90
+
+    ms = median_ms(lambda: sparse_attention_sm90(o_h, lse, q_lat, q_pe, idx, meta, lat, scale), args.repeats)
+    diff = float((o_h.float() - o_port.float()).abs().max())
+    print(f"latents, Hopper kernel: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, max |o_lat - portable's| {diff:.3g}")
 
 
 def main() -> int:
