@@ -397,37 +397,24 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
         from .kernels.sparse_attention_sm90 import sparse_attention_sm90
 
         topk_indices = topk_indices if topk_indices.stride(1) == 1 else topk_indices.contiguous()
+        rows = (latent,)  # every pick a row of the gathered latents
+    else:
+        rows = (kv_cache, block_table, kv_c, k_pe, kv_cache_scale)
+    kernel = sparse_attention_sm90 if sm90 else sparse_attention_triton
     step = max(1, SPARSE_KERNEL_CHUNK_ROWS // max(1, h))
     for a in range(0, t, step):
         b = min(t, a + step)
         qa = q[a:b]
         q_lat = torch.bmm(qa[..., :nope].transpose(0, 1), w_uk)  # [H, n, rank]
         o_lat = torch.empty_like(q_lat)
-        if sm90:
-            sparse_attention_sm90(
-                o_lat.transpose(0, 1),
-                None if lse is None else lse[a:b],
-                q_lat.transpose(0, 1),
-                qa[..., nope:],
-                topk_indices[a:b],
-                meta[a:b],
-                latent,
-                d.softmax_scale,
-            )
-            out[a:b] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)
-            continue
-        sparse_attention_triton(
+        kernel(
             o_lat.transpose(0, 1),
             None if lse is None else lse[a:b],
             q_lat.transpose(0, 1),
             qa[..., nope:],
             topk_indices[a:b],
             meta[a:b],
-            kv_cache,
-            block_table,
-            kv_c,
-            k_pe,
-            kv_cache_scale,
+            *rows,
             d.softmax_scale,
         )
         out[a:b] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [n, H, v]

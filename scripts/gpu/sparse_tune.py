@@ -162,16 +162,7 @@ def on_gpu(args) -> None:
         except Exception as err:  # noqa: BLE001 - a config that does not compile is reported, not fatal
             print(f"{cfg}: failed: {type(err).__name__}: {str(err)[:200]}")
             continue
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        ms = sorted(times)[len(times) // 2]
+        ms = median_ms(run, args.repeats)
         diff = 0.0 if ref is None else float((o.float() - ref.float()).abs().max())
         ref = o if ref is None else ref
         print(f"{cfg}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, max |o_lat - default's| {diff:.3g}")

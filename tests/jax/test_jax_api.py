@@ -169,16 +169,22 @@ def test_empty_batch_and_no_keys():
     assert out.shape == (0, 4, 128) and lse.shape == (0, 4)
 
 
-def test_mla_prefill_eager_and_jit():
+def _mla_case(seed: int):
+    """q, kv_c, k_pe, the raw weight and a cache (float32 JAX arrays), the block table and the lengths of a two-request
+    batch (2 new tokens after 5 cached, then 3 new) of 4 small heads."""
     dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     ql, cl, bs = [2, 3], [5, 0], 4
     t = sum(ql)
     args = [
         jnp.asarray(rng.standard_normal(s), jnp.float32)
         for s in ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))
     ]
-    table = jnp.asarray([[2, 0], [-1, -1]], jnp.int32)
+    return dims, args, jnp.asarray([[2, 0], [-1, -1]], jnp.int32), ql, cl, bs
+
+
+def test_mla_prefill_eager_and_jit():
+    dims, args, table, ql, cl, bs = _mla_case(3)
     plan = mj.build_plan(jnp.asarray(ql), np.asarray(cl), dims=dims, block_size=bs, dtype=jnp.float32)
     targs = [torch.from_dlpack(a) for a in args] + [torch.from_dlpack(table)]
     core_out, core_lse = mla_bridge.mla_prefill(*targs, plan, return_lse=True)
@@ -206,15 +212,7 @@ def _callback_outputs(fn, *args) -> list:
 def test_mla_prefill_under_jit_writes_an_lse_only_when_asked():
     """Under jax.jit the custom call had an lse output (and the core computed and copied it) even where the caller
     did not ask for it; now the call has ``out`` alone unless ``return_lse=True``, with the same values."""
-    dims = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    rng = np.random.default_rng(5)
-    ql, cl, bs = [2, 3], [5, 0], 4
-    t = sum(ql)
-    args = [
-        jnp.asarray(rng.standard_normal(s), jnp.float32)
-        for s in ((t, 4, 24), (t, 32), (t, 8), dims.kv_b_proj_shape, (3, bs, 40))
-    ]
-    table = jnp.asarray([[2, 0], [-1, -1]], jnp.int32)
+    dims, args, table, ql, cl, bs = _mla_case(5)
     plan = mj.build_plan(ql, cl, dims=dims, block_size=bs, dtype=jnp.float32)
     core_out, core_lse = mla_bridge.mla_prefill(
         *(torch.from_dlpack(a) for a in args), torch.from_dlpack(table), plan, return_lse=True
