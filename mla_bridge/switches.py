@@ -128,7 +128,8 @@ SWITCHES: tuple[Switch, ...] = (
         SPARSE,
         " | ".join(SPARSE_IMPLS) + " | auto; case-insensitive",
         "auto",
-        "the sparse attention (topk_indices): the Triton kernel or torch",
+        "the sparse attention (topk_indices): the Triton kernels (on compute capability 9.0 with Triton 3.6 the "
+        "Hopper one over gathered latents) or torch",
         "mla_bridge.sparse, per call (select_sparse)",
     ),
     Switch(
