@@ -397,10 +397,9 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
         from .kernels.sparse_attention_sm90 import sparse_attention_sm90
 
         topk_indices = topk_indices if topk_indices.stride(1) == 1 else topk_indices.contiguous()
-        rows = (latent,)  # every pick a row of the gathered latents
+        kernel, rows = sparse_attention_sm90, (latent,)  # every pick a row of the gathered latents
     else:
-        rows = (kv_cache, block_table, kv_c, k_pe, kv_cache_scale)
-    kernel = sparse_attention_sm90 if sm90 else sparse_attention_triton
+        kernel, rows = sparse_attention_triton, (kv_cache, block_table, kv_c, k_pe, kv_cache_scale)
     step = max(1, SPARSE_KERNEL_CHUNK_ROWS // max(1, h))
     for a in range(0, t, step):
         b = min(t, a + step)

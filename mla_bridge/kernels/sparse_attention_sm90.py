@@ -20,8 +20,8 @@ product, 576 of the 1088 multiply-adds per (head, pick), is done twice. Here the
   multiplied.
 
 Shared memory: ``(64 + 2 x 64) x (kv_lora_rank + qk_rope_head_dim)`` elements (216 KiB at 576 bf16) plus the
-exchange of ``P`` and the row statistics; :func:`mla_bridge.sparse.sm90_kernel_serves` says which shapes it takes. Imported on first use only (needs
-Triton 3.6, whose Gluon API it is written against, and an SM90 device).
+exchange of ``P`` and the row statistics; :func:`mla_bridge.sparse.sm90_kernel_serves` says which shapes it takes.
+Imported on first use only (needs Triton 3.6, whose Gluon API it is written against, and an SM90 device).
 """
 
 from __future__ import annotations
