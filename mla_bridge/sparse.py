@@ -396,7 +396,6 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
     if sm90:
         from .kernels.sparse_attention_sm90 import sparse_attention_sm90
 
-        topk_indices = topk_indices if topk_indices.stride(1) == 1 else topk_indices.contiguous()
         kernel, rows = sparse_attention_sm90, (latent,)  # every pick a row of the gathered latents
     else:
         kernel, rows = sparse_attention_triton, (kv_cache, block_table, kv_c, k_pe, kv_cache_scale)

@@ -282,8 +282,10 @@ def sparse_attention_sm90(
         o_lat: ``[n, H, kv_lora_rank]`` out (unit last stride), written in its dtype.
         lse: ``[n, H]`` float32 out (natural log; -inf for a row without keys), or None.
         q_lat: ``[n, H, kv_lora_rank]`` latent queries, unit last stride, bf16 or fp16 (the compute dtype).
-        q_pe: ``[n, H, qk_rope_head_dim]`` rope queries, unit last stride.
-        topk_indices: int32 ``[n, K]`` positions in each token's request sequence, -1 for none, unit last stride.
+        q_pe: ``[n, H, qk_rope_head_dim]`` rope queries (a view of q: any strides; copied here where its last
+            stride is not 1, which the kernel's loads assume).
+        topk_indices: int32 ``[n, K]`` positions in each token's request sequence, -1 for none (copied here where its
+            last stride is not 1).
         token_meta: int32 ``[n, 4]`` contiguous, :attr:`mla_bridge.PrefillPlan.sparse_latent_meta`'s rows: only the
             sequence length (column 2) and the request's first row of ``latent`` (column 3) are read.
         latent: ``[R, kv_lora_rank + qk_rope_head_dim]`` in q_lat's dtype, unit last stride, its row stride a multiple
@@ -293,6 +295,8 @@ def sparse_attention_sm90(
     n, h, rank = q_lat.shape
     if n == 0 or h == 0:
         return
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    topk_indices = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     grid = (n * cdiv(h, BLOCK_H),)
     _sparse_sm90_kernel[grid](
         o_lat,

@@ -528,3 +528,28 @@ def test_hopper_kernel_against_float64_and_the_portable_kernel(t, c, h, k, dtype
         assert (l9 - exp_lse)[fin].abs().max().item() < 1e-3
     if pad == 1.0:
         assert torch.equal(o9, torch.zeros_like(o9))
+
+
+def test_hopper_kernel_reads_strided_rope_queries_and_picks():
+    """q may come with any strides (mla_prefill reads it in place), and its rope part reaches the kernel as a view:
+    a rope query and picks whose last stride is not 1 give bitwise the results of contiguous copies."""
+    from mla_bridge.kernels import triton_version
+
+    if torch.cuda.get_device_capability() != (9, 0) or triton_version() != (3, 6):
+        pytest.skip("the Hopper kernel runs on compute capability 9.0 with Triton 3.6")
+    from mla_bridge.kernels.sparse_attention_sm90 import sparse_attention_sm90
+
+    lat, q_lat, q_pe, idx, meta = _latent_case(40, 700, 64, 256, torch.bfloat16, 0.2, seed=7)
+    wide_pe = torch.zeros(*q_pe.shape[:2], 2 * q_pe.shape[2], dtype=q_pe.dtype, device=dev())
+    wide_pe[..., ::2] = q_pe
+    wide_idx = torch.full((idx.shape[0], 2 * idx.shape[1]), -7, dtype=idx.dtype, device=dev())
+    wide_idx[:, ::2] = idx
+    got, want = [], []
+    for pe, ix, into in ((wide_pe[..., ::2], wide_idx[:, ::2], got), (q_pe.contiguous(), idx.contiguous(), want)):
+        assert (pe.stride(-1) != 1) == (into is got) and (ix.stride(-1) != 1) == (into is got)
+        o = torch.empty(40, 64, 512, dtype=torch.bfloat16, device=dev())
+        lse = torch.empty(40, 64, device=dev())
+        sparse_attention_sm90(o, lse, q_lat, pe, ix, meta, lat, 192**-0.5)
+        into.extend((o, lse))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.isfinite(want[1]).all()
