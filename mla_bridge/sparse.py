@@ -391,8 +391,9 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
         latent = fused_latent(plan, kv_c, k_pe, kv_cache, block_table, kv_cache_scale, impl=gather)
         meta, kv_cache, kv_cache_scale = plan.sparse_latent_meta, latent[:, None], None
         kv_c, k_pe = latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank :]
-        # (the 16-byte copies need rows a multiple of 16 elements apart, as the fused latents' 576 are)
-        sm90 = latent.stride(0) % 16 == 0 and sm90_kernel_serves(d, plan.dtype, plan.capability)
+        # (its 16-byte copies need aligned rows a multiple of 16 elements apart, as the fused latents' 576 are)
+        aligned = latent.stride(0) % 16 == 0 and latent.data_ptr() % 16 == 0
+        sm90 = aligned and sm90_kernel_serves(d, plan.dtype, plan.capability)
     if sm90:
         from .kernels.sparse_attention_sm90 import sparse_attention_sm90
 
