@@ -118,10 +118,21 @@ def _proxy(shape: Sequence[int], dtype: Any, device: torch.device, fill: float =
 MAX_TRACED_PLANS = shared_plan_cache().maxsize
 
 
+#: How many live :class:`_Plans` use each key of the shared plan cache (compiled functions of the same batch share
+#: one plan): a plan is dropped from the cache when its last user dies, not its first.
+_KEY_USERS: dict[tuple, int] = {}
+# Reentrant: _discard is a finalizer, which a collection may run inside this lock's own sections in this thread
+_KEY_USERS_LOCK = threading.RLock()
+
+
 def _discard(keys: dict) -> None:
     cache = shared_plan_cache()
-    for key in list(keys.values()):
-        cache.discard(key)
+    with _KEY_USERS_LOCK:
+        for key in [k for k in keys.values() if k is not None]:
+            _KEY_USERS[key] -= 1
+            if _KEY_USERS[key] == 0:
+                del _KEY_USERS[key]
+                cache.discard(key)
 
 
 class _Plans:
@@ -132,9 +143,9 @@ class _Plans:
     over several devices): this object keeps only their keys.
 
     The shared cache bounds the plans held (least recently used out); this object's plans are dropped from it when it
-    dies, i.e. with the compiled function whose callback holds it; an evicted one is made again on its next use (host
-    planning, the run ordered after its copies by the core). The core keeps a dropped plan's wrapper out of the pool
-    until the GPU has finished the work queued with it."""
+    dies, i.e. with the compiled function whose callback holds it, unless another live one uses the same plan; an
+    evicted one is made again on its next use (host planning, the run ordered after its copies by the core). The
+    core keeps a dropped plan's wrapper out of the pool until the GPU has finished the work queued with it."""
 
     def __init__(self, spec: Optional[dict] = None, plan: Optional[RaggedPlan] = None):
         self._spec, self._plan = spec, plan  # one or the other
@@ -156,7 +167,11 @@ class _Plans:
         if plan is None:
             spec = dict(self._spec, workspace=default_workspace(device))
             plan = cache.get_ragged(**spec)
-            self._keys[device] = cache.ragged_key(**spec)
+            if device not in self._keys:  # a plan evicted and made again keeps its key (and its count)
+                key = self._keys[device] = cache.ragged_key(**spec)
+                if key is not None:  # None: arguments the cache does not key (planned on every call)
+                    with _KEY_USERS_LOCK:
+                        _KEY_USERS[key] = _KEY_USERS.get(key, 0) + 1
         return plan
 
 

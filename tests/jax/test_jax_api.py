@@ -125,6 +125,32 @@ def test_jit_plans_once_per_trace():
     assert _equal(g(q, k, v)[0], _core(q, k, v)[0]) and cache.misses - misses == 1
 
 
+def test_a_dropped_compiled_function_keeps_the_plan_another_one_uses():
+    """Two compiled functions of the same batch share one plan of the shared cache. When one of them was garbage
+    collected its finalizer dropped that plan from the cache, and the other planned it again on its next call (a
+    miss: test_jit_plans_once_per_trace failed at random, as the collector ran). The plan stays while a live compiled
+    function uses it."""
+    import gc
+
+    from mla_bridge.plan_cache import shared_plan_cache
+
+    cache = shared_plan_cache()
+    cache.clear()
+    f = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM))
+    g = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, QO, KV, causal=True, sm_scale=SM) + (2,))
+    q, k, v = _qkv(seed=4)
+    want = _core(q, k, v)[0]
+    assert _equal(f(q, k, v)[0], want) and _equal(g(q, k, v)[0], want)
+    misses = cache.misses
+    del g
+    gc.collect()
+    assert _equal(f(q, k, v)[0], want)
+    assert cache.misses == misses, "the plan f uses was dropped when g died"
+    del f
+    gc.collect()
+    assert len(cache) == 0  # the last user gone: the plan goes too
+
+
 def test_plan_ragged_run_ragged_eager_and_jit(monkeypatch):
     plan = mj.plan_ragged(
         QO, KV, num_heads=4, head_dim_qk=192, head_dim_vo=128, causal=True, sm_scale=SM, dtype=jnp.bfloat16
