@@ -106,6 +106,8 @@ __all__ = [
     "token_meta",
     "token_positions",
     "sparse_prefill",
+    "sm90_kernel_serves",
+    "triton_kernel_for",
 ]
 
 #: (query, selected key) pairs per chunk of the torch path: 32768 pairs hold 75 MB of float32 latent rows at 576
@@ -166,6 +168,15 @@ def sm90_kernel_serves(
     if 192 * (rank + rope) * 2 > _SM90_SMEM_BYTES:
         return False
     return (kernel_triton_version() if triton_version is None else triton_version) == (3, 6)
+
+
+def triton_kernel_for(plan: PrefillPlan) -> str:
+    """Which kernel the Triton path launches for ``plan``: ``"hopper"``
+    (:mod:`mla_bridge.kernels.sparse_attention_sm90`) where the attended context is gathered into the fused key
+    latents (:attr:`mla_bridge.PrefillPlan.sparse_latent_meta`) and :func:`sm90_kernel_serves` takes the plan's
+    dims, dtype and device, else ``"portable"`` (:mod:`mla_bridge.kernels.sparse_attention`)."""
+    gathered = plan.sparse_latent_meta is not None
+    return "hopper" if gathered and sm90_kernel_serves(plan.dims, plan.dtype, plan.capability) else "portable"
 
 
 #: Shared memory the Hopper kernel may give its query and two tiles of picked rows: an SM90 block's 232448 bytes
@@ -393,7 +404,7 @@ def _triton_path(q, kv_c, k_pe, weight, kv_cache, block_table, plan, topk_indice
         kv_c, k_pe = latent[:, : d.kv_lora_rank], latent[:, d.kv_lora_rank :]
         # (its 16-byte copies need aligned rows a multiple of 16 elements apart, as the fused latents' 576 are)
         aligned = latent.stride(0) % 16 == 0 and latent.data_ptr() % 16 == 0
-        sm90 = aligned and sm90_kernel_serves(d, plan.dtype, plan.capability)
+        sm90 = aligned and triton_kernel_for(plan) == "hopper"
     if sm90:
         from .kernels.sparse_attention_sm90 import sparse_attention_sm90
 

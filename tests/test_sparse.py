@@ -431,6 +431,32 @@ def test_the_hopper_kernel_serves_sm90_half_precision_shapes_whose_tiles_fit():
     assert not sparse.sm90_kernel_serves(dims_of(512, 48), torch.bfloat16, (9, 0), t36)
 
 
+def test_the_triton_path_takes_the_hopper_kernel_only_over_gathered_latents(monkeypatch, tiny_dims):
+    """triton_kernel_for (the Triton path's choice, which mla-bridge prefill reports): "hopper" where the plan gathers
+    the context into the fused key latents and sm90_kernel_serves takes it, "portable" otherwise. A CPU plan is
+    always "portable"; the SM90 cases use a stand-in carrying what the choice reads (no SM90 device here)."""
+    from types import SimpleNamespace
+
+    v32 = MLADims.preset("deepseek-v3.2")
+    cpu_plan = PrefillPlan.build([3], [5], dims=v32, workspace=Workspace("cpu"), block_size=4, index_topk=4)
+    assert cpu_plan.capability is None and sparse.triton_kernel_for(cpu_plan) == "portable"
+    monkeypatch.setattr(sparse, "kernel_triton_version", lambda: (3, 6))
+    meta = torch.zeros(1, 4, dtype=torch.int32)
+
+    def stand_in(dims=v32, dtype=torch.bfloat16, capability=(9, 0), latents=True):
+        return SimpleNamespace(
+            dims=dims, dtype=dtype, capability=capability, sparse_latent_meta=meta if latents else None
+        )
+
+    assert sparse.triton_kernel_for(stand_in()) == "hopper"
+    assert sparse.triton_kernel_for(stand_in(latents=False)) == "portable"  # the cache read through block_table
+    assert sparse.triton_kernel_for(stand_in(capability=(10, 0))) == "portable"
+    assert sparse.triton_kernel_for(stand_in(dtype=torch.float32)) == "portable"
+    assert sparse.triton_kernel_for(stand_in(dims=tiny_dims)) == "portable"
+    monkeypatch.setattr(sparse, "kernel_triton_version", lambda: (3, 9))
+    assert sparse.triton_kernel_for(stand_in()) == "portable"
+
+
 def test_mla_bridge_sparse_forces_a_path_or_says_why_it_cannot(monkeypatch, tiny_dims):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     v32 = MLADims.preset("deepseek-v3.2")

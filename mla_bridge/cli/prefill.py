@@ -25,7 +25,7 @@ from .memory import check_fits, estimate_run_memory
 from .table import lens_text, ms_text, add_row, tol_text
 from .timing import Timer, phase_breakdown
 from ..reference import TOLERANCE  # the allowed error against the float64 reference, per run dtype
-from ..sparse import select_sparse
+from ..sparse import select_sparse, triton_kernel_for
 
 CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
 
@@ -435,10 +435,12 @@ def cmd_prefill(args, console) -> int:
         add_row(table, "kernels", f"k/v: {kernels['kv']}{kv_text}; merge: {merge_text}")
     else:
         choice = select_sparse(plan.dims, plan.dtype, plan.device.type)
+        kernel = f", {triton_kernel_for(plan)} kernel" if choice.name == "triton" else ""
         add_row(
             table,
             "kernels",
-            f"sparse attention: {choice.name} ({choice.reason}); q_nope through W_UK, the picked latent rows, W_UV",
+            f"sparse attention: {choice.name}{kernel} ({choice.reason}); q_nope through W_UK, the picked latent rows, "
+            f"W_UV",
         )
     loads = ", loads FlashInfer's kernels" if backend.is_flashinfer else ""
     add_row(
