@@ -329,11 +329,17 @@ class PlanCache:
                 self.hits += 1
             return plan
 
-    def discard(self, key: Optional[tuple]) -> bool:
+    def discard(self, key: Optional[tuple], *, wait: bool = True) -> Optional[bool]:
         """Drop the plan kept under ``key`` (a caller done with it; another caller of the same key plans again on
-        its next miss). Returns whether one was kept."""
-        with self._lock:
+        its next miss). Returns whether one was kept. ``wait=False``: return None at once, dropping nothing, where
+        the cache's lock is held (a finalizer must not wait for it: a garbage collection may run it inside this
+        cache's own critical section, in the thread that holds the lock)."""
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
             return self._plans.pop(key, None) is not None  # type: ignore[arg-type]  # None is never a key
+        finally:
+            self._lock.release()
 
     def _insert(self, key: tuple, plan: Plan) -> Plan:
         with self._lock:

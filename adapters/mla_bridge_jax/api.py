@@ -25,6 +25,7 @@ the batch elements one after another (``vmap_method="sequential"``), each with t
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import threading
@@ -121,18 +122,58 @@ MAX_TRACED_PLANS = shared_plan_cache().maxsize
 #: How many live :class:`_Plans` use each key of the shared plan cache (compiled functions of the same batch share
 #: one plan): a plan is dropped from the cache when its last user dies, not its first.
 _KEY_USERS: dict[tuple, int] = {}
-# Reentrant: _discard is a finalizer, which a collection may run inside this lock's own sections in this thread
+# Reentrant: _discard is a finalizer, which a collection may run inside this lock's sections in the same thread. No
+# other lock is taken while it is held (the plan cache's is taken after it is released: no lock-order inversion).
 _KEY_USERS_LOCK = threading.RLock()
+#: Keys whose last user died while the plan cache's lock was held or a trace was counting its key: dropped later
+#: (:func:`_drop_dead_keys`) unless a user counted them again.
+_DEAD_KEYS: collections.deque = collections.deque()
+#: Traces between making a key and counting it (a finalizer that runs meanwhile, in a collection started by that
+#: work, must not drop the plan the trace is about to count).
+_COUNTING = [0]
+
+
+def _count(key: Optional[tuple], step: int) -> bool:
+    """Add ``step`` (+1 or -1) users to ``key`` (None: a call the cache does not key); whether none is left."""
+    if key is None:
+        return False
+    with _KEY_USERS_LOCK:
+        n = _KEY_USERS.get(key, 0) + step
+        if n > 0:
+            _KEY_USERS[key] = n
+            return False
+        _KEY_USERS.pop(key, None)
+        return True
+
+
+def _drop(key: tuple) -> None:
+    """Drop ``key``'s plan from the shared cache, unless a user counted it again meanwhile; without waiting for the
+    cache's lock (this runs in finalizers): where it is held, the key waits in :data:`_DEAD_KEYS`."""
+    with _KEY_USERS_LOCK:
+        if key in _KEY_USERS:
+            return
+        if _COUNTING[0]:
+            _DEAD_KEYS.append(key)
+            return
+    if shared_plan_cache().discard(key, wait=False) is None:
+        _DEAD_KEYS.append(key)
+
+
+def _drop_dead_keys() -> None:
+    """The keys :func:`_drop` could not drop at once (called where no lock is held)."""
+    while _DEAD_KEYS:
+        try:
+            key = _DEAD_KEYS.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        _drop(key)
 
 
 def _discard(keys: dict) -> None:
-    cache = shared_plan_cache()
-    with _KEY_USERS_LOCK:
-        for key in [k for k in keys.values() if k is not None]:
-            _KEY_USERS[key] -= 1
-            if _KEY_USERS[key] == 0:
-                del _KEY_USERS[key]
-                cache.discard(key)
+    """The finalizer of a :class:`_Plans`: its keys lose a user; those left with none are dropped."""
+    for key in list(keys.values()):
+        if _count(key, -1):
+            _drop(key)  # type: ignore[arg-type]  # _count is True for a real key only
 
 
 class _Plans:
@@ -162,16 +203,27 @@ class _Plans:
                 f"mla_bridge_jax: the plan was made for {self._plan.spec.device}, but XLA ran the call on {device}; "
                 f"build the plan for that device (device=...)"
             )
+        _drop_dead_keys()
         cache = shared_plan_cache()
         plan = cache.lookup(self._keys.get(device))
         if plan is None:
             spec = dict(self._spec, workspace=default_workspace(device))
+            # the key counted before the plan is looked up, and no key dropped while it is made and counted (a
+            # collection meanwhile may finalize another user of it); a key may change: $MLA_BRIDGE_BACKEND enters it
+            with _KEY_USERS_LOCK:
+                _COUNTING[0] += 1
+            try:
+                key, old = cache.ragged_key(**spec), self._keys.get(device, None)
+                if device not in self._keys or key != old:
+                    self._keys[device] = key
+                    _count(key, +1)
+                    if _count(old, -1):
+                        _DEAD_KEYS.append(old)
+            finally:
+                with _KEY_USERS_LOCK:
+                    _COUNTING[0] -= 1
             plan = cache.get_ragged(**spec)
-            if device not in self._keys:  # a plan evicted and made again keeps its key (and its count)
-                key = self._keys[device] = cache.ragged_key(**spec)
-                if key is not None:  # None: arguments the cache does not key (planned on every call)
-                    with _KEY_USERS_LOCK:
-                        _KEY_USERS[key] = _KEY_USERS.get(key, 0) + 1
+            _drop_dead_keys()
         return plan
 
 

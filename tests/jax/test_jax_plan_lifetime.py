@@ -63,6 +63,91 @@ class _PlanCounter:
         return sum(r() is not None for r in self.refs)
 
 
+def _spec(n):
+    return dict(
+        qo_indptr=[0, n],
+        kv_indptr=[0, n],
+        causal=True,
+        sm_scale=SM,
+        backend=None,
+        num_heads=2,
+        head_dim_qk=192,
+        head_dim_vo=128,
+        dtype=torch.bfloat16,
+    )
+
+
+def test_a_collection_while_a_trace_makes_its_key_keeps_the_plan(monkeypatch):
+    """A race, seen through private names because that is the only way to hold it open: a compiled function of a
+    batch died in a reference cycle, and a new trace of the same batch makes its key; a collection then (any
+    allocation may start one) finalized the dead user and dropped the plan the trace was about to take, which it
+    then planned again (a miss)."""
+    from mla_bridge_jax import api
+
+    cache = plan_cache.shared_plan_cache()
+    cache.clear()
+    cpu = torch.device("cpu")
+    gc.disable()
+    try:
+        dead = api._Plans(_spec(6))
+        dead.get(cpu)
+        dead.cycle = dead  # dead, waiting for the collector
+        del dead
+        made = cache.ragged_key
+
+        def key_then_collect(**kw):
+            key = made(**kw)
+            gc.collect()  # the collection the key's allocations may start
+            return key
+
+        monkeypatch.setattr(cache, "ragged_key", key_then_collect)
+        misses = cache.misses
+        live = api._Plans(_spec(6))
+        live.get(cpu)
+        assert cache.misses == misses and len(cache) == 1  # the dead user's plan, now the live one's
+        monkeypatch.undo()
+        del live
+        gc.collect()
+        assert len(cache) == 0  # its last user gone, the plan goes
+    finally:
+        gc.enable()
+
+
+def test_a_finalizer_inside_the_plan_caches_lock_does_not_deadlock():
+    """A race, seen through private names: a collection that runs while this thread holds the plan cache's lock
+    (here: when the plan an insertion evicts is freed) finalized a dead user whose plan was then dropped, taking the
+    same lock again: the thread hung. The drop now waits for a traced call."""
+    import threading
+
+    from mla_bridge.workspace import default_workspace
+    from mla_bridge_jax import api
+
+    cache = plan_cache.shared_plan_cache()
+    cache.clear()
+    cpu, maxsize = torch.device("cpu"), cache.maxsize
+    cache.maxsize = 1
+    gc.disable()
+    try:
+        first = api._Plans(_spec(3))
+        first.get(cpu)
+        second = api._Plans(_spec(5))  # evicts the first plan
+        second.get(cpu)
+        second.cycle = second  # dead in a cycle, waiting for the collector
+        del second
+        weakref.finalize(cache.lookup(cache.ragged_key(**dict(_spec(5), workspace=default_workspace(cpu)))), gc.collect)
+        done = []
+        thread = threading.Thread(target=lambda: done.append(api._Plans(_spec(7)).get(cpu)), daemon=True)
+        thread.start()  # inserts a third plan: evicts the second under the lock, whose freeing collects
+        thread.join(30)
+        assert done, "the thread hung in the plan cache's lock"
+        key = cache.ragged_key(**dict(_spec(5), workspace=default_workspace(cpu)))
+        first.get(cpu)  # a traced call drops what the finalizer could not
+        assert not api._DEAD_KEYS and key not in api._KEY_USERS and cache.lookup(key) is None
+    finally:
+        gc.enable()
+        cache.maxsize = maxsize
+
+
 def test_traced_plans_are_bounded_and_replanned_when_evicted(monkeypatch):
     shared = plan_cache.shared_plan_cache()
     shared.clear()
