@@ -1315,3 +1315,14 @@ def test_random_indexer_weights_and_rope_feed_the_reference_indexer():
     torch.testing.assert_close(sin, torch.cat([want.sin(), want.sin()], -1))
     with pytest.raises(ValueError, match="rope_dim"):
         random_indexer_weights(7, generator=g, n_heads=2, head_dim=16, q_lora_rank=8, hidden_size=8)
+
+
+def test_check_says_why_it_checked_fewer_requests_than_asked(capsys):
+    """A request without new tokens has no output to check: the check row says why it checked fewer than asked."""
+    argv = ["prefill", "--device", "cpu", "--prompt-lens", "1,0,5", "--context-lens", "0,7,30", "--no-breakdown"]
+    assert main(argv + ["--check-requests", "3"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "requests [0, 2] (1 request without new tokens: nothing to check)" in text
+    assert main(argv + ["--check-requests", "1"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "requests [2] against" in text and "without new tokens" not in text

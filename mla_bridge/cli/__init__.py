@@ -234,7 +234,8 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
         type=_nonnegative_int,
         default=DEFAULT_CHECK_REQUESTS,
         metavar="K",
-        help=f"requests checked against the float64 reference, 0 for none (default {DEFAULT_CHECK_REQUESTS})",
+        help=f"requests with new tokens checked against the float64 reference, spread over the batch; 0 for none "
+        f"(default {DEFAULT_CHECK_REQUESTS})",
     )
     g.add_argument("--no-breakdown", action="store_true", help="skip the extra layer that times each pass")
     g.add_argument(

@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .batch import batch_flops, make_inputs, resolve_device_dtype, resolve_workload, sample_requests
 from .checkpoint import load_kv_b_proj_weight
@@ -28,6 +28,15 @@ from ..reference import TOLERANCE  # the allowed error against the float64 refer
 from ..sparse import select_sparse, triton_kernel_for
 
 CPU_WARMUP_FLOPS = 50e9  # below this many FLOPs per layer, the CPU also runs an untimed warm-up layer
+
+
+def _unchecked_note(query_lens: Sequence[int], asked: int, checked: int) -> str:
+    """Why fewer requests were checked than ``--check-requests`` asked, where that is so: requests without new tokens
+    have no output to check."""
+    empty = sum(1 for q in query_lens if q == 0)
+    if checked >= asked or not empty:
+        return ""
+    return f" ({empty} request{'s' if empty != 1 else ''} without new tokens: nothing to check)"
 
 
 @contextlib.contextmanager
@@ -539,7 +548,8 @@ def cmd_prefill(args, console) -> int:
             "check",
             Text.assemble(
                 verdict,
-                f" (out and lse): requests {[c['request'] for c in checked]} against {what}"
+                f" (out and lse): requests {[c['request'] for c in checked]}{_unchecked_note(workload.query_lens, args.check_requests, len(checked))}"
+                f" against {what}"
                 f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})",
             ),
         )
