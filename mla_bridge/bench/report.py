@@ -102,7 +102,7 @@ def environment(ctx: Ctx) -> dict:
 
 def measure_peaks(ctx: Ctx) -> list[Row]:
     """The machine's bf16 matmul peak (a large ``torch.matmul``) and device copy bandwidth, in this run."""
-    n = 8192 if ctx.cuda and not ctx.quick else (1024 if ctx.cuda else 512)
+    n = 8192 if ctx.cuda and not ctx.quick else 1024  # 512^3 reads below a CPU's matmul peak
     copy_elems = (16 if ctx.quick or not ctx.cuda else 512) * 1024 * 1024  # bytes = elems x 2 (bf16) or x 4
     g = ctx.generator(7)
     rows = []
