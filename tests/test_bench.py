@@ -11,6 +11,7 @@ import io
 import json
 import math
 import sys
+import time
 import types
 
 import pytest
@@ -1050,3 +1051,24 @@ def test_a_throughput_panel_leaves_out_a_case_too_small_to_see():
     ]
     (panel,) = _panels(rows, {}, dict(gpu="NVIDIA H200", mode="full"))
     assert panel["cases"] == ["causal 1x10000"] and panel["series"][0] == ("torch core (RaggedPlan.run)", [689.0])
+
+
+def test_latency_calls_rest_untimed_before_each_timed_call():
+    """measure_many(latency=True, rest_s=...) leaves the device idle rest_s before every timed call (a GPU at its
+    power cap clocks down after a power-hungry call: the ttft section rests so that a call's time does not depend on
+    the one before it), and the rest is not in the call's time."""
+    ctx = _ctx()
+    starts: list = []
+
+    def call():
+        starts.append(time.perf_counter())
+
+    rows = ctx.measure_many(
+        "ttft", "case", [("a", call, {}), ("b", call, {})], repeats=3, warmup=1, latency=True, rest_s=0.05
+    )
+    timed = starts[2:]  # after one warm-up call each
+    assert len(timed) == 6
+    assert min(b - a for a, b in zip(timed, timed[1:])) >= 0.05
+    assert all(r.status == "ok" and r.ms < 50 and r.extra["rest_s"] == 0.05 for r in rows)
+    rows = ctx.measure_many("ttft", "case", [("a", call, {}), ("b", call, {})], repeats=3, warmup=1, latency=True)
+    assert "rest_s" not in rows[0].extra and rows[0].extra["timing"] == "latency"

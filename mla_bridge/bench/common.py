@@ -386,9 +386,12 @@ class Ctx:
         host.append((time.perf_counter() - t) * 1e3)
         return start, end
 
-    def _latency(self, fn: Callable[[], Any], host: list) -> None:
-        """One call timed from an idle device to its work's end (module docstring, ``latency=True``); appends ms."""
+    def _latency(self, fn: Callable[[], Any], host: list, rest_s: float = 0.0) -> None:
+        """One call timed from an idle device to its work's end (module docstring, ``latency=True``), after
+        ``rest_s`` seconds with the device idle (untimed); appends ms."""
         self.sync()
+        if rest_s > 0:
+            time.sleep(rest_s)
         t = time.perf_counter()
         fn()
         self.sync()
@@ -404,18 +407,23 @@ class Ctx:
         return self._rounds([fn], [self._warm_up(fn, w)], r)[0]
 
     def _rounds(
-        self, fns: Sequence[Callable[[], Any]], busy: Sequence[float], r: int, latency: bool = False
+        self,
+        fns: Sequence[Callable[[], Any]],
+        busy: Sequence[float],
+        r: int,
+        latency: bool = False,
+        rest_s: float = 0.0,
     ) -> list[Timing]:
         """``r`` interleaved rounds of ``fns`` (each taking every place in a round in turn, :func:`_rotated`; ``busy``
         their first GPU spins; ``latency``: each call timed from an idle device to its end instead, module
-        docstring), a :class:`Timing` each; exceptions propagate."""
+        docstring, after ``rest_s`` idle seconds), a :class:`Timing` each; exceptions propagate."""
         busy = list(busy)
         host: list[list[float]] = [[] for _ in fns]
         events: list[list] = [[] for _ in fns]
         for rep in range(r):
             for i in _rotated(range(len(fns)), rep):
                 if latency:
-                    self._latency(fns[i], host[i])
+                    self._latency(fns[i], host[i], rest_s)
                 elif self.cuda:
                     events[i].append(self._issue(fns[i], busy[i], host[i]))
                     busy[i] = _spin_ms(host[i][-1])
@@ -558,12 +566,16 @@ class Ctx:
         repeats: Optional[int] = None,
         warmup: Optional[int] = None,
         latency: bool = False,
+        rest_s: float = 0.0,
     ) -> list[Row]:
         """Time several paths of one case interleaved (A B C, B C A, C A B, ...: clock and thermal drift hit each
         alike and each takes every place in a round, so their ratios hold on a noisy machine). ``items`` are
         ``(path, fn, row keywords)``; the keywords may hold ``flops`` / ``nbytes`` and any :class:`Row` field.
         ``latency``: each call timed from an idle device to the end of its work (module docstring); each row's
-        ``extra["timing"]`` says which (``"latency"`` or ``"overlapped"``). Rows come back
+        ``extra["timing"]`` says which (``"latency"`` or ``"overlapped"``). ``rest_s`` (with ``latency``): seconds
+        the device stays idle before each timed call, untimed (``extra["rest_s"]``): a GPU at its power cap lowers
+        its clock for what follows a power-hungry call, so without a rest each call's time depends on the one before
+        it in the round. Rows come back
         in ``items`` order; a path that fails becomes a skipped row with the error text, the others are still
         timed."""
         r = max(1, self.repeats if repeats is None else repeats)
@@ -581,7 +593,7 @@ class Ctx:
                 self.recover()
                 rows[i] = self._failed(section, case, path, err, kw)
         try:
-            timings = self._rounds([items[i][1] for i in live], [busy[i] for i in live], r, latency)
+            timings = self._rounds([items[i][1] for i in live], [busy[i] for i in live], r, latency, rest_s)
         except Exception as err:  # noqa: BLE001 - time each alone, so that the row that fails is the one named
             self.recover()
             for i in live:
@@ -589,7 +601,9 @@ class Ctx:
                 rows[i] = (
                     self._failed(section, case, path, err, kw)
                     if len(live) == 1
-                    else self.measure_many(section, case, [items[i]], repeats=r, warmup=0, latency=latency)[0]
+                    else self.measure_many(
+                        section, case, [items[i]], repeats=r, warmup=0, latency=latency, rest_s=rest_s
+                    )[0]
                 )
             return [row for row in rows if row is not None]
         for i, timing in zip(live, timings):
@@ -599,6 +613,8 @@ class Ctx:
                 section, case, path, timing, flops=kw.pop("flops", None), nbytes=kw.pop("nbytes", None), **kw
             )
             rows[i].extra["timing"] = "latency" if latency else "overlapped"  # type: ignore[union-attr]
+            if latency and rest_s > 0:
+                rows[i].extra["rest_s"] = rest_s  # type: ignore[union-attr]
         return [row for row in rows if row is not None]
 
     def _failed(self, section: str, case: str, path: str, err: BaseException, kw: dict) -> Row:

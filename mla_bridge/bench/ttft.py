@@ -9,7 +9,10 @@ batch 1.
 
 Per case, interleaved (:meth:`Ctx.measure_many`), one prefill forward with ``logits_to_keep=1``, each call timed
 from an idle GPU to the end of its work (``latency=True``: the time to first token a user measures; a forward whose
-attention function reads its mask on the host once is not charged the timer's spin):
+attention function reads its mask on the host once is not charged the timer's spin), after :data:`REST_S` seconds
+with the GPU idle (on CUDA): a GPU at its power cap lowers its clock for the work that follows a power-hungry call
+(a faster attention draws more power), so without a rest each call's time depends on the call before it in the
+round, and "kept" measured that (docs/results.md, 2026-12-07):
 
 * transformers (one model, its attention switched by ``config._attn_implementation``): ``sdpa``; ``mla_bridge``
   (:func:`mla_bridge_transformers.register`); and the same model with attention replaced by a no-op returning zeros
@@ -76,6 +79,9 @@ PROBE_IMPLEMENTATION = "mla_bridge_bench_probe"
 #: Timed forwards per path at most (a 16 x 10000 forward is about a third of a second on an H200). "kept" is a
 #: ratio of two differences of a few percent of a forward, medians over rounds: fewer rounds let it swing by a third.
 MAX_REPEATS = 11
+#: Seconds the GPU stays idle before each timed call (untimed): long enough for an H100 at its 700 W cap to return
+#: to its full clock after a 16 x 10000 forward.
+REST_S = 0.4
 #: The case whose adapter overhead is checked against the target (batch 4 x 10000 tokens).
 ADAPTER_CASE = "4 x 10000"
 
@@ -356,7 +362,15 @@ def _transformers_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[
         alone_error = err
     # the models and the attention alone in the same rounds: their differences are the figures, so clock and
     # thermal drift must hit both alike
-    measured = ctx.measure_many(SECTION, case.name, items + alone_items, repeats=repeats, warmup=warmup, latency=True)
+    measured = ctx.measure_many(
+        SECTION,
+        case.name,
+        items + alone_items,
+        repeats=repeats,
+        warmup=warmup,
+        latency=True,
+        rest_s=REST_S if ctx.cuda else 0.0,
+    )
     model_rows, alone = measured[: len(items)], measured[len(items) :]
     if alone_error is not None:
         alone = [
@@ -478,6 +492,7 @@ def _jax_job(ctx: Ctx, state: _State, case: TtftCase, ci: int) -> list[Row]:
             section=SECTION,
             repeats=min(ctx.repeats, MAX_REPEATS),
             warmup=min(ctx.warmup, 2),
+            rest_s=REST_S if ctx.cuda else 0.0,
         )
     except Exception as err:  # noqa: BLE001
         ctx.recover()

@@ -25,11 +25,12 @@ def bench_rows(
     section: str,
     repeats: int,
     warmup: int,
+    rest_s: float = 0.0,
 ) -> list:
     """The ttft bench's JAX rows of one case (:mod:`mla_bridge.bench.ttft`): the model at ``fields`` (random
     weights, seeded; kept in ``store`` across cases) timed with cuDNN, XLA, mla_bridge_jax and no-op attention,
     one jitted forward each (compiled in the warm-up), ``logits_to_keep=1``, timed from an idle GPU to the logits
-    being ready (``latency=True``); each path's failure (out of memory) a skipped row. Rows carry attention ms (minus the no-op) and the ratios to mla_bridge_jax."""
+    being ready (``latency=True``, after ``rest_s`` idle seconds); each path's failure (out of memory) a skipped row. Rows carry attention ms (minus the no-op) and the ratios to mla_bridge_jax."""
     import torch
 
     dtype = jnp.bfloat16 if ctx.cuda else jnp.float32
@@ -92,7 +93,13 @@ def bench_rows(
     # and thermal drift must hit both alike
     rows += alone_skipped
     rows += ctx.measure_many(
-        section, case.name, items + alone_items, repeats=repeats, warmup=max(1, warmup), latency=True
+        section,
+        case.name,
+        items + alone_items,
+        repeats=repeats,
+        warmup=max(1, warmup),
+        latency=True,
+        rest_s=rest_s,
     )
     ms = {r.path: r.ms for r in rows if r.status == "ok"}
     noop, ours = ms.get(names["noop"]), ms.get(names["mla_bridge"])
