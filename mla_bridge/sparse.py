@@ -107,6 +107,7 @@ __all__ = [
     "token_positions",
     "sparse_prefill",
     "sm90_kernel_serves",
+    "sm90_smem_bytes",
     "triton_kernel_for",
 ]
 

@@ -12,7 +12,7 @@ from an idle GPU to the end of its work (``latency=True``: the time to first tok
 attention function reads its mask on the host once is not charged the timer's spin), after :data:`REST_S` seconds
 with the GPU idle (on CUDA): a GPU at its power cap lowers its clock for the work that follows a power-hungry call
 (a faster attention draws more power), so without a rest each call's time depends on the call before it in the
-round, and "kept" measured that (docs/results.md, 2026-12-07):
+round, and "kept" measured that (the results page):
 
 * transformers (one model, its attention switched by ``config._attn_implementation``): ``sdpa``; ``mla_bridge``
   (:func:`mla_bridge_transformers.register`); and the same model with attention replaced by a no-op returning zeros

@@ -548,8 +548,8 @@ def cmd_prefill(args, console) -> int:
             "check",
             Text.assemble(
                 verdict,
-                f" (out and lse): requests {[c['request'] for c in checked]}{_unchecked_note(workload.query_lens, args.check_requests, len(checked))}"
-                f" against {what}"
+                f" (out and lse): requests {[c['request'] for c in checked]}"
+                f"{_unchecked_note(workload.query_lens, args.check_requests, len(checked))} against {what}"
                 f"{', FP8 bytes dequantized in float64' if kv_scale is not None else ''})",
             ),
         )
