@@ -20,7 +20,7 @@ from __future__ import annotations
 import numbers
 import threading
 from collections import OrderedDict
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -260,7 +260,23 @@ class PlanCache:
             backend=backend,
             strides=strides,
         )
-        return self._get_keyed(*_ragged_key(qo_indptr, kv_indptr, **args), args)
+        return self.ragged_request(qo_indptr, kv_indptr, **args)[1]()
+
+    def ragged_request(
+        self, qo_indptr: IndptrLike, kv_indptr: IndptrLike, **args: Any
+    ) -> tuple[Optional[tuple], Callable[[], RaggedPlan]]:
+        """:meth:`ragged_key` and :meth:`get_ragged` of the same arguments (those of :meth:`get_ragged`), made
+        once: ``(key, get)``, where ``get()`` returns the plan kept under ``key`` (made and kept on a miss). The
+        indptrs are copied to the host and the key made here, once: a caller that counts the key before it takes the
+        plan (the JAX adapter) takes the plan kept under the key it counted.
+
+        Raises:
+            TypeError / ValueError: here, bad indptrs or ``sm_scale`` (as :meth:`ragged_key`); from ``get()``, what
+                :func:`mla_bridge.plan_ragged` refuses.
+        """
+        args = dict(backend=None, strides=None) | args  # get_ragged's defaults
+        qo, kv, key = _ragged_key(qo_indptr, kv_indptr, **args)
+        return key, lambda: self._get_keyed(qo, kv, key, args)
 
     def _get_keyed(self, qo: torch.Tensor, kv: torch.Tensor, key: Optional[tuple], args: dict) -> RaggedPlan:
         """:meth:`get_ragged` once the host indptrs and the key are made (:func:`_ragged_key`)."""

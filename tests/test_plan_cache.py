@@ -166,3 +166,19 @@ def test_get_ragged_lens_finds_the_last_calls_plan_by_its_key(monkeypatch):
     cache.clear()  # an evicted plan is made again
     again = cache.get_ragged_lens((3, 2), (4, 5), **args)
     assert again is not plan and cache.get_ragged_lens((3, 2), (4, 5), **args) is again
+
+
+def test_a_request_takes_the_plan_of_the_key_it_made(monkeypatch):
+    """ragged_request makes the key once and its get() takes the plan kept under that key, even where the backend
+    switch changed in between (the JAX adapter counts the key, then takes the plan: they must be the same key's)."""
+    cache = PlanCache()
+    monkeypatch.delenv("MLA_BRIDGE_BACKEND", raising=False)
+    key, get = cache.ragged_request(**_spec())
+    assert key == cache.ragged_key(**_spec()) and key is not None
+    monkeypatch.setenv("MLA_BRIDGE_BACKEND", "torch")  # a get_ragged now would key the plan as forced
+    plan = get()
+    assert cache.lookup(key) is plan and (cache.hits, cache.misses) == (1, 1)
+    assert cache.get_ragged(**_spec()) is not plan  # the forced key's own plan
+    bad = dict(_spec(), sm_scale=-1.0)
+    with pytest.raises(ValueError, match="sm_scale"):
+        cache.ragged_request(**bad)

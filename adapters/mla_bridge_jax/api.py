@@ -213,7 +213,7 @@ class _Plans:
             with _KEY_USERS_LOCK:
                 _COUNTING[0] += 1
             try:
-                key, old = cache.ragged_key(**spec), self._keys.get(device, None)
+                (key, get_plan), old = cache.ragged_request(**spec), self._keys.get(device, None)
                 if device not in self._keys or key != old:
                     self._keys[device] = key
                     _count(key, +1)
@@ -222,7 +222,7 @@ class _Plans:
             finally:
                 with _KEY_USERS_LOCK:
                     _COUNTING[0] -= 1
-            plan = cache.get_ragged(**spec)
+            plan = get_plan()  # the plan kept under the key counted above (the key made once)
             _drop_dead_keys()
         return plan
 
