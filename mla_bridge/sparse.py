@@ -107,7 +107,6 @@ __all__ = [
     "token_positions",
     "sparse_prefill",
     "sm90_kernel_serves",
-    "sm90_smem_bytes",
     "triton_kernel_for",
 ]
 
@@ -152,20 +151,17 @@ def sm90_kernel_serves(
     triton_version: Optional[tuple[int, int]] = None,
 ) -> bool:
     """Whether the Triton path's launches over the fused key latents run the Hopper kernel
-    (:mod:`mla_bridge.kernels.sparse_attention_sm90`, its warpgroups laid out by hand) rather than the portable one:
-    a device of compute capability 9.0 (``capability``, None off CUDA); Triton 3.6 (``triton_version``, default the
-    one that imports: the Gluon dialect the kernel is written in changes between releases, 3.9 renamed its
-    asynchronous copies, so other versions run the portable kernel); a bf16/fp16 plan of at least 64 heads (the
-    kernel's blocks are 64 heads: fewer would multiply padding); ``kv_lora_rank`` 64, 128, 256 or 512 and
-    ``qk_rope_head_dim`` 16, 32, 64 or 128 (powers of two, each warpgroup's half of the latent columns a wgmma
-    width); and its shared memory (:func:`sm90_smem_bytes`) within an SM90 block's 232448 bytes. Where the latents
-    are not gathered (the plan's choice) the portable kernel reads the cache itself."""
+    (:mod:`mla_bridge.kernels.sparse_attention_sm90`, warp-specialized) rather than the portable one: a device of
+    compute capability 9.0 (``capability``, None off CUDA); Triton 3.6 (``triton_version``, default the one that
+    imports: the Gluon dialect the kernel is written in changes between releases, 3.9 renamed its asynchronous
+    copies, so other versions run the portable kernel); a bf16/fp16 plan of at least 64 heads (the kernel's blocks
+    are 64 heads: fewer would multiply padding); and ``kv_lora_rank`` 512 with ``qk_rope_head_dim`` 64, the dims of
+    the DSA models (DeepSeek-V3.2, GLM-5) and the only ones the kernel has been checked at on a GPU (it compiles for
+    other powers of two; they run the portable kernel). Where the latents are not gathered (the plan's choice) the
+    portable kernel reads the cache itself."""
     if capability != (9, 0) or dtype not in (torch.float16, torch.bfloat16) or dims.num_heads < 64:
         return False
-    rank, rope = dims.kv_lora_rank, dims.qk_rope_head_dim
-    if rank not in (64, 128, 256, 512) or rope not in (16, 32, 64, 128):
-        return False
-    if sm90_smem_bytes(rank, rope) > _SM90_SMEM_BYTES:
+    if (dims.kv_lora_rank, dims.qk_rope_head_dim) != (512, 64):
         return False
     return (kernel_triton_version() if triton_version is None else triton_version) == (3, 6)
 
@@ -177,20 +173,6 @@ def triton_kernel_for(plan: PrefillPlan) -> str:
     dims, dtype and device, else ``"portable"`` (:mod:`mla_bridge.kernels.sparse_attention`)."""
     gathered = plan.sparse_latent_meta is not None
     return "hopper" if gathered and sm90_kernel_serves(plan.dims, plan.dtype, plan.capability) else "portable"
-
-
-#: An SM90 block's shared memory (the opt-in maximum, bytes) less 1 KiB for the alignment of its buffers.
-_SM90_SMEM_BYTES = 232448 - 1024
-
-
-def sm90_smem_bytes(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
-    """Shared memory of the Hopper kernel (bytes, 16-bit elements): the queries and two tiles of 64 picked rows,
-    ``3 x 64 x (kv_lora_rank + qk_rope_head_dim)`` elements, the probabilities handed between its warpgroups (one
-    ``[64, 64]`` block, two where the rope part is not 64 wide and cannot hold one), the row statistics and the
-    mbarriers (230,520 bytes at 512 + 64; Triton 3.6 allocates 230,880 for sm_90a)."""
-    rows = 3 * 64 * (kv_lora_rank + qk_rope_head_dim) * 2
-    p_blocks = (1 if qk_rope_head_dim == 64 else 2) * 64 * 64 * 2
-    return rows + p_blocks + 4 * 64 * 4 + 15 * 8
 
 
 def kernel_why_not(dims: MLADims, dtype: torch.dtype) -> Optional[str]:

@@ -404,10 +404,10 @@ def test_select_sparse_takes_the_kernel_on_cuda_and_torch_elsewhere_with_the_rea
     assert sparse.kernel_why_not(v32, torch.bfloat16) is None
 
 
-def test_the_hopper_kernel_serves_sm90_half_precision_shapes_whose_tiles_fit():
-    """The Triton path's launches over the gathered latents take the hand-laid-out Hopper kernel on compute
+def test_the_hopper_kernel_serves_sm90_half_precision_at_the_dims_it_was_checked_at():
+    """The Triton path's launches over the gathered latents take the warp-specialized Hopper kernel on compute
     capability 9.0 with Triton 3.6 only (its Gluon dialect changes between releases), for bf16/fp16, 64 heads or
-    more, and the shapes whose query and two tiles fit shared memory."""
+    more, at the DSA models' kv_lora_rank 512 and rope 64 (the dims it was checked at on a GPU)."""
     v32, glm5 = MLADims.preset("deepseek-v3.2"), MLADims.preset("glm-5")
     t36 = (3, 6)
     for dims in (v32, glm5):
@@ -422,17 +422,11 @@ def test_the_hopper_kernel_serves_sm90_half_precision_shapes_whose_tiles_fit():
     def dims_of(rank, rope, heads=64):
         return MLADims(num_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=64, qk_rope_head_dim=rope, v_head_dim=64)
 
-    assert sparse.sm90_kernel_serves(dims_of(256, 64), torch.bfloat16, (9, 0), t36)
-    assert sparse.sm90_kernel_serves(dims_of(64, 16, heads=80), torch.bfloat16, (9, 0), t36)
+    assert sparse.sm90_kernel_serves(dims_of(512, 64, heads=80), torch.bfloat16, (9, 0), t36)
     assert not sparse.sm90_kernel_serves(dims_of(512, 64, heads=32), torch.bfloat16, (9, 0), t36)  # blocks of 64
-    assert not sparse.sm90_kernel_serves(dims_of(512, 128), torch.bfloat16, (9, 0), t36)  # 192 x 640 x 2 bytes
-    assert sparse.sm90_kernel_serves(dims_of(512, 32), torch.bfloat16, (9, 0), t36)  # two P blocks: still fits
-    # within the 1 KiB margin the check keeps of what Triton 3.6 allocates for sm_90a at 512 + 64 (230,880 bytes)
-    assert 230880 - 1024 <= sparse.sm90_smem_bytes(512, 64) <= 230880
-    assert sparse.sm90_smem_bytes(512, 128) > 232448
-    assert not sparse.sm90_kernel_serves(dims_of(512, 0), torch.bfloat16, (9, 0), t36)  # no rope product
-    assert not sparse.sm90_kernel_serves(dims_of(384, 64), torch.bfloat16, (9, 0), t36)  # half of 384: no wgmma N
-    assert not sparse.sm90_kernel_serves(dims_of(512, 48), torch.bfloat16, (9, 0), t36)
+    # only the dims it was checked at on a GPU (the DSA models'); other shapes compile but run the portable kernel
+    for rank, rope in ((256, 64), (64, 16), (512, 32), (512, 128), (512, 0), (384, 64), (512, 48)):
+        assert not sparse.sm90_kernel_serves(dims_of(rank, rope), torch.bfloat16, (9, 0), t36), (rank, rope)
 
 
 def test_the_triton_path_takes_the_hopper_kernel_only_over_gathered_latents(monkeypatch, tiny_dims):

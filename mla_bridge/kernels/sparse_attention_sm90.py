@@ -23,10 +23,12 @@ token and 64 heads, three warpgroups (``gl.warp_specialize``, registers moved to
   end. Warpgroup 0's score product of the next pair overlaps its last ``P @ c`` of this one.
 
 Shared memory at kv_lora_rank 512, rope 64, bf16: the queries 72 KiB, two tiles 144 KiB, one ``P`` 8 KiB (the other
-lives in buffer 0's rope part, which only warpgroup 0's score product reads) and the statistics:
-:func:`smem_bytes`. At the end each warpgroup writes its normalised half of ``O`` through its half of the (no longer
-read) query buffer. :func:`mla_bridge.sparse.sm90_kernel_serves` says which shapes it takes. Imported on first use
-only (needs Triton 3.6, whose Gluon API it is written against, and an SM90 device).
+lives in buffer 0's rope part, which only warpgroup 0's score product reads) and the statistics, 230,880 bytes as
+Triton 3.6 compiles it for sm_90a (of 232,448). At the end each warpgroup writes its normalised half of ``O`` through
+its half of the (no longer read) query buffer. It compiles for other powers of two of ``kv_lora_rank`` (64-512) and
+``qk_rope_head_dim`` (16-128, 512 + 128 excepted) whose buffers fit; :func:`mla_bridge.sparse.sm90_kernel_serves`
+takes it at 512 + 64 only, the dims it has been checked at on a GPU. Imported on first use only (needs Triton 3.6,
+whose Gluon API it is written against, and an SM90 device).
 """
 
 from __future__ import annotations
