@@ -79,8 +79,8 @@ PROBE_IMPLEMENTATION = "mla_bridge_bench_probe"
 #: Timed forwards per path at most (a 16 x 10000 forward is about a third of a second on an H200). "kept" is a
 #: ratio of two differences of a few percent of a forward, medians over rounds: fewer rounds let it swing by a third.
 MAX_REPEATS = 11
-#: Seconds the GPU stays idle before each timed call (untimed): long enough for an H100 at its 700 W cap to return
-#: to its full clock after a 16 x 10000 forward.
+#: Seconds the GPU stays idle before each timed call (untimed): enough, as measured on the results page, for a GPU
+#: at its power cap to be back at its full clock after a 16 x 10000 forward.
 REST_S = 0.4
 #: The case whose adapter overhead is checked against the target (batch 4 x 10000 tokens).
 ADAPTER_CASE = "4 x 10000"
