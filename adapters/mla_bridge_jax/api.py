@@ -41,10 +41,10 @@ import mla_bridge as _core
 from mla_bridge import switches
 from mla_bridge import prefill as _core_prefill
 from mla_bridge import MLADims, PrefillPlan, PreparedKVBProj, RaggedPlan, Workspace
-from mla_bridge.checks import not_a_bool
+from mla_bridge.checks import as_sm_scale, not_a_bool
 from mla_bridge.plan import plans_by_device
 from mla_bridge.plan_cache import shared_plan_cache
-from mla_bridge.ragged import qkv_sizes
+from mla_bridge.ragged import as_host_indptr, qkv_sizes
 from mla_bridge.workspace import default_workspace
 
 from ._interop import (
@@ -362,7 +362,16 @@ def ragged_prefill(
         return _run_eager(functools.partial(_core.ragged_prefill, **core_args), q, k, v)
     # Traced: what planning reads of q / k / v is checked by the core's eager call's own checks (on the traced
     # arrays); every other check is the core's too (RaggedPlan.validate, on stand-ins, in _ragged_traced).
-    spec = dict(qo_indptr=qo, kv_indptr=kv, causal=causal, sm_scale=sm_scale, backend=backend, **qkv_sizes(q, k, v))
+    # the values of this trace, copied: the compiled function plans again from them after an eviction, and the
+    # caller may refill its indptr buffer or 0-d scale array meanwhile
+    spec = dict(
+        qo_indptr=as_host_indptr("qo_indptr", qo),
+        kv_indptr=as_host_indptr("kv_indptr", kv),
+        causal=causal,
+        sm_scale=as_sm_scale(sm_scale),
+        backend=backend,
+        **qkv_sizes(q, k, v),
+    )
     spec.update(dtype=torch_dtype(q.dtype))
     plans = _Plans(spec)
     with jax_dtype_names():  # planning refuses a dtype: named as the caller's JAX arrays name it

@@ -168,6 +168,26 @@ def test_traced_plans_are_bounded_and_replanned_when_evicted(monkeypatch):
     assert len(counter.refs) == made + 1 and counter.live() <= 2
 
 
+@pytest.mark.parametrize("changed", ["indptr", "sm_scale"])
+def test_an_evicted_plan_is_made_again_from_the_traced_values_not_the_callers_objects(changed):
+    # a compiled function keeps the batch it was traced with: a caller that refills its host indptr buffer (same
+    # total) or its 0-d sm_scale array after tracing must not change what the compiled function computes when its
+    # plan is made again after an eviction
+    shared = plan_cache.shared_plan_cache()
+    shared.clear()
+    qo, scale = np.array([0, 4, 8], np.int32), np.array(SM)
+    f = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, qo, qo, causal=True, sm_scale=scale)[0])
+    x = _qkv(8, 8)
+    want = _core(*x, [0, 4, 8])
+    assert torch.equal(torch.from_dlpack(f(*x)), want)
+    if changed == "indptr":
+        qo[:] = [0, 2, 8]
+    else:
+        scale[()] = 2.0
+    shared.clear()  # evicted (as by other batches through the shared cache)
+    assert torch.equal(torch.from_dlpack(f(*x)), want)
+
+
 def test_traced_plans_die_with_their_compiled_function(monkeypatch):
     counter = _PlanCounter(monkeypatch)
     f = jax.jit(lambda a, b, c: mj.ragged_prefill(a, b, c, [0, 3, 5], [0, 3, 5], causal=True, sm_scale=SM))
