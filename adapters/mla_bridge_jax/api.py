@@ -364,7 +364,7 @@ def ragged_prefill(
     # arrays); every other check is the core's too (RaggedPlan.validate, on stand-ins, in _ragged_traced).
     # the values of this trace, copied: the compiled function plans again from them after an eviction, and the
     # caller may refill its indptr buffer or 0-d scale array meanwhile
-    spec = dict(
+    spec: dict[str, Any] = dict(
         qo_indptr=as_host_indptr("qo_indptr", qo),
         kv_indptr=as_host_indptr("kv_indptr", kv),
         causal=causal,

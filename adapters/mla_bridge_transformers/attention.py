@@ -139,8 +139,9 @@ _EAGER_KEYWORDS = ("s_aux", "sinks", "softcap", "output_attentions")
 
 logger = logging.getLogger("mla_bridge_transformers")
 _warned: set[str] = set()
-# [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them]
-_mask_cache: list = [None, None, None]
+# [weakref to the mask, (its _version, batch, q_len, kv_len, device), the layout _ragged_layout made from them, the
+# layer_idx of the last call that took it]
+_mask_cache: list = [None, None, None, None]
 #: Queries per batch row from which an unpadded batch runs one kernel call per row, in place; below it (decode
 #: steps) the rows are packed into one call (a copy of the keys, one launch instead of one per row).
 _ROW_CALL_MIN_QUERIES = 16
@@ -433,26 +434,30 @@ INDICES_ON_CUDA = (
 )
 
 
-def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, first_layer: bool = True):
+def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, layer_idx: Optional[int] = None):
     """``(q_rows, key_rows, q_lens, kv_lens, keys)`` of a servable mask, else None: ``q_rows`` / ``key_rows`` the
     ``(batch index, position)`` int64 index tensors of the valid queries / keys (device tensors, row-major: the
     packed ragged order), or both None when every query is real and the first ``keys`` keys of every row are the
     valid ones (then each batch row is read in place, :func:`mla_bridge_attention`).
 
     ``None`` (no mask) costs no device work. A mask costs one check and one device-to-host copy (and, padded, the
-    index tensors); the layers of one forward get the same mask object, so the result is kept for the calls after
-    the first layer's (``first_layer``: the module's ``layer_idx`` is 0 or unknown; that call always reads the mask)
-    while that object lives, unmodified as far as torch counts (``_version``; an inference tensor keeps no count),
-    and the call's batch, query and key lengths and device are the ones it was made for (a ``[1, 1, Q, K]`` mask
-    broadcasts to any batch). So a mask changed in place where torch keeps no count (``.data``, an inference
-    tensor) is read again by the next forward's first layer."""
+    index tensors); the layers of one forward get the same mask object, in the order of their ``layer_idx`` (the
+    calling module's), so the result is kept for a call whose ``layer_idx`` is above the last one that took it (a
+    later layer of the same forward; an unknown index, or one that does not grow, starts a forward and reads the
+    mask, whatever the first MLA layer's index: a hybrid model's need not be 0) while that object lives, unmodified
+    as far as torch counts (``_version``; an inference tensor keeps no count), and the call's batch, query and key
+    lengths and device are the ones it was made for (a ``[1, 1, Q, K]`` mask broadcasts to any batch). So a mask
+    changed in place where torch keeps no count (``.data``, an inference tensor) is read again by the next
+    forward's first layer."""
     if attention_mask is None:
         keys = kv_len if q_len == 1 else min(q_len, kv_len)  # sdpa's is_causal: top-left aligned
         return None, None, (q_len,) * b, (keys,) * b, keys
-    ref, key, cached = _mask_cache
+    ref, key, cached, last_layer = _mask_cache
     version = -1 if attention_mask.is_inference() else attention_mask._version
     now = (version, b, q_len, kv_len, device)
-    if not first_layer and ref is not None and ref() is attention_mask and key == now:
+    later_layer = isinstance(layer_idx, int) and isinstance(last_layer, int) and layer_idx > last_layer
+    if later_layer and ref is not None and ref() is attention_mask and key == now:
+        _mask_cache[:] = [ref, key, cached, layer_idx]
         return cached
     checked = _check_mask(attention_mask, b, q_len, kv_len)
     result = None
@@ -465,7 +470,7 @@ def _ragged_layout(attention_mask, b: int, q_len: int, kv_len: int, device, firs
                 result = (None, None, q_lens, kv_lens, kv_len)
             else:
                 result = (q_valid.nonzero(as_tuple=True), key_valid.nonzero(as_tuple=True), q_lens, kv_lens, kv_len)
-    _mask_cache[:] = [weakref.ref(attention_mask), now, result]
+    _mask_cache[:] = [weakref.ref(attention_mask), now, result, layer_idx]
     return result
 
 
@@ -548,8 +553,8 @@ def mla_bridge_attention(
     reason = fallback_reason(module, query, key, attention_mask, dropout, kwargs, value)
     b, h, q_len, d_qk = query.shape
     kv_len, d_vo = key.shape[2], value.shape[-1]
-    first_layer = getattr(module, "layer_idx", None) in (None, 0)
-    layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device, first_layer)
+    layer_idx = getattr(module, "layer_idx", None)
+    layout = None if reason else _ragged_layout(attention_mask, b, q_len, kv_len, query.device, layer_idx)
     if reason is None and layout is None:
         reason = (
             "an attention mask other than causal over each row's valid keys (right or inner padding, a custom or "

@@ -168,15 +168,23 @@ def test_left_padded_batch_under_inference_mode_equals_eager(pair, no_hand_back,
     assert torch.equal(g_got.sequences, g_want.sequences)
 
 
+@pytest.mark.parametrize("first_mla_layer", [0, 4])
 @pytest.mark.parametrize("inference", [False, True])
-def test_a_mask_changed_in_place_is_read_again_by_the_first_layer(inference, no_hand_back, two_torch_threads):
-    """The layout of a mask is kept for the layers of one forward (the same mask object); the first layer of a
-    forward (``layer_idx`` 0) reads it again. Before, a mask object changed in place where torch keeps no count of
-    it (through ``.data``, or any change of an inference tensor) kept its old layout: a wrong result."""
+def test_a_mask_changed_in_place_is_read_again_by_the_first_layer(
+    inference, first_mla_layer, no_hand_back, two_torch_threads
+):
+    """The layout of a mask is kept for the layers of one forward (the same mask object); the first MLA layer of a
+    forward reads it again. Before, a mask object changed in place where torch keeps no count of it (through
+    ``.data``, or any change of an inference tensor) kept its old layout: a wrong result; and only a layer of
+    ``layer_idx`` 0 read it again, which a hybrid model's first MLA layer need not be (Kimi-Linear's are 4, 8, ...)."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as m
 
     module = types.SimpleNamespace(
-        is_causal=True, config=types.SimpleNamespace(), num_key_value_groups=1, training=False, layer_idx=0
+        is_causal=True,
+        config=types.SimpleNamespace(),
+        num_key_value_groups=1,
+        training=False,
+        layer_idx=first_mla_layer,
     )
     g = torch.Generator().manual_seed(8)
     q, k = torch.randn(2, 2, 5, 24, generator=g), torch.randn(2, 2, 5, 24, generator=g)
