@@ -63,7 +63,8 @@ class MLABridgePrefillBackend(MLAPrefillBackend):
     (:data:`mla_bridge.dispatch.BACKENDS`) at head dims ``qk_nope_head_dim + qk_rope_head_dim`` / ``v_head_dim``,
     ``qk_rope_head_dim`` 0 included: 192/128 (DeepSeek-V2/V3, Kimi, ...) and 128/128 (Mistral 4) on SM100 (cutlass),
     SM90 (fa3) and SM80 (fa2); 256/256 (GLM-4.7-Flash, GLM-5, glm5_next's 256+0) on fa3 (SM90) and fa2 (SM100,
-    SM80); 256/128 (dots3_note's sliding-window layers) on fa2; 96/64 (MiniCPM3) on none, so refused on a GPU with
+    SM80); 256/128 on fa2 (the dims of dots3_note's sliding-window layers, which vLLM runs through that model's own
+    prefill backend: a window is never served here); 96/64 (MiniCPM3) on none, so refused on a GPU with
     vLLM's words "Model does not have supported MLA dimensions (got ...)" and the dispatch's reason. On vLLM's CPU
     platform every dims. No FP8 query/output quantization.
 
