@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mla_bridge_jax as mj
-from mla_bridge_jax.models import rope_inv_freq  # plain, linear or YaRN RoPE, as transformers computes it
+from mla_bridge_jax.models import LATENT_NORM_EPS, apply_rope, rope_inv_freq  # RoPE as transformers computes it
 from mla_bridge import MLADims
 
 __all__ = [
@@ -65,7 +65,6 @@ class DeepseekAttentionConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rms_norm_eps: float
     attention_bias: bool
     rope_theta: float
     rope: Optional[dict]
@@ -95,7 +94,6 @@ class DeepseekAttentionConfig:
             qk_nope_head_dim=c["qk_nope_head_dim"],
             qk_rope_head_dim=c["qk_rope_head_dim"],
             v_head_dim=c["v_head_dim"],
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             attention_bias=bool(c.get("attention_bias", False)),
             rope_theta=theta,
             rope=None if kind in (None, "default") else dict(rope),
@@ -154,30 +152,6 @@ def load_attention_weights(folder: "str | os.PathLike", layer: int = 0, dtype: A
     if not params:
         raise ValueError(f"{folder}: no tensors named {prefix}* (is this a DeepSeek-V2/V3 checkpoint with that layer?)")
     return params
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attention_factor: float, layout: str):
-    """RoPE on ``x [T, ..., rope_dim]`` at ``positions [T]``, in float32, returned in x's dtype.
-
-    layout "interleaved" / "interleaved_to_half": pairs ``(x[2i], x[2i+1])`` rotated by frequency ``i``, written back
-    interleaved (DeepSeek-V2) or as ``[rotated evens | rotated odds]`` (DeepSeek-V3); "half": ``x[i]`` paired with
-    ``x[i + rope_dim/2]`` (rotate_half). cos and sin are multiplied by ``attention_factor``.
-    """
-    angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, rope/2]
-    shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (angle.shape[-1],)
-    cos = (jnp.cos(angle) * attention_factor).reshape(shape)
-    sin = (jnp.sin(angle) * attention_factor).reshape(shape)
-    xf = x.astype(jnp.float32)
-    if layout == "half":
-        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2 :]
-    else:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    if layout == "interleaved":
-        out = jnp.stack([r1, r2], axis=-1).reshape(xf.shape)
-    else:
-        out = jnp.concatenate([r1, r2], axis=-1)
-    return out.astype(x.dtype)
 
 
 def _linear(p: dict, x: jax.Array) -> jax.Array:
@@ -260,13 +234,13 @@ def make_prefill_step(cfg: DeepseekAttentionConfig, plan, *, donate_cache: bool 
         else:
             q = _linear(
                 params["q_b_proj"],
-                _rms_norm(params["q_a_layernorm"], _linear(params["q_a_proj"], hidden), cfg.rms_norm_eps),
+                _rms_norm(params["q_a_layernorm"], _linear(params["q_a_proj"], hidden), LATENT_NORM_EPS),
             )
         q = q.reshape(t, h, nope + rope)
         q_pe = apply_rope(q[..., nope:], positions, inv_freq, attention_factor, cfg.rope_layout)
         q = jnp.concatenate([q[..., :nope], q_pe], axis=-1)
         ckv = _linear(params["kv_a_proj_with_mqa"], hidden)
-        kv_c = _rms_norm(params["kv_a_layernorm"], ckv[:, :rank], cfg.rms_norm_eps)
+        kv_c = _rms_norm(params["kv_a_layernorm"], ckv[:, :rank], LATENT_NORM_EPS)
         k_pe = apply_rope(ckv[:, rank:], positions, inv_freq, attention_factor, cfg.rope_layout)
         flat = kv_cache.reshape(-1, kv_cache.shape[-1])
         kv_cache = flat.at[slots].set(jnp.concatenate([kv_c, k_pe], axis=-1).astype(flat.dtype)).reshape(kv_cache.shape)

@@ -11,10 +11,11 @@
 
 The model (transformers 5's ``modeling_deepseek_v2``, dense layers only: ``first_k_dense_replace`` >= layers):
 embedding; per layer ``x + attn(rms_norm(x))`` then ``x + mlp(rms_norm(x))`` with ``mlp = down(silu(gate(x)) *
-up(x))``; final RMSNorm; ``lm_head``. Attention: q from ``q_proj`` (or ``q_a_proj -> q_a_layernorm -> q_b_proj``)
-viewed ``[B, L, H, 192]``; the latents from ``kv_a_proj_with_mqa`` (``kv_a_layernorm`` on the first kv_lora_rank,
-the last 64 are k_pe); RoPE (YaRN as transformers computes it, DeepSeek-V2's interleaved pairs) on q's last 64 and
-on k_pe; k and v from ``kv_b_proj`` (k = k_nope ++ k_pe broadcast to every head), causal softmax attention with the
+up(x))``; final RMSNorm; ``lm_head`` (the embedding where the config ties them). Attention: q from ``q_proj`` (or
+``q_a_proj -> q_a_layernorm -> q_b_proj``) viewed ``[B, L, H, 192]``; the latents from ``kv_a_proj_with_mqa``
+(``kv_a_layernorm`` on the first kv_lora_rank, the last 64 are k_pe; the two latent norms at eps 1e-6, the config's
+``rms_norm_eps`` for the others, as transformers builds them); RoPE (YaRN as transformers computes it, in the model
+type's layout: :func:`apply_rope`) on q's last 64 and on k_pe; k and v from ``kv_b_proj`` (k = k_nope ++ k_pe broadcast to every head), causal softmax attention with the
 scale of :meth:`mla_bridge.MLADims.from_hf_config`; ``o_proj``. A cached prefix (``prefix_len`` > 0): the first
 ``prefix_len`` tokens' latents are given (``cache``: per layer ``[B, P, kv_lora_rank + 64]``, as
 :func:`make_forward` returns them) and only the new tokens are computed, bottom-right causal over prefix + new.
@@ -58,10 +59,18 @@ __all__ = [
     "make_forward",
     "attention_inputs",
     "attention_fn",
+    "apply_rope",
     "ATTENTIONS",
+    "ROPE_LAYOUTS",
+    "LATENT_NORM_EPS",
 ]
 
 ATTENTIONS = ("mla_bridge", "cudnn", "xla", "noop")
+#: How RoPE pairs and writes back the rotated dims (:func:`apply_rope`).
+ROPE_LAYOUTS = ("interleaved", "interleaved_to_half", "half")
+#: The eps of ``q_a_layernorm`` and ``kv_a_layernorm``: transformers builds them with its RMSNorm's default
+#: (``modeling_deepseek_v2`` / ``_v3``, ``modeling_glm4_moe_lite``), whatever the config's ``rms_norm_eps``.
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -82,13 +91,18 @@ class DeepseekConfig:
     rope_theta: float
     rope: Optional[dict]
     dims: MLADims
+    #: :data:`ROPE_LAYOUTS`: how transformers' model type pairs and writes back the RoPE dims.
+    rope_layout: str = "interleaved"
+    #: ``lm_head`` is the embedding (``save_pretrained`` then writes no ``lm_head.weight``).
+    tie_word_embeddings: bool = False
 
     @classmethod
     def from_dict(cls, c: dict) -> "DeepseekConfig":
         """From a config dict (``config.json``, or ``transformers_config.to_dict()``).
 
         Raises:
-            ValueError: MoE layers (``first_k_dense_replace`` < layers): this model has dense MLPs only.
+            ValueError: MoE layers (``first_k_dense_replace`` < layers, or a ``"sparse"`` entry of
+                ``mlp_layer_types``): this model has dense MLPs only.
         """
         layers = int(c["num_hidden_layers"])
         if int(c.get("first_k_dense_replace", layers) or 0) < layers and c.get("n_routed_experts"):
@@ -96,6 +110,15 @@ class DeepseekConfig:
                 f"first_k_dense_replace={c.get('first_k_dense_replace')} < num_hidden_layers={layers}: "
                 f"MoE layers are not implemented here (dense MLPs only)"
             )
+        if "sparse" in (c.get("mlp_layer_types") or ()):
+            raise ValueError(
+                f"mlp_layer_types={c['mlp_layer_types']}: MoE ('sparse') layers are not implemented here (dense MLPs "
+                f"only)"
+            )
+        if c.get("model_type") == "deepseek_v2":
+            layout = "interleaved"  # modeling_deepseek_v2.apply_rotary_emb
+        else:  # deepseek_v3 and its kin: apply_rotary_pos_emb_interleave, or rotate_half without rope_interleave
+            layout = "interleaved_to_half" if c.get("rope_interleave", True) else "half"
         rope = c.get("rope_parameters") or c.get("rope_scaling")
         kind = None if not rope else rope.get("rope_type", rope.get("type"))
         theta = float((rope or {}).get("rope_theta", c.get("rope_theta", 10000.0)))
@@ -114,6 +137,8 @@ class DeepseekConfig:
             rope_theta=theta,
             rope=None if kind in (None, "default") else dict(rope),  # type: ignore[arg-type]  # kind: a rope
             dims=MLADims.from_hf_config(c),
+            rope_layout=layout,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         )
 
     @classmethod
@@ -206,15 +231,39 @@ def rope_inv_freq(cfg: DeepseekConfig) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
-def _rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attention_factor: float) -> jax.Array:
-    """DeepSeek-V2's RoPE on ``x [..., L, ..., rope_dim]`` (positions ``[L]`` on axis 1): adjacent pairs rotated,
-    written back interleaved, cos / sin times ``attention_factor``; float32, returned in x's dtype."""
+def apply_rope(
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: jax.Array,
+    attention_factor: float,
+    layout: str = "interleaved",
+    axis: int = 0,
+) -> jax.Array:
+    """RoPE on ``x [..., rope_dim]`` at ``positions [L]`` (the positions of ``x``'s axis ``axis``), in float32,
+    returned in x's dtype; cos and sin are multiplied by ``attention_factor``.
+
+    ``layout`` (:data:`ROPE_LAYOUTS`): "interleaved" / "interleaved_to_half": pairs ``(x[2i], x[2i+1])`` rotated by
+    frequency ``i``, written back interleaved (transformers' ``modeling_deepseek_v2.apply_rotary_emb``) or as
+    ``[rotated evens | rotated odds]`` (``modeling_deepseek_v3.apply_rotary_pos_emb_interleave``); "half": ``x[i]``
+    paired with ``x[i + rope_dim / 2]`` (``rotate_half``, DeepSeek-V3 with ``rope_interleave`` false).
+
+    Raises:
+        ValueError: an unknown ``layout``.
+    """
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
     angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [L, rope/2]
-    shape = (1, x.shape[1]) + (1,) * (x.ndim - 3) + (angle.shape[-1],)
+    shape = (1,) * axis + (x.shape[axis],) + (1,) * (x.ndim - axis - 2) + (angle.shape[-1],)
     cos, sin = (jnp.cos(angle) * attention_factor).reshape(shape), (jnp.sin(angle) * attention_factor).reshape(shape)
     xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape).astype(x.dtype)
+    if layout == "half":
+        x1, x2 = xf[..., : xf.shape[-1] // 2], xf[..., xf.shape[-1] // 2 :]
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if layout == "interleaved":
+        return jnp.stack([r1, r2], axis=-1).reshape(xf.shape).astype(x.dtype)
+    return jnp.concatenate([r1, r2], axis=-1).astype(x.dtype)
 
 
 def _linear(p: dict, x: jax.Array) -> jax.Array:
@@ -323,22 +372,23 @@ def _attention_inputs_fn(cfg: DeepseekConfig) -> Callable:
         cfg.kv_lora_rank,
         cfg.v_head_dim,
     )
-    eps = cfg.rms_norm_eps
+
+    def rope_of(x, positions):  # x [B, L, ..., rope_dim]
+        return apply_rope(x, positions, jnp.asarray(inv_freq_np), attention_factor, cfg.rope_layout, axis=1)
 
     def qkv(a, hs, positions, cached):
         b, length = hs.shape[:2]
         if "q_proj" in a:
             q = _linear(a["q_proj"], hs)
         else:
-            q = _linear(a["q_b_proj"], _rms_norm(a["q_a_layernorm"], _linear(a["q_a_proj"], hs), eps))
+            q = _linear(a["q_b_proj"], _rms_norm(a["q_a_layernorm"], _linear(a["q_a_proj"], hs), LATENT_NORM_EPS))
         q = q.reshape(b, length, h, nope + rope)
-        inv_freq = jnp.asarray(inv_freq_np)
-        q = jnp.concatenate([q[..., :nope], _rope(q[..., nope:], positions, inv_freq, attention_factor)], axis=-1)
+        q = jnp.concatenate([q[..., :nope], rope_of(q[..., nope:], positions)], axis=-1)
         ckv = _linear(a["kv_a_proj_with_mqa"], hs)
         latent = jnp.concatenate(
             [
-                _rms_norm(a["kv_a_layernorm"], ckv[..., :rank], eps),
-                _rope(ckv[..., rank:], positions, inv_freq, attention_factor),
+                _rms_norm(a["kv_a_layernorm"], ckv[..., :rank], LATENT_NORM_EPS),
+                rope_of(ckv[..., rank:], positions),
             ],
             axis=-1,
         )
@@ -475,7 +525,8 @@ def make_forward(
         x = _rms_norm(model["norm"], x, eps)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return _linear(params["lm_head"], x).astype(jnp.float32), latents
+        head = model["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+        return _linear(head, x).astype(jnp.float32), latents
 
     jitted = jax.jit(forward)
     jitted.attend = attend  # type: ignore[attr-defined]  # the plan lives as long as the function

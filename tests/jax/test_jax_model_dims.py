@@ -197,10 +197,22 @@ def test_mla_prefill_with_prepared_weight_at_model_dims(name):
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def glm_checkpoint(tmp_path_factory):
+#: Config choices of the checkpoint besides GLM-4.7-Flash's defaults: the RoPE of the rotate-half layout, a large
+#: ``rms_norm_eps`` (transformers applies it to the input, post-attention and final norms, not to the latent norms,
+#: which keep their default 1e-6), embeddings tied to the head (``save_pretrained`` writes no ``lm_head``).
+CHECKPOINT_CHOICES = {
+    "defaults": {},
+    "rotate-half RoPE": dict(rope_interleave=False),
+    "rms_norm_eps 1e-2": dict(rms_norm_eps=1e-2),
+    "tied embeddings": dict(tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINT_CHOICES))
+def glm_checkpoint(tmp_path_factory, request):
     """A random 2-layer glm4_moe_lite (GLM-4.7-Flash's attention: 20 heads, q/k 192+64, v 256, kv_lora_rank 512,
-    interleaved RoPE), dense MLPs and a small body, written by transformers' ``save_pretrained``; its eager model."""
+    interleaved RoPE unless the choice says otherwise), dense MLPs and a small body, written by transformers'
+    ``save_pretrained``; its eager model."""
     transformers = pytest.importorskip("transformers")
     if "glm4_moe_lite" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no glm4_moe_lite")
@@ -221,13 +233,14 @@ def glm_checkpoint(tmp_path_factory):
         bos_token_id=1,
         eos_token_id=2,
     )
+    for name, value in CHECKPOINT_CHOICES[request.param].items():
+        setattr(config, name, value)
     assert (config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (
         512,
         192,
         64,
         256,
     )
-    assert config.rope_interleave  # DeepSeek-V2's interleaved pairs, as the JAX model rotates them
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     folder = tmp_path_factory.mktemp("glm4-moe-lite-jax-model")
@@ -280,3 +293,24 @@ def test_jax_model_refuses_v_wider_than_qk_for_padded_attention():
         with pytest.raises(ValueError, match="needs v_head_dim <= qk_nope_head_dim"):
             models.make_forward(cfg, batch=1, seq_len=3, attention=attention)
     assert callable(models.make_forward(cfg, batch=1, seq_len=3, attention="mla_bridge"))
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        dict(first_k_dense_replace=1, n_routed_experts=4),  # DeepSeek's way of naming MoE layers
+        dict(mlp_layer_types=["dense", "sparse"]),  # glm4_moe_lite's
+    ],
+)
+def test_jax_model_refuses_moe_layers_by_name(moe):
+    """MoE layers, however the config names them, are refused when the config is read (this model has dense MLPs
+    only); before, glm4_moe_lite's ``mlp_layer_types`` was not read and loading failed later on a missing weight."""
+    from mla_bridge_jax import models
+
+    config = dict(
+        model_type="glm4_moe_lite", vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="MoE"):
+        models.DeepseekConfig.from_dict(dict(config, **moe))
+    assert models.DeepseekConfig.from_dict(config).num_layers == 2
