@@ -261,6 +261,19 @@ def test_context_section_splits_phases(cpu_run):
     assert all("vs_attention_plus_gemm" in r["extra"] for r in full if r["extra"]["chunks"] != 0 or r["extra"]["fused"])
 
 
+def test_in_layer_gather_counts_the_bytes_the_gather_moves(cpu_run):
+    """The gather timed inside the layer moves what the same gather timed alone moves (context rows read and written,
+    and on the fused schedule the new rows too): one count of bytes, so one bandwidth for one gather. Before, the
+    in-layer row counted 4 x context + 2 x new rows (fused) and 2 x (context + new) rows (chunked)."""
+    rows = [r for r in cpu_run.data["rows"] if r["section"] == "context" and r["status"] == "ok"]
+    alone = {r["case"]: r["bytes"] for r in rows if r["path"] == "phase: gather by block_table"}
+    in_layer = {r["case"]: r["bytes"] for r in rows if r["path"] == "in mla_prefill: gather"}
+    both = set(alone) & set(in_layer)
+    assert len(both) >= 4
+    for case in both:
+        assert in_layer[case] == alone[case], case
+
+
 def test_cpu_denominator_rows_do_not_claim_cuda_events(cpu_run):
     """On the CPU the attention + GEMM rows are wall-clock times: their note must not say CUDA events."""
     rows = [r for r in cpu_run.data["rows"] if r["section"] == "context" and r["path"] == "attention + GEMM alone"]

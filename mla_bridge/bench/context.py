@@ -417,15 +417,23 @@ def _case_job(ctx: Ctx, case: ContextCase, bi: int, ci: int) -> list[Row]:
     return rows
 
 
+def _gather_bytes(x: Inputs, plan: PrefillPlan, cache_e: int) -> int:
+    """Bytes the separate path's gathers of one layer move (:mod:`mla_bridge.kv`): every context row read from the
+    cache (``cache_e`` bytes an element) and written in the compute dtype; on the fused schedule the new tokens' rows
+    too, read and written (the chunked schedule's pass of new tokens gathers nothing)."""
+    d, e, rows = x.dims, x.q.element_size(), plan.num_gathered_context_tokens
+    return rows * d.latent_dim * (cache_e + e) + (2 * x.num_tokens * d.latent_dim * e if plan.fused else 0)
+
+
 def _phase_rows(c: Case, x: Inputs, plan: PrefillPlan, fp8: dict) -> list[Row]:
     """mla_prefill's phases, each run alone (:meth:`Ctx.phases_alone`, through its ``phase_hook``), with the separate
     k/v path so that the gather is a phase of its own: the default gather and the torch one, on the bf16 and the FP8
     cache. Bytes of a gather: context rows read (in the cache's dtype) and written, new rows read and written."""
-    ctx, d, e, skip = c.ctx, x.dims, x.q.element_size(), c.skip
+    ctx, e, skip = c.ctx, x.q.element_size(), c.skip
     attn, up = x.flops()
 
     def gather_bytes(cache_e: int) -> int:
-        return x.num_context * d.latent_dim * (cache_e + e) + (2 * x.num_tokens * d.latent_dim * e if plan.fused else 0)
+        return _gather_bytes(x, plan, cache_e)
 
     work: dict[str, dict[str, Any]] = {
         "gather": dict(nbytes=gather_bytes(e), note=f"{gather_impl(ctx.device)} gather; latent rows read + written"),
@@ -524,22 +532,24 @@ def _in_layer_rows(c: Case, x: Inputs, plan: PrefillPlan, full: Row) -> list[Row
         else attention_flops(x.q_lens, x.q_lens, causal=True, heads=d.num_heads, head_dim_sum=head_dim_sum)
     )
     # what each phase moves or computes: latent rows read + written; the GEMM; the attention; partials read + written
-    gather = (
-        (4 * x.num_context + 2 * x.num_tokens) if plan.fused else 2 * (x.num_context + x.num_tokens)
-    ) * d.latent_dim
-    work = {
-        "gather": dict(nbytes=gather * e),
+    work: dict[str, dict[str, Any]] = {
+        "gather": dict(nbytes=_gather_bytes(x, plan, e)),
         "up-projection": dict(flops=up),
         "main pass": dict(flops=main_attn),
         "context chunk": dict(flops=attn - main_attn),
         "merge": dict(nbytes=merge_phase_bytes(plan, e)),
     }
+    gathering_passes = 1 if plan.fused else sum(chunk.plan is not None for chunk in plan.chunks)
     rows = []
     for phase in IN_LAYER_PHASES:
         if phase in times.phases_ms:
             v, n = "in layer: " + phase, times.passes[phase]
-            row = ctx.row(SECTION, name, path(v), ms=times.phases_ms[phase], **work[phase], **meta(v))
-            row.note = f"{n} pass(es) per layer"
+            # the bytes are those of every pass gathering: where some ran the fused kernel (no gather phase), none
+            counted = phase != "gather" or n == gathering_passes
+            row = ctx.row(
+                SECTION, name, path(v), ms=times.phases_ms[phase], **(work[phase] if counted else {}), **meta(v)
+            )
+            row.note = f"{n} pass(es) per layer" + ("" if counted else f" of {gathering_passes}: bytes not counted")
             row.host_ms, row.repeats = times.host_ms[phase], times.layers
             row.extra.update(passes=n, gap_ms=times.gap_ms.get(phase), method=times.method)
             rows.append(row)
