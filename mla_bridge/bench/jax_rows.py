@@ -6,7 +6,9 @@ core never imports an adapter); without them the section is one skipped row sayi
 
 ``compare()`` returns one dict per (case, implementation): ``case``, ``impl``, ``backend``, ``ms`` (mean wall time per
 call over ``iters`` back-to-back calls, synchronised once at the end, so host overhead shows only when it exceeds
-the kernel), ``tflops`` (``2 * q.k pairs * H * (192 + 128)``, halved for causal: the convention of the GPU notes),
+the kernel: this section's statistic is that mean, not the median of the other sections), ``tflops``
+(:func:`.common.attention_flops`: ``2 * q.k pairs * H * (192 + 128)``, a causal request of n tokens n (n + 1) / 2
+pairs),
 ``vs_torch`` (torch core ms / this ms), ``note`` (why a row was skipped, or the route), and ``flops``, ``heads``,
 ``seq_len`` (total tokens), ``repeats``. The ``tiny`` case (16
 tokens) shows per-call overhead. Meant for the GPU (set ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so torch and XLA
@@ -26,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .common import Case, Ctx, Job, Row, Variant
+from .common import Case, Ctx, Job, Row, Variant, attention_flops
 
 __all__ = ["compare", "DEFAULT_CASES", "format_rows", "jobs", "VARIANT"]
 
@@ -39,11 +41,6 @@ DEFAULT_CASES: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("causal 1x10000", (10000,)),
     ("tiny 1x16", (16,)),
 )
-
-
-def _flops(lens: Sequence[int], heads: int, d_qk: int, d_vo: int, causal: bool) -> float:
-    pairs = sum(n * n for n in lens)
-    return 2.0 * pairs * heads * (d_qk + d_vo) * (0.5 if causal else 1.0)
 
 
 def _time(fn: Callable[[], Any], sync: Callable[[Any], None], warmup: int, iters: int) -> float:
@@ -116,7 +113,7 @@ def compare(
         q = jax.random.normal(kq, (t, heads, d_qk), dtype)
         k = jax.random.normal(kk, (t, heads, d_qk), dtype)
         v = jax.random.normal(kv_, (t, heads, d_vo), dtype)
-        flops = _flops(lens, heads, d_qk, d_vo, causal)
+        flops = attention_flops(lens, lens, causal=causal, heads=heads, head_dim_sum=d_qk + d_vo)
         plan = api.plan_ragged(
             indptr,
             indptr,
@@ -220,7 +217,7 @@ def _job(ctx: Ctx) -> list[Row]:
         row = ctx.row("jax", d["case"], d["impl"], ms=ms, flops=flops, note=d.get("note") or "", order=(5, i, 0))
         row.status = "ok" if ms is not None else "skipped"
         row.seq_len, row.heads, row.repeats = d.get("seq_len"), d.get("heads"), d.get("repeats")
-        row.extra.update(backend=d.get("backend"), vs_torch=d.get("vs_torch"))
+        row.extra.update(backend=d.get("backend"), vs_torch=d.get("vs_torch"), statistic="mean of back-to-back calls")
         rows.append(row)
     return rows or [c.skip("jax", "compare() returned no rows")]
 

@@ -41,3 +41,13 @@ def test_bench_compare_rows_on_cpu():
     xla = [r for r in rows if "(xla" in r["impl"]]
     assert xla[0]["ms"] is not None and xla[1]["ms"] is None  # padded batches only: equal lengths
     assert "torch core" in format_rows(rows)
+
+
+def test_bench_compare_counts_causal_pairs_exactly():
+    """The section's FLOPs are the bench's exact count (a causal request of n tokens has n (n + 1) / 2 query-key
+    pairs), as every other section counts them: n^2 / 2 read 6% low at 16 tokens."""
+    from mla_bridge.bench.jax_rows import compare
+
+    rows = compare([("two", (16, 5))], heads=2, warmup=0, iters=1, include_xla=False)
+    pairs = 16 * 17 // 2 + 5 * 6 // 2
+    assert {r["flops"] for r in rows} == {2.0 * pairs * 2 * (192 + 128)}
