@@ -1085,3 +1085,25 @@ def test_latency_calls_rest_untimed_before_each_timed_call():
     assert all(r.status == "ok" and r.ms < 50 and r.extra["rest_s"] == 0.05 for r in rows)
     rows = ctx.measure_many("ttft", "case", [("a", call, {}), ("b", call, {})], repeats=3, warmup=1, latency=True)
     assert "rest_s" not in rows[0].extra and rows[0].extra["timing"] == "latency"
+
+
+def test_rows_timed_apart_after_a_failed_round_are_not_paired():
+    """When a path fails during the timed rounds, the others are timed again each on its own: their samples no
+    longer share rounds, so their round-paired difference (the ttft section's "kept") is not reported as one."""
+    from mla_bridge.bench.common import paired_gap
+
+    ctx = _ctx()
+    calls = {"c": 0}
+
+    def fails_in_round_two() -> None:
+        calls["c"] += 1
+        if calls["c"] == 3:  # one warm-up call, then the timed rounds
+            raise RuntimeError("out of memory")
+
+    items = [("a", lambda: None, {}), ("b", lambda: None, {}), ("c", fails_in_round_two, {})]
+    rows = {r.path: r for r in ctx.measure_many("ttft", "case", items, repeats=4, warmup=1, latency=True)}
+    assert rows["a"].status == "ok" and rows["b"].status == "ok" and calls["c"] >= 3
+    assert len(rows["a"].extra["ms_samples"]) == len(rows["b"].extra["ms_samples"]) == 4
+    assert paired_gap(rows["a"], rows["b"]) is None
+    together = {r.path: r for r in ctx.measure_many("ttft", "case", items[:2], repeats=4, warmup=1, latency=True)}
+    assert paired_gap(together["a"], together["b"]) is not None

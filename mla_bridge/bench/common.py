@@ -19,6 +19,7 @@ synchronize, ``perf_counter`` (the wall time a user measures; no spin, no events
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -150,13 +151,20 @@ def attention_note(model_ms: float, noop_ms: float) -> str:
     return f"attention {att:.2f} ms, {100 * att / model_ms:.0f}% of the TTFT"
 
 
+#: One token per :meth:`Ctx.measure_many` call's rounds.
+_ROUNDS = itertools.count(1)
+
+
 def paired_gap(a: Optional[Row], b: Optional[Row]) -> Optional[float]:
     """The median over rounds of ``a``'s time minus ``b``'s, in ms, for two rows timed in the same interleaved
     rounds (:meth:`Ctx.measure_many`: ``extra["ms_samples"]`` in round order). A difference of two forwards' times
     moves with the clock between rounds (a GPU at its power cap runs a few percent slower after heavy work); paired
     by round, the drift that hits both calls of a round cancels, which the difference of the two medians does not
-    do. None unless both rows are measured with one sample per round."""
+    do. None unless both rows are measured with one sample per round of the same rounds (``extra["rounds"]``, one
+    token per :meth:`Ctx.measure_many` call: rows timed each on its own after a failed round have their own)."""
     if a is None or b is None or a.status != "ok" or b.status != "ok":
+        return None
+    if a.extra.get("rounds") != b.extra.get("rounds"):
         return None
     xs, ys = a.extra.get("ms_samples"), b.extra.get("ms_samples")
     if not xs or not ys or len(xs) != len(ys):
@@ -606,6 +614,7 @@ class Ctx:
                     )[0]
                 )
             return [row for row in rows if row is not None]
+        rounds = next(_ROUNDS)  # the rows timed in these rounds (paired_gap pairs only rows of the same rounds)
         for i, timing in zip(live, timings):
             path, _, kw = items[i]
             kw = dict(kw)
@@ -613,6 +622,7 @@ class Ctx:
                 section, case, path, timing, flops=kw.pop("flops", None), nbytes=kw.pop("nbytes", None), **kw
             )
             rows[i].extra["timing"] = "latency" if latency else "overlapped"  # type: ignore[union-attr]
+            rows[i].extra["rounds"] = rounds  # type: ignore[union-attr]
             if latency and rest_s > 0:
                 rows[i].extra["rest_s"] = rest_s  # type: ignore[union-attr]
         return [row for row in rows if row is not None]
