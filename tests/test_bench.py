@@ -1107,3 +1107,18 @@ def test_rows_timed_apart_after_a_failed_round_are_not_paired():
     assert paired_gap(rows["a"], rows["b"]) is None
     together = {r.path: r for r in ctx.measure_many("ttft", "case", items[:2], repeats=4, warmup=1, latency=True)}
     assert paired_gap(together["a"], together["b"]) is not None
+
+
+def test_default_budget_leaves_the_ttft_section_its_time():
+    """The ttft section's rows are not optional, but its jobs stop once the budget is spent: on a GPU in full mode
+    its time (each forward after a rest of the GPU) is added to the default budget, or its last case's JAX rows were
+    skipped (seen: 1 x 32000 after 368 s of a 360 s budget)."""
+    from mla_bridge.bench import DEFAULT_BUDGET_S, default_budget_s
+    from mla_bridge.bench.ttft import MAX_REPEATS, REST_S, ttft_cases
+
+    assert default_budget_s(["main", "context"], cuda=True, quick=False) == DEFAULT_BUDGET_S
+    with_ttft = default_budget_s(["main", "ttft"], cuda=True, quick=False)
+    rests = len(ttft_cases(False)) * 12 * MAX_REPEATS * REST_S  # 12 timed paths a case, each after a rest
+    assert with_ttft is not None and with_ttft - DEFAULT_BUDGET_S > rests
+    assert default_budget_s(["ttft"], cuda=False, quick=True) is None
+    assert default_budget_s(["ttft"], cuda=True, quick=True) is None
