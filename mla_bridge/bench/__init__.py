@@ -52,7 +52,7 @@ _ALIASES = {str(i + 1): name for i, name in enumerate(SECTIONS)}
 DEFAULT_BUDGET_S = 360.0
 HARD_MARGIN_S = 120.0
 #: Added to the default budget when the ttft section runs: its forwards each follow a rest of the GPU
-#: (:data:`.ttft.REST_S`), and its five cases took about 400 s on an H100 (results page, 2026-12-07).
+#: (:data:`.ttft.REST_S`), so its five cases take minutes (the results page gives a measured run's time).
 TTFT_BUDGET_S = 600.0
 SKIPPABLE = ("raw", "sdpa", "flex", "torch", "handwritten")
 
