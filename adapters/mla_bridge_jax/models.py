@@ -15,8 +15,9 @@ up(x))``; final RMSNorm; ``lm_head`` (the embedding where the config ties them).
 ``q_a_proj -> q_a_layernorm -> q_b_proj``) viewed ``[B, L, H, 192]``; the latents from ``kv_a_proj_with_mqa``
 (``kv_a_layernorm`` on the first kv_lora_rank, the last 64 are k_pe; the two latent norms at eps 1e-6, the config's
 ``rms_norm_eps`` for the others, as transformers builds them); RoPE (YaRN as transformers computes it, in the model
-type's layout: :func:`apply_rope`) on q's last 64 and on k_pe; k and v from ``kv_b_proj`` (k = k_nope ++ k_pe broadcast to every head), causal softmax attention with the
-scale of :meth:`mla_bridge.MLADims.from_hf_config`; ``o_proj``. A cached prefix (``prefix_len`` > 0): the first
+type's layout: :func:`apply_rope`) on q's last 64 and on k_pe; k and v from ``kv_b_proj`` (k = k_nope ++ k_pe
+broadcast to every head), causal softmax attention with the scale of :meth:`mla_bridge.MLADims.from_hf_config`;
+``o_proj``. A cached prefix (``prefix_len`` > 0): the first
 ``prefix_len`` tokens' latents are given (``cache``: per layer ``[B, P, kv_lora_rank + 64]``, as
 :func:`make_forward` returns them) and only the new tokens are computed, bottom-right causal over prefix + new.
 
