@@ -569,10 +569,10 @@ def mla_bridge_attention(
     sinks = kwargs.get("s_aux")
     by_row = q_rows is None and (b == 1 or q_len >= _ROW_CALL_MIN_QUERIES)
     if by_row:  # every row real: each batch row read in place ([L, H, D] views), one plan of one request
-        rows = [
-            (query[r].transpose(0, 1), key[r, :, :keys].transpose(0, 1), value[r, :, :keys].transpose(0, 1))
-            for r in range(b)
-        ]
+        qt, kt, vt = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, L, H, D] views
+        if keys < kv_len:
+            kt, vt = kt[:, :keys], vt[:, :keys]
+        rows = [(qt[r], kt[r], vt[r]) for r in range(b)]
         q_lens, kv_lens = (q_len,), (keys,)
     elif q_rows is None:  # a few queries per row (decode): one call over the rows packed ([B * len, H, D])
         q = query.transpose(1, 2).reshape(b * q_len, h, d_qk)
