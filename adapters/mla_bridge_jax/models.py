@@ -7,9 +7,10 @@
     cfg = models.DeepseekConfig.from_hf_config(folder)          # a transformers save_pretrained folder
     params = models.load_params(folder, dtype=jnp.bfloat16)     # safetensors -> pytree of jax.Arrays
     forward = models.make_forward(cfg, batch=4, seq_len=10000, attention="mla_bridge")
-    logits = forward(params, input_ids)                         # [B, L, vocab] (float32), one jax.jit
+    logits, latents = forward(params, input_ids)                # [B, L, vocab] (float32), one jax.jit
 
-The model (transformers 5's ``modeling_deepseek_v2``, dense layers only: ``first_k_dense_replace`` >= layers):
+The model (transformers 5's ``modeling_deepseek_v2``, dense layers only: ``first_k_dense_replace`` >= layers, and
+for glm4_moe_lite ``mlp_layer_types`` all ``"dense"``):
 embedding; per layer ``x + attn(rms_norm(x))`` then ``x + mlp(rms_norm(x))`` with ``mlp = down(silu(gate(x)) *
 up(x))``; final RMSNorm; ``lm_head`` (the embedding where the config ties them). Attention: q from ``q_proj`` (or
 ``q_a_proj -> q_a_layernorm -> q_b_proj``) viewed ``[B, L, H, 192]``; the latents from ``kv_a_proj_with_mqa``
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -52,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mla_bridge import MLADims
+from mla_bridge.checks import positive_int
 
 __all__ = [
     "DeepseekConfig",
@@ -265,6 +268,12 @@ def apply_rope(
     if layout == "interleaved":
         return jnp.stack([r1, r2], axis=-1).reshape(xf.shape).astype(x.dtype)
     return jnp.concatenate([r1, r2], axis=-1).astype(x.dtype)
+
+
+def _nonnegative_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
 
 
 def _linear(p: dict, x: jax.Array) -> jax.Array:
@@ -493,12 +502,23 @@ def make_forward(
         ``forward``: logits float32 ``[B, L or logits_to_keep, vocab]`` and the per-layer latents of prefix + new
         tokens. The mla_bridge plan is made here (host lengths), outside the trace.
 
+    Token ids are not range-checked under ``jax.jit``: JAX's indexing clamps one outside ``[0, vocab_size)``.
+
     Raises:
-        ValueError: an unknown ``attention``; ``"cudnn"`` / ``"xla"`` with ``v_head_dim`` above the q/k head dim; the
-            core's errors when planning (named). When ``forward`` is traced (before any work): ``input_ids`` not
-            ``[batch, seq_len]``, ``cache`` missing, given or of the wrong shape for ``prefix_len``, params of
-            another dtype than ``dtype`` (ValueError); ``input_ids`` not integers (TypeError).
+        ValueError: ``batch`` or ``seq_len`` not a positive int, ``prefix_len`` not a non-negative int,
+            ``logits_to_keep`` not an int in ``[0, seq_len]`` (named); an unknown ``attention``; ``"cudnn"`` /
+            ``"xla"`` with ``v_head_dim`` above the q/k head dim; the core's errors when planning (named). When
+            ``forward`` is traced (before any work): ``input_ids`` not ``[batch, seq_len]``, ``cache`` missing,
+            given or of the wrong shape for ``prefix_len``, params of another dtype than ``dtype``, no
+            ``lm_head`` where the config does not tie it (ValueError); ``input_ids`` not integers (TypeError).
     """
+    batch, seq_len = positive_int("batch", batch), positive_int("seq_len", seq_len)
+    prefix_len, logits_to_keep = (
+        _nonnegative_int("prefix_len", prefix_len),
+        _nonnegative_int("logits_to_keep", logits_to_keep),
+    )
+    if logits_to_keep > seq_len:
+        raise ValueError(f"logits_to_keep must be at most seq_len={seq_len}, got {logits_to_keep}")
     attend = attention_fn(cfg, attention, batch, seq_len, prefix_len, dtype, backend)
     h, nope, d_v, eps = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps
     qkv = _attention_inputs_fn(cfg)
@@ -517,6 +537,8 @@ def make_forward(
     def forward(params, input_ids, cache=None):
         model = params["model"]
         _check_forward_inputs(cfg, model, input_ids, cache, batch, seq_len, prefix_len, dtype)
+        if not cfg.tie_word_embeddings and "lm_head" not in params:
+            raise ValueError("params have no 'lm_head' and the config does not tie it to the embedding")
         x = model["embed_tokens"]["weight"][input_ids]
         positions = jnp.arange(prefix_len, prefix_len + input_ids.shape[1], dtype=jnp.int32)
         latents = []

@@ -314,3 +314,48 @@ def test_jax_model_refuses_moe_layers_by_name(moe):
     with pytest.raises(ValueError, match="MoE"):
         models.DeepseekConfig.from_dict(dict(config, **moe))
     assert models.DeepseekConfig.from_dict(config).num_layers == 2
+
+
+@pytest.mark.parametrize(
+    "bad, name",
+    [
+        (dict(batch=0), "batch"),
+        (dict(batch=2.0), "batch"),
+        (dict(seq_len=0), "seq_len"),
+        (dict(prefix_len=-1), "prefix_len"),
+        (dict(logits_to_keep=-1), "logits_to_keep"),
+        (dict(logits_to_keep=4), "logits_to_keep"),
+    ],
+)
+def test_make_forward_refuses_bad_sizes_by_name(bad, name):
+    """Sizes are checked when the forward is made, each error naming its argument (before: a ZeroDivisionError from
+    inside JAX at call time, shape errors, or a logits_to_keep quietly clipped)."""
+    from mla_bridge_jax import models
+
+    dims = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    cfg = models.DeepseekConfig(
+        vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope=None, dims=dims,
+    )  # fmt: skip
+    args = dict(batch=1, seq_len=3, attention="noop") | bad
+    with pytest.raises(ValueError, match=name):
+        models.make_forward(cfg, **args)
+    assert callable(models.make_forward(cfg, batch=1, seq_len=3, attention="noop", logits_to_keep=3))
+
+
+def test_missing_head_is_named(glm_checkpoint):
+    """params without ``lm_head`` where the config does not tie it: a ValueError naming it (a KeyError before)."""
+    from mla_bridge_jax import models
+
+    folder, _ = glm_checkpoint
+    cfg = models.DeepseekConfig.from_hf_config(folder)
+    params = dict(models.load_params(folder))
+    params.pop("lm_head", None)
+    forward = models.make_forward(cfg, batch=1, seq_len=3, attention="noop")
+    ids = jnp.zeros((1, 3), jnp.int32)
+    if cfg.tie_word_embeddings:
+        assert forward(params, ids)[0].shape == (1, 3, cfg.vocab_size)
+    else:
+        with pytest.raises(ValueError, match="lm_head"):
+            forward(params, ids)
