@@ -437,9 +437,8 @@ def _annotate_transformers(ctx: Ctx, case: TtftCase, model_rows: list[Row], alon
         if r.path.endswith("mla_bridge_attention") and r.status == "ok" and own is not None:
             assert kernel_alone is not None  # own is set only with a kernel time
             r.extra.update(adapter_own_ms_per_layer=own, adapter_own_over_kernel=own * layers / kernel_alone)
-            r.note = (
-                f"adapter's own {own * 1e3:.0f} us / layer ({100 * own * layers / kernel_alone:.1f}% of the kernel)"
-            )
+            share = 100 * own * layers / kernel_alone
+            r.note = f"adapter's own {own * 1e3:.0f} us / layer, paired by round ({share:.1f}% of the kernel)"
     ctx.check(f"ttft {case.name}: transformers sdpa / mla_bridge", ratio, ">=", 1.0)
     if case.cached == 0:
         ctx.check(
