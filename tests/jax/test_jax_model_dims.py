@@ -279,16 +279,24 @@ def test_jax_model_at_glm_dims_equals_transformers(glm_checkpoint, attention):
     assert float(abs(np.asarray(got_new) - want_new).max()) < 1e-4
 
 
+def _tiny_config(rope: int, v_head_dim: int):
+    """A 1-layer, 2-head :class:`mla_bridge_jax.models.DeepseekConfig` (q/k nope 16, kv_lora_rank 32), built
+    directly."""
+    from mla_bridge_jax import models
+
+    dims = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=rope, v_head_dim=v_head_dim)
+    return models.DeepseekConfig(
+        vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=rope, v_head_dim=v_head_dim, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope=None, dims=dims,
+    )  # fmt: skip
+
+
 def test_jax_model_refuses_v_wider_than_qk_for_padded_attention():
     """``"xla"`` / ``"cudnn"`` pad v to the q/k head dim; a v wider than q/k is refused by name (mla_bridge takes it)."""
     from mla_bridge_jax import models
 
-    dims = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=32)
-    cfg = models.DeepseekConfig(
-        vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, q_lora_rank=None,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=32, rms_norm_eps=1e-6,
-        rope_theta=10000.0, rope=None, dims=dims,
-    )  # fmt: skip
+    cfg = _tiny_config(rope=0, v_head_dim=32)
     for attention in ("xla", "cudnn"):
         with pytest.raises(ValueError, match="needs v_head_dim <= qk_nope_head_dim"):
             models.make_forward(cfg, batch=1, seq_len=3, attention=attention)
@@ -332,12 +340,7 @@ def test_make_forward_refuses_bad_sizes_by_name(bad, name):
     inside JAX at call time, shape errors, or a logits_to_keep quietly clipped)."""
     from mla_bridge_jax import models
 
-    dims = MLADims(num_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    cfg = models.DeepseekConfig(
-        vocab_size=8, hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, q_lora_rank=None,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-6,
-        rope_theta=10000.0, rope=None, dims=dims,
-    )  # fmt: skip
+    cfg = _tiny_config(rope=8, v_head_dim=16)
     args = dict(batch=1, seq_len=3, attention="noop") | bad
     with pytest.raises(ValueError, match=name):
         models.make_forward(cfg, **args)
