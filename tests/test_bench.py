@@ -1112,7 +1112,7 @@ def test_rows_timed_apart_after_a_failed_round_are_not_paired():
 def test_default_budget_leaves_the_ttft_section_its_time():
     """The ttft section's rows are not optional, but its jobs stop once the budget is spent: on a GPU in full mode
     its time (each forward after a rest of the GPU) is added to the default budget, or its last case's JAX rows were
-    skipped (seen: 1 x 32000 after 368 s of a 360 s budget)."""
+    skipped."""
     from mla_bridge.bench import DEFAULT_BUDGET_S, default_budget_s
     from mla_bridge.bench.ttft import MAX_REPEATS, REST_S, ttft_cases
 
