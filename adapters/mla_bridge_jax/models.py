@@ -383,8 +383,10 @@ def _attention_inputs_fn(cfg: DeepseekConfig) -> Callable:
         cfg.v_head_dim,
     )
 
+    inv_freq = jnp.asarray(inv_freq_np)
+
     def rope_of(x, positions):  # x [B, L, ..., rope_dim]
-        return apply_rope(x, positions, jnp.asarray(inv_freq_np), attention_factor, cfg.rope_layout, axis=1)
+        return apply_rope(x, positions, inv_freq, attention_factor, cfg.rope_layout, axis=1)
 
     def qkv(a, hs, positions, cached):
         b, length = hs.shape[:2]

@@ -432,17 +432,15 @@ def _phase_rows(c: Case, x: Inputs, plan: PrefillPlan, fp8: dict) -> list[Row]:
     ctx, e, skip = c.ctx, x.q.element_size(), c.skip
     attn, up = x.flops()
 
-    def gather_bytes(cache_e: int) -> int:
-        return _gather_bytes(x, plan, cache_e)
-
+    gathered, gathered_fp8 = _gather_bytes(x, plan, e), _gather_bytes(x, plan, 1)
     work: dict[str, dict[str, Any]] = {
-        "gather": dict(nbytes=gather_bytes(e), note=f"{gather_impl(ctx.device)} gather; latent rows read + written"),
+        "gather": dict(nbytes=gathered, note=f"{gather_impl(ctx.device)} gather; latent rows read + written"),
         "up-projection": dict(flops=up),
         "attention": dict(flops=attn),
         "merge": dict(nbytes=merge_phase_bytes(plan, e), note="mla_prefill's merges"),
-        "fp8 gather": dict(nbytes=gather_bytes(1), note="fp8 rows read, dequantized rows written"),
-        "torch gather": dict(nbytes=gather_bytes(e), note="the torch fallback"),
-        "fp8 torch gather": dict(nbytes=gather_bytes(1), note="the torch fallback"),
+        "fp8 gather": dict(nbytes=gathered_fp8, note="fp8 rows read, dequantized rows written"),
+        "torch gather": dict(nbytes=gathered, note="the torch fallback"),
+        "fp8 torch gather": dict(nbytes=gathered_fp8, note="the torch fallback"),
     }
     runs: list[tuple[str, Callable, Optional[str]]] = [("", _separate(_layer(x, plan)), None)]
     if fp8.get("layer") is not None:
